@@ -1,0 +1,24 @@
+"""fxopt: budgeted rematerialization of the whole PyTorch training step.
+
+    model = fxopt.optimize(model, "2GiB")        # the budget you give is the peak you get
+    plan = fxopt.plan(model, 0.5, (x,))          # inspect before running
+"""
+
+from fxopt.api import FxoptModule, optimize, plan
+from fxopt.errors import BudgetError, CaptureError, FxoptError, InfeasibleBudgetError
+from fxopt.measure import PeakMemory, measure_peak
+from fxopt.plan import Plan
+
+__all__ = [
+    "optimize",
+    "plan",
+    "Plan",
+    "FxoptModule",
+    "measure_peak",
+    "PeakMemory",
+    "InfeasibleBudgetError",
+    "CaptureError",
+    "BudgetError",
+    "FxoptError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,221 @@
+"""From an aten-level joint fx graph (AOTAutograd's forward+backward) to the solvers' `Graph`.
+
+Sizes come from each node's fake tensor (``meta["val"]``); aliasing from storage identity (views,
+``detach``, ``split`` outputs share their base's storage and cost nothing). Compute cost is counted
+FLOPs (``torch.utils.flop_counter``'s formulas) plus memory traffic, turned into estimated seconds
+by a `CostModel`. Random ops, ops that mutate or have side effects, and collectives are marked
+non-recomputable: random ops must run once, exactly where eager runs them, so that dropout masks
+match eager's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import operator
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+from fxopt.errors import CaptureError
+from fxopt.solvers.graph import Graph, Node
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Estimated seconds of one node: FLOPs / ``flops_per_second`` + bytes read and written /
+    ``bytes_per_second`` + ``op_overhead`` seconds. Only ratios matter to the solvers. The
+    defaults are a rough 2-core CPU; on GPU the same ratios order plans sensibly."""
+
+    flops_per_second: float = 1e11
+    bytes_per_second: float = 1e10
+    op_overhead: float = 2e-6
+
+    def seconds(self, flops: int, bytes_moved: int, is_alias: bool) -> float:
+        if is_alias:
+            return self.op_overhead / 10
+        return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + self.op_overhead
+
+
+@dataclasses.dataclass(frozen=True)
+class JointGraph:
+    """A joint fx graph together with its solver view; ``names[i]`` is the fx node of ``graph.nodes[i]``."""
+
+    module: fx.GraphModule
+    graph: Graph
+    names: tuple[str, ...]
+    num_fwd_outputs: int
+    module_paths: tuple[str, ...]  # nn.Module path each node comes from ("" when unknown)
+
+    @property
+    def fingerprint(self) -> str:
+        return graph_fingerprint(self.graph)
+
+
+def graph_fingerprint(graph: Graph) -> str:
+    payload = [(n.name, n.kind, n.inputs, n.bytes, n.storage, n.recomputable, n.output) for n in graph.nodes]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 - tensors without storage (sparse, nested): use their elements
+        return t.numel() * t.element_size()
+
+
+def _is_recomputable(node: fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False  # higher-order ops and Python callables: keep them where they are
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    if target._schema.is_mutable:
+        return False
+    if target.namespace in ("_c10d_functional", "c10d_functional", "_dtensor", "profiler"):
+        return False
+    return True
+
+
+def _flops(node: fx.Node) -> int:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    formula = flop_registry.get(target.overloadpacket)
+    if formula is None:
+        return 0
+
+    def val(a):
+        return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+    args = torch.fx.node.map_aggregate(node.args, val)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
+    try:
+        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: count none
+        return 0
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1]
+        return path[0] if isinstance(path, tuple) else str(path)
+    return ""
+
+
+def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None) -> JointGraph:
+    cost_model = cost_model or CostModel()
+    fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
+    index = {n: i for i, n in enumerate(fx_nodes)}
+    out_node = next(iter(joint.graph.find_nodes(op="output")))
+    outs = list(out_node.args[0])
+    fwd_outs = {o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
+    bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
+
+    for n in fx_nodes:
+        if n.op == "placeholder" and not (n.name.startswith("primals") or n.name.startswith("tangents")):
+            raise CaptureError(f"unsupported graph input {n.name!r} (fxopt handles parameters, buffers, inputs and tangents)")
+        if n.op == "get_attr":
+            raise CaptureError(f"unsupported constant attribute {n.target!r} in the captured graph")
+        val = n.meta.get("val")
+        for t in _tensors(val):
+            if any(not isinstance(s, int) for s in t.shape):
+                raise CaptureError(
+                    f"{n.name} has a symbolic shape {tuple(t.shape)}; fxopt plans for static shapes "
+                    "(it re-plans when shapes change)"
+                )
+
+    # Backward values: those that depend on a tangent, and gradients the forward does not need.
+    depends_on_tangent: set[fx.Node] = set()
+    for n in fx_nodes:
+        if n.op == "placeholder":
+            if n.name.startswith("tangents"):
+                depends_on_tangent.add(n)
+        elif any(a in depends_on_tangent for a in n.all_input_nodes):
+            depends_on_tangent.add(n)
+    forward_needed: set[fx.Node] = set()
+    stack = list(fwd_outs)
+    while stack:
+        n = stack.pop()
+        if n not in forward_needed:
+            forward_needed.add(n)
+            stack.extend(n.all_input_nodes)
+    backward = {n for n in fx_nodes if n.op != "placeholder" and n in depends_on_tangent}
+    backward |= {n for n in bwd_outs if n.op != "placeholder" and n not in forward_needed}
+    backward |= {
+        n for n in fx_nodes
+        if n.op == "call_function" and not n.all_input_nodes and n.meta.get("partitioner_tag") == "is_backward"
+    }
+
+    storage_owner: dict[StorageWeakRef, int] = {}
+    nodes: list[Node] = []
+    for i, n in enumerate(fx_nodes):
+        val = n.meta.get("val")
+        tensors = _tensors(val)
+        is_tuple = not isinstance(val, torch.Tensor)
+        storage = None
+        own_bytes = 0
+        if isinstance(val, torch.Tensor):
+            ref = StorageWeakRef(val.untyped_storage())
+            if ref in storage_owner:
+                storage = storage_owner[ref]
+            else:
+                storage_owner[ref] = i
+                own_bytes = _nbytes(val)
+        elif tensors:
+            # Outputs taken out by getitem are owned by the getitem; the rest die with the tuple.
+            taken = {u.args[1] for u in n.users if u.target is operator.getitem}
+            items = val if isinstance(val, (list, tuple)) else []
+            for k, t in enumerate(items):
+                if isinstance(t, torch.Tensor) and k not in taken and StorageWeakRef(t.untyped_storage()) not in storage_owner:
+                    own_bytes += _nbytes(t)
+        if n.op == "placeholder":
+            kind = "input"
+        elif n in backward:
+            kind = "backward"
+        else:
+            kind = "forward"
+        recomputable = n.op == "call_function" and _is_recomputable(n)
+        if n.target is operator.getitem and not _is_recomputable(n.args[0]):
+            recomputable = False
+        flops = _flops(n) if n.op == "call_function" else 0
+        moved = own_bytes + sum(
+            _nbytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))
+        ) if n.op == "call_function" and storage is None else 0
+        nodes.append(
+            Node(
+                name=n.name,
+                kind=kind,
+                inputs=tuple(index[a] for a in n.all_input_nodes),
+                bytes=own_bytes,
+                flops=flops,
+                cost=0.0 if n.op == "placeholder" else cost_model.seconds(flops, moved, storage is not None),
+                storage=storage,
+                recomputable=recomputable,
+                output=n in fwd_outs or n in bwd_outs,
+                tangent=n.op == "placeholder" and n.name.startswith("tangents"),
+                tensor=isinstance(val, torch.Tensor),
+            )
+        )
+    graph = Graph(tuple(nodes))
+    return JointGraph(
+        module=joint,
+        graph=graph,
+        names=tuple(n.name for n in fx_nodes),
+        num_fwd_outputs=num_fwd_outputs,
+        module_paths=tuple(_module_path(n) for n in fx_nodes),
+    )

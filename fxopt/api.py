@@ -1,0 +1,174 @@
+"""The public entry points: `optimize` and `plan`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxopt.analyze import CostModel
+from fxopt.budget import Budget, resolve_budget
+from fxopt.capture import Options, PlanReady, is_graph_break, make_backend, unwrap_compile_error
+from fxopt.errors import CaptureError
+from fxopt.plan import Plan
+from fxopt.solvers import SOLVERS
+
+# Dynamo keeps one compiled entry per input signature (and per fxopt module of the same class);
+# past its limit it would silently run eagerly. fxopt raises instead, after this many.
+RECOMPILE_LIMIT = 64
+
+
+def _check_args(model: Any, budget: Budget, solver: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    resolve_budget(budget, 1)  # reject unreadable budgets now, not at the first call
+
+
+@contextlib.contextmanager
+def _dynamo_settings():
+    cfg = torch._dynamo.config
+    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT)}
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        patch["fail_on_recompile_limit_hit"] = True
+    with cfg.patch(**patch):
+        yield
+
+
+def _run_compiled(compiled, args, kwargs):
+    try:
+        with _dynamo_settings():
+            return compiled(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - translate what Dynamo wraps into fxopt's errors
+        inner = unwrap_compile_error(err)
+        if inner is not None and inner is not err:
+            raise inner from None
+        if is_graph_break(err):
+            raise CaptureError(
+                "fxopt needs the whole training step as one graph, but torch.compile could not "
+                f"capture this model in one piece: {str(err).splitlines()[0]}\n"
+                "Rewrite the unsupported Python (data-dependent control flow, .item(), printing, "
+                "unsupported libraries) or move it out of forward()."
+            ) from err
+        raise
+
+
+class FxoptModule(nn.Module):
+    """A model whose training step fxopt plans and rewrites. Used like the original: it shares
+    the original's parameters, buffers and submodules (and so its ``state_dict``); forward,
+    ``loss.backward()`` and ``optimizer.step()`` work as before. Each new input signature is
+    captured and planned at its first call; ``plans`` holds every plan, ``plan`` the latest."""
+
+    def __init__(self, model: nn.Module, options: Options):
+        super().__init__()
+        # Share the original's state, so parameters(), state_dict() and .to() are the original's.
+        self.__dict__["_parameters"] = model._parameters
+        self.__dict__["_buffers"] = model._buffers
+        self.__dict__["_modules"] = model._modules
+        self.__dict__["_model"] = model
+        self.__dict__["_options"] = options
+        self.__dict__["plans"] = []
+        backend = make_backend(options, self.plans.append)
+        self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        self.training = model.training
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.plans[-1] if self.plans else None
+
+    @property
+    def original(self) -> nn.Module:
+        return self._model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _run_compiled(self._compiled, args, kwargs)
+
+    def train(self, mode: bool = True) -> FxoptModule:
+        self._model.train(mode)
+        self.training = mode
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_model"], name)
+
+    def extra_repr(self) -> str:
+        return f"budget={self._options.budget!r}, solver={self._options.solver!r}"
+
+
+def optimize(
+    model: nn.Module,
+    budget: Budget,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    solver: str = "auto",
+    plan: Plan | None = None,
+    time_limit: float = 60.0,
+    cost_model: CostModel | None = None,
+) -> FxoptModule:
+    """Return ``model`` rewritten so that its training step (forward + backward) peaks within
+    ``budget``, recomputing as little as possible.
+
+    ``budget``: bytes (int), a size string (``"3GiB"``, ``"500MB"``), or a fraction of the
+    un-rewritten step's predicted peak (a float in (0, 1], or ``"50%"``). The peak counts all
+    tensor memory live during forward and backward: parameters, buffers, inputs, gradients,
+    activations and temporaries.
+
+    Without ``example_inputs`` the step is planned at the first call (and again for each new
+    input shape); with them it is planned now, so errors such as `InfeasibleBudgetError` surface
+    here. ``plan`` replays a plan from `fxopt.plan` or `Plan.from_json`.
+    """
+    _check_args(model, budget, solver)
+    options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
+                      cost_model=cost_model or CostModel())
+    if example_inputs is not None and plan is None:
+        options = Options(**{**options.__dict__, "plan": globals()["plan"](
+            model, budget, example_inputs, solver=solver, time_limit=time_limit, cost_model=options.cost_model)})
+    return FxoptModule(model, options)
+
+
+def plan(
+    model: nn.Module,
+    budget: Budget,
+    example_inputs: Sequence[Any],
+    *,
+    solver: str = "auto",
+    time_limit: float = 60.0,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """Capture and plan the training step of ``model`` on ``example_inputs`` without running it.
+
+    ``example_inputs``: the positional arguments of ``model(...)`` (a tuple or list; a dict is
+    passed as keyword arguments). Returns a `Plan`; raises `InfeasibleBudgetError` (with
+    ``.min_budget``) when no schedule fits.
+    """
+    _check_args(model, budget, solver)
+    options = Options(budget=budget, solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel())
+    found: list[Plan] = []
+    backend = make_backend(options, found.append, stop_after_plan=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    args, kwargs = _split_inputs(example_inputs)
+    try:
+        _run_compiled(compiled, args, kwargs)
+    except PlanReady as ready:
+        return ready.plan
+    if found:
+        return found[-1]
+    raise CaptureError(
+        "nothing to plan: the captured step has no backward (no input or parameter requires grad, "
+        "or it ran under torch.no_grad())"
+    )
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    return tuple(example_inputs), {}

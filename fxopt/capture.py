@@ -1,0 +1,147 @@
+"""Capture the training step and hand it to the planner: a torch.compile backend.
+
+Dynamo captures the model's forward as one graph (``fullgraph=True``: a graph break is refused
+with the reason, because a plan can only bound the peak of a step it sees whole). AOTAutograd
+traces forward and backward into one aten-level joint graph, without decompositions, so random
+ops stay whole and run exactly once, in eager order: dropout masks are eager's. Its partitioner
+hook (``partition_fn``) is where fxopt plans and rewrites: analyze → solve → split with recompute.
+The forward and backward run as FX Python code taking their inputs boxed, so saved tensors are
+released as soon as the backward has used them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+from fxopt.analyze import CostModel, analyze
+from fxopt.budget import Budget, resolve_budget
+from fxopt.errors import CaptureError
+from fxopt.passes.recompute import split_with_recompute
+from fxopt.plan import Plan
+from fxopt.solvers import eager_schedule, simulate, solve
+
+log = logging.getLogger("fxopt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How to plan. ``budget``: see `fxopt.budget.resolve_budget`. ``solver``: see
+    `fxopt.solvers.solve`. ``plan``: reuse this plan instead of solving (it must have been made
+    for the same graph). ``time_limit``: seconds for the ILP."""
+
+    budget: Budget
+    solver: str = "auto"
+    plan: Plan | None = None
+    time_limit: float = 60.0
+    cost_model: CostModel = dataclasses.field(default_factory=CostModel)
+    compiler: str = "eager"
+
+
+class PlanReady(Exception):
+    """Raised from the partitioner to stop after planning (`fxopt.plan` does not run the model)."""
+
+    def __init__(self, plan: Plan):
+        super().__init__("plan ready")
+        self.plan = plan
+
+
+def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
+    jg = analyze(joint, num_fwd_outputs, options.cost_model)
+    eager = simulate(jg.graph, eager_schedule(jg.graph))
+    budget = resolve_budget(options.budget, eager.peak_bytes)
+    if options.plan is not None:
+        if options.plan.fingerprint != jg.fingerprint:
+            raise CaptureError(
+                "the given plan was made for a different graph (another model, input shape, dtype "
+                "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
+            )
+        return jg, options.plan
+    log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
+    t0 = time.perf_counter()
+    solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit)
+    plan = Plan.build(
+        graph=jg.graph,
+        schedule=solution.schedule,
+        budget_bytes=budget,
+        eager_peak_bytes=eager.peak_bytes,
+        solver=solution.solver,
+        status=solution.status,
+        solve_seconds=time.perf_counter() - t0,
+        fingerprint=jg.fingerprint,
+        module_paths=jg.module_paths,
+        timeline=solution.timeline,
+    )
+    log.info("%s", plan.summary())
+    return jg, plan
+
+
+def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
+    """Run `gm` as FX Python code that takes its inputs as a list and clears it, so each input
+    (a saved activation, a tangent) is freed after its last use, like every intermediate."""
+    codegen = getattr(fx.graph, "_BoxedCodeGen", None)
+    if codegen is not None:
+        gm.graph.set_codegen(codegen())
+        gm.recompile()
+
+        def run(args):
+            return gm(args)
+    else:  # older torch: the interpreter also frees values after their last use
+        def run(args):
+            return fx.Interpreter(gm).boxed_run(args)
+
+    run._boxed_call = True
+    return run
+
+
+def _compiler(name: str):
+    if name == "eager":
+        return _boxed
+    raise ValueError(f"unknown compiler {name!r}; this fxopt supports 'eager'")
+
+
+def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False):
+    """A torch.compile backend that plans each captured graph and runs the rewritten step."""
+
+    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+        jg, plan = make_plan(joint, num_fwd_outputs, options)
+        on_plan(plan)
+        if stop_after_plan:
+            raise PlanReady(plan)
+        return split_with_recompute(jg, plan.schedule)
+
+    compile_fn = _compiler(options.compiler)
+
+    def inference_not_planned(gm, example_inputs):
+        # No gradient is needed (torch.no_grad, or nothing requires grad): there is no backward
+        # and nothing to rematerialize; the forward runs as captured.
+        return _boxed(gm, example_inputs)
+
+    return aot_autograd(
+        fw_compiler=compile_fn,
+        bw_compiler=compile_fn,
+        inference_compiler=inference_not_planned,
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
+
+
+def unwrap_compile_error(err: BaseException) -> BaseException:
+    """Dynamo wraps what a backend raises; find fxopt's own error inside, if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (PlanReady,)) or type(err).__module__.startswith("fxopt"):
+            return err
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    return None
+
+
+def is_graph_break(err: BaseException) -> bool:
+    return isinstance(err, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError))

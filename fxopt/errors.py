@@ -1,0 +1,35 @@
+"""fxopt's exceptions. Torch-free, so the solvers can raise them."""
+
+from __future__ import annotations
+
+
+class FxoptError(Exception):
+    """Base class of fxopt's errors."""
+
+
+class InfeasibleBudgetError(FxoptError, ValueError):
+    """No schedule fxopt can build stays within the budget. ``min_budget`` (bytes) is the smallest
+    peak that fxopt found achievable for this step; a budget at or above it can be planned."""
+
+    def __init__(self, budget: int, min_budget: int, detail: str = ""):
+        self.budget = budget
+        self.min_budget = min_budget
+        from fxopt.budget import format_bytes
+
+        msg = (
+            f"no schedule of this training step fits in {format_bytes(budget)}; the smallest feasible "
+            f"budget fxopt found is {format_bytes(min_budget)} ({min_budget} bytes). Raise the budget "
+            f"to at least that, or reduce the batch size."
+        )
+        super().__init__(msg + (f" {detail}" if detail else ""))
+
+    def __reduce__(self):
+        return (type(self), (self.budget, self.min_budget))
+
+
+class CaptureError(FxoptError, RuntimeError):
+    """The model's training step could not be captured as one graph."""
+
+
+class BudgetError(FxoptError, ValueError):
+    """The budget could not be understood."""

@@ -1,0 +1,79 @@
+"""Split a joint graph into forward and backward modules following a schedule (SAVE / RECOMPUTE).
+
+The forward computes what it must, in graph order, and returns its outputs plus the SAVEd values.
+The backward runs the schedule's events in order: each backward node once, and a copy of a
+forward node wherever the schedule recomputes it, reading the most recent copy of each value.
+
+    joint:    a = relu(x); b = mm(a, w); ...; gb = grad(b); ga = threshold_backward(gb, a)
+    schedule: saved = {}, backward = [gb, a, ga]     (a is recomputed just before its use)
+    forward:  a = relu(x); b = mm(a, w); return (b,)
+    backward: gb = grad(b); a_1 = relu(x); ga = threshold_backward(gb, a_1)
+
+Because every value dies after its last use, where a recomputation sits decides how long it lives,
+and recomputing a value twice (two copies) can be cheaper in memory than keeping one.
+
+The modules follow AOTAutograd's calling convention: the forward returns (outputs..., saved...),
+the backward takes (saved..., tangents...) and returns the gradients of the primals.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch._functorch import partitioners as _p
+
+from fxopt.analyze import JointGraph
+from fxopt.errors import CaptureError
+from fxopt.solvers.schedule import Schedule
+
+
+def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
+    module = joint.module
+    by_name = {n.name: n for n in module.graph.nodes}
+    nodes = joint.graph.nodes
+    placeholders = list(module.graph.find_nodes(op="placeholder"))
+    primals = [n for n in placeholders if _p._is_primal(n)]
+    tangents = [n for n in placeholders if _p._is_tangent(n)]
+    if len(primals) + len(tangents) != len(placeholders):
+        other = [n.name for n in placeholders if n not in primals and n not in tangents]
+        raise CaptureError(f"unsupported inputs of the captured step: {other}")
+
+    # What the backward reads from the forward: SAVEd values, and the inputs (parameters, user
+    # inputs) it or its recomputations use; inputs cost nothing, they are alive anyway.
+    read = {j for i in schedule.backward for j in nodes[i].inputs}
+    wanted = (set(schedule.saved) & read) | {
+        j for j in read if nodes[j].kind == "input" and not nodes[j].tangent
+    }
+    saved = [by_name[joint.names[i]] for i in sorted(wanted) if nodes[i].tensor]
+
+    fwd_outputs, bwd_outputs, fwd_descs, bwd_descs = _p._extract_fwd_bwd_outputs(
+        module, num_fwd_outputs=joint.num_fwd_outputs
+    )
+    fw_graph = _p._extract_graph_with_inputs_outputs(
+        module.graph,
+        primals,
+        fwd_outputs + saved,
+        fwd_descs + [_p.SavedForBackwardsAOTOutput(k) for k in range(len(saved))],
+        "forward",
+    )
+
+    graph = fx.Graph()
+    current: dict[str, fx.Node] = {}
+    for n in saved + tangents:
+        new = graph.placeholder(n.name)
+        new.meta = dict(n.meta)
+        current[n.name] = new
+    for i in schedule.backward:
+        original = by_name[joint.names[i]]
+        missing = [a.name for a in original.all_input_nodes if a.name not in current]
+        if missing:
+            raise AssertionError(f"schedule computes {original.name} before {missing} is available")
+        new = graph.node_copy(original, lambda a: current[a.name])
+        new.meta["autograd_backward"] = True
+        current[original.name] = new
+    out = graph.output(tuple(fx.node.map_arg(o, lambda a: current[a.name]) if o is not None else None for o in bwd_outputs))
+    out.meta["desc"] = bwd_descs
+    graph.eliminate_dead_code()
+    fw = fx._lazy_graph_module._make_graph_module(module, fw_graph)
+    bw = fx._lazy_graph_module._make_graph_module(module, graph)
+    bw.graph.lint()
+    return fw, bw

@@ -1,0 +1,123 @@
+"""`Plan`: what fxopt decided for one training step, JSON-serializable so it can be shown,
+replayed (``fxopt.optimize(model, budget, plan=plan)``) and pinned in tests."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from pathlib import Path
+
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.schedule import Schedule, Timeline, simulate
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A plan for one captured training step.
+
+    Memory figures are predicted by the simulator for the generated code, in bytes, and count
+    everything live on the device during forward and backward: parameters, buffers, inputs,
+    gradients, activations and temporaries.
+    """
+
+    budget_bytes: int
+    peak_bytes: int  # predicted peak of the rewritten step
+    eager_peak_bytes: int  # predicted peak without rewrite (what eager autograd keeps)
+    recompute_flops: int  # FLOPs beyond running every op once
+    recompute_cost: float  # the same in the cost model's estimated seconds
+    saved: tuple[str, ...]  # SAVEd forward values (fx node names)
+    recomputed: dict[str, int]  # RECOMPUTEd forward values -> times recomputed
+    solver: str
+    status: str  # "optimal" | "feasible" | "heuristic"
+    solve_seconds: float
+    schedule: Schedule
+    graph: Graph
+    fingerprint: str
+    module_paths: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, *, graph: Graph, schedule: Schedule, budget_bytes: int, eager_peak_bytes: int,
+              solver: str, status: str, solve_seconds: float, fingerprint: str,
+              module_paths: tuple[str, ...] = (), timeline: Timeline | None = None) -> Plan:
+        timeline = timeline or simulate(graph, schedule)
+        counts = collections.Counter(graph.nodes[i].name for i in schedule.recomputed(graph))
+        for i in graph.backward_only - schedule.saved:  # computed once in the backward: not a recompute
+            name = graph.nodes[i].name
+            if name in counts:
+                counts[name] -= 1
+                if counts[name] == 0:
+                    del counts[name]
+        return cls(
+            budget_bytes=budget_bytes,
+            peak_bytes=timeline.peak_bytes,
+            eager_peak_bytes=eager_peak_bytes,
+            recompute_flops=timeline.recompute_flops,
+            recompute_cost=timeline.recompute_cost,
+            saved=tuple(graph.nodes[i].name for i in sorted(schedule.saved - graph.free)),
+            recomputed=dict(counts),
+            solver=solver,
+            status=status,
+            solve_seconds=solve_seconds,
+            schedule=schedule,
+            graph=graph,
+            fingerprint=fingerprint,
+            module_paths=module_paths,
+        )
+
+    def timeline(self) -> Timeline:
+        return simulate(self.graph, self.schedule)
+
+    def decisions(self) -> dict[str, str]:
+        """SAVE or RECOMPUTE for every forward value the backward needs (free aliases left out)."""
+        g = self.graph
+        out = {}
+        for i in sorted(g.needed_by_backward - g.free):
+            out[g.nodes[i].name] = "SAVE" if i in self.schedule.saved else "RECOMPUTE"
+        return out
+
+    def summary(self) -> str:
+        from fxopt.budget import format_bytes
+
+        n_re = sum(self.recomputed.values())
+        return (
+            f"fxopt plan ({self.solver}, {self.status}, {self.solve_seconds:.2f} s): "
+            f"peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget_bytes)}, "
+            f"eager {format_bytes(self.eager_peak_bytes)}), {len(self.saved)} saved, "
+            f"{n_re} recomputations, +{self.recompute_flops / 1e9:.3f} GFLOP"
+        )
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["schedule"] = self.schedule.to_dict()
+        d["graph"] = self.graph.to_dict()
+        d["saved"] = list(self.saved)
+        d["module_paths"] = list(self.module_paths)
+        d["format_version"] = FORMAT_VERSION
+        return d
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"plan format {d.get('format_version')} is not {FORMAT_VERSION}; re-plan with this fxopt")
+        d = {k: v for k, v in d.items() if k != "format_version"}
+        d["schedule"] = Schedule.from_dict(d["schedule"])
+        d["graph"] = Graph.from_dict(d["graph"])
+        d["saved"] = tuple(d["saved"])
+        d["module_paths"] = tuple(d["module_paths"])
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Plan:
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text).read_text()
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,171 @@
+"""The solvers' view of a training step: a torch-free DAG of values with sizes and costs.
+
+Each node is one value of the joint forward+backward graph. Nothing here knows about torch:
+`fxopt.analyze` builds a `Graph` from an aten-level fx graph, and tests build them by hand.
+
+Kinds of node:
+  - ``input``: parameters, buffers and user inputs (resident for the whole step) and tangents
+    (``tangent=True``: the incoming gradients, alive from the start of the backward until last use).
+  - ``forward``: values that do not depend on a tangent. Each may be SAVEd for the backward or
+    RECOMPUTEd there (possibly more than once). Forward values that only the backward needs
+    ("backward-only", e.g. ``detach(relu)``) are computed in the backward unless saved.
+  - ``backward``: values that depend on a tangent. They run once, in graph order.
+
+Storage: a node either owns ``bytes`` of fresh storage (``storage == its own index``) or aliases
+the storage of an earlier node (views, ``detach``, ``getitem`` of an aliasing op) and then costs
+nothing, but keeps its root's storage alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Literal
+
+Kind = Literal["input", "forward", "backward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    name: str
+    kind: Kind
+    inputs: tuple[int, ...] = ()
+    bytes: int = 0
+    flops: int = 0
+    cost: float = 0.0
+    storage: int | None = None  # index of the node owning this value's storage; None: itself
+    recomputable: bool = True
+    output: bool = False  # a forward output (held by the caller) or a gradient (kept after the step)
+    tangent: bool = False
+    tensor: bool = True  # False for tuples and other non-tensor values: they can never be SAVEd
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Graph:
+    """A topologically ordered list of nodes (inputs of a node precede it)."""
+
+    nodes: tuple[Node, ...]
+
+    def __post_init__(self) -> None:
+        for i, node in enumerate(self.nodes):
+            for j in node.inputs:
+                if not 0 <= j < i:
+                    raise ValueError(f"node {i} ({node.name}) has input {j} that does not precede it")
+            if node.storage is not None and not 0 <= node.storage <= i:
+                raise ValueError(f"node {i} ({node.name}) aliases storage {node.storage} that does not precede it")
+            if node.tangent and node.kind != "input":
+                raise ValueError(f"node {i} ({node.name}) is a tangent but not an input")
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def root(self, i: int) -> int:
+        """The node whose storage `i` lives in."""
+        s = self.nodes[i].storage
+        return i if s is None or s == i else self.root(s)
+
+    @functools.cached_property
+    def users(self) -> tuple[tuple[int, ...], ...]:
+        users: list[list[int]] = [[] for _ in self.nodes]
+        for i, node in enumerate(self.nodes):
+            for j in dict.fromkeys(node.inputs):
+                users[j].append(i)
+        return tuple(tuple(u) for u in users)
+
+    @functools.cached_property
+    def roots(self) -> tuple[int, ...]:
+        return tuple(self.root(i) for i in range(len(self.nodes)))
+
+    @functools.cached_property
+    def free(self) -> frozenset[int]:
+        """Forward values that cost nothing to keep: aliases of resident values or forward outputs."""
+        keep = self.resident | self.forward_outputs
+        return frozenset(
+            i for i, n in enumerate(self.nodes)
+            if n.kind == "forward" and self.roots[i] in keep and self.roots[i] != i
+        ) | self.resident
+
+    @functools.cached_property
+    def resident(self) -> frozenset[int]:
+        """Values alive for the whole step at no cost: non-tangent inputs and their aliases."""
+        out: set[int] = set()
+        for i, node in enumerate(self.nodes):
+            if node.kind == "input" and not node.tangent:
+                out.add(i)
+            elif node.kind == "forward" and self.roots[i] in out and all(j in out for j in node.inputs):
+                out.add(i)
+        return frozenset(out)
+
+    @functools.cached_property
+    def forward_outputs(self) -> frozenset[int]:
+        return frozenset(i for i, n in enumerate(self.nodes) if n.kind == "forward" and n.output)
+
+    @functools.cached_property
+    def backward_nodes(self) -> tuple[int, ...]:
+        return tuple(i for i, n in enumerate(self.nodes) if n.kind == "backward")
+
+    @functools.cached_property
+    def forward_required(self) -> frozenset[int]:
+        """Forward values the forward pass computes whatever the plan: ancestors of its outputs."""
+        return self.ancestors(self.forward_outputs, kinds=("forward",))
+
+    @functools.cached_property
+    def backward_needs(self) -> frozenset[int]:
+        """Forward values read directly by backward nodes."""
+        return frozenset(
+            j for b in self.backward_nodes for j in self.nodes[b].inputs if self.nodes[j].kind == "forward"
+        )
+
+    @functools.cached_property
+    def needed_by_backward(self) -> frozenset[int]:
+        """Forward values the backward needs, directly or through recomputation (which stops at
+        values that cannot be recomputed: those must be saved)."""
+        seen: set[int] = set()
+        stack = list(self.backward_needs)
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if self.nodes[i].recomputable:
+                stack.extend(j for j in self.nodes[i].inputs if self.nodes[j].kind == "forward")
+        return frozenset(seen)
+
+    @functools.cached_property
+    def backward_only(self) -> frozenset[int]:
+        """Forward values that only the backward needs: computed there unless saved."""
+        return self.needed_by_backward - self.forward_required
+
+    @functools.cached_property
+    def saveable(self) -> frozenset[int]:
+        """Forward values that can be SAVEd: computed in the forward anyway, or backward-only values
+        whose inputs are all available in the forward."""
+        avail = self.forward_required | self.resident
+        out = {i for i in self.forward_required - self.resident if self.nodes[i].tensor}
+        for i in sorted(self.backward_only - self.resident):
+            if self.nodes[i].tensor and all(j in avail for j in self.nodes[i].inputs):
+                out.add(i)
+        return frozenset(out)
+
+    def ancestors(self, seeds, kinds: Sequence[Kind] = ("forward",)) -> frozenset[int]:
+        """`seeds` and everything they depend on, restricted to nodes of the given kinds."""
+        seen: set[int] = set()
+        stack = [s for s in seeds if self.nodes[s].kind in kinds]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            stack.extend(j for j in self.nodes[i].inputs if self.nodes[j].kind in kinds and j not in seen)
+        return frozenset(seen)
+
+    def total_flops(self) -> int:
+        return sum(n.flops for n in self.nodes)
+
+    def to_dict(self) -> dict:
+        return {"nodes": [dataclasses.asdict(n) for n in self.nodes]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Graph:
+        return cls(tuple(Node(**{**n, "inputs": tuple(n["inputs"])}) for n in d["nodes"]))

@@ -1,0 +1,263 @@
+"""Schedules of a training step and the simulator that gives their memory timeline.
+
+A `Schedule` is what every solver returns and what the recompute pass turns into code:
+
+  - ``saved``: forward values kept from the forward for the backward (SAVE);
+  - ``backward``: the nodes the backward computes, in order. Every backward node appears exactly
+    once; a forward node appearing there is a recomputation (RECOMPUTE), and may appear again.
+
+The simulator frees every value right after its last use, exactly as the generated code does: FX
+code drops each local after its last use, and the backward takes its inputs boxed, so saved
+tensors and tangents die early too. Forward outputs are held by the caller and gradients are kept,
+so neither is freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from fxopt.solvers.graph import Graph
+
+
+class InvalidScheduleError(ValueError):
+    """A schedule reads a value that is not available, or skips or repeats a backward node."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    saved: frozenset[int]
+    backward: tuple[int, ...]
+
+    def recomputed(self, graph: Graph) -> tuple[int, ...]:
+        return tuple(i for i in self.backward if graph.nodes[i].kind == "forward")
+
+    def to_dict(self) -> dict:
+        return {"saved": sorted(self.saved), "backward": list(self.backward)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Schedule:
+        return cls(frozenset(d["saved"]), tuple(d["backward"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Memory after each allocation of the step, in bytes."""
+
+    peak_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    saved_bytes: int  # bytes of SAVEd storage alive at the end of the forward
+    recompute_flops: int  # FLOPs beyond one execution of every node
+    recompute_cost: float
+    events: tuple[tuple[str, str, int], ...]  # (phase, node name, bytes live after it allocated)
+
+
+def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
+    """Forward values computed in the forward pass, in order."""
+    return sorted(graph.forward_required | (frozenset(saved) & graph.backward_only))
+
+
+def simulate(graph: Graph, schedule: Schedule) -> Timeline:
+    """Replay the schedule and return its memory timeline; raise if it is not valid."""
+    nodes = graph.nodes
+    saved = frozenset(schedule.saved)
+    bad = saved - graph.saveable - graph.free
+    if bad:
+        raise InvalidScheduleError(f"cannot save {_names(graph, bad)}: not computed in the forward")
+    backward = [i for i in schedule.backward if nodes[i].kind == "backward"]
+    if backward != list(graph.backward_nodes):
+        raise InvalidScheduleError("the backward must run every backward node once, in graph order")
+
+    refs: dict[object, int] = {}  # storage key -> number of live values in it
+    live_bytes = 0
+    events: list[tuple[str, str, int]] = []
+
+    def acquire(key: object, owner: int) -> None:
+        nonlocal live_bytes
+        if refs.get(key, 0) == 0:
+            live_bytes += nodes[owner].bytes
+        refs[key] = refs.get(key, 0) + 1
+
+    def release(key: object, owner: int) -> None:
+        nonlocal live_bytes
+        refs[key] -= 1
+        if refs[key] == 0:
+            live_bytes -= nodes[owner].bytes
+
+    # Instances: (node, n) where n counts computations of the node; storage key of an instance is
+    # the instance owning the storage.
+    storage_of: dict[tuple[int, int], tuple[int, int]] = {}
+    current: dict[int, tuple[int, int]] = {}
+    forever: set[tuple[int, int]] = set()
+
+    def create(i: int, n: int) -> tuple[int, int]:
+        inst = (i, n)
+        root = graph.roots[i]
+        if root == i:
+            storage_of[inst] = inst
+        else:
+            src = next((current[j] for j in nodes[i].inputs if graph.roots[j] == root), None)
+            storage_of[inst] = storage_of[src] if src is not None else current.get(root, (root, 0))
+        current[i] = inst
+        acquire(storage_of[inst], storage_of[inst][0])
+        return inst
+
+    def drop(inst: tuple[int, int]) -> None:
+        release(storage_of[inst], storage_of[inst][0])
+
+    for i, node in enumerate(nodes):
+        if node.kind == "input" and not node.tangent:
+            inst = create(i, 0)
+            forever.add(inst)
+
+    # ---- forward
+    fwd = forward_set(graph, saved)
+    fwd_pos = {i: k for k, i in enumerate(fwd)}
+    keep = saved | graph.forward_outputs
+    last_fwd_use: dict[int, int] = {}
+    for k, i in enumerate(fwd):
+        for j in nodes[i].inputs:
+            if nodes[j].kind == "forward":
+                if j not in fwd_pos:
+                    raise InvalidScheduleError(f"{nodes[i].name} needs {nodes[j].name}, which the forward does not compute")
+                last_fwd_use[j] = k
+    dying_at: dict[int, list[int]] = {}
+    for i in fwd:
+        if i not in keep:
+            dying_at.setdefault(last_fwd_use.get(i, fwd_pos[i]), []).append(i)
+    forward_peak = live_bytes
+    for k, i in enumerate(fwd):
+        create(i, 0)
+        events.append(("forward", nodes[i].name, live_bytes))
+        forward_peak = max(forward_peak, live_bytes)
+        for j in dying_at.get(k, ()):
+            drop(current.pop(j))
+    for i in graph.forward_outputs:
+        forever.add(current[i])
+    saved_bytes = sum(nodes[r].bytes for r in {storage_of[current[i]][0] for i in saved if i in current})
+
+    # ---- backward: saved values, tangents and forward outputs are its inputs
+    count: dict[int, int] = {}
+    last_use: dict[tuple[int, int], int] = {}
+    avail = {i: current[i] for i in current}
+    for i, node in enumerate(nodes):
+        if node.tangent:
+            avail[i] = (i, 0)
+    order: list[tuple[int, tuple[int, int], list[tuple[int, int]]]] = []
+    for e, i in enumerate(schedule.backward):
+        args = []
+        for j in nodes[i].inputs:
+            if j not in avail:
+                raise InvalidScheduleError(
+                    f"backward step {e} computes {nodes[i].name} but {nodes[j].name} is not available"
+                )
+            args.append(avail[j])
+            last_use[avail[j]] = e
+        count[i] = count.get(i, 0) + 1
+        inst = (i, count[i])
+        avail[i] = inst
+        order.append((i, inst, args))
+    for i, node in enumerate(nodes):
+        if node.tangent:
+            create(i, 0)
+    # Values the backward never reads are freed as soon as it starts (boxed inputs).
+    for i, inst in list(current.items()):
+        if inst not in forever and inst not in last_use:
+            drop(inst)
+            del current[i]
+    events.append(("backward", "<start>", live_bytes))
+    backward_peak = live_bytes
+    for e, (i, inst, args) in enumerate(order):
+        for j, a in zip(nodes[i].inputs, args):
+            current[j] = a  # the instance this node reads
+        create(i, inst[1])
+        current[i] = inst
+        events.append(("backward", nodes[i].name, live_bytes))
+        backward_peak = max(backward_peak, live_bytes)
+        for a in dict.fromkeys(args):
+            if last_use.get(a) == e and a not in forever:
+                drop(a)
+        if inst not in last_use and not nodes[i].output:
+            drop(inst)
+        elif nodes[i].output:
+            forever.add(inst)
+
+    recomputed = [i for i in schedule.backward if nodes[i].kind == "forward"]
+    first_free = set(graph.backward_only - saved)  # computing these once in the backward is not extra
+    extra_flops, extra_cost = 0, 0.0
+    for i in recomputed:
+        if i in first_free:
+            first_free.discard(i)
+            continue
+        extra_flops += nodes[i].flops
+        extra_cost += nodes[i].cost
+    return Timeline(
+        peak_bytes=max(forward_peak, backward_peak),
+        forward_peak_bytes=forward_peak,
+        backward_peak_bytes=backward_peak,
+        saved_bytes=saved_bytes,
+        recompute_flops=extra_flops,
+        recompute_cost=extra_cost,
+        events=tuple(events),
+    )
+
+
+def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
+    """The backward for a given SAVE set: before each backward node, recompute the values it needs
+    that are not available, from the nearest available ones, and keep them until their last use
+    (what `torch.utils.checkpoint` does for a segment)."""
+    saved = frozenset(saved) | (graph.needed_by_backward & graph.free)
+    nodes = graph.nodes
+    avail = set(graph.resident) | set(graph.forward_outputs) | set(forward_set(graph, saved)) & saved
+    avail |= {i for i, n in enumerate(nodes) if n.tangent}
+    events: list[int] = []
+    for b in graph.backward_nodes:
+        missing = _missing(graph, nodes[b].inputs, avail)
+        events.extend(missing)
+        avail.update(missing)
+        events.append(b)
+        avail.add(b)
+    return Schedule(saved, tuple(events))
+
+
+def _missing(graph: Graph, wanted: Iterable[int], avail: set[int]) -> list[int]:
+    """Forward values to compute, in order, so that everything in `wanted` is available."""
+    out: set[int] = set()
+    stack = [j for j in wanted if j not in avail]
+    while stack:
+        i = stack.pop()
+        if i in out:
+            continue
+        if graph.nodes[i].kind != "forward" or not graph.nodes[i].recomputable:
+            raise InvalidScheduleError(f"{graph.nodes[i].name} is not available and cannot be recomputed")
+        out.add(i)
+        stack.extend(j for j in graph.nodes[i].inputs if j not in avail and j not in out)
+    return sorted(out)
+
+
+def must_save(graph: Graph) -> frozenset[int]:
+    """Values the backward needs that cannot be recomputed (random ops, mutations): always SAVEd."""
+    return frozenset(i for i in graph.needed_by_backward if not graph.nodes[i].recomputable) - graph.free
+
+
+def save_all_set(graph: Graph) -> frozenset[int]:
+    """What eager autograd keeps: every forward value the backward reads, unless the backward
+    derives it itself from other forward values (backward-only values)."""
+    saved: set[int] = set()
+    stack = list(graph.backward_needs)
+    seen: set[int] = set()
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        if i in graph.backward_only and graph.nodes[i].recomputable:
+            stack.extend(j for j in graph.nodes[i].inputs if graph.nodes[j].kind == "forward")
+        else:
+            saved.add(i)
+    return frozenset(saved)
+
+
+def _names(graph: Graph, idx: Iterable[int]) -> str:
+    return ", ".join(graph.nodes[i].name for i in sorted(idx))
