@@ -84,7 +84,8 @@ def solve(
     ilp_status = None
     if solver == "ilp" or solver == "auto" and _ilp_size(graph) <= AUTO_ILP_MAX_VARIABLES:
         progress("solver ilp (CBC)")
-        res = solve_ilp(graph, budget, time_limit=time_limit)
+        start = min(fitting, key=lambda s: s.timeline.recompute_cost).schedule if fitting else None
+        res = solve_ilp(graph, budget, time_limit=time_limit, warm_start=start)
         ilp_status = res.status
         if res.schedule is not None:
             timeline = simulate(graph, res.schedule)

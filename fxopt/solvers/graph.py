@@ -87,6 +87,28 @@ class Graph:
         ) | self.resident
 
     @functools.cached_property
+    def aliases(self) -> frozenset[int]:
+        """Forward values that are views of other forward values (not free). Schedules never
+        SAVE them: they make a fresh one from the base just before each use, which costs nothing
+        and never keeps an old copy of the base alive."""
+        return frozenset(
+            i for i, n in enumerate(self.nodes)
+            if n.kind == "forward" and self.roots[i] != i and i not in self.free and n.recomputable
+        )
+
+    def through_aliases(self, ids) -> frozenset[int]:
+        """`ids` with every alias replaced by what it is made from, recursively."""
+        out: set[int] = set()
+        stack = list(ids)
+        while stack:
+            i = stack.pop()
+            if i in self.aliases:
+                stack.extend(self.nodes[i].inputs)
+            else:
+                out.add(i)
+        return frozenset(out)
+
+    @functools.cached_property
     def resident(self) -> frozenset[int]:
         """Values alive for the whole step at no cost: non-tangent inputs and their aliases."""
         out: set[int] = set()

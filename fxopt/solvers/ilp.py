@@ -13,9 +13,9 @@ Constraints (i, j forward values; t a stage; D_t the forward values stage t read
     S[t+1,i] <= S[t,i] + R[t,i]                 a value is resident only if kept or just computed
     S[t,i] + R[t,i] >= 1            i in D_t    what a stage reads is there
     R[t,i] <= S[t,j] + R[t,j]       j input of i
-    S[t,i] <= S[t,root(i)]                      a kept view keeps its base
     mem(t) = C_t + sum_i bytes_i (S[t,i] + R[t,i]) <= budget
     forward: F_k + sum_{i saved, no longer needed by the forward at step k} bytes_i <= budget
+Views are not variables: a schedule makes a fresh view from its base right before each use.
 C_t and F_k are the fixed parts (backward values, tangents; forward values in use). Counting every
 value recomputed in stage t as alive at its end over-approximates the generated code, which frees
 recomputation intermediates early, so a plan that fits here fits when simulated.
@@ -30,10 +30,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import importlib.util
+
 import pulp
 
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import Schedule, must_save
+from fxopt.solvers.schedule import Schedule, must_save, with_fresh_aliases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,52 @@ def _forward_profile(graph: Graph, order: list[int]) -> tuple[list[int], dict[in
     return profile, {r: (s, end[r]) for r, s in start.items()}
 
 
+def default_backend() -> str:
+    """HiGHS when ``highspy`` is installed (it solves these problems several times faster than
+    CBC, see benchmarks/), else CBC, which ships with PuLP."""
+    return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
+
+
+def _stage_values(graph: Graph, schedule: Schedule, stages: list[int], cset: set[int]):
+    """The ILP's R and S variables that describe `schedule` (for a warm start)."""
+    nodes = graph.nodes
+    bwd = graph.backward_nodes
+    stage_pos = {bwd[k]: t for t, k in enumerate(stages)}
+    # Instance of each value available before event e, and the last event reading each instance.
+    current = {i: (i, 0) for i in schedule.saved}
+    last_use: dict[tuple[int, int], int] = {}
+    count: dict[int, int] = {}
+    starts: list[dict[int, tuple[int, int]]] = []
+    seg_start = 0
+    r_on: set[tuple[int, int]] = set()
+    t = 0
+    for e, i in enumerate(schedule.backward):
+        if e == seg_start:
+            starts.append(dict(current))
+        for j in nodes[i].inputs:
+            if j in current:
+                last_use[current[j]] = e
+        if nodes[i].kind == "forward" and i in cset and t < len(stages):
+            r_on.add((t, i))
+        count[i] = count.get(i, 0) + 1
+        current[i] = (i, count[i])
+        if i in stage_pos:
+            t = stage_pos[i] + 1
+            seg_start = e + 1
+    s_on: set[tuple[int, int]] = set()
+    seg_first = [0]
+    for e, i in enumerate(schedule.backward):
+        if i in stage_pos:
+            seg_first.append(e + 1)
+    for t, snapshot in enumerate(starts[: len(stages)]):
+        for i, inst in snapshot.items():
+            if i in cset and last_use.get(inst, -1) >= seg_first[t]:
+                s_on.add((t, i))
+    for i in schedule.saved & cset:
+        s_on.add((0, i))
+    return r_on, s_on
+
+
 def solve_ilp(
     graph: Graph,
     budget: int | None,
@@ -136,16 +184,21 @@ def solve_ilp(
     time_limit: float = 60.0,
     minimize_peak: bool = False,
     threads: int | None = None,
+    backend: str | None = None,
+    warm_start: Schedule | None = None,
+    verbose: bool = False,
 ) -> IlpResult:
+    """Solve the ILP. ``backend``: "highs" (default when ``highspy`` is installed) or "cbc".
+    ``warm_start``: a schedule to start from (ignored by the solver if it breaks a constraint)."""
     t0 = time.perf_counter()
     nodes = graph.nodes
-    cands = sorted(graph.needed_by_backward - graph.free)
+    cands = sorted(graph.needed_by_backward - graph.free - graph.aliases)
     cset = set(cands)
     forced = must_save(graph)
     saveable = graph.saveable
     bwd = graph.backward_nodes
-    stages = [k for k, b in enumerate(bwd) if any(j in cset for j in nodes[b].inputs)]
-    reads = [sorted({j for j in nodes[bwd[k]].inputs if j in cset}) for k in stages]
+    stages = [k for k, b in enumerate(bwd) if graph.through_aliases(nodes[b].inputs) & cset]
+    reads = [sorted(graph.through_aliases(nodes[bwd[k]].inputs) & cset) for k in stages]
     T = len(stages)
     anc = [graph.ancestors(d) & cset for d in reads]
     last = {i: -1 for i in cands}
@@ -183,17 +236,20 @@ def solve_ilp(
     for i in cands:
         for t in range(1, last[i] + 1):
             prob += S[t, i] <= s(t - 1, i) + r(t - 1, i)
-        root = graph.roots[i]
-        if root != i and root in cset:
-            for t in range(0, last[i] + 1):
-                if isinstance(s(t, i), pulp.LpVariable):
-                    prob += S[t, i] <= s(t, root)
+    cand_users = {i: set() for i in cands}
+    for i in cands:
+        for j in graph.through_aliases(nodes[i].inputs) & cset:
+            cand_users[j].add(i)
     for t in range(T):
         for i in reads[t]:
             prob += s(t, i) + r(t, i) >= 1
+        # A recomputation is only worth it if something reads it in this stage or it is kept.
+        for i in anc[t]:
+            if (t, i) in R and i not in reads[t]:
+                prob += R[t, i] <= s(t + 1, i) + pulp.lpSum(R[t, u] for u in cand_users[i] if (t, u) in R)
         for i in anc[t]:
             if (t, i) in R:
-                for j in set(nodes[i].inputs) & cset:
+                for j in graph.through_aliases(nodes[i].inputs) & cset:
                     prob += R[t, i] <= s(t, j) + r(t, j)
 
     # Memory in the backward.
@@ -251,7 +307,22 @@ def solve_ilp(
         prob += cost
 
     nvars = len(R) + sum(isinstance(v, pulp.LpVariable) for v in S.values())
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(time_limit)), threads=threads)
+    if warm_start is not None:
+        r_start, s_start = _stage_values(graph, warm_start, stages, cset)
+        for key, var in R.items():
+            var.setInitialValue(1 if key in r_start else 0)
+        for key, var in S.items():
+            if isinstance(var, pulp.LpVariable):
+                var.setInitialValue(1 if key in s_start else 0)
+    backend = backend or default_backend()
+    if backend == "highs":
+        solver = pulp.HiGHS(msg=verbose, timeLimit=time_limit, warmStart=warm_start is not None,
+                            threads=threads)
+    elif backend == "cbc":
+        solver = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=max(1, int(time_limit)), threads=threads,
+                                   warmStart=warm_start is not None)
+    else:
+        raise ValueError(f"unknown ILP backend {backend!r}; use 'highs' or 'cbc'")
     prob.solve(solver)
     seconds = time.perf_counter() - t0
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -272,7 +343,7 @@ def solve_ilp(
     events.extend(bwd[done:])
     status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
     return IlpResult(
-        Schedule(frozenset(saved), tuple(events)),
+        Schedule(frozenset(saved), with_fresh_aliases(graph, events)),
         status,
         pulp.value(prob.objective),
         pulp.value(peak) if minimize_peak else None,

@@ -207,9 +207,9 @@ def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
     """The backward for a given SAVE set: before each backward node, recompute the values it needs
     that are not available, from the nearest available ones, and keep them until their last use
     (what `torch.utils.checkpoint` does for a segment)."""
-    saved = frozenset(saved) | (graph.needed_by_backward & graph.free)
+    saved = (frozenset(saved) - graph.aliases) | (graph.needed_by_backward & graph.free)
     nodes = graph.nodes
-    avail = set(graph.resident) | set(graph.forward_outputs) | set(forward_set(graph, saved)) & saved
+    avail = set(graph.resident) | set(graph.forward_outputs) | (set(forward_set(graph, saved)) & saved)
     avail |= {i for i, n in enumerate(nodes) if n.tangent}
     events: list[int] = []
     for b in graph.backward_nodes:
@@ -218,13 +218,30 @@ def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
         avail.update(missing)
         events.append(b)
         avail.add(b)
-    return Schedule(saved, tuple(events))
+    return Schedule(saved, with_fresh_aliases(graph, events))
+
+
+def with_fresh_aliases(graph: Graph, events: Iterable[int]) -> tuple[int, ...]:
+    """Insert, before each event, fresh copies of the aliases (views) it reads."""
+    out: list[int] = []
+
+    def emit(i: int) -> None:
+        for j in dict.fromkeys(graph.nodes[i].inputs):
+            if j in graph.aliases:
+                emit(j)
+        out.append(i)
+
+    for i in events:
+        if i not in graph.aliases:
+            emit(i)
+    return tuple(out)
 
 
 def _missing(graph: Graph, wanted: Iterable[int], avail: set[int]) -> list[int]:
-    """Forward values to compute, in order, so that everything in `wanted` is available."""
+    """Forward values (not aliases) to compute, in order, so that everything in `wanted` can be
+    made available."""
     out: set[int] = set()
-    stack = [j for j in wanted if j not in avail]
+    stack = [j for j in graph.through_aliases(wanted) if j not in avail]
     while stack:
         i = stack.pop()
         if i in out:
@@ -232,20 +249,20 @@ def _missing(graph: Graph, wanted: Iterable[int], avail: set[int]) -> list[int]:
         if graph.nodes[i].kind != "forward" or not graph.nodes[i].recomputable:
             raise InvalidScheduleError(f"{graph.nodes[i].name} is not available and cannot be recomputed")
         out.add(i)
-        stack.extend(j for j in graph.nodes[i].inputs if j not in avail and j not in out)
+        stack.extend(j for j in graph.through_aliases(graph.nodes[i].inputs) if j not in avail and j not in out)
     return sorted(out)
 
 
 def must_save(graph: Graph) -> frozenset[int]:
     """Values the backward needs that cannot be recomputed (random ops, mutations): always SAVEd."""
-    return frozenset(i for i in graph.needed_by_backward if not graph.nodes[i].recomputable) - graph.free
+    return frozenset(i for i in graph.needed_by_backward if not graph.nodes[i].recomputable) - graph.free - graph.aliases
 
 
 def save_all_set(graph: Graph) -> frozenset[int]:
     """What eager autograd keeps: every forward value the backward reads, unless the backward
     derives it itself from other forward values (backward-only values)."""
     saved: set[int] = set()
-    stack = list(graph.backward_needs)
+    stack = list(graph.through_aliases(graph.backward_needs))
     seen: set[int] = set()
     while stack:
         i = stack.pop()
@@ -253,7 +270,7 @@ def save_all_set(graph: Graph) -> frozenset[int]:
             continue
         seen.add(i)
         if i in graph.backward_only and graph.nodes[i].recomputable:
-            stack.extend(j for j in graph.nodes[i].inputs if graph.nodes[j].kind == "forward")
+            stack.extend(j for j in graph.through_aliases(graph.nodes[i].inputs) if graph.nodes[j].kind == "forward")
         else:
             saved.add(i)
     return frozenset(saved)
