@@ -32,6 +32,7 @@ class Node:
     kind: Kind
     inputs: tuple[int, ...] = ()
     bytes: int = 0
+    workspace: int = 0  # scratch memory the op holds only while it runs (e.g. im2col buffers)
     flops: int = 0
     cost: float = 0.0
     storage: int | None = None  # index of the node owning this value's storage; None: itself

@@ -84,17 +84,15 @@ def _backward_profile(graph: Graph) -> list[int]:
 
     dying: dict[int, list[int]] = {}
     for i, n in enumerate(nodes):
-        if n.tangent:
-            if i in last:
-                hold(i)
-                dying.setdefault(last[i], []).append(i)
+        if n.tangent:  # held by the autograd engine for the whole backward
+            hold(i)
     for b in bwd:
         if not nodes[b].output:
             dying.setdefault(last.get(b, pos[b]), []).append(b)
     profile = []
     for k, b in enumerate(bwd):
         hold(b)
-        profile.append(base + live)
+        profile.append(base + live + nodes[b].workspace)
         for j in dying.get(k, ()):
             let_go(j)
     return profile
@@ -127,7 +125,7 @@ def _forward_profile(graph: Graph, order: list[int]) -> tuple[list[int], dict[in
     profile, live = [], base
     for k in range(len(order)):
         live += delta[k]
-        profile.append(live)
+        profile.append(live + nodes[order[k]].workspace)
     return profile, {r: (s, end[r]) for r, s in start.items()}
 
 
@@ -207,7 +205,11 @@ def solve_ilp(
             last[i] = max(last[i], t)
 
     def mem_bytes(i: int) -> int:
-        return nodes[i].bytes if graph.roots[i] == i else 0
+        if graph.roots[i] != i:
+            return 0
+        if not nodes[i].tensor:  # its outputs nobody needs are allocated too
+            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in cset)
+        return nodes[i].bytes
 
     prob = pulp.LpProblem("fxopt_remat", pulp.LpMinimize)
     S: dict[tuple[int, int], pulp.LpVariable | int] = {}
@@ -219,6 +221,8 @@ def solve_ilp(
             S[0, i] = pulp.LpVariable(f"S_0_{i}", cat="Binary")
         else:
             S[0, i] = 0
+        if not nodes[i].tensor:
+            continue  # a multi-output op's outputs are taken out at once: it is never kept
         for t in range(1, last[i] + 1):
             S[t, i] = pulp.LpVariable(f"S_{t}_{i}", cat="Binary")
     for t in range(T):
@@ -235,7 +239,8 @@ def solve_ilp(
     peak = pulp.LpVariable("peak", lowBound=0) if minimize_peak else budget
     for i in cands:
         for t in range(1, last[i] + 1):
-            prob += S[t, i] <= s(t - 1, i) + r(t - 1, i)
+            if (t, i) in S:
+                prob += S[t, i] <= s(t - 1, i) + r(t - 1, i)
     cand_users = {i: set() for i in cands}
     for i in cands:
         for j in graph.through_aliases(nodes[i].inputs) & cset:
@@ -265,7 +270,7 @@ def solve_ilp(
         at_stage = t < T and stages[t] == k
         terms = [(mem_bytes(i), s(t, i)) for i in cands if t <= last[i]]
         if at_stage:
-            terms += [(mem_bytes(i), R[t, i]) for i in anc[t] if (t, i) in R]
+            terms += [(mem_bytes(i) + nodes[i].workspace, R[t, i]) for i in anc[t] if (t, i) in R]
         expr = pulp.lpSum(b * v for b, v in terms if b)
         prob += expr + profile[k] <= peak
     # Tangents and every saved value, as the backward starts.

@@ -8,8 +8,9 @@ A `Schedule` is what every solver returns and what the recompute pass turns into
 
 The simulator frees every value right after its last use, exactly as the generated code does: FX
 code drops each local after its last use, and the backward takes its inputs boxed, so saved
-tensors and tangents die early too. Forward outputs are held by the caller and gradients are kept,
-so neither is freed.
+tensors die early too. Forward outputs are held by the caller, gradients are kept, and the
+incoming gradients (tangents) are held by the autograd engine until the backward returns, so
+none of these is freed.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Timeline:
     saved_bytes: int  # bytes of SAVEd storage alive at the end of the forward
     recompute_flops: int  # FLOPs beyond one execution of every node
     recompute_cost: float
-    events: tuple[tuple[str, str, int], ...]  # (phase, node name, bytes live after it allocated)
+    events: tuple[tuple[str, str, int], ...]  # (phase, node name, bytes live while it runs)
 
 
 def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
@@ -129,8 +130,8 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     forward_peak = live_bytes
     for k, i in enumerate(fwd):
         create(i, 0)
-        events.append(("forward", nodes[i].name, live_bytes))
-        forward_peak = max(forward_peak, live_bytes)
+        events.append(("forward", nodes[i].name, live_bytes + nodes[i].workspace))
+        forward_peak = max(forward_peak, live_bytes + nodes[i].workspace)
         for j in dying_at.get(k, ()):
             drop(current.pop(j))
     for i in graph.forward_outputs:
@@ -160,7 +161,8 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         order.append((i, inst, args))
     for i, node in enumerate(nodes):
         if node.tangent:
-            create(i, 0)
+            # The autograd engine holds the incoming gradients until the backward returns.
+            forever.add(create(i, 0))
     # Values the backward never reads are freed as soon as it starts (boxed inputs).
     for i, inst in list(current.items()):
         if inst not in forever and inst not in last_use:
@@ -173,8 +175,8 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
             current[j] = a  # the instance this node reads
         create(i, inst[1])
         current[i] = inst
-        events.append(("backward", nodes[i].name, live_bytes))
-        backward_peak = max(backward_peak, live_bytes)
+        events.append(("backward", nodes[i].name, live_bytes + nodes[i].workspace))
+        backward_peak = max(backward_peak, live_bytes + nodes[i].workspace)
         for a in dict.fromkeys(args):
             if last_use.get(a) == e and a not in forever:
                 drop(a)
@@ -207,7 +209,7 @@ def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
     """The backward for a given SAVE set: before each backward node, recompute the values it needs
     that are not available, from the nearest available ones, and keep them until their last use
     (what `torch.utils.checkpoint` does for a segment)."""
-    saved = (frozenset(saved) - graph.aliases) | (graph.needed_by_backward & graph.free)
+    saved = (frozenset(saved) - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
     nodes = graph.nodes
     avail = set(graph.resident) | set(graph.forward_outputs) | (set(forward_set(graph, saved)) & saved)
     avail |= {i for i, n in enumerate(nodes) if n.tangent}
@@ -222,18 +224,31 @@ def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
 
 
 def with_fresh_aliases(graph: Graph, events: Iterable[int]) -> tuple[int, ...]:
-    """Insert, before each event, fresh copies of the aliases (views) it reads."""
+    """Finish an event list the way the generated code must run it:
+    - before each event, fresh copies of the aliases (views) it reads;
+    - right after each multi-output op (a tuple), all its outputs: the op allocates them together,
+      so they are taken out at once and each lives as long as it is used."""
     out: list[int] = []
+    taken: set[int] = set()  # outputs of the latest copy of each tuple, already emitted
 
     def emit(i: int) -> None:
         for j in dict.fromkeys(graph.nodes[i].inputs):
             if j in graph.aliases:
                 emit(j)
         out.append(i)
+        if not graph.nodes[i].tensor and graph.nodes[i].kind == "forward":
+            for g in graph.users[i]:
+                if graph.nodes[g].kind == "forward":
+                    out.append(g)
+                    taken.add(g)
 
     for i in events:
-        if i not in graph.aliases:
-            emit(i)
+        if i in graph.aliases:
+            continue
+        if i in taken:
+            taken.discard(i)
+            continue
+        emit(i)
     return tuple(out)
 
 
@@ -259,20 +274,21 @@ def must_save(graph: Graph) -> frozenset[int]:
 
 
 def save_all_set(graph: Graph) -> frozenset[int]:
-    """What eager autograd keeps: every forward value the backward reads, unless the backward
-    derives it itself from other forward values (backward-only values)."""
+    """What eager autograd keeps: every forward value the backward reads (for a view, its base).
+    Backward-only values that cannot be computed in the forward are made in the backward from
+    the forward values they read, which are saved instead."""
     saved: set[int] = set()
     stack = list(graph.through_aliases(graph.backward_needs))
     seen: set[int] = set()
     while stack:
         i = stack.pop()
-        if i in seen:
+        if i in seen or graph.nodes[i].kind != "forward":
             continue
         seen.add(i)
-        if i in graph.backward_only and graph.nodes[i].recomputable:
-            stack.extend(j for j in graph.through_aliases(graph.nodes[i].inputs) if graph.nodes[j].kind == "forward")
-        else:
+        if i in graph.saveable or not graph.nodes[i].recomputable:
             saved.add(i)
+        else:
+            stack.extend(graph.through_aliases(graph.nodes[i].inputs))
     return frozenset(saved)
 
 

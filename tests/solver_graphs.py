@@ -1,0 +1,256 @@
+"""Hand-built solver graphs (no tensors) shared by the solver and schedule tests.
+
+Each builder returns a `Graph` laid out like an AOTAutograd joint graph: placeholders first
+(parameters, user inputs, then tangents), the forward, then the backward. Sizes are small
+integers chosen so that hand-computed peaks are unambiguous.
+"""
+
+from __future__ import annotations
+
+from fxopt.solvers.graph import Graph, Node
+
+
+class GraphBuilder:
+    """Build a `Graph` by name: ``b.fwd("h", ["x", "w"], bytes=16)`` appends a node reading x and w."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.index: dict[str, int] = {}
+
+    def _add(self, node: Node) -> int:
+        if node.name in self.index:
+            raise ValueError(f"duplicate node name {node.name!r}")
+        self.index[node.name] = len(self.nodes)
+        self.nodes.append(node)
+        return self.index[node.name]
+
+    def _ids(self, names) -> tuple[int, ...]:
+        return tuple(self.index[n] for n in names)
+
+    def input(self, name: str, bytes: int, *, tangent: bool = False) -> int:
+        return self._add(Node(name, "input", bytes=bytes, tangent=tangent))
+
+    def fwd(self, name: str, inputs, bytes: int = 0, *, cost: float = 1.0, flops: int | None = None,
+            view_of: str | None = None, recomputable: bool = True, output: bool = False,
+            tensor: bool = True) -> int:
+        """A forward node. ``view_of``: the node whose storage it aliases (it then owns no bytes)."""
+        return self._add(Node(
+            name, "forward", self._ids(inputs),
+            bytes=0 if view_of else bytes,
+            flops=int(cost * 100) if flops is None else flops,
+            cost=cost,
+            storage=self.index[view_of] if view_of else None,
+            recomputable=recomputable, output=output, tensor=tensor,
+        ))
+
+    def bwd(self, name: str, inputs, bytes: int = 0, *, output: bool = False, view_of: str | None = None) -> int:
+        return self._add(Node(
+            name, "backward", self._ids(inputs),
+            bytes=0 if view_of else bytes,
+            flops=bytes, cost=bytes / 100,
+            storage=self.index[view_of] if view_of else None,
+            output=output,
+        ))
+
+    def build(self) -> Graph:
+        return Graph(tuple(self.nodes))
+
+
+def ids(graph: Graph, *names: str) -> tuple[int, ...]:
+    by_name = {n.name: i for i, n in enumerate(graph.nodes)}
+    return tuple(by_name[n] for n in names)
+
+
+def mlp2() -> Graph:
+    """loss = sum(relu(x @ w1) @ w2), and its backward as autograd builds it.
+
+    Only ``a = relu(h)`` is read by the backward (by the weight gradient of w2 and by relu's
+    backward); ``o`` is forward-only and ``loss`` is the forward output.
+    """
+    b = GraphBuilder()
+    b.input("x", 8)
+    b.input("w1", 4)
+    b.input("w2", 4)
+    b.input("tan", 1, tangent=True)
+    b.fwd("h", ["x", "w1"], 16, cost=2.0, flops=200)
+    b.fwd("a", ["h"], 16, cost=1.0, flops=16)
+    b.fwd("o", ["a", "w2"], 32, cost=2.0, flops=300)
+    b.fwd("loss", ["o"], 1, cost=1.0, flops=32, output=True)
+    b.bwd("g_o", ["tan"], 32)
+    b.bwd("g_w2", ["a", "g_o"], 4, output=True)
+    b.bwd("g_a", ["g_o", "w2"], 16)
+    b.bwd("g_h", ["g_a", "a"], 16)
+    b.bwd("g_w1", ["x", "g_h"], 4, output=True)
+    return b.build()
+
+
+def residual_block() -> Graph:
+    """y = x + dropout(relu(x @ w1)) @ w2; loss = sum(y), with a view and a random node.
+
+    - ``w1t = w1.t()`` is a view of a parameter: resident, free to keep.
+    - ``hv = h.view(...)`` is a view of an activation: never saved, made fresh from ``h``.
+    - ``mask`` is a random (non-recomputable) value: it must be saved.
+    - ``x`` is read twice in the forward (matmul and residual add) and once in the backward.
+    """
+    b = GraphBuilder()
+    b.input("x", 8)
+    b.input("w1", 4)
+    b.input("w2", 4)
+    b.input("tan", 1, tangent=True)
+    b.fwd("w1t", ["w1"], view_of="w1", cost=0.0, flops=0)
+    b.fwd("h", ["x", "w1t"], 16, cost=3.0, flops=300)
+    b.fwd("hv", ["h"], view_of="h", cost=0.0, flops=0)
+    b.fwd("a", ["hv"], 16, cost=1.0, flops=16)
+    b.fwd("mask", ["a"], 2, cost=0.5, flops=16, recomputable=False)
+    b.fwd("d", ["a", "mask"], 16, cost=1.0, flops=16)
+    b.fwd("o", ["d", "w2"], 8, cost=3.0, flops=300)
+    b.fwd("y", ["x", "o"], 8, cost=0.5, flops=8)
+    b.fwd("loss", ["y"], 1, cost=0.5, flops=8, output=True)
+    b.bwd("g_y", ["tan"], 8)
+    b.bwd("g_w2", ["d", "g_y"], 4, output=True)
+    b.bwd("g_d", ["g_y", "w2"], 16)
+    b.bwd("g_a", ["g_d", "mask"], 16)
+    b.bwd("g_h", ["g_a", "hv"], 16)
+    b.bwd("g_w1", ["x", "g_h"], 4, output=True)
+    return b.build()
+
+
+def chain(n: int, act: int = 16, param: int = 4, inp: int = 8) -> Graph:
+    """An n-layer MLP ``a_k = relu(a_{k-1} @ w_k)``, ``loss = sum(a_n)``, and its backward.
+
+    Each layer's matmul output ``h_k`` and activation ``a_k`` are ``act`` bytes; relu's backward
+    reads ``a_k``, the weight gradient reads ``a_{k-1}``. Saving everything costs about
+    ``n * act``; recomputing from a few checkpoints costs flops but much less memory.
+    """
+    b = GraphBuilder()
+    b.input("x", inp)
+    for k in range(1, n + 1):
+        b.input(f"w{k}", param)
+    b.input("tan", 1, tangent=True)
+    prev = "x"
+    for k in range(1, n + 1):
+        b.fwd(f"h{k}", [prev, f"w{k}"], act, cost=2.0, flops=200)
+        b.fwd(f"a{k}", [f"h{k}"], act, cost=1.0, flops=16)
+        prev = f"a{k}"
+    b.fwd("loss", [prev], 1, cost=1.0, flops=16, output=True)
+    b.bwd(f"g_a{n}", ["tan"], act)
+    for k in range(n, 0, -1):
+        b.bwd(f"g_h{k}", [f"g_a{k}", f"a{k}"], act)
+        below = "x" if k == 1 else f"a{k - 1}"
+        b.bwd(f"g_w{k}", [below, f"g_h{k}"], param, output=True)
+        if k > 1:
+            b.bwd(f"g_a{k - 1}", [f"g_h{k}", f"w{k}"], act)
+    return b.build()
+
+
+def diamond() -> Graph:
+    """A multi-use DAG: ``p`` feeds two branches that meet again; a backward-only value ``sq``.
+
+        p = x * w;  l = sin(p);  r = cos(p);  m = l * r;  loss = sum(m)
+
+    The backward of sin/cos reads ``p`` through ``c = cos(p)`` and ``s = sin(p)`` again, which
+    are backward-only here: autograd derives them from ``p`` in the backward unless saved.
+    """
+    b = GraphBuilder()
+    b.input("x", 8)
+    b.input("w", 8)
+    b.input("tan", 1, tangent=True)
+    b.fwd("p", ["x", "w"], 16, cost=1.0, flops=16)
+    b.fwd("l", ["p"], 16, cost=4.0, flops=64)
+    b.fwd("r", ["p"], 16, cost=4.0, flops=64)
+    b.fwd("m", ["l", "r"], 16, cost=1.0, flops=16)
+    b.fwd("loss", ["m"], 1, cost=1.0, flops=16, output=True)
+    b.fwd("c", ["p"], 16, cost=4.0, flops=64)  # backward-only: cos(p) for sin's backward
+    b.fwd("s", ["p"], 16, cost=4.0, flops=64)  # backward-only: sin(p) for cos's backward
+    b.bwd("g_m", ["tan"], 16)
+    b.bwd("g_l", ["g_m", "r"], 16)
+    b.bwd("g_r", ["g_m", "l"], 16)
+    b.bwd("g_p1", ["g_l", "c"], 16)
+    b.bwd("g_p2", ["g_r", "s"], 16)
+    b.bwd("g_p", ["g_p1", "g_p2"], 16)
+    b.bwd("g_w", ["g_p", "x"], 8, output=True)
+    return b.build()
+
+
+HAND_GRAPHS = {
+    "mlp2": mlp2,
+    "residual_block": residual_block,
+    "chain4": lambda: chain(4),
+    "chain8": lambda: chain(8),
+    "diamond": diamond,
+}
+
+
+# ----------------------------------------------------------------- random training steps
+def random_training_graph(draw, st, *, min_forward: int = 3, max_forward: int = 12) -> Graph:
+    """A random joint graph shaped like autograd's: parameters and an input, a forward DAG with
+    some views, random (non-recomputable) ops and tuple-returning ops, a scalar loss, and a
+    backward that walks the forward in reverse, each step reading the incoming gradient and
+    0-2 forward values (the op's inputs or output, as autograd's saved tensors are).
+
+    ``draw`` and ``st`` are hypothesis' ``data.draw`` and ``strategies`` (kept as arguments so this
+    module imports without hypothesis)."""
+    b = GraphBuilder()
+    b.input("x", draw(st.integers(1, 16)))
+    params = [f"w{k}" for k in range(draw(st.integers(1, 3)))]
+    for p in params:
+        b.input(p, draw(st.integers(1, 8)))
+    b.input("tangent", 1, tangent=True)
+
+    forward: list[str] = []  # forward values, in order (getitems included, tuples not)
+    reads: dict[str, list[str]] = {}  # forward value -> the values its backward may read
+    n_forward = draw(st.integers(min_forward, max_forward))
+    while len(forward) < n_forward:
+        k = len(b.nodes)
+        pool = ["x", *params, *forward]
+        op = draw(st.sampled_from(["op", "op", "op", "op", "view", "random", "tuple"]))
+        if op == "view":
+            base = draw(st.sampled_from(pool))
+            name = f"v{k}"
+            b.fwd(name, [base], view_of=base, cost=0.0, flops=0)
+            reads[name] = []
+        elif op == "tuple":
+            args = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=2, unique=True))
+            random = draw(st.booleans())
+            tup = f"t{k}"
+            b.fwd(tup, args, draw(st.sampled_from([0, 4])), cost=draw(st.sampled_from([1.0, 2.0])),
+                  tensor=False, recomputable=not random)
+            for m in range(draw(st.integers(1, 2))):
+                name = f"t{k}_{m}"
+                b.fwd(name, [tup], draw(st.integers(1, 32)), cost=0.0, flops=0, recomputable=not random)
+                reads[name] = draw(st.lists(st.sampled_from(args + [name]), max_size=2, unique=True))
+                forward.append(name)
+            continue
+        else:
+            args = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=2, unique=True))
+            name = f"f{k}"
+            b.fwd(name, args, draw(st.integers(1, 32)), cost=draw(st.sampled_from([0.5, 1.0, 2.0, 4.0])),
+                  recomputable=op != "random")
+            reads[name] = draw(st.lists(st.sampled_from(args + [name]), max_size=2, unique=True))
+        forward.append(name)
+
+    # The loss reads the last value and maybe one more; values off its path are backward-only
+    # when the backward reads them, and dead otherwise.
+    loss_args = [forward[-1]] + draw(st.lists(st.sampled_from(forward[:-1] or forward), max_size=1))
+    b.fwd("loss", list(dict.fromkeys(loss_args)), 1, cost=0.5, output=True)
+
+    grad = b.bwd("g_loss", ["tangent"], draw(st.integers(1, 32)))
+    grad_name = "g_loss"
+    for name in reversed(forward):
+        saved = [r for r in reads[name] if r not in params and r != "x"]
+        inputs = [grad_name, *saved]
+        if draw(st.integers(0, 5)) == 0:  # a view of the incoming gradient
+            gname = f"gv_{name}"
+            b.bwd(gname, [grad_name], view_of=grad_name)
+        else:
+            gname = f"g_{name}"
+            b.bwd(gname, inputs, draw(st.integers(1, 32)))
+        grad_name = gname
+        node = b.nodes[b.index[name]]
+        for j in node.inputs:
+            p = b.nodes[j].name
+            if p in params and f"g_{p}_{name}" not in b.index:
+                b.bwd(f"g_{p}_{name}", [grad_name, *saved], b.nodes[j].bytes, output=True)
+    b.bwd("g_x", [grad_name], b.nodes[0].bytes, output=True)
+    del grad
+    return b.build()
