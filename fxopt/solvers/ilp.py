@@ -27,10 +27,12 @@ solve returns the smallest budget this model can reach.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import time
-
 import importlib.util
+import os
+import sys
+import time
 
 import pulp
 
@@ -48,9 +50,9 @@ class IlpResult:
     variables: int
 
 
-def _backward_profile(graph: Graph) -> list[int]:
-    """Bytes of backward values and tangents live at each backward node (after it allocates),
-    plus what is resident for the whole step (inputs, forward outputs)."""
+def _backward_profile(graph: Graph) -> tuple[list[int], list[int]]:
+    """Bytes of backward values and tangents live at each backward node while it runs (and just
+    before it allocates), plus what is resident for the whole step (inputs, forward outputs)."""
     nodes = graph.nodes
     bwd = graph.backward_nodes
     pos = {b: k for k, b in enumerate(bwd)}
@@ -89,13 +91,14 @@ def _backward_profile(graph: Graph) -> list[int]:
     for b in bwd:
         if not nodes[b].output:
             dying.setdefault(last.get(b, pos[b]), []).append(b)
-    profile = []
+    profile, before = [], []
     for k, b in enumerate(bwd):
+        before.append(base + live)
         hold(b)
         profile.append(base + live + nodes[b].workspace)
         for j in dying.get(k, ()):
             let_go(j)
-    return profile
+    return profile, before
 
 
 def _forward_profile(graph: Graph, order: list[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
@@ -127,6 +130,25 @@ def _forward_profile(graph: Graph, order: list[int]) -> tuple[list[int], dict[in
         live += delta[k]
         profile.append(live + nodes[order[k]].workspace)
     return profile, {r: (s, end[r]) for r, s in start.items()}
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool):
+    """Silence the solver's own banner, which HiGHS prints from C++ whatever its options say."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def default_backend() -> str:
@@ -258,7 +280,7 @@ def solve_ilp(
                     prob += R[t, i] <= s(t, j) + r(t, j)
 
     # Memory in the backward.
-    profile = _backward_profile(graph)
+    profile, before = _backward_profile(graph)
     stage_of = {}
     t = 0
     for k in range(len(bwd)):
@@ -267,12 +289,28 @@ def solve_ilp(
         stage_of[k] = t
     for k in range(len(bwd)):
         t = stage_of[k]
-        at_stage = t < T and stages[t] == k
-        terms = [(mem_bytes(i), s(t, i)) for i in cands if t <= last[i]]
-        if at_stage:
-            terms += [(mem_bytes(i) + nodes[i].workspace, R[t, i]) for i in anc[t] if (t, i) in R]
-        expr = pulp.lpSum(b * v for b, v in terms if b)
-        prob += expr + profile[k] <= peak
+        resident = [(mem_bytes(i), s(t, i)) for i in cands if t <= last[i]]
+        if not (t < T and stages[t] == k):
+            prob += pulp.lpSum(b * v for b, v in resident if b) + profile[k] <= peak
+            continue
+        # While stage t recomputes: at most everything it recomputes is alive.
+        recomputing = [(mem_bytes(i) + nodes[i].workspace, R[t, i]) for i in anc[t] if (t, i) in R]
+        prob += pulp.lpSum(b * v for b, v in resident + recomputing if b) + before[k] <= peak
+        # While the stage's node runs: what it reads, and recomputed values kept for later
+        # (K = R and S[t+1]); recomputation intermediates are dead by then.
+        running = []
+        for i in anc[t]:
+            if (t, i) not in R or not mem_bytes(i):
+                continue
+            if i in reads[t]:
+                running.append((mem_bytes(i), R[t, i]))
+                continue
+            if not isinstance(s(t + 1, i), pulp.LpVariable):
+                continue  # not kept past this stage: freed before the stage's node runs
+            kept = pulp.LpVariable(f"K_{t}_{i}", lowBound=0)
+            prob += kept >= R[t, i] + S[t + 1, i] - 1
+            running.append((mem_bytes(i), kept))
+        prob += pulp.lpSum(b * v for b, v in resident + running if b) + profile[k] <= peak
     # Tangents and every saved value, as the backward starts.
     tangent_bytes = sum(nodes[i].bytes for i, n in enumerate(nodes) if n.tangent)
     resident_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
@@ -328,7 +366,8 @@ def solve_ilp(
                                    warmStart=warm_start is not None)
     else:
         raise ValueError(f"unknown ILP backend {backend!r}; use 'highs' or 'cbc'")
-    prob.solve(solver)
+    with _quiet(not verbose):
+        prob.solve(solver)
     seconds = time.perf_counter() - t0
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         status = "infeasible" if prob.status == pulp.LpStatusInfeasible else "timeout"
