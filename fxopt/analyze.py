@@ -23,6 +23,7 @@ from torch.utils.flop_counter import flop_registry
 import logging
 
 from fxopt.errors import CaptureError
+from fxopt.scratch import op_increases
 from fxopt.solvers.graph import Graph, Node
 
 log = logging.getLogger("fxopt")
@@ -113,64 +114,16 @@ def _flops(node: fx.Node) -> int:
         return 0
 
 
-# Ops known to hold scratch memory while they run (CPU im2col buffers, cuDNN workspaces). Their
-# workspace is measured once per signature by running the op on real tensors of the same shapes.
-_WORKSPACE_OPS = {
-    torch.ops.aten.convolution.default,
-    torch.ops.aten.convolution_backward.default,
-    torch.ops.aten._convolution.default,
-}
-_workspace_cache: dict[tuple, int] = {}
+# The same op can take a few hundred bytes more in the step than alone (allocator and library
+# bookkeeping); a small margin on measured scratch keeps the prediction an upper bound.
+_SCRATCH_MARGIN = 4096
 
 
-def _workspace(node: fx.Node, own_bytes: int) -> int:
-    """Bytes the op needs while it runs beyond ``own_bytes``. For a multi-output op that includes
+def _scratch(increase: int, own_bytes: int) -> int:
+    """Bytes an op holds while it runs beyond its own storage. For a multi-output op that includes
     the outputs taken out by the getitems that follow it: they are allocated with the op."""
-    if node.target not in _WORKSPACE_OPS:
-        return 0
-
-    def sig(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                return ("T", tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device))
-        return repr(a)
-
-    key = (str(node.target), tuple(sig(a) for a in node.args), tuple(sorted((k, sig(v)) for k, v in node.kwargs.items())))
-    if key not in _workspace_cache:
-        _workspace_cache[key] = _measure_increase(node)
-    return max(0, _workspace_cache[key] - own_bytes)
-
-
-def _measure_increase(node: fx.Node) -> int:
-    """Peak bytes allocated while running the op once on made-up inputs of the same layout."""
-    from fxopt.measure import measure_peak
-
-    def real(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
-                return t.normal_() if t.is_floating_point() else t.zero_()
-        return a
-
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    try:
-        with unset_fake_temporarily(), torch.no_grad():
-            args = torch.fx.node.map_aggregate(node.args, real)
-            kwargs = torch.fx.node.map_aggregate(node.kwargs, real)
-            res = measure_peak(lambda: node.target(*args, **kwargs), device=_device_of(node))
-    except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs: assume no scratch
-        log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming none", node.name, err)
-        return 0
-    return res.increase_bytes
-
-
-def _device_of(node: fx.Node) -> torch.device:
-    for t in _tensors(node.meta.get("val")):
-        return t.device
-    return torch.device("cpu")
+    extra = increase - own_bytes
+    return extra + _SCRATCH_MARGIN if extra > 0 else 0
 
 
 def _module_path(node: fx.Node) -> str:
@@ -225,6 +178,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         if n.op == "call_function" and not n.all_input_nodes and n.meta.get("partitioner_tag") == "is_backward"
     }
 
+    increases = op_increases(fx_nodes)
     storage_owner: dict[StorageWeakRef, int] = {}
     nodes: list[Node] = []
     for i, n in enumerate(fx_nodes):
@@ -266,7 +220,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                 kind=kind,
                 inputs=tuple(index[a] for a in n.all_input_nodes),
                 bytes=own_bytes,
-                workspace=_workspace(n, own_bytes) if n.op == "call_function" else 0,
+                workspace=_scratch(increases.get(n, 0), own_bytes),
                 flops=flops,
                 cost=0.0 if n.op == "placeholder" else cost_model.seconds(flops, moved, storage is not None),
                 storage=storage,

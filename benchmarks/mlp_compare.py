@@ -1,0 +1,501 @@
+"""Peak memory, extra FLOPs and step time of one training step of REFERENCE.md §2's MLP under
+eager, per-block torch.utils.checkpoint, torch.compile's activation_memory_budget and fxopt.
+
+    python -m benchmarks.mlp_compare [--quick] [--out benchmarks/results]
+
+Model: 8 residual blocks ``relu(l2(relu(l1(x)))) + x``, fp32, loss = output.sum() (inside the
+model). Full: width 512, batch 4096. ``--quick``: width 256, batch 1024 and, unless
+``--time-limit`` is given, a 5 s ILP time limit instead of 60 s (fxopt's infeasible-budget path
+alone runs the ILP to its time limit, which would make the quick run take ~15 minutes).
+
+Every method shares the same parameters and input and is measured the same way:
+- peak: `fxopt.measure_peak` of one forward+backward after one untimed warm-up step (which
+  compiles/plans), with ``model.zero_grad(set_to_none=True)`` just before it (outside the measured
+  step) and the model and input passed as ``resident``: parameters + input + gradients +
+  everything allocated during the step;
+- gradients of the measured step against an eager reference (``torch.testing.assert_close``,
+  default fp32 tolerances);
+- FLOPs: ``torch.utils.flop_counter`` over one step, minus eager's count. Dynamo skips compiled
+  frames while a dispatch mode that does not set ``ignore_compile_internals`` is active (the
+  step would silently run eagerly and count eager's FLOPs), so the counter's dispatch mode is
+  used on its own (without FlopCounterMode's module tracker, whose hooks break Dynamo's tracing)
+  with ``ignore_compile_internals() -> True``; the step is already compiled, so this only lets
+  the cached compiled code run under the counter. A recompilation during the count is flagged;
+- step time: median of 5 steps, each paired with an eager step run just before it (interleaved),
+  reported as the ratio of the medians.
+
+Results go to ``<out>/mlp_compare.md`` and ``<out>/mlp_compare.json``, rewritten after every
+row, so an interrupted run leaves what it has measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._functorch.config
+import torch.nn as nn
+import torch.utils.checkpoint
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
+
+import fxopt
+
+MiB = 2**20
+DEPTH = 8
+TIMED_STEPS = 5
+COMPILE_BUDGETS = (1.0, 0.5, 0.1, 0.0)
+FXOPT_SOLVERS = ("checkpoint", "greedy", "ilp", "auto")
+FXOPT_FRACTIONS = (1.0, 0.75, 0.5, 0.4)
+
+
+# --------------------------------------------------------------------------------------------
+# model
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.l1 = nn.Linear(width, width)
+        self.l2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.l2(torch.relu(self.l1(x)))) + x
+
+
+class ResidualMLP(nn.Module):
+    """Returns the loss (``output.sum()``)."""
+
+    def __init__(self, width: int, depth: int = DEPTH):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def checkpointed(model: ResidualMLP) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for block in model.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x.sum()
+
+    return forward
+
+
+# --------------------------------------------------------------------------------------------
+# measuring
+
+
+def train_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    loss = fn(x)
+    loss.backward()
+    return loss.detach()
+
+
+class _CompiledFlopCounter(_FlopCounterMode):
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+def count_flops(model: nn.Module, fn, x) -> tuple[int, bool]:
+    """FLOPs of one step (FlopCounterMode's formulas); True when Dynamo compiled during it."""
+    model.zero_grad(set_to_none=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    counter = FlopCounterMode(display=False)
+    with _CompiledFlopCounter(counter):
+        train_step(fn, x)
+    recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs
+    return counter.get_total_flops(), recompiled
+
+
+def compare_grads(model: nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, Any]:
+    ok, first_error, max_abs, max_rel = True, None, 0.0, 0.0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            ok, first_error = False, first_error or f"{name}: no gradient"
+            continue
+        diff = (p.grad - ref[name]).abs()
+        max_abs = max(max_abs, diff.max().item())
+        max_rel = max(max_rel, (diff / ref[name].abs().clamp_min(1e-12)).max().item())
+        try:
+            torch.testing.assert_close(p.grad, ref[name])
+        except AssertionError as err:
+            ok = False
+            first_error = first_error or f"{name}: " + " ".join(str(err).split())[:200]
+    return {"grads_equal": ok, "grad_max_abs_diff": max_abs, "grad_max_rel_diff": max_rel,
+            "grad_error": first_error}
+
+
+def time_steps(model: nn.Module, fn, eager_fn, x, n: int = TIMED_STEPS) -> tuple[list[float], list[float]]:
+    """Seconds of ``fn``'s steps and of eager's, interleaved (eager then fn, n times)."""
+    t_eager, t_fn = [], []
+    for _ in range(n):
+        for f, out in ((eager_fn, t_eager), (fn, t_fn)):
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            train_step(f, x)
+            out.append(time.perf_counter() - t0)
+    return t_fn, t_eager
+
+
+# --------------------------------------------------------------------------------------------
+# the benchmark
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.quick = args.quick
+        self.width, self.batch = (256, 1024) if args.quick else (512, 4096)
+        self.time_limit = args.time_limit if args.time_limit is not None else (5.0 if args.quick else 60.0)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(0)
+        self.model = ResidualMLP(self.width)
+        self.x = torch.randn(self.batch, self.width)
+        self.params_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.input_bytes = self.x.numel() * self.x.element_size()
+        self.rows: list[dict[str, Any]] = []
+        self.t_start = time.perf_counter()
+        self.meta = {
+            "command": "python -m benchmarks.mlp_compare " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "fxopt": fxopt.__version__,
+            "python": sys.version.split()[0],
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "width": self.width,
+            "batch": self.batch,
+            "depth": DEPTH,
+            "dtype": "float32",
+            "ilp_time_limit_s": self.time_limit,
+            "params_bytes": self.params_bytes,
+            "input_bytes": self.input_bytes,
+        }
+        self.eager_flops: int | None = None
+        self.eager_peak: int | None = None
+        self.ref_grads: dict[str, torch.Tensor] = {}
+        self.ref_loss: float | None = None
+
+    # ---- one method ------------------------------------------------------------------------
+
+    def measure(self, row: dict[str, Any], build: Callable[[], Any], *, warmup_ctx=None,
+                after_warmup: Callable[[Any, dict], None] | None = None) -> dict[str, Any] | None:
+        """Build, warm up, then measure peak + grads, FLOPs and step time. Returns the row, or
+        None when the build/warm-up raised InfeasibleBudgetError (re-raised to the caller)."""
+        model, x = self.model, self.x
+        log(f"--- {row['method']} @ {row['budget']}")
+        torch._dynamo.reset()
+        gc.collect()
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                fn = build()
+                if warmup_ctx is not None:
+                    with warmup_ctx():
+                        train_step(fn, x)
+                else:
+                    train_step(fn, x)
+            finally:
+                row["first_call_s"] = time.perf_counter() - t0
+                notes = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0][:120]}"
+                                for w in caught if "Timeout" in w.category.__name__
+                                or w.category.__module__.startswith("fxopt")})
+                row.setdefault("notes", []).extend(notes)
+        if after_warmup is not None:
+            after_warmup(fn, row)
+
+        # peak (and the gradients of that same step)
+        model.zero_grad(set_to_none=True)
+        pm = fxopt.measure_peak(lambda inp: train_step(fn, inp), x, resident=[model, x])
+        row["measured_peak_bytes"] = pm.peak_bytes
+        row["measured_start_bytes"] = pm.start_bytes
+        row["loss"] = float(pm.result)
+        if self.ref_loss is not None:
+            row["loss_abs_diff"] = abs(float(pm.result) - self.ref_loss)
+        if self.ref_grads:
+            row.update(compare_grads(model, self.ref_grads))
+        if row.get("budget_bytes") is not None:
+            row["within_budget"] = pm.peak_bytes <= row["budget_bytes"]
+
+        # FLOPs
+        flops, recompiled = count_flops(model, fn, x)
+        row["flops"] = flops
+        if recompiled:
+            row["notes"].append("Dynamo recompiled during the FLOP count (count may be off)")
+        if self.eager_flops is not None:
+            row["extra_flops"] = flops - self.eager_flops
+
+        # step time, interleaved with eager
+        t_fn, t_eager = time_steps(model, fn, model, x)
+        row["step_s"] = statistics.median(t_fn)
+        row["eager_step_s_paired"] = statistics.median(t_eager)
+        row["step_ratio"] = row["step_s"] / row["eager_step_s_paired"]
+        row["step_ratio_median_of_pairs"] = statistics.median(a / b for a, b in zip(t_fn, t_eager))
+        row["step_times_s"] = t_fn
+        row["eager_step_times_s"] = t_eager
+        model.zero_grad(set_to_none=True)
+        del fn
+        torch._dynamo.reset()
+        gc.collect()
+        log(f"    measured {mib(row['measured_peak_bytes'])} MiB, extra "
+            f"{row.get('extra_flops', 0) / 1e9:.3f} GFLOP, ratio {row['step_ratio']:.2f}, "
+            f"grads {'ok' if row.get('grads_equal', True) else 'MISMATCH'}")
+        return row
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self.write(final=False)
+
+    # ---- methods ---------------------------------------------------------------------------
+
+    def run_eager(self) -> None:
+        model, x = self.model, self.x
+        # reference gradients: one warm-up step, then the reference step
+        model.zero_grad(set_to_none=True)
+        train_step(model, x)
+        model.zero_grad(set_to_none=True)
+        self.ref_loss = float(train_step(model, x))
+        self.ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        row = self.measure({"method": "eager", "budget": "–"}, lambda: model)
+        self.eager_flops = row["flops"]
+        self.eager_peak = row["measured_peak_bytes"]
+        row["extra_flops"] = 0
+        self.add(row)
+
+    def run_checkpoint(self) -> None:
+        row = self.measure({"method": "eager + torch.utils.checkpoint per block", "budget": "–"},
+                           lambda: checkpointed(self.model))
+        self.add(row)
+
+    def run_compile(self, amb: float) -> None:
+        def ctx():
+            return torch._functorch.config.patch(activation_memory_budget=amb)
+
+        row = {"method": "torch.compile aot_eager_decomp_partition", "budget": f"activation_memory_budget={amb}",
+               "activation_memory_budget": amb}
+        try:
+            self.measure(row, lambda: torch.compile(self.model, backend="aot_eager_decomp_partition"), warmup_ctx=ctx)
+        except Exception as err:  # noqa: BLE001 - record, go on
+            row["error"] = error_line(err)
+            log(traceback.format_exc())
+        self.add(row)
+
+    def run_fxopt(self, solver: str, budget: int | float, label: str) -> int | None:
+        """One fxopt row; returns err.min_budget when the budget was infeasible."""
+        row: dict[str, Any] = {"method": f"fxopt {solver}", "solver_requested": solver, "budget": label,
+                               "budget_arg": budget}
+
+        def after_warmup(fn, row):
+            plan = fn.plan
+            row.update({
+                "budget_bytes": plan.budget_bytes,
+                "predicted_peak_bytes": plan.peak_bytes,
+                "predicted_eager_peak_bytes": plan.eager_peak_bytes,
+                "predicted_extra_flops": plan.recompute_flops,
+                "plan_solver": plan.solver,
+                "plan_status": plan.status,
+                "solve_seconds": plan.solve_seconds,
+                "n_saved": len(plan.saved),
+                "n_recomputations": sum(plan.recomputed.values()),
+            })
+            if len(fn.plans) != 1:
+                row["notes"].append(f"{len(fn.plans)} plans were made")
+
+        try:
+            self.measure(row, lambda: fxopt.optimize(self.model, budget, solver=solver, time_limit=self.time_limit),
+                         after_warmup=after_warmup)
+        except fxopt.InfeasibleBudgetError as err:
+            row.update({"infeasible": True, "budget_bytes": err.budget, "min_budget_bytes": err.min_budget})
+            if err.min_budget <= err.budget:
+                row.setdefault("notes", []).append(
+                    f"InfeasibleBudgetError although min_budget {err.min_budget} <= budget {err.budget}")
+            log(f"    infeasible: budget {mib(err.budget)} MiB, min_budget {mib(err.min_budget)} MiB "
+                f"({err.min_budget} B) after {row['first_call_s']:.1f} s")
+            self.add(row)
+            return err.min_budget
+        except Exception as err:  # noqa: BLE001 - record, go on
+            row["error"] = error_line(err)
+            log(traceback.format_exc())
+        else:
+            if row.get("extra_flops") is not None and row["extra_flops"] != row["predicted_extra_flops"]:
+                row["notes"].append(
+                    f"measured extra FLOPs {row['extra_flops']} != plan.recompute_flops {row['predicted_extra_flops']}")
+            if not row["within_budget"]:
+                row["notes"].append("MEASURED PEAK EXCEEDS BUDGET")
+        self.add(row)
+        return None
+
+    def run(self) -> None:
+        log(f"width {self.width}, batch {self.batch}, depth {DEPTH}; params {mib(self.params_bytes)} MiB, "
+            f"input {mib(self.input_bytes)} MiB; ILP time limit {self.time_limit} s")
+        self.run_eager()
+        self.run_checkpoint()
+        for amb in COMPILE_BUDGETS:
+            self.run_compile(amb)
+        assert self.eager_peak is not None
+        half = self.params_bytes + (self.eager_peak - self.params_bytes) // 2
+        self.meta["half_non_param_budget_bytes"] = half
+        budgets: list[tuple[int | float, str]] = [(f, f"{f:g} of eager") for f in FXOPT_FRACTIONS]
+        budgets.append((half, f"½ non-param ({half} B)"))
+        for solver in FXOPT_SOLVERS:
+            done_min: set[int] = set()
+            for budget, label in budgets:
+                min_budget = self.run_fxopt(solver, budget, label)
+                if min_budget is not None and min_budget not in done_min:
+                    done_min.add(min_budget)
+                    again = self.run_fxopt(solver, int(min_budget), f"min_budget ({min_budget} B)")
+                    if again is not None:
+                        log(f"    still infeasible at its own min_budget: new min_budget {again}")
+        self.write(final=True)
+
+    # ---- output ----------------------------------------------------------------------------
+
+    def write(self, *, final: bool) -> None:
+        self.meta["elapsed_s"] = round(time.perf_counter() - self.t_start, 1)
+        self.meta["complete"] = final
+        self.meta["eager_measured_peak_bytes"] = self.eager_peak
+        pred_eager = next((r["predicted_eager_peak_bytes"] for r in self.rows if "predicted_eager_peak_bytes" in r), None)
+        self.meta["fxopt_predicted_eager_peak_bytes"] = pred_eager
+        rows = [{k: v for k, v in r.items()} for r in self.rows]
+        (self.out / "mlp_compare.json").write_text(json.dumps({"meta": self.meta, "rows": rows}, indent=1, default=str))
+        (self.out / "mlp_compare.md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        m = self.meta
+        lines = [
+            "# fxopt vs eager / checkpoint / torch.compile on the residual MLP",
+            "",
+            f"`{m['command']}` · {m['date']} · torch {m['torch']} · fxopt {m['fxopt']} · Python {m['python']} · "
+            f"{m['cpu_count']} CPUs ({m['torch_threads']} torch threads) · "
+            f"{'complete' if m['complete'] else 'INCOMPLETE (partial results)'}, {m['elapsed_s']:.0f} s",
+            "",
+            f"Model: {DEPTH} residual blocks `relu(l2(relu(l1(x)))) + x`, width {self.width}, batch {self.batch}, "
+            f"fp32, loss = output.sum(). Parameters {mib(self.params_bytes)} MiB (gradients the same), "
+            f"input {mib(self.input_bytes)} MiB. fxopt ILP time limit {self.time_limit:g} s.",
+            "",
+            "Measured peak = `fxopt.measure_peak` of one forward+backward after a warm-up step: parameters + "
+            "input + everything allocated during the step (gradients included). Fractional fxopt budgets are "
+            "fractions of fxopt's *predicted* eager peak "
+            + (f"({mib(m['fxopt_predicted_eager_peak_bytes'])} MiB; measured eager: {mib(self.eager_peak)} MiB)"
+               if m.get("fxopt_predicted_eager_peak_bytes") and self.eager_peak else "")
+            + ". Extra GFLOP: FlopCounterMode count of the step minus eager's (fxopt's prediction in brackets "
+            "where it differs). Step time ratio: median of 5 steps over the median of 5 eager steps interleaved "
+            "with them (this machine is shared with other jobs, so ratios are noisy; raw times are in the JSON). Planning s: fxopt's `plan.solve_seconds`; first call s: compile + plan + first step "
+            "(for an infeasible budget: until the error, including fxopt's min_budget search).",
+            "",
+            "| method | budget | predicted peak MiB | measured peak MiB | measured ≤ budget? | extra GFLOP "
+            "| step time ratio vs eager | planning s | first call s | grads equal? | plan (solver, status) | notes |",
+            "|---|---|---:|---:|:---:|---:|---:|---:|---:|:---:|---|---|",
+        ]
+        for r in self.rows:
+            lines.append("| " + " | ".join(self.cells(r)) + " |")
+        lines += ["", *self.findings()]
+        return "\n".join(lines) + "\n"
+
+    def cells(self, r: dict[str, Any]) -> list[str]:
+        budget = r["budget"]
+        if r.get("budget_bytes") is not None:
+            budget += f" = {mib(r['budget_bytes'])} MiB"
+        if r.get("infeasible"):
+            return [r["method"], budget, f"infeasible: min_budget {mib(r['min_budget_bytes'])} MiB", "–", "–", "–",
+                    "–", "–", f"{r['first_call_s']:.1f}", "–", "–", "; ".join(r.get("notes", []))]
+        if r.get("error"):
+            return [r["method"], budget, "–", "–", "–", "–", "–", "–", f"{r.get('first_call_s', 0):.1f}", "–", "–",
+                    "ERROR: " + r["error"]]
+        extra = r.get("extra_flops")
+        extra_s = "–" if extra is None else f"{extra / 1e9:.3f}"
+        pred_extra = r.get("predicted_extra_flops")
+        if pred_extra is not None and pred_extra != extra:
+            extra_s += f" ({pred_extra / 1e9:.3f})"
+        if r["method"] == "eager" and self.meta.get("fxopt_predicted_eager_peak_bytes"):
+            pred = f"({mib(self.meta['fxopt_predicted_eager_peak_bytes'])})"
+        else:
+            pred = mib(r["predicted_peak_bytes"]) if r.get("predicted_peak_bytes") is not None else "–"
+        within = "–" if r.get("within_budget") is None else ("yes" if r["within_budget"] else "**NO**")
+        grads = "–" if "grads_equal" not in r else ("yes" if r["grads_equal"] else
+                                                     f"**NO** (max abs diff {r['grad_max_abs_diff']:.2e})")
+        plan = f"{r['plan_solver']}, {r['plan_status']}" if r.get("plan_solver") else "–"
+        solve = f"{r['solve_seconds']:.2f}" if r.get("solve_seconds") is not None else "–"
+        return [r["method"], budget, pred, mib(r["measured_peak_bytes"]), within, extra_s, f"{r['step_ratio']:.2f}",
+                solve, f"{r['first_call_s']:.1f}", grads, plan, "; ".join(r.get("notes", []))]
+
+    def findings(self) -> list[str]:
+        out = ["Automatic checks:"]
+        fx = [r for r in self.rows if r["method"].startswith("fxopt") and "measured_peak_bytes" in r]
+        over = [r for r in fx if r.get("within_budget") is False]
+        out.append(f"- fxopt rows whose measured peak exceeds the budget: {len(over)}"
+                   + "".join(f"\n  - {r['method']} @ {r['budget']}: measured {mib(r['measured_peak_bytes'])} MiB > "
+                             f"budget {mib(r['budget_bytes'])} MiB (predicted {mib(r['predicted_peak_bytes'])} MiB)"
+                             for r in over))
+        bad = [r for r in self.rows if r.get("grads_equal") is False]
+        out.append(f"- rows whose gradients differ from eager: {len(bad)}"
+                   + "".join(f"\n  - {r['method']} @ {r['budget']}: {r.get('grad_error')}" for r in bad))
+        errs = [r for r in self.rows if r.get("error")]
+        out.append(f"- rows that raised an error: {len(errs)}"
+                   + "".join(f"\n  - {r['method']} @ {r['budget']}: {r['error']}" for r in errs))
+        odd = [r for r in self.rows if r.get("infeasible") and r["min_budget_bytes"] <= r["budget_bytes"]]
+        out.append(f"- InfeasibleBudgetError with min_budget <= budget: {len(odd)}"
+                   + "".join(f"\n  - {r['method']} @ {r['budget']}: min_budget {r['min_budget_bytes']} B <= "
+                             f"budget {r['budget_bytes']} B" for r in odd))
+        ck = next((r for r in self.rows if "checkpoint per block" in r["method"] and "measured_peak_bytes" in r), None)
+        if ck and fx:
+            best = min(fx, key=lambda r: r["measured_peak_bytes"])
+            cmp = "lower than" if ck["measured_peak_bytes"] < best["measured_peak_bytes"] else "not lower than"
+            out.append(f"- per-block torch.utils.checkpoint measured {mib(ck['measured_peak_bytes'])} MiB, "
+                       f"{cmp} fxopt's lowest measured peak {mib(best['measured_peak_bytes'])} MiB "
+                       f"({best['method']} @ {best['budget']})")
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def mib(n: int | float | None) -> str:
+    return "–" if n is None else f"{n / MiB:.2f}"
+
+
+def error_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="width 256, batch 1024 (and a 5 s ILP time limit)")
+    parser.add_argument("--out", default="benchmarks/results", help="output folder (default benchmarks/results)")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="fxopt ILP time limit in seconds (default 60; 5 with --quick)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    bench = Bench(args)
+    bench.run()
+    log(f"done in {time.perf_counter() - bench.t_start:.0f} s; wrote {bench.out}/mlp_compare.md and .json")
+
+
+if __name__ == "__main__":
+    main()

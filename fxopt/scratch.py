@@ -1,0 +1,146 @@
+"""Scratch memory of ops: bytes an op allocates while it runs beyond the outputs it returns.
+
+CPU kernels allocate temporaries that no graph shows: convolution's im2col buffers (about twice
+the input), ``native_dropout``'s float mask before it becomes a bool mask, the float copy of that
+mask in ``native_dropout_backward``. A peak bound must count them, so each distinct op signature
+(op, argument shapes, strides, dtypes, device, constants) is run once on made-up inputs of the
+same layout and its allocations are measured: on CUDA with the allocator's statistics, on CPU
+with ``torch.profiler`` memory events (one profiling session for all ops). Results are cached
+per process. The global RNG state is restored afterwards, so measuring a random op changes no
+dropout mask.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+log = logging.getLogger("fxopt")
+
+_cache: dict[tuple, int] = {}
+
+
+def _signature(node: fx.Node) -> tuple:
+    def sig(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return ("T", tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device))
+            return ("N", repr(v))
+        if isinstance(a, (list, tuple)):
+            return tuple(sig(x) for x in a)
+        return repr(a)
+
+    return (str(node.target), sig(tuple(node.args)), tuple(sorted((k, sig(v)) for k, v in node.kwargs.items())))
+
+
+def _measurable(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
+        return False
+    val = node.meta.get("val")
+    outs = [val] if isinstance(val, torch.Tensor) else [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (list, tuple)) else []
+    if not outs or any(o.numel() == 0 for o in outs):
+        return False
+    # Views allocate nothing: their output shares an input's storage.
+    return not (isinstance(val, torch.Tensor) and node.target.is_view)
+
+
+def _real_args(node: fx.Node):
+    def real(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                size = sum((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1 if v.numel() else 0
+                base = torch.empty(size + v.storage_offset(), dtype=v.dtype, device=v.device)
+                if base.is_floating_point() or base.is_complex():
+                    base.uniform_(0.1, 1.0)  # positive: safe for log, sqrt, division
+                else:
+                    base.zero_()  # valid indices, targets and masks
+                return base.as_strided(tuple(v.shape), tuple(v.stride()), v.storage_offset())
+            return v
+        return a
+
+    return torch.fx.node.map_aggregate(node.args, real), torch.fx.node.map_aggregate(node.kwargs, real)
+
+
+def op_increases(nodes: list[fx.Node]) -> dict[fx.Node, int]:
+    """For each measurable node, the peak bytes allocated while its op runs (outputs included)."""
+    todo: dict[tuple, fx.Node] = {}
+    keys: dict[fx.Node, tuple] = {}
+    for n in nodes:
+        if _measurable(n):
+            k = _signature(n)
+            keys[n] = k
+            if k not in _cache:
+                todo.setdefault(k, n)
+    if todo:
+        with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(
+            devices=sorted({v.device.index or 0 for n in todo.values() for v in _outs(n) if v.device.type == "cuda"}),
+        ):
+            _measure(todo)
+    return {n: _cache[k] for n, k in keys.items() if k in _cache}
+
+
+def _outs(node: fx.Node) -> list[torch.Tensor]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    return [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (list, tuple)) else []
+
+
+def _measure(todo: dict[tuple, fx.Node]) -> None:
+    cpu = {k: n for k, n in todo.items() if all(o.device.type == "cpu" for o in _outs(n))}
+    for k, n in todo.items():
+        if k in cpu:
+            continue
+        device = _outs(n)[0].device
+        if device.type != "cuda":
+            _cache[k] = 0
+            continue
+        try:
+            args, kwargs = _real_args(n)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+            out = n.target(*args, **kwargs)
+            torch.cuda.synchronize(device)
+            _cache[k] = torch.cuda.max_memory_allocated(device) - start
+            del out
+        except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
+            log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming none", n.target, err)
+            _cache[k] = 0
+    if not cpu:
+        return
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runs: list[tuple[tuple, str]] = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for idx, (k, n) in enumerate(cpu.items()):
+            label = f"fxopt_scratch_{idx}"
+            try:
+                args, kwargs = _real_args(n)
+                with record_function(label):
+                    out = n.target(*args, **kwargs)
+                    del out
+                runs.append((k, label))
+            except Exception as err:  # noqa: BLE001
+                log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming none", n.target, err)
+                _cache[k] = 0
+            del args, kwargs
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name().startswith("fxopt_scratch_")}
+    for k, label in runs:
+        lo, hi = windows.get(label, (0, -1))
+        live = top = 0
+        for e in memory:
+            if lo <= e.start_ns() <= hi:
+                live += e.nbytes()
+                top = max(top, live)
+        _cache[k] = top

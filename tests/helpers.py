@@ -1,0 +1,44 @@
+"""Shared by the end-to-end tests: run a training step eagerly and through fxopt, compare."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import fxopt
+from fxopt.models import loss_of
+
+
+def step(model, inputs):
+    loss = loss_of(model(*inputs))
+    loss.backward()
+    return loss
+
+
+def run_pair(model, inputs, budget, seed=1, **kwargs):
+    """Eager and fxopt copies of `model`, one step each under the same seed.
+    Returns (eager_model, fxopt_module, eager_loss, fxopt_loss)."""
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(copy.deepcopy(model), budget, example_inputs=inputs, **kwargs)
+    torch.manual_seed(seed)
+    loss_e = step(eager, inputs)
+    torch.manual_seed(seed)
+    loss_o = step(optimized, inputs)
+    return eager, optimized, loss_e, loss_o
+
+
+def assert_same_step(eager, optimized, loss_e, loss_o):
+    torch.testing.assert_close(loss_o, loss_e)
+    for (name, p_e), (_, p_o) in zip(eager.named_parameters(), optimized.named_parameters()):
+        assert (p_e.grad is None) == (p_o.grad is None), name
+        if p_e.grad is not None:
+            torch.testing.assert_close(p_o.grad, p_e.grad, msg=lambda m: f"grad of {name}: {m}")
+    for (name, b_e), (_, b_o) in zip(eager.named_buffers(), optimized.named_buffers()):
+        torch.testing.assert_close(b_o, b_e, msg=lambda m: f"buffer {name}: {m}")
+
+
+def measured_peak(module, inputs) -> int:
+    """Measured peak of one step, gradients freed before it (see fxopt.measure_peak)."""
+    module.zero_grad(set_to_none=True)
+    return fxopt.measure_peak(step, module, inputs, resident=[module, inputs]).peak_bytes
