@@ -94,8 +94,16 @@ def measure_peak(
     start = sum(_storages([*resident, args, kwargs]).values())
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+    from fxopt._quiet import silenced
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+    with silenced(2):  # the profiler announces its start and stop on stderr
+        prof.__enter__()
+    try:
         result = step(*args, **kwargs)
+    finally:
+        with silenced(2):
+            prof.__exit__(None, None, None)
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     live = top = 0
@@ -129,3 +137,33 @@ def _guess_device(*objs: Any) -> torch.device:
     for o in objs:
         walk(o)
     return found[0] if found else torch.device("cpu")
+
+
+class _FlopCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts FLOPs of every aten op with a formula in `torch.utils.flop_counter`, also inside code
+    compiled by fxopt (unlike FlopCounterMode, whose module hooks break Dynamo's capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+def count_flops(step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """FLOPs executed by ``step(*args, **kwargs)`` (matrix products, convolutions, attention)."""
+    with _FlopCounter() as counter:
+        step(*args, **kwargs)
+    return counter.flops

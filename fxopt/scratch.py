@@ -119,10 +119,16 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
         return
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from fxopt._quiet import silenced
+
     runs: list[tuple[tuple, str]] = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with silenced(2):
+        prof.__enter__()
+    try:
         for idx, (k, n) in enumerate(cpu.items()):
             label = f"fxopt_scratch_{idx}"
+            args = kwargs = None
             try:
                 args, kwargs = _real_args(n)
                 with record_function(label):
@@ -133,6 +139,9 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
                 log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming none", n.target, err)
                 _cache[k] = 0
             del args, kwargs
+    finally:
+        with silenced(2):
+            prof.__exit__(None, None, None)
     events = list(prof.profiler.kineto_results.events())
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
     windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name().startswith("fxopt_scratch_")}

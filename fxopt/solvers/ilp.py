@@ -30,12 +30,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import os
-import sys
 import time
 
 import pulp
 
+from fxopt._quiet import silenced
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.schedule import Schedule, must_save, with_fresh_aliases
 
@@ -130,25 +129,6 @@ def _forward_profile(graph: Graph, order: list[int]) -> tuple[list[int], dict[in
         live += delta[k]
         profile.append(live + nodes[order[k]].workspace)
     return profile, {r: (s, end[r]) for r, s in start.items()}
-
-
-@contextlib.contextmanager
-def _quiet(enabled: bool):
-    """Silence the solver's own banner, which HiGHS prints from C++ whatever its options say."""
-    if not enabled:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
 
 
 def default_backend() -> str:
@@ -366,7 +346,8 @@ def solve_ilp(
                                    warmStart=warm_start is not None)
     else:
         raise ValueError(f"unknown ILP backend {backend!r}; use 'highs' or 'cbc'")
-    with _quiet(not verbose):
+    # HiGHS prints a banner from C++ whatever its options say.
+    with contextlib.nullcontext() if verbose else silenced(1):
         prob.solve(solver)
     seconds = time.perf_counter() - t0
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):

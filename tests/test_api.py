@@ -1,0 +1,148 @@
+"""The public API: budgets, errors, plans, re-planning and the module contract."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxopt
+from fxopt.budget import resolve_budget
+from fxopt.models import residual_mlp
+from helpers import assert_same_step, run_pair, step
+
+
+def small():
+    torch.manual_seed(0)
+    return residual_mlp(blocks=3, width=64, batch=2048)
+
+
+@pytest.mark.parametrize(
+    "budget, expected",
+    [(1000, 1000), ("3GiB", 3 * 2**30), ("500MB", 500 * 10**6), ("1.5 KiB", 1536), ("512M", 512 * 2**20),
+     (0.5, 500), ("50%", 500), (1.0, 1000)],
+)
+def test_budget_forms(budget, expected):
+    assert resolve_budget(budget, eager_peak_bytes=1000) == expected
+
+
+@pytest.mark.parametrize("budget", [0, -5, "3 potatoes", "", 1.5, 0.0, float("nan"), True, None, "-3GiB", [1]])
+def test_bad_budgets_are_refused_early(budget):
+    model, inputs = small()
+    with pytest.raises(fxopt.BudgetError) as info:
+        fxopt.optimize(model, budget)
+    assert "budget" in str(info.value)
+    with pytest.raises(fxopt.BudgetError):
+        fxopt.plan(model, budget, inputs)
+
+
+def test_infeasible_budget_names_the_minimum():
+    model, inputs = small()
+    with pytest.raises(fxopt.InfeasibleBudgetError) as info:
+        fxopt.plan(model, 1000, inputs)
+    err = info.value
+    assert err.budget == 1000 and err.min_budget > 1000
+    assert "smallest feasible budget" in str(err) and str(err.min_budget) in str(err)
+    plan = fxopt.plan(model, err.min_budget, inputs)
+    assert plan.peak_bytes <= err.min_budget
+    with pytest.raises(fxopt.InfeasibleBudgetError):
+        fxopt.plan(model, err.min_budget - 1024, inputs)
+
+
+def test_plan_fields_and_json_round_trip(tmp_path):
+    model, inputs = small()
+    plan = fxopt.plan(model, 0.7, inputs)
+    assert plan.budget_bytes == int(0.7 * plan.eager_peak_bytes)
+    assert plan.peak_bytes <= plan.budget_bytes < plan.eager_peak_bytes
+    assert plan.recompute_flops > 0 and plan.recomputed and plan.saved
+    assert plan.status in ("optimal", "feasible", "heuristic") and plan.solve_seconds > 0
+    assert set(plan.decisions().values()) == {"SAVE", "RECOMPUTE"}
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    again = fxopt.Plan.from_json(path)
+    assert again.to_dict() == plan.to_dict()
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, 0.7)
+    replayed = fxopt.optimize(copy.deepcopy(model), 0.7, plan=again)
+    loss_r = step(replayed, inputs)
+    assert_same_step(eager, replayed, loss_e, loss_r)
+    assert replayed.plan is again
+
+
+def test_plan_for_another_shape_is_refused():
+    model, inputs = small()
+    plan = fxopt.plan(model, 0.8, inputs)
+    optimized = fxopt.optimize(model, 0.8, plan=plan)
+    with pytest.raises(fxopt.CaptureError, match="different graph"):
+        optimized(torch.randn(1024, 64))
+
+
+def test_plans_at_first_call_and_replans_for_new_shapes():
+    model, inputs = small()
+    optimized = fxopt.optimize(copy.deepcopy(model), 0.8)
+    assert optimized.plan is None
+    step(optimized, inputs)
+    assert len(optimized.plans) == 1
+    step(optimized, inputs)
+    assert len(optimized.plans) == 1  # same shape: no re-plan
+    step(optimized, (torch.randn(1024, 64),))
+    assert len(optimized.plans) == 2
+    assert optimized.plans[1].eager_peak_bytes < optimized.plans[0].eager_peak_bytes
+
+
+def test_module_contract():
+    model, inputs = small()
+    optimized = fxopt.optimize(model, 0.8, example_inputs=inputs)
+    assert list(optimized.state_dict()) == list(model.state_dict())
+    assert all(a is b for a, b in zip(optimized.parameters(), model.parameters()))
+    optimizer = torch.optim.SGD(optimized.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    step(optimized, inputs)
+    optimizer.step()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    optimized.eval()
+    assert not model.training
+    optimized.train()
+    assert model.training
+    assert optimized.blocks is model.blocks  # attributes of the original are reachable
+
+
+def test_graph_break_is_refused_with_the_reason():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.l(x)
+            if y.sum().item() > 0:  # data-dependent control flow: Dynamo must break the graph
+                y = y * 2
+            return y
+
+    optimized = fxopt.optimize(DataDependent(), 0.9)
+    with pytest.raises(fxopt.CaptureError, match="whole training step as one graph"):
+        optimized(torch.randn(4, 8))
+
+
+def test_wrong_arguments():
+    model, inputs = small()
+    with pytest.raises(TypeError, match="nn.Module"):
+        fxopt.optimize(lambda x: x, 0.5)
+    with pytest.raises(ValueError, match="unknown solver"):
+        fxopt.optimize(model, 0.5, solver="magic")
+
+
+def test_no_backward_is_reported():
+    model, inputs = small()
+    model.requires_grad_(False)
+    with pytest.raises(fxopt.CaptureError, match="no backward"):
+        fxopt.plan(model, 0.5, inputs)
+
+
+@pytest.mark.parametrize("solver", ["save_all", "checkpoint", "greedy", "ilp", "auto"])
+def test_every_solver_end_to_end(solver):
+    model, inputs = small()
+    budget = 1.0 if solver == "save_all" else 0.8
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, budget, solver=solver, time_limit=20)
+    assert_same_step(eager, optimized, loss_e, loss_o)
+    assert optimized.plan.solver == solver or solver == "auto"
+    assert optimized.plan.peak_bytes <= optimized.plan.budget_bytes
