@@ -170,6 +170,58 @@ def multi_output(batch: int = 256, width: int = 128):
     return MultiHead(width), (torch.randn(batch, width),)
 
 
+# ---------------------------------------------------------------- GPT-2-style language model
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln_1 = nn.LayerNorm(dim)
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.mlp_proj = nn.Linear(4 * dim, dim)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.resid_drop(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+        return x + self.resid_drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh")))
+
+
+class GPT(nn.Module):
+    """GPT-2's architecture (pre-LN blocks, learned positions, tied input/output embeddings),
+    returning the language-modelling loss."""
+
+    def __init__(self, layers: int = 12, dim: int = 768, heads: int = 12, vocab: int = 50257,
+                 max_seq: int = 1024, dropout: float = 0.1):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(max_seq, dim)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(GPTBlock(dim, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def gpt2(layers: int = 12, dim: int = 768, heads: int = 12, seq: int = 512, batch: int = 8, vocab: int = 50257):
+    """GPT-2 small by default (124M parameters, no pretrained weights)."""
+    idx = torch.randint(0, vocab, (batch, seq))
+    return GPT(layers, dim, heads, vocab, max_seq=max(seq, 1024)), (idx, torch.roll(idx, -1, dims=1))
+
+
 # The test zoo: sizes where activations, not parameters, dominate the step, so budgets well
 # below the eager peak are reachable, and each step takes milliseconds on a CPU.
 ZOO = {
@@ -179,4 +231,5 @@ ZOO = {
     "inplace_net": lambda: inplace_net(batch=2048, width=128),
     "tied_lm": lambda: tied_lm(batch=16, seq=128, vocab=256),
     "multi_output": lambda: multi_output(batch=2048, width=128),
+    "gpt2_tiny": lambda: gpt2(layers=2, dim=64, heads=4, seq=128, batch=8, vocab=512),
 }

@@ -23,7 +23,7 @@ from torch._functorch import partitioners as _p
 
 from fxopt.analyze import JointGraph
 from fxopt.errors import CaptureError
-from fxopt.solvers.schedule import Schedule
+from fxopt.solvers.schedule import Schedule, read_before_recompute
 
 
 def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -39,7 +39,9 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
 
     # What the backward reads from the forward: SAVEd values, and the inputs (parameters, user
     # inputs) it or its recomputations use; inputs cost nothing, they are alive anyway.
-    read = {j for i in schedule.backward for j in nodes[i].inputs}
+    # A SAVEd value counts only if the backward reads it before recomputing it: a saved tensor
+    # nothing reads would stay alive for nothing.
+    read = read_before_recompute(joint.graph, schedule.backward)
     wanted = (set(schedule.saved) & read) | {
         j for j in read if nodes[j].kind == "input" and not nodes[j].tangent
     }

@@ -36,7 +36,7 @@ import pulp
 
 from fxopt._quiet import silenced
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import Schedule, must_save, with_fresh_aliases
+from fxopt.solvers.schedule import Schedule, must_save, read_before_recompute, with_fresh_aliases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,8 +367,10 @@ def solve_ilp(
         done = k + 1
     events.extend(bwd[done:])
     status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
+    events = with_fresh_aliases(graph, events)
+    saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free)
     return IlpResult(
-        Schedule(frozenset(saved), with_fresh_aliases(graph, events)),
+        Schedule(frozenset(saved), events),
         status,
         pulp.value(prob.objective),
         pulp.value(peak) if minimize_peak else None,

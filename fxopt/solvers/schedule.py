@@ -223,6 +223,17 @@ def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
     return Schedule(saved, with_fresh_aliases(graph, events))
 
 
+def read_before_recompute(graph: Graph, backward: Iterable[int]) -> frozenset[int]:
+    """Values the backward reads before it recomputes them: the only SAVEd values worth keeping."""
+    read: set[int] = set()
+    recomputed: set[int] = set()
+    for i in backward:
+        read.update(j for j in graph.nodes[i].inputs if j not in recomputed)
+        if graph.nodes[i].kind == "forward":
+            recomputed.add(i)
+    return frozenset(read)
+
+
 def with_fresh_aliases(graph: Graph, events: Iterable[int]) -> tuple[int, ...]:
     """Finish an event list the way the generated code must run it:
     - before each event, fresh copies of the aliases (views) it reads;
