@@ -78,7 +78,8 @@ class FxoptModule(nn.Module):
 
     @property
     def plan(self) -> Plan | None:
-        return self.plans[-1] if self.plans else None
+        """The latest plan: the one given or made at construction, then the latest made."""
+        return self.plans[-1] if self.plans else self._options.plan
 
     @property
     def original(self) -> nn.Module:

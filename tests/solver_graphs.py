@@ -32,7 +32,7 @@ class GraphBuilder:
 
     def fwd(self, name: str, inputs, bytes: int = 0, *, cost: float = 1.0, flops: int | None = None,
             view_of: str | None = None, recomputable: bool = True, output: bool = False,
-            tensor: bool = True) -> int:
+            tensor: bool = True, workspace: int = 0) -> int:
         """A forward node. ``view_of``: the node whose storage it aliases (it then owns no bytes)."""
         return self._add(Node(
             name, "forward", self._ids(inputs),
@@ -40,7 +40,7 @@ class GraphBuilder:
             flops=int(cost * 100) if flops is None else flops,
             cost=cost,
             storage=self.index[view_of] if view_of else None,
-            recomputable=recomputable, output=output, tensor=tensor,
+            recomputable=recomputable, output=output, tensor=tensor, workspace=workspace,
         ))
 
     def bwd(self, name: str, inputs, bytes: int = 0, *, output: bool = False, view_of: str | None = None) -> int:

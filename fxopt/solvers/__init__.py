@@ -15,7 +15,7 @@ from collections.abc import Callable
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.heuristics import HEURISTICS
-from fxopt.solvers.ilp import solve_ilp
+from fxopt.solvers.ilp import default_backend, solve_ilp
 from fxopt.solvers.schedule import Schedule, Timeline, on_demand, save_all_set, simulate
 
 __all__ = ["Graph", "Node", "Schedule", "Timeline", "Solution", "SOLVERS", "solve", "simulate", "eager_schedule"]
@@ -83,7 +83,7 @@ def solve(
 
     ilp_status = None
     if solver == "ilp" or solver == "auto" and _ilp_size(graph) <= AUTO_ILP_MAX_VARIABLES:
-        progress("solver ilp (CBC)")
+        progress(f"solver ilp ({default_backend()})")
         start = min(fitting, key=lambda s: s.timeline.recompute_cost).schedule if fitting else None
         res = solve_ilp(graph, budget, time_limit=time_limit, warm_start=start)
         ilp_status = res.status
@@ -99,13 +99,19 @@ def solve(
                 SolverTimeoutWarning,
                 stacklevel=2,
             )
-        if res.status != "infeasible" and res.schedule is None and solver == "ilp":
+        if res.schedule is None and solver == "ilp":
+            # Fall back on the heuristics: the ILP's memory model is conservative, so a budget it
+            # calls infeasible may still be met by a simulated heuristic schedule.
+            before = len(fitting)
             for name in ("greedy", "checkpoint"):
                 for schedule, timeline in HEURISTICS[name](graph, budget):
                     consider(schedule, timeline, name, "heuristic")
+            if len(fitting) > before and res.status == "infeasible":
+                warnings.warn("the ILP found no plan within the budget; using the best heuristic",
+                              SolverTimeoutWarning, stacklevel=2)
 
     if not fitting:
-        min_budget = min_feasible_budget(graph, time_limit=time_limit, known=lowest_peak)
+        min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak)
         raise InfeasibleBudgetError(budget, min_budget)
     rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
     best = min(fitting, key=lambda s: (round(s.timeline.recompute_cost, 12), s.timeline.peak_bytes, rank[s.status]))
@@ -121,13 +127,16 @@ def _ilp_size(graph: Graph) -> int:
     return 2 * cands * max(1, len(graph.backward_nodes) // 2)
 
 
-def min_feasible_budget(graph: Graph, *, time_limit: float = 60.0, known: int | None = None) -> int:
-    """The smallest peak fxopt can reach for this graph: the ILP with the budget as its objective,
-    the heuristics' lowest peaks, whichever is lower. Every schedule is simulated."""
+def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float = 60.0,
+                        known: int | None = None) -> int:
+    """The smallest peak ``solver`` can reach for this graph: for a heuristic its lowest peak; for
+    the ILP its solve with the budget as the objective (and the heuristics it falls back on); for
+    "auto" the lowest of all. Every schedule is simulated."""
     peaks = [] if known is None else [known]
-    for name in ("checkpoint", "greedy"):
+    names = ("checkpoint", "greedy") if solver in ("auto", "ilp") else (solver,)
+    for name in names:
         peaks += [t.peak_bytes for _, t in HEURISTICS[name](graph, 0)]
-    if _ilp_size(graph) <= AUTO_ILP_MAX_VARIABLES:
+    if solver == "ilp" or solver == "auto" and _ilp_size(graph) <= AUTO_ILP_MAX_VARIABLES:
         res = solve_ilp(graph, None, minimize_peak=True, time_limit=time_limit)
         if res.schedule is not None:
             peaks.append(simulate(graph, res.schedule).peak_bytes)
