@@ -1,0 +1,375 @@
+"""Every solver on hand-built and random graphs (no tensors).
+
+Invariants checked on every plan: it simulates (every value used is available, every backward
+node runs once, in order), its peak is within the budget, the reported timeline is the simulated
+one, every value a node reads is counted live while the node runs, nothing but what the step
+keeps is left at the end, and random values are never recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from fxopt.errors import InfeasibleBudgetError
+from fxopt.solvers import SOLVERS, Solution, eager_schedule, simulate, solve
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.heuristics import HEURISTICS
+from fxopt.solvers.ilp import solve_ilp
+from fxopt.solvers.schedule import Schedule, Timeline, must_save
+from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, mlp2, random_training_graph
+
+STATUSES = {"optimal", "feasible", "heuristic"}
+TIME_LIMIT = 10.0
+
+
+# ------------------------------------------------------------------ invariants of a plan
+def _storage_bytes(graph: Graph, values) -> int:
+    return sum(graph.nodes[r].bytes for r in {graph.roots[i] for i in values})
+
+
+def assert_timeline_invariants(graph: Graph, schedule: Schedule, timeline: Timeline) -> None:
+    """Check the simulated timeline against bounds computed independently of the simulator."""
+    nodes = graph.nodes
+    always = {i for i, n in enumerate(nodes) if n.kind == "input" and not n.tangent}
+    tangents = {i for i, n in enumerate(nodes) if n.tangent}
+    forward = [e for e in timeline.events if e[0] == "forward"]
+    backward = [e for e in timeline.events if e[0] == "backward"]
+    assert timeline.peak_bytes == max(timeline.forward_peak_bytes, timeline.backward_peak_bytes)
+    assert timeline.forward_peak_bytes == max([_storage_bytes(graph, always)] + [e[2] for e in forward])
+    assert timeline.backward_peak_bytes == max(e[2] for e in backward)
+
+    # Forward: while a node runs, it, its inputs, the inputs of the step and what the forward keeps
+    # (SAVEd values and outputs computed so far) are all alive.
+    done: set[int] = set()
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    for _, name, live in forward:
+        i = by_name[name]
+        done.add(i)
+        kept = {j for j in done if j in schedule.saved or nodes[j].output}
+        needed = always | kept | {i} | set(nodes[i].inputs)
+        assert live >= _storage_bytes(graph, needed) + nodes[i].workspace, (name, live)
+
+    # Backward: the same, with the tangents and the gradients made so far.
+    assert backward[0][1] == "<start>"
+    forward_outputs = {i for i, n in enumerate(nodes) if n.kind == "forward" and n.output}
+    grads: set[int] = set()
+    for (_, name, live), i in zip(backward[1:], schedule.backward, strict=True):
+        assert nodes[i].name == name
+        if nodes[i].output:
+            grads.add(i)
+        needed = always | tangents | forward_outputs | grads | {i} | set(nodes[i].inputs)
+        assert live >= _storage_bytes(graph, needed) + nodes[i].workspace, (name, live)
+    # ... and while the last node runs, nothing else is left: no leak.
+    last = schedule.backward[-1]
+    kept = always | tangents | forward_outputs | grads | {last} | set(nodes[last].inputs)
+    assert backward[-1][2] == _storage_bytes(graph, kept) + nodes[last].workspace
+
+
+def assert_valid_solution(graph: Graph, budget: int, solution: Solution, solver: str) -> None:
+    assert solution.status in STATUSES
+    if solver in HEURISTICS:
+        assert (solution.solver, solution.status) == (solver, "heuristic")
+    elif solver == "ilp":
+        assert solution.solver in ("ilp", "greedy", "checkpoint")  # the ILP falls back on these
+    timeline = simulate(graph, solution.schedule)  # raises if the schedule is not valid
+    assert timeline == solution.timeline
+    assert timeline.peak_bytes <= budget
+    assert timeline.recompute_cost >= 0 and timeline.recompute_flops >= 0
+    assert must_save(graph) <= solution.schedule.saved
+    assert all(graph.nodes[i].recomputable for i in solution.schedule.recomputed(graph))
+    assert_timeline_invariants(graph, solution.schedule, timeline)
+
+
+# ------------------------------------------------------------------ hand-built graphs
+@functools.cache
+def eager_peak(name: str) -> int:
+    graph = HAND_GRAPHS[name]()
+    return simulate(graph, eager_schedule(graph)).peak_bytes
+
+
+@functools.cache
+def min_budget(name: str, solver: str = "auto") -> int:
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(HAND_GRAPHS[name](), 0, solver, time_limit=TIME_LIMIT)
+    return info.value.min_budget
+
+
+def _budget(name: str, kind: str) -> int:
+    if kind == "eager":
+        return eager_peak(name)
+    if kind == "min":
+        return min_budget(name)
+    return (eager_peak(name) + min_budget(name)) // 2
+
+
+@pytest.mark.parametrize("kind", ["eager", "between", "min"])
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("name", list(HAND_GRAPHS))
+def test_hand_graph(name, solver, kind):
+    graph = HAND_GRAPHS[name]()
+    budget = _budget(name, kind)
+    try:
+        solution = solve(graph, budget, solver, time_limit=TIME_LIMIT)
+    except InfeasibleBudgetError as err:
+        # Only a heuristic may fail above the minimum of "auto" (which is what "min" is); and the
+        # budget it names is one it can meet.
+        assert solver in HEURISTICS and kind != "eager"
+        assert err.budget == budget
+        assert err.min_budget > budget
+        assert f"({err.min_budget} bytes)" in str(err)
+        assert_valid_solution(graph, err.min_budget, solve(graph, err.min_budget, solver), solver)
+        return
+    assert_valid_solution(graph, budget, solution, solver)
+    if kind == "eager":  # what eager autograd does fits: nothing needs recomputing
+        assert solution.timeline.recompute_cost == 0
+        assert solution.timeline.recompute_flops == 0
+    if solver == "save_all":
+        assert solution.schedule == eager_schedule(graph)
+
+
+@pytest.mark.parametrize("name", list(HAND_GRAPHS))
+def test_hand_graph_below_min_budget(name):
+    graph = HAND_GRAPHS[name]()
+    lowest = min_budget(name)
+    assert lowest <= eager_peak(name)
+    for budget in (lowest - 1, lowest // 2, 0):
+        with pytest.raises(InfeasibleBudgetError) as info:
+            solve(graph, budget, "auto", time_limit=TIME_LIMIT)
+        err = info.value
+        assert (err.budget, err.min_budget) == (budget, lowest)
+        assert f"{lowest} bytes" in str(err)
+        again = pickle.loads(pickle.dumps(err))
+        assert (again.budget, again.min_budget) == (budget, lowest)
+
+
+@pytest.mark.parametrize("solver", ["save_all", "checkpoint", "greedy", "ilp"])
+@pytest.mark.parametrize("name", list(HAND_GRAPHS))
+def test_min_budget_of_each_solver_is_its_own(name, solver):
+    """The budget an error names is one the requested solver meets, and no lower one."""
+    graph = HAND_GRAPHS[name]()
+    lowest = min_budget(name, solver)
+    assert lowest >= min_budget(name)  # "auto" tries everything the others do
+    if solver == "save_all":
+        assert lowest == eager_peak(name)
+    assert_valid_solution(graph, lowest, solve(graph, lowest, solver, time_limit=TIME_LIMIT), solver)
+    with pytest.raises(InfeasibleBudgetError):
+        solve(graph, lowest - 1, solver, time_limit=TIME_LIMIT)
+
+
+@pytest.mark.parametrize("solver", ["ilp", "auto"])
+def test_mlp2_exact_optimum(solver):
+    """mlp2 at 70 bytes, worked out by hand (see test_schedule.MLP2_CASES):
+    when g_w2 allocates, g_o 32 + a 16 + g_w2 4 + the 18 always there = 70 are live: no schedule
+    goes lower. When g_a allocates, g_o + g_a + g_w2 + 18 = 70: neither a nor h may be alive then,
+    so a (needed again by relu's backward) is made twice; the second time from a recomputed h.
+    Cheapest: SAVE a for g_w2, then recompute h and a after g_a: cost 2 + 1 = 3."""
+    graph = mlp2()
+    solution = solve(graph, 70, solver, time_limit=TIME_LIMIT)
+    assert_valid_solution(graph, 70, solution, solver)
+    assert solution.timeline.peak_bytes == 70
+    assert solution.timeline.recompute_cost == pytest.approx(3.0)
+    assert solution.timeline.recompute_flops == 216
+    assert (solution.solver, solution.status) == ("ilp", "optimal")
+    assert min_budget("mlp2") == 70
+    # Eager keeps a through g_a: 86; the heuristics only ever make the first copy of a value.
+    assert eager_peak("mlp2") == 86
+    for heuristic in HEURISTICS:
+        assert min_budget("mlp2", heuristic) == 86
+
+
+def test_checkpointing_beats_eager_on_a_long_chain():
+    graph = chain(8)
+    eager = eager_peak("chain8")
+    solution = solve(graph, eager * 3 // 4, "checkpoint")
+    assert_valid_solution(graph, eager * 3 // 4, solution, "checkpoint")
+    assert solution.timeline.recompute_cost > 0  # fitting needs recomputation...
+    assert len(solution.schedule.saved) < 8  # ...of activations it does not keep
+
+
+def test_auto_never_costs_more_than_the_ilp_on_hand_graphs():
+    for name, make in HAND_GRAPHS.items():
+        graph = make()
+        for budget in (eager_peak(name), _budget(name, "between")):
+            ilp = solve_ilp(graph, budget, backend="highs", time_limit=TIME_LIMIT)
+            if ilp.status != "optimal":
+                continue
+            ilp_cost = simulate(graph, ilp.schedule).recompute_cost
+            best = solve(graph, budget, "auto", time_limit=TIME_LIMIT)
+            assert best.timeline.recompute_cost <= ilp_cost + 1e-9, name
+
+
+def test_unknown_solver():
+    with pytest.raises(ValueError, match="unknown solver"):
+        solve(mlp2(), 100, "magic")
+
+
+# ------------------------------------------------------------------ known bugs (minimal graphs)
+def _backward_only_chain() -> Graph:
+    """x 1 (input), tan 1; a = f(x), b = f(a), c = f(b), each 1 byte, all backward-only
+    (loss = f(x) does not need them); the backward reads c then a."""
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("a", ["x"], 1)
+    b.fwd("b", ["a"], 1)
+    b.fwd("c", ["b"], 1)
+    b.fwd("loss", ["x"], 1, output=True)
+    b.bwd("g_loss", ["tan"], 1)
+    b.bwd("g_c", ["g_loss", "c"], 1)
+    b.bwd("g_x", ["g_c", "a"], 1, output=True)
+    return b.build()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "min_feasible_budget reports the *simulated* peak (6) of the ILP's minimize-peak schedule, but "
+    "solve() at that budget asks the ILP for a schedule whose *modelled* peak (7, conservative) fits, "
+    "which it cannot, and no heuristic reaches 6: InfeasibleBudgetError(6, min_budget=6)"))
+@pytest.mark.parametrize("solver", ["auto", "ilp"])
+def test_min_budget_is_plannable_backward_only_chain(solver):
+    graph = _backward_only_chain()
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, 0, solver, time_limit=TIME_LIMIT)
+    lowest = info.value.min_budget
+    assert_valid_solution(graph, lowest, solve(graph, lowest, solver, time_limit=TIME_LIMIT), solver)
+
+
+def _saved_backward_only_keeps_its_input() -> Graph:
+    """x 1, tan 1; a = f(x) 4; b = f(a) 1; d = f(b) 8; loss = sum(d); c = f(a) 1 is backward-only
+    (only the backward reads it, like cos(a) for sin's backward)."""
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("a", ["x"], 4)
+    b.fwd("b", ["a"], 1)
+    b.fwd("d", ["b"], 8)
+    b.fwd("c", ["a"], 1)
+    b.fwd("loss", ["d"], 1, output=True)
+    b.bwd("g_loss", ["tan"], 1)
+    b.bwd("g_c", ["g_loss", "c"], 1)
+    b.bwd("g_x", ["g_c"], 1, output=True)
+    return b.build()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "the ILP's forward memory model ends a's life at its last forward-required use (b), but SAVEing "
+    "the backward-only c makes the forward compute c at its graph position, after d, so a (4 bytes) "
+    "is alive while d (8) runs: simulated forward peak 14, modelled 10. At budgets 11-13 the ILP "
+    "picks SAVE c and solve() raises 'ILP schedule peaks at 14 > budget 12'"))
+@pytest.mark.parametrize("solver", ["ilp", "auto"])
+def test_ilp_counts_inputs_of_saved_backward_only_values(solver):
+    graph = _saved_backward_only_keeps_its_input()
+    solution = solve(graph, 12, solver, time_limit=TIME_LIMIT)
+    assert_valid_solution(graph, 12, solution, solver)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a non-recomputable (random) value r whose input c is itself backward-only is in must_save but "
+    "not saveable (c is never computed in the forward), so the eager schedule saves r and simulate "
+    "rejects it: solve raises InvalidScheduleError instead of planning (compute c and r in the "
+    "forward and SAVE r, as eager autograd does)"))
+def test_random_op_on_backward_only_value():
+    b = GraphBuilder()
+    b.input("x", 8)
+    b.input("tan", 1, tangent=True)
+    b.fwd("p", ["x"], 8)
+    b.fwd("loss", ["p"], 1, output=True)
+    b.fwd("c", ["p"], 8)  # backward-only
+    b.fwd("r", ["c"], 8, recomputable=False)  # e.g. a random mask drawn from it
+    b.bwd("g_p", ["tan", "r"], 8)
+    b.bwd("g_x", ["g_p"], 8, output=True)
+    graph = b.build()
+    solution = solve(graph, 1000, "auto", time_limit=TIME_LIMIT)
+    assert_valid_solution(graph, 1000, solution, "auto")
+    assert graph.nodes.index(next(n for n in graph.nodes if n.name == "r")) in solution.schedule.saved
+
+
+# ------------------------------------------------------------------ random graphs
+@st.composite
+def training_graphs(draw):
+    return random_training_graph(draw, st, min_forward=3, max_forward=12)
+
+
+# Known bugs the property tests step around (each shown by an xfail test above): remove these
+# guards when the bug is fixed.
+def _ilp_over_budget(err: AssertionError) -> bool:  # test_ilp_counts_inputs_of_saved_backward_only_values
+    return "ILP schedule peaks at" in str(err)
+
+
+def _solve(graph: Graph, budget: int, solver: str) -> Solution | InfeasibleBudgetError:
+    try:
+        return solve(graph, budget, solver, time_limit=TIME_LIMIT)
+    except InfeasibleBudgetError as err:
+        return err
+    except AssertionError as err:
+        assume(not _ilp_over_budget(err))
+        raise
+
+
+PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY_SETTINGS
+@given(graph=training_graphs(), fraction=st.floats(0.3, 1.0))
+def test_random_graph_plans_are_valid(graph, fraction):
+    eager = simulate(graph, eager_schedule(graph)).peak_bytes
+    for budget in (eager, int(eager * fraction)):
+        for solver in SOLVERS:
+            result = _solve(graph, budget, solver)
+            if isinstance(result, InfeasibleBudgetError):
+                assert budget < eager, f"{solver} cannot plan the eager peak"
+                assert result.budget == budget and result.min_budget > budget
+                assert f"({result.min_budget} bytes)" in str(result)
+                continue
+            assert_valid_solution(graph, budget, result, solver)
+            if budget == eager:
+                assert result.timeline.recompute_cost == 0
+            if solver == "save_all":
+                assert result.schedule == eager_schedule(graph)
+
+
+@PROPERTY_SETTINGS
+@given(graph=training_graphs(), fraction=st.floats(0.3, 1.0))
+def test_random_graph_auto_is_cheapest_and_its_min_budget_plannable(graph, fraction):
+    eager = simulate(graph, eager_schedule(graph)).peak_bytes
+    budget = int(eager * fraction)
+    best = _solve(graph, budget, "auto")
+    for name, heuristic in HEURISTICS.items():
+        fitting = [t.recompute_cost for _, t in heuristic(graph, budget) if t.peak_bytes <= budget]
+        if fitting:
+            assert isinstance(best, Solution), f"{name} fits {budget} but auto raised"
+            assert best.timeline.recompute_cost <= min(fitting) + 1e-9, name
+    if isinstance(best, InfeasibleBudgetError):
+        lowest = best.min_budget
+        assert budget < lowest <= eager
+        at_min = _solve(graph, lowest, "auto")
+        # Known bug (test_min_budget_is_plannable_backward_only_chain): the minimum "auto" names
+        # can be one only the ILP's minimize-peak run reached, which the budgeted ILP rejects.
+        assume(not isinstance(at_min, InfeasibleBudgetError) or at_min.min_budget != lowest)
+        assert isinstance(at_min, Solution), f"min_budget {lowest} is not plannable"
+        assert_valid_solution(graph, lowest, at_min, "auto")
+
+
+@PROPERTY_SETTINGS
+@given(graph=training_graphs(), fraction=st.floats(0.3, 1.0))
+def test_random_graph_optimal_ilp_means_ilp_solver_succeeds(graph, fraction):
+    eager = simulate(graph, eager_schedule(graph)).peak_bytes
+    budget = int(eager * fraction)
+    fitting = [(t.recompute_cost, s) for h in HEURISTICS.values() for s, t in h(graph, budget) if t.peak_bytes <= budget]
+    start = min(fitting, key=lambda f: f[0])[1] if fitting else None
+    res = solve_ilp(graph, budget, backend="highs", time_limit=TIME_LIMIT, warm_start=start)
+    if res.status != "optimal":
+        return
+    timeline = simulate(graph, res.schedule)
+    # The ILP's memory model is conservative, so its plan fits when simulated. Known bug
+    # (test_ilp_counts_inputs_of_saved_backward_only_values): not for saved backward-only values.
+    assume(timeline.peak_bytes <= budget or not (res.schedule.saved & graph.backward_only))
+    assert timeline.peak_bytes <= budget
+    result = _solve(graph, budget, "ilp")
+    assert isinstance(result, Solution), "the ILP is optimal but solve(..., 'ilp') raised"
+    assert_valid_solution(graph, budget, result, "ilp")
+    assert result.timeline.recompute_cost <= timeline.recompute_cost + 1e-9
