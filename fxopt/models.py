@@ -40,16 +40,19 @@ class ResidualBlock(nn.Module):
 
 
 class ResidualMLP(nn.Module):
+    """Returns the loss, ``output.sum()``."""
+
     def __init__(self, blocks: int = 8, width: int = 512):
         super().__init__()
         self.blocks = nn.Sequential(*[ResidualBlock(width) for _ in range(blocks)])
 
     def forward(self, x):
-        return self.blocks(x)
+        return self.blocks(x).sum()
 
 
 def residual_mlp(blocks: int = 8, width: int = 512, batch: int = 4096):
-    """8 residual blocks relu(l2(relu(l1(x)))) + x, fp32 (`../shared/REFERENCE.md` §2)."""
+    """8 residual blocks relu(l2(relu(l1(x)))) + x, fp32, loss = output.sum()
+    (`../shared/REFERENCE.md` §2)."""
     return ResidualMLP(blocks, width), (torch.randn(batch, width),)
 
 

@@ -189,9 +189,8 @@ def random_training_graph(draw, st, *, min_forward: int = 3, max_forward: int = 
     0-2 forward values (the op's inputs or output, as autograd's saved tensors are), plus a
     gradient output per parameter use.
 
-    Values off the loss's path that the backward reads are backward-only; a random op there is
-    put on the loss's path when it could not be computed in the forward (a known limitation,
-    see ``test_random_op_on_backward_only_value``).
+    Values off the loss's path that the backward reads are backward-only; random ops are always
+    put on the loss's path (see `_random_off_the_loss_path`).
 
     ``draw`` and ``st`` are hypothesis' ``data.draw`` and ``strategies`` (arguments, so that this
     module imports without hypothesis)."""
@@ -264,16 +263,15 @@ def random_training_graph(draw, st, *, min_forward: int = 3, max_forward: int = 
         return b.build()
 
     graph = build(loss_args)
-    stuck = _unsaveable_random(graph)
-    if stuck:
-        graph = build(loss_args + [graph.nodes[i].name for i in sorted(stuck)])
-        assert not _unsaveable_random(graph)
+    off_path = _random_off_the_loss_path(graph)
+    if off_path:
+        graph = build(loss_args + [graph.nodes[i].name for i in sorted(off_path)])
+        assert not _random_off_the_loss_path(graph)
     return graph
 
 
-def _unsaveable_random(graph: Graph) -> frozenset[int]:
-    """Non-recomputable values the backward needs that the forward never computes."""
-    return frozenset(
-        i for i in graph.needed_by_backward
-        if not graph.nodes[i].recomputable and i not in graph.saveable | graph.free
-    )
+def _random_off_the_loss_path(graph: Graph) -> frozenset[int]:
+    """Random (non-recomputable) values only the backward reads. Like a dropout mask, a random
+    value in a real step feeds the forward; off its path, fxopt cannot plan some such graphs (see
+    ``test_random_op_on_backward_only_value`` and ``test_random_op_on_parameter_view``)."""
+    return frozenset(i for i in graph.backward_only if not graph.nodes[i].recomputable)

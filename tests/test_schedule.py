@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxopt.plan import Plan
 from fxopt.solvers.graph import Graph, Node
@@ -26,7 +28,7 @@ from fxopt.solvers.schedule import (
     save_all_set,
     simulate,
 )
-from solver_graphs import HAND_GRAPHS, GraphBuilder, diamond, ids, mlp2, residual_block
+from solver_graphs import HAND_GRAPHS, GraphBuilder, diamond, ids, mlp2, random_training_graph, residual_block
 
 
 def sched(graph: Graph, saved: list[str], backward: list[str]) -> Schedule:
@@ -404,6 +406,18 @@ def test_graph_and_schedule_json_round_trip(make):
     s2 = Schedule.from_dict(json.loads(json.dumps(schedule.to_dict())))
     assert s2 == schedule
     assert simulate(g2, s2) == simulate(g, schedule)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_graph_json_round_trip(data):
+    g = random_training_graph(data.draw, st)
+    g2 = Graph.from_dict(json.loads(json.dumps(g.to_dict())))
+    assert g2.nodes == g.nodes
+    for schedule in (on_demand(g, save_all_set(g)), on_demand(g, [])):
+        s2 = Schedule.from_dict(json.loads(json.dumps(schedule.to_dict())))
+        assert s2 == schedule
+        assert simulate(g2, s2) == simulate(g, schedule)
 
 
 def test_plan_json_round_trip(tmp_path):

@@ -12,7 +12,7 @@ import functools
 import pickle
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from fxopt.errors import InfeasibleBudgetError
@@ -20,7 +20,7 @@ from fxopt.solvers import SOLVERS, Solution, eager_schedule, simulate, solve
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS
 from fxopt.solvers.ilp import solve_ilp
-from fxopt.solvers.schedule import Schedule, Timeline, must_save
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline
 from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, mlp2, random_training_graph
 
 STATUSES = {"optimal", "feasible", "heuristic"}
@@ -80,7 +80,7 @@ def assert_valid_solution(graph: Graph, budget: int, solution: Solution, solver:
     assert timeline == solution.timeline
     assert timeline.peak_bytes <= budget
     assert timeline.recompute_cost >= 0 and timeline.recompute_flops >= 0
-    assert must_save(graph) <= solution.schedule.saved
+    # A random value is never recomputed: what the backward reads of it is the forward's, SAVEd.
     assert all(graph.nodes[i].recomputable for i in solution.schedule.recomputed(graph))
     assert_timeline_invariants(graph, solution.schedule, timeline)
 
@@ -125,11 +125,73 @@ def test_hand_graph(name, solver, kind):
         assert_valid_solution(graph, err.min_budget, solve(graph, err.min_budget, solver), solver)
         return
     assert_valid_solution(graph, budget, solution, solver)
-    if kind == "eager":  # what eager autograd does fits: nothing needs recomputing
+    # What eager autograd does fits: nothing needs recomputing (checkpoint: known bug,
+    # test_checkpoint_at_eager_budget_recomputes_nothing).
+    if kind == "eager" and solver != "checkpoint":
         assert solution.timeline.recompute_cost == 0
         assert solution.timeline.recompute_flops == 0
     if solver == "save_all":
         assert solution.schedule == eager_schedule(graph)
+
+
+def _backward_only_sibling() -> Graph:
+    """x 1, tan 1; a = f(x) 2; s = f(a) 1 is backward-only; c = f(a) 1; loss = sum(c).
+    Eager keeps s (1 byte) rather than a (2 bytes)."""
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("a", ["x"], 2)
+    b.fwd("s", ["a"], 1)
+    b.fwd("c", ["a"], 1)
+    b.fwd("loss", ["c"], 1, output=True)
+    b.bwd("g_loss", ["tan"], 1)
+    b.bwd("g_s", ["g_loss", "s"], 1)
+    b.bwd("g_x", ["g_s"], 1, output=True)
+    return b.build()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "checkpoint never tries the eager (save_all) schedule and never SAVEs backward-only values: "
+    "at the eager peak it recomputes needlessly (residual_block: cost 3.0 at 72) or fails "
+    "(backward_only_sibling: InfeasibleBudgetError at 6, min_budget 7, where eager fits with cost 0)"))
+@pytest.mark.parametrize("make", [HAND_GRAPHS["residual_block"], _backward_only_sibling],
+                         ids=["residual_block", "backward_only_sibling"])
+def test_checkpoint_at_eager_budget_recomputes_nothing(make):
+    graph = make()
+    eager = simulate(graph, eager_schedule(graph)).peak_bytes
+    solution = solve(graph, eager, "checkpoint")
+    assert solution.timeline.recompute_cost == 0
+
+
+def _random_value_nothing_reads() -> Graph:
+    """x 1, w 1, tan 1; a = f(x, w); r = random(x, a); q = f(r); loss = sum(q): each 1 byte.
+    The backward reads q and a, never r (r is only needed to recompute q)."""
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("w", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("a", ["x", "w"], 1)
+    b.fwd("r", ["x", "a"], 1, recomputable=False)
+    b.fwd("q", ["r"], 1)
+    b.fwd("loss", ["q"], 1, output=True)
+    b.bwd("g_loss", ["tan"], 1)
+    b.bwd("g_q", ["g_loss", "q"], 1)
+    b.bwd("g_w", ["g_q", "a"], 1, output=True)
+    b.bwd("g_x", ["g_q"], 1, output=True)
+    return b.build()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the ILP fixes S[0,r] = 1 for a random value r (must_save) and counts it in the first stage's "
+    "memory even when the backward never reads it (q is SAVEd); the generated code frees it as the "
+    "backward starts. At the eager peak (8) the eager plan (SAVE a, q; cost 0) looks like 9 to the "
+    "ILP, so solve(..., 'ilp') returns an 'optimal' plan recomputing a (cost 1.0)"))
+def test_ilp_at_eager_budget_recomputes_nothing():
+    graph = _random_value_nothing_reads()
+    eager = simulate(graph, eager_schedule(graph)).peak_bytes
+    assert eager == 8
+    solution = solve(graph, eager, "ilp", time_limit=TIME_LIMIT)
+    assert solution.timeline.recompute_cost == 0
 
 
 @pytest.mark.parametrize("name", list(HAND_GRAPHS))
@@ -176,10 +238,7 @@ def test_mlp2_exact_optimum(solver):
     assert solution.timeline.recompute_flops == 216
     assert (solution.solver, solution.status) == ("ilp", "optimal")
     assert min_budget("mlp2") == 70
-    # Eager keeps a through g_a: 86; the heuristics only ever make the first copy of a value.
-    assert eager_peak("mlp2") == 86
-    for heuristic in HEURISTICS:
-        assert min_budget("mlp2", heuristic) == 86
+    assert eager_peak("mlp2") == 86  # eager keeps a through g_a
 
 
 def test_checkpointing_beats_eager_on_a_long_chain():
@@ -232,6 +291,12 @@ def _backward_only_chain() -> Graph:
 @pytest.mark.parametrize("solver", ["auto", "ilp"])
 def test_min_budget_is_plannable_backward_only_chain(solver):
     graph = _backward_only_chain()
+    # By hand: x 1; forward: loss 2; backward: start 3 (tan); g_loss 4; a 5; b 6 (-a: 5); c 6 (-b);
+    # g_c 6 (-g_loss, -c: 4); a 5; g_x 6. The eager plan (SAVE a, compute b and c from it while a
+    # is still held for g_x) peaks at 7, as do the heuristics.
+    reachable = Schedule(frozenset(), tuple(i for name in ["g_loss", "a", "b", "c", "g_c", "a", "g_x"]
+                                            for i, n in enumerate(graph.nodes) if n.name == name))
+    assert simulate(graph, reachable).peak_bytes == 6
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(graph, 0, solver, time_limit=TIME_LIMIT)
     lowest = info.value.min_budget
@@ -267,7 +332,7 @@ def test_ilp_counts_inputs_of_saved_backward_only_values(solver):
     assert_valid_solution(graph, 12, solution, solver)
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=InvalidScheduleError, reason=(
     "a non-recomputable (random) value r whose input c is itself backward-only is in must_save but "
     "not saveable (c is never computed in the forward), so the eager schedule saves r and simulate "
     "rejects it: solve raises InvalidScheduleError instead of planning (compute c and r in the "
@@ -288,6 +353,27 @@ def test_random_op_on_backward_only_value():
     assert graph.nodes.index(next(n for n in graph.nodes if n.name == "r")) in solution.schedule.saved
 
 
+@pytest.mark.xfail(strict=True, raises=InvalidScheduleError, reason=(
+    "a random backward-only value c reading wv = w.view(...) (a free view of a parameter) must be "
+    "SAVEd, so the forward computes it, but forward_set() does not compute wv there (wv is not "
+    "backward-only: needed_by_backward stops at the non-recomputable c): every solver, and the eager "
+    "schedule, raise 'c needs wv, which the forward does not compute'"))
+def test_random_op_on_parameter_view():
+    b = GraphBuilder()
+    b.input("x", 4)
+    b.input("w", 4)
+    b.input("tan", 1, tangent=True)
+    b.fwd("wv", ["w"], view_of="w")
+    b.fwd("p", ["x", "w"], 4)
+    b.fwd("loss", ["p"], 1, output=True)
+    b.fwd("c", ["wv"], 4, recomputable=False)  # backward-only
+    b.bwd("g_p", ["tan", "c"], 4)
+    b.bwd("g_x", ["g_p"], 4, output=True)
+    graph = b.build()
+    solution = solve(graph, 100, "auto", time_limit=TIME_LIMIT)
+    assert_valid_solution(graph, 100, solution, "auto")
+
+
 # ------------------------------------------------------------------ random graphs
 @st.composite
 def training_graphs(draw):
@@ -306,7 +392,9 @@ def _solve(graph: Graph, budget: int, solver: str) -> Solution | InfeasibleBudge
     except InfeasibleBudgetError as err:
         return err
     except AssertionError as err:
-        assume(not _ilp_over_budget(err))
+        if _ilp_over_budget(err):
+            event("known bug: ILP plan over budget")
+            assume(False)
         raise
 
 
@@ -320,13 +408,17 @@ def test_random_graph_plans_are_valid(graph, fraction):
     for budget in (eager, int(eager * fraction)):
         for solver in SOLVERS:
             result = _solve(graph, budget, solver)
+            # What eager does fits the eager peak with no recomputation (known bugs: checkpoint,
+            # test_checkpoint_at_eager_budget_recomputes_nothing; ilp,
+            # test_ilp_at_eager_budget_recomputes_nothing).
+            exact_at_eager = budget == eager and solver not in ("checkpoint", "ilp")
             if isinstance(result, InfeasibleBudgetError):
-                assert budget < eager, f"{solver} cannot plan the eager peak"
+                assert not exact_at_eager, f"{solver} cannot plan the eager peak"
                 assert result.budget == budget and result.min_budget > budget
                 assert f"({result.min_budget} bytes)" in str(result)
                 continue
             assert_valid_solution(graph, budget, result, solver)
-            if budget == eager:
+            if exact_at_eager:
                 assert result.timeline.recompute_cost == 0
             if solver == "save_all":
                 assert result.schedule == eager_schedule(graph)
@@ -349,7 +441,9 @@ def test_random_graph_auto_is_cheapest_and_its_min_budget_plannable(graph, fract
         at_min = _solve(graph, lowest, "auto")
         # Known bug (test_min_budget_is_plannable_backward_only_chain): the minimum "auto" names
         # can be one only the ILP's minimize-peak run reached, which the budgeted ILP rejects.
-        assume(not isinstance(at_min, InfeasibleBudgetError) or at_min.min_budget != lowest)
+        if isinstance(at_min, InfeasibleBudgetError) and at_min.min_budget == lowest:
+            event("known bug: min_budget not plannable")
+            assume(False)
         assert isinstance(at_min, Solution), f"min_budget {lowest} is not plannable"
         assert_valid_solution(graph, lowest, at_min, "auto")
 
@@ -367,7 +461,9 @@ def test_random_graph_optimal_ilp_means_ilp_solver_succeeds(graph, fraction):
     timeline = simulate(graph, res.schedule)
     # The ILP's memory model is conservative, so its plan fits when simulated. Known bug
     # (test_ilp_counts_inputs_of_saved_backward_only_values): not for saved backward-only values.
-    assume(timeline.peak_bytes <= budget or not (res.schedule.saved & graph.backward_only))
+    if timeline.peak_bytes > budget and res.schedule.saved & graph.backward_only:
+        event("known bug: ILP plan over budget")
+        assume(False)
     assert timeline.peak_bytes <= budget
     result = _solve(graph, budget, "ilp")
     assert isinstance(result, Solution), "the ILP is optimal but solve(..., 'ilp') raised"
