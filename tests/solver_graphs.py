@@ -144,12 +144,12 @@ def chain(n: int, act: int = 16, param: int = 4, inp: int = 8) -> Graph:
 
 
 def diamond() -> Graph:
-    """A multi-use DAG: ``p`` feeds two branches that meet again; a backward-only value ``sq``.
+    """A multi-use DAG: ``p`` feeds two branches that meet again, and two backward-only values.
 
         p = x * w;  l = sin(p);  r = cos(p);  m = l * r;  loss = sum(m)
 
-    The backward of sin/cos reads ``p`` through ``c = cos(p)`` and ``s = sin(p)`` again, which
-    are backward-only here: autograd derives them from ``p`` in the backward unless saved.
+    The backward of sin and cos reads ``c = cos(p)`` and ``s = sin(p)``: values only the backward
+    reads (backward-only), made either in the forward (and SAVEd) or in the backward from ``p``.
     """
     b = GraphBuilder()
     b.input("x", 8)
