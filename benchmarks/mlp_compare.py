@@ -307,9 +307,15 @@ class Bench:
         row: dict[str, Any] = {"method": f"fxopt {solver}", "solver_requested": solver, "budget": label,
                                "budget_arg": budget}
 
+        plans = []
+
         def after_warmup(fn, row):
             plan = fn.plan
+            plans.append(plan)
             row.update({
+                "fingerprint": plan.fingerprint,
+                "saved": list(plan.saved),
+                "recomputed": dict(plan.recomputed),
                 "budget_bytes": plan.budget_bytes,
                 "predicted_peak_bytes": plan.peak_bytes,
                 "predicted_eager_peak_bytes": plan.eager_peak_bytes,
@@ -342,6 +348,13 @@ class Bench:
             if row.get("extra_flops") is not None and row["extra_flops"] != row["predicted_extra_flops"]:
                 row["notes"].append(
                     f"measured extra FLOPs {row['extra_flops']} != plan.recompute_flops {row['predicted_extra_flops']}")
+            if not row["within_budget"] or row["measured_peak_bytes"] != row["predicted_peak_bytes"]:
+                # keep the plan so the run can be replayed: fxopt.optimize(model, budget, plan=Plan.from_json(path))
+                path = self.out / "plans" / f"{solver}_{row['budget_bytes']}_{len(self.rows)}.json"
+                path.parent.mkdir(exist_ok=True)
+                plans[-1].to_json(path)
+                row["plan_json"] = str(path)
+                row["notes"].append(f"measured - predicted = {row['measured_peak_bytes'] - row['predicted_peak_bytes']} B; plan saved to {path}")
             if not row["within_budget"]:
                 row["notes"].append("MEASURED PEAK EXCEEDS BUDGET")
         self.add(row)

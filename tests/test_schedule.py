@@ -376,9 +376,6 @@ def test_backward_only_values_are_computed_where_scheduled():
     assert in_forward.saved_bytes == in_backward.saved_bytes == 16
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "simulate accepts a schedule that recomputes a non-recomputable (random) value in the backward; "
-    "the recomputed dropout mask would differ from the forward's"))
 def test_recomputing_a_random_value_is_invalid():
     g = residual_block()
     schedule = sched(g, ["h", "d"], ["g_y", "g_w2", "g_d", "hv", "a", "mask", "g_a", "hv", "g_h", "g_w1"])
@@ -386,9 +383,6 @@ def test_recomputing_a_random_value_is_invalid():
         simulate(g, schedule)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Timeline.saved_bytes counts the storage of free values: on_demand puts the parameter view w1t "
-    "in `saved`, so the 4 bytes of parameter w1 are reported as SAVEd activation memory"))
 def test_saved_bytes_ignores_free_values():
     g = residual_block()
     schedule = on_demand(g, save_all_set(g))

@@ -150,10 +150,6 @@ def _backward_only_sibling() -> Graph:
     return b.build()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "checkpoint never tries the eager (save_all) schedule and never SAVEs backward-only values: "
-    "at the eager peak it recomputes needlessly (residual_block: cost 3.0 at 72) or fails "
-    "(backward_only_sibling: InfeasibleBudgetError at 6, min_budget 7, where eager fits with cost 0)"))
 @pytest.mark.parametrize("make", [HAND_GRAPHS["residual_block"], _backward_only_sibling],
                          ids=["residual_block", "backward_only_sibling"])
 def test_checkpoint_at_eager_budget_recomputes_nothing(make):
@@ -181,11 +177,6 @@ def _random_value_nothing_reads() -> Graph:
     return b.build()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the ILP fixes S[0,r] = 1 for a random value r (must_save) and counts it in the first stage's "
-    "memory even when the backward never reads it (q is SAVEd); the generated code frees it as the "
-    "backward starts. At the eager peak (8) the eager plan (SAVE a, q; cost 0) looks like 9 to the "
-    "ILP, so solve(..., 'ilp') returns an 'optimal' plan recomputing a (cost 1.0)"))
 def test_ilp_at_eager_budget_recomputes_nothing():
     graph = _random_value_nothing_reads()
     eager = simulate(graph, eager_schedule(graph)).peak_bytes

@@ -35,7 +35,7 @@ def checkpoint(graph: Graph, budget: int) -> list[Candidate]:
     if not order or total == 0:
         return save_all(graph, budget)
     base = must_save(graph)
-    out: list[Candidate] = []
+    out: list[Candidate] = save_all(graph, budget)  # no checkpoint at all is a segment size too
     seen: set[frozenset[int]] = set()
     largest = max(graph.nodes[i].bytes for i in order)
     segment = float(total)

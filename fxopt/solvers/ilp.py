@@ -36,7 +36,7 @@ import pulp
 
 from fxopt._quiet import silenced
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import Schedule, must_save, read_before_recompute, with_fresh_aliases
+from fxopt.solvers.schedule import Schedule, read_before_recompute, with_fresh_aliases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,6 @@ def solve_ilp(
     nodes = graph.nodes
     cands = sorted(graph.needed_by_backward - graph.free - graph.aliases)
     cset = set(cands)
-    forced = must_save(graph)
     saveable = graph.saveable
     bwd = graph.backward_nodes
     stages = [k for k, b in enumerate(bwd) if graph.through_aliases(nodes[b].inputs) & cset]
@@ -217,9 +216,7 @@ def solve_ilp(
     S: dict[tuple[int, int], pulp.LpVariable | int] = {}
     R: dict[tuple[int, int], pulp.LpVariable] = {}
     for i in cands:
-        if i in forced:
-            S[0, i] = 1
-        elif i in saveable:
+        if i in saveable:
             S[0, i] = pulp.LpVariable(f"S_0_{i}", cat="Binary")
         else:
             S[0, i] = 0

@@ -70,6 +70,14 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     if backward != list(graph.backward_nodes):
         raise InvalidScheduleError("the backward must run every backward node once, in graph order")
 
+    fwd_computed = set(forward_set(graph, saved))
+    seen_once: set[int] = set()
+    for i in schedule.backward:
+        node = nodes[i]
+        if node.kind == "forward" and not node.recomputable:
+            if i in fwd_computed or i in seen_once:
+                raise InvalidScheduleError(f"{node.name} cannot be recomputed (random, mutating or a collective)")
+            seen_once.add(i)
     refs: dict[object, int] = {}  # storage key -> number of live values in it
     live_bytes = 0
     events: list[tuple[str, str, int]] = []
@@ -136,7 +144,7 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
             drop(current.pop(j))
     for i in graph.forward_outputs:
         forever.add(current[i])
-    saved_bytes = sum(nodes[r].bytes for r in {storage_of[current[i]][0] for i in saved if i in current})
+    saved_bytes = sum(nodes[r].bytes for r in {storage_of[current[i]][0] for i in saved - graph.free if i in current})
 
     # ---- backward: saved values, tangents and forward outputs are its inputs
     count: dict[int, int] = {}
