@@ -125,9 +125,8 @@ def test_hand_graph(name, solver, kind):
         assert_valid_solution(graph, err.min_budget, solve(graph, err.min_budget, solver), solver)
         return
     assert_valid_solution(graph, budget, solution, solver)
-    # What eager autograd does fits: nothing needs recomputing (checkpoint: known bug,
-    # test_checkpoint_at_eager_budget_recomputes_nothing).
-    if kind == "eager" and solver != "checkpoint":
+    # What eager autograd does fits: nothing needs recomputing.
+    if kind == "eager":
         assert solution.timeline.recompute_cost == 0
         assert solution.timeline.recompute_flops == 0
     if solver == "save_all":
@@ -285,11 +284,6 @@ def _recompute_twice(a_bytes: int, c_bytes: int) -> Graph:
 _LOWEST_PEAK_RECOMPUTE_TWICE = ["g_loss", "a", "b", "c", "g_c", "a", "g_a", "g_x"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "min_feasible_budget reports the *simulated* peak of the ILP's minimize-peak schedule (6 here), "
-    "but solve() at that budget asks the ILP for a schedule whose *modelled* peak fits (the model "
-    "counts all of a stage's recomputations alive at once: 7), which none does, and no heuristic "
-    "reaches 6 either: InfeasibleBudgetError(6, min_budget=6)"))
 @pytest.mark.parametrize("solver", ["auto", "ilp"])
 def test_min_budget_is_plannable(solver):
     graph = _recompute_twice(1, 1)
@@ -303,10 +297,6 @@ def test_min_budget_is_plannable(solver):
     assert_valid_solution(graph, lowest, solve(graph, lowest, solver, time_limit=TIME_LIMIT), solver)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "same cause as test_min_budget_is_plannable, with a wider gap: the lowest simulated peak is 8 "
-    "but the ILP's model of that schedule peaks at 11 (= eager), so solve(g, 10) raises 'no "
-    "schedule fits in 10 B; the smallest feasible budget fxopt found is 8 B'"))
 @pytest.mark.parametrize("solver", ["auto", "ilp"])
 def test_infeasible_error_never_names_a_lower_budget(solver):
     graph = _recompute_twice(3, 3)
@@ -336,11 +326,6 @@ def _saved_backward_only_keeps_its_input() -> Graph:
     return b.build()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the ILP's forward memory model ends a's life at its last forward-required use (b), but SAVEing "
-    "the backward-only c makes the forward compute c at its graph position, after d, so a (4 bytes) "
-    "is alive while d (8) runs: simulated forward peak 14, modelled 10. At budgets 11-13 the ILP "
-    "picks SAVE c and solve() raises 'ILP schedule peaks at 14 > budget 12'"))
 @pytest.mark.parametrize("solver", ["ilp", "auto"])
 def test_ilp_counts_inputs_of_saved_backward_only_values(solver):
     graph = _saved_backward_only_keeps_its_input()
@@ -396,22 +381,11 @@ def training_graphs(draw):
     return random_training_graph(draw, st, min_forward=3, max_forward=12)
 
 
-# Known bugs the property tests step around (each shown by an xfail test above): remove these
-# guards when the bug is fixed.
-def _ilp_over_budget(err: AssertionError) -> bool:  # test_ilp_counts_inputs_of_saved_backward_only_values
-    return "ILP schedule peaks at" in str(err)
-
-
 def _solve(graph: Graph, budget: int, solver: str) -> Solution | InfeasibleBudgetError:
     try:
         return solve(graph, budget, solver, time_limit=TIME_LIMIT)
     except InfeasibleBudgetError as err:
         return err
-    except AssertionError as err:
-        if _ilp_over_budget(err):
-            event("known bug: ILP plan over budget")
-            assume(False)
-        raise
 
 
 PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -424,15 +398,10 @@ def test_random_graph_plans_are_valid(graph, fraction):
     for budget in (eager, int(eager * fraction)):
         for solver in SOLVERS:
             result = _solve(graph, budget, solver)
-            # What eager does fits the eager peak with no recomputation (known bugs: checkpoint,
-            # test_checkpoint_at_eager_budget_recomputes_nothing; ilp,
-            # test_ilp_at_eager_budget_recomputes_nothing).
-            exact_at_eager = budget == eager and solver not in ("checkpoint", "ilp")
+            # What eager does fits the eager peak with no recomputation.
+            exact_at_eager = budget == eager
             if isinstance(result, InfeasibleBudgetError):
                 assert not exact_at_eager, f"{solver} cannot plan the eager peak"
-                if result.min_budget <= budget and solver in ("auto", "ilp"):
-                    event("known bug: min_budget not plannable")  # test_min_budget_is_plannable
-                    assume(False)
                 assert result.budget == budget and result.min_budget > budget
                 assert f"({result.min_budget} bytes)" in str(result)
                 continue
@@ -458,11 +427,6 @@ def test_random_graph_auto_is_cheapest_and_its_min_budget_plannable(graph, fract
         lowest = best.min_budget
         assert budget < lowest <= eager
         at_min = _solve(graph, lowest, "auto")
-        # Known bug (test_min_budget_is_plannable): the minimum "auto" names
-        # can be one only the ILP's minimize-peak run reached, which the budgeted ILP rejects.
-        if isinstance(at_min, InfeasibleBudgetError) and at_min.min_budget <= lowest:
-            event("known bug: min_budget not plannable")
-            assume(False)
         assert isinstance(at_min, Solution), f"min_budget {lowest} is not plannable"
         assert_valid_solution(graph, lowest, at_min, "auto")
 
@@ -480,8 +444,9 @@ def test_random_graph_optimal_ilp_means_ilp_solver_succeeds(graph, fraction):
     if res.status != "optimal":
         return
     timeline = simulate(graph, res.schedule)
-    # The ILP's memory model is conservative, so its plan fits when simulated. Known bug
-    # (test_ilp_counts_inputs_of_saved_backward_only_values): not for saved backward-only values.
+    # The ILP's memory model is conservative, so its plan fits when simulated. Known gap
+    # (test_ilp_counts_inputs_of_saved_backward_only_values): not when it saves backward-only
+    # values, whose inputs then live longer in the forward; solve() discards such plans.
     if timeline.peak_bytes > budget and res.schedule.saved & graph.backward_only:
         event("known bug: ILP plan over budget")
         assume(False)
