@@ -175,10 +175,11 @@ class Bench:
         self.rows: list[dict[str, Any]] = []
         self.t_start = time.perf_counter()
         self.meta = {
-            "command": "python -m benchmarks.mlp_compare " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "command": " ".join(["python -m benchmarks.mlp_compare", *(shlex.quote(a) for a in sys.argv[1:])]),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "torch": torch.__version__,
             "fxopt": fxopt.__version__,
+            "git": _git_state(),
             "python": sys.version.split()[0],
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
@@ -400,7 +401,7 @@ class Bench:
         lines = [
             "# fxopt vs eager / checkpoint / torch.compile on the residual MLP",
             "",
-            f"`{m['command']}` · {m['date']} · torch {m['torch']} · fxopt {m['fxopt']} · Python {m['python']} · "
+            f"`{m['command']}` · {m['date']} · torch {m['torch']} · fxopt {m['fxopt']} (git {m['git']}) · Python {m['python']} · "
             f"{m['cpu_count']} CPUs ({m['torch_threads']} torch threads) · "
             f"{'complete' if m['complete'] else 'INCOMPLETE (partial results)'}, {m['elapsed_s']:.0f} s",
             "",
@@ -483,6 +484,21 @@ class Bench:
 
 
 # --------------------------------------------------------------------------------------------
+
+
+def _git_state() -> str:
+    """The commit fxopt was loaded from, and whether fxopt/ had uncommitted changes."""
+    import subprocess
+
+    root = Path(fxopt.__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fxopt"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" + uncommitted changes in fxopt/" if dirty else "")
 
 
 def mib(n: int | float | None) -> str:
