@@ -30,41 +30,32 @@ class PeakMemory:
     result: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
-def _storages(objs: Iterable[Any]) -> dict[int, int]:
-    out: dict[int, int] = {}
-
-    def add(t: torch.Tensor) -> None:
-        if t.device.type != "cpu":
-            return
-        s = t.untyped_storage()
-        out[s.data_ptr()] = s.nbytes()
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            add(o)
-            if o.grad is not None:
-                add(o.grad)
-        elif isinstance(o, torch.nn.Module):
-            for p in o.parameters():
-                walk(p)
-            for b in o.buffers():
-                add(b)
-        elif isinstance(o, torch.optim.Optimizer):
-            for group in o.param_groups:
-                for p in group["params"]:
-                    walk(p)
-            for state in o.state.values():
-                walk(list(state.values()))
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
+def _tensors_in(objs: Iterable[Any]):
+    """Every tensor reachable from `objs`: tensors and their gradients, modules' parameters and
+    buffers, optimizers' parameters and state, through lists, tuples and dicts."""
     for o in objs:
-        walk(o)
-    return out
+        if isinstance(o, torch.Tensor):
+            yield o
+            if o.grad is not None:
+                yield o.grad
+        elif isinstance(o, torch.nn.Module):
+            yield from _tensors_in(o.parameters())
+            yield from o.buffers()
+        elif isinstance(o, torch.optim.Optimizer):
+            yield from _tensors_in(p for group in o.param_groups for p in group["params"])
+            yield from _tensors_in(v for state in o.state.values() for v in state.values())
+        elif isinstance(o, dict):
+            yield from _tensors_in(o.values())
+        elif isinstance(o, (list, tuple)):
+            yield from _tensors_in(o)
+
+
+def _storages(objs: Iterable[Any]) -> dict[int, int]:
+    """Bytes of each distinct CPU storage reachable from `objs`, by address."""
+    return {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in _tensors_in(objs) if t.device.type == "cpu"
+    }
 
 
 def measure_peak(
@@ -116,27 +107,7 @@ def measure_peak(
 
 
 def _guess_device(*objs: Any) -> torch.device:
-    found: list[torch.device] = []
-
-    def walk(o: Any) -> None:
-        if found:
-            return
-        if isinstance(o, torch.Tensor):
-            found.append(o.device)
-        elif isinstance(o, torch.nn.Module):
-            for p in o.parameters():
-                found.append(p.device)
-                break
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    for o in objs:
-        walk(o)
-    return found[0] if found else torch.device("cpu")
+    return next((t.device for t in _tensors_in(objs)), torch.device("cpu"))
 
 
 class _FlopCounter(torch.utils._python_dispatch.TorchDispatchMode):
