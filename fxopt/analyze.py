@@ -184,7 +184,6 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     for i, n in enumerate(fx_nodes):
         val = n.meta.get("val")
         tensors = _tensors(val)
-        is_tuple = not isinstance(val, torch.Tensor)
         storage = None
         own_bytes = 0
         if isinstance(val, torch.Tensor):

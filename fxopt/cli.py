@@ -55,7 +55,6 @@ def demo(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     import fxopt
-    from fxopt.budget import format_bytes
     from fxopt.measure import count_flops
     from fxopt.models import residual_mlp
 
