@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,8 +130,8 @@ def optimize(
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
                       cost_model=cost_model or CostModel())
     if example_inputs is not None and plan is None:
-        options = Options(**{**options.__dict__, "plan": globals()["plan"](
-            model, budget, example_inputs, solver=solver, time_limit=time_limit, cost_model=options.cost_model)})
+        options = dataclasses.replace(options, plan=_plan_now(
+            model, budget, example_inputs, solver=solver, time_limit=time_limit, cost_model=options.cost_model))
     return FxoptModule(model, options)
 
 
@@ -165,6 +166,9 @@ def plan(
         "nothing to plan: the captured step has no backward (no input or parameter requires grad, "
         "or it ran under torch.no_grad())"
     )
+
+
+_plan_now = plan  # `optimize` takes a `plan` argument that hides this function there
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

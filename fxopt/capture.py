@@ -54,8 +54,6 @@ class PlanReady(Exception):
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     jg = analyze(joint, num_fwd_outputs, options.cost_model)
-    eager = simulate(jg.graph, eager_schedule(jg.graph))
-    budget = resolve_budget(options.budget, eager.peak_bytes)
     if options.plan is not None:
         if options.plan.fingerprint != jg.fingerprint:
             raise CaptureError(
@@ -63,6 +61,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
                 "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
             )
         return jg, options.plan
+    eager = simulate(jg.graph, eager_schedule(jg.graph))
+    budget = resolve_budget(options.budget, eager.peak_bytes)
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
     solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit)

@@ -14,6 +14,7 @@ allocations made during it, the way ``torch.cuda.max_memory_allocated()`` counts
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -83,18 +84,8 @@ def measure_peak(
     if dev.type != "cpu":
         raise ValueError(f"measure_peak supports cpu and cuda devices, not {dev}")
     start = sum(_storages([*resident, args, kwargs]).values())
-    from torch.profiler import ProfilerActivity, profile
-
-    from fxopt._quiet import silenced
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-    with silenced(2):  # the profiler announces its start and stop on stderr
-        prof.__enter__()
-    try:
+    with profile_cpu_memory() as prof:
         result = step(*args, **kwargs)
-    finally:
-        with silenced(2):
-            prof.__exit__(None, None, None)
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     events.sort(key=lambda e: e.start_ns())
     live = top = 0
@@ -104,6 +95,24 @@ def measure_peak(
         live += e.nbytes()
         top = max(top, live)
     return PeakMemory(start + top, start, top, "cpu", result)
+
+
+@contextlib.contextmanager
+def profile_cpu_memory():
+    """``torch.profiler`` recording CPU allocation events, without the lines the profiler prints
+    on stderr as it starts and stops. Yields the profiler; read its events after the block."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fxopt._quiet import silenced
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+    with silenced(2):
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with silenced(2):
+            prof.__exit__(None, None, None)
 
 
 def _guess_device(*objs: Any) -> torch.device:

@@ -117,15 +117,12 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
             _cache[k] = 0
     if not cpu:
         return
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
-    from fxopt._quiet import silenced
+    from fxopt.measure import profile_cpu_memory
 
     runs: list[tuple[tuple, str]] = []
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with silenced(2):
-        prof.__enter__()
-    try:
+    with profile_cpu_memory() as prof:
         for idx, (k, n) in enumerate(cpu.items()):
             label = f"fxopt_scratch_{idx}"
             args = kwargs = None
@@ -139,9 +136,6 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
                 log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming none", n.target, err)
                 _cache[k] = 0
             del args, kwargs
-    finally:
-        with silenced(2):
-            prof.__exit__(None, None, None)
     events = list(prof.profiler.kineto_results.events())
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
     windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name().startswith("fxopt_scratch_")}
