@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -105,6 +106,12 @@ def profile_cpu_memory():
 
     from fxopt._quiet import silenced
 
+    # Frees of blocks allocated before profiling start show up without their allocation and would
+    # pull the running total down: collect old garbage first, and keep the cyclic collector from
+    # freeing it in the middle of the measurement.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
     with silenced(2):
         prof.__enter__()
@@ -113,6 +120,8 @@ def profile_cpu_memory():
     finally:
         with silenced(2):
             prof.__exit__(None, None, None)
+        if was_enabled:
+            gc.enable()
 
 
 def _guess_device(*objs: Any) -> torch.device:
