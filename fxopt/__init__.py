@@ -2,9 +2,11 @@
 
     model = fxopt.optimize(model, "2GiB")        # the budget you give is the peak you get
     plan = fxopt.plan(model, 0.5, (x,))          # inspect before running
+    torch.compile(model, backend="fxopt", options={"budget": "2GiB"})   # or fxopt.backend(...)
 """
 
 from fxopt.api import FxoptModule, optimize, plan
+from fxopt.dynamo_backend import backend
 from fxopt.errors import BudgetError, CaptureError, FxoptError, InfeasibleBudgetError
 from fxopt.measure import PeakMemory, measure_peak
 from fxopt.plan import Plan
@@ -12,6 +14,7 @@ from fxopt.plan import Plan
 __all__ = [
     "optimize",
     "plan",
+    "backend",
     "Plan",
     "FxoptModule",
     "measure_peak",

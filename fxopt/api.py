@@ -113,6 +113,7 @@ def optimize(
     plan: Plan | None = None,
     time_limit: float = 60.0,
     cost_model: CostModel | None = None,
+    compiler: str = "eager",
 ) -> FxoptModule:
     """Return ``model`` rewritten so that its training step (forward + backward) peaks within
     ``budget``, recomputing as little as possible.
@@ -124,14 +125,17 @@ def optimize(
 
     Without ``example_inputs`` the step is planned at the first call (and again for each new
     input shape); with them it is planned now, so errors such as `InfeasibleBudgetError` surface
-    here. ``plan`` replays a plan from `fxopt.plan` or `Plan.from_json`.
+    here. ``plan`` replays a plan from `fxopt.plan` or `Plan.from_json`. ``compiler``:
+    ``"eager"`` runs the rewritten graphs op by op, ``"inductor"`` compiles them with Inductor
+    (see `fxopt.inductor`).
     """
     _check_args(model, budget, solver)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
-                      cost_model=cost_model or CostModel())
+                      cost_model=cost_model or CostModel(), compiler=compiler)
     if example_inputs is not None and plan is None:
         options = dataclasses.replace(options, plan=_plan_now(
-            model, budget, example_inputs, solver=solver, time_limit=time_limit, cost_model=options.cost_model))
+            model, budget, example_inputs, solver=solver, time_limit=time_limit,
+            cost_model=options.cost_model, compiler=compiler))
     return FxoptModule(model, options)
 
 
@@ -143,25 +147,41 @@ def plan(
     solver: str = "auto",
     time_limit: float = 60.0,
     cost_model: CostModel | None = None,
+    compiler: str = "eager",
 ) -> Plan:
     """Capture and plan the training step of ``model`` on ``example_inputs`` without running it.
 
     ``example_inputs``: the positional arguments of ``model(...)`` (a tuple or list; a dict is
     passed as keyword arguments). Returns a `Plan`; raises `InfeasibleBudgetError` (with
-    ``.min_budget``) when no schedule fits.
+    ``.min_budget``) when no schedule fits. ``compiler``: the one the plan is for (Inductor's
+    graph passes may change the captured graph a little, so a plan replays on its own compiler).
     """
+    return plan_and_rewrite(model, budget, example_inputs, solver=solver, time_limit=time_limit,
+                            cost_model=cost_model, compiler=compiler).plan
+
+
+def plan_and_rewrite(
+    model: nn.Module,
+    budget: Budget,
+    example_inputs: Sequence[Any],
+    *,
+    solver: str = "auto",
+    time_limit: float = 60.0,
+    cost_model: CostModel | None = None,
+    compiler: str = "eager",
+) -> PlanReady:
+    """Like `plan`, and also the rewritten forward and backward modules (before any compiler):
+    ``.plan``, ``.forward``, ``.backward``."""
     _check_args(model, budget, solver)
-    options = Options(budget=budget, solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel())
-    found: list[Plan] = []
-    backend = make_backend(options, found.append, stop_after_plan=True)
+    options = Options(budget=budget, solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel(),
+                      compiler=compiler)
+    backend = make_backend(options, lambda plan: None, stop_after_plan=True)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:
         _run_compiled(compiled, args, kwargs)
     except PlanReady as ready:
-        return ready.plan
-    if found:
-        return found[-1]
+        return ready
     raise CaptureError(
         "nothing to plan: the captured step has no backward (no input or parameter requires grad, "
         "or it ran under torch.no_grad())"

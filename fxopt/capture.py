@@ -29,12 +29,16 @@ from fxopt.solvers import eager_schedule, simulate, solve
 
 log = logging.getLogger("fxopt")
 
+COMPILERS = ("eager", "inductor")
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     """How to plan. ``budget``: see `fxopt.budget.resolve_budget`. ``solver``: see
     `fxopt.solvers.solve`. ``plan``: reuse this plan instead of solving (it must have been made
-    for the same graph). ``time_limit``: seconds for the ILP."""
+    for the same graph). ``time_limit``: seconds for the ILP. ``compiler``: what runs the
+    rewritten forward and backward: ``"eager"`` (FX code, op by op) or ``"inductor"`` (see
+    `fxopt.inductor`). ``inductor_config``: extra Inductor settings for ``"inductor"``."""
 
     budget: Budget
     solver: str = "auto"
@@ -42,14 +46,22 @@ class Options:
     time_limit: float = 60.0
     cost_model: CostModel = dataclasses.field(default_factory=CostModel)
     compiler: str = "eager"
+    inductor_config: dict | None = None
+
+    def __post_init__(self):
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"unknown compiler {self.compiler!r}; choose one of {', '.join(COMPILERS)}")
 
 
 class PlanReady(Exception):
-    """Raised from the partitioner to stop after planning (`fxopt.plan` does not run the model)."""
+    """Raised from the partitioner to stop after planning (`fxopt.plan` does not run the model).
+    ``forward`` and ``backward``: the rewritten modules, before any compiler."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, forward: fx.GraphModule | None = None, backward: fx.GraphModule | None = None):
         super().__init__("plan ready")
         self.plan = plan
+        self.forward = forward
+        self.backward = backward
 
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
@@ -100,23 +112,24 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     return run
 
 
-def _compiler(name: str):
-    if name == "eager":
-        return _boxed
-    raise ValueError(f"unknown compiler {name!r}; this fxopt supports 'eager'")
-
-
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False):
     """A torch.compile backend that plans each captured graph and runs the rewritten step."""
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+        t0 = time.perf_counter()
         jg, plan = make_plan(joint, num_fwd_outputs, options)
         on_plan(plan)
+        fw, bw = split_with_recompute(jg, plan.schedule)
+        log.debug("fxopt: planned and rewrote the step in %.2f s", time.perf_counter() - t0)
         if stop_after_plan:
-            raise PlanReady(plan)
-        return split_with_recompute(jg, plan.schedule)
+            raise PlanReady(plan, fw, bw)
+        return fw, bw
 
-    compile_fn = _compiler(options.compiler)
+    if options.compiler == "inductor":
+        from fxopt.inductor import inductor_backend
+
+        return inductor_backend(partition, options.inductor_config)
+    compile_fn = _boxed
 
     def inference_not_planned(gm, example_inputs):
         # No gradient is needed (torch.no_grad, or nothing requires grad): there is no backward

@@ -1,0 +1,151 @@
+"""fxopt as a torch.compile backend.
+
+    torch.compile(model, backend="fxopt", options={"budget": "2GiB"})           # no import needed
+    torch.compile(model, backend=fxopt.backend(budget=0.5, compiler="eager"))   # or configured
+
+The name ``"fxopt"`` is registered in the ``torch_dynamo_backends`` entry-point group (see
+pyproject.toml), which Dynamo reads when it meets a backend name it does not know; it calls
+`fxopt_backend` with ``options=`` as given to torch.compile.
+
+Graph breaks: Dynamo, unlike ``fullgraph=True``, splits a model it cannot trace whole into
+several graphs with Python in between, and hands each to the backend alone. Each piece's plan
+bounds only that piece, and what earlier pieces saved for their backward is still alive while
+later pieces run, so the step's peak could exceed the budget. By default the backend refuses a
+graph break, naming where it is; ``graph_breaks="warn"`` plans each piece against the budget on
+its own and warns that the step as a whole is not bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxopt.analyze import CostModel
+from fxopt.budget import Budget, resolve_budget
+from fxopt.capture import COMPILERS, Options, make_backend
+from fxopt.errors import CaptureError
+from fxopt.plan import Plan
+from fxopt.solvers import SOLVERS
+
+log = logging.getLogger("fxopt")
+
+GRAPH_BREAKS = ("error", "warn")
+OPTIONS = ("budget", "compiler", "solver", "time_limit", "graph_breaks", "plan", "inductor")
+
+
+class GraphBreakWarning(UserWarning):
+    """Dynamo split the step into pieces; each is planned alone, the step as a whole is not bounded."""
+
+
+class FxoptBackend:
+    """A torch.compile backend that plans and rewrites each captured training step. ``plans``
+    holds every plan it made, in the order the graphs were compiled."""
+
+    def __init__(self, options: Options, graph_breaks: str = "error"):
+        if graph_breaks not in GRAPH_BREAKS:
+            raise ValueError(f"graph_breaks must be one of {', '.join(GRAPH_BREAKS)}, not {graph_breaks!r}")
+        self.options = options
+        self.graph_breaks = graph_breaks
+        self.plans: list[Plan] = []
+        self._compile = make_backend(options, self.plans.append)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        _refuse_dynamic_shapes(example_inputs)
+        self._check_graph_break(gm)
+        return self._compile(gm, example_inputs)
+
+    def _check_graph_break(self, gm: fx.GraphModule) -> None:
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if reason is None or not getattr(reason, "graph_break", False):
+            return
+        where = ""
+        if reason.user_stack:
+            frame = reason.user_stack[-1]
+            where = f" at {frame.filename}:{frame.lineno}"
+        why = reason.reason.strip().splitlines()[0] if reason.reason else "unknown reason"
+        if self.graph_breaks == "error":
+            raise CaptureError(
+                f"torch.compile split this training step at a graph break{where} ({why}); fxopt can "
+                "only bound the peak of a step it sees whole. Remove the break (run once with "
+                "torch.compile(..., fullgraph=True) to see it; data-dependent Python such as .item() "
+                "or printing is the usual cause), or pass options={'graph_breaks': 'warn'} to plan "
+                "each piece on its own, with no bound on the whole step."
+            )
+        message = (
+            f"torch.compile split this training step at a graph break{where} ({why}); fxopt plans "
+            "each piece against the budget on its own, so the step's peak is not bounded: what "
+            "earlier pieces save for the backward adds to later pieces' peaks."
+        )
+        log.warning("fxopt: %s", message)
+        warnings.warn(message, GraphBreakWarning, stacklevel=2)
+
+
+def backend(
+    budget: Budget,
+    *,
+    compiler: str = "inductor",
+    solver: str = "auto",
+    time_limit: float = 60.0,
+    graph_breaks: str = "error",
+    plan: Plan | str | Path | None = None,
+    cost_model: CostModel | None = None,
+    inductor_config: dict[str, Any] | None = None,
+) -> FxoptBackend:
+    """A backend for ``torch.compile(model, backend=fxopt.backend(...))``.
+
+    ``budget``: as for `fxopt.optimize` (a fraction is of the captured step's eager peak).
+    ``compiler``: ``"inductor"`` (default; fused kernels, see `fxopt.inductor`) or ``"eager"``
+    (the rewritten graphs run op by op). ``graph_breaks``: ``"error"`` (default) or ``"warn"``,
+    see the module docstring. ``plan``: replay a `Plan` (or the path of its JSON) instead of
+    solving. ``inductor_config``: extra Inductor settings.
+    """
+    if compiler not in COMPILERS:
+        raise ValueError(f"unknown compiler {compiler!r}; choose one of {', '.join(COMPILERS)}")
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    resolve_budget(budget, 1)  # unreadable budgets fail here, not inside torch.compile
+    if isinstance(plan, (str, Path)):
+        plan = Plan.from_json(plan)
+    options = Options(budget=budget, solver=solver, plan=plan, time_limit=float(time_limit),
+                      cost_model=cost_model or CostModel(), compiler=compiler,
+                      inductor_config=inductor_config)
+    return FxoptBackend(options, graph_breaks)
+
+
+def fxopt_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any] | None = None,
+                  mode: str | None = None) -> Callable:
+    """The ``torch_dynamo_backends`` entry point ``fxopt``: ``torch.compile(model,
+    backend="fxopt", options={"budget": ..., ...})``. The options are `backend`'s arguments,
+    with ``inductor`` for ``inductor_config``."""
+    if mode not in (None, "default"):
+        raise ValueError(f"the fxopt backend takes no mode (got {mode!r}); pass Inductor settings "
+                         "as options={'budget': ..., 'inductor': {...}}")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown fxopt option(s) {', '.join(map(repr, unknown))}; "
+                         f"the fxopt backend takes {', '.join(OPTIONS)}")
+    if "budget" not in options:
+        raise ValueError("the fxopt backend needs a budget: torch.compile(model, backend='fxopt', "
+                         "options={'budget': '2GiB'}) (bytes, '3GiB', '500MB', '50%' or 0.5)")
+    if "inductor" in options:
+        options["inductor_config"] = options.pop("inductor")
+    return backend(**options)(gm, example_inputs)
+
+
+def _refuse_dynamic_shapes(example_inputs) -> None:
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt) or (
+            isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
+        ):
+            raise CaptureError(
+                "fxopt plans for static shapes, and Dynamo is compiling this step with dynamic ones "
+                "(it does when it sees a second shape). Compile with torch.compile(model, "
+                "backend='fxopt', dynamic=False, ...): each new shape is then planned on its own."
+            )

@@ -1,0 +1,81 @@
+"""Decompose the ops of a forward or backward module in place, node by node.
+
+Used before Inductor compiles fxopt's modules. fxopt plans on the joint graph without
+decompositions (random ops stay whole; the simulator's nodes are eager's kernels); Inductor wants
+its own decompositions, and an op it has no lowering for becomes a fallback kernel whose inputs it
+first copies to contiguous memory (in the backward), a temporary the plan does not know. So the
+split modules are decomposed here, each node replaced by its decomposition at its own position:
+the order the schedule chose and the values the forward saves do not change.
+
+    before:  b = threshold_backward(g, a, 0)
+    after:   le = le(a, 0); s = scalar_tensor(0); b = where(le, s, g)
+
+Random ops are left whole, so they draw the same numbers as eager. Annotations of a node's value
+(`MARKS`) move to the node that now produces it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+# Node annotations that belong to the value, not to the op: the decomposition's result inherits them.
+MARKS = ("inductor_realize_to_strides",)
+
+
+def decompose(gm: fx.GraphModule, table: Mapping[torch._ops.OpOverload, Callable]) -> fx.GraphModule:
+    """Replace each node whose op is in ``table`` (random ops excepted) by its decomposition,
+    traced on the node's fake values. Returns ``gm``, changed in place."""
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        target = node.target
+        if node.op != "call_function" or target not in table:
+            continue
+        if torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
+            continue
+        inputs = node.all_input_nodes
+        if any("val" not in n.meta for n in inputs):
+            continue
+        sub = make_fx(_call_with(node, inputs), table, tracing_mode="real")(*[n.meta["val"] for n in inputs])
+        placeholders = list(sub.graph.find_nodes(op="placeholder"))
+        with graph.inserting_before(node):
+            out = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
+        if isinstance(out, fx.Node):
+            _keep_marks(node, out)
+            node.replace_all_uses_with(out)
+        else:
+            for user in list(node.users):
+                if user.target is not operator.getitem:
+                    raise AssertionError(f"{user.name} reads the tuple {node.name} whole")
+                _keep_marks(user, out[user.args[1]])
+                user.replace_all_uses_with(out[user.args[1]])
+                graph.erase_node(user)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _keep_marks(old: fx.Node, new: fx.Node) -> None:
+    for key in MARKS:
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+
+
+def _call_with(node: fx.Node, inputs: list[fx.Node]) -> Callable:
+    # Call the op itself under make_fx: the decomposition table then applies (or declines, when a
+    # decomposition returns NotImplemented), recursively, as it does for AOTAutograd.
+    def call(*values):
+        env = dict(zip(inputs, values))
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        return node.target(*args, **kwargs)
+
+    return call
