@@ -193,6 +193,10 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
             else:
                 storage_owner[ref] = i
                 own_bytes = _nbytes(val)
+        elif tensors and all(StorageWeakRef(t.untyped_storage()) in storage_owner for t in tensors) and len(
+                {storage_owner[StorageWeakRef(t.untyped_storage())] for t in tensors}) == 1:
+            # A tuple of views (split, unbind, chunk): while the tuple lives, so does their base.
+            storage = storage_owner[StorageWeakRef(tensors[0].untyped_storage())]
         elif tensors:
             # Outputs taken out by getitem are owned by the getitem; the rest die with the tuple.
             taken = {u.args[1] for u in n.users if u.target is operator.getitem}

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.heuristics import HEURISTICS
-from fxopt.solvers.ilp import default_backend, solve_ilp
-from fxopt.solvers.schedule import Schedule, Timeline, on_demand, save_all_set, simulate
+from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
+from fxopt.solvers.mip import Progress, default_backend
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
 
 __all__ = ["Graph", "Node", "Schedule", "Timeline", "Solution", "SOLVERS", "solve", "simulate", "eager_schedule"]
 
@@ -24,9 +25,12 @@ log = logging.getLogger("fxopt")
 
 SOLVERS = ("auto", "ilp", "greedy", "checkpoint", "save_all")
 
-# Above this many ILP variables "auto" does not start the exact solve: it would not finish in
-# seconds with CBC. Coarsening larger graphs is the ILP-at-scale work.
-AUTO_ILP_MAX_VARIABLES = 40_000
+# Above this many integer variables "auto" does not start the exact solve: it would not finish in
+# seconds. (A 12-layer GPT-2 step, ~2,100 nodes, has about 7,500.)
+AUTO_ILP_MAX_VARIABLES = 200_000
+
+# The ILP stops once its plan is proven within this fraction of the optimum (of its model).
+ILP_REL_GAP = 0.005
 
 
 class SolverTimeoutWarning(UserWarning):
@@ -40,6 +44,19 @@ class Solution:
     solver: str
     status: str  # "optimal" | "feasible" | "heuristic"
     solve_seconds: float
+    # A proven lower bound on the recompute cost of any plan within the budget, in the ILP's
+    # memory model (the LP relaxation's, or the branch-and-bound's if higher); None without ILP.
+    lower_bound_cost: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """(cost - lower bound) / cost: how far from optimal this plan may be; 0 when proven."""
+        if self.lower_bound_cost is None:
+            return None
+        cost = self.timeline.recompute_cost
+        if cost <= 1e-15:
+            return 0.0
+        return max(0.0, (cost - self.lower_bound_cost) / cost)
 
 
 def eager_schedule(graph: Graph) -> Schedule:
@@ -54,18 +71,22 @@ def solve(
     *,
     time_limit: float = 60.0,
     on_progress: Callable[[str], None] | None = None,
+    backend: str | None = None,
 ) -> Solution:
     """The cheapest schedule whose simulated peak is within ``budget`` bytes.
 
-    ``solver``: "ilp" (exact, Checkmate-style, CBC), "greedy", "checkpoint" (Chen segments),
-    "save_all" (no rewrite), or "auto" (heuristics first, then the ILP when the graph is small
-    enough to solve in seconds; the cheapest valid schedule wins).
+    ``solver``: "ilp" (exact, Checkmate-style), "greedy", "checkpoint" (Chen segments),
+    "save_all" (no rewrite), or "auto" (heuristics, then the ILP's LP relaxation rounded, then
+    the ILP warm-started from the best of those; the cheapest valid schedule wins).
+    ``time_limit``: seconds for the ILP (its LP relaxation included). ``on_progress`` receives
+    one-line progress messages (by default they go to the ``fxopt`` logger). Ctrl-C during the
+    ILP stops it and keeps the best plan found so far.
     Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does.
     """
     if solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     t0 = time.perf_counter()
-    progress = on_progress or (lambda msg: log.info(msg))
+    progress = on_progress or (lambda msg: log.info("fxopt: %s", msg))
     fitting: list[Solution] = []
     lowest_peak: int | None = None
 
@@ -75,6 +96,9 @@ def solve(
         if timeline.peak_bytes <= budget:
             fitting.append(Solution(schedule, timeline, name, status, 0.0))
 
+    def cheapest() -> Solution | None:
+        return min(fitting, key=lambda s: s.timeline.recompute_cost) if fitting else None
+
     heuristics = list(HEURISTICS) if solver == "auto" else [solver] if solver in HEURISTICS else []
     for name in heuristics:
         progress(f"solver {name}")
@@ -82,46 +106,80 @@ def solve(
             consider(schedule, timeline, name, "heuristic")
 
     ilp_status = None
-    if solver == "ilp" or solver == "auto" and _ilp_size(graph) <= AUTO_ILP_MAX_VARIABLES:
-        progress(f"solver ilp ({default_backend()})")
-        start = min(fitting, key=lambda s: s.timeline.recompute_cost).schedule if fitting else None
-        res = solve_ilp(graph, budget, time_limit=time_limit, warm_start=start)
-        ilp_status = res.status
-        if res.schedule is not None:
-            timeline = simulate(graph, res.schedule)
-            if timeline.peak_bytes > budget:
-                # The ILP's memory model is meant to over-approximate the code; a plan that does not
-                # fit when simulated is a gap in that model. Never use it; say so.
-                log.warning("fxopt: the ILP's plan peaks at %d bytes when simulated, above the budget "
-                            "%d; it is discarded (please report this graph)", timeline.peak_bytes, budget)
-            else:
-                consider(res.schedule, timeline, "ilp", res.status)
-        if res.status == "timeout" or res.status == "feasible":
-            warnings.warn(
-                f"the ILP stopped at its {time_limit:.0f} s time limit "
-                + ("with a feasible, possibly sub-optimal plan" if res.schedule else "without a plan; using the best heuristic"),
-                SolverTimeoutWarning,
-                stacklevel=2,
-            )
-        if res.schedule is None and solver == "ilp":
+    lower_bound: float | None = None
+    model = None
+    if solver in ("ilp", "auto"):
+        model = build_ilp(graph, budget)
+        if solver == "auto" and model.mip.num_integer > AUTO_ILP_MAX_VARIABLES:
+            progress(f"ILP skipped: {model.mip.num_integer} integer variables")
+            model = None
+    if model is not None:
+        progress(f"ILP: {model.mip.num_integer} integer variables, {model.mip.num_rows} constraints; LP relaxation")
+        lp_bound, roundings = lp_bound_and_roundings(graph, budget, time_limit=time_limit, backend=backend,
+                                                     model=model)
+        lower_bound = lp_bound
+        for schedule in roundings:
+            try:
+                consider(schedule, simulate(graph, schedule), "ilp-rounding", "heuristic")
+            except InvalidScheduleError:
+                continue
+        best = cheapest()
+        if lp_bound is None and model.infeasible is False and best is None:
+            progress("the LP relaxation found no plan within the budget")
+        remaining = time_limit - (time.perf_counter() - t0)
+        if lp_bound is not None and best is not None and _proven(best.timeline.recompute_cost, lp_bound):
+            progress("a rounded LP plan is optimal")
+        elif lp_bound is not None and remaining > 0:
+            progress(f"solver ilp ({backend or default_backend()}), {remaining:.0f} s left")
+
+            def report(p: Progress) -> None:
+                if p.incumbent is None:
+                    progress(f"ILP: searching, bound {_fmt(p.bound)}, {p.seconds:.0f} s")
+                else:
+                    gap = "?" if p.gap is None else f"{100 * p.gap:.1f}%"
+                    progress(f"ILP: best {_fmt(p.incumbent)}, bound {_fmt(p.bound)}, gap {gap}, {p.seconds:.0f} s")
+
+            res = solve_ilp(graph, budget, time_limit=remaining, warm_start=best.schedule if best else None,
+                            backend=backend, rel_gap=ILP_REL_GAP, on_progress=report, model=model)
+            ilp_status = res.status
+            if res.lower_bound is not None:
+                lower_bound = max(lower_bound or 0.0, res.lower_bound)
+            if res.schedule is not None:
+                timeline = simulate(graph, res.schedule)
+                if timeline.peak_bytes > budget:
+                    # The ILP's memory model is meant to over-approximate the code; a plan that
+                    # does not fit when simulated is a gap in that model. Never use it; say so.
+                    log.warning("fxopt: the ILP's plan peaks at %d bytes when simulated, above the budget "
+                                "%d; it is discarded (please report this graph)", timeline.peak_bytes, budget)
+                else:
+                    consider(res.schedule, timeline, "ilp", "optimal" if res.status == "optimal" else "feasible")
+            if res.interrupted:
+                progress("ILP interrupted; keeping the best plan found")
+            elif res.status in ("timeout", "feasible"):
+                warnings.warn(
+                    f"the ILP stopped at its {time_limit:.0f} s time limit "
+                    + ("with a feasible plan" if res.schedule else "without a plan; using the best heuristic")
+                    + ("" if lower_bound is None or not fitting else
+                       f" (within {100 * _gap(cheapest().timeline.recompute_cost, lower_bound):.1f}% of optimal)"),
+                    SolverTimeoutWarning,
+                    stacklevel=2,
+                )
+        if solver == "ilp" and not any(s.solver.startswith("ilp") for s in fitting):
             # Fall back on the heuristics: the ILP's memory model is conservative, so a budget it
             # calls infeasible may still be met by a simulated heuristic schedule.
-            before = len(fitting)
             for name in ("greedy", "checkpoint"):
                 for schedule, timeline in HEURISTICS[name](graph, budget):
                     consider(schedule, timeline, name, "heuristic")
-            if len(fitting) > before and res.status == "infeasible":
-                warnings.warn("the ILP found no plan within the budget; using the best heuristic",
-                              SolverTimeoutWarning, stacklevel=2)
 
-    if not fitting and solver in ("ilp", "auto") and _ilp_size(graph) <= AUTO_ILP_MAX_VARIABLES:
+    if not fitting and model is not None:
         # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
         # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
-        res = solve_ilp(graph, None, minimize_peak=True, time_limit=time_limit)
-        if res.schedule is not None:
-            consider(res.schedule, simulate(graph, res.schedule), "ilp", "feasible")
+        progress("no plan fits; solving for the lowest peak")
+        for schedule in _lowest_peak_schedules(graph, time_limit, backend):
+            consider(schedule, simulate(graph, schedule), "ilp", "feasible")
     if not fitting:
-        min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak)
+        min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak,
+                                         run_ilp=model is None)
         raise InfeasibleBudgetError(budget, min_budget)
     rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
     best = min(fitting, key=lambda s: (round(s.timeline.recompute_cost, 12), s.timeline.peak_bytes, rank[s.status]))
@@ -129,16 +187,29 @@ def solve(
         # The ILP's memory model over-approximates: a heuristic may beat it. Still proven optimal
         # within that model, so report what was found honestly.
         best = dataclasses.replace(best, status="heuristic")
-    return dataclasses.replace(best, solve_seconds=time.perf_counter() - t0)
+    if lower_bound is not None and _proven(best.timeline.recompute_cost, lower_bound):
+        best = dataclasses.replace(best, status="optimal")
+    return dataclasses.replace(best, solve_seconds=time.perf_counter() - t0, lower_bound_cost=lower_bound)
 
 
-def _ilp_size(graph: Graph) -> int:
-    cands = len(graph.needed_by_backward - graph.free)
-    return 2 * cands * max(1, len(graph.backward_nodes) // 2)
+def _gap(cost: float, bound: float) -> float:
+    return 0.0 if cost <= 1e-15 else max(0.0, (cost - bound) / cost)
+
+
+def _proven(cost: float, bound: float) -> bool:
+    return cost <= bound + 1e-12 or _gap(cost, bound) <= ILP_REL_GAP
+
+
+def _fmt(cost: float | None) -> str:
+    return "?" if cost is None else f"{cost * 1e3:.2f} ms"
+
+
+def _ilp_allowed(graph: Graph, solver: str) -> bool:
+    return solver == "ilp" or solver == "auto" and build_ilp(graph, None).mip.num_integer <= AUTO_ILP_MAX_VARIABLES
 
 
 def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float = 60.0,
-                        known: int | None = None) -> int:
+                        known: int | None = None, run_ilp: bool = True) -> int:
     """The smallest peak ``solver`` can reach for this graph: for a heuristic its lowest peak; for
     the ILP its solve with the budget as the objective (and the heuristics it falls back on); for
     "auto" the lowest of all. Every schedule is simulated."""
@@ -146,8 +217,24 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     names = ("checkpoint", "greedy") if solver in ("auto", "ilp") else (solver,)
     for name in names:
         peaks += [t.peak_bytes for _, t in HEURISTICS[name](graph, 0)]
-    if solver == "ilp" or solver == "auto" and _ilp_size(graph) <= AUTO_ILP_MAX_VARIABLES:
-        res = solve_ilp(graph, None, minimize_peak=True, time_limit=time_limit)
-        if res.schedule is not None:
-            peaks.append(simulate(graph, res.schedule).peak_bytes)
+    if run_ilp and _ilp_allowed(graph, solver):
+        peaks += [simulate(graph, s).peak_bytes for s in _lowest_peak_schedules(graph, time_limit, None)]
     return min(peaks)
+
+
+def _lowest_peak_schedules(graph: Graph, time_limit: float, backend: str | None) -> list[Schedule]:
+    """The ILP's lowest-peak schedule and the roundings of its LP relaxation."""
+    t0 = time.perf_counter()
+    _, schedules = lp_bound_and_roundings(graph, None, time_limit=time_limit, backend=backend)
+    out = []
+    for schedule in schedules:
+        try:
+            simulate(graph, schedule)
+            out.append(schedule)
+        except InvalidScheduleError:
+            continue
+    res = solve_ilp(graph, None, minimize_peak=True, backend=backend,
+                    time_limit=max(1.0, time_limit - (time.perf_counter() - t0)))
+    if res.schedule is not None:
+        out.append(res.schedule)
+    return out

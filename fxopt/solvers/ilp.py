@@ -1,21 +1,32 @@
-"""Checkmate's rematerialization ILP, specialised to a training step.
+"""Checkmate's rematerialization ILP, specialised to a training step and pruned to scale.
 
 Checkmate (Jain et al., MLSys 2020) decides for every stage t and node i whether i is computed in
 t (R[t,i]) and whether it is resident entering t (S[t,i]). Here the forward runs once, in order,
 and the backward nodes run once, in order; what is decided is which forward values survive the
-forward (S[0,i], the SAVE set) and which are recomputed before each backward stage (R[t,i]), as
+forward (S0[i], the SAVE set) and which are recomputed before each backward stage (R[t,i]), as
 many times as pays. Stages are the backward nodes that read a forward value; the other backward
-nodes only see the residency between stages. This keeps the problem to
-|forward values| x |consuming backward nodes| binaries, and much smaller after pruning: R[t,i]
-exists only where i is an ancestor of what stage t reads, S[t,i] only until i's last possible use.
+nodes only see the residency between stages.
 
 Constraints (i, j forward values; t a stage; D_t the forward values stage t reads):
     S[t+1,i] <= S[t,i] + R[t,i]                 a value is resident only if kept or just computed
     S[t,i] + R[t,i] >= 1            i in D_t    what a stage reads is there
     R[t,i] <= S[t,j] + R[t,j]       j input of i
+    R[t,i] <= S[t+1,i] + sum_u R[t,u]           a recomputation is read (u: users of i) or kept
     mem(t) = C_t + sum_i bytes_i (S[t,i] + R[t,i]) <= budget
     forward: F_k + sum_{i saved, no longer needed by the forward at step k} bytes_i <= budget
-Views are not variables: a schedule makes a fresh view from its base right before each use.
+
+What keeps it small enough to solve in seconds for thousands of nodes:
+  - Views are not variables: a schedule makes a fresh view from its base right before each use.
+  - R[t,i] exists only where i is needed to make what stage t reads, through recomputable values
+    (a random op's output is SAVEd, so recomputation never reaches behind it).
+  - S[t,i] is a variable only between the first and last stage that can use i. Before its first
+    use, a value is resident exactly when it was SAVEd: dropping a saved value before its first
+    use only to recompute it later is never better than not saving it.
+  - Memory sums share terms through running totals (continuous variables) instead of repeating
+    every saved value in every stage's row, and backward nodes between two stages share a row.
+  - Bytes are counted in units of a power of two and costs are normalised, so the coefficients
+    stay within a few orders of magnitude (HiGHS calls a budget of 4e9 bytes "badly scaled" and
+    may then declare feasible problems infeasible).
 C_t and F_k are the fixed parts (backward values, tangents; forward values in use). Counting every
 value recomputed in stage t as alive at its end over-approximates the generated code, which frees
 recomputation intermediates early, so a plan that fits here fits when simulated.
@@ -27,26 +38,27 @@ solve returns the smallest budget this model can reach.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.util
 import time
+from collections.abc import Callable
 
-import pulp
-
-from fxopt._quiet import silenced
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import Schedule, read_before_recompute, with_fresh_aliases
+from fxopt.solvers.mip import Mip, Progress, default_backend, solve_mip
+from fxopt.solvers.schedule import Schedule, must_save, read_before_recompute, with_fresh_aliases
+
+__all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_backend"]
 
 
 @dataclasses.dataclass(frozen=True)
 class IlpResult:
     schedule: Schedule | None
     status: str  # "optimal", "feasible", "infeasible", "timeout"
-    objective: float | None
+    objective: float | None  # recompute cost of the solution in the ILP's model
     peak_bound: float | None  # with minimize_peak: the smallest budget found
     seconds: float
     variables: int
+    lower_bound: float | None = None  # proven lower bound on the recompute cost (this model)
+    interrupted: bool = False
 
 
 def _backward_profile(graph: Graph) -> tuple[list[int], list[int]]:
@@ -131,10 +143,312 @@ def _forward_profile(graph: Graph, order: list[int]) -> tuple[list[int], dict[in
     return profile, {r: (s, end[r]) for r, s in start.items()}
 
 
-def default_backend() -> str:
-    """HiGHS when ``highspy`` is installed (it solves these problems several times faster than
-    CBC, see benchmarks/), else CBC, which ships with PuLP."""
-    return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
+def _unit(graph: Graph) -> int:
+    """A power of two that brings the step's total bytes to about 4096 units (1 for tiny graphs)."""
+    total = sum(n.bytes for n in graph.nodes)
+    unit = 1
+    while total // (unit * 2) >= 4096:
+        unit *= 2
+    return unit
+
+
+@dataclasses.dataclass
+class RematIlp:
+    """The ILP of one (graph, budget) and where each decision lives in it."""
+
+    graph: Graph
+    mip: Mip
+    cands: list[int]
+    stages: list[int]  # backward positions of the stages
+    anc: list[set[int]]  # values that may be recomputed in each stage
+    first: dict[int, int]
+    last: dict[int, int]
+    S0: dict[int, int]  # value -> column
+    S: dict[tuple[int, int], int]  # (stage, value) -> column, for first < stage <= last
+    R: dict[tuple[int, int], int]
+    K: dict[tuple[int, int], int]  # kept recomputations: R[t,i] and S[t+1,i]
+    aux: list[tuple[int, list[tuple[int, float]]]]  # running totals: column = sum of terms
+    peak: int | None  # column of the peak with minimize_peak
+    unit: int
+    cost_scale: float
+    cost_offset: float  # cost of backward-only values, paid once whatever the plan
+    infeasible: bool = False  # a value the backward needs can be neither saved nor recomputed
+    window: int = 0  # how many values back from a stage's reads recomputation may reach
+
+    def s(self, t: int, i: int) -> int | None:
+        if i not in self.first or t > self.last[i]:
+            return None
+        if t <= self.first[i]:
+            return self.S0.get(i)
+        return self.S.get((t, i))
+
+    def recompute_cost(self, objective: float) -> float:
+        """The model's objective in the cost model's seconds, less what any plan pays."""
+        return objective / self.cost_scale - self.cost_offset
+
+    def values_of(self, schedule: Schedule, budget: int | None) -> list[float]:
+        """Column values describing `schedule` (a warm start)."""
+        r_on, s_on = _stage_values(self.graph, schedule, self.stages, set(self.cands))
+        x = [0.0] * self.mip.num_vars
+        for i, col in self.S0.items():
+            x[col] = 1.0 if (0, i) in s_on or i in schedule.saved else 0.0
+        for key, col in self.S.items():
+            x[col] = 1.0 if key in s_on else 0.0
+        for key, col in self.R.items():
+            x[col] = 1.0 if key in r_on else 0.0
+        for (t, i), col in self.K.items():
+            x[col] = max(0.0, x[self.R[t, i]] + x[self.S[t + 1, i]] - 1.0)
+        for col, terms in self.aux:
+            x[col] = sum(a * x[j] for j, a in terms)
+        if self.peak is not None and budget is not None:
+            x[self.peak] = budget / self.unit
+        return x
+
+    def schedule_of(self, x) -> Schedule:
+        graph = self.graph
+        bwd = graph.backward_nodes
+        on = lambda col: col is not None and x[col] > 0.5  # noqa: E731
+        saved = {i for i, col in self.S0.items() if on(col)} | (graph.needed_by_backward & graph.free)
+        events: list[int] = []
+        done = 0
+        for t, k in enumerate(self.stages):
+            events.extend(bwd[done:k])
+            events.extend(sorted(i for i in self.anc[t] if on(self.R.get((t, i)))))
+            events.append(bwd[k])
+            done = k + 1
+        events.extend(bwd[done:])
+        events = with_fresh_aliases(graph, events)
+        saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free)
+        return Schedule(frozenset(saved), events)
+
+    def saved_fractions(self, x) -> dict[int, float]:
+        return {i: x[col] for i, col in self.S0.items()}
+
+
+# Recomputation variables the ILP may have before its window narrows (see `build_ilp`).
+MAX_RECOMPUTE_VARS = 8_000
+
+
+def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
+              max_recompute_vars: int = MAX_RECOMPUTE_VARS) -> RematIlp:
+    nodes = graph.nodes
+    cands = sorted(graph.needed_by_backward - graph.free - graph.aliases)
+    cset = set(cands)
+    saveable = graph.saveable
+    bwd = graph.backward_nodes
+    deps = {i: graph.through_aliases(nodes[i].inputs) & cset for i in cands}
+    stages = [k for k, b in enumerate(bwd) if graph.through_aliases(nodes[b].inputs) & cset]
+    reads = [sorted(graph.through_aliases(nodes[bwd[k]].inputs) & cset) for k in stages]
+    T = len(stages)
+
+    rank = {i: k for k, i in enumerate(cands)}
+
+    def needed_for(seeds, lowest: int) -> set[int]:
+        # What must be there to make `seeds`: recomputation stops at values it cannot recompute
+        # and at values more than `window` values before the earliest seed.
+        out: set[int] = set()
+        stack = list(seeds)
+        while stack:
+            i = stack.pop()
+            if i in out:
+                continue
+            out.add(i)
+            if nodes[i].recomputable and rank[i] >= lowest:
+                stack.extend(deps[i])
+        return out
+
+    def ancestors(window: int) -> list[set[int]]:
+        return [needed_for(d, min(rank[i] for i in d) - window) for d in reads]
+
+    # Recomputing a value far upstream of where the backward reads (another transformer layer's
+    # internals, say) is rarely worth its cost; letting the ILP consider every such chain makes it
+    # quadratic in the depth of the model. Narrow the window until the problem has at most
+    # `max_recompute_vars` recomputation variables; the window is part of the model (and so of
+    # the bound the solve proves).
+    window = len(cands)
+    anc = ancestors(window)
+    while sum(len(a) for a in anc) > max_recompute_vars and window > 8:
+        window = int(window * 0.7)
+        anc = ancestors(window)
+    lowest = [min(rank[i] for i in d) - window for d in reads]
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for t in range(T):
+        for i in anc[t]:
+            first.setdefault(i, t)
+            last[i] = t
+
+    def mem_bytes(i: int) -> int:
+        if graph.roots[i] != i:
+            return 0
+        if not nodes[i].tensor:  # its outputs nobody needs are allocated too
+            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in cset)
+        return nodes[i].bytes
+
+    unit = _unit(graph)
+    mb = {i: mem_bytes(i) / unit for i in cands}
+    max_cost = max((nodes[i].cost for i in cands), default=0.0)
+    cost_scale = 1000.0 / max_cost if max_cost > 0 else 1.0
+    m = Mip()
+    ilp = RematIlp(graph, m, cands, stages, anc, first, last, {}, {}, {}, {}, [], None, unit, cost_scale,
+                   cost_offset=sum(nodes[i].cost for i in cands if i in graph.backward_only))
+    infeasible = False
+    for i in cands:
+        if i not in first:
+            continue  # needed only through values that are saved anyway
+        if i in saveable and nodes[i].tensor:
+            cost = nodes[i].cost * cost_scale if i in graph.backward_only else 0.0
+            # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
+            # the constraints below see to that, as it has no R variables.
+            ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
+        if nodes[i].tensor:
+            for t in range(first[i] + 1, last[i] + 1):
+                ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
+    for t in range(T):
+        for i in sorted(anc[t]):
+            if nodes[i].recomputable and (rank[i] >= lowest[t] or i in reads[t]):
+                ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * cost_scale)
+    ilp.infeasible = infeasible
+    ilp.window = window
+    peak_col = None
+    if minimize_peak:
+        # The peak first; among the lowest-peak plans the cheapest: all recomputation together
+        # weighs less than a hundredth of a memory unit.
+        total = sum(m.cost) or 1.0
+        m.cost = [c * 0.01 / total for c in m.cost]
+        ilp.cost_scale *= 0.01 / total
+        peak_col = m.var("peak", cost=1.0)
+    ilp.peak = peak_col
+    cap = float("inf") if minimize_peak else budget / unit
+
+    def s(t, i):
+        return ilp.s(t, i)
+
+    def r(t, i):
+        return ilp.R.get((t, i))
+
+    def terms(*pairs):
+        return [(col, a) for col, a in pairs if col is not None]
+
+    def within(fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
+        """sum(var_terms) + fixed <= budget (or <= peak)."""
+        fixed = fixed_bytes / unit
+        if peak_col is not None:
+            m.row(var_terms + [(peak_col, -1.0)], upper=-fixed)
+        else:
+            m.row(var_terms, upper=cap - fixed)
+
+    # Residency and recomputation.
+    for (t, i), col in ilp.S.items():
+        m.row(terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
+    users: dict[int, list[int]] = {i: [] for i in cands}
+    for i in cands:
+        for j in deps[i]:
+            users[j].append(i)
+    for t in range(T):
+        for i in reads[t]:
+            m.row(terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
+        for i in anc[t]:
+            col = r(t, i)
+            if col is None:
+                continue
+            for j in deps[i]:
+                m.row(terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
+            if i not in reads[t]:
+                m.row(terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in anc[t]]),
+                      upper=0.0)
+
+    # Memory in the backward. P[t]: SAVEd values not yet used by stage t (running total).
+    waiting: list[int | None] = [None] * (T + 1)
+    for t in range(T - 1, -1, -1):
+        fresh = [(ilp.S0[i], mb[i]) for i in cands if first.get(i) == t and i in ilp.S0 and mb[i]]
+        if waiting[t + 1] is None and not fresh:
+            continue
+        col = m.var(f"P_{t}")
+        parts = fresh + ([(waiting[t + 1], 1.0)] if waiting[t + 1] is not None else [])
+        m.row([(col, 1.0)] + [(j, -a) for j, a in parts], lower=0.0, upper=0.0)
+        ilp.aux.append((col, parts))
+        waiting[t] = col
+    in_window: list[list[tuple[int, float]]] = [[] for _ in range(T + 1)]
+    for (t, i), col in ilp.S.items():
+        if mb[i]:
+            in_window[t].append((col, mb[i]))
+
+    def resident(t: int) -> list[tuple[int, float]]:
+        return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
+
+    profile, before = _backward_profile(graph)
+    bounds = [-1] + stages + [len(bwd)]
+    for t in range(T + 1):
+        between = range(bounds[t] + 1, bounds[t + 1])
+        if between:
+            within(max(profile[k] for k in between), resident(t) if t < T else [])
+        if t == T:
+            break
+        k = stages[t]
+        # While stage t recomputes: at most everything it recomputes is alive.
+        recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit) for i in anc[t] if (t, i) in ilp.R]
+        within(before[k], resident(t) + [(c, a) for c, a in recomputing if a])
+        # While the stage's node runs: what it reads, and recomputed values kept for later
+        # (K = R and S[t+1]); recomputation intermediates are dead by then.
+        running = []
+        for i in anc[t]:
+            col = r(t, i)
+            if col is None or not mb[i]:
+                continue
+            if i in reads[t]:
+                running.append((col, mb[i]))
+                continue
+            nxt = ilp.S.get((t + 1, i))
+            if nxt is None:
+                continue  # not kept past this stage: freed before the stage's node runs
+            kept = m.var(f"K_{t}_{nodes[i].name}", upper=1.0)
+            m.row([(kept, 1.0), (col, -1.0), (nxt, -1.0)], lower=-1.0)
+            ilp.K[t, i] = kept
+            running.append((kept, mb[i]))
+        within(profile[k], resident(t) + running)
+    # Tangents and every saved value, as the backward starts.
+    tangent_bytes = sum(nodes[i].bytes for i, n in enumerate(nodes) if n.tangent)
+    resident_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
+    within(sum(nodes[x].bytes for x in resident_roots) + tangent_bytes,
+           [(waiting[0], 1.0)] if waiting[0] is not None else [])
+
+    # Memory in the forward: a SAVEd value stays alive from the end of its forward life (or, if
+    # only the backward needs it, from when it is computed, keeping its inputs alive until then).
+    order = sorted(graph.forward_required)
+    fprofile, interval = _forward_profile(graph, order)
+    fpos = {i: k for k, i in enumerate(order)}
+    n_steps = len(order)
+    from_step: dict[int, list[tuple[int, float]]] = {}  # alive from this step to the end
+    spans: list[tuple[int, int, int, float]] = []  # (first step, last step, column, units)
+    for i, col in ilp.S0.items():
+        if not mb[i]:
+            continue
+        if i in fpos:
+            start = interval[i][1] + 1
+        else:  # backward-only: computed in the forward after every forward_required node before it
+            start = sum(1 for j in order if j < i)
+            for j in graph.through_aliases(nodes[i].inputs):
+                rj = graph.roots[j]
+                if rj in interval and interval[rj][1] < start and rj not in graph.resident:
+                    spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / unit))
+        if start < n_steps:
+            from_step.setdefault(start, []).append((col, mb[i]))
+    cuts = sorted({0} | set(from_step) | {a for a, _, _, _ in spans} | {b + 1 for _, b, _, _ in spans})
+    cuts = [c for c in cuts if c < n_steps] + [n_steps]
+    total: int | None = None
+    for g in range(len(cuts) - 1):
+        lo, hi = cuts[g], cuts[g + 1]
+        fresh = from_step.get(lo, [])  # every key of from_step is a cut point
+        if fresh:
+            col = m.var(f"E_{lo}")
+            parts = fresh + ([(total, 1.0)] if total is not None else [])
+            m.row([(col, 1.0)] + [(j, -a) for j, a in parts], lower=0.0, upper=0.0)
+            ilp.aux.append((col, parts))
+            total = col
+        extra = [(c, a) for a_lo, a_hi, c, a in spans if a_lo <= lo and hi - 1 <= a_hi]
+        within(max(fprofile[lo:hi]), ([(total, 1.0)] if total is not None else []) + extra)
+    return ilp
 
 
 def _stage_values(graph: Graph, schedule: Schedule, stages: list[int], cset: set[int]):
@@ -186,191 +500,105 @@ def solve_ilp(
     threads: int | None = None,
     backend: str | None = None,
     warm_start: Schedule | None = None,
+    rel_gap: float = 1e-4,
+    on_progress: Callable[[Progress], None] | None = None,
     verbose: bool = False,
+    model: RematIlp | None = None,
 ) -> IlpResult:
     """Solve the ILP. ``backend``: "highs" (default when ``highspy`` is installed) or "cbc".
-    ``warm_start``: a schedule to start from (ignored by the solver if it breaks a constraint)."""
+    ``warm_start``: a schedule to start from (ignored by the solver if it breaks a constraint).
+    ``on_progress`` receives `Progress` about once a second (HiGHS only), costs in the cost
+    model's seconds of recomputation."""
     t0 = time.perf_counter()
-    nodes = graph.nodes
-    cands = sorted(graph.needed_by_backward - graph.free - graph.aliases)
-    cset = set(cands)
-    saveable = graph.saveable
-    bwd = graph.backward_nodes
-    stages = [k for k, b in enumerate(bwd) if graph.through_aliases(nodes[b].inputs) & cset]
-    reads = [sorted(graph.through_aliases(nodes[bwd[k]].inputs) & cset) for k in stages]
-    T = len(stages)
-    anc = [graph.ancestors(d) & cset for d in reads]
-    last = {i: -1 for i in cands}
-    for t in range(T):
-        for i in anc[t]:
-            last[i] = max(last[i], t)
-
-    def mem_bytes(i: int) -> int:
-        if graph.roots[i] != i:
-            return 0
-        if not nodes[i].tensor:  # its outputs nobody needs are allocated too
-            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in cset)
-        return nodes[i].bytes
-
-    prob = pulp.LpProblem("fxopt_remat", pulp.LpMinimize)
-    S: dict[tuple[int, int], pulp.LpVariable | int] = {}
-    R: dict[tuple[int, int], pulp.LpVariable] = {}
-    for i in cands:
-        if i in saveable:
-            S[0, i] = pulp.LpVariable(f"S_0_{i}", cat="Binary")
-        else:
-            S[0, i] = 0
-        if not nodes[i].tensor:
-            continue  # a multi-output op's outputs are taken out at once: it is never kept
-        for t in range(1, last[i] + 1):
-            S[t, i] = pulp.LpVariable(f"S_{t}_{i}", cat="Binary")
-    for t in range(T):
-        for i in anc[t]:
-            if nodes[i].recomputable:
-                R[t, i] = pulp.LpVariable(f"R_{t}_{i}", cat="Binary")
-
-    def s(t: int, i: int):
-        return S.get((t, i), 0)
-
-    def r(t: int, i: int):
-        return R.get((t, i), 0)
-
-    peak = pulp.LpVariable("peak", lowBound=0) if minimize_peak else budget
-    for i in cands:
-        for t in range(1, last[i] + 1):
-            if (t, i) in S:
-                prob += S[t, i] <= s(t - 1, i) + r(t - 1, i)
-    cand_users = {i: set() for i in cands}
-    for i in cands:
-        for j in graph.through_aliases(nodes[i].inputs) & cset:
-            cand_users[j].add(i)
-    for t in range(T):
-        for i in reads[t]:
-            prob += s(t, i) + r(t, i) >= 1
-        # A recomputation is only worth it if something reads it in this stage or it is kept.
-        for i in anc[t]:
-            if (t, i) in R and i not in reads[t]:
-                prob += R[t, i] <= s(t + 1, i) + pulp.lpSum(R[t, u] for u in cand_users[i] if (t, u) in R)
-        for i in anc[t]:
-            if (t, i) in R:
-                for j in graph.through_aliases(nodes[i].inputs) & cset:
-                    prob += R[t, i] <= s(t, j) + r(t, j)
-
-    # Memory in the backward.
-    profile, before = _backward_profile(graph)
-    stage_of = {}
-    t = 0
-    for k in range(len(bwd)):
-        while t < T and stages[t] < k:
-            t += 1
-        stage_of[k] = t
-    for k in range(len(bwd)):
-        t = stage_of[k]
-        resident = [(mem_bytes(i), s(t, i)) for i in cands if t <= last[i]]
-        if not (t < T and stages[t] == k):
-            prob += pulp.lpSum(b * v for b, v in resident if b) + profile[k] <= peak
-            continue
-        # While stage t recomputes: at most everything it recomputes is alive.
-        recomputing = [(mem_bytes(i) + nodes[i].workspace, R[t, i]) for i in anc[t] if (t, i) in R]
-        prob += pulp.lpSum(b * v for b, v in resident + recomputing if b) + before[k] <= peak
-        # While the stage's node runs: what it reads, and recomputed values kept for later
-        # (K = R and S[t+1]); recomputation intermediates are dead by then.
-        running = []
-        for i in anc[t]:
-            if (t, i) not in R or not mem_bytes(i):
-                continue
-            if i in reads[t]:
-                running.append((mem_bytes(i), R[t, i]))
-                continue
-            if not isinstance(s(t + 1, i), pulp.LpVariable):
-                continue  # not kept past this stage: freed before the stage's node runs
-            kept = pulp.LpVariable(f"K_{t}_{i}", lowBound=0)
-            prob += kept >= R[t, i] + S[t + 1, i] - 1
-            running.append((mem_bytes(i), kept))
-        prob += pulp.lpSum(b * v for b, v in resident + running if b) + profile[k] <= peak
-    # Tangents and every saved value, as the backward starts.
-    tangent_bytes = sum(nodes[i].bytes for i, n in enumerate(nodes) if n.tangent)
-    resident_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
-    prob += (
-        pulp.lpSum(mem_bytes(i) * s(0, i) for i in cands if mem_bytes(i))
-        + sum(nodes[x].bytes for x in resident_roots) + tangent_bytes
-        <= peak
-    )
-
-    # Memory in the forward.
-    order = sorted(graph.forward_required | (saveable & graph.backward_only))
-    fprofile, interval = _forward_profile(graph, [i for i in order if i in graph.forward_required])
-    fpos = {i: k for k, i in enumerate(o for o in order if o in graph.forward_required)}
-    steps = sorted(fpos.values())
-    for k in steps:
-        terms = []
-        for i in cands:
-            b = mem_bytes(i)
-            v = s(0, i)
-            if not b or isinstance(v, int) and v == 0:
-                continue
-            if i in fpos:
-                lo, hi = interval[i]
-                if lo <= k and k > hi:
-                    terms.append((b, s(0, i)))
-            else:  # backward-only value computed in the forward if saved: alive from its inputs on
-                born = max((fpos[j] for j in nodes[i].inputs if j in fpos), default=0)
-                if born <= k:
-                    terms.append((b, s(0, i)))
-        prob += pulp.lpSum(b * v for b, v in terms) + fprofile[k] <= peak
-
-    cost = pulp.lpSum(nodes[i].cost * v for (t, i), v in R.items())
-    cost += pulp.lpSum(nodes[i].cost * s(0, i) for i in cands if i in graph.backward_only)
-    if minimize_peak:
-        prob += peak + 1e-9 * cost
-    else:
-        prob += cost
-
-    nvars = len(R) + sum(isinstance(v, pulp.LpVariable) for v in S.values())
+    ilp = model or build_ilp(graph, budget, minimize_peak=minimize_peak)
+    nvars = ilp.mip.num_vars
+    if ilp.infeasible:
+        return IlpResult(None, "infeasible", None, None, time.perf_counter() - t0, nvars)
+    start = None
     if warm_start is not None:
-        r_start, s_start = _stage_values(graph, warm_start, stages, cset)
-        for key, var in R.items():
-            var.setInitialValue(1 if key in r_start else 0)
-        for key, var in S.items():
-            if isinstance(var, pulp.LpVariable):
-                var.setInitialValue(1 if key in s_start else 0)
-    backend = backend or default_backend()
-    if backend == "highs":
-        solver = pulp.HiGHS(msg=verbose, timeLimit=time_limit, warmStart=warm_start is not None,
-                            threads=threads)
-    elif backend == "cbc":
-        solver = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=max(1, int(time_limit)), threads=threads,
-                                   warmStart=warm_start is not None)
-    else:
-        raise ValueError(f"unknown ILP backend {backend!r}; use 'highs' or 'cbc'")
-    # HiGHS prints a banner from C++ whatever its options say.
-    with contextlib.nullcontext() if verbose else silenced(1):
-        prob.solve(solver)
+        start = ilp.values_of(warm_start, budget)
+        if ilp.mip.violations(start):
+            # The schedule does something this model cannot say (recomputing beyond the window, or
+            # keeping a tuple): start from its SAVE set only and let the solver complete it.
+            saved = warm_start.saved
+            start = {col: 1.0 if i in saved else 0.0 for i, col in ilp.S0.items()}
+
+    def report(p: Progress) -> None:
+        if on_progress is None or minimize_peak:
+            return
+        on_progress(Progress(
+            None if p.incumbent is None else ilp.recompute_cost(p.incumbent),
+            None if p.bound is None else max(0.0, ilp.recompute_cost(p.bound)),
+            p.gap, p.seconds))
+
+    res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), backend=backend,
+                    warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose)
     seconds = time.perf_counter() - t0
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        status = "infeasible" if prob.status == pulp.LpStatusInfeasible else "timeout"
-        return IlpResult(None, status, None, None, seconds, nvars)
+    if res.x is None:
+        return IlpResult(None, res.status, None, None, seconds, nvars, interrupted=res.interrupted)
+    peak = res.x[ilp.peak] * ilp.unit if minimize_peak else None
+    objective = ilp.recompute_cost(res.objective - (res.x[ilp.peak] if minimize_peak else 0.0))
+    bound = None if res.bound is None or minimize_peak else max(0.0, ilp.recompute_cost(res.bound))
+    return IlpResult(ilp.schedule_of(res.x), res.status, objective, peak, seconds, nvars,
+                     lower_bound=bound, interrupted=res.interrupted)
 
-    def val(v) -> int:
-        return int(round(pulp.value(v))) if isinstance(v, pulp.LpVariable) else int(v)
 
-    saved = {i for i in cands if val(s(0, i))} | (graph.needed_by_backward & graph.free)
+def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: float, backend: str | None = None,
+                           model: RematIlp | None = None) -> tuple[float | None, list[Schedule]]:
+    """The LP relaxation's lower bound on the recompute cost (None with ``budget=None``, which
+    relaxes the lowest-peak problem instead), and schedules rounded from its solution (Checkmate's
+    two-phase rounding, with the relaxation's residency as a guide): SAVE what the relaxation
+    saves at least a threshold of; before each backward node recompute what is missing; after
+    each stage, forget recomputed values the relaxation keeps less than the threshold of."""
+    ilp = model or build_ilp(graph, budget, minimize_peak=budget is None)
+    if ilp.infeasible:
+        return None, []
+    res = solve_mip(ilp.mip, time_limit=time_limit, backend=backend, relax=True)
+    if res.x is None:
+        return None, []
+    bound = None
+    if res.status == "optimal" and budget is not None:
+        bound = max(0.0, ilp.recompute_cost(res.objective))
+    schedules, seen = [], set()
+    # The thresholds, then the least memory of all: save nothing that can be recomputed, and
+    # recompute what each stage needs right before it (the plan at the bottom of the trade-off).
+    nothing = [0.0] * ilp.mip.num_vars
+    for x, threshold in [(res.x, t) for t in (0.5, 0.25, 0.75, 0.1, 0.9, 0.99)] + [(nothing, 0.5)]:
+        try:
+            schedule = _rounded(ilp, x, threshold)
+        except ValueError:
+            continue
+        key = (schedule.saved, schedule.backward)
+        if key not in seen:
+            seen.add(key)
+            schedules.append(schedule)
+    return bound, schedules
+
+
+def _rounded(ilp: RematIlp, x, threshold: float) -> Schedule:
+    from fxopt.solvers.schedule import _missing
+
+    graph, nodes = ilp.graph, ilp.graph.nodes
+    saved = frozenset(i for i, col in ilp.S0.items() if x[col] >= threshold - 1e-9)
+    saved = (saved - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
+    avail = set(graph.resident) | set(graph.forward_outputs) | (saved & graph.saveable)
+    avail |= {i for i, n in enumerate(nodes) if n.tangent}
+    stage_of = {k: t for t, k in enumerate(ilp.stages)}
+    recomputed: set[int] = set()
     events: list[int] = []
-    done = 0
-    for t, k in enumerate(stages):
-        events.extend(bwd[done:k])
-        events.extend(sorted(i for i in anc[t] if (t, i) in R and val(R[t, i])))
-        events.append(bwd[k])
-        done = k + 1
-    events.extend(bwd[done:])
-    status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible"
-    events = with_fresh_aliases(graph, events)
-    saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free)
-    return IlpResult(
-        Schedule(frozenset(saved), events),
-        status,
-        pulp.value(prob.objective),
-        pulp.value(peak) if minimize_peak else None,
-        seconds,
-        nvars,
-    )
+    for k, b in enumerate(graph.backward_nodes):
+        missing = _missing(graph, nodes[b].inputs, avail)
+        events.extend(missing)
+        avail.update(missing)
+        recomputed.update(missing)
+        events.append(b)
+        avail.add(b)
+        t = stage_of.get(k)
+        if t is None:
+            continue
+        for i in list(recomputed):
+            col = ilp.S.get((t + 1, i))
+            if col is None or x[col] < threshold - 1e-9:
+                avail.discard(i)
+                recomputed.discard(i)
+    return Schedule(saved, with_fresh_aliases(graph, events))

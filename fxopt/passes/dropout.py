@@ -1,0 +1,80 @@
+"""Make dropout's output recomputable from its mask.
+
+``native_dropout`` draws random numbers, so it must run once, where eager runs it, and nothing
+may recompute it. Its output is needed by the backward of whatever reads it (the ``bmm`` after
+attention dropout reads a float tensor as large as the attention matrix), so without this pass
+that output must be SAVEd in every layer. But the output is a plain function of the input and the
+boolean mask the op also returns::
+
+    out, mask = native_dropout(x, p, True)      out, mask = native_dropout(x, p, True)
+    y = bmm(out, v)                       ==>   out2 = mul(mul(x, mask), 1 / (1 - p))
+                                                y = bmm(out2, v)
+
+and every reader of ``out`` reads ``out2`` instead. ``out2`` is recomputable (from ``x``, itself
+recomputable, and ``mask``, which is SAVEd at a quarter of the size), so the solver may SAVE or
+RECOMPUTE it like any other value. For float32 and float64 ``out2`` equals ``out`` bit for bit
+on CPU and CUDA: multiplying by 0 or 1 is exact, so both round ``x * scale`` once. Other dtypes
+(half, bfloat16 kernels round the scale first, differently per device) are left alone.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+aten = torch.ops.aten
+
+EXACT_DTYPES = (torch.float32, torch.float64)
+
+
+def recompute_dropout_from_mask(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place as above; return how many dropouts were rewritten."""
+    graph = gm.graph
+    rewritten = 0
+    for node in list(graph.find_nodes(op="call_function", target=aten.native_dropout.default)):
+        x, p = node.args[0], node.args[1]
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        x_val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if train is False or not isinstance(p, float) or not 0.0 <= p < 1.0:
+            continue
+        if not isinstance(x_val, torch.Tensor) or x_val.dtype not in EXACT_DTYPES:
+            continue
+        outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        out = outs.get(0)
+        if out is None or not out.users:
+            continue
+        mask = outs.get(1)
+        fake_mode = detect_fake_mode([x_val])
+        if mask is None:
+            with graph.inserting_after(out):
+                mask = graph.call_function(operator.getitem, (node, 1))
+            mask.meta.update(out.meta)
+            mask.meta["val"] = node.meta["val"][1]
+        anchor = max(out, mask, key=lambda n: _position(graph, n))
+        with graph.inserting_after(anchor):
+            kept = graph.call_function(aten.mul.Tensor, (x, mask))
+        with graph.inserting_after(kept):
+            out2 = graph.call_function(aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
+        with fake_mode:
+            kept.meta["val"] = aten.mul.Tensor(x_val, mask.meta["val"])
+            out2.meta["val"] = aten.mul.Tensor(kept.meta["val"], 1.0 / (1.0 - p))
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+            if key in out.meta:
+                kept.meta[key] = out2.meta[key] = out.meta[key]
+        out.replace_all_uses_with(out2)
+        graph.erase_node(out)  # the op's first output now dies with the op's result tuple
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _position(graph: fx.Graph, node: fx.Node) -> int:
+    for k, n in enumerate(graph.nodes):
+        if n is node:
+            return k
+    raise ValueError(node)

@@ -1,0 +1,292 @@
+"""A small mixed-integer program in plain arrays, and the backends that solve it.
+
+The rematerialization ILP (`fxopt.solvers.ilp`) is written once as a `Mip` and handed to a
+backend:
+
+  - ``highs``: HiGHS through ``highspy``, in process. The model is passed as arrays (tens of
+    thousands of rows in well under a second), the warm start as a solution, and a callback
+    reports progress (incumbent, bound, gap, elapsed) and stops the solve on Ctrl-C, keeping
+    the best solution found.
+  - ``cbc``: CBC, the solver that ships with PuLP, as a subprocess (no progress; its bound is
+    not reported).
+
+Both take a time limit; both return the best solution found and, where the backend gives it,
+the proven lower bound on the objective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+BACKENDS = ("highs", "cbc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A snapshot of a running solve: objective of the best solution so far (None before the
+    first), the proven lower bound (None if unknown), their relative gap, seconds elapsed."""
+
+    incumbent: float | None
+    bound: float | None
+    gap: float | None
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MipResult:
+    status: str  # "optimal" | "feasible" (stopped with a solution) | "infeasible" | "timeout" (none found)
+    x: tuple[float, ...] | None
+    objective: float | None
+    bound: float | None  # a proven lower bound on the objective (None when the backend gives none)
+    seconds: float
+    interrupted: bool = False  # stopped by the user (Ctrl-C)
+
+
+class Mip:
+    """minimise cost·x  s.t.  lo_r <= row_r·x <= hi_r,  lower <= x <= upper,  x_j integer for marked j."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.cost: list[float] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[bool] = []
+        self.row_start: list[int] = [0]
+        self.row_index: list[int] = []
+        self.row_value: list[float] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+
+    @property
+    def num_vars(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_integer(self) -> int:
+        return sum(self.integer)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lower)
+
+    def binary(self, name: str, cost: float = 0.0, lower: float = 0.0) -> int:
+        return self.var(name, cost=cost, lower=lower, upper=1.0, integer=True)
+
+    def var(self, name: str, *, cost: float = 0.0, lower: float = 0.0, upper: float = float("inf"),
+            integer: bool = False) -> int:
+        self.names.append(name)
+        self.cost.append(cost)
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.integer.append(integer)
+        return len(self.names) - 1
+
+    def row(self, terms: Iterable[tuple[int, float]], lower: float = float("-inf"), upper: float = float("inf")) -> None:
+        merged: dict[int, float] = {}
+        for j, a in terms:
+            merged[j] = merged.get(j, 0.0) + a
+        for j, a in merged.items():
+            if a:
+                self.row_index.append(j)
+                self.row_value.append(a)
+        self.row_start.append(len(self.row_index))
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+
+    def objective(self, x: Iterable[float]) -> float:
+        return sum(c * v for c, v in zip(self.cost, x))
+
+    def violations(self, x: list[float], tol: float = 1e-6) -> list[int]:
+        """Rows that ``x`` breaks (for tests and warm starts)."""
+        bad = []
+        for r in range(self.num_rows):
+            lo, hi = self.row_start[r], self.row_start[r + 1]
+            v = sum(self.row_value[k] * x[self.row_index[k]] for k in range(lo, hi))
+            if v < self.row_lower[r] - tol or v > self.row_upper[r] + tol:
+                bad.append(r)
+        return bad
+
+
+def default_backend() -> str:
+    """HiGHS when ``highspy`` is installed (several times faster than CBC on these problems, and
+    it reports bounds and progress: see benchmarks/solvers.py), else CBC, which ships with PuLP."""
+    return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
+
+
+def solve_mip(
+    model: Mip,
+    *,
+    time_limit: float,
+    backend: str | None = None,
+    warm_start: list[float] | dict[int, float] | None = None,
+    relax: bool = False,
+    rel_gap: float = 1e-4,
+    threads: int | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    verbose: bool = False,
+) -> MipResult:
+    """Solve ``model`` (its LP relaxation with ``relax``) within ``time_limit`` seconds; stop early
+    once the relative gap is below ``rel_gap``. ``warm_start``: every column's value, or some
+    columns' values (a dict) for the solver to complete (HiGHS; CBC ignores a partial start)."""
+    backend = backend or default_backend()
+    if backend == "highs":
+        return _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose)
+    if backend == "cbc":
+        return _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose)
+    raise ValueError(f"unknown ILP backend {backend!r}; use one of {', '.join(BACKENDS)}")
+
+
+@contextlib.contextmanager
+def _interruptible(on_interrupt: Callable[[], None]):
+    """Turn Ctrl-C into a request to stop the solve (only possible from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        on_interrupt()
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose) -> MipResult:
+    import highspy
+    import numpy as np
+
+    from fxopt._quiet import silenced
+
+    t0 = time.perf_counter()
+    # HiGHS prints a banner from C++ whatever its options say.
+    with contextlib.nullcontext() if verbose else silenced(1):
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", bool(verbose))
+        h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
+        h.setOptionValue("mip_rel_gap", float(rel_gap))
+        if threads is not None:
+            h.setOptionValue("threads", int(threads))
+        n = model.num_vars
+        inf = highspy.kHighsInf
+        h.addCols(n, np.asarray(model.cost, dtype=np.float64),
+                  np.asarray([max(v, -inf) for v in model.lower], dtype=np.float64),
+                  np.asarray([min(v, inf) for v in model.upper], dtype=np.float64),
+                  0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float64))
+        h.addRows(model.num_rows,
+                  np.asarray([max(v, -inf) for v in model.row_lower], dtype=np.float64),
+                  np.asarray([min(v, inf) for v in model.row_upper], dtype=np.float64),
+                  len(model.row_index), np.asarray(model.row_start[:-1], dtype=np.int32),
+                  np.asarray(model.row_index, dtype=np.int32), np.asarray(model.row_value, dtype=np.float64))
+        ints = [j for j in range(n) if model.integer[j]]
+        if ints and not relax:
+            h.changeColsIntegrality(len(ints), np.asarray(ints, dtype=np.int32),
+                                    np.asarray([highspy.HighsVarType.kInteger] * len(ints)))
+        if isinstance(warm_start, dict) and warm_start and not relax:
+            # A partial solution: HiGHS completes it with a small sub-MIP.
+            idx = np.asarray(sorted(warm_start), dtype=np.int32)
+            h.setSolution(len(idx), idx, np.asarray([warm_start[j] for j in sorted(warm_start)], dtype=np.float64))
+        elif warm_start is not None and not relax:
+            sol = highspy.HighsSolution()
+            sol.col_value = list(map(float, warm_start))
+            sol.value_valid = True
+            h.setSolution(sol)
+
+        stop = threading.Event()
+        last_report = [0.0]
+
+        def on_interrupt_check(event) -> None:
+            if stop.is_set():
+                event.interrupt()
+            if on_progress is None:
+                return
+            now = time.perf_counter() - t0
+            if now - last_report[0] < 1.0:
+                return
+            last_report[0] = now
+            out = event.data_out
+            inc = out.mip_primal_bound if abs(out.mip_primal_bound) < 1e300 else None
+            bound = out.mip_dual_bound if abs(out.mip_dual_bound) < 1e300 else None
+            gap = _gap(inc, bound)
+            on_progress(Progress(inc, bound, gap, now))
+
+        if not relax:
+            h.cbMipInterrupt.subscribe(on_interrupt_check)
+        with _interruptible(stop.set):
+            h.run()
+        status = h.getModelStatus()
+        info = h.getInfo()
+    seconds = time.perf_counter() - t0
+    S = highspy.HighsModelStatus
+    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    x = tuple(h.getSolution().col_value) if has_solution else None
+    objective = info.objective_function_value if has_solution else None
+    if relax:
+        bound = objective if status == S.kOptimal else None
+    else:
+        bound = info.mip_dual_bound if abs(info.mip_dual_bound) < 1e300 else None
+    if status == S.kOptimal:
+        name = "optimal"
+    elif status in (S.kInfeasible, S.kUnboundedOrInfeasible):
+        name = "infeasible"
+    else:
+        name = "feasible" if x is not None else "timeout"
+    if on_progress is not None and not relax:
+        on_progress(Progress(objective, bound, _gap(objective, bound), seconds))
+    return MipResult(name, x, objective, bound, seconds, interrupted=stop.is_set())
+
+
+def _gap(incumbent: float | None, bound: float | None) -> float | None:
+    if incumbent is None or bound is None:
+        return None
+    if abs(incumbent) < 1e-12:
+        return 0.0 if abs(bound) < 1e-12 else None
+    return max(0.0, (incumbent - bound) / abs(incumbent))
+
+
+def _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose) -> MipResult:
+    import pulp
+
+    t0 = time.perf_counter()
+    prob = pulp.LpProblem("fxopt", pulp.LpMinimize)
+    xs = []
+    for j in range(model.num_vars):
+        lo = model.lower[j] if model.lower[j] > float("-inf") else None
+        hi = model.upper[j] if model.upper[j] < float("inf") else None
+        cat = pulp.LpInteger if model.integer[j] and not relax else pulp.LpContinuous
+        xs.append(pulp.LpVariable(f"x{j}", lowBound=lo, upBound=hi, cat=cat))
+    prob += pulp.LpAffineExpression([(xs[j], c) for j, c in enumerate(model.cost) if c])
+    for r in range(model.num_rows):
+        lo, hi = model.row_start[r], model.row_start[r + 1]
+        expr = pulp.LpAffineExpression([(xs[model.row_index[k]], model.row_value[k]) for k in range(lo, hi)])
+        if model.row_lower[r] == model.row_upper[r]:
+            prob += pulp.LpConstraint(expr, pulp.LpConstraintEQ, rhs=model.row_lower[r])
+            continue
+        if model.row_lower[r] > float("-inf"):
+            prob += pulp.LpConstraint(expr, pulp.LpConstraintGE, rhs=model.row_lower[r])
+        if model.row_upper[r] < float("inf"):
+            prob += pulp.LpConstraint(expr, pulp.LpConstraintLE, rhs=model.row_upper[r])
+    full_start = warm_start is not None and not isinstance(warm_start, dict) and not relax
+    if full_start:
+        for v, x0 in zip(xs, warm_start):
+            v.setInitialValue(x0)
+    solver = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=max(1, int(round(time_limit))), threads=threads,
+                               warmStart=full_start, gapRel=rel_gap)
+    prob.solve(solver)
+    seconds = time.perf_counter() - t0
+    if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        x = tuple(float(v.varValue or 0.0) for v in xs)
+        objective = model.objective(x)
+        optimal = prob.sol_status == pulp.LpSolutionOptimal
+        return MipResult("optimal" if optimal else "feasible", x, objective,
+                         objective if optimal and relax else None, seconds)
+    status = "infeasible" if prob.status == pulp.LpStatusInfeasible else "timeout"
+    return MipResult(status, None, None, None, seconds)
