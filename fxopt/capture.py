@@ -91,6 +91,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
         fingerprint=jg.fingerprint,
         module_paths=jg.module_paths,
         timeline=solution.timeline,
+        lower_bound_cost=solution.lower_bound_cost,
     )
     log.info("%s", plan.summary())
     return jg, plan

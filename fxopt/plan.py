@@ -37,11 +37,25 @@ class Plan:
     graph: Graph
     fingerprint: str
     module_paths: tuple[str, ...] = ()
+    # A proven lower bound on the recompute cost (cost model seconds) of any plan within the
+    # budget, in the ILP's memory model; None when no ILP ran. See `gap`.
+    lower_bound_cost: float | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """(recompute_cost - lower_bound_cost) / recompute_cost: how far from optimal this plan
+        may be (0: proven optimal; None: unknown)."""
+        if self.lower_bound_cost is None:
+            return None
+        if self.recompute_cost <= 1e-15:
+            return 0.0
+        return max(0.0, (self.recompute_cost - self.lower_bound_cost) / self.recompute_cost)
 
     @classmethod
     def build(cls, *, graph: Graph, schedule: Schedule, budget_bytes: int, eager_peak_bytes: int,
               solver: str, status: str, solve_seconds: float, fingerprint: str,
-              module_paths: tuple[str, ...] = (), timeline: Timeline | None = None) -> Plan:
+              module_paths: tuple[str, ...] = (), timeline: Timeline | None = None,
+              lower_bound_cost: float | None = None) -> Plan:
         timeline = timeline or simulate(graph, schedule)
         counts = collections.Counter(graph.nodes[i].name for i in schedule.recomputed(graph))
         for i in graph.backward_only - schedule.saved:  # computed once in the backward: not a recompute
@@ -65,6 +79,7 @@ class Plan:
             graph=graph,
             fingerprint=fingerprint,
             module_paths=module_paths,
+            lower_bound_cost=lower_bound_cost,
         )
 
     def timeline(self) -> Timeline:
@@ -87,6 +102,7 @@ class Plan:
             f"peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget_bytes)}, "
             f"eager {format_bytes(self.eager_peak_bytes)}), {len(self.saved)} saved, "
             f"{n_re} recomputations, +{self.recompute_flops / 1e9:.3f} GFLOP"
+            + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
         )
 
     def to_dict(self) -> dict:

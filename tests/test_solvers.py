@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers import SOLVERS, Solution, eager_schedule, simulate, solve
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.heuristics import HEURISTICS
+from fxopt.solvers.heuristics import HEURISTICS, articulation_values
 from fxopt.solvers.ilp import solve_ilp
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline
 from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, mlp2, random_training_graph
@@ -75,7 +75,7 @@ def assert_valid_solution(graph: Graph, budget: int, solution: Solution, solver:
     if solver in HEURISTICS:
         assert (solution.solver, solution.status) == (solver, "heuristic")
     elif solver == "ilp":
-        assert solution.solver in ("ilp", "ilp-rounding", "greedy", "checkpoint")  # rounded LP, or heuristic fallbacks
+        assert solution.solver in ("ilp", "ilp-rounding", "segments", "greedy", "checkpoint")  # rounded LP, or heuristic fallbacks
     timeline = simulate(graph, solution.schedule)  # raises if the schedule is not valid
     assert timeline == solution.timeline
     assert timeline.peak_bytes <= budget
@@ -250,6 +250,38 @@ def test_auto_never_costs_more_than_the_ilp_on_hand_graphs():
             ilp_cost = simulate(graph, ilp.schedule).recompute_cost
             best = solve(graph, budget, "auto", time_limit=TIME_LIMIT)
             assert best.timeline.recompute_cost <= ilp_cost + 1e-9, name
+
+
+def test_articulation_values():
+    """A chain is cut at every value; a skip connection (d reads a and c) hides b and c."""
+    graph = chain(4)
+    names = [graph.nodes[i].name for i in articulation_values(graph)]
+    forward = [n.name for n in graph.nodes if n.kind == "forward"]
+    assert names == forward
+    b = GraphBuilder()
+    b.input("x", 4)
+    b.input("tan", 1, tangent=True)
+    b.fwd("a", ["x"], 4)
+    b.fwd("b", ["a"], 4)
+    b.fwd("c", ["b"], 4)
+    b.fwd("d", ["a", "c"], 4)
+    b.fwd("loss", ["d"], 1, output=True)
+    b.bwd("g_d", ["tan", "d"], 4)
+    b.bwd("g_c", ["g_d", "c"], 4)
+    b.bwd("g_b", ["g_c", "b"], 4)
+    b.bwd("g_x", ["g_b", "g_d", "a"], 4, output=True)
+    graph = b.build()
+    assert [graph.nodes[i].name for i in articulation_values(graph)] == ["a", "d", "loss"]
+
+
+def test_segments_recompute_one_segment_at_a_time():
+    """On a long chain at a budget that needs recomputation, segment checkpointing fits and
+    recomputes less than running the forward again for every backward step would."""
+    graph = chain(8)
+    eager = eager_peak("chain8")
+    solution = solve(graph, eager * 3 // 4, "segments")
+    assert_valid_solution(graph, eager * 3 // 4, solution, "segments")
+    assert 0 < solution.timeline.recompute_cost < sum(n.cost for n in graph.nodes if n.kind == "forward")
 
 
 def test_unknown_solver():

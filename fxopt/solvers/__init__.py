@@ -23,7 +23,7 @@ __all__ = ["Graph", "Node", "Schedule", "Timeline", "Solution", "SOLVERS", "solv
 
 log = logging.getLogger("fxopt")
 
-SOLVERS = ("auto", "ilp", "greedy", "checkpoint", "save_all")
+SOLVERS = ("auto", "ilp", "segments", "greedy", "checkpoint", "save_all")
 
 # Above this many integer variables "auto" does not start the exact solve: it would not finish in
 # seconds. (A 12-layer GPT-2 step, ~2,100 nodes, has about 7,500.)
@@ -75,8 +75,9 @@ def solve(
 ) -> Solution:
     """The cheapest schedule whose simulated peak is within ``budget`` bytes.
 
-    ``solver``: "ilp" (exact, Checkmate-style), "greedy", "checkpoint" (Chen segments),
-    "save_all" (no rewrite), or "auto" (heuristics, then the ILP's LP relaxation rounded, then
+    ``solver``: "ilp" (exact, Checkmate-style), "segments" (checkpoints at the forward's
+    articulation values, then the most expensive values per byte), "greedy", "checkpoint"
+    (Chen segments), "save_all" (no rewrite), or "auto" (heuristics, then the ILP's LP relaxation rounded, then
     the ILP warm-started from the best of those; the cheapest valid schedule wins).
     ``time_limit``: seconds for the ILP (its LP relaxation included). ``on_progress`` receives
     one-line progress messages (by default they go to the ``fxopt`` logger). Ctrl-C during the
@@ -160,14 +161,15 @@ def solve(
                     f"the ILP stopped at its {time_limit:.0f} s time limit "
                     + ("with a feasible plan" if res.schedule else "without a plan; using the best heuristic")
                     + ("" if lower_bound is None or not fitting else
-                       f" (within {100 * _gap(cheapest().timeline.recompute_cost, lower_bound):.1f}% of optimal)"),
+                       f" (its recompute cost is at most {100 * _gap(cheapest().timeline.recompute_cost, lower_bound):.0f}% "
+                       "above the proven lower bound)"),
                     SolverTimeoutWarning,
                     stacklevel=2,
                 )
         if solver == "ilp" and not any(s.solver.startswith("ilp") for s in fitting):
             # Fall back on the heuristics: the ILP's memory model is conservative, so a budget it
             # calls infeasible may still be met by a simulated heuristic schedule.
-            for name in ("greedy", "checkpoint"):
+            for name in ("segments", "greedy", "checkpoint"):
                 for schedule, timeline in HEURISTICS[name](graph, budget):
                     consider(schedule, timeline, name, "heuristic")
 
@@ -214,7 +216,7 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     the ILP its solve with the budget as the objective (and the heuristics it falls back on); for
     "auto" the lowest of all. Every schedule is simulated."""
     peaks = [] if known is None else [known]
-    names = ("checkpoint", "greedy") if solver in ("auto", "ilp") else (solver,)
+    names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp") else (solver,)
     for name in names:
         peaks += [t.peak_bytes for _, t in HEURISTICS[name](graph, 0)]
     if run_ilp and _ilp_allowed(graph, solver):

@@ -7,6 +7,11 @@
   schedule within the budget.
 - ``greedy``: start from ``save_all`` and stop saving the values whose recomputation is cheapest
   per byte, until the simulated peak fits.
+- ``segments``: checkpoint at the forward's articulation values (a value every later value depends
+  on only through it: a transformer layer's or residual block's output), so each segment is
+  recomputed only for its own backward; then also SAVE the values whose recomputation costs most
+  per byte, as many as fit. For deep models this reaches low budgets at a fraction of the
+  recomputation the others need (recomputing one layer, not everything up to it).
 """
 
 from __future__ import annotations
@@ -77,4 +82,70 @@ def greedy(graph: Graph, budget: int) -> list[Candidate]:
     return out
 
 
-HEURISTICS = {"save_all": save_all, "checkpoint": checkpoint, "greedy": greedy}
+def articulation_values(graph: Graph) -> list[int]:
+    """Forward values that cut the forward in two: no value computed before one is read after it
+    except through it (parameters and inputs aside). In forward order."""
+    order = sorted(graph.forward_required - graph.resident)
+    pos = {i: k for k, i in enumerate(order)}
+    cover = [0] * (len(order) + 1)
+    for w in order:
+        for u in graph.nodes[w].inputs:
+            if u in pos and pos[w] - pos[u] > 1:
+                cover[pos[u] + 1] += 1
+                cover[pos[w]] -= 1
+    # Backward-only values (computed in the backward from forward values) also read across.
+    for b in sorted(graph.backward_only):
+        ins = [pos[u] for u in graph.nodes[b].inputs if u in pos]
+        if len(ins) > 1:
+            cover[min(ins) + 1] += 1
+            cover[max(ins)] -= 1
+    cuts, depth = [], 0
+    for k, i in enumerate(order):
+        depth += cover[k]
+        if depth == 0:
+            cuts.append(i)
+    return cuts
+
+
+def segments(graph: Graph, budget: int) -> list[Candidate]:
+    nodes = graph.nodes
+    decidable = set(_recomputable_saves(graph))
+    cuts = [i for i in articulation_values(graph)
+            if i in decidable and graph.roots[i] == i and nodes[i].bytes > 0 and not nodes[i].output]
+    out: list[Candidate] = save_all(graph, budget)  # no checkpoint at all is a choice too
+    if not cuts:
+        return out
+    must = must_save(graph)
+
+    def run(saved) -> Candidate:
+        schedule = on_demand(graph, saved)
+        candidate = (schedule, simulate(graph, schedule))
+        out.append(candidate)
+        return candidate
+
+    # Every k-th cut, for k = 1, 2, 3, ...: fewer checkpoints for lower budgets.
+    bases = []
+    for k in range(1, min(len(cuts), 8) + 1):
+        base = must | set(cuts[k - 1::k])
+        if run(base)[1].peak_bytes <= budget:
+            bases.append(base)
+    for base in bases[:2]:
+        extra = sorted((i for i in decidable - base if graph.roots[i] == i and nodes[i].bytes > 0),
+                       key=lambda i: (-nodes[i].cost / nodes[i].bytes, i))
+        # The longest prefix of `extra` (most recomputation saved per byte first) that fits.
+        lo, hi = 0, len(extra)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if run(base | set(extra[:mid]))[1].peak_bytes <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        # Then the values after it that still fit, one at a time (a few dozen at most).
+        saved = set(base | set(extra[:lo]))
+        for i in extra[lo + 1: lo + 41]:
+            if run(saved | {i})[1].peak_bytes <= budget:
+                saved.add(i)
+    return out
+
+
+HEURISTICS = {"save_all": save_all, "checkpoint": checkpoint, "greedy": greedy, "segments": segments}

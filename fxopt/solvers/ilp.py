@@ -257,8 +257,17 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
                 stack.extend(deps[i])
         return out
 
+    def with_siblings(values: set[int]) -> set[int]:
+        # A multi-output op makes all its outputs at once: recomputing it for one output also
+        # recomputes the others, which may then be kept for later stages.
+        out = set(values)
+        for i in values:
+            if not nodes[i].tensor and nodes[i].recomputable:
+                out.update(u for u in graph.users[i] if u in cset)
+        return out
+
     def ancestors(window: int) -> list[set[int]]:
-        return [needed_for(d, min(rank[i] for i in d) - window) for d in reads]
+        return [with_siblings(needed_for(d, min(rank[i] for i in d) - window)) for d in reads]
 
     # Recomputing a value far upstream of where the backward reads (another transformer layer's
     # internals, say) is rarely worth its cost; letting the ILP consider every such chain makes it
@@ -534,11 +543,12 @@ def solve_ilp(
     res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), backend=backend,
                     warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose)
     seconds = time.perf_counter() - t0
+    bound = None if res.bound is None or minimize_peak else max(0.0, ilp.recompute_cost(res.bound))
     if res.x is None:
-        return IlpResult(None, res.status, None, None, seconds, nvars, interrupted=res.interrupted)
+        return IlpResult(None, res.status, None, None, seconds, nvars, lower_bound=bound,
+                         interrupted=res.interrupted)
     peak = res.x[ilp.peak] * ilp.unit if minimize_peak else None
     objective = ilp.recompute_cost(res.objective - (res.x[ilp.peak] if minimize_peak else 0.0))
-    bound = None if res.bound is None or minimize_peak else max(0.0, ilp.recompute_cost(res.bound))
     return IlpResult(ilp.schedule_of(res.x), res.status, objective, peak, seconds, nvars,
                      lower_bound=bound, interrupted=res.interrupted)
 
