@@ -8,21 +8,11 @@ model). Full: width 512, batch 4096. ``--quick``: width 256, batch 1024 and, unl
 ``--time-limit`` is given, a 5 s ILP time limit instead of 60 s (fxopt's infeasible-budget path
 alone runs the ILP to its time limit, which would make the quick run take ~15 minutes).
 
-Every method shares the same parameters and input and is measured the same way:
-- peak: `fxopt.measure_peak` of one forward+backward after one untimed warm-up step (which
-  compiles/plans), with ``model.zero_grad(set_to_none=True)`` just before it (outside the measured
-  step) and the model and input passed as ``resident``: parameters + input + gradients +
-  everything allocated during the step;
-- gradients of the measured step against an eager reference (``torch.testing.assert_close``,
-  default fp32 tolerances);
-- FLOPs: ``torch.utils.flop_counter`` over one step, minus eager's count. Dynamo skips compiled
-  frames while a dispatch mode that does not set ``ignore_compile_internals`` is active (the
-  step would silently run eagerly and count eager's FLOPs), so the counter's dispatch mode is
-  used on its own (without FlopCounterMode's module tracker, whose hooks break Dynamo's tracing)
-  with ``ignore_compile_internals() -> True``; the step is already compiled, so this only lets
-  the cached compiled code run under the counter. A recompilation during the count is flagged;
-- step time: median of 5 steps, each paired with an eager step run just before it (interleaved),
-  reported as the ratio of the medians.
+Every method shares the same parameters and input and is measured the same way, by
+`benchmarks.harness.Measurer` (also used by `benchmarks.pareto`; see its docstring): peak with
+`fxopt.measure_peak` after a warm-up step, gradients against eager's, FLOPs with
+`fxopt.measure.count_flops` (a dispatch mode that lets compiled code run under it), and the median
+of 5 steps interleaved with eager steps.
 
 Results go to ``<out>/mlp_compare.md`` and ``<out>/mlp_compare.json``, rewritten after every
 row, so an interrupted run leaves what it has measured.
@@ -31,12 +21,8 @@ row, so an interrupted run leaves what it has measured.
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
 import json
-import os
 import shlex
-import statistics
 import sys
 import time
 import traceback
@@ -48,111 +34,16 @@ from typing import Any
 import torch
 import torch._dynamo
 import torch._functorch.config
-import torch.nn as nn
-import torch.utils.checkpoint
-from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 import fxopt
+from benchmarks.harness import Measurer, checkpoint_blocks, error_line, log, mib, plan_fields, run_meta
+from benchmarks.models import mlp
 
-MiB = 2**20
 DEPTH = 8
 TIMED_STEPS = 5
 COMPILE_BUDGETS = (1.0, 0.5, 0.1, 0.0)
 FXOPT_SOLVERS = ("checkpoint", "greedy", "ilp", "auto")
 FXOPT_FRACTIONS = (1.0, 0.75, 0.5, 0.4)
-
-
-# --------------------------------------------------------------------------------------------
-# model
-
-
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.l1 = nn.Linear(width, width)
-        self.l2 = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.l2(torch.relu(self.l1(x)))) + x
-
-
-class ResidualMLP(nn.Module):
-    """Returns the loss (``output.sum()``)."""
-
-    def __init__(self, width: int, depth: int = DEPTH):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.sum()
-
-
-def checkpointed(model: ResidualMLP) -> Callable[[torch.Tensor], torch.Tensor]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        for block in model.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-        return x.sum()
-
-    return forward
-
-
-# --------------------------------------------------------------------------------------------
-# measuring
-
-
-def train_step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    loss = fn(x)
-    loss.backward()
-    return loss.detach()
-
-
-class _CompiledFlopCounter(_FlopCounterMode):
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-
-def count_flops(model: nn.Module, fn, x) -> tuple[int, bool]:
-    """FLOPs of one step (FlopCounterMode's formulas); True when Dynamo compiled during it."""
-    model.zero_grad(set_to_none=True)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    counter = FlopCounterMode(display=False)
-    with _CompiledFlopCounter(counter):
-        train_step(fn, x)
-    recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] != graphs
-    return counter.get_total_flops(), recompiled
-
-
-def compare_grads(model: nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, Any]:
-    ok, first_error, max_abs, max_rel = True, None, 0.0, 0.0
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            ok, first_error = False, first_error or f"{name}: no gradient"
-            continue
-        diff = (p.grad - ref[name]).abs()
-        max_abs = max(max_abs, diff.max().item())
-        max_rel = max(max_rel, (diff / ref[name].abs().clamp_min(1e-12)).max().item())
-        try:
-            torch.testing.assert_close(p.grad, ref[name])
-        except AssertionError as err:
-            ok = False
-            first_error = first_error or f"{name}: " + " ".join(str(err).split())[:200]
-    return {"grads_equal": ok, "grad_max_abs_diff": max_abs, "grad_max_rel_diff": max_rel,
-            "grad_error": first_error}
-
-
-def time_steps(model: nn.Module, fn, eager_fn, x, n: int = TIMED_STEPS) -> tuple[list[float], list[float]]:
-    """Seconds of ``fn``'s steps and of eager's, interleaved (eager then fn, n times)."""
-    t_eager, t_fn = [], []
-    for _ in range(n):
-        for f, out in ((eager_fn, t_eager), (fn, t_fn)):
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            train_step(f, x)
-            out.append(time.perf_counter() - t0)
-    return t_fn, t_eager
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,26 +54,22 @@ class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.quick = args.quick
-        self.width, self.batch = (256, 1024) if args.quick else (512, 4096)
+        workload = mlp(dict(blocks=DEPTH, width=256, batch=1024) if args.quick else dict(blocks=DEPTH, width=512, batch=4096))
+        self.width, self.batch = workload.inputs[0].shape[1], workload.inputs[0].shape[0]
         self.time_limit = args.time_limit if args.time_limit is not None else (5.0 if args.quick else 60.0)
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
-        self.model = ResidualMLP(self.width)
-        self.x = torch.randn(self.batch, self.width)
+        self.workload = workload
+        self.model = workload.model
+        self.x = workload.inputs[0]
+        self.m = Measurer(self.model, (self.x,), timed_steps=TIMED_STEPS)
         self.params_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.input_bytes = self.x.numel() * self.x.element_size()
         self.rows: list[dict[str, Any]] = []
         self.t_start = time.perf_counter()
-        self.meta = {
-            "command": " ".join(["python -m benchmarks.mlp_compare", *(shlex.quote(a) for a in sys.argv[1:])]),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "fxopt": fxopt.__version__,
-            "git": _git_state(),
-            "python": sys.version.split()[0],
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
+        self.meta = run_meta(" ".join(["python -m benchmarks.mlp_compare", *(shlex.quote(a) for a in sys.argv[1:])]))
+        self.meta.update({
             "width": self.width,
             "batch": self.batch,
             "depth": DEPTH,
@@ -190,76 +77,19 @@ class Bench:
             "ilp_time_limit_s": self.time_limit,
             "params_bytes": self.params_bytes,
             "input_bytes": self.input_bytes,
-        }
-        self.eager_flops: int | None = None
-        self.eager_peak: int | None = None
-        self.ref_grads: dict[str, torch.Tensor] = {}
-        self.ref_loss: float | None = None
+        })
+
+    @property
+    def eager_peak(self) -> int | None:
+        return self.m.eager_peak
 
     # ---- one method ------------------------------------------------------------------------
 
     def measure(self, row: dict[str, Any], build: Callable[[], Any], *, warmup_ctx=None,
-                after_warmup: Callable[[Any, dict], None] | None = None) -> dict[str, Any] | None:
-        """Build, warm up, then measure peak + grads, FLOPs and step time. Returns the row, or
-        None when the build/warm-up raised InfeasibleBudgetError (re-raised to the caller)."""
-        model, x = self.model, self.x
+                after_warmup: Callable[[Any, dict], None] | None = None) -> dict[str, Any]:
+        """`benchmarks.harness.Measurer.measure`, logged. InfeasibleBudgetError propagates."""
         log(f"--- {row['method']} @ {row['budget']}")
-        torch._dynamo.reset()
-        gc.collect()
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                fn = build()
-                if warmup_ctx is not None:
-                    with warmup_ctx():
-                        train_step(fn, x)
-                else:
-                    train_step(fn, x)
-            finally:
-                row["first_call_s"] = time.perf_counter() - t0
-                notes = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0][:120]}"
-                                for w in caught if "Timeout" in w.category.__name__
-                                or w.category.__module__.startswith("fxopt")})
-                row.setdefault("notes", []).extend(notes)
-        if after_warmup is not None:
-            after_warmup(fn, row)
-
-        # peak (and the gradients of that same step)
-        model.zero_grad(set_to_none=True)
-        pm = fxopt.measure_peak(lambda inp: train_step(fn, inp), x, resident=[model, x])
-        row["measured_peak_bytes"] = pm.peak_bytes
-        row["measured_start_bytes"] = pm.start_bytes
-        row["loss"] = float(pm.result)
-        if self.ref_loss is not None:
-            row["loss_abs_diff"] = abs(float(pm.result) - self.ref_loss)
-        if self.ref_grads:
-            row.update(compare_grads(model, self.ref_grads))
-        if row.get("budget_bytes") is not None:
-            row["within_budget"] = pm.peak_bytes <= row["budget_bytes"]
-
-        # FLOPs
-        flops, recompiled = count_flops(model, fn, x)
-        row["flops"] = flops
-        if recompiled:
-            row["notes"].append("Dynamo recompiled during the FLOP count (count may be off)")
-        if self.eager_flops is not None:
-            row["extra_flops"] = flops - self.eager_flops
-
-        # step time, interleaved with eager
-        t_fn, t_eager = time_steps(model, fn, model, x)
-        row["step_s"] = statistics.median(t_fn)
-        row["eager_step_s_paired"] = statistics.median(t_eager)
-        row["step_ratio"] = row["step_s"] / row["eager_step_s_paired"]
-        row["step_ratio_min"] = min(t_fn) / min(t_eager)
-        row["step_ratio_median_of_pairs"] = statistics.median(a / b for a, b in zip(t_fn, t_eager))
-        row["step_times_s"] = t_fn
-        row["eager_step_times_s"] = t_eager
-        model.zero_grad(set_to_none=True)
-        del fn
-        torch._dynamo.reset()
-        gc.collect()
+        self.m.measure(row, build, warmup_ctx=warmup_ctx, after_warmup=after_warmup)
         log(f"    measured {mib(row['measured_peak_bytes'])} MiB, extra "
             f"{row.get('extra_flops', 0) / 1e9:.3f} GFLOP, ratio {row['step_ratio']:.2f}, "
             f"grads {'ok' if row.get('grads_equal', True) else 'MISMATCH'}")
@@ -272,22 +102,14 @@ class Bench:
     # ---- methods ---------------------------------------------------------------------------
 
     def run_eager(self) -> None:
-        model, x = self.model, self.x
-        # reference gradients: one warm-up step, then the reference step
-        model.zero_grad(set_to_none=True)
-        train_step(model, x)
-        model.zero_grad(set_to_none=True)
-        self.ref_loss = float(train_step(model, x))
-        self.ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        row = self.measure({"method": "eager", "budget": "–"}, lambda: model)
-        self.eager_flops = row["flops"]
-        self.eager_peak = row["measured_peak_bytes"]
-        row["extra_flops"] = 0
+        # reference gradients (one warm-up step, then the reference step), then eager's row
+        row = self.m.measure_eager({"method": "eager", "budget": "–"})
+        log(f"--- eager: measured {mib(row['measured_peak_bytes'])} MiB")
         self.add(row)
 
     def run_checkpoint(self) -> None:
         row = self.measure({"method": "eager + torch.utils.checkpoint per block", "budget": "–"},
-                           lambda: checkpointed(self.model))
+                           lambda: checkpoint_blocks(self.model, self.workload.blocks))
         self.add(row)
 
     def run_compile(self, amb: float) -> None:
@@ -313,20 +135,8 @@ class Bench:
         def after_warmup(fn, row):
             plan = fn.plan
             plans.append(plan)
-            row.update({
-                "fingerprint": plan.fingerprint,
-                "saved": list(plan.saved),
-                "recomputed": dict(plan.recomputed),
-                "budget_bytes": plan.budget_bytes,
-                "predicted_peak_bytes": plan.peak_bytes,
-                "predicted_eager_peak_bytes": plan.eager_peak_bytes,
-                "predicted_extra_flops": plan.recompute_flops,
-                "plan_solver": plan.solver,
-                "plan_status": plan.status,
-                "solve_seconds": plan.solve_seconds,
-                "n_saved": len(plan.saved),
-                "n_recomputations": sum(plan.recomputed.values()),
-            })
+            row.update(plan_fields(plan))
+            row.update({"saved": list(plan.saved), "recomputed": dict(plan.recomputed)})
             if len(fn.plans) != 1:
                 row["notes"].append(f"{len(fn.plans)} plans were made")
 
@@ -414,7 +224,7 @@ class Bench:
             "fractions of fxopt's *predicted* eager peak "
             + (f"({mib(m['fxopt_predicted_eager_peak_bytes'])} MiB; measured eager: {mib(self.eager_peak)} MiB)"
                if m.get("fxopt_predicted_eager_peak_bytes") and self.eager_peak else "")
-            + ". Extra GFLOP: FlopCounterMode count of the step minus eager's (fxopt's prediction in brackets "
+            + ". Extra GFLOP: FLOP-counting dispatch mode's count of the step minus eager's (fxopt's prediction in brackets "
             "where it differs). Step time ratio: median of 5 steps over the median of 5 eager steps interleaved "
             "with them (in brackets: fastest over fastest, less sensitive to other load) (this machine is shared with other jobs, so ratios are noisy; raw times are in the JSON). Planning s: fxopt's `plan.solve_seconds`; first call s: compile + plan + first step "
             "(for an infeasible budget: until the error, including fxopt's min_budget search).",
@@ -484,34 +294,6 @@ class Bench:
 
 
 # --------------------------------------------------------------------------------------------
-
-
-def _git_state() -> str:
-    """The commit fxopt was loaded from, and whether fxopt/ had uncommitted changes."""
-    import subprocess
-
-    root = Path(fxopt.__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "fxopt"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (" + uncommitted changes in fxopt/" if dirty else "")
-
-
-def mib(n: int | float | None) -> str:
-    return "–" if n is None else f"{n / MiB:.2f}"
-
-
-def error_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

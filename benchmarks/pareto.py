@@ -64,8 +64,6 @@ from fxopt.solvers import SOLVERS
 
 METHODS = ("eager", "checkpoint", "compile", "inductor", "fxopt", "fxopt-inductor")
 COMPILE_SOLVERS = ("dp", "greedy", "ilp")
-HALF = 0.5
-HALF_TOLERANCE = 0.02  # "at ~50% of eager's peak": a measured peak at most 52% of eager's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +73,18 @@ class Preset:
     inductor_budgets: tuple[float, ...]
     fractions: tuple[float, ...]  # fxopt budgets: 1.0, then fractions of eager's measured peak
     backend_fractions: tuple[float, ...]  # the same for fxopt's torch.compile backend
+    backend_min: bool  # also run the backend at its minimum (else only when no fraction fits)
     time_limit: float  # fxopt's ILP time limit, seconds
     timed_steps: int
 
 
 PRESETS = {
     "quick": Preset("quick", compile_budgets=(1.0, 0.5, 0.0), inductor_budgets=(1.0,),
-                    fractions=(1.0, 0.5), backend_fractions=(1.0, 0.5), time_limit=10.0, timed_steps=5),
+                    fractions=(1.0, 0.5), backend_fractions=(0.5,), backend_min=False, time_limit=10.0,
+                    timed_steps=5),
     "full": Preset("full", compile_budgets=(1.0, 0.75, 0.5, 0.25, 0.0), inductor_budgets=(1.0, 0.5, 0.0),
-                   fractions=(1.0, 0.75, 0.5, 0.35), backend_fractions=(1.0, 0.5), time_limit=30.0,
-                   timed_steps=7),
+                   fractions=(1.0, 0.75, 0.5, 0.35), backend_fractions=(1.0, 0.5), backend_min=True,
+                   time_limit=30.0, timed_steps=7),
 }
 
 
@@ -138,6 +138,7 @@ class ModelBench:
         """Measure one row; record an error instead of raising (except a deadline)."""
         self.run.check_deadline()
         log(f"--- {self.w.name}: {row['line']} @ {row['budget']}")
+        t0 = time.perf_counter()
         try:
             with (ctx() if ctx is not None else contextlib.nullcontext()):
                 self.m.measure(row, build, after_warmup=after_warmup)
@@ -147,6 +148,7 @@ class ModelBench:
             row["error"] = error_line(err)
             log(traceback.format_exc(limit=4))
         torch._dynamo.reset()
+        row["row_s"] = round(time.perf_counter() - t0, 2)
         self.add(row)
         return row
 
@@ -178,6 +180,10 @@ class ModelBench:
             self.run_fxopt_backend()
         self.info["complete"] = True
 
+    def note_inductor_flops(self, fn: Any, row: dict[str, Any]) -> None:
+        row["notes"].append("FLOPs inside Inductor's kernels are not counted (only the matrix products "
+                            "and convolutions it calls through the dispatcher)")
+
     def run_compile(self, backend: str, method: str, budgets: tuple[float, ...], solvers: tuple[str, ...]) -> None:
         label = "aot_eager" if backend.startswith("aot_eager") else backend
         for amb in budgets:
@@ -192,7 +198,8 @@ class ModelBench:
                 line = f"torch.compile {label}" + (f" ({solver})" if solver else "")
                 row = self.row(method, line, f"amb {amb:g}", backend=backend, activation_memory_budget=amb,
                                solver=solver)
-                self.attempt(row, lambda: torch.compile(self.w.model, backend=backend), ctx=ctx)
+                self.attempt(row, lambda: torch.compile(self.w.model, backend=backend), ctx=ctx,
+                             after_warmup=self.note_inductor_flops if backend == "inductor" else None)
 
     def fxopt_budgets(self, fractions: tuple[float, ...], min_budget: int | None) -> list[tuple[int | float, str]]:
         eager = self.m.eager_peak
@@ -247,19 +254,20 @@ class ModelBench:
     def run_fxopt_at_peer_peaks(self, solver: str) -> None:
         """fxopt at exactly each peer's measured peak (as a byte budget) that no fxopt point yet
         reaches with no more extra FLOPs: the fractions above need not fall on the peers' peaks."""
-        from benchmarks.pareto_report import dominance
+        from benchmarks.pareto_report import PEAK_TOLERANCE, dominance
 
         min_budget = self.info.get("min_budget_bytes", {}).get(solver)
-        tried: set[int] = set()
+        slack = PEAK_TOLERANCE * self.m.eager_peak
+        tried: list[int] = []
         while True:
             open_points = [d for d in dominance(self.rows) if d["verdict"] != "yes"
-                           and d["peer_peak_bytes"] not in tried
+                           and all(abs(d["peer_peak_bytes"] - t) > slack for t in tried)
                            and (min_budget is None or d["peer_peak_bytes"] >= min_budget)]
             if not open_points:
                 return
             d = max(open_points, key=lambda d: d["peer_peak_bytes"])
             budget = d["peer_peak_bytes"]
-            tried.add(budget)
+            tried.append(budget)
             row = self.row("fxopt", f"fxopt {solver}", "peer peak", solver=solver, budget_arg=budget,
                            peer=f"{d['peer']} @ {d['peer_budget']}")
             row["notes"] = [f"budget = measured peak of {d['peer']} @ {d['peer_budget']}"]
@@ -277,7 +285,10 @@ class ModelBench:
         if min_budget is None and solver not in self.info.get("min_budget_bytes", {}):
             min_budget = self.find_min_budget(solver)
         params = inspect.signature(fxopt.backend).parameters
-        for budget, label in self.fxopt_budgets(self.cfg.backend_fractions, min_budget):
+        budgets = self.fxopt_budgets(self.cfg.backend_fractions, min_budget)
+        if not self.cfg.backend_min and any(label not in ("100%", "min") for _, label in budgets):
+            budgets = [(b, label) for b, label in budgets if label != "min"]
+        for budget, label in budgets:
             kwargs: dict[str, Any] = {"budget": budget, "compiler": "inductor"}
             if "solver" in params:
                 kwargs["solver"] = solver
@@ -291,6 +302,7 @@ class ModelBench:
                 return torch.compile(self.w.model, backend=backend)
 
             def after_warmup(fn, row):
+                self.note_inductor_flops(fn, row)
                 plan = _plan_of(backend_holder[-1] if backend_holder else None, fn)
                 if plan is None:
                     row["notes"].append("the backend does not expose its plan: no prediction recorded")
@@ -394,7 +406,7 @@ class Run:
                     log(traceback.format_exc())
                 finally:
                     bench.info["elapsed_s"] = round(time.perf_counter() - bench.t0, 1)
-                    self.write()
+                    self.write(plots=True)
                     del bench.w.model, bench.m
                     if self.device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -402,16 +414,21 @@ class Run:
         except Deadline:
             log(f"deadline of {self.deadline} s reached: stopping, results so far are written")
         finally:
-            self.write()
+            self.write(final=True)
 
     # ---- output -------------------------------------------------------------------------------
 
-    def write(self) -> None:
+    def write(self, *, plots: bool = False, final: bool = False) -> None:
+        """The current model's table and JSON and the summary (after every row); the current
+        model's plot too with ``plots`` (when a model ends: plotting after every row of every
+        model would take minutes); every model's files with ``final``."""
         from benchmarks import pareto_report
 
         self.meta["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
         self.meta["complete"] = self.complete
-        pareto_report.write_all(self.out, self.meta, [(b.info, b.rows) for b in self.benches])
+        models = [(b.info, b.rows) for b in self.benches]
+        pareto_report.write_all(self.out, self.meta, models, current=None if final else models[-1:],
+                                plots=plots or final)
 
 
 def _floats(text: str) -> tuple[float, ...]:

@@ -5,7 +5,7 @@ The summary gives, per model and method (one line of the plot), the lowest measu
 method reaches and, among its points whose measured peak is at most ~50% of eager's (52%, so that
 a budget of exactly half is not lost to rounding), the one with the fewest extra FLOPs. The
 dominance check asks, for every point a peer reaches, whether some fxopt point reaches that peak
-or lower with no more extra FLOPs.
+or lower (within 0.2% of eager's peak) with no more extra FLOPs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from typing import Any
 from benchmarks.harness import mib
 
 HALF_SHARE = 0.52
+# Peaks within this share of eager's peak count as equal: the same schedule can measure a few
+# bytes apart between methods (a scalar tensor, BatchNorm's step counter).
+PEAK_TOLERANCE = 0.002
 FXOPT_METHODS = ("fxopt", "fxopt-inductor")
 PEER_METHODS = ("eager", "checkpoint", "compile", "inductor")
 
@@ -76,17 +79,22 @@ def summarize(info: dict, rows: list[dict]) -> list[dict[str, Any]]:
 
 def dominance(rows: list[dict]) -> list[dict[str, Any]]:
     """For each measured peer point: the fxopt point with the fewest extra FLOPs among those whose
-    measured peak is no higher."""
+    measured peak is no higher (within `PEAK_TOLERANCE` of eager's peak)."""
     fx = [r for r in measured(rows) if r["method"] in FXOPT_METHODS]
+    eager = next((r["measured_peak_bytes"] for r in measured(rows) if r["method"] == "eager"), 0)
+    slack = PEAK_TOLERANCE * eager
     out = []
     for p in measured(rows):
         if p["method"] not in PEER_METHODS:
             continue
-        reach = [r for r in fx if r["measured_peak_bytes"] <= p["measured_peak_bytes"]]
+        reach = [r for r in fx if r["measured_peak_bytes"] <= p["measured_peak_bytes"] + slack]
         best = min(reach, key=lambda r: (r.get("extra_flops") or 0, r["measured_peak_bytes"])) if reach else None
+        # Inductor's own kernels are invisible to the FLOP counter, so its count can fall below
+        # eager's: compare against no extra FLOPs then.
+        peer_extra = max(p.get("extra_flops") or 0, 0)
         if best is None:
             verdict = "fxopt does not reach this peak"
-        elif (best.get("extra_flops") or 0) <= (p.get("extra_flops") or 0):
+        elif (best.get("extra_flops") or 0) <= peer_extra:
             verdict = "yes"
         else:
             verdict = "fxopt needs more FLOPs"
@@ -103,15 +111,17 @@ def dominance(rows: list[dict]) -> list[dict[str, Any]]:
 # ---- writing ------------------------------------------------------------------------------------
 
 
-def write_all(out: Path, meta: dict, models: list[tuple[dict, list[dict]]]) -> None:
-    summary = []
-    for info, rows in models:
+def write_all(out: Path, meta: dict, models: list[tuple[dict, list[dict]]], *,
+              current: list[tuple[dict, list[dict]]] | None = None, plots: bool = True) -> None:
+    """Write ``<model>.md`` / ``.json`` (and ``.png`` with ``plots``) of the ``current`` models
+    (default: all) and the summary of all ``models``."""
+    for info, rows in (models if current is None else current):
         name = info["name"]
         (out / f"{name}.json").write_text(json.dumps({"meta": meta, "model": info, "rows": rows}, indent=1, default=str))
         (out / f"{name}.md").write_text(model_markdown(meta, info, rows))
-        if measured(rows):
+        if plots and measured(rows):
             plot(out / f"{name}.png", info, rows)
-        summary.append((info, summarize(info, rows), dominance(rows)))
+    summary = [(info, summarize(info, rows), dominance(rows)) for info, rows in models]
     (out / "summary.json").write_text(json.dumps(
         {"meta": meta, "models": [{"model": i, "summary": s, "dominance": d} for i, s, d in summary]},
         indent=1, default=str))
