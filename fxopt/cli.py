@@ -1,18 +1,27 @@
-"""The ``fxopt`` command line.
+"""The ``fxopt`` command line (also ``python -m fxopt``).
 
-    fxopt demo [--budget 50%] [--solver auto]    eager vs fxopt on the built-in residual MLP
+    fxopt demo [--budget 50%] [--solver auto]     eager vs fxopt on the built-in residual MLP
+    fxopt inspect MODEL [--budget 50%] [--code] [--dot FILE] [--json FILE] [--plot FILE.png] [--run]
+
+MODEL is ``path/to/file.py:factory`` or ``package.module:factory``; ``factory()`` returns
+``(model, example_inputs)`` (see `load_model`). Exit codes: 0 ok, 1 error (or, with ``--run``, the
+measured peak above the budget), 2 usage (a bad MODEL or budget), 3 infeasible budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import importlib
+import importlib.util
 import json
 import logging
 import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
 
@@ -128,15 +137,295 @@ def demo(args: argparse.Namespace) -> int:
     return EXIT_OK if within and grads_equal else EXIT_ERROR
 
 
+
+class ModelSpecError(ValueError):
+    """MODEL does not name a factory returning (model, example_inputs)."""
+
+
+def load_model(spec: str):
+    """Call the factory ``spec`` names and return ``(model, example_inputs)``.
+
+    ``spec`` is ``path/to/file.py:factory`` (the file is run as a module, its folder first on
+    ``sys.path`` so it can import its neighbours) or ``package.module:factory`` (imported). The
+    factory takes no arguments and returns an ``nn.Module`` and its example inputs: a tuple or
+    list of positional arguments, a dict of keyword arguments, or a single tensor; one call
+    ``model(*inputs)`` is one forward pass, and fxopt plans the forward and the backward of the
+    sum of its floating-point outputs (`fxopt.models.loss_of`).
+    """
+    import torch
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ModelSpecError(f"MODEL must be 'path/to/file.py:factory' or 'package.module:factory', not {spec!r}")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise ModelSpecError(f"no such file: {where}")
+        module_name = f"_fxopt_model_{path.stem}"
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module
+        sys.path.insert(0, str(path.resolve().parent))
+        try:
+            loader_spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.resolve().parent))
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as err:
+            if err.name and where.startswith(err.name):
+                raise ModelSpecError(f"no module named {err.name!r} (MODEL {spec!r}); is it installed, "
+                                     "or did you mean a file path?") from None
+            raise
+    factory = getattr(module, name, None)
+    if factory is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ModelSpecError(f"{where} has no {name!r}" + (f"; it has {', '.join(found[:12])}" if found else ""))
+    if not callable(factory):
+        raise ModelSpecError(f"{spec} is a {type(factory).__name__}, not a factory function")
+    result = factory()
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise ModelSpecError(f"{spec}() must return (model, example_inputs), got {type(result).__name__}")
+    model, inputs = result
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSpecError(f"{spec}() returned a {type(model).__name__} as its model, not an nn.Module")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list, dict)):
+        raise ModelSpecError(f"{spec}() must return example inputs as a tuple, list, dict or tensor, "
+                             f"not {type(inputs).__name__}")
+    return model, inputs
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _train_step(model, inputs):
+    from fxopt.models import loss_of
+
+    loss = loss_of(_call(model, inputs))
+    loss.backward()
+    return loss
+
+
+def _describe_inputs(inputs) -> str:
+    import torch
+
+    values = inputs.items() if isinstance(inputs, dict) else enumerate(inputs)
+    parts = []
+    for key, v in values:
+        text = f"{tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor) else type(v).__name__
+        parts.append(f"{key}={text}" if isinstance(key, str) else text)
+    return ", ".join(parts)
+
+
+class _StatusHandler(logging.Handler):
+    """Shows fxopt's log messages as the progress line of a rich status."""
+
+    def __init__(self, status, prefix: str):
+        super().__init__(logging.INFO)
+        self.status, self.prefix = status, prefix
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().removeprefix("fxopt: ").splitlines()[0]
+        self.status.update(f"{self.prefix}: {message[:100]}")
+
+
+@contextlib.contextmanager
+def _progress(console, text: str):
+    """A spinner with ``text``, updated with what fxopt logs meanwhile."""
+    logger = logging.getLogger("fxopt")
+    # One live display at a time: the planner's own status line (FXOPT_PROGRESS) stays off.
+    with console.status(text + "…") as status, _environ(FXOPT_PROGRESS="0"):
+        handler = _StatusHandler(status, text)
+        logger.addHandler(handler)
+        level = logger.level
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+        try:
+            yield status
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    import os
+
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def inspect(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.syntax import Syntax
+    from rich.table import Table
+
+    import fxopt
+    from fxopt.api import plan_and_rewrite
+    from fxopt.budget import format_bytes
+    from fxopt.report import tensor_rows
+
+    out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)
+    err = Console(stderr=True, quiet=args.quiet)
+    try:
+        with _progress(err, f"loading {args.model}"):
+            torch.manual_seed(args.seed)
+            model, inputs = load_model(args.model)
+    except ModelSpecError as e:
+        print(f"fxopt inspect: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    n_params = sum(p.numel() for p in model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out.print(f"[bold]fxopt inspect[/] {args.model}: {type(model).__name__}, {n_params / 1e6:.2f} M parameters "
+              f"({format_bytes(param_bytes)}), inputs {_describe_inputs(inputs)}; budget {args.budget}, "
+              f"solver {args.solver}, compiler {args.compiler}, torch {torch.__version__}")
+    t0 = time.perf_counter()
+    try:
+        with _progress(err, "capturing and planning the training step"):
+            ready = plan_and_rewrite(model, args.budget, inputs, solver=args.solver,
+                                     time_limit=args.time_limit, compiler=args.compiler)
+    except fxopt.InfeasibleBudgetError as e:
+        out.print(f"[red]infeasible budget:[/] {e}")
+        out.print(f"try: fxopt inspect {args.model} --budget {e.min_budget}")
+        return EXIT_INFEASIBLE
+    plan = ready.plan
+    planning = time.perf_counter() - t0
+
+    measured = {}
+    grads_equal = None
+    if args.run:
+        measured, grads_equal = _measure(model, inputs, plan, args, err)
+    if args.json:
+        plan.to_json(args.json)
+    if args.dot:
+        from fxopt.report import write_dot
+
+        write_dot(plan, args.dot)
+    if args.plot:
+        from fxopt.report import plot_timeline
+
+        plot_timeline(plan, args.plot, measured or None, title=f"{args.model}: one training step")
+
+    total_flops = sum(n.flops for n in plan.graph.nodes)
+    summary = Table(title="one training step (forward + backward)", show_header=True)
+    summary.add_column("")
+    summary.add_column("peak (predicted)", justify="right")
+    if measured:
+        summary.add_column("peak (measured)", justify="right")
+    summary.add_column("", justify="left")
+    rows = [("eager", plan.eager_peak_bytes, measured.get("eager"), ""),
+            ("fxopt plan", plan.peak_bytes, measured.get("fxopt"),
+             f"{100 * (1 - plan.peak_bytes / plan.eager_peak_bytes):.0f}% below eager")]
+    for label, predicted, real, note in rows:
+        cells = [label, format_bytes(predicted)]
+        if measured:
+            cells.append(format_bytes(max(real.live_bytes, default=real.start_bytes)))
+        summary.add_row(*cells, note)
+    budget_cells = ["budget", format_bytes(plan.budget_bytes)] + ([""] if measured else [])
+    summary.add_row(*budget_cells, f"{args.budget}")
+    out.print(summary)
+    extra = plan.recompute_flops
+    share = f" ({100 * extra / total_flops:.1f}% of the step's {total_flops / 1e9:.3f} GFLOP)" if total_flops else ""
+    recomputations = sum(plan.recomputed.values())
+    saved_bytes = plan.timeline().saved_bytes
+    out.print(f"extra compute: +{extra / 1e9:.3f} GFLOP{share}")
+    out.print(f"solver: {plan.solver} ({plan.status}), solved in {plan.solve_seconds:.1f} s; "
+              f"captured and planned in {planning:.1f} s")
+    out.print(f"decisions: {len(plan.saved)} values saved ({format_bytes(saved_bytes)} kept after the forward), "
+              f"{recomputations} recomputations of {len(plan.recomputed)} values")
+    if measured:
+        fx_peak = max(measured["fxopt"].live_bytes, default=measured["fxopt"].start_bytes)
+        within = fx_peak <= plan.budget_bytes
+        out.print(f"measured: fxopt's peak {'within' if within else '[red]ABOVE[/]'} the budget; gradients "
+                  f"{'equal to' if grads_equal else '[red]DIFFERENT from[/]'} eager's")
+
+    rows = tensor_rows(plan)
+    table = Table(title="saved and recomputed tensors, largest first")
+    for col, justify in (("tensor", "left"), ("decision", "left"), ("size", "right"), ("module", "left"),
+                         ("extra GFLOP", "right")):
+        table.add_column(col, justify=justify)
+    for r in rows[: args.top]:
+        decision = "SAVE" if r.decision == "SAVE" else f"RECOMPUTE x{r.times}"
+        table.add_row(r.name, decision, format_bytes(r.bytes), r.module or "-",
+                      f"{r.flops / 1e9:.4f}" if r.decision == "RECOMPUTE" else "")
+    if len(rows) > args.top:
+        table.caption = f"{len(rows) - args.top} more not shown (--top N shows more)"
+    out.print(table)
+
+    if args.code:
+        note = " (as fxopt rewrote them; Inductor then compiles these)" if args.compiler == "inductor" else ""
+        for title, gm in (("forward", ready.forward), ("backward", ready.backward)):
+            out.print(f"[bold]# rewritten {title}{note}[/]")
+            code = gm.code.strip()
+            if out.is_terminal:
+                out.print(Syntax(code, "python", theme="ansi_dark", word_wrap=True))
+            else:
+                out.print(code, markup=False)
+    for flag, path in (("json", args.json), ("dot", args.dot), ("plot", args.plot)):
+        if path:
+            out.print(f"wrote {path} (--{flag})")
+    if measured and not (within and grads_equal):
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def _measure(model, inputs, plan, args, err):
+    """Run one step eagerly and one through fxopt (the plan replayed with ``args.compiler``),
+    each from no gradients and the same seed; their measured timelines and whether the
+    gradients agree."""
+    import torch
+
+    import fxopt
+    from fxopt.measure import measure_timeline
+
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan, compiler=args.compiler)
+    timelines = {}
+    for name, m in (("eager", eager), ("fxopt", optimized)):
+        text = "compiling and measuring fxopt's step" if name == "fxopt" else "measuring eager's step"
+        with _progress(err, text):
+            torch.manual_seed(args.seed)
+            _train_step(m, inputs)  # warm up (and compile)
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(args.seed)
+            timelines[name] = measure_timeline(_train_step, m, inputs, resident=[m, inputs])
+    tol = {"rtol": 1e-4, "atol": 1e-5} if args.compiler == "inductor" else {"rtol": 1e-5, "atol": 1e-6}
+    grads_equal = all(
+        (a.grad is None) == (b.grad is None) and (a.grad is None or torch.allclose(a.grad, b.grad, **tol))
+        for a, b in zip(eager.parameters(), optimized.parameters())
+    )
+    return timelines, grads_equal
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing; the exit code tells")
+    p.add_argument("-v", "--verbose", action="count", default=0, dest="sub_verbose",
+                   help="log what fxopt does (-vv: more)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from fxopt.capture import COMPILERS
     from fxopt.solvers import SOLVERS
 
+    budget_help = "bytes, '3GiB', '500MB', or a share of the eager peak: '50%%' or 0.5 (default 50%%)"
     parser = argparse.ArgumentParser(prog="fxopt", description="Budgeted rematerialization of PyTorch training steps.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what fxopt does")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log what fxopt does (-vv: more)")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="eager vs fxopt on a built-in residual MLP, measured")
-    d.add_argument("--budget", type=_parse_budget, default="50%",
-                   help="bytes, '3GiB', '500MB', or a share of the eager peak: '50%%' or 0.5 (default 50%%)")
+    d.add_argument("--budget", type=_parse_budget, default="50%", help=budget_help)
     d.add_argument("--solver", choices=SOLVERS, default="auto")
     d.add_argument("--time-limit", type=float, default=30.0, help="seconds for the ILP (default 30)")
     d.add_argument("--blocks", type=int, default=8)
@@ -144,31 +433,76 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch", type=int, default=4096)
     d.add_argument("--repeats", type=int, default=3, help="timed steps per method (median)")
     d.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    d.add_argument("-q", "--quiet", action="store_true", help="print nothing; the exit code tells")
+    _add_common(d)
     d.set_defaults(func=demo)
+
+    i = sub.add_parser(
+        "inspect", help="plan a model's training step and show what fxopt would do",
+        description="Plan the training step of MODEL and show eager vs planned peak, extra FLOPs, and "
+        "which tensors are saved or recomputed. MODEL is 'path/to/file.py:factory' or "
+        "'package.module:factory'; factory() returns (model, example_inputs).")
+    i.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
+    i.add_argument("--budget", type=_parse_budget, default="50%", help=budget_help)
+    i.add_argument("--solver", choices=SOLVERS, default="auto")
+    i.add_argument("--time-limit", type=float, default=30.0, help="seconds for the ILP (default 30)")
+    i.add_argument("--compiler", choices=COMPILERS, default="eager",
+                   help="what runs the rewritten step with --run (default eager)")
+    i.add_argument("--code", action="store_true", help="print the rewritten forward and backward graphs")
+    i.add_argument("--dot", metavar="FILE", help="write the step's graph with the decisions as graphviz DOT")
+    i.add_argument("--json", metavar="FILE", help="write the plan as JSON (replay with fxopt.Plan.from_json)")
+    i.add_argument("--plot", metavar="FILE.png", help="draw the memory timeline, eager vs planned (needs matplotlib)")
+    i.add_argument("--run", action="store_true", help="also run one step eagerly and one with the plan, measured")
+    i.add_argument("--top", type=int, default=20, help="rows of the tensor table (default 20)")
+    i.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory and each run")
+    _add_common(i)
+    i.set_defaults(func=inspect)
     return parser
+
+
+@contextlib.contextmanager
+def _logging(verbosity: int, quiet: bool):
+    """fxopt's log records on stderr: warnings by default, INFO with -v, DEBUG with -vv."""
+    from rich.logging import RichHandler
+
+    logger = logging.getLogger("fxopt")
+    level = logging.DEBUG if verbosity >= 2 else logging.INFO if verbosity == 1 else logging.WARNING
+    from rich.console import Console
+
+    handler = RichHandler(console=Console(stderr=True, quiet=quiet), show_path=False, show_time=verbosity >= 2)
+    handler.setLevel(level)
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    if not args.verbose:
-        from fxopt.solvers import SolverTimeoutWarning
+    verbosity = args.verbose + getattr(args, "sub_verbose", 0)
+    from fxopt.solvers import SolverTimeoutWarning
 
-        warnings.simplefilter("ignore", SolverTimeoutWarning)
-    try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as err:  # noqa: BLE001 - a clean message, not a traceback
-        from fxopt.errors import FxoptError
+    with _logging(verbosity, args.quiet), warnings.catch_warnings():
+        if not verbosity:
+            warnings.simplefilter("ignore", SolverTimeoutWarning)
+        try:
+            return args.func(args)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        except Exception as err:  # noqa: BLE001 - a clean message, not a traceback
+            from fxopt.errors import FxoptError
 
-        if isinstance(err, FxoptError):
-            print(f"fxopt: {err}", file=sys.stderr)
-            return EXIT_ERROR
-        raise
+            if isinstance(err, FxoptError) and verbosity < 2:
+                print(f"fxopt: {err}", file=sys.stderr)
+                return EXIT_ERROR
+            raise
 
 
 if __name__ == "__main__":

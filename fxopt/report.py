@@ -1,0 +1,143 @@
+"""What `fxopt inspect` shows of a plan: the saved and recomputed tensors, a graphviz drawing of
+the step, and the memory timeline of eager vs planned (and measured) steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from fxopt.errors import FxoptError
+from fxopt.plan import Plan
+from fxopt.solvers import eager_schedule, simulate
+
+MiB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRow:
+    name: str  # fx node name in the captured joint graph
+    decision: str  # "SAVE" or "RECOMPUTE"
+    times: int  # recomputations (0 for SAVE)
+    bytes: int  # bytes of the storage it holds (its base's, for a view)
+    module: str  # the nn.Module it comes from ("" when unknown)
+    flops: int  # extra FLOPs of its recomputations
+
+
+def module_name(path: str) -> str:
+    """``"L['self'].blocks._modules['0'].l1"`` (Dynamo's spelling) → ``"blocks.0.l1"``."""
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    return re.sub(r"\['([^']*)'\]", r".\1", path)
+
+
+def tensor_rows(plan: Plan) -> list[TensorRow]:
+    """Every SAVEd value and every RECOMPUTEd one that owns memory, largest first (views, which
+    cost nothing, are left out)."""
+    g = plan.graph
+    index = {n.name: i for i, n in enumerate(g.nodes)}
+    paths = plan.module_paths or ("",) * len(g.nodes)
+
+    def size(i: int) -> int:
+        node = g.nodes[i]
+        return g.nodes[node.storage].bytes if node.storage is not None else node.bytes
+
+    rows = [TensorRow(name, "SAVE", 0, size(index[name]), module_name(paths[index[name]]), 0) for name in plan.saved]
+    order = {name: i for i, name in enumerate(n.name for n in g.nodes)}
+    for name, times in plan.recomputed.items():
+        i = index[name]
+        if g.nodes[i].storage is None and g.nodes[i].bytes > 0:
+            rows.append(TensorRow(name, "RECOMPUTE", times, size(i), module_name(paths[i]), times * g.nodes[i].flops))
+    rows.sort(key=lambda r: (-r.bytes, order[r.name]))
+    return rows
+
+
+def write_dot(plan: Plan, path: str | Path) -> None:
+    """The captured step as a graphviz DOT file: inputs grey, forward values white, SAVEd green,
+    RECOMPUTEd orange (with their count), backward values blue; each labelled with its size."""
+    import networkx as nx
+
+    try:
+        from networkx.drawing.nx_pydot import write_dot as nx_write_dot
+        import pydot  # noqa: F401 - networkx needs it to write DOT
+    except ImportError as err:
+        raise FxoptError("writing DOT needs pydot: pip install 'fxopt[dot]' (or pip install pydot)") from err
+
+    g = plan.graph
+    saved, recomputed = set(plan.saved), plan.recomputed
+    paths = plan.module_paths or ("",) * len(g.nodes)
+    colors = {"input": "grey85", "forward": "white", "backward": "lightsteelblue1"}
+    dot = nx.DiGraph(name="fxopt_plan", rankdir="TB")
+    for i, node in enumerate(g.nodes):
+        lines = [node.name]
+        if node.bytes:
+            lines.append(_size(node.bytes))
+        module = module_name(paths[i])
+        if module:
+            lines.append(module)
+        color = colors[node.kind]
+        if node.name in saved:
+            lines.append("SAVE")
+            color = "palegreen"
+        elif node.name in recomputed:
+            lines.append(f"RECOMPUTE x{recomputed[node.name]}")
+            color = "orange"
+        dot.add_node(node.name, label=_quote("\\n".join(lines)), shape="box", style="filled", fillcolor=color)
+    for node in g.nodes:
+        for j in node.inputs:
+            dot.add_edge(g.nodes[j].name, node.name)
+    nx_write_dot(dot, str(path))
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace('"', '\\"') + '"'
+
+
+def _size(n: int) -> str:
+    from fxopt.budget import format_bytes
+
+    return format_bytes(n)
+
+
+def plot_timeline(plan: Plan, path: str | Path, measured: dict | None = None, title: str = "") -> None:
+    """Draw live memory over the step, eager's and the plan's as the simulator predicts them
+    (against ops run), and, given ``measured`` ({label: `fxopt.measure.MemoryTimeline`}), the
+    measured ones (against time), each with the budget line. Needs matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise FxoptError("plotting needs matplotlib: pip install 'fxopt[plot]' (or pip install matplotlib)") from err
+
+    predicted = {
+        f"eager (predicted, peak {_size(plan.eager_peak_bytes)})": simulate(plan.graph, eager_schedule(plan.graph)),
+        f"fxopt plan (predicted, peak {_size(plan.peak_bytes)})": plan.timeline(),
+    }
+    rows = 2 if measured else 1
+    fig = Figure(figsize=(10, 4.2 * rows), layout="constrained")
+    axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
+    ax = axes[0]
+    for (label, timeline), color in zip(predicted.items(), ("tab:blue", "tab:green")):
+        ys = [b / MiB for _, _, b in timeline.events]
+        ax.step(range(len(ys)), ys, where="post", label=label, color=color)
+        backward_starts = next((k for k, e in enumerate(timeline.events) if e[0] == "backward"), None)
+        if backward_starts is not None:
+            ax.axvline(backward_starts, color=color, linestyle=":", linewidth=1)
+    ax.set_xlabel("ops run (dotted: the backward starts)")
+    ax.set_title(title or "memory over one training step (forward + backward)")
+    if measured:
+        mx = axes[1]
+        for (label, timeline), color in zip(measured.items(), ("tab:blue", "tab:green", "tab:purple")):
+            xs = [t * 1e3 for t in timeline.seconds]
+            ys = [b / MiB for b in timeline.live_bytes]
+            peak = max(timeline.live_bytes, default=timeline.start_bytes)
+            mx.step(xs, ys, where="post", label=f"{label} (measured, peak {_size(peak)})", color=color)
+        mx.set_xlabel("time (ms)")
+        mx.set_title("measured (profiler allocation events)")
+    for a in axes:
+        a.axhline(plan.budget_bytes / MiB, color="tab:red", linestyle="--",
+                  label=f"budget {_size(plan.budget_bytes)}")
+        a.set_ylabel("live memory (MiB)")
+        a.set_ylim(bottom=0)
+        a.grid(alpha=0.3)
+        a.legend(loc="upper left", fontsize="small")
+    fig.savefig(str(path), dpi=110)
