@@ -29,3 +29,117 @@ def test_bad_budget_is_a_usage_error(capsys):
 def test_infeasible_budget_names_the_minimum(capsys):
     assert main([*SMALL, "--budget", "1000"]) == EXIT_INFEASIBLE
     assert "smallest feasible budget" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- fxopt inspect
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import fxopt  # noqa: E402
+from fxopt.cli import EXIT_ERROR  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models.py"
+MLP = f"{EXAMPLES}:mlp"
+FAST = ["--time-limit", "5"]
+
+
+def test_inspect_everything_on_an_example(tmp_path, capsys):
+    """One run with every output: the summary and table, the code of both modules, a plan that
+    reads back, a DOT graph with the decisions, a PNG timeline with the measured curves."""
+    paths = {k: tmp_path / f"plan.{k}" for k in ("json", "dot", "png")}
+    code = main(["inspect", MLP, "--budget", "50%", *FAST, "--code", "--run", "--json", str(paths["json"]),
+                 "--dot", str(paths["dot"]), "--plot", str(paths["png"]), "--top", "5"])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    plan = fxopt.Plan.from_json(paths["json"])
+    assert plan.budget_bytes == int(0.5 * plan.eager_peak_bytes) and plan.peak_bytes <= plan.budget_bytes
+    for text in ("eager", "fxopt plan", "budget", "extra compute: +", f"solver: {plan.solver} ({plan.status})",
+                 "saved and recomputed tensors", "RECOMPUTE x", "blocks.", "within the budget",
+                 "gradients equal to eager's", "more not shown"):
+        assert text in out, text
+    assert out.count("def forward(") == 2  # the rewritten forward and backward
+    # The table is ordered by size, largest first.
+    sizes = [line.split("│")[3].strip() for line in out.splitlines() if "RECOMPUTE x" in line or "│ SAVE" in line]
+    assert sizes and sizes == sorted(sizes, key=_bytes, reverse=True)
+    dot = paths["dot"].read_text()
+    assert dot.startswith(("digraph", "strict digraph")) and "RECOMPUTE x" in dot and "SAVE" in dot
+    assert dot.count("->") == sum(len(n.inputs) for n in plan.graph.nodes)
+    _check_png(paths["png"])
+
+
+def _bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+def _check_png(path):
+    """A real image, neither blank nor tiny: two panels of curves."""
+    import matplotlib.image
+
+    assert path.stat().st_size > 20_000
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 800
+    assert pixels[..., :3].std() > 0.05  # not a flat image
+
+
+def test_inspect_a_module_factory_and_dict_inputs(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_models.py").write_text(
+        "import torch\nfrom examples_models import classifier\n\ndef tiny():\n    return classifier()\n")
+    (tmp_path / "examples_models.py").write_text(EXAMPLES.read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", "my_models:tiny", "--budget", "1.0", *FAST]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "Classifier" in out and "images=(16, 3, 32, 32) float32, labels=(16,) int64" in out
+    assert "saved and recomputed tensors" in out
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_colon_here", "must be 'path/to/file.py:factory'"),
+    ("missing/file.py:f", "no such file"),
+    (f"{EXAMPLES}:nope", "has no 'nope'; it has"),
+    ("no_such_package.models:f", "no module named 'no_such_package'"),
+    (f"{EXAMPLES}:Classifier", "must return (model, example_inputs)"),
+])
+def test_inspect_bad_model_spec_is_a_usage_error(spec, message, capsys):
+    assert main(["inspect", spec]) == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+def test_inspect_bad_budget_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", MLP, "--budget", "150%"])
+    assert info.value.code == EXIT_USAGE
+    assert "budget" in capsys.readouterr().err
+
+
+def test_inspect_infeasible_budget_names_the_minimum(capsys):
+    assert main(["inspect", MLP, "--budget", "1MB", *FAST]) == EXIT_INFEASIBLE
+    out = capsys.readouterr().out
+    assert "smallest feasible budget" in out
+    minimum = int(out.split("try: fxopt inspect")[1].split("--budget")[1].split()[0])
+    assert minimum > 10**6
+    assert main(["inspect", MLP, "--budget", str(minimum), *FAST, "-q"]) == EXIT_OK  # the minimum plans
+
+
+def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["inspect", MLP, "--budget", "1.0", *FAST, "--plot", str(tmp_path / "x.png")]) == EXIT_ERROR
+    assert "pip install 'fxopt[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_verbose_logs_and_quiet_prints_nothing(capsys):
+    assert main(["inspect", MLP, "--budget", "1.0", *FAST, "-v"]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert "planning a step of" in captured.err
+    assert main(["inspect", MLP, "--budget", "1.0", *FAST, "-q"]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_python_dash_m_fxopt():
+    done = subprocess.run([sys.executable, "-m", "fxopt", "inspect", f"{EXAMPLES}:nope"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_USAGE
+    assert "has no 'nope'" in done.stderr
