@@ -11,8 +11,11 @@ released as soon as the backward has used them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -20,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
+from fxopt import cache
 from fxopt.analyze import CostModel, analyze
 from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import CaptureError
@@ -77,9 +81,14 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
         return jg, options.plan
     eager = simulate(jg.graph, eager_schedule(jg.graph))
     budget = resolve_budget(options.budget, eager.peak_bytes)
+    cache_key = cache.key(jg.graph, budget, options.solver, options.time_limit)
+    cached = cache.load(cache_key)
+    if cached is not None:
+        return jg, cached
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
-    solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit)
+    with progress_display() as report:
+        solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
     plan = Plan.build(
         graph=jg.graph,
         schedule=solution.schedule,
@@ -94,7 +103,26 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
         lower_bound_cost=solution.lower_bound_cost,
     )
     log.info("%s", plan.summary())
+    cache.store(cache_key, plan)
     return jg, plan
+
+
+@contextlib.contextmanager
+def progress_display():
+    """Where the solver's progress goes: the ``fxopt`` logger, and, when stderr is a terminal
+    (and ``FXOPT_PROGRESS`` is not 0), a status line that shows the latest message."""
+    show = sys.stderr.isatty() and os.environ.get("FXOPT_PROGRESS", "1") != "0"
+    if not show:
+        yield lambda msg: log.info("fxopt: %s", msg)
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status("fxopt: planning…") as status:
+        def report(msg: str) -> None:
+            log.info("fxopt: %s", msg)
+            status.update(f"fxopt: {msg}")
+
+        yield report
 
 
 def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:

@@ -19,3 +19,9 @@ def _quiet_timeouts():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeoutWarning)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _no_plan_cache(monkeypatch):
+    """Tests solve every time; the one test of the cache turns it on in a temporary directory."""
+    monkeypatch.setenv("FXOPT_CACHE", "0")

@@ -146,3 +146,27 @@ def test_every_solver_end_to_end(solver):
     assert_same_step(eager, optimized, loss_e, loss_o)
     assert optimized.plan.solver == solver or solver == "auto"
     assert optimized.plan.peak_bytes <= optimized.plan.budget_bytes
+
+
+def test_plans_are_cached_on_disk(tmp_path, monkeypatch):
+    """The second plan of the same step at the same budget comes from the cache (no solve), and
+    equals the first; another budget is solved again; FXOPT_CACHE=0 turns the cache off."""
+    import fxopt.capture as capture
+    from fxopt.models import ZOO
+
+    monkeypatch.setenv("FXOPT_CACHE", "1")
+    monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path))
+    solves = []
+    real_solve = capture.solve
+    monkeypatch.setattr(capture, "solve", lambda *a, **k: solves.append(1) or real_solve(*a, **k))
+    torch.manual_seed(0)
+    model, inputs = ZOO["residual_mlp"]()
+    first = fxopt.plan(model, 0.7, inputs, solver="greedy")
+    again = fxopt.plan(model, 0.7, inputs, solver="greedy")
+    assert len(solves) == 1 and len(list(tmp_path.glob("*.json"))) == 1
+    assert again.to_dict() == first.to_dict()
+    fxopt.plan(model, 0.6, inputs, solver="greedy")
+    assert len(solves) == 2
+    monkeypatch.setenv("FXOPT_CACHE", "0")
+    fxopt.plan(model, 0.7, inputs, solver="greedy")
+    assert len(solves) == 3

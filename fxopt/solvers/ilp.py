@@ -189,9 +189,10 @@ class RematIlp:
     def values_of(self, schedule: Schedule, budget: int | None) -> list[float]:
         """Column values describing `schedule` (a warm start)."""
         r_on, s_on = _stage_values(self.graph, schedule, self.stages, set(self.cands))
+        read = read_before_recompute(self.graph, schedule.backward)  # the rest dies as the backward starts
         x = [0.0] * self.mip.num_vars
         for i, col in self.S0.items():
-            x[col] = 1.0 if (0, i) in s_on or i in schedule.saved else 0.0
+            x[col] = 1.0 if i in read and ((0, i) in s_on or i in schedule.saved) else 0.0
         for key, col in self.S.items():
             x[col] = 1.0 if key in s_on else 0.0
         for key, col in self.R.items():

@@ -1,0 +1,150 @@
+"""GPT-2 small shapes at half the eager peak: plan the 12-layer step, run the 4-layer one for real.
+
+    python -m benchmarks.gpt2_scale [--time-limit 30] [--skip-run] [--out benchmarks/results]
+
+Model: `fxopt.models.gpt2` (GPT-2's architecture: pre-LN blocks, width 768, 12 heads, learned
+positions, tied embeddings, dropout 0.1, vocabulary 50,257), sequence 512, batch 8, fp32, loss
+returned by the model.
+
+1. 12 layers: wall time of ``fxopt.plan(model, 0.5, inputs)`` (capture + analysis + solve), the
+   plan's predicted peak, recompute cost and FLOPs, solver, status and the gap to the proven lower
+   bound. When 50% is below the smallest peak fxopt reaches, the error's minimum is recorded and
+   the plan is made at that minimum instead.
+2. 4 layers, the same way, then one real training step on CPU through ``fxopt.optimize`` at that
+   budget: measured peak (`fxopt.measure_peak`), gradients against eager
+   (``torch.testing.assert_close``), step times.
+
+Writes ``<out>/gpt2_scale.md`` and ``gpt2_scale.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import fxopt
+from fxopt.models import gpt2, loss_of
+from fxopt.solvers import SolverTimeoutWarning
+
+GiB = 2**30
+
+
+def step(model, inputs):
+    loss = loss_of(model(*inputs))
+    loss.backward()
+    return loss.detach()
+
+
+def plan_at_half(layers: int, time_limit: float) -> tuple[dict, fxopt.Plan, tuple]:
+    torch.manual_seed(0)
+    model, inputs = gpt2(layers)
+    row: dict = {"layers": layers, "fraction": 0.5}
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverTimeoutWarning)
+        try:
+            plan = fxopt.plan(model, 0.5, inputs, time_limit=time_limit)
+        except fxopt.InfeasibleBudgetError as err:
+            row["infeasible_at_half"] = True
+            row["min_budget"] = err.min_budget
+            row["seconds_to_error"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            plan = fxopt.plan(model, err.min_budget, inputs, time_limit=time_limit)
+    row.update(
+        plan_seconds=time.perf_counter() - t0,
+        solve_seconds=plan.solve_seconds,
+        nodes=len(plan.graph),
+        budget=plan.budget_bytes,
+        eager_peak=plan.eager_peak_bytes,
+        predicted_peak=plan.peak_bytes,
+        recompute_cost=plan.recompute_cost,
+        recompute_flops=plan.recompute_flops,
+        solver=plan.solver,
+        status=plan.status,
+        lower_bound_cost=plan.lower_bound_cost,
+        gap=plan.gap,
+    )
+    print(json.dumps(row), flush=True)
+    return row, plan, (model, inputs)
+
+
+def run_for_real(row: dict, plan: fxopt.Plan, model, inputs) -> None:
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan)
+    times = {"eager": [], "fxopt": []}
+    for name, m in (("eager", eager), ("fxopt", optimized)):
+        torch.manual_seed(1)
+        t0 = time.perf_counter()
+        step(m, inputs)  # compiles fxopt's step on its first call
+        times[name].append(time.perf_counter() - t0)
+    torch.testing.assert_close([p.grad for p in optimized.parameters()], [p.grad for p in eager.parameters()])
+    row["grads_equal"] = True
+    for name, m in (("eager", eager), ("fxopt", optimized)):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        t0 = time.perf_counter()
+        row[f"{name}_measured_peak"] = fxopt.measure_peak(step, m, inputs, resident=[m, inputs]).peak_bytes
+        times[name].append(time.perf_counter() - t0)
+    row["step_seconds"] = times
+    row["measured_within_budget"] = row["fxopt_measured_peak"] <= plan.budget_bytes
+    print(json.dumps({k: row[k] for k in ("eager_measured_peak", "fxopt_measured_peak", "measured_within_budget")}),
+          flush=True)
+
+
+def write(rows: list[dict], out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"command": command, "date": datetime.datetime.now().isoformat(timespec="minutes"), "commit": commit,
+            "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
+    (out / "gpt2_scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
+    lines = ["# GPT-2 small shapes (width 768, 12 heads, seq 512, batch 8) at half the eager peak", "",
+             f"`{command}` — {meta['date']}, commit {commit}, torch {meta['torch']}, {meta['cpu_threads']} CPU threads.",
+             "", "| layers | nodes | eager peak (pred.) GiB | 50% GiB | smallest fxopt reaches GiB | budget used GiB | "
+             "predicted peak GiB | measured peak GiB (eager) | plan wall s | solver (status) | +GFLOP | "
+             "recompute cost s | lower bound s | gap |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        measured = (f"{g(r['fxopt_measured_peak'])} ({g(r['eager_measured_peak'])})"
+                    if "fxopt_measured_peak" in r else "not run")
+        lb = "—" if r["lower_bound_cost"] is None else f"{r['lower_bound_cost']:.2f}"
+        gap = "—" if r["gap"] is None else f"{100 * r['gap']:.0f}%"
+        lines.append(
+            f"| {r['layers']} | {r['nodes']} | {g(r['eager_peak'])} | {g(r['eager_peak'] / 2)} | "
+            f"{g(r['min_budget']) if r.get('infeasible_at_half') else '≤ 50%'} | {g(r['budget'])} | "
+            f"{g(r['predicted_peak'])} | {measured} | {r['plan_seconds']:.0f} | {r['solver']} ({r['status']}) | "
+            f"{r['recompute_flops'] / 1e9:.0f} | {r['recompute_cost']:.2f} | {lb} | {gap} |")
+    (out / "gpt2_scale.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds for the ILP (default 30)")
+    parser.add_argument("--layers", type=int, nargs="*", default=[12, 4])
+    parser.add_argument("--run-layers", type=int, default=4, help="run this depth for real (0: none)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.gpt2_scale " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = []
+    for layers in args.layers:
+        row, plan, (model, inputs) = plan_at_half(layers, args.time_limit)
+        rows.append(row)
+        write(rows, args.out, command.strip())
+        if layers == args.run_layers:
+            run_for_real(row, plan, model, inputs)
+            write(rows, args.out, command.strip())
+        del plan, model, inputs
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

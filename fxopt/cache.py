@@ -1,0 +1,68 @@
+"""Plans cached on disk, so planning the same step again does not solve again.
+
+A plan is stored under a key made of everything its solve depends on: the whole solver graph
+(nodes, sizes, measured scratch memory, costs: so a plan made on another machine or torch
+version, whose kernels allocate differently, is not reused), the budget in bytes, the solver,
+its time limit and fxopt's version. Directory: ``$FXOPT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/fxopt/plans`` (``~/.cache/fxopt/plans``). ``FXOPT_CACHE=0`` turns it off.
+A cache entry that cannot be read is ignored and replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from fxopt.plan import Plan
+from fxopt.solvers.graph import Graph
+
+log = logging.getLogger("fxopt")
+
+
+def enabled() -> bool:
+    return os.environ.get("FXOPT_CACHE", "1").strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def directory() -> Path:
+    if os.environ.get("FXOPT_CACHE_DIR"):
+        return Path(os.environ["FXOPT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fxopt" / "plans"
+
+
+def key(graph: Graph, budget: int, solver: str, time_limit: float) -> str:
+    from fxopt import __version__
+
+    payload = json.dumps([graph.to_dict(), budget, solver, time_limit, __version__], sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def load(cache_key: str) -> Plan | None:
+    if not enabled():
+        return None
+    path = directory() / f"{cache_key}.json"
+    if not path.exists():
+        return None
+    try:
+        plan = Plan.from_json(path)
+    except Exception as err:  # noqa: BLE001 - a damaged or outdated entry: solve again
+        log.info("fxopt: ignoring unreadable cached plan %s (%s)", path, err)
+        return None
+    log.info("fxopt: plan read from the cache (%s)", path)
+    return plan
+
+
+def store(cache_key: str, plan: Plan) -> None:
+    if not enabled():
+        return
+    path = directory() / f"{cache_key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        plan.to_json(tmp)
+        tmp.replace(path)
+    except OSError as err:  # a read-only home directory must not break planning
+        log.info("fxopt: could not cache the plan in %s (%s)", path, err)

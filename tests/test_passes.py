@@ -1,0 +1,67 @@
+"""Graph passes: dropout's output recomputed from its mask is bit-identical to eager's."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxopt
+from fxopt.passes.dropout import recompute_dropout_from_mask
+from helpers import step
+
+
+class DropNet(nn.Module):
+    def __init__(self, width=64, p=0.3):
+        super().__init__()
+        self.l1, self.l2, self.p = nn.Linear(width, width), nn.Linear(width, width), p
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.l1(x)), self.p, self.training)
+        return (self.l2(h) * h).sum()  # h is read by the backward of the product and of l2
+
+
+@pytest.mark.parametrize("budget", [1.0, "min"])
+def test_dropout_from_mask_is_bit_identical(budget):
+    torch.manual_seed(0)
+    model, x = DropNet(), torch.randn(2048, 64)
+    if budget == "min":  # the smallest budget fxopt reaches: dropout's output is recomputed
+        with pytest.raises(fxopt.InfeasibleBudgetError) as info:
+            fxopt.plan(model, 1000, (x,))
+        budget = info.value.min_budget
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(copy.deepcopy(model), budget, example_inputs=(x,))
+    torch.manual_seed(3)
+    loss_e = step(eager, (x,))
+    torch.manual_seed(3)
+    loss_o = step(optimized, (x,))
+    assert torch.equal(loss_e, loss_o)
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        assert torch.equal(p_e.grad, p_o.grad)
+    # The float output of dropout is not SAVEd: only its boolean mask is, or nothing at all.
+    plan = optimized.plan
+    saved = [plan.graph.nodes[[n.name for n in plan.graph.nodes].index(name)] for name in plan.saved]
+    assert not any(n.name.startswith("native_dropout") for n in saved)
+
+
+def _joint_with_dropout(dtype):
+    from torch._functorch.aot_autograd import aot_function
+
+    graphs = []
+
+    def compiler(gm, _):
+        graphs.append(gm)
+        return gm
+
+    def f(x):
+        return torch.ops.aten.native_dropout(x, 0.5, True)[0] * 2
+
+    x = torch.randn(8, 8, dtype=dtype, requires_grad=True)
+    aot_function(f, fw_compiler=compiler, bw_compiler=compiler)(x)
+    return graphs[0]
+
+
+def test_dropout_pass_rewrites_float32_and_leaves_bfloat16():
+    assert recompute_dropout_from_mask(_joint_with_dropout(torch.float32)) == 1
+    assert recompute_dropout_from_mask(_joint_with_dropout(torch.bfloat16)) == 0
