@@ -23,6 +23,7 @@ from torch.utils.flop_counter import flop_registry
 import logging
 
 from fxopt.errors import CaptureError
+from fxopt.passes.masks import COMPUTE_ONCE
 from fxopt.scratch import op_increases
 from fxopt.solvers.graph import Graph, Node
 
@@ -82,6 +83,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _is_recomputable(node: fx.Node) -> bool:
     target = node.target
+    if node.meta.get(COMPUTE_ONCE):
+        return False  # e.g. a packed mask: its source dies in the forward (fxopt.passes.masks)
     if target is operator.getitem:
         return True
     if not isinstance(target, torch._ops.OpOverload):

@@ -47,7 +47,7 @@ class Plan:
         may be (0: proven optimal; None: unknown)."""
         if self.lower_bound_cost is None:
             return None
-        if self.recompute_cost <= 1e-15:
+        if self.recompute_cost - self.lower_bound_cost <= 1e-6:  # a microsecond: nothing to gain
             return 0.0
         return max(0.0, (self.recompute_cost - self.lower_bound_cost) / self.recompute_cost)
 

@@ -54,7 +54,7 @@ class Solution:
         if self.lower_bound_cost is None:
             return None
         cost = self.timeline.recompute_cost
-        if cost <= 1e-15:
+        if cost - self.lower_bound_cost <= 1e-6:  # a microsecond: nothing to gain
             return 0.0
         return max(0.0, (cost - self.lower_bound_cost) / cost)
 
