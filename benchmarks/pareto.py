@@ -25,10 +25,13 @@ Per point: measured peak, fxopt's predicted peak and budget, extra FLOPs over ea
 (median of interleaved steps, as a ratio to eager's), first-call time (compile + plan + first
 step), fxopt's solve time, and whether the gradients equal eager's.
 
-Presets: ``--quick`` (sizes "quick", ILP time limit 10 s, fewer budgets; a few minutes on 2 CPU
-cores) and the default full set (sizes "full", ILP time limit 30 s; ~30 minutes). fxopt's ILP
-runs to its time limit on graphs it cannot solve exactly, and the minimum-budget search may run
-it twice, so the time limit sets most of the run time. ``--size tiny`` is for tests.
+Presets: ``--quick`` (sizes "quick", ILP time limit 10 s, budgets 100% / 50% / minimum, Inductor
+only at budget 1.0, fxopt's backend at one budget) took ~18 minutes on the project's shared 2-core
+CPU, most of it Inductor compiles (20-100 s each when Inductor's on-disk cache is cold) and fxopt's
+ILP (the minimum-budget search can run it twice to its time limit). The default full set (sizes
+"full", ILP time limit 30 s, more budgets) has not been run yet; expect well over 30 minutes.
+``--size tiny`` is for tests. On CPU the run uses 1 torch thread (``--threads``) and turns
+fxopt's on-disk plan cache off (``FXOPT_CACHE=0`` unless set), so planning times are real.
 
 On CUDA (``--device cuda``, the default when a GPU is present) peaks come from
 ``torch.cuda.max_memory_allocated`` through `fxopt.measure_peak`; `benchmarks/gpu_run.sh` runs a
@@ -44,6 +47,7 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
+import os
 import shlex
 import sys
 import time
@@ -370,6 +374,9 @@ class Run:
             # measured 2-8x slower and far noisier than with 1 thread.
             torch.set_num_threads(args.threads)
         self.deadline = args.deadline
+        # fxopt caches plans on disk by default; a cached plan would report another run's planning
+        # time and skip the solve whose cost this benchmark measures.
+        os.environ.setdefault("FXOPT_CACHE", "0")
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.t0 = time.perf_counter()
@@ -382,6 +389,7 @@ class Run:
             "compile_budgets": list(self.cfg.compile_budgets), "inductor_budgets": list(self.cfg.inductor_budgets),
             "fxopt_fractions": list(self.cfg.fractions), "backend_fractions": list(self.cfg.backend_fractions),
             "fxopt_backend_available": hasattr(fxopt, "backend"), "dtype": "float32",
+            "fxopt_plan_cache": os.environ.get("FXOPT_CACHE"),
         })
         self.complete = False
 

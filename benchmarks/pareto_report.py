@@ -253,7 +253,10 @@ def summary_markdown(meta: dict, summary: list[tuple[dict, list[dict], list[dict
              header(meta), "",
              f"Per model and method: the lowest measured peak the method reaches (share of eager's measured peak), its "
              f"extra GFLOP and step time there; and, among its points at most {HALF_SHARE:.0%} of eager's peak "
-             f"(\"~50%\"), the one with the fewest extra FLOPs. Per-point tables and plots: `<model>.md`, `<model>.png`.",
+             f"(\"~50%\"), the one with the fewest extra FLOPs. Extra GFLOP are counted by a dispatch mode, which sees "
+             f"only the matrix products and convolutions Inductor calls, not its own kernels (hence negative counts); "
+             f"pointwise ops have no FLOPs in `torch.utils.flop_counter`, so recomputing them counts 0. "
+             f"Per-point tables and plots: `<model>.md`, `<model>.png`.",
              "",
              "| model | method | lowest peak MiB (% eager) | at budget | extra GFLOP | step × | at ~50%: peak MiB "
              "| extra GFLOP | step × |",
@@ -278,12 +281,14 @@ def summary_markdown(meta: dict, summary: list[tuple[dict, list[dict], list[dict
               f"{n_peer - len(misses)} of {n_peer} measured peer points are matched: some fxopt point (through "
               f"`fxopt.optimize` or its backend) peaks at or below the peer's measured peak with no more extra FLOPs."]
     if misses:
-        lines += ["", "| model | peer point | peer MiB | peer extra GFLOP | best fxopt point at or below | fxopt MiB "
-                  "| fxopt extra GFLOP | verdict |", "|---|---|---:|---:|---|---:|---:|---|"]
+        lines += ["", "| model | peer point | peer MiB | peer extra GFLOP | peer step × | best fxopt point at or below "
+                  "| fxopt MiB | fxopt extra GFLOP | fxopt step × | verdict |",
+                  "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
         for name, d in misses:
             lines.append(f"| {name} | {d['peer']} @ {d['peer_budget']} | {mib(d['peer_peak_bytes'])} | "
-                         f"{_gflop(d['peer_extra_flops'])} | {d['fxopt'] or '–'} | {mib(d['fxopt_peak_bytes'])} | "
-                         f"{_gflop(d['fxopt_extra_flops'])} | {d['verdict']} |")
+                         f"{_gflop(d['peer_extra_flops'])} | {_ratio(d['peer_step_ratio'])} | {d['fxopt'] or '–'} | "
+                         f"{mib(d['fxopt_peak_bytes'])} | {_gflop(d['fxopt_extra_flops'])} | "
+                         f"{_ratio(d['fxopt_step_ratio'])} | {d['verdict']} |")
     if not meta.get("fxopt_backend_available"):
         lines += ["", "`fxopt.backend` (torch.compile backend with Inductor) is not available in this fxopt: its "
                   "method is recorded as not available."]
