@@ -28,7 +28,7 @@ from fxopt.analyze import CostModel, analyze
 from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import CaptureError
 from fxopt.passes.dropout import recompute_dropout_from_mask
-from fxopt.passes.masks import pack_dropout_masks
+from fxopt.passes.masks import pack_dropout_masks, pack_relu_masks
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.plan import Plan
 from fxopt.solvers import eager_schedule, simulate, solve
@@ -73,6 +73,7 @@ class PlanReady(Exception):
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     recompute_dropout_from_mask(joint)
     pack_dropout_masks(joint)
+    pack_relu_masks(joint)
     jg = analyze(joint, num_fwd_outputs, options.cost_model)
     if options.plan is not None:
         if options.plan.fingerprint != jg.fingerprint:

@@ -65,3 +65,50 @@ def _joint_with_dropout(dtype):
 def test_dropout_pass_rewrites_float32_and_leaves_bfloat16():
     assert recompute_dropout_from_mask(_joint_with_dropout(torch.float32)) == 1
     assert recompute_dropout_from_mask(_joint_with_dropout(torch.bfloat16)) == 0
+
+
+class ReluNet(nn.Module):
+    """The outer ReLU's output is read in the backward only by ReLU's own backward."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        for _ in range(3):
+            x = torch.relu(self.l2(torch.relu(self.l1(x)))) + x
+        return x.sum()
+
+
+@pytest.mark.parametrize("budget", [1.0, "min"])
+def test_relu_mask_is_bit_identical_and_smaller(budget):
+    torch.manual_seed(0)
+    model, x = ReluNet(), torch.randn(2048, 64)
+    if budget == "min":
+        with pytest.raises(fxopt.InfeasibleBudgetError) as info:
+            fxopt.plan(model, 1000, (x,))
+        budget = info.value.min_budget
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(copy.deepcopy(model), budget, example_inputs=(x,))
+    loss_e, loss_o = step(eager, (x,)), step(optimized, (x,))
+    assert torch.equal(loss_e, loss_o)
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        assert torch.equal(p_e.grad, p_o.grad)
+    plan = optimized.plan
+    names = [n.name for n in plan.graph.nodes]
+    assert any(n.startswith("where") for n in names), "threshold_backward was not rewritten"
+    if budget == 1.0:
+        # Saving everything the backward reads: the outer ReLUs' outputs (2048 x 64 floats) are not
+        # among them any more, their packed masks (2048 x 64 bits) are; the peak is lower than
+        # with the pass turned off.
+        assert len([n for n in plan.saved if n.startswith("pack_bits")]) == 3
+        import fxopt.capture as capture
+
+        real = capture.pack_relu_masks
+        capture.pack_relu_masks = lambda gm: 0
+        try:
+            without = fxopt.plan(model, 1.0, (x,))
+        finally:
+            capture.pack_relu_masks = real
+        assert not any(n.startswith("pack_bits") for n in without.saved)
+        assert plan.peak_bytes < without.peak_bytes

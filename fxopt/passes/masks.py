@@ -72,27 +72,118 @@ class _Builder:
         return node
 
 
+# pack_bits(x, threshold, mode): bit k of byte j is 1 where element 8j + k of x is "on": x itself
+# for a bool mask (mode 0), x <= threshold (mode 1). One op, so that what the backward needs is one
+# value made from forward values, which the forward can compute and SAVE.
+@torch.library.custom_op("fxopt::pack_bits", mutates_args=())
+def pack_bits(x: torch.Tensor, threshold: float, mode: int) -> torch.Tensor:
+    on = x if mode == 0 else x <= threshold
+    flat = on.reshape(-1).view(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+    return (flat.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+@pack_bits.register_fake
+def _(x, threshold, mode):
+    return x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("fxopt::unpack_bits", mutates_args=())
+def unpack_bits(packed: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(1) >> shifts) & 1
+    return bits.view(-1)[:n].ne(0).view(shape)
+
+
+@unpack_bits.register_fake
+def _(packed, shape):
+    return packed.new_empty(shape, dtype=torch.bool)
+
+
 def _rewrite(graph: fx.Graph, mask: fx.Node, val: torch.Tensor) -> None:
     users = list(mask.users)
-    n = val.numel()
-    pad = (-n) % 8
     add = _Builder(graph, mask, mask)
-    # pack: bool [n] -> uint8 [n/8], bit k of byte j = mask[8j + k]
-    flat = add(aten.view.dtype, add(aten.view.default, mask, [n]), torch.uint8)
-    if pad:
-        flat = add(aten.constant_pad_nd.default, flat, [0, pad], 0.0)
-    shifts = add(aten.arange.default, 8, dtype=torch.uint8, device=val.device)
-    grouped = add(aten.view.default, flat, [(n + pad) // 8, 8])
-    packed = add(aten.sum.dim_IntList, add(aten.bitwise_left_shift.Tensor, grouped, shifts), [1], False,
-                 dtype=torch.uint8)
+    packed = add(torch.ops.fxopt.pack_bits.default, mask, 0.0, 0)
     packed.meta[COMPUTE_ONCE] = True
-    # unpack: uint8 [n/8] -> bool [n] -> the mask's shape
-    shifts_again = add(aten.arange.default, 8, dtype=torch.uint8, device=val.device)
-    bits = add(aten.bitwise_and.Scalar,
-               add(aten.bitwise_right_shift.Tensor, add(aten.unsqueeze.default, packed, 1), shifts_again), 1)
-    flat_bits = add(aten.view.default, bits, [n + pad])
-    if pad:
-        flat_bits = add(aten.slice.Tensor, flat_bits, 0, 0, n)
-    unpacked = add(aten.view.default, add(aten.ne.Scalar, flat_bits, 0), list(val.shape))
+    unpacked = add(torch.ops.fxopt.unpack_bits.default, packed, list(val.shape))
     for user in users:
         user.replace_input_with(mask, unpacked)
+
+
+def pack_relu_masks(gm: fx.GraphModule) -> int:
+    """ReLU's backward, ``threshold_backward(grad, out, t)``, reads ``out`` only for ``out <= t``.
+    Where nothing else in the backward reads ``out``, give it that as packed bits instead::
+
+        g = threshold_backward(grad, out, 0)   ==>   packed = pack(out <= 0)    # SAVEd, n / 8 bytes
+                                                     g = where(unpack(packed), 0, grad)
+
+    ``where(out <= t, 0, grad)`` is what the kernel computes (NaN included), so gradients are
+    bit-identical; ``out`` (4 bytes an element) no longer has to survive the forward for it.
+    Returns how many were rewritten."""
+    graph = gm.graph
+    backward = _backward_nodes(graph)
+    count = 0
+    for node in list(graph.find_nodes(op="call_function", target=aten.threshold_backward.default)):
+        grad, out, threshold = node.args[0], node.args[1], node.args[2]
+        while isinstance(out, fx.Node) and out.target in (aten.detach.default, aten.alias.default):
+            out = out.args[0]  # AOTAutograd hands the backward a detached alias of ReLU's output
+        val = out.meta.get("val") if isinstance(out, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or out in backward or val.numel() < MIN_BYTES:
+            continue
+        if _read_by_backward(out, backward, besides=node):
+            continue  # the backward reads `out` anyway (a weight gradient, say): nothing to gain
+        add = _Builder(graph, out, out)
+        packed = add(torch.ops.fxopt.pack_bits.default, out, float(threshold), 1)
+        packed.meta[COMPUTE_ONCE] = True
+        unpacked = add(torch.ops.fxopt.unpack_bits.default, packed, list(val.shape))
+        with graph.inserting_before(node):
+            new = graph.call_function(aten.where.ScalarSelf, (unpacked, 0.0, grad))
+        with add.fake_mode:
+            new.meta["val"] = aten.where.ScalarSelf(unpacked.meta["val"], 0.0, grad.meta["val"])
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag"):
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def _read_by_backward(value: fx.Node, backward: set[fx.Node], besides: fx.Node) -> bool:
+    """Whether a backward node other than `besides` reads `value` or a view of it."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for u in v.users:
+            if u is besides:
+                continue
+            if u in backward:
+                return True
+            target = getattr(u, "target", None)
+            if isinstance(target, torch._ops.OpOverload) and (target.is_view or target is aten.detach.default):
+                stack.append(u)
+    return False
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on an incoming gradient (``tangents_*``)."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            if n.name.startswith("tangents"):
+                out.add(n)
+        elif any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
