@@ -278,6 +278,8 @@ class ModelBench:
             self.attempt(row, lambda: fxopt.optimize(self.w.model, budget, solver=solver, time_limit=self.run.time_limit),
                          after_warmup=self.record_plan)
             self.check_fxopt_row(row)
+            if row.get("error"):
+                return  # the same error would recur at every other peer's peak
 
     def run_fxopt_backend(self, solver: str = "auto") -> None:
         line = f"fxopt backend + inductor ({solver})"

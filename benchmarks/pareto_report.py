@@ -276,6 +276,7 @@ def summary_markdown(meta: dict, summary: list[tuple[dict, list[dict], list[dict
         misses += [(info["name"], d) for d in dom if d["verdict"] != "yes"]
         if info.get("not_available_note"):
             lines.append(info["not_available_note"])
+    lines += ["", "## In short", "", *condensed(summary)]
     n_peer = sum(len(d) for _, _, d in summary)
     lines += ["", "## Where fxopt does not reach a peer's peak with no more extra FLOPs", "",
               f"{n_peer - len(misses)} of {n_peer} measured peer points are matched: some fxopt point (through "
@@ -293,6 +294,35 @@ def summary_markdown(meta: dict, summary: list[tuple[dict, list[dict], list[dict
         lines += ["", "`fxopt.backend` (torch.compile backend with Inductor) is not available in this fxopt: its "
                   "method is recorded as not available."]
     return "\n".join(lines) + "\n"
+
+
+def condensed(summary: list[tuple[dict, list[dict], list[dict]]]) -> list[str]:
+    """One row per model: the lowest peak (extra GFLOP) of each method family, fxopt auto at ~50%."""
+    families = [("checkpoint per block", lambda e: e["method"] == "checkpoint"),
+                ("torch.compile aot_eager, best solver", lambda e: e["line"].startswith("torch.compile aot_eager")),
+                ("torch.compile Inductor", lambda e: e["method"] == "inductor"),
+                ("fxopt auto", lambda e: e["line"] == "fxopt auto"),
+                ("fxopt backend + Inductor", lambda e: e["method"] == "fxopt-inductor")]
+    out = ["Lowest measured peak in MiB (% of eager's; extra GFLOP there), and fxopt auto's cheapest point at "
+           f"≤ {HALF_SHARE:.0%} of eager's peak (extra GFLOP, step time × eager's):", "",
+           "| model | eager | " + " | ".join(name for name, _ in families) + " | fxopt auto at ~50% |",
+           "|---|---:|" + "---:|" * len(families) + "---:|"]
+    for info, entries, _ in summary:
+        eager = info.get("eager_measured_peak_bytes")
+        cells = [info["name"], mib(eager)]
+        for _, match in families:
+            es = [e for e in entries if match(e) and "lowest_peak_bytes" in e]
+            if not es:
+                cells.append("–")
+                continue
+            e = min(es, key=lambda e: (e["lowest_peak_bytes"], e.get("lowest_extra_flops") or 0))
+            cells.append(f"{mib(e['lowest_peak_bytes'])} ({_share(e['lowest_peak_bytes'], eager)}; "
+                         f"{_gflop(e.get('lowest_extra_flops'))})")
+        auto = next((e for e in entries if e["line"] == "fxopt auto"), {})
+        cells.append(f"{mib(auto['half_peak_bytes'])} ({_gflop(auto['half_extra_flops'])}; "
+                     f"{_ratio(auto['half_step_ratio'])}×)" if "half_peak_bytes" in auto else "not reached")
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 # ---- plot ---------------------------------------------------------------------------------------
