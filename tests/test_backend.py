@@ -46,13 +46,13 @@ def check_step(name, compiler, budget):
     eager = copy.deepcopy(model)
     torch.manual_seed(1)
     loss_e = step(eager, inputs)
-    backend = fxopt.backend(budget, compiler=compiler, time_limit=10)
+    backend = fxopt.backend(budget, compiler=compiler, time_limit=5)
     try:
         compiled, loss_o = compiled_step(model, inputs, backend)
     except fxopt.InfeasibleBudgetError as err:
         torch._dynamo.reset()
         model.zero_grad(set_to_none=True)
-        backend = fxopt.backend(err.min_budget, compiler=compiler, time_limit=10)
+        backend = fxopt.backend(err.min_budget, compiler=compiler, time_limit=5)
         compiled, loss_o = compiled_step(model, inputs, backend)
     (plan,) = backend.plans
     tol = TOLERANCE[compiler]
@@ -93,7 +93,7 @@ def test_transformer_block(compiler):
     with pytest.raises(fxopt.InfeasibleBudgetError):
         torch.manual_seed(0)
         model, inputs = MODELS["transformer_block"]()
-        compiled_step(model, inputs, fxopt.backend(0.5, compiler=compiler, time_limit=10))
+        compiled_step(model, inputs, fxopt.backend(0.5, compiler=compiler, time_limit=5))
     torch._dynamo.reset()
     plan = check_step("transformer_block", compiler, 0.5)
     assert plan.budget_bytes > 0.5 * plan.eager_peak_bytes
