@@ -28,6 +28,7 @@ from fxopt.analyze import CostModel, analyze
 from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import CaptureError
 from fxopt.passes.dropout import recompute_dropout_from_mask
+from fxopt.passes import masks
 from fxopt.passes.masks import pack_dropout_masks, pack_relu_masks
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.plan import Plan
@@ -71,9 +72,13 @@ class PlanReady(Exception):
 
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
+    # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
+    # the passes below change what the backward reads.
+    eager_graph = analyze(joint, num_fwd_outputs, options.cost_model).graph if options.plan is None else None
     recompute_dropout_from_mask(joint)
     pack_dropout_masks(joint)
-    pack_relu_masks(joint)
+    if masks.PACK_RELU:
+        pack_relu_masks(joint)
     jg = analyze(joint, num_fwd_outputs, options.cost_model)
     if options.plan is not None:
         if options.plan.fingerprint != jg.fingerprint:
@@ -82,7 +87,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
                 "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
             )
         return jg, options.plan
-    eager = simulate(jg.graph, eager_schedule(jg.graph))
+    eager = simulate(eager_graph, eager_schedule(eager_graph))
     budget = resolve_budget(options.budget, eager.peak_bytes)
     cache_key = cache.key(jg.graph, budget, options.solver, options.time_limit)
     cached = cache.load(cache_key)

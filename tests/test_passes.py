@@ -81,7 +81,8 @@ class ReluNet(nn.Module):
 
 
 @pytest.mark.parametrize("budget", [1.0, "min"])
-def test_relu_mask_is_bit_identical_and_smaller(budget):
+def test_relu_mask_is_bit_identical_and_smaller(budget, monkeypatch):
+    monkeypatch.setattr("fxopt.passes.masks.PACK_RELU", True)
     torch.manual_seed(0)
     model, x = ReluNet(), torch.randn(2048, 64)
     if budget == "min":
@@ -102,13 +103,7 @@ def test_relu_mask_is_bit_identical_and_smaller(budget):
         # among them any more, their packed masks (2048 x 64 bits) are; the peak is lower than
         # with the pass turned off.
         assert len([n for n in plan.saved if n.startswith("pack_bits")]) == 3
-        import fxopt.capture as capture
-
-        real = capture.pack_relu_masks
-        capture.pack_relu_masks = lambda gm: 0
-        try:
-            without = fxopt.plan(model, 1.0, (x,))
-        finally:
-            capture.pack_relu_masks = real
+        monkeypatch.setattr("fxopt.passes.masks.PACK_RELU", False)
+        without = fxopt.plan(model, 1.0, (x,))
         assert not any(n.startswith("pack_bits") for n in without.saved)
         assert plan.peak_bytes < without.peak_bytes
