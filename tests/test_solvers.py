@@ -75,7 +75,7 @@ def assert_valid_solution(graph: Graph, budget: int, solution: Solution, solver:
     if solver in HEURISTICS:
         assert (solution.solver, solution.status) == (solver, "heuristic")
     elif solver == "ilp":
-        assert solution.solver in ("ilp", "ilp-rounding", "segments", "greedy", "checkpoint")  # rounded LP, or heuristic fallbacks
+        assert solution.solver in ("ilp", "ilp-rounding", "save_all", "segments", "greedy", "checkpoint")  # rounded LP, eager, fallbacks
     timeline = simulate(graph, solution.schedule)  # raises if the schedule is not valid
     assert timeline == solution.timeline
     assert timeline.peak_bytes <= budget

@@ -101,6 +101,8 @@ def solve(
         return min(fitting, key=lambda s: s.timeline.recompute_cost) if fitting else None
 
     heuristics = list(HEURISTICS) if solver == "auto" else [solver] if solver in HEURISTICS else []
+    if solver == "ilp":
+        heuristics = ["save_all"]  # recomputing nothing is optimal when it fits: the ILP's model may not see it
     for name in heuristics:
         progress(f"solver {name}")
         for schedule, timeline in HEURISTICS[name](graph, budget):

@@ -27,9 +27,11 @@ What keeps it small enough to solve in seconds for thousands of nodes:
   - Bytes are counted in units of a power of two and costs are normalised, so the coefficients
     stay within a few orders of magnitude (HiGHS calls a budget of 4e9 bytes "badly scaled" and
     may then declare feasible problems infeasible).
-C_t and F_k are the fixed parts (backward values, tangents; forward values in use). Counting every
-value recomputed in stage t as alive at its end over-approximates the generated code, which frees
-recomputation intermediates early, so a plan that fits here fits when simulated.
+C_t and F_k are the fixed parts (backward values, tangents; forward values in use). While stage t
+recomputes, everything resident and everything it recomputes is counted alive at once (the code
+frees recomputation intermediates earlier); while its node runs, only what it reads and what stays
+resident for stage t + 1. Both over-approximate the generated code, so a plan that fits here fits
+when simulated.
 
 Objective: minimise the cost of recomputation (plus that of computing backward-only values in
 the forward when they are saved). With ``minimize_peak`` the budget becomes a variable and the
@@ -399,24 +401,17 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
         # While stage t recomputes: at most everything it recomputes is alive.
         recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit) for i in anc[t] if (t, i) in ilp.R]
         within(before[k], resident(t) + [(c, a) for c, a in recomputing if a])
-        # While the stage's node runs: what it reads, and recomputed values kept for later
-        # (K = R and S[t+1]); recomputation intermediates are dead by then.
-        running = []
-        for i in anc[t]:
-            col = r(t, i)
-            if col is None or not mb[i]:
+        # While the stage's node runs: what it reads, and what is kept for later stages (resident
+        # entering stage t + 1, whether it was kept from before or recomputed here); everything
+        # else was last used by a recomputation in this stage, or earlier, and is freed by then.
+        running = list(resident(t + 1))
+        for i in reads[t]:
+            if not mb[i]:
                 continue
-            if i in reads[t]:
-                running.append((col, mb[i]))
-                continue
-            nxt = ilp.S.get((t + 1, i))
-            if nxt is None:
-                continue  # not kept past this stage: freed before the stage's node runs
-            kept = m.var(f"K_{t}_{nodes[i].name}", upper=1.0)
-            m.row([(kept, 1.0), (col, -1.0), (nxt, -1.0)], lower=-1.0)
-            ilp.K[t, i] = kept
-            running.append((kept, mb[i]))
-        within(profile[k], resident(t) + running)
+            running += [(c, a) for c, a in ((s(t, i), mb[i]), (r(t, i), mb[i])) if c is not None]
+            if (t + 1, i) in ilp.S:  # read here and kept: counted once
+                running.append((ilp.S[t + 1, i], -mb[i]))
+        within(profile[k], running)
     # Tangents and every saved value, as the backward starts.
     tangent_bytes = sum(nodes[i].bytes for i, n in enumerate(nodes) if n.tangent)
     resident_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
