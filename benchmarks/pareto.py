@@ -26,7 +26,7 @@ Per point: measured peak, fxopt's predicted peak and budget, extra FLOPs over ea
 step), fxopt's solve time, and whether the gradients equal eager's.
 
 Presets: ``--quick`` (sizes "quick", ILP time limit 10 s, budgets 100% / 50% / minimum, Inductor
-only at budget 1.0, fxopt's backend at one budget) took ~18 minutes on the project's shared 2-core
+only at budget 1.0, fxopt's backend at one budget) took 16-18 minutes on the project's shared 2-core
 CPU, most of it Inductor compiles (20-100 s each when Inductor's on-disk cache is cold) and fxopt's
 ILP (the minimum-budget search can run it twice to its time limit). The default full set (sizes
 "full", ILP time limit 30 s, more budgets) has not been run yet; expect well over 30 minutes.
@@ -405,7 +405,13 @@ class Run:
         try:
             for name in self.models:
                 torch.manual_seed(0)
-                bench = ModelBench(MODELS[name](self.cfg.size).to(self.device), self)
+                try:
+                    workload = MODELS[name](self.cfg.size).to(self.device)
+                except Exception as err:  # noqa: BLE001 - e.g. no such device: go on with the next model
+                    self.meta.setdefault("model_errors", {})[name] = error_line(err)
+                    log(f"=== {name}: could not be built on {self.device}: {error_line(err)}")
+                    continue
+                bench = ModelBench(workload, self)
                 self.benches.append(bench)
                 try:
                     bench.run_all()

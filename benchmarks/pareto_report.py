@@ -290,6 +290,8 @@ def summary_markdown(meta: dict, summary: list[tuple[dict, list[dict], list[dict
                          f"{_gflop(d['peer_extra_flops'])} | {_ratio(d['peer_step_ratio'])} | {d['fxopt'] or '–'} | "
                          f"{mib(d['fxopt_peak_bytes'])} | {_gflop(d['fxopt_extra_flops'])} | "
                          f"{_ratio(d['fxopt_step_ratio'])} | {d['verdict']} |")
+    for name, err in meta.get("model_errors", {}).items():
+        lines += ["", f"**{name} could not be run:** {err}"]
     if not meta.get("fxopt_backend_available"):
         lines += ["", "`fxopt.backend` (torch.compile backend with Inductor) is not available in this fxopt: its "
                   "method is recorded as not available."]
