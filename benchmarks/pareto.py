@@ -371,6 +371,8 @@ class Run:
         self.methods = _csv(args.methods, METHODS)
         self.fxopt_solvers = _csv(args.fxopt_solvers, SOLVERS)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # Process-wide settings for the run, restored at its end (the harness also runs inside tests).
+        self._restore = (torch.get_num_threads(), os.environ.get("FXOPT_CACHE"))
         if self.device.type == "cpu":
             # On a CPU shared with other jobs, 2 threads wait on each other's stragglers: steps
             # measured 2-8x slower and far noisier than with 1 thread.
@@ -431,6 +433,12 @@ class Run:
             log(f"deadline of {self.deadline} s reached: stopping, results so far are written")
         finally:
             self.write(final=True)
+            threads, cache = self._restore
+            torch.set_num_threads(threads)
+            if cache is None:
+                os.environ.pop("FXOPT_CACHE", None)
+            else:
+                os.environ["FXOPT_CACHE"] = cache
 
     # ---- output -------------------------------------------------------------------------------
 

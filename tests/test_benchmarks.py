@@ -1,6 +1,7 @@
 """The Pareto benchmark harness runs end to end on a tiny model and writes sane rows."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from benchmarks.models import MODELS
 
 def test_pareto_harness_tiny(tmp_path):
     pytest.importorskip("matplotlib")
+    threads, cache = torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
     pareto.main(["--size", "tiny", "--models", "residual_mlp", "--methods", "eager,checkpoint",
                  "--timed-steps", "1", "--device", "cpu", "--out", str(tmp_path)])
     for name in ("residual_mlp.md", "residual_mlp.json", "residual_mlp.png", "summary.md", "summary.json"):
@@ -29,6 +31,8 @@ def test_pareto_harness_tiny(tmp_path):
     assert ckpt["step_ratio"] > 0
     summary = (tmp_path / "summary.md").read_text()
     assert "| residual_mlp | eager |" in summary
+    # the run's process-wide settings are undone
+    assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
