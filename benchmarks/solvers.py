@@ -4,8 +4,8 @@
 
 Graphs are captured from real models (no run: `fxopt.plan` stops after capture), from ~100 to
 ~2,000 nodes: residual MLP chains, a ResNet-like CNN and GPT-2-style transformers. Each graph is
-solved at 50% of its eager peak (or, when that is below the smallest peak any solver reaches,
-at that smallest peak) by every solver side by side: the heuristics (checkpoint, greedy), the
+solved at 50% of its eager peak (or, when that is below the smallest peak any heuristic reaches,
+at that smallest peak) by every solver side by side: the heuristics (checkpoint, greedy, segments), the
 ILP alone with HiGHS and with CBC (`fxopt.solvers.ilp.solve_ilp`, no warm start), and "auto"
 (heuristics, LP relaxation + rounding, then the ILP warm-started). For each: seconds, recompute
 cost of the plan (estimated seconds), the simulated peak, and the gap to the best lower bound
@@ -59,7 +59,7 @@ def capture_graph(make):
 def run_graph(name: str, graph, time_limit: float) -> dict:
     eager = simulate(graph, fxopt.solvers.eager_schedule(graph)).peak_bytes
     budget = int(FRACTION * eager)
-    lowest = min(t.peak_bytes for h in ("checkpoint", "greedy") for _, t in HEURISTICS[h](graph, 0))
+    lowest = min(t.peak_bytes for h in ("checkpoint", "greedy", "segments") for _, t in HEURISTICS[h](graph, 0))
     ilp = build_ilp(graph, budget)
     row = {"graph": name, "nodes": len(graph), "eager_peak": eager, "ilp_integer_vars": ilp.mip.num_integer,
            "ilp_rows": ilp.mip.num_rows, "ilp_window": ilp.window, "results": {}}
@@ -84,7 +84,7 @@ def run_graph(name: str, graph, time_limit: float) -> dict:
             bounds.append(bound)
         row["results"][solver] = entry
 
-    for h in ("checkpoint", "greedy"):
+    for h in ("checkpoint", "greedy", "segments"):
         t0 = time.perf_counter()
         fitting = [(tl.recompute_cost, s) for s, tl in HEURISTICS[h](graph, budget) if tl.peak_bytes <= budget]
         best = min(fitting, key=lambda f: f[0])[1] if fitting else None
@@ -108,7 +108,7 @@ def run_graph(name: str, graph, time_limit: float) -> dict:
     return row
 
 
-SOLVER_ORDER = ("checkpoint", "greedy", "ilp-highs", "ilp-cbc", "auto")
+SOLVER_ORDER = ("checkpoint", "greedy", "segments", "ilp-highs", "ilp-cbc", "auto")
 
 
 def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
