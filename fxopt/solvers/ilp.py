@@ -168,7 +168,6 @@ class RematIlp:
     S0: dict[int, int]  # value -> column
     S: dict[tuple[int, int], int]  # (stage, value) -> column, for first < stage <= last
     R: dict[tuple[int, int], int]
-    K: dict[tuple[int, int], int]  # kept recomputations: R[t,i] and S[t+1,i]
     aux: list[tuple[int, list[tuple[int, float]]]]  # running totals: column = sum of terms
     peak: int | None  # column of the peak with minimize_peak
     unit: int
@@ -199,8 +198,6 @@ class RematIlp:
             x[col] = 1.0 if key in s_on else 0.0
         for key, col in self.R.items():
             x[col] = 1.0 if key in r_on else 0.0
-        for (t, i), col in self.K.items():
-            x[col] = max(0.0, x[self.R[t, i]] + x[self.S[t + 1, i]] - 1.0)
         for col, terms in self.aux:
             x[col] = sum(a * x[j] for j, a in terms)
         if self.peak is not None and budget is not None:
@@ -302,7 +299,7 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     max_cost = max((nodes[i].cost for i in cands), default=0.0)
     cost_scale = 1000.0 / max_cost if max_cost > 0 else 1.0
     m = Mip()
-    ilp = RematIlp(graph, m, cands, stages, anc, first, last, {}, {}, {}, {}, [], None, unit, cost_scale,
+    ilp = RematIlp(graph, m, cands, stages, anc, first, last, {}, {}, {}, [], None, unit, cost_scale,
                    cost_offset=sum(nodes[i].cost for i in cands if i in graph.backward_only))
     infeasible = False
     for i in cands:
