@@ -23,7 +23,7 @@ from torch.utils.flop_counter import flop_registry
 import logging
 
 from fxopt.errors import CaptureError
-from fxopt.passes.masks import COMPUTE_ONCE
+from fxopt.passes._fx import COMPUTE_ONCE, tangent_dependents
 from fxopt.scratch import op_increases
 from fxopt.solvers.graph import Graph, Node
 
@@ -160,13 +160,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                 )
 
     # Backward values: those that depend on a tangent, and gradients the forward does not need.
-    depends_on_tangent: set[fx.Node] = set()
-    for n in fx_nodes:
-        if n.op == "placeholder":
-            if n.name.startswith("tangents"):
-                depends_on_tangent.add(n)
-        elif any(a in depends_on_tangent for a in n.all_input_nodes):
-            depends_on_tangent.add(n)
+    depends_on_tangent = tangent_dependents(joint.graph)
     forward_needed: set[fx.Node] = set()
     stack = list(fwd_outs)
     while stack:

@@ -29,7 +29,6 @@ from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import CaptureError
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.passes import masks
-from fxopt.passes.masks import pack_dropout_masks, pack_relu_masks
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.plan import Plan
 from fxopt.solvers import eager_schedule, simulate, solve
@@ -73,13 +72,13 @@ class PlanReady(Exception):
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
-    # the passes below change what the backward reads.
-    eager_graph = analyze(joint, num_fwd_outputs, options.cost_model).graph if options.plan is None else None
-    recompute_dropout_from_mask(joint)
-    pack_dropout_masks(joint)
+    # the passes below change what the backward reads (and analyze again only if they did).
+    before = analyze(joint, num_fwd_outputs, options.cost_model) if options.plan is None else None
+    rewritten = recompute_dropout_from_mask(joint) + masks.pack_dropout_masks(joint)
     if masks.PACK_RELU:
-        pack_relu_masks(joint)
-    jg = analyze(joint, num_fwd_outputs, options.cost_model)
+        rewritten += masks.pack_relu_masks(joint)
+    jg = before if before is not None and not rewritten else analyze(joint, num_fwd_outputs, options.cost_model)
+    eager_graph = before.graph if before is not None else None
     if options.plan is not None:
         if options.plan.fingerprint != jg.fingerprint:
             raise CaptureError(

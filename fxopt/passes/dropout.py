@@ -23,7 +23,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
+
+from fxopt.passes._fx import NodeBuilder
 
 aten = torch.ops.aten
 
@@ -47,23 +48,13 @@ def recompute_dropout_from_mask(gm: fx.GraphModule) -> int:
         if out is None or not out.users:
             continue
         mask = outs.get(1)
-        fake_mode = detect_fake_mode([x_val])
         if mask is None:
             with graph.inserting_after(out):
                 mask = graph.call_function(operator.getitem, (node, 1))
             mask.meta.update(out.meta)
             mask.meta["val"] = node.meta["val"][1]
-        anchor = max(out, mask, key=lambda n: _position(graph, n))
-        with graph.inserting_after(anchor):
-            kept = graph.call_function(aten.mul.Tensor, (x, mask))
-        with graph.inserting_after(kept):
-            out2 = graph.call_function(aten.mul.Tensor, (kept, 1.0 / (1.0 - p)))
-        with fake_mode:
-            kept.meta["val"] = aten.mul.Tensor(x_val, mask.meta["val"])
-            out2.meta["val"] = aten.mul.Tensor(kept.meta["val"], 1.0 / (1.0 - p))
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-            if key in out.meta:
-                kept.meta[key] = out2.meta[key] = out.meta[key]
+        add = NodeBuilder(graph, max(out, mask, key=lambda n: _position(graph, n)), out)
+        out2 = add(aten.mul.Tensor, add(aten.mul.Tensor, x, mask), 1.0 / (1.0 - p))
         out.replace_all_uses_with(out2)
         graph.erase_node(out)  # the op's first output now dies with the op's result tuple
         rewritten += 1

@@ -23,12 +23,12 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
+
+from fxopt.passes._fx import COMPUTE_ONCE, NodeBuilder, tangent_dependents
 
 aten = torch.ops.aten
 
 MIN_BYTES = 4096
-COMPUTE_ONCE = "fxopt_compute_once"
 
 # ReLU masks (`pack_relu_masks`) are off by default for now: they add a choice (packed mask or the
 # float output) that the heuristics handle poorly (on the test MLP the greedy's lowest peak rose
@@ -55,26 +55,6 @@ def pack_dropout_masks(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return packed_count
-
-
-class _Builder:
-    """Inserts nodes one after another, each with its fake value and the mask's metadata."""
-
-    def __init__(self, graph: fx.Graph, after: fx.Node, meta_from: fx.Node):
-        self.graph, self.anchor, self.meta_from = graph, after, meta_from
-        self.fake_mode = detect_fake_mode([meta_from.meta["val"]])
-
-    def __call__(self, op, *args, **kwargs) -> fx.Node:
-        with self.graph.inserting_after(self.anchor):
-            node = self.graph.call_function(op, args, kwargs)
-        vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = op(*vals[0], **vals[1])
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-            if key in self.meta_from.meta:
-                node.meta[key] = self.meta_from.meta[key]
-        self.anchor = node
-        return node
 
 
 # pack_bits(x, threshold, mode): bit k of byte j is 1 where element 8j + k of x is "on": x itself
@@ -113,7 +93,7 @@ def _(packed, shape):
 
 def _rewrite(graph: fx.Graph, mask: fx.Node, val: torch.Tensor) -> None:
     users = list(mask.users)
-    add = _Builder(graph, mask, mask)
+    add = NodeBuilder(graph, mask, mask)
     packed = add(torch.ops.fxopt.pack_bits.default, mask, 0.0, 0)
     packed.meta[COMPUTE_ONCE] = True
     unpacked = add(torch.ops.fxopt.unpack_bits.default, packed, list(val.shape))
@@ -132,7 +112,7 @@ def pack_relu_masks(gm: fx.GraphModule) -> int:
     bit-identical; ``out`` (4 bytes an element) no longer has to survive the forward for it.
     Returns how many were rewritten."""
     graph = gm.graph
-    backward = _backward_nodes(graph)
+    backward = tangent_dependents(graph)
     count = 0
     for node in list(graph.find_nodes(op="call_function", target=aten.threshold_backward.default)):
         grad, out, threshold = node.args[0], node.args[1], node.args[2]
@@ -143,18 +123,12 @@ def pack_relu_masks(gm: fx.GraphModule) -> int:
             continue
         if _read_by_backward(out, backward, besides=node):
             continue  # the backward reads `out` anyway (a weight gradient, say): nothing to gain
-        add = _Builder(graph, out, out)
+        add = NodeBuilder(graph, out, out)
         # Not compute-once, unlike a dropout mask: `out` can be recomputed, so the solver chooses
         # between SAVEing the packed mask and recomputing it (from a SAVEd `out`, or further back).
         packed = add(torch.ops.fxopt.pack_bits.default, out, float(threshold), 1)
         unpacked = add(torch.ops.fxopt.unpack_bits.default, packed, list(val.shape))
-        with graph.inserting_before(node):
-            new = graph.call_function(aten.where.ScalarSelf, (unpacked, 0.0, grad))
-        with add.fake_mode:
-            new.meta["val"] = aten.where.ScalarSelf(unpacked.meta["val"], 0.0, grad.meta["val"])
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag"):
-            if key in node.meta:
-                new.meta[key] = node.meta[key]
+        new = NodeBuilder(graph, node.prev, node)(aten.where.ScalarSelf, unpacked, 0.0, grad)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         count += 1
@@ -181,15 +155,3 @@ def _read_by_backward(value: fx.Node, backward: set[fx.Node], besides: fx.Node) 
             if isinstance(target, torch._ops.OpOverload) and (target.is_view or target is aten.detach.default):
                 stack.append(u)
     return False
-
-
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on an incoming gradient (``tangents_*``)."""
-    out: set[fx.Node] = set()
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            if n.name.startswith("tangents"):
-                out.add(n)
-        elif any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out

@@ -1,0 +1,46 @@
+"""What the graph passes share: inserting nodes with their fake values and source metadata, and
+knowing which nodes belong to the backward."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+# A node marked so must run once, where the graph has it (e.g. a packed mask whose source dies in
+# the forward, see `fxopt.passes.masks`): `fxopt.analyze` makes it non-recomputable.
+COMPUTE_ONCE = "fxopt_compute_once"
+
+_SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag")
+
+
+class NodeBuilder:
+    """Inserts nodes one after another, starting after ``after``; each gets its fake value (the op
+    run on its inputs' fake values) and the source metadata of ``meta_from``."""
+
+    def __init__(self, graph: fx.Graph, after: fx.Node, meta_from: fx.Node):
+        self.graph, self.anchor, self.meta_from = graph, after, meta_from
+        self.fake_mode = detect_fake_mode([meta_from.meta["val"]])
+
+    def __call__(self, op, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_after(self.anchor):
+            node = self.graph.call_function(op, args, kwargs)
+        vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = op(*vals[0], **vals[1])
+        for key in _SOURCE_META:
+            if key in self.meta_from.meta:
+                node.meta[key] = self.meta_from.meta[key]
+        self.anchor = node
+        return node
+
+
+def tangent_dependents(graph: fx.Graph) -> set[fx.Node]:
+    """The incoming gradients (``tangents_*`` placeholders) and every node that depends on one."""
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            if n.name.startswith("tangents"):
+                out.add(n)
+        elif any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
