@@ -208,10 +208,6 @@ def _fmt(cost: float | None) -> str:
     return "?" if cost is None else f"{cost * 1e3:.2f} ms"
 
 
-def _ilp_allowed(graph: Graph, solver: str) -> bool:
-    return solver == "ilp" or solver == "auto" and build_ilp(graph, None).mip.num_integer <= AUTO_ILP_MAX_VARIABLES
-
-
 def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float = 60.0,
                         known: int | None = None, run_ilp: bool = True) -> int:
     """The smallest peak ``solver`` can reach for this graph: for a heuristic its lowest peak; for
@@ -221,15 +217,19 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp") else (solver,)
     for name in names:
         peaks += [t.peak_bytes for _, t in HEURISTICS[name](graph, 0)]
-    if run_ilp and _ilp_allowed(graph, solver):
-        peaks += [simulate(graph, s).peak_bytes for s in _lowest_peak_schedules(graph, time_limit, None)]
+    if run_ilp and solver in ("ilp", "auto"):
+        model = build_ilp(graph, None, minimize_peak=True)
+        if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
+            peaks += [simulate(graph, s).peak_bytes for s in _lowest_peak_schedules(graph, time_limit, None, model)]
     return min(peaks)
 
 
-def _lowest_peak_schedules(graph: Graph, time_limit: float, backend: str | None) -> list[Schedule]:
-    """The ILP's lowest-peak schedule and the roundings of its LP relaxation."""
+def _lowest_peak_schedules(graph: Graph, time_limit: float, backend: str | None,
+                           model=None) -> list[Schedule]:
+    """The ILP's lowest-peak schedule and the roundings of its LP relaxation (one model for both)."""
     t0 = time.perf_counter()
-    _, schedules = lp_bound_and_roundings(graph, None, time_limit=time_limit, backend=backend)
+    model = model or build_ilp(graph, None, minimize_peak=True)
+    _, schedules = lp_bound_and_roundings(graph, None, time_limit=time_limit, backend=backend, model=model)
     out = []
     for schedule in schedules:
         try:
@@ -237,7 +237,7 @@ def _lowest_peak_schedules(graph: Graph, time_limit: float, backend: str | None)
             out.append(schedule)
         except InvalidScheduleError:
             continue
-    res = solve_ilp(graph, None, minimize_peak=True, backend=backend,
+    res = solve_ilp(graph, None, minimize_peak=True, backend=backend, model=model,
                     time_limit=max(1.0, time_limit - (time.perf_counter() - t0)))
     if res.schedule is not None:
         out.append(res.schedule)
