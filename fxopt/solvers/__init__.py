@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.graph import Graph, Node
-from fxopt.solvers.heuristics import HEURISTICS
+from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.mip import Progress, default_backend
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
@@ -28,6 +28,9 @@ SOLVERS = ("auto", "ilp", "segments", "greedy", "checkpoint", "save_all")
 # Above this many integer variables "auto" does not start the exact solve: it would not finish in
 # seconds. (A 12-layer GPT-2 step, ~2,100 nodes, has about 7,500.)
 AUTO_ILP_MAX_VARIABLES = 200_000
+
+# How many over-budget heuristic schedules (the cheapest) `solve` tries to complete with COMPRESS.
+COMPRESS_TRIES = 12
 
 # The ILP stops once its plan is proven within this fraction of the optimum (of its model).
 ILP_REL_GAP = 0.005
@@ -103,10 +106,25 @@ def solve(
     heuristics = list(HEURISTICS) if solver == "auto" else [solver] if solver in HEURISTICS else []
     if solver == "ilp":
         heuristics = ["save_all"]  # recomputing nothing is optimal when it fits: the ILP's model may not see it
+    over: list[tuple[Schedule, Timeline, str]] = []
     for name in heuristics:
         progress(f"solver {name}")
         for schedule, timeline in HEURISTICS[name](graph, budget):
             consider(schedule, timeline, name, "heuristic")
+            if timeline.peak_bytes > budget:
+                over.append((schedule, timeline, name))
+    if graph.compressible and over:
+        # COMPRESS where recomputation alone does not fit (or fits only at a higher cost): the
+        # cheapest over-budget schedules, completed with as little compression as fits.
+        progress("compressing saved values")
+        best = cheapest()
+        over.sort(key=lambda c: c[1].recompute_cost)
+        for schedule, timeline, name in over[:COMPRESS_TRIES]:
+            if best is not None and timeline.recompute_cost >= best.timeline.recompute_cost:
+                break
+            done = compress_to_fit(graph, schedule, budget)
+            if done is not None:
+                consider(*done, f"{name}+compress", "heuristic")
 
     ilp_status = None
     lower_bound: float | None = None
@@ -216,7 +234,10 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     peaks = [] if known is None else [known]
     names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp") else (solver,)
     for name in names:
-        peaks += [t.peak_bytes for _, t in HEURISTICS[name](graph, 0)]
+        for schedule, timeline in HEURISTICS[name](graph, 0):
+            peaks.append(timeline.peak_bytes)
+            if schedule.saved & graph.compressible:
+                peaks.append(simulate(graph, compress_all(graph, schedule)).peak_bytes)
     if run_ilp and solver in ("ilp", "auto"):
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
@@ -235,10 +256,18 @@ def _lowest_peak_schedules(graph: Graph, time_limit: float, backend: str | None,
         try:
             simulate(graph, schedule)
             out.append(schedule)
+            if schedule.saved & graph.compressible - schedule.compressed:
+                out.append(compress_all(graph, schedule))
         except InvalidScheduleError:
             continue
     res = solve_ilp(graph, None, minimize_peak=True, backend=backend, model=model,
                     time_limit=max(1.0, time_limit - (time.perf_counter() - t0)))
     if res.schedule is not None:
         out.append(res.schedule)
+        out.append(compress_all(graph, res.schedule))
     return out
+
+
+def compress_all(graph: Graph, schedule: Schedule) -> Schedule:
+    """`schedule` with every SAVEd value that has a codec COMPRESSed (its lowest peak, mostly)."""
+    return dataclasses.replace(schedule, compressed=schedule.saved & graph.compressible)
