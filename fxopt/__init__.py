@@ -6,7 +6,7 @@
 """
 
 from fxopt.api import FxoptModule, optimize, plan
-from fxopt.compression import Quantize
+from fxopt.compression import Quantize, gradient_sqnr
 from fxopt.dynamo_backend import backend
 from fxopt.errors import BudgetError, CaptureError, FxoptError, InfeasibleBudgetError
 from fxopt.measure import PeakMemory, measure_peak
@@ -18,6 +18,7 @@ __all__ = [
     "backend",
     "Plan",
     "Quantize",
+    "gradient_sqnr",
     "FxoptModule",
     "measure_peak",
     "PeakMemory",

@@ -24,7 +24,7 @@ import logging
 
 from fxopt.compression import Codec, Quantize, codec_for
 from fxopt.errors import CaptureError
-from fxopt.passes._fx import COMPUTE_ONCE, tangent_dependents
+from fxopt.passes._fx import COMPUTE_ONCE, NodeBuilder, tangent_dependents
 from fxopt.scratch import op_increases
 from fxopt.solvers.graph import Graph, Node
 
@@ -139,6 +139,27 @@ def _module_path(node: fx.Node) -> str:
         path = list(stack.values())[-1]
         return path[0] if isinstance(path, tuple) else str(path)
     return ""
+
+
+def _codec_workspace(todo: dict[int, tuple[fx.Node, Codec]]) -> dict[int, int]:
+    """Measured scratch bytes of encoding and decoding each value (the larger), beyond the value
+    and its encoding: the codec ops run on made-up tensors like any op (`fxopt.scratch`)."""
+    graph = fx.Graph()
+    pairs = {}
+    for i, (node, codec) in todo.items():
+        value = graph.placeholder(f"v{i}")
+        value.meta["val"] = node.meta["val"]
+        add = NodeBuilder(graph, value, value)
+        enc = add(codec.compress_op, value, *codec.compress_args)
+        dec = add(codec.decompress_op, enc, *codec.decompress_args)
+        pairs[i] = (enc, dec, codec)
+    increases = op_increases(list(graph.nodes))
+    out = {}
+    for i, (enc, dec, codec) in pairs.items():
+        value_bytes = _nbytes(todo[i][0].meta["val"])
+        extra = max(increases.get(enc, 0) - codec.compressed_bytes, increases.get(dec, 0) - value_bytes, 0)
+        out[i] = extra + _SCRATCH_MARGIN if extra else 0
+    return out
 
 
 def _is_pool_indices(n: fx.Node) -> bool:
@@ -259,6 +280,9 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                 codec_flops=codec_flops,
             )
         )
+    if codecs:
+        workspace = _codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()})
+        nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
     graph = Graph(tuple(nodes))
     return JointGraph(
         module=joint,

@@ -93,7 +93,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     if options.plan is not None:
         if options.plan.fingerprint != jg.fingerprint:
             raise CaptureError(
-                "the given plan was made for a different graph (another model, input shape, dtype "
+                "the given plan was made for a different graph (another model, input shape, dtype, "
+                "compress= or quantize= setting "
                 "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
             )
         return jg, options.plan

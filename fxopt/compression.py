@@ -29,7 +29,7 @@ import math
 
 import torch
 
-__all__ = ["Quantize", "Codec", "QUANTIZE_FORMATS", "codec_for", "resolve_quantize"]
+__all__ = ["Quantize", "Codec", "QUANTIZE_FORMATS", "codec_for", "resolve_quantize", "gradient_sqnr", "sqnr_db"]
 
 QUANTIZE_FORMATS = ("int8", "fp8", "int4")
 SCALINGS = ("absmax", "minmax")
@@ -107,37 +107,41 @@ def _layout(numel: int, group: int, fmt: int, minmax: bool) -> tuple[int, int, i
 
 @torch.library.custom_op("fxopt::quantize", mutates_args=())
 def quantize(x: torch.Tensor, fmt: int, group: int, minmax: bool, stochastic: bool) -> torch.Tensor:
-    flat = x.detach().reshape(-1).float()
-    groups, payload, _ = _layout(flat.numel(), group, fmt, minmax)
+    groups, payload, scales = _layout(x.numel(), group, fmt, minmax)
+    out = torch.empty(payload + scales, dtype=torch.uint8, device=x.device)
+    flat = x.detach().reshape(-1)
     pad = groups * group - flat.numel()
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
     g = flat.view(groups, group)
+    scale_out = out[payload:payload + groups * 4].view(torch.float32).view(groups, 1)
     if fmt == 1:  # fp8 e4m3, absmax scaled onto its largest finite value
-        scale = (g.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-30)
-        q = (g / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-        return torch.cat([q.reshape(-1), scale.reshape(-1).view(torch.uint8)])
+        scale_out.copy_(g.abs().amax(dim=1, keepdim=True)).div_(448.0).clamp_min_(1e-30)
+        out[:payload].view(torch.float8_e4m3fn).view(groups, group).copy_(g / scale_out)
+        return out
     levels = 255 if fmt == 0 else 15
     if minmax:
-        lo = g.amin(dim=1, keepdim=True)
-        scale = ((g.amax(dim=1, keepdim=True) - lo) / levels).clamp_min(1e-30)
-        t = (g - lo) / scale  # in [0, levels]
+        lo = g.amin(dim=1, keepdim=True).float()
+        scale_out.copy_((g.amax(dim=1, keepdim=True).float() - lo) / levels).clamp_min_(1e-30)
+        t = (g - lo).div_(scale_out)  # in [0, levels]
+        out[payload + groups * 4:].view(torch.float32).copy_(lo.view(-1))
     else:
         half = levels // 2  # int8: [-127, 127]; int4: [-7, 7]
-        scale = (g.abs().amax(dim=1, keepdim=True) / half).clamp_min(1e-30)
-        t = g / scale + (half + 1)  # in [1, levels]
+        scale_out.copy_(g.abs().amax(dim=1, keepdim=True).float() / half).clamp_min_(1e-30)
+        t = (g / scale_out).add_(half + 1)  # in [1, levels]
     if stochastic:
-        t = torch.floor(t + torch.rand(t.shape, generator=_generator(t.device), device=t.device))
+        t.add_(torch.rand(t.shape, generator=_generator(t.device), device=t.device, dtype=t.dtype)).floor_()
     else:
-        t = torch.round(t)
-    q = t.clamp_(0, levels).to(torch.uint8)
+        t.round_()
+    t.clamp_(0, levels)
     if fmt == 2:
-        q = q.view(-1, 2)
-        q = q[:, 0] | (q[:, 1] << 4)
-    parts = [q.reshape(-1), scale.reshape(-1).view(torch.uint8)]
-    if minmax:
-        parts.append(lo.reshape(-1).view(torch.uint8))
-    return torch.cat(parts)
+        pairs = t.view(-1, 2)
+        q = out[:payload]
+        q.copy_(pairs[:, 1])
+        q.bitwise_left_shift_(4).bitwise_or_(pairs[:, 0].to(torch.uint8))
+    else:
+        out[:payload].copy_(t.view(-1))
+    return out
 
 
 @quantize.register_fake
@@ -152,20 +156,28 @@ def dequantize(buf: torch.Tensor, shape: list[int], dtype: torch.dtype, fmt: int
     numel = math.prod(shape)
     groups, payload, scales = _layout(numel, group, fmt, minmax)
     scale = buf[payload:payload + groups * 4].view(torch.float32).view(groups, 1)
+    exact = groups * group == numel
+    work = dtype if exact else torch.float32
+    out = torch.empty(groups * group, dtype=work, device=buf.device)
+    g = out.view(groups, group)
     if fmt == 1:
-        g = buf[:payload].view(torch.float8_e4m3fn).float().view(groups, group) * scale
+        g.copy_(buf[:payload].view(torch.float8_e4m3fn).view(groups, group))
+        g.mul_(scale)
     else:
         q = buf[:payload]
         if fmt == 2:
-            q = torch.stack([q & 0xF, q >> 4], dim=1)
-        t = q.reshape(groups, group).float()
-        if minmax:
-            lo = buf[payload + groups * 4:payload + scales].view(torch.float32).view(groups, 1)
-            g = t * scale + lo
+            pairs = out.view(-1, 2)
+            pairs[:, 0].copy_(q & 0xF)
+            pairs[:, 1].copy_(q >> 4)
         else:
-            half = (255 if fmt == 0 else 15) // 2
-            g = (t - (half + 1)) * scale
-    return g.reshape(-1)[:numel].view(shape).to(dtype)
+            out.copy_(q)
+        if minmax:
+            g.mul_(scale).add_(buf[payload + groups * 4:payload + scales].view(torch.float32).view(groups, 1))
+        else:
+            g.sub_((255 if fmt == 0 else 15) // 2 + 1).mul_(scale)
+    if exact:
+        return out.view(shape)
+    return out[:numel].view(shape).to(dtype)
 
 
 @dequantize.register_fake
@@ -223,3 +235,25 @@ def codec_for(val, *, lossless: bool, quantize: Quantize | None, indices_of_pool
 
 # `pack_bits`/`unpack_bits` live with the mask passes; import them so their ops are registered.
 from fxopt.passes import masks as _masks  # noqa: E402,F401
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``approx`` against ``reference``, in dB
+    (``inf`` when they are equal)."""
+    ref = reference.detach().double()
+    noise = (approx.detach().double() - ref).pow(2).sum().item()
+    signal = ref.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def gradient_sqnr(reference: torch.nn.Module, other: torch.nn.Module) -> dict[str, float]:
+    """Per parameter, the SQNR (dB) of ``other``'s gradient against ``reference``'s, after one
+    step of each on the same inputs (e.g. eager against ``fxopt.optimize(..., quantize="int8")``).
+    Parameters without a gradient in either are left out."""
+    out = {}
+    for (name, p), (_, q) in zip(reference.named_parameters(), other.named_parameters()):
+        if p.grad is not None and q.grad is not None:
+            out[name] = sqnr_db(p.grad, q.grad)
+    return out

@@ -24,7 +24,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxopt.passes._fx import NodeBuilder
+from fxopt.passes._fx import NodeBuilder, replace_value
 
 aten = torch.ops.aten
 
@@ -55,7 +55,7 @@ def recompute_dropout_from_mask(gm: fx.GraphModule) -> int:
             mask.meta["val"] = node.meta["val"][1]
         add = NodeBuilder(graph, max(out, mask, key=lambda n: _position(graph, n)), out)
         out2 = add(aten.mul.Tensor, add(aten.mul.Tensor, x, mask), 1.0 / (1.0 - p))
-        out.replace_all_uses_with(out2)
+        replace_value(out, out2)
         graph.erase_node(out)  # the op's first output now dies with the op's result tuple
         rewritten += 1
     if rewritten:

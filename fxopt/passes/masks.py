@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.passes._fx import NodeBuilder, tangent_dependents
+from fxopt.passes._fx import NodeBuilder, replace_value, tangent_dependents
 
 aten = torch.ops.aten
 
@@ -78,7 +78,7 @@ def relu_masks(gm: fx.GraphModule) -> int:
             continue  # the backward reads `out` anyway (a weight gradient, say): nothing to gain
         mask = NodeBuilder(graph, out, out)(aten.le.Scalar, out, threshold)
         new = NodeBuilder(graph, node.prev, node)(aten.where.ScalarSelf, mask, 0.0, grad)
-        node.replace_all_uses_with(new)
+        replace_value(node, new)
         graph.erase_node(node)
         count += 1
     if count:

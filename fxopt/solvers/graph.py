@@ -47,6 +47,7 @@ class Node:
     compressed_bytes: int = 0
     codec_cost: float = 0.0
     codec_flops: int = 0
+    codec_workspace: int = 0  # scratch bytes while encoding or decoding, beyond input and output
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -330,6 +330,7 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
         if i in compressible:
             ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * cost_scale)
     zb = {i: nodes[i].compressed_bytes / unit for i in ilp.Z}  # compressed size, in units
+    zw = {i: nodes[i].codec_workspace / unit for i in ilp.Z}  # scratch while encoding or decoding
     ilp.infeasible = infeasible
     ilp.window = window
     peak_col = None
@@ -414,7 +415,7 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
         k = stages[t]
         # While stage t recomputes: at most everything it recomputes is alive.
         recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit) for i in anc[t] if (t, i) in ilp.R]
-        recomputing += [(col, zb[i]) for i, col in ilp.Z.items() if first[i] == t]  # decoding
+        recomputing += [(col, zb[i] + zw[i]) for i, col in ilp.Z.items() if first[i] == t]  # decoding
         within(before[k], resident(t) + [(c, a) for c, a in recomputing if a])
         # While the stage's node runs: what it reads, and what is kept for later stages (resident
         # entering stage t + 1, whether it was kept from before or recomputed here); everything
@@ -448,13 +449,14 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
             start = interval[i][1] + 1
             if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
                 from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
+                spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
                 if start < n_steps:
                     from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
         else:  # backward-only: computed in the forward after every forward_required node before it
             start = sum(1 for j in order if j < i)
             if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
                 at = min(start, n_steps - 1)
-                spans.append((at, at, ilp.Z[i], mb[i]))
+                spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
                 if start < n_steps:
                     from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
             for j in graph.through_aliases(nodes[i].inputs):

@@ -162,8 +162,8 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
             drop(current.pop(j))
         for j in compress_at.get(k, ()):
             live_bytes += nodes[j].compressed_bytes
-            events.append(("forward", f"compress {nodes[j].name}", live_bytes))
-            forward_peak = max(forward_peak, live_bytes)
+            events.append(("forward", f"compress {nodes[j].name}", live_bytes + nodes[j].codec_workspace))
+            forward_peak = max(forward_peak, live_bytes + nodes[j].codec_workspace)
             drop(current[j])
             packed.add(j)
     for i in graph.forward_outputs:
@@ -211,8 +211,9 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         for j in nodes[i].inputs:
             if j in packed:  # decoded just before its first read; the encoding dies then
                 acquire(storage_of[current[j]], storage_of[current[j]][0])
-                events.append(("backward", f"decompress {nodes[j].name}", live_bytes + nodes[j].compressed_bytes))
-                backward_peak = max(backward_peak, live_bytes + nodes[j].compressed_bytes)
+                decoding = live_bytes + nodes[j].compressed_bytes + nodes[j].codec_workspace
+                events.append(("backward", f"decompress {nodes[j].name}", decoding))
+                backward_peak = max(backward_peak, decoding)
                 live_bytes -= nodes[j].compressed_bytes
                 packed.discard(j)
         for j, a in zip(nodes[i].inputs, args):
