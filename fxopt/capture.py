@@ -27,7 +27,7 @@ from fxopt import cache
 from fxopt.analyze import CostModel, analyze
 from fxopt.budget import Budget, resolve_budget
 from fxopt.compression import Quantize, resolve_quantize
-from fxopt.errors import CaptureError
+from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.passes import masks
 from fxopt.passes.recompute import split_with_recompute
@@ -86,11 +86,17 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     codecs = dict(compress=options.compress, quantize=options.quantize)
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     rewritten = recompute_dropout_from_mask(joint)
-    if options.compress:
-        rewritten += masks.relu_masks(joint)
-    jg = before if before is not None and not rewritten else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+    relu = masks.relu_masks(joint) if options.compress else 0
+    jg = before if before is not None and not (rewritten or relu) else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+
+    def without_relu_masks():
+        masks.undo_relu_masks(joint)
+        return analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+
     eager_graph = before.graph if before is not None else None
     if options.plan is not None:
+        if options.plan.fingerprint != jg.fingerprint and relu:
+            jg = without_relu_masks()
         if options.plan.fingerprint != jg.fingerprint:
             raise CaptureError(
                 "the given plan was made for a different graph (another model, input shape, dtype, "
@@ -103,11 +109,25 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     cache_key = cache.key(jg.graph, budget, options.solver, options.time_limit)
     cached = cache.load(cache_key)
     if cached is not None:
+        if cached.fingerprint != jg.fingerprint and relu:  # it was planned without the ReLU masks
+            jg = without_relu_masks()
         return jg, cached
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
     with progress_display() as report:
-        solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
+        try:
+            solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
+        except InfeasibleBudgetError as err:
+            if not relu:
+                raise
+            # The solvers do not always find the rewritten step's lowest peak (its memory model
+            # differs a little): never let the ReLU masks make a budget infeasible.
+            report("no plan fits with ReLU masks; planning without them")
+            jg = without_relu_masks()
+            try:
+                solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
+            except InfeasibleBudgetError as err2:
+                raise InfeasibleBudgetError(budget, min(err.min_budget, err2.min_budget)) from None
     plan = Plan.build(
         graph=jg.graph,
         schedule=solution.schedule,

@@ -18,6 +18,8 @@ aten = torch.ops.aten
 
 MIN_BYTES = 4096
 
+RELU_MASK = "fxopt_relu_mask"  # meta key of a rewritten ReLU backward: the output it read
+
 
 # pack_bits(x, threshold, mode): bit k of byte j is 1 where element 8j + k of x is "on": x itself
 # for a bool mask (mode 0), x <= threshold (mode 1). One op, so that what the backward needs is one
@@ -78,8 +80,32 @@ def relu_masks(gm: fx.GraphModule) -> int:
             continue  # the backward reads `out` anyway (a weight gradient, say): nothing to gain
         mask = NodeBuilder(graph, out, out)(aten.le.Scalar, out, threshold)
         new = NodeBuilder(graph, node.prev, node)(aten.where.ScalarSelf, mask, 0.0, grad)
+        new.meta[RELU_MASK] = node.args[1]  # what `undo_relu_masks` gives back to the backward
         replace_value(node, new)
         graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def undo_relu_masks(gm: fx.GraphModule) -> int:
+    """Undo `relu_masks`: ReLU's backward reads ReLU's output again. (fxopt plans without the
+    masks when no plan with them fits the budget: the solvers do not always find the lowest peak
+    of the rewritten step.) Returns how many were undone."""
+    graph = gm.graph
+    count = 0
+    for node in list(graph.find_nodes(op="call_function", target=aten.where.ScalarSelf)):
+        if RELU_MASK not in node.meta:
+            continue
+        mask, grad = node.args[0], node.args[2]
+        out, threshold = node.meta.pop(RELU_MASK), mask.args[1]
+        old = NodeBuilder(graph, node.prev, node)(aten.threshold_backward.default, grad, out, threshold)
+        replace_value(node, old)
+        graph.erase_node(node)
+        if not mask.users:
+            graph.erase_node(mask)
         count += 1
     if count:
         graph.lint()

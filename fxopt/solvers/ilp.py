@@ -331,6 +331,9 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
             ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * cost_scale)
     zb = {i: nodes[i].compressed_bytes / unit for i in ilp.Z}  # compressed size, in units
     zw = {i: nodes[i].codec_workspace / unit for i in ilp.Z}  # scratch while encoding or decoding
+    # A compressed value is decoded for the first stage that reads it (fr); before that no
+    # recomputation may read it (it is still encoded), and it counts its compressed size.
+    fr = {i: next((t for t in range(first[i], T) if i in reads[t]), first[i]) for i in ilp.Z}
     ilp.infeasible = infeasible
     ilp.window = window
     peak_col = None
@@ -364,6 +367,13 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     # Residency and recomputation.
     for i, col in ilp.Z.items():
         m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
+        for t in range(first[i] + 1, fr[i] + 1):
+            if (t, i) in ilp.S:
+                m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
+        for t in range(first[i], fr[i]):
+            for u in anc[t]:
+                if (t, u) in ilp.R and i in deps[u]:
+                    m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
     for (t, i), col in ilp.S.items():
         m.row(terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
     users: dict[int, list[int]] = {i: [] for i in cands}
@@ -388,7 +398,7 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     for t in range(T - 1, -1, -1):
         fresh = [(ilp.S0[i], mb[i]) for i in cands if first.get(i) == t and i in ilp.S0 and mb[i]]
         # Compressed until decoded for stage first[i]: smaller in every earlier total.
-        fresh += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if first[i] == t + 1]
+        fresh += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if min(first[i], fr[i] - 1) == t]
         if waiting[t + 1] is None and not fresh:
             continue
         col = m.var(f"P_{t}")
@@ -400,6 +410,8 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     for (t, i), col in ilp.S.items():
         if mb[i]:
             in_window[t].append((col, mb[i]))
+            if i in ilp.Z and t < fr[i]:
+                in_window[t].append((ilp.Z[i], zb[i] - mb[i]))
 
     def resident(t: int) -> list[tuple[int, float]]:
         return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
@@ -415,12 +427,13 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
         k = stages[t]
         # While stage t recomputes: at most everything it recomputes is alive.
         recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit) for i in anc[t] if (t, i) in ilp.R]
-        recomputing += [(col, zb[i] + zw[i]) for i, col in ilp.Z.items() if first[i] == t]  # decoding
+        recomputing += [(col, zb[i] + zw[i]) for i, col in ilp.Z.items() if fr[i] == t]  # decoding
         within(before[k], resident(t) + [(c, a) for c, a in recomputing if a])
         # While the stage's node runs: what it reads, and what is kept for later stages (resident
         # entering stage t + 1, whether it was kept from before or recomputed here); everything
         # else was last used by a recomputation in this stage, or earlier, and is freed by then.
         running = list(resident(t + 1))
+        running += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if fr[i] == t + 1]  # not decoded yet
         for i in reads[t]:
             if not mb[i]:
                 continue
