@@ -193,6 +193,13 @@ def solve(
                 for schedule, timeline in HEURISTICS[name](graph, budget):
                     consider(schedule, timeline, name, "heuristic")
 
+    if not fitting and graph.compressible:
+        # Nothing fits: every over-budget heuristic schedule, completed with compression (what
+        # `min_feasible_budget` also tries, so the budget it names plans).
+        for schedule, timeline, name in over[COMPRESS_TRIES:]:
+            done = compress_to_fit(graph, schedule, budget)
+            if done is not None:
+                consider(*done, f"{name}+compress", "heuristic")
     if not fitting and model is not None:
         # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
         # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
