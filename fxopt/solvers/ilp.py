@@ -50,7 +50,7 @@ from collections.abc import Callable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.mip import Mip, Progress, default_backend, solve_mip
-from fxopt.solvers.schedule import Schedule, must_save, read_before_recompute, with_fresh_aliases
+from fxopt.solvers.schedule import Schedule, must_save, prune, read_before_recompute, with_fresh_aliases
 
 __all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_backend"]
 
@@ -227,7 +227,7 @@ class RematIlp:
         events = with_fresh_aliases(graph, events)
         saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free)
         compressed = frozenset(i for i, col in self.Z.items() if on(col)) & saved
-        return Schedule(frozenset(saved), events, compressed)
+        return prune(graph, Schedule(frozenset(saved), events, compressed))
 
     def saved_fractions(self, x) -> dict[int, float]:
         return {i: x[col] for i, col in self.S0.items()}
@@ -648,4 +648,4 @@ def _rounded(ilp: RematIlp, x, threshold: float) -> Schedule:
                 recomputed.discard(i)
     events = with_fresh_aliases(graph, events)
     compressed = frozenset(i for i, col in ilp.Z.items() if i in saved and x[col] >= threshold - 1e-9)
-    return Schedule(saved, events, compressed & read_before_recompute(graph, events))
+    return prune(graph, Schedule(saved, events, compressed & read_before_recompute(graph, events)))

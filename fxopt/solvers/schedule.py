@@ -192,6 +192,13 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         inst = (i, count[i])
         avail[i] = inst
         order.append((i, inst, args))
+    # A recomputation nothing reads afterwards is dropped from the generated code (dead-code
+    # elimination), so it neither runs nor allocates.
+    order = [order[e] for e in _read_events(graph, order)]
+    last_use = {}
+    for e, (_, _, args) in enumerate(order):
+        for a in args:
+            last_use[a] = e
     for i, node in enumerate(nodes):
         if node.tangent:
             # The autograd engine holds the incoming gradients until the backward returns.
@@ -230,7 +237,7 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         elif nodes[i].output:
             forever.add(inst)
 
-    recomputed = [i for i in schedule.backward if nodes[i].kind == "forward"]
+    recomputed = [i for i, _, _ in order if nodes[i].kind == "forward"]
     first_free = set(graph.backward_only - saved)  # computing these once in the backward is not extra
     extra_flops, extra_cost = 0, 0.0
     for i in recomputed:
@@ -253,6 +260,40 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     )
 
 
+def _read_events(graph: Graph, order) -> list[int]:
+    """Positions of the events the generated code keeps: backward nodes, and recomputations read
+    by a kept event (a multi-output op's outputs stay with it: it allocates them all)."""
+    nodes = graph.nodes
+    needed: set[tuple[int, int]] = set()
+    keep = [False] * len(order)
+    for e in range(len(order) - 1, -1, -1):
+        i, inst, args = order[e]
+        if nodes[i].kind == "backward" or inst in needed:
+            keep[e] = True
+            needed.update(args)
+    for e, (i, inst, args) in enumerate(order):
+        if not keep[e] and len(args) == 1 and args[0] in needed and not nodes[args[0][0]].tensor:
+            keep[e] = True  # an output of a kept tuple
+    return [e for e in range(len(order)) if keep[e]]
+
+
+def prune(graph: Graph, schedule: Schedule) -> Schedule:
+    """`schedule` without the recomputations nothing reads (what the generated code drops)."""
+    nodes = graph.nodes
+    avail: dict[int, tuple[int, int]] = {}
+    count: dict[int, int] = {}
+    order = []
+    for i in schedule.backward:
+        args = [avail.get(j, (j, 0)) for j in nodes[i].inputs]
+        count[i] = count.get(i, 0) + 1
+        avail[i] = (i, count[i])
+        order.append((i, avail[i], args))
+    kept = _read_events(graph, order)
+    if len(kept) == len(order):
+        return schedule
+    return dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
+
+
 def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
     """The backward for a given SAVE set: before each backward node, recompute the values it needs
     that are not available, from the nearest available ones, and keep them until their last use
@@ -268,7 +309,7 @@ def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
         avail.update(missing)
         events.append(b)
         avail.add(b)
-    return Schedule(saved, with_fresh_aliases(graph, events))
+    return prune(graph, Schedule(saved, with_fresh_aliases(graph, events)))
 
 
 def read_before_recompute(graph: Graph, backward: Iterable[int]) -> frozenset[int]:
