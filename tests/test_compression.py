@@ -155,3 +155,16 @@ def test_quantize_is_not_used_where_saving_fits():
     eager, optimized, loss_e, loss_o = run_pair(model, inputs, 1.0, quantize="int4")
     assert not optimized.plan.lossy
     assert_same_step(eager, optimized, loss_e, loss_o)
+
+
+def test_compression_under_inductor():
+    """The codecs are custom ops: Inductor runs them as fallback kernels, keeping the plan."""
+    torch.manual_seed(0)
+    model, inputs = ReluDropMLP(depth=3), (torch.randn(512, 256),)
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, 0.8, compiler="inductor", time_limit=20)
+    plan = optimized.plan
+    assert plan.compressed and not plan.lossy
+    torch.testing.assert_close(loss_o, loss_e, rtol=1e-4, atol=1e-4)
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):  # Inductor's kernels round differently
+        torch.testing.assert_close(p_o.grad, p_e.grad, rtol=1e-4, atol=1e-4)
+    assert measured_peak(optimized, inputs) <= plan.budget_bytes
