@@ -162,6 +162,34 @@ def _codec_workspace(todo: dict[int, tuple[fx.Node, Codec]]) -> dict[int, int]:
     return out
 
 
+# Values not offered to lossy codecs: quantization error in them is amplified by the backward.
+# A log-probability's error becomes a relative error of its exp (int8 steps of log-probs spanning
+# [-10, 0] are 8% errors); a softmax's small probabilities round to 0 under a group's absmax
+# scale; a normalisation's backward re-standardises its input with the saved, exact statistics.
+_LOSSY_UNSAFE_PRODUCERS = {aten._log_softmax.default, aten._softmax.default, aten.log_softmax.int,
+                           aten.softmax.int}
+_LOSSY_UNSAFE_READERS = {aten.native_batch_norm_backward.default, aten.native_group_norm_backward.default}
+
+
+def _quantizable(n: fx.Node) -> bool:
+    target = n.target
+    if target in _LOSSY_UNSAFE_PRODUCERS or getattr(target, "__name__", "").startswith("_safe_softmax"):
+        return False
+    stack, seen = [n], set()
+    while stack:  # readers of the value or of views of it
+        v = stack.pop()
+        for u in v.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            t = u.target
+            if t in _LOSSY_UNSAFE_READERS or getattr(t, "__name__", "").startswith("cudnn_batch_norm_backward"):
+                return False
+            if isinstance(t, torch._ops.OpOverload) and (t.is_view or t in (aten.detach.default, aten.alias.default)):
+                stack.append(u)
+    return True
+
+
 def _is_pool_indices(n: fx.Node) -> bool:
     if n.target is not operator.getitem or n.args[1] != 1:
         return False
@@ -254,7 +282,8 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         ) if n.op == "call_function" and storage is None else 0
         codec = None
         if kind == "forward" and storage is None and (compress or quantize is not None):
-            codec = codec_for(val, lossless=compress, quantize=quantize, indices_of_pool=_is_pool_indices(n))
+            lossy = quantize if quantize is not None and _quantizable(n) else None
+            codec = codec_for(val, lossless=compress, quantize=lossy, indices_of_pool=_is_pool_indices(n))
         codec_flops, codec_cost = 0, 0.0
         if codec is not None:
             codecs[i] = codec

@@ -168,3 +168,25 @@ def test_compression_under_inductor():
     for p_e, p_o in zip(eager.parameters(), optimized.parameters()):  # Inductor's kernels round differently
         torch.testing.assert_close(p_o.grad, p_e.grad, rtol=1e-4, atol=1e-4)
     assert measured_peak(optimized, inputs) <= plan.budget_bytes
+
+
+def test_error_amplifying_values_are_not_offered_to_quantization():
+    """Log-probabilities (their error is exponentiated by the backward), softmax outputs and
+    BatchNorm inputs get no lossy codec; other float activations do."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.bn, self.l2 = nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.l1(x)
+            p = torch.softmax(self.l2(torch.relu(self.bn(h))), -1)
+            return torch.log_softmax(p * h, -1).mean()
+
+    torch.manual_seed(0)
+    plan = fxopt.plan(Net(), 1.0, (torch.randn(512, 64),), quantize="int8")
+    codecs = {n.name: n.codec for n in plan.graph.nodes if n.kind == "forward"}
+    assert codecs["_log_softmax"] is None and codecs["_softmax"] is None
+    assert codecs["addmm"] is None  # BatchNorm's input
+    assert codecs["relu"].startswith("int8")
