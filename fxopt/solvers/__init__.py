@@ -209,6 +209,20 @@ def solve(
     if not fitting:
         min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak,
                                          run_ilp=model is None)
+        fewer = without_codecs(graph, lossy_only=any(_lossy(n.codec) for n in graph.nodes))
+        if fewer is not graph:
+            # The solvers do not always find the lowest peak of the larger problem (more choices,
+            # the same time): never let the codecs make a budget infeasible that plans without them.
+            progress("no plan fits with " + ("quantization" if fewer.compressible else "compression")
+                     + "; planning without it")
+            try:
+                found = solve(fewer, budget, solver, time_limit=time_limit, on_progress=on_progress,
+                              backend=backend)
+            except InfeasibleBudgetError as err:
+                raise InfeasibleBudgetError(budget, min(min_budget, err.min_budget)) from None
+            # Its schedule is one of this graph's (fewer codecs, the same values).
+            return dataclasses.replace(found, timeline=simulate(graph, found.schedule),
+                                       solve_seconds=time.perf_counter() - t0)
         raise InfeasibleBudgetError(budget, min_budget)
     rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
     best = min(fitting, key=lambda s: (round(s.timeline.recompute_cost, 12), s.timeline.peak_bytes, rank[s.status]))
@@ -219,6 +233,23 @@ def solve(
     if lower_bound is not None and _proven(best.timeline.recompute_cost, lower_bound):
         best = dataclasses.replace(best, status="optimal")
     return dataclasses.replace(best, solve_seconds=time.perf_counter() - t0, lower_bound_cost=lower_bound)
+
+
+def _lossy(codec: str | None) -> bool:
+    return codec is not None and codec.split("/")[0] in ("int8", "fp8", "int4")
+
+
+def without_codecs(graph: Graph, *, lossy_only: bool) -> Graph:
+    """`graph` with no codec on its values (only the lossy ones dropped with ``lossy_only``); the
+    graph itself when there is nothing to drop."""
+    drop = [i for i, n in enumerate(graph.nodes) if n.codec is not None and (_lossy(n.codec) or not lossy_only)]
+    if not drop:
+        return graph
+    nodes = list(graph.nodes)
+    for i in drop:
+        nodes[i] = dataclasses.replace(nodes[i], codec=None, compressed_bytes=0, codec_cost=0.0, codec_flops=0,
+                                       codec_workspace=0)
+    return Graph(tuple(nodes))
 
 
 def _gap(cost: float, bound: float) -> float:
