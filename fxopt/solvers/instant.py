@@ -1,0 +1,270 @@
+"""A lower bound on the recompute cost from the memory at a few instants of the backward, and the
+plans it suggests.
+
+While backward node k runs, every schedule holds (as the simulator counts it)
+
+    fixed_k        resident values, forward outputs, tangents, the backward values alive at k and
+                   node k's workspace: the same for every schedule, since the backward nodes run
+                   once, in order, and are freed after their last use;
+  + A_k            the storage of the forward values alive at that instant.
+
+What is alive at k must let the rest of the backward run: every forward value a later backward
+node reads is alive at k or computed after k, and what is computed after k is computed from values
+alive at k or computed after k. What is alive at k was SAVEd or computed in the backward before k.
+Every backward computation of a forward value costs its recompute cost (the first computation of
+a value only the backward needs is free, as in the simulator). So, for one or more instants k, the
+mixed-integer program
+
+    s_i      SAVE i (saveable values only)              shared by all instants
+    n_i      backward computations of i, cost c_i       shared: n_i >= p_ik + r_ik
+    a_ik     i alive while node k runs                  a_ik <= s_i + p_ik
+    p_ik     i computed in the backward before k        p_ik <= s_j + p_jk   (j an input of i)
+    r_ik     i computed after k                         r_ik <= a_jk + r_jk
+    needs    read by node k: a_ik = 1; by a node before k: s_i + p_ik >= 1; after k: a_ik + r_ik >= 1
+    views    a_ik <= a_(root of i),k                    (a view keeps its base's storage alive)
+    memory   fixed_k + sum_i bytes_i a_ik <= budget
+
+    minimise sum_i c_i n_i
+
+is a relaxation of the simulator's problem: any schedule within the budget gives a solution of
+the same or lower cost (its SAVE set, what is alive at each k, what it computes before and after).
+Its optimum, or the branch-and-bound's proven bound, is therefore a lower bound on the recompute
+cost of every schedule the simulator accepts within the budget: no window, no conservative memory
+accounting, unlike the Checkmate ILP (`fxopt.solvers.ilp`), whose bound holds only in its model.
+
+The same solution suggests a plan: SAVE the s_i, recompute on demand (`on_demand`). Its cost is
+the program's when the simulated peak fits; when it does not, the instant where it peaks is added
+to the program and the program solved again (a few rounds). Where memory is tight at one instant
+(the start of a language model's backward, with the logits and their gradients alive), one or two
+instants already give a plan within a fraction of a percent of the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.mip import Mip, solve_mip
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, must_save, on_demand, simulate
+
+__all__ = ["InstantResult", "fixed_backward_bytes", "instant_solve"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InstantResult:
+    bound: float | None  # proven lower bound on the recompute cost (None: nothing proven)
+    plans: tuple[tuple[Schedule, Timeline], ...]  # simulated plans, fitting or not
+    instants: tuple[int, ...]  # backward positions modelled in the last round
+    seconds: float
+    infeasible: bool = False  # proven: no schedule fits the budget
+
+
+def fixed_backward_bytes(graph: Graph) -> list[int]:
+    """For each backward node k, the bytes every schedule holds while it runs, forward values
+    aside: resident values and forward outputs, tangents, the backward values alive at k, and
+    k's workspace. A backward value that shares a forward value's storage counts nothing here
+    (that storage is counted as a forward value)."""
+    nodes = graph.nodes
+    bwd = graph.backward_nodes
+    kept_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
+    base = sum(nodes[r].bytes for r in kept_roots)
+    last: dict[int, int] = {}
+    for k, b in enumerate(bwd):
+        for j in nodes[b].inputs:
+            last[j] = k
+    refs: dict[int, int] = {}
+    live = 0
+
+    def counted(i: int) -> int | None:
+        r = graph.roots[i]
+        if r in kept_roots or nodes[r].kind == "forward":
+            return None
+        return r
+
+    def hold(i: int) -> None:
+        nonlocal live
+        r = counted(i)
+        if r is None:
+            return
+        if refs.get(r, 0) == 0:
+            live += nodes[r].bytes
+        refs[r] = refs.get(r, 0) + 1
+
+    def let_go(i: int) -> None:
+        nonlocal live
+        r = counted(i)
+        if r is None:
+            return
+        refs[r] -= 1
+        if refs[r] == 0:
+            live -= nodes[r].bytes
+
+    for i, n in enumerate(nodes):
+        if n.tangent:
+            hold(i)
+    pos = {b: k for k, b in enumerate(bwd)}
+    dying: dict[int, list[int]] = {}
+    for b in bwd:
+        if not nodes[b].output:
+            dying.setdefault(max(last.get(b, pos[b]), pos[b]), []).append(b)
+    out = []
+    for k, b in enumerate(bwd):
+        hold(b)
+        out.append(base + live + nodes[b].workspace)
+        for j in dying.get(k, ()):
+            let_go(j)
+    return out
+
+
+class _Program:
+    """The program above for a growing set of instants."""
+
+    def __init__(self, graph: Graph, budget: int, unit: int):
+        nodes = graph.nodes
+        self.graph, self.budget, self.unit = graph, budget, unit
+        bwd = graph.backward_nodes
+        self.avail = graph.resident | graph.free | graph.forward_outputs
+        self.reads = [[j for j in dict.fromkeys(nodes[b].inputs) if nodes[j].kind == "forward" and j not in self.avail]
+                      for b in bwd]
+        needs = {j for r in self.reads for j in r}
+        self.values = sorted(graph.ancestors(needs) - self.avail)
+        self.fixed = fixed_backward_bytes(graph)
+        costs = [nodes[i].cost for i in self.values if i not in graph.backward_only]
+        top = max(costs, default=0.0)
+        self.cost_scale = 1000.0 / top if top > 0 else 1.0
+        self.instants: list[int] = []
+
+    def cost(self, i: int) -> float:
+        return 0.0 if i in self.graph.backward_only else self.graph.nodes[i].cost
+
+    def computable(self, i: int) -> bool:
+        # A value that cannot be recomputed (random, mutating) is made once, in the forward; only
+        # the backward-only ones (made in the backward unless saved) may be computed there.
+        n = self.graph.nodes[i]
+        return n.recomputable or i in self.graph.backward_only
+
+    def build(self, instants: list[int]) -> tuple[Mip, dict[int, int], dict[tuple[int, int], int]]:
+        graph, nodes = self.graph, self.graph.nodes
+        m = Mip()
+        self.instants = list(instants)
+        self._after: dict[int, set[int]] = {}
+        vals = self.values
+        vset = set(vals)
+        s = {i: m.binary(f"s_{nodes[i].name}") for i in vals if i in graph.saveable}
+        n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
+             for i in vals if self.computable(i)}
+        alive: dict[tuple[int, int], int] = {}
+        for k in instants:
+            a = {i: m.binary(f"a{k}_{nodes[i].name}") for i in vals}
+            p = {i: m.binary(f"p{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+            r = {i: m.binary(f"r{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+            before = {j for kk in range(k) for j in self.reads[kk]}
+            now = set(self.reads[k])
+            after = {j for kk in range(k + 1, len(self.reads)) for j in self.reads[kk]}
+            self._after[k] = after | now
+            for i in vals:
+                alive[k, i] = a[i]
+                m.row([(a[i], 1.0)] + [(c, -1.0) for c in (s.get(i), p.get(i)) if c is not None], upper=0.0)
+                if i in now:
+                    m.row([(a[i], 1.0)], lower=1.0)
+                if i in before:
+                    m.row([(c, 1.0) for c in (s.get(i), p.get(i)) if c is not None], lower=1.0)
+                if i in after:
+                    m.row([(a[i], 1.0)] + ([(r[i], 1.0)] if i in r else []), lower=1.0)
+                root = graph.roots[i]
+                if root != i and root in vset:
+                    m.row([(a[i], 1.0), (a[root], -1.0)], upper=0.0)
+                if i in p:
+                    for j in dict.fromkeys(nodes[i].inputs):
+                        if j in vset:
+                            m.row([(p[i], 1.0)] + [(c, -1.0) for c in (s.get(j), p.get(j)) if c is not None],
+                                  upper=0.0)
+                            m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
+                    m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
+            mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
+            m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
+        return m, s, alive
+
+    def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x) -> frozenset[int]:
+        """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last
+        read): what is saved and alive at the earliest instant, and what is saved and read only
+        before it. (A saved value that is not alive at an instant was dropped before it; a saved
+        value that only served to compute others before the instant is not worth saving.)"""
+        k0 = min(self.instants)
+        early = {j for kk in range(k0) for j in self.reads[kk]} - self._after[k0]
+        return frozenset(i for i, col in s.items()
+                         if x[col] > 0.5 and (x[alive[k0, i]] > 0.5 or i in early))
+
+
+def _unit(graph: Graph) -> int:
+    total = sum(n.bytes for n in graph.nodes)
+    unit = 1
+    while total // (unit * 2) >= 4096:
+        unit *= 2
+    return unit
+
+
+def _peak_instant(graph: Graph, timeline: Timeline, budget: int) -> int | None:
+    """The backward position of the first backward node at or after the first event above the
+    budget (None: the forward peaks, or nothing is above)."""
+    bwd_names = {graph.nodes[b].name: k for k, b in enumerate(graph.backward_nodes)}
+    over = False
+    for phase, name, live in timeline.events:
+        if phase == "backward" and live > budget:
+            over = True
+        if over and phase == "backward" and name in bwd_names:
+            return bwd_names[name]
+    return None
+
+
+def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backend: str | None = None,
+                  max_rounds: int = 6, rel_gap: float = 1e-4) -> InstantResult:
+    """Solve the program for the instant with the most fixed memory, simulate the plan it
+    suggests, add the instant where that plan peaks above the budget, and so on (at most
+    ``max_rounds`` solves, within ``time_limit`` seconds). Returns the best proven bound and every
+    plan tried, simulated."""
+    t0 = time.perf_counter()
+    if not graph.backward_nodes:
+        return InstantResult(None, (), (), 0.0)
+    prog = _Program(graph, budget, _unit(graph))
+    fixed = prog.fixed
+    # Instants where the fixed part alone is over the budget make every plan infeasible.
+    if max(fixed) > budget:
+        return InstantResult(None, (), (max(range(len(fixed)), key=fixed.__getitem__),), time.perf_counter() - t0,
+                             infeasible=True)
+    instants = [max(range(len(fixed)), key=lambda k: (fixed[k], -k))]
+    bound: float | None = None
+    plans: list[tuple[Schedule, Timeline]] = []
+    tried: set[frozenset[int]] = set()
+    infeasible = False
+    for _ in range(max_rounds):
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0.5:
+            break
+        m, s, alive = prog.build(instants)
+        res = solve_mip(m, time_limit=left, backend=backend, rel_gap=rel_gap)
+        if res.status == "infeasible":
+            infeasible = True
+            break
+        if res.bound is not None:
+            bound = max(bound or 0.0, max(0.0, res.bound / prog.cost_scale))
+        if res.x is None:
+            break
+        saved = prog.saved(s, alive, res.x) | must_save(graph)
+        if saved in tried:
+            break
+        tried.add(saved)
+        try:
+            schedule = on_demand(graph, saved)
+            timeline = simulate(graph, schedule)
+        except InvalidScheduleError:
+            break
+        plans.append((schedule, timeline))
+        if timeline.peak_bytes <= budget:
+            break
+        k = _peak_instant(graph, timeline, budget)
+        if k is None or k in instants:
+            break
+        instants.append(k)
+    return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
