@@ -76,6 +76,8 @@ def assert_valid_solution(graph: Graph, budget: int, solution: Solution, solver:
         assert (solution.solver, solution.status) == (solver, "heuristic")
     elif solver == "ilp":
         assert solution.solver in ("ilp", "ilp-rounding", "save_all", "segments", "greedy", "checkpoint")  # rounded LP, eager, fallbacks
+    elif solver == "instant":
+        assert solution.solver in ("instant", "save_all", "segments", "greedy", "checkpoint")
     timeline = simulate(graph, solution.schedule)  # raises if the schedule is not valid
     assert timeline == solution.timeline
     assert timeline.peak_bytes <= budget
@@ -118,7 +120,7 @@ def test_hand_graph(name, solver, kind):
     except InfeasibleBudgetError as err:
         # Only a heuristic may fail above the minimum of "auto" (which is what "min" is); and the
         # budget it names is one it can meet.
-        assert solver in HEURISTICS and kind != "eager"
+        assert (solver in HEURISTICS or solver == "instant") and kind != "eager"
         assert err.budget == budget
         assert err.min_budget > budget
         assert f"({err.min_budget} bytes)" in str(err)
@@ -420,7 +422,7 @@ def _solve(graph: Graph, budget: int, solver: str) -> Solution | InfeasibleBudge
         return err
 
 
-PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY_SETTINGS = settings(max_examples=int(__import__("os").environ.get("FXOPT_EXAMPLES", 40)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPERTY_SETTINGS
@@ -487,3 +489,42 @@ def test_random_graph_optimal_ilp_means_ilp_solver_succeeds(graph, fraction):
     assert isinstance(result, Solution), "the ILP is optimal but solve(..., 'ilp') raised"
     assert_valid_solution(graph, budget, result, "ilp")
     assert result.timeline.recompute_cost <= timeline.recompute_cost + 1e-9
+
+
+@PROPERTY_SETTINGS
+@given(graph=training_graphs(), fraction=st.floats(0.6, 1.0))
+def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
+    """The instant program's bound holds for every schedule the simulator accepts: no plan any
+    solver finds, and no on-demand plan of any SAVE set, fits the budget for less; and where it
+    proves the budget infeasible, none fits at all."""
+    from itertools import combinations
+
+    from fxopt.solvers.instant import instant_solve
+    from fxopt.solvers.schedule import on_demand
+
+    eager = simulate(graph, eager_schedule(graph)).peak_bytes
+    budget = int(eager * fraction)
+    res = instant_solve(graph, budget, time_limit=TIME_LIMIT)
+    costs = [t.recompute_cost for s, t in res.plans if t.peak_bytes <= budget]
+    costs += [t.recompute_cost for h in HEURISTICS.values() for _, t in h(graph, budget) if t.peak_bytes <= budget]
+    ilp = solve_ilp(graph, budget, backend="highs", time_limit=TIME_LIMIT)
+    if ilp.schedule is not None:
+        t = simulate(graph, ilp.schedule)
+        if t.peak_bytes <= budget:
+            costs.append(t.recompute_cost)
+    decidable = sorted(graph.saveable & graph.needed_by_backward)
+    if len(decidable) <= 8:
+        for size in range(len(decidable) + 1):
+            for saved in combinations(decidable, size):
+                try:
+                    t = simulate(graph, on_demand(graph, saved))
+                except InvalidScheduleError:
+                    continue
+                if t.peak_bytes <= budget:
+                    costs.append(t.recompute_cost)
+    if res.infeasible:
+        event("proven infeasible")
+        assert not costs, "the instant program calls a budget infeasible that a plan meets"
+    elif res.bound is not None and costs:
+        event("bound tight" if res.bound >= min(costs) - 1e-9 else "bound > 0" if res.bound > 0 else "bound 0")
+        assert res.bound <= min(costs) + 1e-9
