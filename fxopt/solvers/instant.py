@@ -45,8 +45,10 @@ import dataclasses
 import time
 
 from fxopt.solvers.graph import Graph
+from fxopt.solvers.ilp import _forward_profile
 from fxopt.solvers.mip import Mip, solve_mip
-from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, must_save, on_demand, simulate
+from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, must_save, on_demand, save_all_set,
+                                    simulate)
 
 __all__ = ["InstantResult", "fixed_backward_bytes", "instant_solve"]
 
@@ -134,6 +136,8 @@ class _Program:
         top = max(costs, default=0.0)
         self.cost_scale = 1000.0 / top if top > 0 else 1.0
         self.instants: list[int] = []
+        self.order = sorted(graph.forward_required)
+        self.fprofile, self.interval = _forward_profile(graph, self.order)
 
     def cost(self, i: int) -> float:
         return 0.0 if i in self.graph.backward_only else self.graph.nodes[i].cost
@@ -144,7 +148,8 @@ class _Program:
         n = self.graph.nodes[i]
         return n.recomputable or i in self.graph.backward_only
 
-    def build(self, instants: list[int]) -> tuple[Mip, dict[int, int], dict[tuple[int, int], int]]:
+    def build(self, instants: list[int], forward_steps: list[int] = ()
+              ) -> tuple[Mip, dict[int, int], dict[tuple[int, int], int]]:
         graph, nodes = self.graph, self.graph.nodes
         m = Mip()
         self.instants = list(instants)
@@ -184,7 +189,28 @@ class _Program:
                     m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
             mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
             m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
+        if forward_steps:
+            # In the forward, a SAVEd value outlives its last forward use: at step f, the storage
+            # of every saved value whose forward life ended before f is alive on top of what the
+            # forward holds anyway (`_forward_profile`, a lower bound whatever else it computes).
+            kept: dict[int, int] = {}
+            for i, col in s.items():
+                r = graph.roots[i]
+                if r not in self.interval or r in graph.resident or not nodes[r].bytes:
+                    continue
+                if r not in kept:
+                    kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
+                m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
+            for f in forward_steps:
+                terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
+                m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
         return m, s, alive
+
+    def forward_step(self, i: int) -> int:
+        """Position in `order` of the forward node i (or of the first one after it)."""
+        import bisect
+
+        return min(bisect.bisect_left(self.order, i), len(self.order) - 1)
 
     def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x) -> frozenset[int]:
         """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last
@@ -205,25 +231,38 @@ def _unit(graph: Graph) -> int:
     return unit
 
 
-def _peak_instant(graph: Graph, timeline: Timeline, budget: int) -> int | None:
-    """The backward position of the first backward node at or after the first event above the
-    budget (None: the forward peaks, or nothing is above)."""
-    bwd_names = {graph.nodes[b].name: k for k, b in enumerate(graph.backward_nodes)}
-    over = False
-    for phase, name, live in timeline.events:
-        if phase == "backward" and live > budget:
-            over = True
-        if over and phase == "backward" and name in bwd_names:
-            return bwd_names[name]
+def _tightest(graph: Graph, timeline: Timeline, budget: int) -> tuple[str, int] | None:
+    """Where a plan's memory is worst: the first event above the budget or, if it fits, the
+    highest backward event. ("backward", position of that backward node, or of the first one
+    after a recomputation) or ("forward", node index); None if nothing can be named."""
+    nodes = graph.nodes
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    bwd_pos = {b: k for k, b in enumerate(graph.backward_nodes)}
+    events = timeline.events
+    over = next((e for e, ev in enumerate(events) if ev[2] > budget), None)
+    if over is None:
+        back = [e for e, ev in enumerate(events) if ev[0] == "backward" and ev[1] in by_name]
+        if not back:
+            return None
+        over = max(back, key=lambda e: events[e][2])
+    phase, name, _ = events[over]
+    if phase == "forward":
+        return ("forward", by_name[name])
+    for ph, nm, _ in events[over:]:
+        i = by_name.get(nm)
+        if i in bwd_pos:
+            return ("backward", bwd_pos[i])
     return None
 
 
 def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backend: str | None = None,
-                  max_rounds: int = 6, rel_gap: float = 1e-4) -> InstantResult:
-    """Solve the program for the instant with the most fixed memory, simulate the plan it
-    suggests, add the instant where that plan peaks above the budget, and so on (at most
-    ``max_rounds`` solves, within ``time_limit`` seconds). Returns the best proven bound and every
-    plan tried, simulated."""
+                  max_rounds: int = 6, rel_gap: float = 1e-4, target_gap: float = 0.005) -> InstantResult:
+    """Solve the program for the instant with the most fixed memory (and the one where the eager
+    schedule is worst), simulate the plan it suggests, add the instant where that plan is worst
+    (its first event above the budget, in the backward or the forward; if it fits, its highest
+    backward event), and so on, until a plan is proven within ``target_gap`` of the bound, an
+    instant repeats, or ``max_rounds`` solves or ``time_limit`` seconds are spent. Returns the
+    best proven bound and every plan tried, simulated."""
     t0 = time.perf_counter()
     if not graph.backward_nodes:
         return InstantResult(None, (), (), 0.0)
@@ -234,6 +273,12 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
         return InstantResult(None, (), (max(range(len(fixed)), key=fixed.__getitem__),), time.perf_counter() - t0,
                              infeasible=True)
     instants = [max(range(len(fixed)), key=lambda k: (fixed[k], -k))]
+    # ... and the instant where the eager schedule is worst, where saving less matters most.
+    eager = simulate(graph, on_demand(graph, save_all_set(graph)))
+    worst = _tightest(graph, eager, budget)
+    if worst is not None and worst[0] == "backward" and worst[1] not in instants:
+        instants.append(worst[1])
+    forward_steps: list[int] = []
     bound: float | None = None
     plans: list[tuple[Schedule, Timeline]] = []
     tried: set[frozenset[int]] = set()
@@ -242,7 +287,7 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
         left = time_limit - (time.perf_counter() - t0)
         if left <= 0.5:
             break
-        m, s, alive = prog.build(instants)
+        m, s, alive = prog.build(instants, forward_steps)
         res = solve_mip(m, time_limit=left, backend=backend, rel_gap=rel_gap)
         if res.status == "infeasible":
             infeasible = True
@@ -252,19 +297,28 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
         if res.x is None:
             break
         saved = prog.saved(s, alive, res.x) | must_save(graph)
-        if saved in tried:
+        if saved not in tried:
+            tried.add(saved)
+            try:
+                schedule = on_demand(graph, saved)
+                timeline = simulate(graph, schedule)
+            except InvalidScheduleError:
+                break
+            plans.append((schedule, timeline))
+        fitting = [t.recompute_cost for _, t in plans if t.peak_bytes <= budget]
+        if fitting and bound is not None and min(fitting) - bound <= target_gap * min(fitting) + 1e-12:
             break
-        tried.add(saved)
-        try:
-            schedule = on_demand(graph, saved)
-            timeline = simulate(graph, schedule)
-        except InvalidScheduleError:
+        # Model the instant where the latest plan is worst (above the budget, or tightest).
+        where = _tightest(graph, plans[-1][1], budget)
+        if where is None:
             break
-        plans.append((schedule, timeline))
-        if timeline.peak_bytes <= budget:
-            break
-        k = _peak_instant(graph, timeline, budget)
-        if k is None or k in instants:
-            break
-        instants.append(k)
+        if where[0] == "backward":
+            if where[1] in instants:
+                break
+            instants.append(where[1])
+        else:
+            f = prog.forward_step(where[1])
+            if f in forward_steps:
+                break
+            forward_steps.append(f)
     return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
