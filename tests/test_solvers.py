@@ -495,18 +495,19 @@ def test_random_graph_optimal_ilp_means_ilp_solver_succeeds(graph, fraction):
 @given(graph=training_graphs(), fraction=st.floats(0.6, 1.0))
 def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
     """The instant program's bound holds for every schedule the simulator accepts: no plan any
-    solver finds, and no on-demand plan of any SAVE set, fits the budget for less; and where it
-    proves the budget infeasible, none fits at all."""
+    solver finds, and no on-demand plan of any SAVE set, fits the budget for less; where it
+    proves the budget infeasible, none fits at all; and none peaks below `peak_lower_bound`."""
     from itertools import combinations
 
-    from fxopt.solvers.instant import instant_solve
+    from fxopt.solvers.instant import instant_solve, peak_lower_bound
     from fxopt.solvers.schedule import on_demand
 
     eager = simulate(graph, eager_schedule(graph)).peak_bytes
     budget = int(eager * fraction)
     res = instant_solve(graph, budget, time_limit=TIME_LIMIT)
-    costs = [t.recompute_cost for s, t in res.plans if t.peak_bytes <= budget]
-    costs += [t.recompute_cost for h in HEURISTICS.values() for _, t in h(graph, budget) if t.peak_bytes <= budget]
+    lowest, _ = peak_lower_bound(graph)
+    timelines = [t for _, t in res.plans] + [t for h in HEURISTICS.values() for _, t in h(graph, budget)]
+    costs = [t.recompute_cost for t in timelines if t.peak_bytes <= budget]
     ilp = solve_ilp(graph, budget, backend="highs", time_limit=TIME_LIMIT)
     if ilp.schedule is not None:
         t = simulate(graph, ilp.schedule)
@@ -520,11 +521,58 @@ def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
                     t = simulate(graph, on_demand(graph, saved))
                 except InvalidScheduleError:
                     continue
+                timelines.append(t)
                 if t.peak_bytes <= budget:
                     costs.append(t.recompute_cost)
+    assert all(t.peak_bytes >= lowest for t in timelines), "a plan peaks below peak_lower_bound"
     if res.infeasible:
         event("proven infeasible")
         assert not costs, "the instant program calls a budget infeasible that a plan meets"
     elif res.bound is not None and costs:
         event("bound tight" if res.bound >= min(costs) - 1e-9 else "bound > 0" if res.bound > 0 else "bound 0")
         assert res.bound <= min(costs) + 1e-9
+
+
+def _chain_with_a_head() -> Graph:
+    """A 3-layer chain a_k = f(a_{k-1}) (4 bytes each, cost 1) under a big head: h = g(a_3)
+    (8 bytes, not recomputable: only saved), loss = sum(h); the head's backward makes two 8-byte
+    gradients at once. Memory is tightest at the head's backward, where every saved activation
+    of the chain is alive with h and its gradients."""
+    b = GraphBuilder()
+    b.input("x", 4)
+    b.input("tan", 1, tangent=True)
+    prev = "x"
+    for k in range(1, 4):
+        b.fwd(f"a{k}", [prev], 4, cost=1.0)
+        prev = f"a{k}"
+    b.fwd("h", [prev], 8, recomputable=False)
+    b.fwd("loss", ["h"], 1, output=True)
+    b.bwd("g_h", ["tan", "h"], 8)
+    b.bwd("g_a3", ["g_h", "h"], 8)
+    prev = "g_a3"
+    for k in range(3, 0, -1):
+        b.bwd(f"g_a{k - 1}" if k > 1 else "g_x", [prev, f"a{k}"], 4, output=k == 1)
+        prev = f"g_a{k - 1}" if k > 1 else "g_x"
+    return b.build()
+
+
+@pytest.mark.parametrize(("spare", "cost"), [(12, 0.0), (8, 1.0), (4, 2.0), (0, 3.0)])
+def test_instant_program_on_a_head(spare, cost):
+    """With `spare` bytes for activations at the head's backward, the cheapest plan saves
+    spare / 4 of the three activations and recomputes the others from x, each once; the instant
+    program finds it and proves it optimal."""
+    from fxopt.solvers.instant import instant_solve, peak_lower_bound
+
+    graph = _chain_with_a_head()
+    lowest, where = peak_lower_bound(graph)
+    assert where == "backward node g_a3"
+    budget = lowest + spare
+    res = instant_solve(graph, budget, time_limit=TIME_LIMIT)
+    fitting = [t.recompute_cost for _, t in res.plans if t.peak_bytes <= budget]
+    assert min(fitting) == pytest.approx(cost)
+    assert res.bound == pytest.approx(cost, abs=1e-6)
+    solution = solve(graph, budget, "auto", time_limit=TIME_LIMIT)
+    assert solution.timeline.recompute_cost == pytest.approx(cost)
+    assert (solution.status, solution.bound_source) == ("optimal", "instant")
+    with pytest.raises(InfeasibleBudgetError):
+        solve(graph, lowest - 1, "auto", time_limit=TIME_LIMIT)

@@ -322,3 +322,26 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
                 break
             forward_steps.append(f)
     return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
+
+
+def peak_lower_bound(graph: Graph) -> tuple[int, str]:
+    """A peak no schedule can go below, and where: while backward node k runs, its fixed part
+    (`fixed_backward_bytes`) and the forward values it reads are alive; while the forward runs,
+    what it holds with nothing saved. (The budget in between and the smallest peak fxopt reaches
+    is what recomputation could still win, at most.)"""
+    nodes = graph.nodes
+    fixed = fixed_backward_bytes(graph)
+    avail = graph.resident | graph.free | graph.forward_outputs
+    best, where = 0, "nowhere"
+    for k, b in enumerate(graph.backward_nodes):
+        roots = {graph.roots[j] for j in nodes[b].inputs if nodes[j].kind == "forward" and j not in avail}
+        peak = fixed[k] + sum(nodes[r].bytes for r in roots)
+        if peak > best:
+            best, where = peak, f"backward node {nodes[b].name}"
+    order = sorted(graph.forward_required)
+    if order:
+        fprofile, _ = _forward_profile(graph, order)
+        f = max(range(len(order)), key=fprofile.__getitem__)
+        if fprofile[f] > best:
+            best, where = fprofile[f], f"forward node {nodes[order[f]].name}"
+    return best, where
