@@ -24,6 +24,10 @@ __all__ = ["Graph", "Node", "Schedule", "Timeline", "Solution", "SOLVERS", "solv
 
 log = logging.getLogger("fxopt")
 
+# Bumped whenever the solvers may answer differently for the same graph, budget and options, so
+# that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
+REVISION = 2
+
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
 # Above this many integer variables "auto" does not start the exact solve: it would not finish in
