@@ -222,6 +222,47 @@ class _Program:
         return frozenset(i for i, col in s.items()
                          if x[col] > 0.5 and (x[alive[k0, i]] > 0.5 or i in early))
 
+    def alive_sets(self, alive: dict[tuple[int, int], int], x) -> dict[int, frozenset[int]]:
+        """For each modelled instant, the forward values the solution keeps alive there."""
+        out: dict[int, set[int]] = {k: set() for k in self.instants}
+        for (k, i), col in alive.items():
+            if x[col] > 0.5:
+                out[k].add(i)
+        return {k: frozenset(v) for k, v in out.items()}
+
+
+def schedule_for(graph: Graph, saved, alive_at: dict[int, frozenset[int]]) -> Schedule:
+    """`on_demand` for a SAVE set, except that at each backward position k in ``alive_at``, just
+    before what k needs is recomputed and again right after k runs, every forward value not in
+    ``alive_at[k]`` is forgotten (recomputed later if needed again), so that what is alive at k is
+    what the solution said."""
+    from fxopt.solvers.schedule import _missing, read_before_recompute, with_fresh_aliases
+
+    nodes = graph.nodes
+    saved = (frozenset(saved) - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
+    keep = set(graph.resident) | set(graph.forward_outputs) | set(graph.free)
+    avail = keep | (saved & graph.saveable) | {i for i, n in enumerate(nodes) if n.tangent}
+    events: list[int] = []
+
+    def forget(k: int) -> None:
+        drop = {i for i in avail if nodes[i].kind == "forward" and i not in keep and i not in alive_at[k]
+                and nodes[i].recomputable}
+        avail.difference_update(drop)
+
+    for k, b in enumerate(graph.backward_nodes):
+        if k in alive_at:
+            forget(k)
+        missing = _missing(graph, nodes[b].inputs, avail)
+        events.extend(missing)
+        avail.update(missing)
+        events.append(b)
+        avail.add(b)
+        if k in alive_at:
+            forget(k)
+    events = with_fresh_aliases(graph, events)
+    saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free) | must_save(graph)
+    return Schedule(frozenset(saved), events)
+
 
 def _unit(graph: Graph) -> int:
     total = sum(n.bytes for n in graph.nodes)
@@ -281,7 +322,7 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
     forward_steps: list[int] = []
     bound: float | None = None
     plans: list[tuple[Schedule, Timeline]] = []
-    tried: set[frozenset[int]] = set()
+    tried: set[tuple] = set()
     infeasible = False
     for _ in range(max_rounds):
         left = time_limit - (time.perf_counter() - t0)
@@ -297,19 +338,25 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
         if res.x is None:
             break
         saved = prog.saved(s, alive, res.x) | must_save(graph)
-        if saved not in tried:
-            tried.add(saved)
+        alive_at = prog.alive_sets(alive, res.x)
+        new: list[tuple[Schedule, Timeline]] = []
+        for schedule in (on_demand(graph, saved), schedule_for(graph, saved, alive_at)):
+            key = (schedule.saved, schedule.backward)
+            if key in tried:
+                continue
+            tried.add(key)
             try:
-                schedule = on_demand(graph, saved)
-                timeline = simulate(graph, schedule)
+                new.append((schedule, simulate(graph, schedule)))
             except InvalidScheduleError:
-                break
-            plans.append((schedule, timeline))
+                continue
+        if not new:
+            break
+        plans += new
         fitting = [t.recompute_cost for _, t in plans if t.peak_bytes <= budget]
         if fitting and bound is not None and min(fitting) - bound <= target_gap * min(fitting) + 1e-12:
             break
         # Model the instant where the latest plan is worst (above the budget, or tightest).
-        where = _tightest(graph, plans[-1][1], budget)
+        where = _tightest(graph, min(new, key=lambda p: p[1].peak_bytes)[1], budget)
         if where is None:
             break
         if where[0] == "backward":
