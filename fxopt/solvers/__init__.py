@@ -91,9 +91,9 @@ def solve(
     bound from the memory at the backward's tightest instants, see `fxopt.solvers.instant`),
     "segments" (checkpoints at the forward's articulation values, then the most expensive values
     per byte), "greedy", "checkpoint" (Chen segments), "save_all" (no rewrite), or "auto"
-    (heuristics, then the instant program, then, unless that proved its plan optimal, the ILP's LP
-    relaxation rounded and the ILP warm-started from the best plan so far; the cheapest valid
-    schedule wins).
+    (save_all and checkpoint, then the instant program; unless that proves its plan within
+    `ILP_REL_GAP` of optimal: greedy and segments, the ILP's LP relaxation rounded and the ILP
+    warm-started from the best plan so far; the cheapest valid schedule wins).
     ``time_limit``: seconds for the ILP (its LP relaxation included). ``on_progress`` receives
     one-line progress messages (by default they go to the ``fxopt`` logger). Ctrl-C during the
     ILP stops it and keeps the best plan found so far.
@@ -115,13 +115,18 @@ def solve(
     def cheapest() -> Solution | None:
         return min(fitting, key=lambda s: s.timeline.recompute_cost) if fitting else None
 
-    heuristics = list(HEURISTICS) if solver == "auto" else [solver] if solver in HEURISTICS else []
+    def run_heuristics(names) -> None:
+        for name in names:
+            progress(f"solver {name}")
+            for schedule, timeline in HEURISTICS[name](graph, budget):
+                consider(schedule, timeline, name, "heuristic")
+
+    # "auto" runs the fast heuristics first, and the slower ones (a few seconds each on thousands
+    # of nodes) only if the instant program does not prove its plan optimal.
+    heuristics = ["save_all", "checkpoint"] if solver == "auto" else [solver] if solver in HEURISTICS else []
     if solver in ("ilp", "instant"):
         heuristics = ["save_all"]  # recomputing nothing is optimal when it fits: the models may not see it
-    for name in heuristics:
-        progress(f"solver {name}")
-        for schedule, timeline in HEURISTICS[name](graph, budget):
-            consider(schedule, timeline, name, "heuristic")
+    run_heuristics(heuristics)
 
     ilp_status = None
     lower_bound: float | None = None
@@ -147,6 +152,8 @@ def solve(
         return proven_infeasible or (best is not None and lower_bound is not None
                                      and _proven(best.timeline.recompute_cost, lower_bound))
 
+    if solver == "auto" and not settled():
+        run_heuristics([name for name in HEURISTICS if name not in heuristics])
     model = None
     if solver == "ilp" or (solver == "auto" and not settled()):
         model = build_ilp(graph, budget)
