@@ -20,6 +20,7 @@ mixed-integer program
     a_ik     i alive while node k runs                  a_ik <= s_i + p_ik
     p_ik     i computed in the backward before k        p_ik <= s_j + p_jk   (j an input of i)
     r_ik     i computed after k                         r_ik <= a_jk + r_jk
+    k < k'   a_ik' <= a_ik + r_ik,  p_ik <= p_ik' <= p_ik + r_ik,  r_ik' <= r_ik
     needs    read by node k: a_ik = 1; by a node before k: s_i + p_ik >= 1; after k: a_ik + r_ik >= 1
     views    a_ik <= a_(root of i),k                    (a view keeps its base's storage alive)
     memory   fixed_k + sum_i bytes_i a_ik <= budget
@@ -160,10 +161,12 @@ class _Program:
         n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
              for i in vals if self.computable(i)}
         alive: dict[tuple[int, int], int] = {}
+        per_instant: dict[int, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {}
         for k in instants:
             a = {i: m.binary(f"a{k}_{nodes[i].name}") for i in vals}
             p = {i: m.binary(f"p{k}_{nodes[i].name}") for i in vals if self.computable(i)}
             r = {i: m.binary(f"r{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+            per_instant[k] = (a, p, r)
             before = {j for kk in range(k) for j in self.reads[kk]}
             now = set(self.reads[k])
             after = {j for kk in range(k + 1, len(self.reads)) for j in self.reads[kk]}
@@ -189,6 +192,19 @@ class _Program:
                     m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
             mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
             m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
+        # Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
+        # before k means computed before k2; computed before k2 means before k or after k;
+        # computed after k2 means computed after k.
+        ordered = sorted(per_instant)
+        for k, k2 in zip(ordered, ordered[1:]):
+            a, p, r = per_instant[k]
+            a2, p2, r2 = per_instant[k2]
+            for i in vals:
+                m.row([(a2[i], 1.0), (a[i], -1.0)] + ([(r[i], -1.0)] if i in r else []), upper=0.0)
+                if i in p:
+                    m.row([(p[i], 1.0), (p2[i], -1.0)], upper=0.0)
+                    m.row([(p2[i], 1.0), (p[i], -1.0), (r[i], -1.0)], upper=0.0)
+                    m.row([(r2[i], 1.0), (r[i], -1.0)], upper=0.0)
         if forward_steps:
             # In the forward, a SAVEd value outlives its last forward use: at step f, the storage
             # of every saved value whose forward life ended before f is alive on top of what the
