@@ -380,10 +380,10 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
                 break
             instants.append(where[1])
         else:
-            f = prog.forward_step(where[1])
-            if f in forward_steps:
+            # The forward's rows are over the SAVE decisions only and cheap: add every step once.
+            if forward_steps:
                 break
-            forward_steps.append(f)
+            forward_steps = list(range(len(prog.order)))
     return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
 
 
