@@ -152,8 +152,13 @@ def solve(
         return proven_infeasible or (best is not None and lower_bound is not None
                                      and _proven(best.timeline.recompute_cost, lower_bound))
 
-    if solver == "auto" and not settled():
+    if solver == "auto" and (proven_infeasible or not settled()):
+        # (Also when the budget is proven infeasible: cheap, and a check on that proof.)
         run_heuristics([name for name in HEURISTICS if name not in heuristics])
+    if proven_infeasible and fitting:
+        log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
+                    "(please report this graph)", budget)
+        proven_infeasible = False
     model = None
     if solver == "ilp" or (solver == "auto" and not settled()):
         model = build_ilp(graph, budget)
