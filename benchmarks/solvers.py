@@ -1,6 +1,6 @@
 """Solve time and optimality gap of each fxopt solver against the size of the training graph.
 
-    python -m benchmarks.solvers [--quick] [--time-limit 30] [--out benchmarks/results]
+    python -m benchmarks.solvers [--quick] [--time-limit 30] [--out benchmarks/results] [--replot]
 
 Graphs are captured from real models (no run: `fxopt.plan` stops after capture), from ~100 to
 ~2,000 nodes: residual MLP chains, a ResNet-like CNN and GPT-2-style transformers. Each graph is
@@ -161,6 +161,12 @@ def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
                      f"{ms(row['lp_bound'])} | {ms(row.get('instant_bound'))} | {best} | "
                      + " | ".join(cells) + " |")
     (out / "solvers.md").write_text("\n".join(lines) + "\n")
+    plot(rows, out, meta)
+
+
+def plot(rows: list[dict], out: Path, meta: dict) -> None:
+    """``<out>/solvers.png``: solve time and gap against graph size, one line per solver."""
+    commit, time_limit = meta["commit"], meta["time_limit"]
     try:
         import matplotlib
 
@@ -170,7 +176,8 @@ def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
         return
     fig, (ax_t, ax_g) = plt.subplots(1, 2, figsize=(11, 4))
     for solver in SOLVER_ORDER:
-        pts = [(r["nodes"], r["results"][solver]) for r in rows if solver in r["results"]]
+        pts = sorted(((r["nodes"], r["results"][solver]) for r in rows if solver in r["results"]),
+                     key=lambda p: p[0])
         xs = [n for n, e in pts]
         ax_t.plot(xs, [e["seconds"] for _, e in pts], marker="o", label=solver)
         g = [(n, 100 * e["gap"]) for n, e in pts if "gap" in e]
@@ -198,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per ILP solve (default 30)")
     parser.add_argument("--graphs", nargs="*", help=f"a subset of: {', '.join(GRAPHS)}")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--replot", action="store_true", help="only redraw solvers.png from solvers.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        saved = json.loads((args.out / "solvers.json").read_text())
+        plot(saved["rows"], args.out, saved["meta"])
+        return 0
     command = "python -m benchmarks.solvers " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     names = args.graphs or [n for n, (_, quick) in GRAPHS.items() if quick or not args.quick]
     rows = []
