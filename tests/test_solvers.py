@@ -579,3 +579,37 @@ def test_instant_program_on_a_head(spare, cost):
     assert (solution.status, solution.bound_source) == ("optimal", "instant")
     with pytest.raises(InfeasibleBudgetError):
         solve(graph, lowest - 1, "auto", time_limit=TIME_LIMIT)
+
+
+def test_ilp_counts_all_outputs_of_a_recomputed_multi_output_op():
+    """Found by hypothesis: the backward reads t5_0 early and t5_1 later, both outputs of one op
+    t5. Recomputing t5 for t5_0 allocates t5_1 (4 bytes) too; the ILP once counted only what it
+    needed, and its plan peaked at 18 bytes for a budget of 17."""
+    from fxopt.solvers.graph import Node
+
+    graph = Graph((
+        Node("x", "input", bytes=1), Node("w0", "input", bytes=1), Node("w1", "input", bytes=7),
+        Node("tangent", "input", bytes=1, tangent=True),
+        *[Node(f"f{k}", "forward", inputs=(0,), bytes=1, flops=50, cost=0.5) for k in range(5)],
+        Node("t5", "forward", inputs=(0,), flops=100, cost=1.0, tensor=False),
+        Node("t5_0", "forward", inputs=(9,), bytes=1), Node("t5_1", "forward", inputs=(9,), bytes=4),
+        Node("t8", "forward", inputs=(0, 10), flops=100, cost=1.0, tensor=False),
+        Node("t8_0", "forward", inputs=(12,), bytes=1), Node("t8_1", "forward", inputs=(12,), bytes=7),
+        Node("loss", "forward", inputs=(14,), bytes=1, flops=50, cost=0.5, output=True),
+        Node("g_loss", "backward", inputs=(3,), bytes=2, flops=2, cost=0.02),
+        Node("g_t8_1", "backward", inputs=(16, 10), bytes=1, flops=1, cost=0.01),
+        Node("gv_t8_0", "backward", inputs=(17,), storage=17),
+        Node("g_t5_1", "backward", inputs=(18, 11), bytes=1, flops=1, cost=0.01),
+        *[Node(f"gv_{k}", "backward", inputs=(19 + k,), storage=19 + k) for k in range(6)],
+        Node("g_x", "backward", inputs=(25,), bytes=1, flops=1, cost=0.01, output=True),
+    ))
+    assert simulate(graph, eager_schedule(graph)).peak_bytes == 22
+    res = solve_ilp(graph, 17, backend="highs", time_limit=TIME_LIMIT)
+    if res.schedule is not None:
+        assert simulate(graph, res.schedule).peak_bytes <= 17
+    try:
+        solution = solve(graph, 17, "auto", time_limit=TIME_LIMIT)
+    except InfeasibleBudgetError as err:
+        assert err.min_budget == 18
+    else:
+        assert_valid_solution(graph, 17, solution, "auto")

@@ -393,6 +393,11 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     def resident(t: int) -> list[tuple[int, float]]:
         return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
 
+    def outputs_of(i: int) -> float:
+        if nodes[i].tensor:
+            return 0.0
+        return sum(mb[g] for g in graph.users[i] if g in cset and nodes[g].kind == "forward")
+
     profile, before = _backward_profile(graph)
     bounds = [-1] + stages + [len(bwd)]
     for t in range(T + 1):
@@ -403,7 +408,10 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
             break
         k = stages[t]
         # While stage t recomputes: at most everything it recomputes is alive.
-        recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit) for i in anc[t] if (t, i) in ilp.R]
+        # A multi-output op allocates all its outputs at once (the schedule takes them all out
+        # right after it), needed here or not: count them with the op, on top of their own R.
+        recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit + outputs_of(i)) for i in anc[t]
+                       if (t, i) in ilp.R]
         within(before[k], resident(t) + [(c, a) for c, a in recomputing if a])
         # While the stage's node runs: what it reads, and what is kept for later stages (resident
         # entering stage t + 1, whether it was kept from before or recomputed here); everything
