@@ -29,6 +29,8 @@ mixed-integer program
 
 is a relaxation of the simulator's problem: any schedule within the budget gives a solution of
 the same or lower cost (its SAVE set, what is alive at each k, what it computes before and after).
+(A value with a codec counts its compressed size, the least it can occupy if SAVEd and
+COMPRESSed; codec costs are not counted: both keep it a relaxation where graphs carry codecs.)
 Its optimum, or the branch-and-bound's proven bound, is therefore a lower bound on the recompute
 cost of every schedule the simulator accepts within the budget: no window, no conservative memory
 accounting, unlike the Checkmate ILP (`fxopt.solvers.ilp`), whose bound holds only in its model.
@@ -120,6 +122,16 @@ def fixed_backward_bytes(graph: Graph) -> list[int]:
     return out
 
 
+def _least_bytes(graph: Graph, i: int) -> int:
+    """The fewest bytes value i can occupy: its compressed size when it has a codec (a SAVEd value
+    may be kept COMPRESSed), else its size. Counting every value so keeps the program a relaxation
+    of the simulator's problem whether or not it compresses."""
+    node = graph.nodes[i]
+    if getattr(node, "codec", None) is not None and 0 < getattr(node, "compressed_bytes", 0) < node.bytes:
+        return node.compressed_bytes
+    return node.bytes
+
+
 class _Program:
     """The program above for a growing set of instants."""
 
@@ -190,7 +202,7 @@ class _Program:
                                   upper=0.0)
                             m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
                     m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
-            mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
+            mem = [(a[i], _least_bytes(graph, i) / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
             m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
         # Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
         # before k means computed before k2; computed before k2 means before k or after k;
@@ -218,7 +230,8 @@ class _Program:
                     kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
                 m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
             for f in forward_steps:
-                terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
+                terms = [(col, _least_bytes(graph, r) / self.unit) for r, col in kept.items()
+                         if self.interval[r][1] < f]
                 m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
         return m, s, alive
 
