@@ -6,6 +6,7 @@
 """
 
 from fxopt.api import FxoptModule, optimize, plan
+from fxopt.compression import Quantize, gradient_sqnr
 from fxopt.dynamo_backend import backend
 from fxopt.errors import BudgetError, CaptureError, FxoptError, InfeasibleBudgetError
 from fxopt.measure import PeakMemory, measure_peak
@@ -16,6 +17,8 @@ __all__ = [
     "plan",
     "backend",
     "Plan",
+    "Quantize",
+    "gradient_sqnr",
     "FxoptModule",
     "measure_peak",
     "PeakMemory",

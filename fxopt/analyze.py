@@ -22,12 +22,14 @@ from torch.utils.flop_counter import flop_registry
 
 import logging
 
+from fxopt.compression import Codec, Quantize, codec_for
 from fxopt.errors import CaptureError
-from fxopt.passes._fx import COMPUTE_ONCE, tangent_dependents
+from fxopt.passes._fx import COMPUTE_ONCE, NodeBuilder, tangent_dependents
 from fxopt.scratch import op_increases
 from fxopt.solvers.graph import Graph, Node
 
 log = logging.getLogger("fxopt")
+aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class JointGraph:
     names: tuple[str, ...]
     num_fwd_outputs: int
     module_paths: tuple[str, ...]  # nn.Module path each node comes from ("" when unknown)
+    codecs: dict = dataclasses.field(default_factory=dict)  # node index -> `fxopt.compression.Codec`
 
     @property
     def fingerprint(self) -> str:
@@ -62,7 +65,8 @@ class JointGraph:
 
 
 def graph_fingerprint(graph: Graph) -> str:
-    payload = [(n.name, n.kind, n.inputs, n.bytes, n.storage, n.recomputable, n.output) for n in graph.nodes]
+    payload = [(n.name, n.kind, n.inputs, n.bytes, n.storage, n.recomputable, n.output, n.codec, n.compressed_bytes)
+               for n in graph.nodes]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
@@ -137,7 +141,68 @@ def _module_path(node: fx.Node) -> str:
     return ""
 
 
-def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None) -> JointGraph:
+def _codec_workspace(todo: dict[int, tuple[fx.Node, Codec]]) -> dict[int, int]:
+    """Measured scratch bytes of encoding and decoding each value (the larger), beyond the value
+    and its encoding: the codec ops run on made-up tensors like any op (`fxopt.scratch`)."""
+    graph = fx.Graph()
+    pairs = {}
+    for i, (node, codec) in todo.items():
+        value = graph.placeholder(f"v{i}")
+        value.meta["val"] = node.meta["val"]
+        add = NodeBuilder(graph, value, value)
+        enc = add(codec.compress_op, value, *codec.compress_args)
+        dec = add(codec.decompress_op, enc, *codec.decompress_args)
+        pairs[i] = (enc, dec, codec)
+    increases = op_increases(list(graph.nodes))
+    out = {}
+    for i, (enc, dec, codec) in pairs.items():
+        value_bytes = _nbytes(todo[i][0].meta["val"])
+        extra = max(increases.get(enc, 0) - codec.compressed_bytes, increases.get(dec, 0) - value_bytes, 0)
+        out[i] = extra + _SCRATCH_MARGIN if extra else 0
+    return out
+
+
+# Values not offered to lossy codecs: quantization error in them is amplified by the backward.
+# A log-probability's error becomes a relative error of its exp (int8 steps of log-probs spanning
+# [-10, 0] are 8% errors); a softmax's small probabilities round to 0 under a group's absmax
+# scale; a normalisation's backward re-standardises its input with the saved, exact statistics.
+_LOSSY_UNSAFE_PRODUCERS = {aten._log_softmax.default, aten._softmax.default, aten.log_softmax.int,
+                           aten.softmax.int}
+_LOSSY_UNSAFE_READERS = {aten.native_batch_norm_backward.default, aten.native_group_norm_backward.default}
+
+
+def _quantizable(n: fx.Node) -> bool:
+    target = n.target
+    if target in _LOSSY_UNSAFE_PRODUCERS or getattr(target, "__name__", "").startswith("_safe_softmax"):
+        return False
+    stack, seen = [n], set()
+    while stack:  # readers of the value or of views of it
+        v = stack.pop()
+        for u in v.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            t = u.target
+            if t in _LOSSY_UNSAFE_READERS or getattr(t, "__name__", "").startswith("cudnn_batch_norm_backward"):
+                return False
+            if isinstance(t, torch._ops.OpOverload) and (t.is_view or t in (aten.detach.default, aten.alias.default)):
+                stack.append(u)
+    return True
+
+
+def _is_pool_indices(n: fx.Node) -> bool:
+    if n.target is not operator.getitem or n.args[1] != 1:
+        return False
+    src = n.args[0]
+    return isinstance(src, fx.Node) and src.target in (aten.max_pool2d_with_indices.default,
+                                                       aten.max_pool3d_with_indices.default)
+
+
+def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,
+            compress: bool = True, quantize: Quantize | None = None) -> JointGraph:
+    """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
+    tensors, int32 for max-pooling indices); ``quantize``: offer this lossy codec for floating-point
+    activations (see `fxopt.compression`)."""
     cost_model = cost_model or CostModel()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(fx_nodes)}
@@ -178,6 +243,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     increases = op_increases(fx_nodes)
     storage_owner: dict[StorageWeakRef, int] = {}
     nodes: list[Node] = []
+    codecs: dict[int, Codec] = {}
     for i, n in enumerate(fx_nodes):
         val = n.meta.get("val")
         tensors = _tensors(val)
@@ -214,6 +280,15 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         moved = own_bytes + sum(
             _nbytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))
         ) if n.op == "call_function" and storage is None else 0
+        codec = None
+        if kind == "forward" and storage is None and (compress or quantize is not None):
+            lossy = quantize if quantize is not None and _quantizable(n) else None
+            codec = codec_for(val, lossless=compress, quantize=lossy, indices_of_pool=_is_pool_indices(n))
+        codec_flops, codec_cost = 0, 0.0
+        if codec is not None:
+            codecs[i] = codec
+            codec_flops = codec.elementwise_flops(val.numel())
+            codec_cost = 2 * cost_model.seconds(codec_flops // 2, own_bytes + codec.compressed_bytes, False)
         nodes.append(
             Node(
                 name=n.name,
@@ -228,8 +303,15 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                 output=n in fwd_outs or n in bwd_outs,
                 tangent=n.op == "placeholder" and n.name.startswith("tangents"),
                 tensor=isinstance(val, torch.Tensor),
+                codec=None if codec is None else codec.name,
+                compressed_bytes=0 if codec is None else codec.compressed_bytes,
+                codec_cost=codec_cost,
+                codec_flops=codec_flops,
             )
         )
+    if codecs:
+        workspace = _codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()})
+        nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
     graph = Graph(tuple(nodes))
     return JointGraph(
         module=joint,
@@ -237,4 +319,5 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         names=tuple(n.name for n in fx_nodes),
         num_fwd_outputs=num_fwd_outputs,
         module_paths=tuple(_module_path(n) for n in fx_nodes),
+        codecs=codecs,
     )

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from fxopt.analyze import CostModel
 from fxopt.budget import Budget, resolve_budget
+from fxopt.compression import Quantize
 from fxopt.capture import Options, PlanReady, is_graph_break, make_backend, unwrap_compile_error
 from fxopt.errors import CaptureError
 from fxopt.plan import Plan
@@ -114,6 +115,8 @@ def optimize(
     time_limit: float = 60.0,
     cost_model: CostModel | None = None,
     compiler: str = "eager",
+    compress: bool = True,
+    quantize: str | Quantize | None = None,
 ) -> FxoptModule:
     """Return ``model`` rewritten so that its training step (forward + backward) peaks within
     ``budget``, recomputing as little as possible.
@@ -128,14 +131,22 @@ def optimize(
     here. ``plan`` replays a plan from `fxopt.plan` or `Plan.from_json`. ``compiler``:
     ``"eager"`` runs the rewritten graphs op by op, ``"inductor"`` compiles them with Inductor
     (see `fxopt.inductor`).
+
+    ``compress`` (default True): the solver may also keep saved values COMPRESSed losslessly
+    (masks as packed bits; gradients bit-identical). ``quantize``: ``"int8"``, ``"fp8"``,
+    ``"int4"`` or a `fxopt.Quantize` lets it also quantize saved floating-point activations
+    (lossy: gradients change; see `fxopt.gradient_sqnr`). Either way the solver compresses a
+    value only where that is cheaper than recomputing within the budget; `Plan.compressed`
+    lists what it chose.
     """
     _check_args(model, budget, solver)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
-                      cost_model=cost_model or CostModel(), compiler=compiler)
+                      cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
+                      quantize=quantize)
     if example_inputs is not None and plan is None:
         options = dataclasses.replace(options, plan=_plan_now(
             model, budget, example_inputs, solver=solver, time_limit=time_limit,
-            cost_model=options.cost_model, compiler=compiler))
+            cost_model=options.cost_model, compiler=compiler, compress=compress, quantize=quantize))
     return FxoptModule(model, options)
 
 
@@ -148,6 +159,8 @@ def plan(
     time_limit: float = 60.0,
     cost_model: CostModel | None = None,
     compiler: str = "eager",
+    compress: bool = True,
+    quantize: str | Quantize | None = None,
 ) -> Plan:
     """Capture and plan the training step of ``model`` on ``example_inputs`` without running it.
 
@@ -155,9 +168,11 @@ def plan(
     passed as keyword arguments). Returns a `Plan`; raises `InfeasibleBudgetError` (with
     ``.min_budget``) when no schedule fits. ``compiler``: the one the plan is for (Inductor's
     graph passes may change the captured graph a little, so a plan replays on its own compiler).
+    ``compress``, ``quantize``: as for `optimize`.
     """
     return plan_and_rewrite(model, budget, example_inputs, solver=solver, time_limit=time_limit,
-                            cost_model=cost_model, compiler=compiler).plan
+                            cost_model=cost_model, compiler=compiler, compress=compress,
+                            quantize=quantize).plan
 
 
 def plan_and_rewrite(
@@ -169,12 +184,14 @@ def plan_and_rewrite(
     time_limit: float = 60.0,
     cost_model: CostModel | None = None,
     compiler: str = "eager",
+    compress: bool = True,
+    quantize: str | Quantize | None = None,
 ) -> PlanReady:
     """Like `plan`, and also the rewritten forward and backward modules (before any compiler):
     ``.plan``, ``.forward``, ``.backward``."""
     _check_args(model, budget, solver)
     options = Options(budget=budget, solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel(),
-                      compiler=compiler)
+                      compiler=compiler, compress=compress, quantize=quantize)
     backend = make_backend(options, lambda plan: None, stop_after_plan=True)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)

@@ -26,7 +26,8 @@ from torch._dynamo.backends.common import aot_autograd
 from fxopt import cache
 from fxopt.analyze import CostModel, analyze
 from fxopt.budget import Budget, resolve_budget
-from fxopt.errors import CaptureError
+from fxopt.compression import Quantize, resolve_quantize
+from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.passes import masks
 from fxopt.passes.recompute import split_with_recompute
@@ -44,7 +45,11 @@ class Options:
     `fxopt.solvers.solve`. ``plan``: reuse this plan instead of solving (it must have been made
     for the same graph). ``time_limit``: seconds for the ILP. ``compiler``: what runs the
     rewritten forward and backward: ``"eager"`` (FX code, op by op) or ``"inductor"`` (see
-    `fxopt.inductor`). ``inductor_config``: extra Inductor settings for ``"inductor"``."""
+    `fxopt.inductor`). ``inductor_config``: extra Inductor settings for ``"inductor"``.
+    ``compress``: let the solver COMPRESS saved values losslessly (bool masks as packed bits,
+    ReLU's backward reading a bool mask, max-pooling indices as int32); gradients stay
+    bit-identical. ``quantize``: a `fxopt.Quantize` (or its format name) to also let it quantize
+    saved floating-point activations (lossy; off by default)."""
 
     budget: Budget
     solver: str = "auto"
@@ -53,8 +58,13 @@ class Options:
     cost_model: CostModel = dataclasses.field(default_factory=CostModel)
     compiler: str = "eager"
     inductor_config: dict | None = None
+    compress: bool = True
+    quantize: Quantize | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "quantize", resolve_quantize(self.quantize))
+        if not isinstance(self.compress, bool):
+            raise TypeError(f"compress must be True or False, got {self.compress!r}")
         if self.compiler not in COMPILERS:
             raise ValueError(f"unknown compiler {self.compiler!r}; choose one of {', '.join(COMPILERS)}")
 
@@ -73,16 +83,24 @@ class PlanReady(Exception):
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
-    before = analyze(joint, num_fwd_outputs, options.cost_model) if options.plan is None else None
-    rewritten = recompute_dropout_from_mask(joint) + masks.pack_dropout_masks(joint)
-    if masks.PACK_RELU:
-        rewritten += masks.pack_relu_masks(joint)
-    jg = before if before is not None and not rewritten else analyze(joint, num_fwd_outputs, options.cost_model)
+    codecs = dict(compress=options.compress, quantize=options.quantize)
+    before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
+    rewritten = recompute_dropout_from_mask(joint)
+    relu = masks.relu_masks(joint) if options.compress else 0
+    jg = before if before is not None and not (rewritten or relu) else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+
+    def without_relu_masks():
+        masks.undo_relu_masks(joint)
+        return analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+
     eager_graph = before.graph if before is not None else None
     if options.plan is not None:
+        if options.plan.fingerprint != jg.fingerprint and relu:
+            jg = without_relu_masks()
         if options.plan.fingerprint != jg.fingerprint:
             raise CaptureError(
-                "the given plan was made for a different graph (another model, input shape, dtype "
+                "the given plan was made for a different graph (another model, input shape, dtype, "
+                "compress= or quantize= setting "
                 "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
             )
         return jg, options.plan
@@ -91,11 +109,25 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     cache_key = cache.key(jg.graph, budget, options.solver, options.time_limit)
     cached = cache.load(cache_key)
     if cached is not None:
+        if cached.fingerprint != jg.fingerprint and relu:  # it was planned without the ReLU masks
+            jg = without_relu_masks()
         return jg, cached
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
     with progress_display() as report:
-        solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
+        try:
+            solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
+        except InfeasibleBudgetError as err:
+            if not relu:
+                raise
+            # The solvers do not always find the rewritten step's lowest peak (its memory model
+            # differs a little): never let the ReLU masks make a budget infeasible.
+            report("no plan fits with ReLU masks; planning without them")
+            jg = without_relu_masks()
+            try:
+                solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
+            except InfeasibleBudgetError as err2:
+                raise InfeasibleBudgetError(budget, min(err.min_budget, err2.min_budget)) from None
     plan = Plan.build(
         graph=jg.graph,
         schedule=solution.schedule,

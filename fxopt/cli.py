@@ -296,7 +296,8 @@ def inspect(args: argparse.Namespace) -> int:
     try:
         with _progress(err, "capturing and planning the training step"):
             ready = plan_and_rewrite(model, args.budget, inputs, solver=args.solver,
-                                     time_limit=args.time_limit, compiler=args.compiler)
+                                     time_limit=args.time_limit, compiler=args.compiler,
+                                     compress=not args.no_compress, quantize=args.quantize)
     except fxopt.InfeasibleBudgetError as e:
         out.print(f"[red]infeasible budget:[/] {e}")
         out.print(f"try: fxopt inspect {args.model} --budget {e.min_budget}")
@@ -345,6 +346,7 @@ def inspect(args: argparse.Namespace) -> int:
     out.print(f"solver: {plan.solver} ({plan.status}), solved in {plan.solve_seconds:.1f} s; "
               f"captured and planned in {planning:.1f} s")
     out.print(f"decisions: {len(plan.saved)} values saved ({format_bytes(saved_bytes)} kept after the forward), "
+              f"{len(plan.compressed)} of them compressed ({len(plan.lossy)} lossy), "
               f"{recomputations} recomputations of {len(plan.recomputed)} values")
     if measured:
         fx_peak = max(measured["fxopt"].live_bytes, default=measured["fxopt"].start_bytes)
@@ -358,7 +360,7 @@ def inspect(args: argparse.Namespace) -> int:
                          ("extra GFLOP", "right")):
         table.add_column(col, justify=justify)
     for r in rows[: args.top]:
-        decision = "SAVE" if r.decision == "SAVE" else f"RECOMPUTE x{r.times}"
+        decision = f"RECOMPUTE x{r.times}" if r.decision == "RECOMPUTE" else r.decision
         table.add_row(r.name, decision, format_bytes(r.bytes), r.module or "-",
                       f"{r.flops / 1e9:.4f}" if r.decision == "RECOMPUTE" else "")
     if len(rows) > args.top:
@@ -447,6 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--time-limit", type=float, default=30.0, help="seconds for the ILP (default 30)")
     i.add_argument("--compiler", choices=COMPILERS, default="eager",
                    help="what runs the rewritten step with --run (default eager)")
+    i.add_argument("--no-compress", action="store_true", help="recompute only: no lossless compression of saved values")
+    i.add_argument("--quantize", choices=("int8", "fp8", "int4"),
+                   help="also let the solver quantize saved activations (lossy; off by default)")
     i.add_argument("--code", action="store_true", help="print the rewritten forward and backward graphs")
     i.add_argument("--dot", metavar="FILE", help="write the step's graph with the decisions as graphviz DOT")
     i.add_argument("--json", metavar="FILE", help="write the plan as JSON (replay with fxopt.Plan.from_json)")

@@ -28,6 +28,7 @@ import torch.fx as fx
 
 from fxopt.analyze import CostModel
 from fxopt.budget import Budget, resolve_budget
+from fxopt.compression import Quantize
 from fxopt.capture import COMPILERS, Options, make_backend
 from fxopt.errors import CaptureError
 from fxopt.plan import Plan
@@ -36,7 +37,7 @@ from fxopt.solvers import SOLVERS
 log = logging.getLogger("fxopt")
 
 GRAPH_BREAKS = ("error", "warn")
-OPTIONS = ("budget", "compiler", "solver", "time_limit", "graph_breaks", "plan", "inductor")
+OPTIONS = ("budget", "compiler", "solver", "time_limit", "graph_breaks", "plan", "inductor", "compress", "quantize")
 
 
 class GraphBreakWarning(UserWarning):
@@ -96,6 +97,8 @@ def backend(
     plan: Plan | str | Path | None = None,
     cost_model: CostModel | None = None,
     inductor_config: dict[str, Any] | None = None,
+    compress: bool = True,
+    quantize: str | Quantize | None = None,
 ) -> FxoptBackend:
     """A backend for ``torch.compile(model, backend=fxopt.backend(...))``.
 
@@ -103,7 +106,8 @@ def backend(
     ``compiler``: ``"inductor"`` (default; fused kernels, see `fxopt.inductor`) or ``"eager"``
     (the rewritten graphs run op by op). ``graph_breaks``: ``"error"`` (default) or ``"warn"``,
     see the module docstring. ``plan``: replay a `Plan` (or the path of its JSON) instead of
-    solving. ``inductor_config``: extra Inductor settings.
+    solving. ``inductor_config``: extra Inductor settings. ``compress``, ``quantize``: as for
+    `fxopt.optimize` (lossless compression on by default; quantization opt-in).
     """
     if compiler not in COMPILERS:
         raise ValueError(f"unknown compiler {compiler!r}; choose one of {', '.join(COMPILERS)}")
@@ -114,7 +118,7 @@ def backend(
         plan = Plan.from_json(plan)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=float(time_limit),
                       cost_model=cost_model or CostModel(), compiler=compiler,
-                      inductor_config=inductor_config)
+                      inductor_config=inductor_config, compress=compress, quantize=quantize)
     return FxoptBackend(options, graph_breaks)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Plan:
     budget_bytes: int
     peak_bytes: int  # predicted peak of the rewritten step
     eager_peak_bytes: int  # predicted peak without rewrite (what eager autograd keeps)
-    recompute_flops: int  # FLOPs beyond running every op once
+    recompute_flops: int  # FLOPs beyond running every op once (compressing included)
     recompute_cost: float  # the same in the cost model's estimated seconds
     saved: tuple[str, ...]  # SAVEd forward values (fx node names)
     recomputed: dict[str, int]  # RECOMPUTEd forward values -> times recomputed
@@ -40,6 +40,14 @@ class Plan:
     # A proven lower bound on the recompute cost (cost model seconds) of any plan within the
     # budget, in the ILP's memory model; None when no ILP ran. See `gap`.
     lower_bound_cost: float | None = None
+    # COMPRESSed SAVEd values (fx node names) -> codec ("bits", "int32", "int8/g64", ...; see
+    # `fxopt.compression`). Only the quantizing codecs (int8, fp8, int4) are lossy: see `lossy`.
+    compressed: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def lossy(self) -> dict[str, str]:
+        """The compressed values whose codec loses precision (quantized)."""
+        return {k: v for k, v in self.compressed.items() if v.split("/")[0] in ("int8", "fp8", "int4")}
 
     @property
     def gap(self) -> float | None:
@@ -80,17 +88,22 @@ class Plan:
             fingerprint=fingerprint,
             module_paths=module_paths,
             lower_bound_cost=lower_bound_cost,
+            compressed={graph.nodes[i].name: graph.nodes[i].codec for i in sorted(schedule.compressed)},
         )
 
     def timeline(self) -> Timeline:
         return simulate(self.graph, self.schedule)
 
     def decisions(self) -> dict[str, str]:
-        """SAVE or RECOMPUTE for every forward value the backward needs (free aliases left out)."""
+        """SAVE, COMPRESS or RECOMPUTE for every forward value the backward needs (free aliases
+        left out)."""
         g = self.graph
         out = {}
         for i in sorted(g.needed_by_backward - g.free):
-            out[g.nodes[i].name] = "SAVE" if i in self.schedule.saved else "RECOMPUTE"
+            if i in self.schedule.compressed:
+                out[g.nodes[i].name] = "COMPRESS"
+            else:
+                out[g.nodes[i].name] = "SAVE" if i in self.schedule.saved else "RECOMPUTE"
         return out
 
     def summary(self) -> str:
@@ -100,7 +113,9 @@ class Plan:
         return (
             f"fxopt plan ({self.solver}, {self.status}, {self.solve_seconds:.2f} s): "
             f"peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget_bytes)}, "
-            f"eager {format_bytes(self.eager_peak_bytes)}), {len(self.saved)} saved, "
+            f"eager {format_bytes(self.eager_peak_bytes)}), {len(self.saved)} saved"
+            + (f" ({len(self.compressed)} compressed{', lossy' if self.lossy else ''})" if self.compressed else "")
+            + ", "
             f"{n_re} recomputations, +{self.recompute_flops / 1e9:.3f} GFLOP"
             + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
         )

@@ -17,7 +17,7 @@ MiB = 2**20
 @dataclasses.dataclass(frozen=True)
 class TensorRow:
     name: str  # fx node name in the captured joint graph
-    decision: str  # "SAVE" or "RECOMPUTE"
+    decision: str  # "SAVE", "COMPRESS <codec>" or "RECOMPUTE"
     times: int  # recomputations (0 for SAVE)
     bytes: int  # bytes of the storage it holds (its base's, for a view)
     module: str  # the nn.Module it comes from ("" when unknown)
@@ -42,7 +42,8 @@ def tensor_rows(plan: Plan) -> list[TensorRow]:
         node = g.nodes[i]
         return g.nodes[node.storage].bytes if node.storage is not None else node.bytes
 
-    rows = [TensorRow(name, "SAVE", 0, size(index[name]), module_name(paths[index[name]]), 0) for name in plan.saved]
+    rows = [TensorRow(name, f"COMPRESS {plan.compressed[name]}" if name in plan.compressed else "SAVE", 0,
+                      size(index[name]), module_name(paths[index[name]]), 0) for name in plan.saved]
     order = {name: i for i, name in enumerate(n.name for n in g.nodes)}
     for name, times in plan.recomputed.items():
         i = index[name]

@@ -165,7 +165,7 @@ def test_plans_are_cached_on_disk(tmp_path, monkeypatch):
     again = fxopt.plan(model, 0.7, inputs, solver="greedy")
     assert len(solves) == 1 and len(list(tmp_path.glob("*.json"))) == 1
     assert again.to_dict() == first.to_dict()
-    fxopt.plan(model, 0.6, inputs, solver="greedy")
+    fxopt.plan(model, 0.8, inputs, solver="greedy")
     assert len(solves) == 2
     monkeypatch.setenv("FXOPT_CACHE", "0")
     fxopt.plan(model, 0.7, inputs, solver="greedy")

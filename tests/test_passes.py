@@ -81,8 +81,7 @@ class ReluNet(nn.Module):
 
 
 @pytest.mark.parametrize("budget", [1.0, "min"])
-def test_relu_mask_is_bit_identical_and_smaller(budget, monkeypatch):
-    monkeypatch.setattr("fxopt.passes.masks.PACK_RELU", True)
+def test_relu_mask_is_bit_identical_and_smaller(budget):
     torch.manual_seed(0)
     model, x = ReluNet(), torch.randn(2048, 64)
     if budget == "min":
@@ -96,14 +95,13 @@ def test_relu_mask_is_bit_identical_and_smaller(budget, monkeypatch):
     for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
         assert torch.equal(p_e.grad, p_o.grad)
     plan = optimized.plan
-    names = [n.name for n in plan.graph.nodes]
-    assert any(n.startswith("where") for n in names), "threshold_backward was not rewritten"
     if budget == 1.0:
         # Saving everything the backward reads: the outer ReLUs' outputs (2048 x 64 floats) are not
-        # among them any more, their packed masks (2048 x 64 bits) are; the peak is lower than
-        # with the pass turned off.
-        assert len([n for n in plan.saved if n.startswith("pack_bits")]) == 3
-        monkeypatch.setattr("fxopt.passes.masks.PACK_RELU", False)
-        without = fxopt.plan(model, 1.0, (x,))
-        assert not any(n.startswith("pack_bits") for n in without.saved)
+        # among them any more, their bool masks (2048 x 64 bytes) are; the peak is lower than
+        # with compression turned off, where ReLU's backward reads its float output.
+        names = [n.name for n in plan.graph.nodes]
+        assert any(n.startswith("where") for n in names), "threshold_backward was not rewritten"
+        assert len([n for n in plan.saved if n.startswith("le")]) == 3
+        without = fxopt.plan(model, 1.0, (x,), compress=False)
+        assert not any(n.startswith("le") for n in without.saved)
         assert plan.peak_bytes < without.peak_bytes

@@ -184,9 +184,10 @@ DIAMOND_CASES = {
     "keep_p": (["p"], ["g_m", "r", "g_l", "l", "g_r", "c", "g_p1", "s", "g_p2", "g_p", "g_w"], dict(
         peak_bytes=98, forward_peak_bytes=80, backward_peak_bytes=98, saved_bytes=16, recompute_flops=128,
         recompute_cost=8.0)),
-    # Computing c twice: the second one is a recomputation (64 flops, cost 4).
+    # Computing c twice in a row: nothing reads the first copy, so the generated code drops it
+    # (dead-code elimination) and the simulator neither runs nor counts it.
     "c_twice": (["p"], ["g_m", "r", "g_l", "l", "g_r", "c", "c", "g_p1", "s", "g_p2", "g_p", "g_w"], dict(
-        recompute_flops=192, recompute_cost=12.0)),
+        recompute_flops=128, recompute_cost=8.0)),
 }
 
 TIMELINE_CASES = [

@@ -3,12 +3,15 @@ knowing which nodes belong to the backward."""
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 # A node marked so must run once, where the graph has it (e.g. a packed mask whose source dies in
 # the forward, see `fxopt.passes.masks`): `fxopt.analyze` makes it non-recomputable.
 COMPUTE_ONCE = "fxopt_compute_once"
+
+_ALIASING = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 _SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag")
 
@@ -44,3 +47,20 @@ def tangent_dependents(graph: fx.Graph) -> set[fx.Node]:
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
+
+
+def replace_value(old: fx.Node, new: fx.Node) -> None:
+    """Make every user of ``old`` read ``new`` instead. Views of ``old`` (and views of those) get
+    fresh fake values, so that they alias ``new``'s storage: analysis finds aliasing by storage."""
+    old.replace_all_uses_with(new)
+    fake_mode = detect_fake_mode([new.meta["val"]])
+    stack = list(new.users)
+    while stack:
+        node = stack.pop()
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _ALIASING)):
+            continue
+        vals = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        with fake_mode:
+            node.meta["val"] = target(*vals[0], **vals[1])
+        stack.extend(node.users)

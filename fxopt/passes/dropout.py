@@ -7,13 +7,18 @@ that output must be SAVEd in every layer. But the output is a plain function of 
 boolean mask the op also returns::
 
     out, mask = native_dropout(x, p, True)      out, mask = native_dropout(x, p, True)
-    y = bmm(out, v)                       ==>   out2 = mul(mul(x, mask), 1 / (1 - p))
+    y = bmm(out, v)                       ==>   out2 = masked_scale(x, mask, 1 / (1 - p))
                                                 y = bmm(out2, v)
 
-and every reader of ``out`` reads ``out2`` instead. ``out2`` is recomputable (from ``x``, itself
+and every reader of ``out`` reads ``out2`` instead. ``masked_scale(x, mask, s)`` is ``where(mask,
+x, 0) * s`` computed into one output buffer: ``mul(mul(x, mask), s)`` (what the CPU kernel does)
+first copies the mask to a float tensor, twice the memory while it runs. The same op replaces
+``native_dropout_backward(grad, mask, s)``, for the same reason. ``out2`` is recomputable (from ``x``, itself
 recomputable, and ``mask``, which is SAVEd at a quarter of the size), so the solver may SAVE or
 RECOMPUTE it like any other value. For float32 and float64 ``out2`` equals ``out`` bit for bit
-on CPU and CUDA: multiplying by 0 or 1 is exact, so both round ``x * scale`` once. Other dtypes
+on CPU and CUDA where the mask keeps ``x``: multiplying by 1 is exact, so both round ``x * scale``
+once; where it drops ``x`` the result is +0.0 where eager's ``x * 0`` gives -0.0 for negative
+``x`` (equal values; NaN only if ``x`` is not finite). Other dtypes
 (half, bfloat16 kernels round the scale first, differently per device) are left alone.
 """
 
@@ -24,7 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxopt.passes._fx import NodeBuilder
+from fxopt.passes._fx import NodeBuilder, replace_value
 
 aten = torch.ops.aten
 
@@ -54,14 +59,36 @@ def recompute_dropout_from_mask(gm: fx.GraphModule) -> int:
             mask.meta.update(out.meta)
             mask.meta["val"] = node.meta["val"][1]
         add = NodeBuilder(graph, max(out, mask, key=lambda n: _position(graph, n)), out)
-        out2 = add(aten.mul.Tensor, add(aten.mul.Tensor, x, mask), 1.0 / (1.0 - p))
-        out.replace_all_uses_with(out2)
+        out2 = add(torch.ops.fxopt.masked_scale.default, x, mask, 1.0 / (1.0 - p))
+        replace_value(out, out2)
         graph.erase_node(out)  # the op's first output now dies with the op's result tuple
+        rewritten += 1
+    for node in list(graph.find_nodes(op="call_function", target=aten.native_dropout_backward.default)):
+        grad, mask, scale = node.args[0], node.args[1], node.args[2]
+        val = grad.meta.get("val") if isinstance(grad, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dtype not in EXACT_DTYPES or not isinstance(scale, float):
+            continue
+        new = NodeBuilder(graph, node.prev, node)(torch.ops.fxopt.masked_scale.default, grad, mask, scale)
+        replace_value(node, new)
+        graph.erase_node(node)
         rewritten += 1
     if rewritten:
         graph.lint()
         gm.recompile()
     return rewritten
+
+
+@torch.library.custom_op("fxopt::masked_scale", mutates_args=())
+def masked_scale(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x * scale`` where ``mask``, else 0, in one output buffer (no float copy of the mask)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device), out=out)
+    return out.mul_(scale)
+
+
+@masked_scale.register_fake
+def _(x, mask, scale):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _position(graph: fx.Graph, node: fx.Node) -> int:

@@ -1,60 +1,24 @@
-"""SAVE dropout masks as packed bits (COMPRESS, lossless), not one byte per element.
+"""Masks as bits: the ops that pack a bool tensor 8 elements to a byte, and ReLU's backward made
+to read a bool mask instead of ReLU's float output.
 
-Dropout's boolean mask comes from a random op, so it can never be recomputed: whatever reads it in
-the backward (dropout's backward, or recomputing dropout's output from it, see
-`fxopt.passes.dropout`) needs it SAVEd. A ``bool`` tensor spends a byte per element on one bit::
-
-    out, mask = native_dropout(x, p, True)          out, mask = native_dropout(x, p, True)
-    y = mul(x, mask)                          ==>   packed = pack(mask)       # n / 8 bytes, SAVEd
-    ... native_dropout_backward(g, mask, s)         unpacked = unpack(packed) # made where needed
-                                                    y = mul(x, unpacked)
-                                                    ... native_dropout_backward(g, unpacked, s)
-
-``pack`` and ``unpack`` are a handful of aten ops (shift, sum, and, compare) that run on any
-device; ``unpack(pack(m))`` equals ``m`` exactly, so the step is bit-identical to eager. The
-packed tensor is marked to be computed once (``meta["fxopt_compute_once"]``), so the solver keeps
-it rather than the mask, which dies in the forward right after packing. Masks smaller than
-``MIN_BYTES`` are left alone: packing them saves less than the ops cost.
+`pack_bits` / `unpack_bits` are the ``bits`` codec of `fxopt.compression`: the solver may keep any
+SAVEd bool tensor of at least ``MIN_BYTES`` (a dropout mask, a comparison) COMPRESSed as packed
+bits, n / 8 bytes instead of n, decoded just before the backward reads it. ``unpack(pack(m))``
+equals ``m`` exactly, so gradients stay bit-identical to eager.
 """
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
-from fxopt.passes._fx import COMPUTE_ONCE, NodeBuilder, tangent_dependents
+from fxopt.passes._fx import NodeBuilder, replace_value, tangent_dependents
 
 aten = torch.ops.aten
 
 MIN_BYTES = 4096
 
-# ReLU masks (`pack_relu_masks`) are off by default for now: they add a choice (packed mask or the
-# float output) that the heuristics handle poorly (on the test MLP the greedy's lowest peak rose
-# by 1%); on once the solver chooses COMPRESS per tensor (issue 6). Dropout masks are always packed.
-PACK_RELU = False
-
-
-def pack_dropout_masks(gm: fx.GraphModule) -> int:
-    """Rewrite ``gm`` in place as above; return how many masks were packed."""
-    graph = gm.graph
-    packed_count = 0
-    for node in list(graph.find_nodes(op="call_function", target=aten.native_dropout.default)):
-        mask = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 1), None)
-        if mask is None or not mask.users:
-            continue
-        val = mask.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.numel() < MIN_BYTES:
-            continue
-        if not val.is_contiguous():
-            continue
-        _rewrite(graph, mask, val)
-        packed_count += 1
-    if packed_count:
-        graph.lint()
-        gm.recompile()
-    return packed_count
+RELU_MASK = "fxopt_relu_mask"  # meta key of a rewritten ReLU backward: the output it read
 
 
 # pack_bits(x, threshold, mode): bit k of byte j is 1 where element 8j + k of x is "on": x itself
@@ -91,26 +55,17 @@ def _(packed, shape):
     return packed.new_empty(shape, dtype=torch.bool)
 
 
-def _rewrite(graph: fx.Graph, mask: fx.Node, val: torch.Tensor) -> None:
-    users = list(mask.users)
-    add = NodeBuilder(graph, mask, mask)
-    packed = add(torch.ops.fxopt.pack_bits.default, mask, 0.0, 0)
-    packed.meta[COMPUTE_ONCE] = True
-    unpacked = add(torch.ops.fxopt.unpack_bits.default, packed, list(val.shape))
-    for user in users:
-        user.replace_input_with(mask, unpacked)
-
-
-def pack_relu_masks(gm: fx.GraphModule) -> int:
+def relu_masks(gm: fx.GraphModule) -> int:
     """ReLU's backward, ``threshold_backward(grad, out, t)``, reads ``out`` only for ``out <= t``.
-    Where nothing else in the backward reads ``out``, give it that as packed bits instead::
+    Where nothing else in the backward reads ``out``, give it that as a bool mask instead::
 
-        g = threshold_backward(grad, out, 0)   ==>   packed = pack(out <= 0)    # SAVEd, n / 8 bytes
-                                                     g = where(unpack(packed), 0, grad)
+        g = threshold_backward(grad, out, 0)   ==>   mask = le(out, 0)             # 1 byte an element
+                                                     g = where(mask, 0, grad)
 
     ``where(out <= t, 0, grad)`` is what the kernel computes (NaN included), so gradients are
-    bit-identical; ``out`` (4 bytes an element) no longer has to survive the forward for it.
-    Returns how many were rewritten."""
+    bit-identical. The mask is a forward value like any other: the solver SAVEs it (4× smaller
+    than a float32 ``out``), COMPRESSes it as bits (32×), or recomputes it. Returns how many were
+    rewritten."""
     graph = gm.graph
     backward = tangent_dependents(graph)
     count = 0
@@ -123,14 +78,34 @@ def pack_relu_masks(gm: fx.GraphModule) -> int:
             continue
         if _read_by_backward(out, backward, besides=node):
             continue  # the backward reads `out` anyway (a weight gradient, say): nothing to gain
-        add = NodeBuilder(graph, out, out)
-        # Not compute-once, unlike a dropout mask: `out` can be recomputed, so the solver chooses
-        # between SAVEing the packed mask and recomputing it (from a SAVEd `out`, or further back).
-        packed = add(torch.ops.fxopt.pack_bits.default, out, float(threshold), 1)
-        unpacked = add(torch.ops.fxopt.unpack_bits.default, packed, list(val.shape))
-        new = NodeBuilder(graph, node.prev, node)(aten.where.ScalarSelf, unpacked, 0.0, grad)
-        node.replace_all_uses_with(new)
+        mask = NodeBuilder(graph, out, out)(aten.le.Scalar, out, threshold)
+        new = NodeBuilder(graph, node.prev, node)(aten.where.ScalarSelf, mask, 0.0, grad)
+        new.meta[RELU_MASK] = node.args[1]  # what `undo_relu_masks` gives back to the backward
+        replace_value(node, new)
         graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def undo_relu_masks(gm: fx.GraphModule) -> int:
+    """Undo `relu_masks`: ReLU's backward reads ReLU's output again. (fxopt plans without the
+    masks when no plan with them fits the budget: the solvers do not always find the lowest peak
+    of the rewritten step.) Returns how many were undone."""
+    graph = gm.graph
+    count = 0
+    for node in list(graph.find_nodes(op="call_function", target=aten.where.ScalarSelf)):
+        if RELU_MASK not in node.meta:
+            continue
+        mask, grad = node.args[0], node.args[2]
+        out, threshold = node.meta.pop(RELU_MASK), mask.args[1]
+        old = NodeBuilder(graph, node.prev, node)(aten.threshold_backward.default, grad, out, threshold)
+        replace_value(node, old)
+        graph.erase_node(node)
+        if not mask.users:
+            graph.erase_node(mask)
         count += 1
     if count:
         graph.lint()

@@ -9,6 +9,10 @@ forward node wherever the schedule recomputes it, reading the most recent copy o
     forward:  a = relu(x); b = mm(a, w); return (b,)
     backward: gb = grad(b); a_1 = relu(x); ga = threshold_backward(gb, a_1)
 
+A COMPRESSed value (``schedule.compressed``) is encoded in the forward right after its last use
+there (and its views'), and the forward saves the encoding; the backward decodes it right before
+its first read (see `fxopt.compression`).
+
 Because every value dies after its last use, where a recomputation sits decides how long it lives,
 and recomputing a value twice (two copies) can be cheaper in memory than keeping one.
 
@@ -23,6 +27,7 @@ from torch._functorch import partitioners as _p
 
 from fxopt.analyze import JointGraph
 from fxopt.errors import CaptureError
+from fxopt.passes._fx import NodeBuilder
 from fxopt.solvers.schedule import Schedule, read_before_recompute
 
 
@@ -57,15 +62,30 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
         fwd_descs + [_p.SavedForBackwardsAOTOutput(k) for k in range(len(saved))],
         "forward",
     )
+    index = {name: i for i, name in enumerate(joint.names)}
+    compressed = {joint.names[i] for i in schedule.compressed if i in wanted}
+    encoded = _encode(fw_graph, joint, compressed, index) if compressed else {}
 
     graph = fx.Graph()
     current: dict[str, fx.Node] = {}
+    packed: dict[str, fx.Node] = {}  # compressed value -> its encoding, until decoded
     for n in saved + tangents:
+        if n.name in encoded:
+            new = graph.placeholder(encoded[n.name].name)
+            new.meta = dict(encoded[n.name].meta)
+            packed[n.name] = new
+            continue
         new = graph.placeholder(n.name)
         new.meta = dict(n.meta)
         current[n.name] = new
     for i in schedule.backward:
         original = by_name[joint.names[i]]
+        for a in original.all_input_nodes:
+            if a.name in packed:
+                codec = joint.codecs[index[a.name]]
+                new = graph.call_function(codec.decompress_op, (packed.pop(a.name), *codec.decompress_args))
+                new.meta = {"val": a.meta["val"], "autograd_backward": True}
+                current[a.name] = new
         missing = [a.name for a in original.all_input_nodes if a.name not in current]
         if missing:
             raise AssertionError(f"schedule computes {original.name} before {missing} is available")
@@ -79,3 +99,29 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
     bw = fx._lazy_graph_module._make_graph_module(module, graph)
     bw.graph.lint()
     return fw, bw
+
+
+def _encode(fw_graph: fx.Graph, joint: JointGraph, names: set[str], index: dict[str, int]) -> dict[str, fx.Node]:
+    """Insert each compressed value's encoding into the forward, right after the last node that
+    reads the value or a view of it, and return it in place of the value."""
+    roots = joint.graph.roots
+    by_name = {n.name: n for n in fw_graph.nodes}
+    last_reader: dict[str, fx.Node] = {name: by_name[name] for name in names}
+    for n in fw_graph.nodes:
+        if n.op == "output":
+            continue
+        for a in n.all_input_nodes:
+            if a.name in index:
+                root = joint.names[roots[index[a.name]]]
+                if root in names:
+                    last_reader[root] = n
+    out_node = next(iter(fw_graph.find_nodes(op="output")))
+    encoded = {}
+    for name in names:
+        value = by_name[name]
+        codec = joint.codecs[index[name]]
+        node = NodeBuilder(fw_graph, last_reader[name], value)(codec.compress_op, value, *codec.compress_args)
+        encoded[name] = node
+    outs = list(out_node.args[0])
+    out_node.args = (tuple(encoded.get(o.name, o) if isinstance(o, fx.Node) else o for o in outs),)
+    return encoded

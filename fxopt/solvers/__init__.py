@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.graph import Graph, Node
-from fxopt.solvers.heuristics import HEURISTICS
+from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import instant_solve
 from fxopt.solvers.mip import Progress, default_backend
@@ -33,6 +33,9 @@ SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_a
 # Above this many integer variables "auto" does not start the exact solve: it would not finish in
 # seconds. (A 12-layer GPT-2 step, ~2,100 nodes, has about 7,500.)
 AUTO_ILP_MAX_VARIABLES = 200_000
+
+# How many over-budget heuristic schedules (the cheapest) `solve` tries to complete with COMPRESS.
+COMPRESS_TRIES = 12
 
 # The ILP stops once its plan is proven within this fraction of the optimum (of its model).
 ILP_REL_GAP = 0.005
@@ -115,11 +118,15 @@ def solve(
     def cheapest() -> Solution | None:
         return min(fitting, key=lambda s: s.timeline.recompute_cost) if fitting else None
 
+    over: list[tuple[Schedule, Timeline, str]] = []  # over-budget heuristic schedules
+
     def run_heuristics(names) -> None:
         for name in names:
             progress(f"solver {name}")
             for schedule, timeline in HEURISTICS[name](graph, budget):
                 consider(schedule, timeline, name, "heuristic")
+                if timeline.peak_bytes > budget:
+                    over.append((schedule, timeline, name))
 
     # "auto" runs the fast heuristics first, and the slower ones (a few seconds each on thousands
     # of nodes) only if the instant program does not prove its plan optimal.
@@ -155,6 +162,18 @@ def solve(
     if solver == "auto" and (proven_infeasible or not settled()):
         # (Also when the budget is proven infeasible: cheap, and a check on that proof.)
         run_heuristics([name for name in HEURISTICS if name not in heuristics])
+    if graph.compressible and over:
+        # COMPRESS where recomputation alone does not fit (or fits only at a higher cost): the
+        # cheapest over-budget schedules, completed with as little compression as fits.
+        progress("compressing saved values")
+        best = cheapest()
+        over.sort(key=lambda c: c[1].recompute_cost)
+        for schedule, timeline, name in over[:COMPRESS_TRIES]:
+            if best is not None and timeline.recompute_cost >= best.timeline.recompute_cost:
+                break
+            done = compress_to_fit(graph, schedule, budget)
+            if done is not None:
+                consider(*done, f"{name}+compress", "heuristic")
     if proven_infeasible and fitting:
         log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
                     "(please report this graph)", budget)
@@ -227,6 +246,13 @@ def solve(
             for schedule, timeline in HEURISTICS[name](graph, budget):
                 consider(schedule, timeline, name, "heuristic")
 
+    if not fitting and graph.compressible:
+        # Nothing fits: every over-budget heuristic schedule, completed with compression (what
+        # `min_feasible_budget` also tries, so the budget it names plans).
+        for schedule, timeline, name in over[COMPRESS_TRIES:]:
+            done = compress_to_fit(graph, schedule, budget)
+            if done is not None:
+                consider(*done, f"{name}+compress", "heuristic")
     if not fitting and model is not None and not proven_infeasible:
         # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
         # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
@@ -236,6 +262,20 @@ def solve(
     if not fitting:
         min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak,
                                          run_ilp=model is None)
+        fewer = without_codecs(graph, lossy_only=any(_lossy(n.codec) for n in graph.nodes))
+        if fewer is not graph:
+            # The solvers do not always find the lowest peak of the larger problem (more choices,
+            # the same time): never let the codecs make a budget infeasible that plans without them.
+            progress("no plan fits with " + ("quantization" if fewer.compressible else "compression")
+                     + "; planning without it")
+            try:
+                found = solve(fewer, budget, solver, time_limit=time_limit, on_progress=on_progress,
+                              backend=backend)
+            except InfeasibleBudgetError as err:
+                raise InfeasibleBudgetError(budget, min(min_budget, err.min_budget)) from None
+            # Its schedule is one of this graph's (fewer codecs, the same values).
+            return dataclasses.replace(found, timeline=simulate(graph, found.schedule),
+                                       solve_seconds=time.perf_counter() - t0)
         raise InfeasibleBudgetError(budget, min_budget)
     rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
     best = min(fitting, key=lambda s: (round(s.timeline.recompute_cost, 12), s.timeline.peak_bytes, rank[s.status]))
@@ -247,6 +287,23 @@ def solve(
         best = dataclasses.replace(best, status="optimal")
     return dataclasses.replace(best, solve_seconds=time.perf_counter() - t0, lower_bound_cost=lower_bound,
                                bound_source=bound_source)
+
+
+def _lossy(codec: str | None) -> bool:
+    return codec is not None and codec.split("/")[0] in ("int8", "fp8", "int4")
+
+
+def without_codecs(graph: Graph, *, lossy_only: bool) -> Graph:
+    """`graph` with no codec on its values (only the lossy ones dropped with ``lossy_only``); the
+    graph itself when there is nothing to drop."""
+    drop = [i for i, n in enumerate(graph.nodes) if n.codec is not None and (_lossy(n.codec) or not lossy_only)]
+    if not drop:
+        return graph
+    nodes = list(graph.nodes)
+    for i in drop:
+        nodes[i] = dataclasses.replace(nodes[i], codec=None, compressed_bytes=0, codec_cost=0.0, codec_flops=0,
+                                       codec_workspace=0)
+    return Graph(tuple(nodes))
 
 
 def _gap(cost: float, bound: float) -> float:
@@ -269,7 +326,10 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     peaks = [] if known is None else [known]
     names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp", "instant") else (solver,)
     for name in names:
-        peaks += [t.peak_bytes for _, t in HEURISTICS[name](graph, 0)]
+        for schedule, timeline in HEURISTICS[name](graph, 0):
+            peaks.append(timeline.peak_bytes)
+            if schedule.saved & graph.compressible:
+                peaks.append(simulate(graph, compress_all(graph, schedule)).peak_bytes)
     if run_ilp and solver in ("ilp", "auto"):
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
@@ -288,10 +348,18 @@ def _lowest_peak_schedules(graph: Graph, time_limit: float, backend: str | None,
         try:
             simulate(graph, schedule)
             out.append(schedule)
+            if schedule.saved & graph.compressible - schedule.compressed:
+                out.append(compress_all(graph, schedule))
         except InvalidScheduleError:
             continue
     res = solve_ilp(graph, None, minimize_peak=True, backend=backend, model=model,
                     time_limit=max(1.0, time_limit - (time.perf_counter() - t0)))
     if res.schedule is not None:
         out.append(res.schedule)
+        out.append(compress_all(graph, res.schedule))
     return out
+
+
+def compress_all(graph: Graph, schedule: Schedule) -> Schedule:
+    """`schedule` with every SAVEd value that has a codec COMPRESSed (its lowest peak, mostly)."""
+    return dataclasses.replace(schedule, compressed=schedule.saved & graph.compressible)

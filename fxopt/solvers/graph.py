@@ -40,6 +40,14 @@ class Node:
     output: bool = False  # a forward output (held by the caller) or a gradient (kept after the step)
     tangent: bool = False
     tensor: bool = True  # False for tuples and other non-tensor values: they can never be SAVEd
+    # COMPRESS: a codec that can keep this value, once SAVEd, in ``compressed_bytes`` between its
+    # last forward use and its first backward read, for ``codec_cost`` seconds (``codec_flops``)
+    # of encoding plus decoding (see `fxopt.compression`). None: it is saved as it is.
+    codec: str | None = None
+    compressed_bytes: int = 0
+    codec_cost: float = 0.0
+    codec_flops: int = 0
+    codec_workspace: int = 0  # scratch bytes while encoding or decoding, beyond input and output
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -170,6 +178,17 @@ class Graph:
             if self.nodes[i].tensor and all(j in avail for j in self.nodes[i].inputs):
                 out.add(i)
         return frozenset(out)
+
+    @functools.cached_property
+    def compressible(self) -> frozenset[int]:
+        """SAVEable values that may be COMPRESSed: they have a codec, own their storage, and neither
+        they nor a view of them outlives the step (a forward output) or is saved in their place."""
+        held = {self.roots[i] for i in self.forward_outputs | self.resident}
+        return frozenset(
+            i for i in self.saveable
+            if self.nodes[i].codec is not None and self.roots[i] == i and i not in held
+            and self.nodes[i].compressed_bytes < self.nodes[i].bytes
+        )
 
     def ancestors(self, seeds, kinds: Sequence[Kind] = ("forward",)) -> frozenset[int]:
         """`seeds` and everything they depend on, restricted to nodes of the given kinds."""

@@ -12,6 +12,9 @@
   recomputed only for its own backward; then also SAVE the values whose recomputation costs most
   per byte, as many as fit. For deep models this reaches low budgets at a fraction of the
   recomputation the others need (recomputing one layer, not everything up to it).
+
+`compress_to_fit` completes any of these with COMPRESS: a schedule over the budget keeps the values
+that cost least to encode and decode per byte saved compressed, as many as it takes to fit.
 """
 
 from __future__ import annotations
@@ -146,6 +149,33 @@ def segments(graph: Graph, budget: int) -> list[Candidate]:
             if run(saved | {i})[1].peak_bytes <= budget:
                 saved.add(i)
     return out
+
+
+def compress_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate | None:
+    """`schedule` with the fewest of its SAVEd values COMPRESSed (cheapest per byte saved first)
+    that brings its simulated peak within `budget`; None if compressing all of them does not."""
+    nodes = graph.nodes
+    order = sorted(schedule.saved & graph.compressible - schedule.compressed,
+                   key=lambda i: (nodes[i].codec_cost / (nodes[i].bytes - nodes[i].compressed_bytes), i))
+    if not order:
+        return None
+
+    def run(k: int) -> Candidate:
+        s = Schedule(schedule.saved, schedule.backward, schedule.compressed | frozenset(order[:k]))
+        return s, simulate(graph, s)
+
+    best = run(len(order))
+    if best[1].peak_bytes > budget:
+        return None
+    lo, hi = 1, len(order)  # the shortest prefix that fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        candidate = run(mid)
+        if candidate[1].peak_bytes <= budget:
+            best, hi = candidate, mid
+        else:
+            lo = mid + 1
+    return best
 
 
 HEURISTICS = {"save_all": save_all, "checkpoint": checkpoint, "greedy": greedy, "segments": segments}

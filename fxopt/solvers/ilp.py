@@ -14,6 +14,10 @@ Constraints (i, j forward values; t a stage; D_t the forward values stage t read
     R[t,i] <= S[t+1,i] + sum_u R[t,u]           a recomputation is read (u: users of i) or kept
     mem(t) = C_t + sum_i bytes_i (S[t,i] + R[t,i]) <= budget
     forward: F_k + sum_{i saved, no longer needed by the forward at step k} bytes_i <= budget
+    Z[i] <= S0[i]                               COMPRESS only what is SAVEd
+A compressed value (Z[i] = 1) counts its compressed size instead of its own from the step after
+its last forward use until its first possible backward stage (and both while being encoded or
+decoded); encoding plus decoding cost is added to the objective.
 
 What keeps it small enough to solve in seconds for thousands of nodes:
   - Views are not variables: a schedule makes a fresh view from its base right before each use.
@@ -53,7 +57,7 @@ from collections.abc import Callable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.mip import Mip, Progress, default_backend, solve_mip
-from fxopt.solvers.schedule import Schedule, must_save, read_before_recompute, with_fresh_aliases
+from fxopt.solvers.schedule import Schedule, must_save, prune, read_before_recompute, with_fresh_aliases
 
 __all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_backend"]
 
@@ -174,6 +178,7 @@ class RematIlp:
     last: dict[int, int]
     S0: dict[int, int]  # value -> column
     S: dict[tuple[int, int], int]  # (stage, value) -> column, for first < stage <= last
+    Z: dict[int, int]  # value -> column: COMPRESSed
     R: dict[tuple[int, int], int]
     aux: list[tuple[int, list[tuple[int, float]]]]  # running totals: column = sum of terms
     peak: int | None  # column of the peak with minimize_peak
@@ -205,6 +210,8 @@ class RematIlp:
             x[col] = 1.0 if key in s_on else 0.0
         for key, col in self.R.items():
             x[col] = 1.0 if key in r_on else 0.0
+        for i, col in self.Z.items():
+            x[col] = 1.0 if i in schedule.compressed and x[self.S0[i]] > 0.5 else 0.0
         for col, terms in self.aux:
             x[col] = sum(a * x[j] for j, a in terms)
         if self.peak is not None and budget is not None:
@@ -226,7 +233,8 @@ class RematIlp:
         events.extend(bwd[done:])
         events = with_fresh_aliases(graph, events)
         saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free)
-        return Schedule(frozenset(saved), events)
+        compressed = frozenset(i for i, col in self.Z.items() if on(col)) & saved
+        return prune(graph, Schedule(frozenset(saved), events, compressed))
 
     def saved_fractions(self, x) -> dict[int, float]:
         return {i: x[col] for i, col in self.S0.items()}
@@ -306,7 +314,7 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     max_cost = max((nodes[i].cost for i in cands), default=0.0)
     cost_scale = 1000.0 / max_cost if max_cost > 0 else 1.0
     m = Mip()
-    ilp = RematIlp(graph, m, cands, stages, anc, first, last, {}, {}, {}, [], None, unit, cost_scale,
+    ilp = RematIlp(graph, m, cands, stages, anc, first, last, {}, {}, {}, {}, [], None, unit, cost_scale,
                    cost_offset=sum(nodes[i].cost for i in cands if i in graph.backward_only))
     infeasible = False
     for i in cands:
@@ -324,6 +332,15 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
         for i in sorted(anc[t]):
             if nodes[i].recomputable and (rank[i] >= lowest[t] or i in reads[t]):
                 ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * cost_scale)
+    compressible = graph.compressible
+    for i in ilp.S0:
+        if i in compressible:
+            ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * cost_scale)
+    zb = {i: nodes[i].compressed_bytes / unit for i in ilp.Z}  # compressed size, in units
+    zw = {i: nodes[i].codec_workspace / unit for i in ilp.Z}  # scratch while encoding or decoding
+    # A compressed value is decoded for the first stage that reads it (fr); before that no
+    # recomputation may read it (it is still encoded), and it counts its compressed size.
+    fr = {i: next((t for t in range(first[i], T) if i in reads[t]), first[i]) for i in ilp.Z}
     ilp.infeasible = infeasible
     ilp.window = window
     peak_col = None
@@ -355,6 +372,15 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
             m.row(var_terms, upper=cap - fixed)
 
     # Residency and recomputation.
+    for i, col in ilp.Z.items():
+        m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
+        for t in range(first[i] + 1, fr[i] + 1):
+            if (t, i) in ilp.S:
+                m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
+        for t in range(first[i], fr[i]):
+            for u in anc[t]:
+                if (t, u) in ilp.R and i in deps[u]:
+                    m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
     for (t, i), col in ilp.S.items():
         m.row(terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
     users: dict[int, list[int]] = {i: [] for i in cands}
@@ -378,6 +404,8 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     waiting: list[int | None] = [None] * (T + 1)
     for t in range(T - 1, -1, -1):
         fresh = [(ilp.S0[i], mb[i]) for i in cands if first.get(i) == t and i in ilp.S0 and mb[i]]
+        # Compressed until decoded for stage first[i]: smaller in every earlier total.
+        fresh += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if min(first[i], fr[i] - 1) == t]
         if waiting[t + 1] is None and not fresh:
             continue
         col = m.var(f"P_{t}")
@@ -389,6 +417,8 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     for (t, i), col in ilp.S.items():
         if mb[i]:
             in_window[t].append((col, mb[i]))
+            if i in ilp.Z and t < fr[i]:
+                in_window[t].append((ilp.Z[i], zb[i] - mb[i]))
 
     def resident(t: int) -> list[tuple[int, float]]:
         return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
@@ -412,11 +442,13 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
         # right after it), needed here or not: count them with the op, on top of their own R.
         recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit + outputs_of(i)) for i in anc[t]
                        if (t, i) in ilp.R]
+        recomputing += [(col, zb[i] + zw[i]) for i, col in ilp.Z.items() if fr[i] == t]  # decoding
         within(before[k], resident(t) + [(c, a) for c, a in recomputing if a])
         # While the stage's node runs: what it reads, and what is kept for later stages (resident
         # entering stage t + 1, whether it was kept from before or recomputed here); everything
         # else was last used by a recomputation in this stage, or earlier, and is freed by then.
         running = list(resident(t + 1))
+        running += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if fr[i] == t + 1]  # not decoded yet
         for i in reads[t]:
             if not mb[i]:
                 continue
@@ -443,8 +475,18 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
             continue
         if i in fpos:
             start = interval[i][1] + 1
+            if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
+                from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
+                spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
+                if start < n_steps:
+                    from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
         else:  # backward-only: computed in the forward after every forward_required node before it
             start = sum(1 for j in order if j < i)
+            if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
+                at = min(start, n_steps - 1)
+                spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
+                if start < n_steps:
+                    from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
             for j in graph.through_aliases(nodes[i].inputs):
                 rj = graph.roots[j]
                 if rj in interval and interval[rj][1] < start and rj not in graph.resident:
@@ -634,4 +676,6 @@ def _rounded(ilp: RematIlp, x, threshold: float) -> Schedule:
             if col is None or x[col] < threshold - 1e-9:
                 avail.discard(i)
                 recomputed.discard(i)
-    return Schedule(saved, with_fresh_aliases(graph, events))
+    events = with_fresh_aliases(graph, events)
+    compressed = frozenset(i for i, col in ilp.Z.items() if i in saved and x[col] >= threshold - 1e-9)
+    return prune(graph, Schedule(saved, events, compressed & read_before_recompute(graph, events)))

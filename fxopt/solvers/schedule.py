@@ -4,7 +4,10 @@ A `Schedule` is what every solver returns and what the recompute pass turns into
 
   - ``saved``: forward values kept from the forward for the backward (SAVE);
   - ``backward``: the nodes the backward computes, in order. Every backward node appears exactly
-    once; a forward node appearing there is a recomputation (RECOMPUTE), and may appear again.
+    once; a forward node appearing there is a recomputation (RECOMPUTE), and may appear again;
+  - ``compressed``: SAVEd values kept compressed (COMPRESS, see `fxopt.compression`): encoded right
+    after their last forward use (of them or a view of them), decoded right before the backward
+    first reads them.
 
 The simulator frees every value right after its last use, exactly as the generated code does: FX
 code drops each local after its last use, and the backward takes its inputs boxed, so saved
@@ -29,16 +32,17 @@ class InvalidScheduleError(ValueError):
 class Schedule:
     saved: frozenset[int]
     backward: tuple[int, ...]
+    compressed: frozenset[int] = frozenset()
 
     def recomputed(self, graph: Graph) -> tuple[int, ...]:
         return tuple(i for i in self.backward if graph.nodes[i].kind == "forward")
 
     def to_dict(self) -> dict:
-        return {"saved": sorted(self.saved), "backward": list(self.backward)}
+        return {"saved": sorted(self.saved), "backward": list(self.backward), "compressed": sorted(self.compressed)}
 
     @classmethod
     def from_dict(cls, d: dict) -> Schedule:
-        return cls(frozenset(d["saved"]), tuple(d["backward"]))
+        return cls(frozenset(d["saved"]), tuple(d["backward"]), frozenset(d.get("compressed", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +53,8 @@ class Timeline:
     forward_peak_bytes: int
     backward_peak_bytes: int
     saved_bytes: int  # bytes of SAVEd storage alive at the end of the forward
-    recompute_flops: int  # FLOPs beyond one execution of every node
-    recompute_cost: float
+    recompute_flops: int  # FLOPs beyond one execution of every node (compression included)
+    recompute_cost: float  # the same in the cost model's seconds
     events: tuple[tuple[str, str, int], ...]  # (phase, node name, bytes live while it runs)
 
 
@@ -66,6 +70,10 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     bad = saved - graph.saveable - graph.free
     if bad:
         raise InvalidScheduleError(f"cannot save {_names(graph, bad)}: not computed in the forward")
+    compressed = frozenset(schedule.compressed)
+    bad = compressed - (saved & graph.compressible)
+    if bad:
+        raise InvalidScheduleError(f"cannot compress {_names(graph, bad)}: not saved, or no codec for it")
     backward = [i for i in schedule.backward if nodes[i].kind == "backward"]
     if backward != list(graph.backward_nodes):
         raise InvalidScheduleError("the backward must run every backward node once, in graph order")
@@ -135,6 +143,16 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     for i in fwd:
         if i not in keep:
             dying_at.setdefault(last_fwd_use.get(i, fwd_pos[i]), []).append(i)
+    # A compressed value is encoded once neither it nor a view of it has a forward use left.
+    compress_at: dict[int, list[int]] = {}
+    if compressed:
+        done_with: dict[int, int] = {}
+        for i in fwd:
+            r = graph.roots[i]
+            done_with[r] = max(done_with.get(r, -1), last_fwd_use.get(i, fwd_pos[i]))
+        for i in compressed:
+            compress_at.setdefault(done_with[i], []).append(i)
+    packed: set[int] = set()  # compressed values whose storage is, for now, only the encoding
     forward_peak = live_bytes
     for k, i in enumerate(fwd):
         create(i, 0)
@@ -142,9 +160,16 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         forward_peak = max(forward_peak, live_bytes + nodes[i].workspace)
         for j in dying_at.get(k, ()):
             drop(current.pop(j))
+        for j in compress_at.get(k, ()):
+            live_bytes += nodes[j].compressed_bytes
+            events.append(("forward", f"compress {nodes[j].name}", live_bytes + nodes[j].codec_workspace))
+            forward_peak = max(forward_peak, live_bytes + nodes[j].codec_workspace)
+            drop(current[j])
+            packed.add(j)
     for i in graph.forward_outputs:
         forever.add(current[i])
-    saved_bytes = sum(nodes[r].bytes for r in {storage_of[current[i]][0] for i in saved - graph.free if i in current})
+    saved_bytes = sum(nodes[r].bytes for r in {storage_of[current[i]][0] for i in saved - graph.free - packed if i in current})
+    saved_bytes += sum(nodes[i].compressed_bytes for i in packed)
 
     # ---- backward: saved values, tangents and forward outputs are its inputs
     count: dict[int, int] = {}
@@ -167,6 +192,13 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         inst = (i, count[i])
         avail[i] = inst
         order.append((i, inst, args))
+    # A recomputation nothing reads afterwards is dropped from the generated code (dead-code
+    # elimination), so it neither runs nor allocates.
+    order = [order[e] for e in _read_events(graph, order)]
+    last_use = {}
+    for e, (_, _, args) in enumerate(order):
+        for a in args:
+            last_use[a] = e
     for i, node in enumerate(nodes):
         if node.tangent:
             # The autograd engine holds the incoming gradients until the backward returns.
@@ -174,11 +206,23 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     # Values the backward never reads are freed as soon as it starts (boxed inputs).
     for i, inst in list(current.items()):
         if inst not in forever and inst not in last_use:
-            drop(inst)
+            if i in packed:
+                live_bytes -= nodes[i].compressed_bytes
+                packed.discard(i)
+            else:
+                drop(inst)
             del current[i]
     events.append(("backward", "<start>", live_bytes))
     backward_peak = live_bytes
     for e, (i, inst, args) in enumerate(order):
+        for j in nodes[i].inputs:
+            if j in packed:  # decoded just before its first read; the encoding dies then
+                acquire(storage_of[current[j]], storage_of[current[j]][0])
+                decoding = live_bytes + nodes[j].compressed_bytes + nodes[j].codec_workspace
+                events.append(("backward", f"decompress {nodes[j].name}", decoding))
+                backward_peak = max(backward_peak, decoding)
+                live_bytes -= nodes[j].compressed_bytes
+                packed.discard(j)
         for j, a in zip(nodes[i].inputs, args):
             current[j] = a  # the instance this node reads
         create(i, inst[1])
@@ -193,7 +237,7 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         elif nodes[i].output:
             forever.add(inst)
 
-    recomputed = [i for i in schedule.backward if nodes[i].kind == "forward"]
+    recomputed = [i for i, _, _ in order if nodes[i].kind == "forward"]
     first_free = set(graph.backward_only - saved)  # computing these once in the backward is not extra
     extra_flops, extra_cost = 0, 0.0
     for i in recomputed:
@@ -202,6 +246,9 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
             continue
         extra_flops += nodes[i].flops
         extra_cost += nodes[i].cost
+    for i in compressed:
+        extra_flops += nodes[i].codec_flops
+        extra_cost += nodes[i].codec_cost
     return Timeline(
         peak_bytes=max(forward_peak, backward_peak),
         forward_peak_bytes=forward_peak,
@@ -211,6 +258,40 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         recompute_cost=extra_cost,
         events=tuple(events),
     )
+
+
+def _read_events(graph: Graph, order) -> list[int]:
+    """Positions of the events the generated code keeps: backward nodes, and recomputations read
+    by a kept event (a multi-output op's outputs stay with it: it allocates them all)."""
+    nodes = graph.nodes
+    needed: set[tuple[int, int]] = set()
+    keep = [False] * len(order)
+    for e in range(len(order) - 1, -1, -1):
+        i, inst, args = order[e]
+        if nodes[i].kind == "backward" or inst in needed:
+            keep[e] = True
+            needed.update(args)
+    for e, (i, inst, args) in enumerate(order):
+        if not keep[e] and len(args) == 1 and args[0] in needed and not nodes[args[0][0]].tensor:
+            keep[e] = True  # an output of a kept tuple
+    return [e for e in range(len(order)) if keep[e]]
+
+
+def prune(graph: Graph, schedule: Schedule) -> Schedule:
+    """`schedule` without the recomputations nothing reads (what the generated code drops)."""
+    nodes = graph.nodes
+    avail: dict[int, tuple[int, int]] = {}
+    count: dict[int, int] = {}
+    order = []
+    for i in schedule.backward:
+        args = [avail.get(j, (j, 0)) for j in nodes[i].inputs]
+        count[i] = count.get(i, 0) + 1
+        avail[i] = (i, count[i])
+        order.append((i, avail[i], args))
+    kept = _read_events(graph, order)
+    if len(kept) == len(order):
+        return schedule
+    return dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
 
 
 def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
@@ -228,7 +309,7 @@ def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
         avail.update(missing)
         events.append(b)
         avail.add(b)
-    return Schedule(saved, with_fresh_aliases(graph, events))
+    return prune(graph, Schedule(saved, with_fresh_aliases(graph, events)))
 
 
 def read_before_recompute(graph: Graph, backward: Iterable[int]) -> frozenset[int]:

@@ -1,0 +1,192 @@
+"""COMPRESS: codecs, the simulator's and the ILP's view of compressed values, and end to end
+(lossless: bit-identical gradients; lossy: measured error)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxopt
+from fxopt.compression import Quantize, sqnr_db
+from fxopt.solvers import Graph, Node, Schedule, simulate, solve
+from fxopt.solvers.ilp import solve_ilp
+from helpers import assert_same_step, measured_peak, run_pair, step
+
+ops = torch.ops.fxopt
+
+
+@pytest.mark.parametrize("shape", [(4096,), (33, 129)])
+def test_bits_round_trip_exactly(shape):
+    m = torch.rand(shape) > 0.5
+    packed = ops.pack_bits(m, 0.0, 0)
+    assert packed.numel() == (m.numel() + 7) // 8
+    assert torch.equal(ops.unpack_bits(packed, list(shape)), m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q, floor_db", [
+    (Quantize("int8"), 40), (Quantize("int8", 32, "minmax", True), 38), (Quantize("fp8"), 28),
+    (Quantize("int4"), 17), (Quantize("int4", 16, "minmax"), 18),
+])
+def test_quantize_round_trip_error_and_size(dtype, q, floor_db):
+    from fxopt.compression import codec_for
+
+    torch.manual_seed(0)
+    x = torch.randn(257, 33, dtype=dtype)  # not a multiple of the group size: padded
+    codec = codec_for(x, lossless=True, quantize=q)
+    buf = codec.compress_op(x, *codec.compress_args)
+    y = codec.decompress_op(buf, *codec.decompress_args)
+    assert buf.dtype == torch.uint8 and buf.numel() == codec.compressed_bytes
+    assert y.dtype == dtype and y.shape == x.shape
+    assert sqnr_db(x.float(), y.float()) >= floor_db
+    assert codec.compressed_bytes < x.numel() * x.element_size()
+
+
+def test_quantize_options_are_checked():
+    with pytest.raises(ValueError, match="format"):
+        Quantize("int3")
+    with pytest.raises(ValueError, match="fp8"):
+        Quantize("fp8", scaling="minmax")
+    with pytest.raises(TypeError, match="quantize"):
+        fxopt.optimize(nn.Linear(2, 2), 0.5, quantize=8)
+
+
+def _chain(codec_cost=1e-6):
+    """x -> a -> b -> loss; the backward reads a (compressible 1000 -> 100 bytes) and b."""
+    return Graph((
+        Node("x", "input", bytes=10),
+        Node("a", "forward", (0,), bytes=1000, cost=1.0, codec="test", compressed_bytes=100, codec_cost=codec_cost),
+        Node("b", "forward", (1,), bytes=1000, cost=1.0),
+        Node("out", "forward", (2,), bytes=4, cost=0.1, output=True),
+        Node("g", "input", bytes=4, tangent=True),
+        Node("gb", "backward", (4, 2), bytes=1000, cost=1.0),
+        Node("ga", "backward", (5, 1), bytes=10, cost=1.0, output=True),
+    ))
+
+
+def test_simulator_counts_compressed_bytes_and_codec_cost():
+    g = _chain()
+    assert g.compressible == frozenset({1})
+    plain = Schedule(frozenset({1, 2}), (5, 6))
+    packed = Schedule(frozenset({1, 2}), (5, 6), frozenset({1}))
+    t0, t1 = simulate(g, plain), simulate(g, packed)
+    assert t0.saved_bytes - t1.saved_bytes == 900
+    assert t1.peak_bytes < t0.peak_bytes
+    assert t1.recompute_cost == pytest.approx(1e-6)
+    assert any(e[1] == "decompress a" for e in t1.events)
+    with pytest.raises(ValueError, match="cannot compress"):
+        simulate(g, Schedule(frozenset({2}), (1, 5, 6), frozenset({2})))
+
+
+@pytest.mark.parametrize("codec_cost, expect", [(1e-3, "compress"), (10.0, "recompute")])
+def test_ilp_chooses_compress_when_cheaper_than_recompute(codec_cost, expect):
+    g = _chain(codec_cost)
+    plain = simulate(g, Schedule(frozenset({1, 2}), (5, 6)))
+    budget = plain.peak_bytes - 10  # saving a in full no longer fits
+    res = solve_ilp(g, budget, time_limit=10)
+    t = simulate(g, res.schedule)
+    assert t.peak_bytes <= budget
+    assert (1 in res.schedule.compressed) == (expect == "compress")
+    best = solve(g, budget)
+    assert best.timeline.recompute_cost == pytest.approx(min(codec_cost, 1.0))
+
+
+class ReluDropMLP(nn.Module):
+    """ReLU and dropout after every layer: masks everywhere."""
+
+    def __init__(self, width=256, depth=6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(torch.relu(layer(x)))
+        return x.sum()
+
+
+def test_lossless_compression_is_bit_identical_within_budget_and_cheaper():
+    torch.manual_seed(0)
+    model, inputs = ReluDropMLP(), (torch.randn(512, 256),)
+    budget = 0.7
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, budget, time_limit=20)
+    assert torch.equal(loss_e, loss_o)
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        assert torch.equal(p_e.grad, p_o.grad)
+    plan = optimized.plan
+    assert plan.compressed and set(plan.compressed.values()) == {"bits"} and not plan.lossy
+    assert "COMPRESS" in plan.decisions().values()
+    assert measured_peak(optimized, inputs) <= plan.peak_bytes <= plan.budget_bytes
+    # Recompute alone needs more extra compute at the same budget.
+    without = fxopt.plan(model, plan.budget_bytes, inputs, compress=False, time_limit=20)
+    assert not without.compressed
+    assert plan.recompute_flops < without.recompute_flops
+
+
+def test_compress_false_never_compresses_and_replays_only_with_the_same_setting():
+    torch.manual_seed(0)
+    model, inputs = ReluDropMLP(depth=2), (torch.randn(512, 256),)
+    plan = fxopt.plan(model, 0.9, inputs, compress=False)
+    assert not plan.compressed
+    assert not any(n.name.startswith("where") for n in plan.graph.nodes)  # ReLU's backward untouched
+    with pytest.raises(fxopt.CaptureError, match="compress"):
+        fxopt.optimize(copy.deepcopy(model), 0.9, plan=plan)(*inputs)
+
+
+def test_int8_on_the_transformer_block():
+    from fxopt.models import ZOO
+
+    torch.manual_seed(0)
+    model, inputs = ZOO["transformer_block"]()
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, 0.8, quantize="int8", time_limit=20)
+    plan = optimized.plan
+    assert plan.lossy and all(c.startswith("int8") for c in plan.lossy.values())
+    torch.testing.assert_close(loss_o, loss_e)  # the forward is exact: only the backward reads decoded values
+    sqnr = fxopt.gradient_sqnr(eager, optimized)
+    assert len(sqnr) == len(list(model.parameters()))
+    assert min(sqnr.values()) >= 30
+    assert measured_peak(optimized, inputs) <= plan.peak_bytes <= plan.budget_bytes
+
+
+def test_quantize_is_not_used_where_saving_fits():
+    torch.manual_seed(0)
+    model, inputs = ReluDropMLP(depth=2), (torch.randn(512, 256),)
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, 1.0, quantize="int4")
+    assert not optimized.plan.lossy
+    assert_same_step(eager, optimized, loss_e, loss_o)
+
+
+def test_compression_under_inductor():
+    """The codecs are custom ops: Inductor runs them as fallback kernels, keeping the plan."""
+    torch.manual_seed(0)
+    model, inputs = ReluDropMLP(depth=3), (torch.randn(512, 256),)
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, 0.8, compiler="inductor", time_limit=20)
+    plan = optimized.plan
+    assert plan.compressed and not plan.lossy
+    torch.testing.assert_close(loss_o, loss_e, rtol=1e-4, atol=1e-4)
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):  # Inductor's kernels round differently
+        torch.testing.assert_close(p_o.grad, p_e.grad, rtol=1e-4, atol=1e-4)
+    assert measured_peak(optimized, inputs) <= plan.budget_bytes
+
+
+def test_error_amplifying_values_are_not_offered_to_quantization():
+    """Log-probabilities (their error is exponentiated by the backward), softmax outputs and
+    BatchNorm inputs get no lossy codec; other float activations do."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.bn, self.l2 = nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.l1(x)
+            p = torch.softmax(self.l2(torch.relu(self.bn(h))), -1)
+            return torch.log_softmax(p * h, -1).mean()
+
+    torch.manual_seed(0)
+    plan = fxopt.plan(Net(), 1.0, (torch.randn(512, 64),), quantize="int8")
+    codecs = {n.name: n.codec for n in plan.graph.nodes if n.kind == "forward"}
+    assert codecs["_log_softmax"] is None and codecs["_softmax"] is None
+    assert codecs["addmm"] is None  # BatchNorm's input
+    assert codecs["relu"].startswith("int8")
