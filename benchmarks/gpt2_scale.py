@@ -8,13 +8,16 @@ returned by the model.
 
 1. 12 layers: wall time of ``fxopt.plan(model, 0.5, inputs)`` (capture + analysis + solve), the
    plan's predicted peak, recompute cost and FLOPs, solver, status and the gap to the proven lower
-   bound. When 50% is below the smallest peak fxopt reaches, the error's minimum is recorded and
-   the plan is made at that minimum instead.
+   bound (and, untimed, which bound it is: the instant program's, valid for every schedule the
+   simulator accepts, or the ILP's, valid within its model). When 50% is below the smallest peak
+   fxopt reaches, the error's minimum is recorded and the plan is made at that minimum instead;
+   `fxopt.solvers.instant.peak_lower_bound` gives the peak no schedule can go below.
 2. 4 layers, the same way, then one real training step on CPU through ``fxopt.optimize`` at that
    budget: measured peak (`fxopt.measure_peak`), gradients against eager
    (``torch.testing.assert_close``), step times.
 
-Writes ``<out>/gpt2_scale.md`` and ``gpt2_scale.json``.
+Plans are made with fxopt's disk cache off (``FXOPT_CACHE=0``), so the wall time is a fresh
+solve. Writes ``<out>/gpt2_scale.md`` and ``gpt2_scale.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import copy
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +38,7 @@ import torch
 import fxopt
 from fxopt.models import gpt2, loss_of
 from fxopt.solvers import SolverTimeoutWarning
+from fxopt.solvers.instant import instant_solve, peak_lower_bound
 
 GiB = 2**30
 
@@ -73,6 +78,12 @@ def plan_at_half(layers: int, time_limit: float) -> tuple[dict, fxopt.Plan, tupl
         lower_bound_cost=plan.lower_bound_cost,
         gap=plan.gap,
     )
+    # Untimed: which bound the plan's gap is to, and the peak no schedule can go below.
+    inst = instant_solve(plan.graph, plan.budget_bytes, time_limit=time_limit)
+    row["instant_bound"] = inst.bound
+    row["bound_source"] = (None if plan.lower_bound_cost is None else
+                           "instant" if inst.bound is not None and inst.bound >= plan.lower_bound_cost - 1e-9 else "ilp")
+    row["peak_lower_bound"], row["peak_lower_bound_at"] = peak_lower_bound(plan.graph)
     print(json.dumps(row), flush=True)
     return row, plan, (model, inputs)
 
@@ -109,20 +120,24 @@ def write(rows: list[dict], out: Path, command: str) -> None:
     g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
     lines = ["# GPT-2 small shapes (width 768, 12 heads, seq 512, batch 8) at half the eager peak", "",
              f"`{command}` — {meta['date']}, commit {commit}, torch {meta['torch']}, {meta['cpu_threads']} CPU threads.",
-             "", "| layers | nodes | eager peak (pred.) GiB | 50% GiB | smallest fxopt reaches GiB | budget used GiB | "
-             "predicted peak GiB | measured peak GiB (eager) | plan wall s | solver (status) | +GFLOP | "
+             "Lower bound: proven, on the recompute cost of any plan within the budget (instant: valid for every "
+             "schedule the simulator accepts; ilp: within the ILP's model). No schedule peaks below the proven "
+             "minimum peak (`peak_lower_bound`).",
+             "", "| layers | nodes | eager peak (pred.) GiB | 50% GiB | proven minimum peak GiB | smallest fxopt reaches GiB | "
+             "budget used GiB | predicted peak GiB | measured peak GiB (eager) | plan wall s | solver (status) | +GFLOP | "
              "recompute cost s | lower bound s | gap |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         measured = (f"{g(r['fxopt_measured_peak'])} ({g(r['eager_measured_peak'])})"
                     if "fxopt_measured_peak" in r else "not run")
-        lb = "—" if r["lower_bound_cost"] is None else f"{r['lower_bound_cost']:.2f}"
-        gap = "—" if r["gap"] is None else f"{100 * r['gap']:.0f}%"
+        lb = "—" if r["lower_bound_cost"] is None else f"{r['lower_bound_cost']:.3f} ({r.get('bound_source')})"
+        gap = "—" if r["gap"] is None else f"{100 * r['gap']:.2f}%"
         lines.append(
             f"| {r['layers']} | {r['nodes']} | {g(r['eager_peak'])} | {g(r['eager_peak'] / 2)} | "
+            f"{g(r['peak_lower_bound'])} | "
             f"{g(r['min_budget']) if r.get('infeasible_at_half') else '≤ 50%'} | {g(r['budget'])} | "
             f"{g(r['predicted_peak'])} | {measured} | {r['plan_seconds']:.0f} | {r['solver']} ({r['status']}) | "
-            f"{r['recompute_flops'] / 1e9:.0f} | {r['recompute_cost']:.2f} | {lb} | {gap} |")
+            f"{r['recompute_flops'] / 1e9:.0f} | {r['recompute_cost']:.3f} | {lb} | {gap} |")
     (out / "gpt2_scale.md").write_text("\n".join(lines) + "\n")
 
 
@@ -133,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-layers", type=int, default=4, help="run this depth for real (0: none)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
+    os.environ["FXOPT_CACHE"] = "0"  # time a fresh plan, never one from the disk cache
     command = "python -m benchmarks.gpt2_scale " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []
     for layers in args.layers:

@@ -1,15 +1,19 @@
 """Solve time and optimality gap of each fxopt solver against the size of the training graph.
 
-    python -m benchmarks.solvers [--quick] [--time-limit 30] [--out benchmarks/results]
+    python -m benchmarks.solvers [--quick] [--time-limit 30] [--out benchmarks/results] [--replot]
 
 Graphs are captured from real models (no run: `fxopt.plan` stops after capture), from ~100 to
 ~2,000 nodes: residual MLP chains, a ResNet-like CNN and GPT-2-style transformers. Each graph is
 solved at 50% of its eager peak (or, when that is below the smallest peak any heuristic reaches,
 at that smallest peak) by every solver side by side: the heuristics (checkpoint, greedy, segments), the
-ILP alone with HiGHS and with CBC (`fxopt.solvers.ilp.solve_ilp`, no warm start), and "auto"
-(heuristics, LP relaxation + rounding, then the ILP warm-started). For each: seconds, recompute
-cost of the plan (estimated seconds), the simulated peak, and the gap to the best lower bound
-known for that graph (the LP relaxation's, or a solve's branch-and-bound bound if higher).
+instant program (`fxopt.solvers.instant.instant_solve`: a plan and a lower bound valid for every
+schedule the simulator accepts), the ILP alone with HiGHS and with CBC
+(`fxopt.solvers.ilp.solve_ilp`, no warm start), and "auto" (heuristics, the instant program, then,
+unless its plan is proven within 0.5%, LP relaxation + rounding and the ILP warm-started). For
+each: seconds, recompute cost of the plan (estimated seconds), the simulated peak, and the gap to
+the best lower bound known for that graph: the instant program's, or the ILP's (LP relaxation or
+branch-and-bound) if higher, which holds only within the ILP's model (recomputation window,
+conservative memory); the table says which.
 
 Writes ``<out>/solvers.md``, ``solvers.json`` and ``solvers.png`` (solve time and gap vs graph
 size), rewritten after every graph.
@@ -34,6 +38,7 @@ from fxopt import models
 from fxopt.solvers import SolverTimeoutWarning, solve
 from fxopt.solvers.heuristics import HEURISTICS
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
+from fxopt.solvers.instant import instant_solve, peak_lower_bound
 from fxopt.solvers.schedule import simulate
 
 GRAPHS = {
@@ -72,16 +77,17 @@ def run_graph(name: str, graph, time_limit: float) -> dict:
         lp, _ = lp_bound_and_roundings(graph, budget, time_limit=time_limit, model=ilp)
     row["budget"] = budget
     row["lp_bound"] = lp
-    bounds = [lp] if lp is not None else []
+    row["peak_lower_bound"] = peak_lower_bound(graph)[0]
+    bounds = [(lp, "ilp")] if lp is not None else []
 
-    def record(solver: str, seconds: float, schedule, status: str, bound=None) -> None:
+    def record(solver: str, seconds: float, schedule, status: str, bound=None, source="ilp") -> None:
         entry = {"seconds": seconds, "status": status}
         if schedule is not None:
             tl = simulate(graph, schedule)
             entry.update(cost=tl.recompute_cost, peak=tl.peak_bytes, fits=tl.peak_bytes <= budget)
         if bound is not None:
             entry["bound"] = bound
-            bounds.append(bound)
+            bounds.append((bound, source))
         row["results"][solver] = entry
 
     for h in ("checkpoint", "greedy", "segments"):
@@ -89,6 +95,11 @@ def run_graph(name: str, graph, time_limit: float) -> dict:
         fitting = [(tl.recompute_cost, s) for s, tl in HEURISTICS[h](graph, budget) if tl.peak_bytes <= budget]
         best = min(fitting, key=lambda f: f[0])[1] if fitting else None
         record(h, time.perf_counter() - t0, best, "heuristic" if best else "no plan")
+    inst = instant_solve(graph, budget, time_limit=time_limit)
+    fitting = [(tl.recompute_cost, s) for s, tl in inst.plans if tl.peak_bytes <= budget]
+    best = min(fitting, key=lambda f: f[0])[1] if fitting else None
+    record("instant", inst.seconds, best, "heuristic" if best else "no plan", inst.bound, "instant")
+    row["instant_bound"] = inst.bound
     for backend in ("highs", "cbc"):
         res = solve_ilp(graph, budget, time_limit=time_limit, backend=backend, model=build_ilp(graph, budget))
         record(f"ilp-{backend}", res.seconds, res.schedule, res.status, res.lower_bound)
@@ -97,18 +108,20 @@ def run_graph(name: str, graph, time_limit: float) -> dict:
         warnings.simplefilter("ignore", SolverTimeoutWarning)
         try:
             sol = solve(graph, budget, "auto", time_limit=time_limit)
-            record("auto", time.perf_counter() - t0, sol.schedule, f"{sol.solver} ({sol.status})", sol.lower_bound_cost)
+            record("auto", time.perf_counter() - t0, sol.schedule, f"{sol.solver} ({sol.status})", sol.lower_bound_cost,
+                   sol.bound_source)
         except fxopt.InfeasibleBudgetError:
             record("auto", time.perf_counter() - t0, None, "no plan")
-    best_bound = max(bounds) if bounds else None
+    best_bound, source = max(bounds, key=lambda b: (b[0], b[1] == "instant")) if bounds else (None, None)
     row["best_bound"] = best_bound
+    row["best_bound_source"] = source
     for entry in row["results"].values():
         if "cost" in entry and entry["fits"] and best_bound is not None:
             entry["gap"] = 0.0 if entry["cost"] <= 1e-15 else max(0.0, (entry["cost"] - best_bound) / entry["cost"])
     return row
 
 
-SOLVER_ORDER = ("checkpoint", "greedy", "segments", "ilp-highs", "ilp-cbc", "auto")
+SOLVER_ORDER = ("checkpoint", "greedy", "segments", "instant", "ilp-highs", "ilp-cbc", "auto")
 
 
 def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
@@ -123,11 +136,14 @@ def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
         f"`{command}` — {meta['date']}, commit {commit}, torch {meta['torch']}, {meta['cpu_threads']} CPU threads, "
         f"ILP time limit {time_limit:.0f} s. Budget: 50% of the eager peak, or the lowest peak the heuristics "
         "reach when 50% is out of reach. Cost: estimated seconds of recomputation (fxopt's cost model). "
-        "Gap: (cost − best lower bound) / cost, the bound being the LP relaxation's or a solve's proven "
-        "bound, in the ILP's memory model. `—`: no plan within the budget.",
+        "Gap: (cost − best lower bound) / cost. Bounds: the instant program's (valid for every schedule the "
+        "simulator accepts) and the ILP's (LP relaxation or branch-and-bound: valid only within the ILP's model, "
+        "which restricts recomputation to a window and counts memory conservatively); the best bound column "
+        "names the one used. `—`: no plan within the budget.",
         "",
-        "| graph | nodes | ILP int. vars | budget | LP bound | " + " | ".join(SOLVER_ORDER) + " |",
-        "|---|---:|---:|---:|---:|" + "---|" * len(SOLVER_ORDER),
+        "| graph | nodes | ILP int. vars | budget | LP bound | instant bound | best bound | "
+        + " | ".join(SOLVER_ORDER) + " |",
+        "|---|---:|---:|---:|---:|---:|---:|" + "---|" * len(SOLVER_ORDER),
     ]
     for row in rows:
         cells = []
@@ -138,11 +154,19 @@ def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
                 continue
             gap = "" if "gap" not in e else f", gap {100 * e['gap']:.1f}%"
             cells.append(f"{e['seconds']:.1f} s, cost {e['cost'] * 1e3:.1f} ms{gap}")
-        lp = "—" if row["lp_bound"] is None else f"{row['lp_bound'] * 1e3:.1f} ms"
+        ms = lambda v: "—" if v is None else f"{v * 1e3:.1f} ms"  # noqa: E731
+        best = "—" if row["best_bound"] is None else f"{ms(row['best_bound'])} ({row['best_bound_source']})"
         lines.append(f"| {row['graph']} | {row['nodes']} | {row['ilp_integer_vars']} | "
-                     f"{row['budget'] / 2**20:.0f} MiB ({100 * row['budget'] / row['eager_peak']:.0f}%) | {lp} | "
+                     f"{row['budget'] / 2**20:.0f} MiB ({100 * row['budget'] / row['eager_peak']:.0f}%) | "
+                     f"{ms(row['lp_bound'])} | {ms(row.get('instant_bound'))} | {best} | "
                      + " | ".join(cells) + " |")
     (out / "solvers.md").write_text("\n".join(lines) + "\n")
+    plot(rows, out, meta)
+
+
+def plot(rows: list[dict], out: Path, meta: dict) -> None:
+    """``<out>/solvers.png``: solve time and gap against graph size, one line per solver."""
+    commit, time_limit = meta["commit"], meta["time_limit"]
     try:
         import matplotlib
 
@@ -152,7 +176,8 @@ def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
         return
     fig, (ax_t, ax_g) = plt.subplots(1, 2, figsize=(11, 4))
     for solver in SOLVER_ORDER:
-        pts = [(r["nodes"], r["results"][solver]) for r in rows if solver in r["results"]]
+        pts = sorted(((r["nodes"], r["results"][solver]) for r in rows if solver in r["results"]),
+                     key=lambda p: p[0])
         xs = [n for n, e in pts]
         ax_t.plot(xs, [e["seconds"] for _, e in pts], marker="o", label=solver)
         g = [(n, 100 * e["gap"]) for n, e in pts if "gap" in e]
@@ -180,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per ILP solve (default 30)")
     parser.add_argument("--graphs", nargs="*", help=f"a subset of: {', '.join(GRAPHS)}")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--replot", action="store_true", help="only redraw solvers.png from solvers.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        saved = json.loads((args.out / "solvers.json").read_text())
+        plot(saved["rows"], args.out, saved["meta"])
+        return 0
     command = "python -m benchmarks.solvers " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     names = args.graphs or [n for n, (_, quick) in GRAPHS.items() if quick or not args.quick]
     rows = []

@@ -3,7 +3,7 @@
 A plan is stored under a key made of everything its solve depends on: the whole solver graph
 (nodes, sizes, measured scratch memory, costs: so a plan made on another machine or torch
 version, whose kernels allocate differently, is not reused), the budget in bytes, the solver,
-its time limit and fxopt's version. Directory: ``$FXOPT_CACHE_DIR``, else
+its time limit, fxopt's version and the solvers' revision (`fxopt.solvers.REVISION`). Directory: ``$FXOPT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/fxopt/plans`` (``~/.cache/fxopt/plans``). ``FXOPT_CACHE=0`` turns it off.
 A cache entry that cannot be read is ignored and replaced.
 """
@@ -35,8 +35,9 @@ def directory() -> Path:
 
 def key(graph: Graph, budget: int, solver: str, time_limit: float) -> str:
     from fxopt import __version__
+    from fxopt.solvers import REVISION
 
-    payload = json.dumps([graph.to_dict(), budget, solver, time_limit, __version__], sort_keys=True)
+    payload = json.dumps([graph.to_dict(), budget, solver, time_limit, __version__, REVISION], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from fxopt.errors import InfeasibleBudgetError
-from fxopt.solvers import SOLVERS, Solution, eager_schedule, simulate, solve
+from fxopt.solvers import ILP_REL_GAP, SOLVERS, Solution, eager_schedule, simulate, solve
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS, articulation_values
 from fxopt.solvers.ilp import solve_ilp
@@ -76,6 +76,8 @@ def assert_valid_solution(graph: Graph, budget: int, solution: Solution, solver:
         assert (solution.solver, solution.status) == (solver, "heuristic")
     elif solver == "ilp":
         assert solution.solver in ("ilp", "ilp-rounding", "save_all", "segments", "greedy", "checkpoint")  # rounded LP, eager, fallbacks
+    elif solver == "instant":
+        assert solution.solver in ("instant", "save_all", "segments", "greedy", "checkpoint")
     timeline = simulate(graph, solution.schedule)  # raises if the schedule is not valid
     assert timeline == solution.timeline
     assert timeline.peak_bytes <= budget
@@ -118,7 +120,7 @@ def test_hand_graph(name, solver, kind):
     except InfeasibleBudgetError as err:
         # Only a heuristic may fail above the minimum of "auto" (which is what "min" is); and the
         # budget it names is one it can meet.
-        assert solver in HEURISTICS and kind != "eager"
+        assert (solver in HEURISTICS or solver == "instant") and kind != "eager"
         assert err.budget == budget
         assert err.min_budget > budget
         assert f"({err.min_budget} bytes)" in str(err)
@@ -213,7 +215,7 @@ def test_min_budget_of_each_solver_is_its_own(name, solver):
         solve(graph, lowest - 1, solver, time_limit=TIME_LIMIT)
 
 
-@pytest.mark.parametrize("solver", ["ilp", "auto"])
+@pytest.mark.parametrize("solver", ["ilp", "instant", "auto"])
 def test_mlp2_exact_optimum(solver):
     """mlp2 at 70 bytes, worked out by hand (see test_schedule.MLP2_CASES):
     when g_w2 allocates, g_o 32 + a 16 + g_w2 4 + the 18 always there = 70 are live: no schedule
@@ -226,7 +228,8 @@ def test_mlp2_exact_optimum(solver):
     assert solution.timeline.peak_bytes == 70
     assert solution.timeline.recompute_cost == pytest.approx(3.0)
     assert solution.timeline.recompute_flops == 216
-    assert (solution.solver, solution.status) == ("ilp", "optimal")
+    # "auto" takes the instant program's plan: proven optimal, so the ILP does not run.
+    assert (solution.solver, solution.status) == ("ilp" if solver == "ilp" else "instant", "optimal")
     assert min_budget("mlp2") == 70
     assert eager_peak("mlp2") == 86  # eager keeps a through g_a
 
@@ -420,7 +423,7 @@ def _solve(graph: Graph, budget: int, solver: str) -> Solution | InfeasibleBudge
         return err
 
 
-PROPERTY_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY_SETTINGS = settings(max_examples=int(__import__("os").environ.get("FXOPT_EXAMPLES", 40)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPERTY_SETTINGS
@@ -454,7 +457,9 @@ def test_random_graph_auto_is_cheapest_and_its_min_budget_plannable(graph, fract
         fitting = [t.recompute_cost for _, t in heuristic(graph, budget) if t.peak_bytes <= budget]
         if fitting:
             assert isinstance(best, Solution), f"{name} fits {budget} but auto raised"
-            assert best.timeline.recompute_cost <= min(fitting) + 1e-9, name
+            # auto stops early once its plan is proven within ILP_REL_GAP of optimal.
+            slack = ILP_REL_GAP * best.timeline.recompute_cost if best.status == "optimal" else 0.0
+            assert best.timeline.recompute_cost <= min(fitting) + slack + 1e-9, name
     if isinstance(best, InfeasibleBudgetError):
         lowest = best.min_budget
         assert budget < lowest <= eager
@@ -487,3 +492,124 @@ def test_random_graph_optimal_ilp_means_ilp_solver_succeeds(graph, fraction):
     assert isinstance(result, Solution), "the ILP is optimal but solve(..., 'ilp') raised"
     assert_valid_solution(graph, budget, result, "ilp")
     assert result.timeline.recompute_cost <= timeline.recompute_cost + 1e-9
+
+
+@PROPERTY_SETTINGS
+@given(graph=training_graphs(), fraction=st.floats(0.6, 1.0))
+def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
+    """The instant program's bound holds for every schedule the simulator accepts: no plan any
+    solver finds, and no on-demand plan of any SAVE set, fits the budget for less; where it
+    proves the budget infeasible, none fits at all; and none peaks below `peak_lower_bound`."""
+    from itertools import combinations
+
+    from fxopt.solvers.instant import instant_solve, peak_lower_bound
+    from fxopt.solvers.schedule import on_demand
+
+    eager = simulate(graph, eager_schedule(graph)).peak_bytes
+    budget = int(eager * fraction)
+    res = instant_solve(graph, budget, time_limit=TIME_LIMIT)
+    lowest, _ = peak_lower_bound(graph)
+    timelines = [t for _, t in res.plans] + [t for h in HEURISTICS.values() for _, t in h(graph, budget)]
+    costs = [t.recompute_cost for t in timelines if t.peak_bytes <= budget]
+    ilp = solve_ilp(graph, budget, backend="highs", time_limit=TIME_LIMIT)
+    if ilp.schedule is not None:
+        t = simulate(graph, ilp.schedule)
+        if t.peak_bytes <= budget:
+            costs.append(t.recompute_cost)
+    decidable = sorted(graph.saveable & graph.needed_by_backward)
+    if len(decidable) <= 8:
+        for size in range(len(decidable) + 1):
+            for saved in combinations(decidable, size):
+                try:
+                    t = simulate(graph, on_demand(graph, saved))
+                except InvalidScheduleError:
+                    continue
+                timelines.append(t)
+                if t.peak_bytes <= budget:
+                    costs.append(t.recompute_cost)
+    assert all(t.peak_bytes >= lowest for t in timelines), "a plan peaks below peak_lower_bound"
+    if res.infeasible:
+        event("proven infeasible")
+        assert not costs, "the instant program calls a budget infeasible that a plan meets"
+    elif res.bound is not None and costs:
+        event("bound tight" if res.bound >= min(costs) - 1e-9 else "bound > 0" if res.bound > 0 else "bound 0")
+        assert res.bound <= min(costs) + 1e-9
+
+
+def _chain_with_a_head() -> Graph:
+    """A 3-layer chain a_k = f(a_{k-1}) (4 bytes each, cost 1) under a big head: h = g(a_3)
+    (8 bytes, not recomputable: only saved), loss = sum(h); the head's backward makes two 8-byte
+    gradients at once. Memory is tightest at the head's backward, where every saved activation
+    of the chain is alive with h and its gradients."""
+    b = GraphBuilder()
+    b.input("x", 4)
+    b.input("tan", 1, tangent=True)
+    prev = "x"
+    for k in range(1, 4):
+        b.fwd(f"a{k}", [prev], 4, cost=1.0)
+        prev = f"a{k}"
+    b.fwd("h", [prev], 8, recomputable=False)
+    b.fwd("loss", ["h"], 1, output=True)
+    b.bwd("g_h", ["tan", "h"], 8)
+    b.bwd("g_a3", ["g_h", "h"], 8)
+    prev = "g_a3"
+    for k in range(3, 0, -1):
+        b.bwd(f"g_a{k - 1}" if k > 1 else "g_x", [prev, f"a{k}"], 4, output=k == 1)
+        prev = f"g_a{k - 1}" if k > 1 else "g_x"
+    return b.build()
+
+
+@pytest.mark.parametrize(("spare", "cost"), [(12, 0.0), (8, 1.0), (4, 2.0), (0, 3.0)])
+def test_instant_program_on_a_head(spare, cost):
+    """With `spare` bytes for activations at the head's backward, the cheapest plan saves
+    spare / 4 of the three activations and recomputes the others from x, each once; the instant
+    program finds it and proves it optimal."""
+    from fxopt.solvers.instant import instant_solve, peak_lower_bound
+
+    graph = _chain_with_a_head()
+    lowest, where = peak_lower_bound(graph)
+    assert where == "backward node g_a3"
+    budget = lowest + spare
+    res = instant_solve(graph, budget, time_limit=TIME_LIMIT)
+    fitting = [t.recompute_cost for _, t in res.plans if t.peak_bytes <= budget]
+    assert min(fitting) == pytest.approx(cost)
+    assert res.bound == pytest.approx(cost, abs=1e-6)
+    solution = solve(graph, budget, "auto", time_limit=TIME_LIMIT)
+    assert solution.timeline.recompute_cost == pytest.approx(cost)
+    assert (solution.status, solution.bound_source) == ("optimal", "instant")
+    with pytest.raises(InfeasibleBudgetError):
+        solve(graph, lowest - 1, "auto", time_limit=TIME_LIMIT)
+
+
+def test_ilp_counts_all_outputs_of_a_recomputed_multi_output_op():
+    """Found by hypothesis: the backward reads t5_0 early and t5_1 later, both outputs of one op
+    t5. Recomputing t5 for t5_0 allocates t5_1 (4 bytes) too; the ILP once counted only what it
+    needed, and its plan peaked at 18 bytes for a budget of 17."""
+    from fxopt.solvers.graph import Node
+
+    graph = Graph((
+        Node("x", "input", bytes=1), Node("w0", "input", bytes=1), Node("w1", "input", bytes=7),
+        Node("tangent", "input", bytes=1, tangent=True),
+        *[Node(f"f{k}", "forward", inputs=(0,), bytes=1, flops=50, cost=0.5) for k in range(5)],
+        Node("t5", "forward", inputs=(0,), flops=100, cost=1.0, tensor=False),
+        Node("t5_0", "forward", inputs=(9,), bytes=1), Node("t5_1", "forward", inputs=(9,), bytes=4),
+        Node("t8", "forward", inputs=(0, 10), flops=100, cost=1.0, tensor=False),
+        Node("t8_0", "forward", inputs=(12,), bytes=1), Node("t8_1", "forward", inputs=(12,), bytes=7),
+        Node("loss", "forward", inputs=(14,), bytes=1, flops=50, cost=0.5, output=True),
+        Node("g_loss", "backward", inputs=(3,), bytes=2, flops=2, cost=0.02),
+        Node("g_t8_1", "backward", inputs=(16, 10), bytes=1, flops=1, cost=0.01),
+        Node("gv_t8_0", "backward", inputs=(17,), storage=17),
+        Node("g_t5_1", "backward", inputs=(18, 11), bytes=1, flops=1, cost=0.01),
+        *[Node(f"gv_{k}", "backward", inputs=(19 + k,), storage=19 + k) for k in range(6)],
+        Node("g_x", "backward", inputs=(25,), bytes=1, flops=1, cost=0.01, output=True),
+    ))
+    assert simulate(graph, eager_schedule(graph)).peak_bytes == 22
+    res = solve_ilp(graph, 17, backend="highs", time_limit=TIME_LIMIT)
+    if res.schedule is not None:
+        assert simulate(graph, res.schedule).peak_bytes <= 17
+    try:
+        solution = solve(graph, 17, "auto", time_limit=TIME_LIMIT)
+    except InfeasibleBudgetError as err:
+        assert err.min_budget == 18
+    else:
+        assert_valid_solution(graph, 17, solution, "auto")

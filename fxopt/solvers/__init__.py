@@ -16,6 +16,7 @@ from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
+from fxopt.solvers.instant import instant_solve
 from fxopt.solvers.mip import Progress, default_backend
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
 
@@ -23,7 +24,11 @@ __all__ = ["Graph", "Node", "Schedule", "Timeline", "Solution", "SOLVERS", "solv
 
 log = logging.getLogger("fxopt")
 
-SOLVERS = ("auto", "ilp", "segments", "greedy", "checkpoint", "save_all")
+# Bumped whenever the solvers may answer differently for the same graph, budget and options, so
+# that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
+REVISION = 4
+
+SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
 # Above this many integer variables "auto" does not start the exact solve: it would not finish in
 # seconds. (A 12-layer GPT-2 step, ~2,100 nodes, has about 7,500.)
@@ -34,6 +39,9 @@ COMPRESS_TRIES = 12
 
 # The ILP stops once its plan is proven within this fraction of the optimum (of its model).
 ILP_REL_GAP = 0.005
+
+# Share of the time limit "auto" gives the instant program before the ILP.
+INSTANT_TIME_SHARE = 0.4
 
 
 class SolverTimeoutWarning(UserWarning):
@@ -47,9 +55,13 @@ class Solution:
     solver: str
     status: str  # "optimal" | "feasible" | "heuristic"
     solve_seconds: float
-    # A proven lower bound on the recompute cost of any plan within the budget, in the ILP's
-    # memory model (the LP relaxation's, or the branch-and-bound's if higher); None without ILP.
+    # A proven lower bound on the recompute cost of any plan within the budget (None: none was
+    # computed): the highest of the instant program's (`fxopt.solvers.instant`: valid for every
+    # schedule the simulator accepts) and the ILP's (its LP relaxation's or branch-and-bound's:
+    # valid within the ILP's model, which restricts recomputation to a window and counts memory
+    # conservatively). `bound_source` says which ("instant" or "ilp").
     lower_bound_cost: float | None = None
+    bound_source: str | None = None
 
     @property
     def gap(self) -> float | None:
@@ -78,10 +90,13 @@ def solve(
 ) -> Solution:
     """The cheapest schedule whose simulated peak is within ``budget`` bytes.
 
-    ``solver``: "ilp" (exact, Checkmate-style), "segments" (checkpoints at the forward's
-    articulation values, then the most expensive values per byte), "greedy", "checkpoint"
-    (Chen segments), "save_all" (no rewrite), or "auto" (heuristics, then the ILP's LP relaxation rounded, then
-    the ILP warm-started from the best of those; the cheapest valid schedule wins).
+    ``solver``: "ilp" (exact, Checkmate-style), "instant" (the instant program: a plan and a lower
+    bound from the memory at the backward's tightest instants, see `fxopt.solvers.instant`),
+    "segments" (checkpoints at the forward's articulation values, then the most expensive values
+    per byte), "greedy", "checkpoint" (Chen segments), "save_all" (no rewrite), or "auto"
+    (save_all and checkpoint, then the instant program; unless that proves its plan within
+    `ILP_REL_GAP` of optimal: greedy and segments, the ILP's LP relaxation rounded and the ILP
+    warm-started from the best plan so far; the cheapest valid schedule wins).
     ``time_limit``: seconds for the ILP (its LP relaxation included). ``on_progress`` receives
     one-line progress messages (by default they go to the ``fxopt`` logger). Ctrl-C during the
     ILP stops it and keeps the best plan found so far.
@@ -103,16 +118,50 @@ def solve(
     def cheapest() -> Solution | None:
         return min(fitting, key=lambda s: s.timeline.recompute_cost) if fitting else None
 
-    heuristics = list(HEURISTICS) if solver == "auto" else [solver] if solver in HEURISTICS else []
-    if solver == "ilp":
-        heuristics = ["save_all"]  # recomputing nothing is optimal when it fits: the ILP's model may not see it
-    over: list[tuple[Schedule, Timeline, str]] = []
-    for name in heuristics:
-        progress(f"solver {name}")
-        for schedule, timeline in HEURISTICS[name](graph, budget):
-            consider(schedule, timeline, name, "heuristic")
-            if timeline.peak_bytes > budget:
-                over.append((schedule, timeline, name))
+    over: list[tuple[Schedule, Timeline, str]] = []  # over-budget heuristic schedules
+
+    def run_heuristics(names) -> None:
+        for name in names:
+            progress(f"solver {name}")
+            for schedule, timeline in HEURISTICS[name](graph, budget):
+                consider(schedule, timeline, name, "heuristic")
+                if timeline.peak_bytes > budget:
+                    over.append((schedule, timeline, name))
+
+    # "auto" runs the fast heuristics first, and the slower ones (a few seconds each on thousands
+    # of nodes) only if the instant program does not prove its plan optimal.
+    heuristics = ["save_all", "checkpoint"] if solver == "auto" else [solver] if solver in HEURISTICS else []
+    if solver in ("ilp", "instant"):
+        heuristics = ["save_all"]  # recomputing nothing is optimal when it fits: the models may not see it
+    run_heuristics(heuristics)
+
+    ilp_status = None
+    lower_bound: float | None = None
+    bound_source: str | None = None
+    proven_infeasible = False
+    if solver in ("instant", "auto"):
+        share = time_limit if solver == "instant" else INSTANT_TIME_SHARE * time_limit
+        progress("solver instant")
+        inst = instant_solve(graph, budget, time_limit=share, backend=backend)
+        proven_infeasible = inst.infeasible
+        if inst.bound is not None:
+            lower_bound, bound_source = inst.bound, "instant"
+        for schedule, timeline in inst.plans:
+            consider(schedule, timeline, "instant", "heuristic")
+        best = cheapest()
+        if best is not None and lower_bound is not None:
+            progress(f"instant: best {_fmt(best.timeline.recompute_cost)}, bound {_fmt(lower_bound)}, "
+                     f"gap {100 * _gap(best.timeline.recompute_cost, lower_bound):.2f}%, "
+                     f"{time.perf_counter() - t0:.0f} s")
+
+    def settled() -> bool:
+        best = cheapest()
+        return proven_infeasible or (best is not None and lower_bound is not None
+                                     and _proven(best.timeline.recompute_cost, lower_bound))
+
+    if solver == "auto" and (proven_infeasible or not settled()):
+        # (Also when the budget is proven infeasible: cheap, and a check on that proof.)
+        run_heuristics([name for name in HEURISTICS if name not in heuristics])
     if graph.compressible and over:
         # COMPRESS where recomputation alone does not fit (or fits only at a higher cost): the
         # cheapest over-budget schedules, completed with as little compression as fits.
@@ -125,20 +174,22 @@ def solve(
             done = compress_to_fit(graph, schedule, budget)
             if done is not None:
                 consider(*done, f"{name}+compress", "heuristic")
-
-    ilp_status = None
-    lower_bound: float | None = None
+    if proven_infeasible and fitting:
+        log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
+                    "(please report this graph)", budget)
+        proven_infeasible = False
     model = None
-    if solver in ("ilp", "auto"):
+    if solver == "ilp" or (solver == "auto" and not settled()):
         model = build_ilp(graph, budget)
         if solver == "auto" and model.mip.num_integer > AUTO_ILP_MAX_VARIABLES:
             progress(f"ILP skipped: {model.mip.num_integer} integer variables")
             model = None
     if model is not None:
         progress(f"ILP: {model.mip.num_integer} integer variables, {model.mip.num_rows} constraints; LP relaxation")
-        lp_bound, roundings = lp_bound_and_roundings(graph, budget, time_limit=time_limit, backend=backend,
-                                                     model=model)
-        lower_bound = lp_bound
+        lp_bound, roundings = lp_bound_and_roundings(graph, budget, time_limit=max(1.0, time_limit - (time.perf_counter() - t0)),
+                                                     backend=backend, model=model)
+        if lp_bound is not None and (lower_bound is None or lp_bound > lower_bound):
+            lower_bound, bound_source = lp_bound, "ilp"
         for schedule in roundings:
             try:
                 consider(schedule, simulate(graph, schedule), "ilp-rounding", "heuristic")
@@ -148,8 +199,8 @@ def solve(
         if lp_bound is None and model.infeasible is False and best is None:
             progress("the LP relaxation found no plan within the budget")
         remaining = time_limit - (time.perf_counter() - t0)
-        if lp_bound is not None and best is not None and _proven(best.timeline.recompute_cost, lp_bound):
-            progress("a rounded LP plan is optimal")
+        if lower_bound is not None and best is not None and _proven(best.timeline.recompute_cost, lower_bound):
+            progress("a plan is proven optimal")
         elif lp_bound is not None and remaining > 0:
             progress(f"solver ilp ({backend or default_backend()}), {remaining:.0f} s left")
 
@@ -163,8 +214,8 @@ def solve(
             res = solve_ilp(graph, budget, time_limit=remaining, warm_start=best.schedule if best else None,
                             backend=backend, rel_gap=ILP_REL_GAP, on_progress=report, model=model)
             ilp_status = res.status
-            if res.lower_bound is not None:
-                lower_bound = max(lower_bound or 0.0, res.lower_bound)
+            if res.lower_bound is not None and (lower_bound is None or res.lower_bound > lower_bound):
+                lower_bound, bound_source = res.lower_bound, "ilp"
             if res.schedule is not None:
                 timeline = simulate(graph, res.schedule)
                 if timeline.peak_bytes > budget:
@@ -186,12 +237,14 @@ def solve(
                     SolverTimeoutWarning,
                     stacklevel=2,
                 )
-        if solver == "ilp" and not any(s.solver.startswith("ilp") for s in fitting):
-            # Fall back on the heuristics: the ILP's memory model is conservative, so a budget it
-            # calls infeasible may still be met by a simulated heuristic schedule.
-            for name in ("segments", "greedy", "checkpoint"):
-                for schedule, timeline in HEURISTICS[name](graph, budget):
-                    consider(schedule, timeline, name, "heuristic")
+    if (solver == "ilp" and not any(s.solver.startswith("ilp") for s in fitting)
+            or solver == "instant" and not proven_infeasible and not any(s.solver == "instant" for s in fitting)):
+        # Fall back on the heuristics: the ILP's memory model is conservative, so a budget it
+        # calls infeasible may still be met by a simulated heuristic schedule; the instant
+        # program's plans may peak at instants it did not model.
+        for name in ("segments", "greedy", "checkpoint"):
+            for schedule, timeline in HEURISTICS[name](graph, budget):
+                consider(schedule, timeline, name, "heuristic")
 
     if not fitting and graph.compressible:
         # Nothing fits: every over-budget heuristic schedule, completed with compression (what
@@ -200,7 +253,7 @@ def solve(
             done = compress_to_fit(graph, schedule, budget)
             if done is not None:
                 consider(*done, f"{name}+compress", "heuristic")
-    if not fitting and model is not None:
+    if not fitting and model is not None and not proven_infeasible:
         # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
         # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
         progress("no plan fits; solving for the lowest peak")
@@ -232,7 +285,8 @@ def solve(
         best = dataclasses.replace(best, status="heuristic")
     if lower_bound is not None and _proven(best.timeline.recompute_cost, lower_bound):
         best = dataclasses.replace(best, status="optimal")
-    return dataclasses.replace(best, solve_seconds=time.perf_counter() - t0, lower_bound_cost=lower_bound)
+    return dataclasses.replace(best, solve_seconds=time.perf_counter() - t0, lower_bound_cost=lower_bound,
+                               bound_source=bound_source)
 
 
 def _lossy(codec: str | None) -> bool:
@@ -270,7 +324,7 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     the ILP its solve with the budget as the objective (and the heuristics it falls back on); for
     "auto" the lowest of all. Every schedule is simulated."""
     peaks = [] if known is None else [known]
-    names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp") else (solver,)
+    names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp", "instant") else (solver,)
     for name in names:
         for schedule, timeline in HEURISTICS[name](graph, 0):
             peaks.append(timeline.peak_bytes)

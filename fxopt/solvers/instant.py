@@ -1,0 +1,423 @@
+"""A lower bound on the recompute cost from the memory at a few instants of the backward, and the
+plans it suggests.
+
+While backward node k runs, every schedule holds (as the simulator counts it)
+
+    fixed_k        resident values, forward outputs, tangents, the backward values alive at k and
+                   node k's workspace: the same for every schedule, since the backward nodes run
+                   once, in order, and are freed after their last use;
+  + A_k            the storage of the forward values alive at that instant.
+
+What is alive at k must let the rest of the backward run: every forward value a later backward
+node reads is alive at k or computed after k, and what is computed after k is computed from values
+alive at k or computed after k. What is alive at k was SAVEd or computed in the backward before k.
+Every backward computation of a forward value costs its recompute cost (the first computation of
+a value only the backward needs is free, as in the simulator). So, for one or more instants k, the
+mixed-integer program
+
+    s_i      SAVE i (saveable values only)              shared by all instants
+    n_i      backward computations of i, cost c_i       shared: n_i >= p_ik + r_ik
+    a_ik     i alive while node k runs                  a_ik <= s_i + p_ik
+    p_ik     i computed in the backward before k        p_ik <= s_j + p_jk   (j an input of i)
+    r_ik     i computed after k                         r_ik <= a_jk + r_jk
+    k < k'   a_ik' <= a_ik + r_ik,  p_ik <= p_ik' <= p_ik + r_ik,  r_ik' <= r_ik
+    needs    read by node k: a_ik = 1; by a node before k: s_i + p_ik >= 1; after k: a_ik + r_ik >= 1
+    views    a_ik <= a_(root of i),k                    (a view keeps its base's storage alive)
+    memory   fixed_k + sum_i bytes_i a_ik <= budget
+
+    minimise sum_i c_i n_i
+
+is a relaxation of the simulator's problem: any schedule within the budget gives a solution of
+the same or lower cost (its SAVE set, what is alive at each k, what it computes before and after).
+(A value with a codec counts its compressed size, the least it can occupy if SAVEd and
+COMPRESSed; codec costs are not counted: both keep it a relaxation where graphs carry codecs.)
+Its optimum, or the branch-and-bound's proven bound, is therefore a lower bound on the recompute
+cost of every schedule the simulator accepts within the budget: no window, no conservative memory
+accounting, unlike the Checkmate ILP (`fxopt.solvers.ilp`), whose bound holds only in its model.
+
+The same solution suggests a plan: SAVE the s_i, recompute on demand (`on_demand`). Its cost is
+the program's when the simulated peak fits; when it does not, the instant where it peaks is added
+to the program and the program solved again (a few rounds). Where memory is tight at one instant
+(the start of a language model's backward, with the logits and their gradients alive), one or two
+instants already give a plan within a fraction of a percent of the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.ilp import _forward_profile
+from fxopt.solvers.mip import Mip, solve_mip
+from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, must_save, on_demand, save_all_set,
+                                    simulate)
+
+__all__ = ["InstantResult", "fixed_backward_bytes", "instant_solve"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InstantResult:
+    bound: float | None  # proven lower bound on the recompute cost (None: nothing proven)
+    plans: tuple[tuple[Schedule, Timeline], ...]  # simulated plans, fitting or not
+    instants: tuple[int, ...]  # backward positions modelled in the last round
+    seconds: float
+    infeasible: bool = False  # proven: no schedule fits the budget
+
+
+def fixed_backward_bytes(graph: Graph) -> list[int]:
+    """For each backward node k, the bytes every schedule holds while it runs, forward values
+    aside: resident values and forward outputs, tangents, the backward values alive at k, and
+    k's workspace. A backward value that shares a forward value's storage counts nothing here
+    (that storage is counted as a forward value)."""
+    nodes = graph.nodes
+    bwd = graph.backward_nodes
+    kept_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
+    base = sum(nodes[r].bytes for r in kept_roots)
+    last: dict[int, int] = {}
+    for k, b in enumerate(bwd):
+        for j in nodes[b].inputs:
+            last[j] = k
+    refs: dict[int, int] = {}
+    live = 0
+
+    def counted(i: int) -> int | None:
+        r = graph.roots[i]
+        if r in kept_roots or nodes[r].kind == "forward":
+            return None
+        return r
+
+    def hold(i: int) -> None:
+        nonlocal live
+        r = counted(i)
+        if r is None:
+            return
+        if refs.get(r, 0) == 0:
+            live += nodes[r].bytes
+        refs[r] = refs.get(r, 0) + 1
+
+    def let_go(i: int) -> None:
+        nonlocal live
+        r = counted(i)
+        if r is None:
+            return
+        refs[r] -= 1
+        if refs[r] == 0:
+            live -= nodes[r].bytes
+
+    for i, n in enumerate(nodes):
+        if n.tangent:
+            hold(i)
+    pos = {b: k for k, b in enumerate(bwd)}
+    dying: dict[int, list[int]] = {}
+    for b in bwd:
+        if not nodes[b].output:
+            dying.setdefault(max(last.get(b, pos[b]), pos[b]), []).append(b)
+    out = []
+    for k, b in enumerate(bwd):
+        hold(b)
+        out.append(base + live + nodes[b].workspace)
+        for j in dying.get(k, ()):
+            let_go(j)
+    return out
+
+
+def _least_bytes(graph: Graph, i: int) -> int:
+    """The fewest bytes value i can occupy: its compressed size when it has a codec (a SAVEd value
+    may be kept COMPRESSed), else its size. Counting every value so keeps the program a relaxation
+    of the simulator's problem whether or not it compresses."""
+    node = graph.nodes[i]
+    if getattr(node, "codec", None) is not None and 0 < getattr(node, "compressed_bytes", 0) < node.bytes:
+        return node.compressed_bytes
+    return node.bytes
+
+
+class _Program:
+    """The program above for a growing set of instants."""
+
+    def __init__(self, graph: Graph, budget: int, unit: int):
+        nodes = graph.nodes
+        self.graph, self.budget, self.unit = graph, budget, unit
+        bwd = graph.backward_nodes
+        self.avail = graph.resident | graph.free | graph.forward_outputs
+        self.reads = [[j for j in dict.fromkeys(nodes[b].inputs) if nodes[j].kind == "forward" and j not in self.avail]
+                      for b in bwd]
+        needs = {j for r in self.reads for j in r}
+        self.values = sorted(graph.ancestors(needs) - self.avail)
+        self.fixed = fixed_backward_bytes(graph)
+        costs = [nodes[i].cost for i in self.values if i not in graph.backward_only]
+        top = max(costs, default=0.0)
+        self.cost_scale = 1000.0 / top if top > 0 else 1.0
+        self.instants: list[int] = []
+        self.order = sorted(graph.forward_required)
+        self.fprofile, self.interval = _forward_profile(graph, self.order)
+
+    def cost(self, i: int) -> float:
+        return 0.0 if i in self.graph.backward_only else self.graph.nodes[i].cost
+
+    def computable(self, i: int) -> bool:
+        # A value that cannot be recomputed (random, mutating) is made once, in the forward; only
+        # the backward-only ones (made in the backward unless saved) may be computed there.
+        n = self.graph.nodes[i]
+        return n.recomputable or i in self.graph.backward_only
+
+    def build(self, instants: list[int], forward_steps: list[int] = ()
+              ) -> tuple[Mip, dict[int, int], dict[tuple[int, int], int]]:
+        graph, nodes = self.graph, self.graph.nodes
+        m = Mip()
+        self.instants = list(instants)
+        self._after: dict[int, set[int]] = {}
+        vals = self.values
+        vset = set(vals)
+        s = {i: m.binary(f"s_{nodes[i].name}") for i in vals if i in graph.saveable}
+        n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
+             for i in vals if self.computable(i)}
+        alive: dict[tuple[int, int], int] = {}
+        per_instant: dict[int, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {}
+        for k in instants:
+            a = {i: m.binary(f"a{k}_{nodes[i].name}") for i in vals}
+            p = {i: m.binary(f"p{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+            r = {i: m.binary(f"r{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+            per_instant[k] = (a, p, r)
+            before = {j for kk in range(k) for j in self.reads[kk]}
+            now = set(self.reads[k])
+            after = {j for kk in range(k + 1, len(self.reads)) for j in self.reads[kk]}
+            self._after[k] = after | now
+            for i in vals:
+                alive[k, i] = a[i]
+                m.row([(a[i], 1.0)] + [(c, -1.0) for c in (s.get(i), p.get(i)) if c is not None], upper=0.0)
+                if i in now:
+                    m.row([(a[i], 1.0)], lower=1.0)
+                if i in before:
+                    m.row([(c, 1.0) for c in (s.get(i), p.get(i)) if c is not None], lower=1.0)
+                if i in after:
+                    m.row([(a[i], 1.0)] + ([(r[i], 1.0)] if i in r else []), lower=1.0)
+                root = graph.roots[i]
+                if root != i and root in vset:
+                    m.row([(a[i], 1.0), (a[root], -1.0)], upper=0.0)
+                if i in p:
+                    for j in dict.fromkeys(nodes[i].inputs):
+                        if j in vset:
+                            m.row([(p[i], 1.0)] + [(c, -1.0) for c in (s.get(j), p.get(j)) if c is not None],
+                                  upper=0.0)
+                            m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
+                    m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
+            mem = [(a[i], _least_bytes(graph, i) / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
+            m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
+        # Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
+        # before k means computed before k2; computed before k2 means before k or after k;
+        # computed after k2 means computed after k.
+        ordered = sorted(per_instant)
+        for k, k2 in zip(ordered, ordered[1:]):
+            a, p, r = per_instant[k]
+            a2, p2, r2 = per_instant[k2]
+            for i in vals:
+                m.row([(a2[i], 1.0), (a[i], -1.0)] + ([(r[i], -1.0)] if i in r else []), upper=0.0)
+                if i in p:
+                    m.row([(p[i], 1.0), (p2[i], -1.0)], upper=0.0)
+                    m.row([(p2[i], 1.0), (p[i], -1.0), (r[i], -1.0)], upper=0.0)
+                    m.row([(r2[i], 1.0), (r[i], -1.0)], upper=0.0)
+        if forward_steps:
+            # In the forward, a SAVEd value outlives its last forward use: at step f, the storage
+            # of every saved value whose forward life ended before f is alive on top of what the
+            # forward holds anyway (`_forward_profile`, a lower bound whatever else it computes).
+            kept: dict[int, int] = {}
+            for i, col in s.items():
+                r = graph.roots[i]
+                if r not in self.interval or r in graph.resident or not nodes[r].bytes:
+                    continue
+                if r not in kept:
+                    kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
+                m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
+            for f in forward_steps:
+                terms = [(col, _least_bytes(graph, r) / self.unit) for r, col in kept.items()
+                         if self.interval[r][1] < f]
+                m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
+        return m, s, alive
+
+    def forward_step(self, i: int) -> int:
+        """Position in `order` of the forward node i (or of the first one after it)."""
+        import bisect
+
+        return min(bisect.bisect_left(self.order, i), len(self.order) - 1)
+
+    def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x) -> frozenset[int]:
+        """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last
+        read): what is saved and alive at the earliest instant, and what is saved and read only
+        before it. (A saved value that is not alive at an instant was dropped before it; a saved
+        value that only served to compute others before the instant is not worth saving.)"""
+        k0 = min(self.instants)
+        early = {j for kk in range(k0) for j in self.reads[kk]} - self._after[k0]
+        return frozenset(i for i, col in s.items()
+                         if x[col] > 0.5 and (x[alive[k0, i]] > 0.5 or i in early))
+
+    def alive_sets(self, alive: dict[tuple[int, int], int], x) -> dict[int, frozenset[int]]:
+        """For each modelled instant, the forward values the solution keeps alive there."""
+        out: dict[int, set[int]] = {k: set() for k in self.instants}
+        for (k, i), col in alive.items():
+            if x[col] > 0.5:
+                out[k].add(i)
+        return {k: frozenset(v) for k, v in out.items()}
+
+
+def schedule_for(graph: Graph, saved, alive_at: dict[int, frozenset[int]]) -> Schedule:
+    """`on_demand` for a SAVE set, except that at each backward position k in ``alive_at``, just
+    before what k needs is recomputed and again right after k runs, every forward value not in
+    ``alive_at[k]`` is forgotten (recomputed later if needed again), so that what is alive at k is
+    what the solution said."""
+    from fxopt.solvers.schedule import _missing, read_before_recompute, with_fresh_aliases
+
+    nodes = graph.nodes
+    saved = (frozenset(saved) - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
+    keep = set(graph.resident) | set(graph.forward_outputs) | set(graph.free)
+    avail = keep | (saved & graph.saveable) | {i for i, n in enumerate(nodes) if n.tangent}
+    events: list[int] = []
+
+    def forget(k: int) -> None:
+        drop = {i for i in avail if nodes[i].kind == "forward" and i not in keep and i not in alive_at[k]
+                and nodes[i].recomputable}
+        avail.difference_update(drop)
+
+    for k, b in enumerate(graph.backward_nodes):
+        if k in alive_at:
+            forget(k)
+        missing = _missing(graph, nodes[b].inputs, avail)
+        events.extend(missing)
+        avail.update(missing)
+        events.append(b)
+        avail.add(b)
+        if k in alive_at:
+            forget(k)
+    events = with_fresh_aliases(graph, events)
+    saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free) | must_save(graph)
+    return Schedule(frozenset(saved), events)
+
+
+def _unit(graph: Graph) -> int:
+    total = sum(n.bytes for n in graph.nodes)
+    unit = 1
+    while total // (unit * 2) >= 4096:
+        unit *= 2
+    return unit
+
+
+def _tightest(graph: Graph, timeline: Timeline, budget: int) -> tuple[str, int] | None:
+    """Where a plan's memory is worst: the first event above the budget or, if it fits, the
+    highest backward event. ("backward", position of that backward node, or of the first one
+    after a recomputation) or ("forward", node index); None if nothing can be named."""
+    nodes = graph.nodes
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    bwd_pos = {b: k for k, b in enumerate(graph.backward_nodes)}
+    events = timeline.events
+    over = next((e for e, ev in enumerate(events) if ev[2] > budget), None)
+    if over is None:
+        back = [e for e, ev in enumerate(events) if ev[0] == "backward" and ev[1] in by_name]
+        if not back:
+            return None
+        over = max(back, key=lambda e: events[e][2])
+    phase, name, _ = events[over]
+    if phase == "forward":
+        return ("forward", by_name[name])
+    for ph, nm, _ in events[over:]:
+        i = by_name.get(nm)
+        if i in bwd_pos:
+            return ("backward", bwd_pos[i])
+    return None
+
+
+def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backend: str | None = None,
+                  max_rounds: int = 6, rel_gap: float = 1e-4, target_gap: float = 0.005) -> InstantResult:
+    """Solve the program for the instant with the most fixed memory (and the one where the eager
+    schedule is worst), simulate the plan it suggests, add the instant where that plan is worst
+    (its first event above the budget, in the backward or the forward; if it fits, its highest
+    backward event), and so on, until a plan is proven within ``target_gap`` of the bound, an
+    instant repeats, or ``max_rounds`` solves or ``time_limit`` seconds are spent. Returns the
+    best proven bound and every plan tried, simulated."""
+    t0 = time.perf_counter()
+    if not graph.backward_nodes:
+        return InstantResult(None, (), (), 0.0)
+    prog = _Program(graph, budget, _unit(graph))
+    fixed = prog.fixed
+    # Instants where the fixed part alone is over the budget make every plan infeasible.
+    if max(fixed) > budget:
+        return InstantResult(None, (), (max(range(len(fixed)), key=fixed.__getitem__),), time.perf_counter() - t0,
+                             infeasible=True)
+    instants = [max(range(len(fixed)), key=lambda k: (fixed[k], -k))]
+    # ... and the instant where the eager schedule is worst, where saving less matters most.
+    eager = simulate(graph, on_demand(graph, save_all_set(graph)))
+    worst = _tightest(graph, eager, budget)
+    if worst is not None and worst[0] == "backward" and worst[1] not in instants:
+        instants.append(worst[1])
+    forward_steps: list[int] = []
+    bound: float | None = None
+    plans: list[tuple[Schedule, Timeline]] = []
+    tried: set[tuple] = set()
+    infeasible = False
+    for _ in range(max_rounds):
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0.5:
+            break
+        m, s, alive = prog.build(instants, forward_steps)
+        res = solve_mip(m, time_limit=left, backend=backend, rel_gap=rel_gap)
+        if res.status == "infeasible":
+            infeasible = True
+            break
+        if res.bound is not None:
+            bound = max(bound or 0.0, max(0.0, res.bound / prog.cost_scale))
+        if res.x is None:
+            break
+        saved = prog.saved(s, alive, res.x) | must_save(graph)
+        alive_at = prog.alive_sets(alive, res.x)
+        new: list[tuple[Schedule, Timeline]] = []
+        for schedule in (on_demand(graph, saved), schedule_for(graph, saved, alive_at)):
+            key = (schedule.saved, schedule.backward)
+            if key in tried:
+                continue
+            tried.add(key)
+            try:
+                new.append((schedule, simulate(graph, schedule)))
+            except InvalidScheduleError:
+                continue
+        if not new:
+            break
+        plans += new
+        fitting = [t.recompute_cost for _, t in plans if t.peak_bytes <= budget]
+        if fitting and bound is not None and min(fitting) - bound <= target_gap * min(fitting) + 1e-12:
+            break
+        # Model the instant where the latest plan is worst (above the budget, or tightest).
+        where = _tightest(graph, min(new, key=lambda p: p[1].peak_bytes)[1], budget)
+        if where is None:
+            break
+        if where[0] == "backward":
+            if where[1] in instants:
+                break
+            instants.append(where[1])
+        else:
+            # The forward's rows are over the SAVE decisions only and cheap: add every step once.
+            if forward_steps:
+                break
+            forward_steps = list(range(len(prog.order)))
+    return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
+
+
+def peak_lower_bound(graph: Graph) -> tuple[int, str]:
+    """A peak no schedule can go below, and where: while backward node k runs, its fixed part
+    (`fixed_backward_bytes`) and the forward values it reads are alive; while the forward runs,
+    what it holds with nothing saved. (The budget in between and the smallest peak fxopt reaches
+    is what recomputation could still win, at most.)"""
+    nodes = graph.nodes
+    fixed = fixed_backward_bytes(graph)
+    avail = graph.resident | graph.free | graph.forward_outputs
+    best, where = 0, "nowhere"
+    for k, b in enumerate(graph.backward_nodes):
+        roots = {graph.roots[j] for j in nodes[b].inputs if nodes[j].kind == "forward" and j not in avail}
+        peak = fixed[k] + sum(nodes[r].bytes for r in roots)
+        if peak > best:
+            best, where = peak, f"backward node {nodes[b].name}"
+    order = sorted(graph.forward_required)
+    if order:
+        fprofile, _ = _forward_profile(graph, order)
+        f = max(range(len(order)), key=fprofile.__getitem__)
+        if fprofile[f] > best:
+            best, where = fprofile[f], f"forward node {nodes[order[f]].name}"
+    return best, where
