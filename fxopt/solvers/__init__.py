@@ -26,7 +26,7 @@ log = logging.getLogger("fxopt")
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 4
+REVISION = 5
 
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
@@ -148,6 +148,8 @@ def solve(
             lower_bound, bound_source = inst.bound, "instant"
         for schedule, timeline in inst.plans:
             consider(schedule, timeline, "instant", "heuristic")
+            if timeline.peak_bytes > budget:
+                over.append((schedule, timeline, "instant"))  # compression may make it fit (below)
         best = cheapest()
         if best is not None and lower_bound is not None:
             progress(f"instant: best {_fmt(best.timeline.recompute_cost)}, bound {_fmt(lower_bound)}, "
