@@ -190,3 +190,17 @@ def test_error_amplifying_values_are_not_offered_to_quantization():
     assert codecs["_log_softmax"] is None and codecs["_softmax"] is None
     assert codecs["addmm"] is None  # BatchNorm's input
     assert codecs["relu"].startswith("int8")
+
+
+@pytest.mark.parametrize("codec_cost", [1e-3, 10.0])
+def test_instant_bound_counts_compression(codec_cost):
+    """The instant program's bound holds for plans that compress and charges the codec: here the
+    cheapest plan compresses a (cost codec_cost) or recomputes it (cost 1)."""
+    from fxopt.solvers.instant import instant_solve
+
+    g = _chain(codec_cost)
+    budget = simulate(g, Schedule(frozenset({1, 2}), (5, 6))).peak_bytes - 10
+    best = solve(g, budget).timeline.recompute_cost
+    bound = instant_solve(g, budget, time_limit=10).bound
+    assert bound is not None and bound <= best + 1e-9
+    assert bound == pytest.approx(min(codec_cost, 1.0), rel=1e-3)

@@ -23,9 +23,11 @@ mixed-integer program
     k < k'   a_ik' <= a_ik + r_ik,  p_ik <= p_ik' <= p_ik + r_ik,  r_ik' <= r_ik
     needs    read by node k: a_ik = 1; by a node before k: s_i + p_ik >= 1; after k: a_ik + r_ik >= 1
     views    a_ik <= a_(root of i),k                    (a view keeps its base's storage alive)
-    memory   fixed_k + sum_i bytes_i a_ik <= budget
+    memory   fixed_k + sum_i bytes_i a_ik - sum_i (bytes_i - compressed_i) w_ik <= budget
+    COMPRESS z_i <= s_i at its codec's cost; w_ik <= a_ik, w_ik <= z_i (a compressed value may
+             count its compressed size wherever it is alive: more than the simulator allows)
 
-    minimise sum_i c_i n_i
+    minimise sum_i c_i n_i + sum_i codec_i z_i
 
 is a relaxation of the simulator's problem: any schedule within the budget gives a solution of
 the same or lower cost (its SAVE set, what is alive at each k, what it computes before and after).
@@ -48,6 +50,7 @@ import dataclasses
 import time
 
 from fxopt.solvers.graph import Graph
+from fxopt.solvers.heuristics import compress_to_fit
 from fxopt.solvers.ilp import _forward_profile
 from fxopt.solvers.mip import Mip, solve_mip
 from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, must_save, on_demand, save_all_set,
@@ -122,16 +125,6 @@ def fixed_backward_bytes(graph: Graph) -> list[int]:
     return out
 
 
-def _least_bytes(graph: Graph, i: int) -> int:
-    """The fewest bytes value i can occupy: its compressed size when it has a codec (a SAVEd value
-    may be kept COMPRESSed), else its size. Counting every value so keeps the program a relaxation
-    of the simulator's problem whether or not it compresses."""
-    node = graph.nodes[i]
-    if getattr(node, "codec", None) is not None and 0 < getattr(node, "compressed_bytes", 0) < node.bytes:
-        return node.compressed_bytes
-    return node.bytes
-
-
 class _Program:
     """The program above for a growing set of instants."""
 
@@ -170,6 +163,13 @@ class _Program:
         vals = self.values
         vset = set(vals)
         s = {i: m.binary(f"s_{nodes[i].name}") for i in vals if i in graph.saveable}
+        # COMPRESS: z_i, only for SAVEd values, at its codec's cost; a compressed value may count
+        # its compressed size wherever it is alive (w: alive and compressed), a relaxation of the
+        # simulator, where it counts that only while encoded.
+        z = {i: m.binary(f"z_{nodes[i].name}", cost=nodes[i].codec_cost * self.cost_scale)
+             for i in vals if i in graph.compressible and i in s}
+        for i, col in z.items():
+            m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
         n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
              for i in vals if self.computable(i)}
         alive: dict[tuple[int, int], int] = {}
@@ -202,7 +202,12 @@ class _Program:
                                   upper=0.0)
                             m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
                     m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
-            mem = [(a[i], _least_bytes(graph, i) / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
+            mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
+            for i, col in z.items():
+                w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
+                m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
+                m.row([(w, 1.0), (col, -1.0)], upper=0.0)
+                mem.append((w, -(nodes[i].bytes - nodes[i].compressed_bytes) / self.unit))
             m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
         # Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
         # before k means computed before k2; computed before k2 means before k or after k;
@@ -230,8 +235,9 @@ class _Program:
                     kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
                 m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
             for f in forward_steps:
-                terms = [(col, _least_bytes(graph, r) / self.unit) for r, col in kept.items()
-                         if self.interval[r][1] < f]
+                terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
+                terms += [(z[r], -(nodes[r].bytes - nodes[r].compressed_bytes) / self.unit) for r in kept
+                          if r in z and self.interval[r][1] < f]
                 m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
         return m, s, alive
 
@@ -375,9 +381,14 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
                 continue
             tried.add(key)
             try:
-                new.append((schedule, simulate(graph, schedule)))
+                timeline = simulate(graph, schedule)
             except InvalidScheduleError:
                 continue
+            new.append((schedule, timeline))
+            if timeline.peak_bytes > budget and graph.compressible:
+                done = compress_to_fit(graph, schedule, budget)
+                if done is not None:
+                    new.append(done)
         if not new:
             break
         plans += new
