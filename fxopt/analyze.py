@@ -24,7 +24,7 @@ import logging
 
 from fxopt.compression import Codec, Quantize, codec_for
 from fxopt.errors import CaptureError
-from fxopt.passes._fx import COMPUTE_ONCE, NodeBuilder, tangent_dependents
+from fxopt.passes._fx import NodeBuilder, tangent_dependents
 from fxopt.scratch import op_increases
 from fxopt.solvers.graph import Graph, Node
 
@@ -87,8 +87,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _is_recomputable(node: fx.Node) -> bool:
     target = node.target
-    if node.meta.get(COMPUTE_ONCE):
-        return False  # e.g. a packed mask: its source dies in the forward (fxopt.passes.masks)
     if target is operator.getitem:
         return True
     if not isinstance(target, torch._ops.OpOverload):

@@ -29,9 +29,11 @@ import math
 
 import torch
 
+from fxopt.solvers.graph import LOSSY_FORMATS
+
 __all__ = ["Quantize", "Codec", "QUANTIZE_FORMATS", "codec_for", "resolve_quantize", "gradient_sqnr", "sqnr_db"]
 
-QUANTIZE_FORMATS = ("int8", "fp8", "int4")
+QUANTIZE_FORMATS = LOSSY_FORMATS  # the codec names `fxopt.solvers` treats as lossy
 SCALINGS = ("absmax", "minmax")
 
 # Tensors smaller than this many bytes are never compressed: the two extra ops cost more than
@@ -204,7 +206,7 @@ class Codec:
 
     def elementwise_flops(self, numel: int) -> int:
         """Rough FLOPs of encoding plus decoding (a few per element; for the cost model)."""
-        return (12 if self.name.startswith(QUANTIZE_FORMATS) else 2) * numel
+        return (2 if self.lossless else 12) * numel
 
 
 def codec_for(val, *, lossless: bool, quantize: Quantize | None, indices_of_pool: bool = False) -> Codec | None:

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fxopt.solvers.graph import Graph
+from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 
 FORMAT_VERSION = 2
@@ -47,7 +47,7 @@ class Plan:
     @property
     def lossy(self) -> dict[str, str]:
         """The compressed values whose codec loses precision (quantized)."""
-        return {k: v for k, v in self.compressed.items() if v.split("/")[0] in ("int8", "fp8", "int4")}
+        return {k: v for k, v in self.compressed.items() if is_lossy_codec(v)}
 
     @property
     def gap(self) -> float | None:

@@ -7,10 +7,6 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-# A node marked so must run once, where the graph has it (e.g. a packed mask whose source dies in
-# the forward, see `fxopt.passes.masks`): `fxopt.analyze` makes it non-recomputable.
-COMPUTE_ONCE = "fxopt_compute_once"
-
 _ALIASING = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 _SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag")
@@ -47,6 +43,15 @@ def tangent_dependents(graph: fx.Graph) -> set[fx.Node]:
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
+
+
+def replace_node(graph: fx.Graph, node: fx.Node, op, *args) -> fx.Node:
+    """Compute ``op(*args)`` where ``node`` is (with its source metadata), make every user of
+    ``node`` read it instead, and erase ``node``."""
+    new = NodeBuilder(graph, node.prev, node)(op, *args)
+    replace_value(node, new)
+    graph.erase_node(node)
+    return new
 
 
 def replace_value(old: fx.Node, new: fx.Node) -> None:

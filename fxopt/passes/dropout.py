@@ -29,7 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxopt.passes._fx import NodeBuilder, replace_value
+from fxopt.passes._fx import NodeBuilder, replace_node, replace_value
 
 aten = torch.ops.aten
 
@@ -68,9 +68,7 @@ def recompute_dropout_from_mask(gm: fx.GraphModule) -> int:
         val = grad.meta.get("val") if isinstance(grad, fx.Node) else None
         if not isinstance(val, torch.Tensor) or val.dtype not in EXACT_DTYPES or not isinstance(scale, float):
             continue
-        new = NodeBuilder(graph, node.prev, node)(torch.ops.fxopt.masked_scale.default, grad, mask, scale)
-        replace_value(node, new)
-        graph.erase_node(node)
+        replace_node(graph, node, torch.ops.fxopt.masked_scale.default, grad, mask, scale)
         rewritten += 1
     if rewritten:
         graph.lint()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.passes._fx import NodeBuilder, replace_value, tangent_dependents
+from fxopt.passes._fx import NodeBuilder, replace_node, tangent_dependents
 
 aten = torch.ops.aten
 
@@ -79,10 +79,9 @@ def relu_masks(gm: fx.GraphModule) -> int:
         if _read_by_backward(out, backward, besides=node):
             continue  # the backward reads `out` anyway (a weight gradient, say): nothing to gain
         mask = NodeBuilder(graph, out, out)(aten.le.Scalar, out, threshold)
-        new = NodeBuilder(graph, node.prev, node)(aten.where.ScalarSelf, mask, 0.0, grad)
-        new.meta[RELU_MASK] = node.args[1]  # what `undo_relu_masks` gives back to the backward
-        replace_value(node, new)
-        graph.erase_node(node)
+        read = node.args[1]
+        new = replace_node(graph, node, aten.where.ScalarSelf, mask, 0.0, grad)
+        new.meta[RELU_MASK] = read  # what `undo_relu_masks` gives back to the backward
         count += 1
     if count:
         graph.lint()
@@ -101,9 +100,7 @@ def undo_relu_masks(gm: fx.GraphModule) -> int:
             continue
         mask, grad = node.args[0], node.args[2]
         out, threshold = node.meta.pop(RELU_MASK), mask.args[1]
-        old = NodeBuilder(graph, node.prev, node)(aten.threshold_backward.default, grad, out, threshold)
-        replace_value(node, old)
-        graph.erase_node(node)
+        replace_node(graph, node, aten.threshold_backward.default, grad, out, threshold)
         if not mask.users:
             graph.erase_node(mask)
         count += 1

@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError
-from fxopt.solvers.graph import Graph, Node
+from fxopt.solvers.graph import Graph, Node, is_lossy_codec
 from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import instant_solve
@@ -264,7 +264,7 @@ def solve(
     if not fitting:
         min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak,
                                          run_ilp=model is None)
-        fewer = without_codecs(graph, lossy_only=any(_lossy(n.codec) for n in graph.nodes))
+        fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
         if fewer is not graph:
             # The solvers do not always find the lowest peak of the larger problem (more choices,
             # the same time): never let the codecs make a budget infeasible that plans without them.
@@ -291,14 +291,10 @@ def solve(
                                bound_source=bound_source)
 
 
-def _lossy(codec: str | None) -> bool:
-    return codec is not None and codec.split("/")[0] in ("int8", "fp8", "int4")
-
-
 def without_codecs(graph: Graph, *, lossy_only: bool) -> Graph:
     """`graph` with no codec on its values (only the lossy ones dropped with ``lossy_only``); the
     graph itself when there is nothing to drop."""
-    drop = [i for i, n in enumerate(graph.nodes) if n.codec is not None and (_lossy(n.codec) or not lossy_only)]
+    drop = [i for i, n in enumerate(graph.nodes) if n.codec is not None and (is_lossy_codec(n.codec) or not lossy_only)]
     if not drop:
         return graph
     nodes = list(graph.nodes)

@@ -26,6 +26,15 @@ from typing import Literal
 Kind = Literal["input", "forward", "backward"]
 
 
+# Codecs that lose precision (`fxopt.compression`'s quantizing formats); a codec's name starts
+# with its format ("int8/g64", ...).
+LOSSY_FORMATS = ("int8", "fp8", "int4")
+
+
+def is_lossy_codec(codec: str | None) -> bool:
+    return codec is not None and codec.split("/")[0] in LOSSY_FORMATS
+
+
 @dataclasses.dataclass(frozen=True)
 class Node:
     name: str
