@@ -196,6 +196,22 @@ def _is_pool_indices(n: fx.Node) -> bool:
                                                        aten.max_pool3d_with_indices.default)
 
 
+def _check_constant(joint: fx.GraphModule, node: fx.Node) -> None:
+    """A tensor constant (``get_attr``: a tensor built in forward() from Python values, a lifted
+    constant) is a resident value like a parameter: sized, kept, never recomputed, read by the
+    forward and the backward where they need it. Anything else held as an attribute is refused."""
+    value = getattr(joint, node.target, None)
+    if not isinstance(value, torch.Tensor):
+        raise CaptureError(
+            f"unsupported constant {node.target!r} ({type(value).__name__}) in the captured step: fxopt "
+            "handles tensor constants only. Build it outside forward() or pass it as an argument."
+        )
+    if "val" not in node.meta:
+        fake_mode = next((m.meta["val"].fake_mode for m in joint.graph.nodes
+                          if isinstance(m.meta.get("val"), torch._subclasses.FakeTensor)), None)
+        node.meta["val"] = fake_mode.from_tensor(value, static_shapes=True) if fake_mode is not None else value
+
+
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,
             compress: bool = True, quantize: Quantize | None = None) -> JointGraph:
     """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
@@ -211,9 +227,13 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
 
     for n in fx_nodes:
         if n.op == "placeholder" and not (n.name.startswith("primals") or n.name.startswith("tangents")):
-            raise CaptureError(f"unsupported graph input {n.name!r} (fxopt handles parameters, buffers, inputs and tangents)")
+            raise CaptureError(
+                f"unsupported input {n.name!r} of the captured step: fxopt handles parameters, buffers, "
+                "tensor inputs and incoming gradients. Pass it as a tensor argument of forward() or "
+                "register it on the module (register_buffer)."
+            )
         if n.op == "get_attr":
-            raise CaptureError(f"unsupported constant attribute {n.target!r} in the captured graph")
+            _check_constant(joint, n)
         val = n.meta.get("val")
         for t in _tensors(val):
             if any(not isinstance(s, int) for s in t.shape):
@@ -265,7 +285,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
             for k, t in enumerate(items):
                 if isinstance(t, torch.Tensor) and k not in taken and StorageWeakRef(t.untyped_storage()) not in storage_owner:
                     own_bytes += _nbytes(t)
-        if n.op == "placeholder":
+        if n.op in ("placeholder", "get_attr"):
             kind = "input"
         elif n in backward:
             kind = "backward"
@@ -295,7 +315,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                 bytes=own_bytes,
                 workspace=_scratch(increases.get(n, 0), own_bytes),
                 flops=flops,
-                cost=0.0 if n.op == "placeholder" else cost_model.seconds(flops, moved, storage is not None),
+                cost=0.0 if n.op in ("placeholder", "get_attr") else cost_model.seconds(flops, moved, storage is not None),
                 storage=storage,
                 recomputable=recomputable,
                 output=n in fwd_outs or n in bwd_outs,

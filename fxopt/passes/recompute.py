@@ -50,7 +50,10 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
     wanted = (set(schedule.saved) & read) | {
         j for j in read if nodes[j].kind == "input" and not nodes[j].tangent
     }
-    saved = [by_name[joint.names[i]] for i in sorted(wanted) if nodes[i].tensor]
+    # Tensor constants (``get_attr``) are read from the module by each graph that needs them.
+    constants = [by_name[joint.names[i]] for i in sorted(wanted) if by_name[joint.names[i]].op == "get_attr"]
+    saved = [by_name[joint.names[i]] for i in sorted(wanted)
+             if nodes[i].tensor and by_name[joint.names[i]].op != "get_attr"]
 
     fwd_outputs, bwd_outputs, fwd_descs, bwd_descs = _p._extract_fwd_bwd_outputs(
         module, num_fwd_outputs=joint.num_fwd_outputs
@@ -78,6 +81,8 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
         new = graph.placeholder(n.name)
         new.meta = dict(n.meta)
         current[n.name] = new
+    for n in constants:
+        current[n.name] = graph.node_copy(n)
     for i in schedule.backward:
         original = by_name[joint.names[i]]
         for a in original.all_input_nodes:
