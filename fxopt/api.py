@@ -16,7 +16,7 @@ from fxopt.analyze import CostModel
 from fxopt.budget import Budget, resolve_budget
 from fxopt.compression import Quantize
 from fxopt.capture import Options, PlanReady, is_graph_break, make_backend, unwrap_compile_error
-from fxopt.errors import CaptureError
+from fxopt.errors import CaptureError, FxoptError
 from fxopt.plan import Plan
 from fxopt.solvers import SOLVERS
 
@@ -66,9 +66,57 @@ def _dynamo_settings():
         yield
 
 
-def _run_compiled(compiled, args, kwargs):
+_GLOBAL_MODULE_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                        "_global_backward_hooks", "_global_forward_hooks_always_called",
+                        "_global_forward_hooks_with_kwargs")
+
+
+@contextlib.contextmanager
+def _dispatch_modes_see_the_step(compiler: str):
+    """Let a TorchDispatchMode around the call (``FlopCounterMode``, a memory tracker) see the
+    rewritten step's ops, recomputations included, instead of making Dynamo skip the frame:
+    such a mode is told to ignore compile internals for the call, as torch does for modes that
+    ask (it is off while compiling and on while the compiled graphs run)."""
+    from torch.utils import _python_dispatch as pd
+
+    modes = [m for m in pd._get_current_dispatch_mode_stack()
+             if not m.is_infra_mode() and not m.ignore_compile_internals()]
+    if not modes:
+        yield
+        return
+    if compiler != "eager":
+        names = ", ".join(sorted({type(m).__name__ for m in modes}))
+        raise FxoptError(
+            f"{names} cannot see inside kernels that Inductor generates, so it would miscount "
+            "this fxopt step; run it with compiler='eager' (fxopt.optimize(..., compiler='eager')) "
+            "where the mode must see every op"
+        )
+    for mode in modes:
+        mode.ignore_compile_internals = lambda: True
+    flag = getattr(pd, "_is_in_any_mode_without_ignore_compile_internals", None)
+    if flag is not None:
+        pd._is_in_any_mode_without_ignore_compile_internals = False
+    # Modes that attribute ops to modules (FlopCounterMode's ModuleTracker) install global module
+    # hooks; the step is one graph now, so it is attributed to the fxopt module as a whole.
+    hook_dicts = [getattr(nn.modules.module, name) for name in _GLOBAL_MODULE_HOOKS
+                  if hasattr(nn.modules.module, name)]
+    stashed = [dict(d) for d in hook_dicts]
+    for d in hook_dicts:
+        d.clear()
     try:
-        with _dynamo_settings():
+        yield
+    finally:
+        for d, saved in zip(hook_dicts, stashed):
+            d.update(saved)
+        for mode in modes:
+            del mode.ignore_compile_internals
+        if flag is not None:
+            pd._is_in_any_mode_without_ignore_compile_internals = flag
+
+
+def _run_compiled(compiled, args, kwargs, compiler: str = "eager"):
+    try:
+        with _dynamo_settings(), _dispatch_modes_see_the_step(compiler):
             return compiled(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - translate what Dynamo wraps into fxopt's errors
         inner = unwrap_compile_error(err)
@@ -113,7 +161,7 @@ class FxoptModule(nn.Module):
         return self._model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _run_compiled(self._compiled, args, kwargs)
+        return _run_compiled(self._compiled, args, kwargs, self._options.compiler)
 
     def train(self, mode: bool = True) -> FxoptModule:
         self._model.train(mode)
@@ -169,7 +217,7 @@ def optimize(
                       cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
                       quantize=quantize)
     if example_inputs is not None and plan is None:
-        options = dataclasses.replace(options, plan=_plan_now(
+        options = dataclasses.replace(options, plan_from_examples=True, plan=_plan_now(
             model, budget, example_inputs, solver=solver, time_limit=time_limit,
             cost_model=options.cost_model, compiler=compiler, compress=compress, quantize=quantize))
     return FxoptModule(model, options)
@@ -221,7 +269,7 @@ def plan_and_rewrite(
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:
-        _run_compiled(compiled, args, kwargs)
+        _run_compiled(compiled, args, kwargs, compiler)
     except PlanReady as ready:
         return ready
     raise CaptureError(

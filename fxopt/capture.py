@@ -60,6 +60,9 @@ class Options:
     inductor_config: dict | None = None
     compress: bool = True
     quantize: Quantize | None = None
+    # ``plan`` was made here from ``example_inputs``: a graph it does not fit (another input
+    # shape, autocast on) is planned anew, as without example inputs, instead of refused.
+    plan_from_examples: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "quantize", resolve_quantize(self.quantize))
@@ -84,7 +87,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = dict(compress=options.compress, quantize=options.quantize)
-    before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
+    before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) \
+        if options.plan is None or options.plan_from_examples else None
     rewritten = recompute_dropout_from_mask(joint)
     relu = masks.relu_masks(joint) if options.compress else 0
     jg = before if before is not None and not (rewritten or relu) else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
@@ -97,13 +101,19 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
     if options.plan is not None:
         if options.plan.fingerprint != jg.fingerprint and relu:
             jg = without_relu_masks()
-        if options.plan.fingerprint != jg.fingerprint:
+        if options.plan.fingerprint != jg.fingerprint and options.plan_from_examples:
+            if relu:
+                masks.relu_masks(joint)
+                jg = analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+            options = dataclasses.replace(options, plan=None, plan_from_examples=False)
+        elif options.plan.fingerprint != jg.fingerprint:
             raise CaptureError(
                 "the given plan was made for a different graph (another model, input shape, dtype, "
                 "compress= or quantize= setting "
                 "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
             )
-        return jg, options.plan
+        else:
+            return jg, options.plan
     eager = simulate(eager_graph, eager_schedule(eager_graph))
     budget = resolve_budget(options.budget, eager.peak_bytes)
     cache_key = cache.key(jg.graph, budget, options.solver, options.time_limit)
