@@ -272,6 +272,32 @@ def test_view_keeps_base_alive():
     assert [e[2] for e in timeline.events] == [24, 24, 56, 57, 61, 53]
 
 
+def test_tuple_holds_its_outputs_while_it_lives():
+    """A multi-output op's tuple holds every output it made (the generated code takes them out
+    with getitem, but the tuple keeps a reference): keeping the tuple alive to take an output out
+    again later keeps that output alive in between, and taking it out again is the same tensor."""
+    b = GraphBuilder()
+    b.input("x", 8)
+    b.input("tan", 1, tangent=True)
+    b.fwd("t", ["x"], 0, tensor=False)  # e.g. native_layer_norm: (out, mean, rstd)
+    b.fwd("o", ["t"], 16)
+    b.fwd("m", ["t"], 2)
+    b.fwd("y", ["o"], 4, output=True)
+    b.bwd("g1", ["tan", "m"], 20)
+    b.bwd("g2", ["g1"], 4)
+    b.bwd("g3", ["g2", "o"], 4)
+    b.bwd("g_x", ["g3"], 8, output=True)
+    g = b.build()
+    assert names(g, g.tuple_items) == {"o", "m"}
+    # The backward recomputes t, takes o out (unread: the tuple's outputs come out together) and
+    # m, and takes o out of the same t again for g3. forward: t 8, o 24, y 28 (-o: 12).
+    # backward: start 13 (tan); t 13; o 29 (held by t); m 31; g1 51 (-m: still held by t);
+    # g2 55 (-g1: 35); o 35 (the same tensor; -t: m freed, 33); g3 37 (-g2, -o: 17); g_x 25.
+    timeline = simulate(g, sched(g, [], ["t", "o", "m", "g1", "g2", "o", "g3", "g_x"]))
+    assert [e[2] for e in timeline.events] == [8, 24, 28, 13, 13, 29, 31, 51, 55, 35, 37, 25]
+    assert timeline.peak_bytes == 55
+
+
 # ------------------------------------------------------------------ on_demand, the schedule builder
 def test_on_demand_recomputes_just_before_first_use():
     g = mlp2()

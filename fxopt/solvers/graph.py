@@ -105,6 +105,16 @@ class Graph:
         ) | self.resident
 
     @functools.cached_property
+    def tuple_items(self) -> frozenset[int]:
+        """Values taken out of a multi-output op's tuple (getitem) into storage of their own. The
+        op allocates them all; the tuple keeps each alive for as long as the tuple itself lives."""
+        return frozenset(
+            i for i, n in enumerate(self.nodes)
+            if len(n.inputs) == 1 and not self.nodes[n.inputs[0]].tensor and self.nodes[n.inputs[0]].kind != "input"
+            and self.roots[i] == i and n.tensor
+        )
+
+    @functools.cached_property
     def aliases(self) -> frozenset[int]:
         """Forward values that are views of other forward values (not free). Schedules never
         SAVE them: they make a fresh one from the base just before each use, which costs nothing

@@ -13,7 +13,8 @@ The simulator frees every value right after its last use, exactly as the generat
 code drops each local after its last use, and the backward takes its inputs boxed, so saved
 tensors die early too. Forward outputs are held by the caller, gradients are kept, and the
 incoming gradients (tangents) are held by the autograd engine until the backward returns, so
-none of these is freed.
+none of these is freed. A multi-output op's tuple holds every output it made, so an output taken
+out of it lives at least as long as the tuple.
 """
 
 from __future__ import annotations
@@ -107,11 +108,24 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     storage_of: dict[tuple[int, int], tuple[int, int]] = {}
     current: dict[int, tuple[int, int]] = {}
     forever: set[tuple[int, int]] = set()
+    # A multi-output op's tuple holds every output it made: an output taken out by a getitem
+    # lives until both the getitem's value and the tuple are dead, and taking it out again from
+    # the same copy of the tuple gives the same tensor.
+    held: dict[tuple[int, int], list[tuple[int, int]]] = {}  # tuple instance -> storages it holds
+    taken: dict[tuple[tuple[int, int], int], tuple[int, int]] = {}  # (tuple instance, getitem) -> storage
 
     def create(i: int, n: int) -> tuple[int, int]:
         inst = (i, n)
         root = graph.roots[i]
-        if root == i:
+        if root == i and i in graph.tuple_items:
+            src = current[nodes[i].inputs[0]]
+            key = taken.get((src, i))
+            if key is None:
+                key = taken[(src, i)] = inst
+                held.setdefault(src, []).append(key)
+                acquire(key, i)  # the tuple's reference
+            storage_of[inst] = key
+        elif root == i:
             storage_of[inst] = inst
         else:
             src = next((current[j] for j in nodes[i].inputs if graph.roots[j] == root), None)
@@ -122,6 +136,8 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
 
     def drop(inst: tuple[int, int]) -> None:
         release(storage_of[inst], storage_of[inst][0])
+        for key in held.pop(inst, ()):
+            release(key, key[0])
 
     for i, node in enumerate(nodes):
         if node.kind == "input" and not node.tangent:
