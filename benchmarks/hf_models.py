@@ -257,6 +257,7 @@ class ModelBench:
             def record_plan(fn: Any, row: dict[str, Any], plans=plans) -> None:
                 plans.append(fn.plan)
                 row.update(plan_fields(fn.plan))
+                row["plan_gap"] = fn.plan.gap
                 self.info.setdefault("predicted_eager_peak_bytes", fn.plan.eager_peak_bytes)
 
             self.attempt(row, build, after_warmup=record_plan, flop_counter_mode=False)
@@ -466,11 +467,12 @@ def report(data: dict[str, Any]) -> str:
         "differs (\"FCM failed\" where it raised). Extra GFLOP: counted minus eager's; \"plan\": fxopt's "
         "`plan.recompute_flops`. Step ms: median of interleaved steps (× eager's paired median; the CPU is shared, "
         "so noisy). Plan s: the `fxopt.optimize` call (capture + solve; solve in brackets). Grads equal: loss and every "
-        "parameter gradient `torch.testing.assert_close` to eager's.",
+        "parameter gradient `torch.testing.assert_close` to eager's. Plan: the solver that made the plan, its status and "
+        "the proven gap to optimal where an ILP ran (\"heuristic\": the ILP found no plan in its time limit).",
         "",
         "| model | method | budget | budget MiB | predicted MiB | measured MiB | ≤ budget | GFLOP | extra GFLOP | plan extra GFLOP "
-        "| step ms (× eager) | plan s | grads equal | notes |",
-        "|---|---|---|---:|---:|---:|:---:|---:|---:|---:|---:|---:|:---:|---|",
+        "| step ms (× eager) | plan s | plan | grads equal | notes |",
+        "|---|---|---|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---|:---:|---|",
     ]
     for entry in data["models"]:
         info, rows = entry["info"], entry["rows"]
@@ -481,7 +483,7 @@ def report(data: dict[str, Any]) -> str:
             if r.get("error"):
                 notes.insert(0, r["error"])
             if r.get("flop_counter_mode_error"):
-                notes.append(f"FlopCounterMode failed: {r['flop_counter_mode_error'][:160]}")
+                notes.append(f"FlopCounterMode failed: {r['flop_counter_mode_error'][:100]}")
             gflop = _gflop(r.get("flops"), signed=False)
             fcm = r.get("flop_counter_mode_flops")
             if fcm is not None and r.get("flops") is not None and fcm != r["flops"]:
@@ -497,7 +499,7 @@ def report(data: dict[str, Any]) -> str:
             lines.append(
                 f"| {info['name']} | {r['method']} | {r['budget']} | {mib(r.get('budget_bytes'))} "
                 f"| {mib(r.get('predicted_peak_bytes'))} | {mib(measured)} | {within} | {gflop} "
-                f"| {_gflop(r.get('extra_flops'))} | {_gflop(r.get('predicted_extra_flops'))} | {step} | {plan_s} | {grads} "
+                f"| {_gflop(r.get('extra_flops'))} | {_gflop(r.get('predicted_extra_flops'))} | {step} | {plan_s} | {_plan(r)} | {grads} "
                 f"| {'; '.join(n.replace('|', '/') for n in notes)} |")
     lines += ["", "## Models", ""]
     for entry in data["models"]:
@@ -511,6 +513,13 @@ def report(data: dict[str, Any]) -> str:
     for name, err in (meta.get("model_errors") or {}).items():
         lines.append(f"- **{name}**: could not be built: {err}")
     return "\n".join(lines) + "\n"
+
+
+def _plan(row: dict[str, Any]) -> str:
+    if row.get("plan_solver") is None:
+        return "–"
+    gap = row.get("plan_gap")
+    return f"{row['plan_solver']} ({row['plan_status']}" + ("" if gap is None else f", gap {gap:.0%}") + ")"
 
 
 def _gflop(flops: int | float | None, signed: bool = True) -> str:

@@ -10,7 +10,7 @@ the HF model computes itself (``labels=`` → ``output.loss``), the way a traini
     model.hf.activation_checkpointing_enable()   # HF's own gradient checkpointing
 
 Sizes: ``"test"`` is tiny (each step well under a second on a 2-core CPU, for the test suite);
-``"bench"`` is what `benchmarks.hf_models` runs (a few layers, hidden 128, sequences of 128 tokens
+``"bench"`` is what `benchmarks.hf_models` runs (2 layers (T5, BART, Whisper: 1 + 1), hidden 128, sequences of 128 tokens
 or 64-pixel images), chosen so activations, not parameters, dominate the step.
 
 Every model has dropout 0 (including attention dropout), so the step is deterministic and
@@ -68,10 +68,10 @@ def _transformers():
 # ---------------------------------------------------------------- sizes
 # text: layers, hidden, heads, ffn, seq, batch, vocab
 TEXT = {"test": dict(layers=2, hidden=32, heads=2, ffn=64, seq=16, batch=2, vocab=128),
-        "bench": dict(layers=4, hidden=128, heads=4, ffn=512, seq=128, batch=4, vocab=1024)}
+        "bench": dict(layers=2, hidden=128, heads=4, ffn=512, seq=128, batch=4, vocab=1024)}
 # images: batch, pixels, and for transformers layers/hidden/heads/ffn/patch
 IMAGE = {"test": dict(layers=2, hidden=32, heads=2, ffn=64, image=32, patch=8, batch=2, widths=(8, 16), depths=(1, 1)),
-         "bench": dict(layers=4, hidden=128, heads=4, ffn=512, image=64, patch=8, batch=8,
+         "bench": dict(layers=2, hidden=128, heads=4, ffn=512, image=64, patch=8, batch=8,
                        widths=(32, 64, 128, 256), depths=(1, 1, 2, 1))}
 N_CLASSES = 10
 
