@@ -458,6 +458,13 @@ def report(data: dict[str, Any]) -> str:
             f"| {info['name']} | {mib(info.get('eager_measured_peak_bytes'))} | {cell(by.get(('hf-checkpointing', '–')))} "
             f"| {cell(by.get(('compile-amb', f'amb {COMPILE_BUDGET:g}')))} | {cell(by.get(('fxopt', 'hf-peak')))} | {ratio} "
             f"| {cell(by.get(('fxopt', f'{FXOPT_FRACTION:g}')))} | {cell(by.get(('fxopt', 'min')), budget=True)} | {below} | {grads} |")
+    over = [(entry["info"]["name"], r) for entry in data["models"] for r in entry["rows"]
+            if r["method"] == "fxopt" and r.get("within_budget") is False]
+    if over:
+        lines += ["", "**fxopt measured above its budget** (bytes): " + "; ".join(
+            f"{name} @ {r['budget']}: budget {r['budget_bytes']}, measured {r['measured_peak_bytes']} "
+            f"(+{r['measured_peak_bytes'] - r['budget_bytes']}), predicted {r.get('predicted_peak_bytes')}"
+            for name, r in over) + "."]
     lines += [
         "",
         "## Every row",
