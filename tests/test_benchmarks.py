@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from benchmarks import pareto
+from benchmarks import hf_models, pareto
 from benchmarks.harness import checkpoint_blocks
+from benchmarks.hf_zoo import HF_ZOO
 from benchmarks.models import MODELS
 
 
@@ -48,3 +49,42 @@ def test_benchmark_models_return_a_loss_and_checkpoint_equally(name):
     for n, p in w.model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], msg=n)
     assert all("forward" not in vars(b) for b in w.blocks)  # the wrapper leaves the model as it was
+
+
+@pytest.mark.parametrize("name", sorted(HF_ZOO))
+def test_hf_zoo_models_build_and_return_a_loss(name):
+    pytest.importorskip("transformers")
+    model, inputs = HF_ZOO[name].build("test")
+    assert model.training
+    loss = model(*inputs)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert any(p.grad is not None for p in model.parameters())
+
+
+def test_hf_models_benchmark_tiny(tmp_path):
+    """One tiny HF model through the benchmark: eager, HF checkpointing, fxopt at HF's peak."""
+    pytest.importorskip("transformers")
+    threads, cache = torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
+    out = tmp_path / "hf_models"
+    hf_models.main(["--size", "test", "--models", "bert", "--methods", "eager,hf-checkpointing,fxopt",
+                    "--fxopt-budgets", "hf-peak", "--time-limit", "2", "--timed-steps", "1", "--out", str(out)])
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["complete"] and data["models"][0]["info"]["complete"]
+    rows = {(r["method"], r["budget"]): r for r in data["models"][0]["rows"]}
+    eager, hf, fx = rows["eager", "–"], rows["hf-checkpointing", "–"], rows["fxopt", "hf-peak"]
+    assert eager["extra_flops"] == 0 and eager["grads_equal"] and eager["loss_equal"]
+    # HF checkpointing recomputes every layer's forward and keeps less alive
+    assert hf["grads_equal"] and hf["extra_flops"] > 0
+    assert hf["measured_peak_bytes"] < eager["measured_peak_bytes"]
+    # fxopt's budget is HF's measured peak, kept, with eager's gradients
+    assert fx.get("error") is None, fx.get("error")
+    assert fx["budget_bytes"] == hf["measured_peak_bytes"]
+    assert fx["grads_equal"] and fx["loss_equal"] and fx["within_budget"]
+    assert fx["predicted_peak_bytes"] <= fx["budget_bytes"]
+    assert "| bert |" in out.with_suffix(".md").read_text()
+    # the Markdown can be rewritten from the JSON alone
+    out.with_suffix(".md").unlink()
+    hf_models.main(["--report", "--out", str(out)])
+    assert "| bert | fxopt | hf-peak |" in out.with_suffix(".md").read_text()
+    assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache

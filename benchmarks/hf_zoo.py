@@ -1,0 +1,245 @@
+"""Hugging Face models as users train them: small configs, random weights, no downloads.
+
+Each entry of `HF_ZOO` builds a transformers model from a config (no pretrained weights, nothing
+fetched) and its inputs, wrapped in `HFLoss` so that ``model(*inputs)`` returns the scalar loss
+the HF model computes itself (``labels=`` → ``output.loss``), the way a training loop calls it.
+
+    from benchmarks.hf_zoo import HF_ZOO
+    model, inputs = HF_ZOO["bert"].build("test")
+    model(*inputs).backward()
+    model.hf.activation_checkpointing_enable()   # HF's own gradient checkpointing
+
+Sizes: ``"test"`` is tiny (each step well under a second on a 2-core CPU, for the test suite);
+``"bench"`` is what `benchmarks.hf_models` runs (2 layers (T5, BART, Whisper: 1 + 1), hidden 128, sequences of 128 tokens
+or 64-pixel images), chosen so activations, not parameters, dominate the step.
+
+Every model has dropout 0 (including attention dropout), so the step is deterministic and
+gradient parity against eager is exact; ``use_cache=False`` on decoders (training builds no KV
+cache). Attention is HF's default implementation (``sdpa``). Decoders get a padding mask (the
+last quarter of the second sequence padded, its labels -100), as batched training does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+SIZES = ("test", "bench")
+
+
+class HFLoss(nn.Module):
+    """An HF model called with keyword arguments ``names`` taken from the positional inputs,
+    returning ``output.loss``. The HF model is ``self.hf``."""
+
+    def __init__(self, hf: nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        self.hf = hf
+        self.names = names
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.hf(**dict(zip(self.names, inputs))).loss
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModel:
+    name: str
+    hf_class: str  # the transformers class
+    build_fn: Callable[[str], tuple[nn.Module, dict[str, torch.Tensor]]]  # size -> (HF model, inputs by name)
+    description: str
+
+    def build(self, size: str = "test") -> tuple[HFLoss, tuple[torch.Tensor, ...]]:
+        """The wrapped model (in training mode) and its positional inputs."""
+        if size not in SIZES:
+            raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+        hf, named = self.build_fn(size)
+        model = HFLoss(hf, tuple(named)).train()
+        return model, tuple(named.values())
+
+
+def _transformers():
+    import transformers
+
+    return transformers
+
+
+# ---------------------------------------------------------------- sizes
+# text: layers, hidden, heads, ffn, seq, batch, vocab
+TEXT = {"test": dict(layers=2, hidden=32, heads=2, ffn=64, seq=16, batch=2, vocab=128),
+        "bench": dict(layers=2, hidden=128, heads=4, ffn=512, seq=128, batch=4, vocab=1024)}
+# images: batch, pixels, and for transformers layers/hidden/heads/ffn/patch
+IMAGE = {"test": dict(layers=2, hidden=32, heads=2, ffn=64, image=32, patch=8, batch=2, widths=(8, 16), depths=(1, 1)),
+         "bench": dict(layers=2, hidden=128, heads=4, ffn=512, image=64, patch=8, batch=8,
+                       widths=(32, 64, 128, 256), depths=(1, 1, 2, 1))}
+N_CLASSES = 10
+
+
+def _text_inputs(c: dict, *, mask: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=g)
+    out = {"input_ids": ids}
+    if mask:
+        attention = torch.ones_like(ids)
+        attention[-1, -(c["seq"] // 4):] = 0  # right padding on the last sequence
+        out["attention_mask"] = attention
+    return out
+
+
+def _lm_labels(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    labels = inputs["input_ids"].clone()
+    if "attention_mask" in inputs:
+        labels[inputs["attention_mask"] == 0] = -100
+    return labels
+
+
+def _pixels(c: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(c["batch"], 3, c["image"], c["image"], generator=g),
+            "labels": torch.randint(0, N_CLASSES, (c["batch"],), generator=g)}
+
+
+# ---------------------------------------------------------------- decoders
+def gpt2(size: str):
+    t, c = _transformers(), TEXT[size]
+    cfg = t.GPT2Config(n_layer=c["layers"], n_embd=c["hidden"], n_head=c["heads"], n_inner=c["ffn"],
+                       n_positions=c["seq"], vocab_size=c["vocab"], resid_pdrop=0.0, embd_pdrop=0.0,
+                       attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    inputs = _text_inputs(c)
+    return t.GPT2LMHeadModel(cfg), {**inputs, "labels": _lm_labels(inputs)}
+
+
+def _llama_like(config_cls: str, model_cls: str, size: str, **extra):
+    t, c = _transformers(), TEXT[size]
+    cfg = getattr(t, config_cls)(num_hidden_layers=c["layers"], hidden_size=c["hidden"],
+                                 num_attention_heads=c["heads"], num_key_value_heads=max(1, c["heads"] // 2),
+                                 intermediate_size=c["ffn"], vocab_size=c["vocab"],
+                                 max_position_embeddings=c["seq"], attention_dropout=0.0, use_cache=False,
+                                 **extra)
+    inputs = _text_inputs(c)
+    return getattr(t, model_cls)(cfg), {**inputs, "labels": _lm_labels(inputs)}
+
+
+def llama(size: str):
+    return _llama_like("LlamaConfig", "LlamaForCausalLM", size)
+
+
+def mistral(size: str):
+    return _llama_like("MistralConfig", "MistralForCausalLM", size, sliding_window=None)
+
+
+def qwen2(size: str):
+    return _llama_like("Qwen2Config", "Qwen2ForCausalLM", size)
+
+
+# ---------------------------------------------------------------- encoders
+def bert(size: str):
+    t, c = _transformers(), TEXT[size]
+    cfg = t.BertConfig(num_hidden_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
+                       intermediate_size=c["ffn"], vocab_size=c["vocab"], max_position_embeddings=c["seq"],
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    inputs = _text_inputs(c)
+    labels = torch.full_like(inputs["input_ids"], -100)
+    labels[:, ::7] = inputs["input_ids"][:, ::7]  # masked-LM loss on one token in seven
+    labels[inputs["attention_mask"] == 0] = -100
+    return t.BertForMaskedLM(cfg), {**inputs, "labels": labels}
+
+
+# ---------------------------------------------------------------- encoder-decoders
+def t5(size: str):
+    t, c = _transformers(), TEXT[size]
+    cfg = t.T5Config(num_layers=c["layers"] // 2 or 1, num_decoder_layers=c["layers"] // 2 or 1, d_model=c["hidden"],
+                     d_kv=c["hidden"] // c["heads"], num_heads=c["heads"], d_ff=c["ffn"], vocab_size=c["vocab"],
+                     dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    inputs = _text_inputs(c)
+    labels = _text_inputs(c, mask=False, seed=1)["input_ids"][:, : c["seq"] // 2].contiguous()
+    return t.T5ForConditionalGeneration(cfg), {**inputs, "labels": labels}
+
+
+def bart(size: str):
+    t, c = _transformers(), TEXT[size]
+    half = c["layers"] // 2 or 1
+    cfg = t.BartConfig(encoder_layers=half, decoder_layers=half, d_model=c["hidden"],
+                       encoder_attention_heads=c["heads"], decoder_attention_heads=c["heads"],
+                       encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"], vocab_size=c["vocab"],
+                       max_position_embeddings=c["seq"], dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                       use_cache=False)
+    inputs = _text_inputs(c)
+    labels = _text_inputs(c, mask=False, seed=1)["input_ids"][:, : c["seq"] // 2].contiguous()
+    return t.BartForConditionalGeneration(cfg), {**inputs, "labels": labels}
+
+
+def whisper(size: str):
+    t, c = _transformers(), TEXT[size]
+    half = c["layers"] // 2 or 1
+    frames = c["seq"]  # mel frames; the encoder's two convolutions halve them
+    cfg = t.WhisperConfig(encoder_layers=half, decoder_layers=half, d_model=c["hidden"],
+                          encoder_attention_heads=c["heads"], decoder_attention_heads=c["heads"],
+                          encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"], vocab_size=c["vocab"],
+                          num_mel_bins=16, max_source_positions=frames // 2, max_target_positions=c["seq"],
+                          dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(c["batch"], 16, frames, generator=g)
+    labels = torch.randint(3, c["vocab"], (c["batch"], c["seq"] // 4), generator=g)
+    return t.WhisperForConditionalGeneration(cfg), {"input_features": features, "labels": labels}
+
+
+# ---------------------------------------------------------------- vision
+def _vit_config(config_cls: str, c: dict, **extra):
+    return getattr(_transformers(), config_cls)(
+        num_hidden_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
+        intermediate_size=c["ffn"], image_size=c["image"], patch_size=c["patch"], num_labels=N_CLASSES,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+
+
+def vit(size: str):
+    c = IMAGE[size]
+    return _transformers().ViTForImageClassification(_vit_config("ViTConfig", c)), _pixels(c)
+
+
+def deit(size: str):
+    c = IMAGE[size]
+    return _transformers().DeiTForImageClassification(_vit_config("DeiTConfig", c)), _pixels(c)
+
+
+def swin(size: str):
+    t, c = _transformers(), IMAGE[size]
+    stages = 2 if size == "test" else 3
+    cfg = t.SwinConfig(image_size=c["image"], patch_size=4, embed_dim=c["hidden"] // 4 if size == "bench" else 16,
+                       depths=[2] * stages, num_heads=[2 * 2**i for i in range(stages)], window_size=4,
+                       num_labels=N_CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       drop_path_rate=0.0)
+    return t.SwinForImageClassification(cfg), _pixels(c)
+
+
+def resnet(size: str):
+    t, c = _transformers(), IMAGE[size]
+    cfg = t.ResNetConfig(embedding_size=c["widths"][0], hidden_sizes=list(c["widths"]), depths=list(c["depths"]),
+                         layer_type="basic", num_labels=N_CLASSES)
+    return t.ResNetForImageClassification(cfg), _pixels(c)
+
+
+def convnext(size: str):
+    t, c = _transformers(), IMAGE[size]
+    cfg = t.ConvNextConfig(hidden_sizes=list(c["widths"]), depths=list(c["depths"]), num_labels=N_CLASSES,
+                           drop_path_rate=0.0, num_stages=len(c["widths"]))
+    return t.ConvNextForImageClassification(cfg), _pixels(c)
+
+
+HF_ZOO: dict[str, HFModel] = {m.name: m for m in (
+    HFModel("gpt2", "GPT2LMHeadModel", gpt2, "GPT-2 LM, labels=input_ids, padding mask"),
+    HFModel("llama", "LlamaForCausalLM", llama, "Llama causal LM (GQA, RoPE, RMSNorm, SwiGLU), padding mask"),
+    HFModel("mistral", "MistralForCausalLM", mistral, "Mistral causal LM, padding mask"),
+    HFModel("qwen2", "Qwen2ForCausalLM", qwen2, "Qwen2 causal LM, padding mask"),
+    HFModel("bert", "BertForMaskedLM", bert, "BERT masked LM (loss on 1 token in 7), padding mask"),
+    HFModel("t5", "T5ForConditionalGeneration", t5, "T5 encoder-decoder, labels half the source length"),
+    HFModel("bart", "BartForConditionalGeneration", bart, "BART encoder-decoder, labels half the source length"),
+    HFModel("whisper", "WhisperForConditionalGeneration", whisper, "Whisper encoder-decoder on random mel features"),
+    HFModel("vit", "ViTForImageClassification", vit, "ViT image classifier"),
+    HFModel("deit", "DeiTForImageClassification", deit, "DeiT image classifier"),
+    HFModel("swin", "SwinForImageClassification", swin, "Swin image classifier (window attention)"),
+    HFModel("resnet", "ResNetForImageClassification", resnet, "ResNet (basic blocks, BatchNorm)"),
+    HFModel("convnext", "ConvNextForImageClassification", convnext, "ConvNeXt (depthwise conv, LayerNorm)"),
+)}
