@@ -16,7 +16,8 @@ from fxopt.analyze import CostModel
 from fxopt.budget import Budget, resolve_budget
 from fxopt.compression import Quantize
 from fxopt.capture import Options, PlanReady, is_graph_break, make_backend, unwrap_compile_error
-from fxopt.errors import CaptureError, FxoptError
+from fxopt.errors import CaptureError, FxoptError, GraphBreakError
+from fxopt.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, _tensors as _tensors_of
 from fxopt.plan import Plan
 from fxopt.solvers import SOLVERS
 
@@ -123,11 +124,12 @@ def _run_compiled(compiled, args, kwargs, compiler: str = "eager"):
         if inner is not None and inner is not err:
             raise inner from None
         if is_graph_break(err):
-            raise CaptureError(
+            raise GraphBreakError(
                 "fxopt needs the whole training step as one graph, but torch.compile could not "
                 f"capture this model in one piece: {str(err).splitlines()[0]}\n"
-                "Rewrite the unsupported Python (data-dependent control flow, .item(), printing, "
-                "unsupported libraries) or move it out of forward()."
+                "Rewrite the unsupported Python (data-dependent control flow, .item(), unsupported "
+                "libraries) or move it out of forward(); or let fxopt.optimize(model, budget) plan "
+                "the pieces in order (graph_breaks='split', its default; the budget in bytes)."
             ) from err
         raise
 
@@ -138,8 +140,10 @@ class FxoptModule(nn.Module):
     ``loss.backward()`` and ``optimizer.step()`` work as before. Each new input signature is
     captured and planned at its first call; ``plans`` holds every plan, ``plan`` the latest."""
 
-    def __init__(self, model: nn.Module, options: Options):
+    def __init__(self, model: nn.Module, options: Options, graph_breaks: str = "split"):
         super().__init__()
+        if graph_breaks not in GRAPH_BREAKS:
+            raise ValueError(f"graph_breaks must be one of {', '.join(GRAPH_BREAKS)}, not {graph_breaks!r}")
         # Share the original's state, so parameters(), state_dict() and .to() are the original's.
         self.__dict__["_parameters"] = model._parameters
         self.__dict__["_buffers"] = model._buffers
@@ -147,8 +151,17 @@ class FxoptModule(nn.Module):
         self.__dict__["_model"] = model
         self.__dict__["_options"] = options
         self.__dict__["plans"] = []
-        backend = make_backend(options, self.plans.append)
-        self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+
+        def piece_backend(budget, on_plan):
+            def both(plan):
+                on_plan(plan)
+                self.plans.append(plan)
+            return make_backend(dataclasses.replace(options, budget=budget), both)
+
+        backend = PiecewiseBackend(options.budget, piece_backend, graph_breaks)
+        self.__dict__["_backend"] = backend
+        self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=graph_breaks == "error",
+                                                   dynamic=False)
         self.training = model.training
 
     @property
@@ -161,7 +174,20 @@ class FxoptModule(nn.Module):
         return self._model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _run_compiled(self._compiled, args, kwargs, self._options.compiler)
+        backend = self._backend
+        backend.step = Step.start(self._model, [args, kwargs])
+        try:
+            out = _run_compiled(self._compiled, args, kwargs, self._options.compiler)
+            pieces = len(backend.step.pieces)
+        finally:
+            backend.step = None
+        if not pieces and torch.is_grad_enabled() and any(
+                t.requires_grad for t in _tensors_of(out)):
+            raise CaptureError(
+                "torch.compile captured no graph of this training step (Dynamo skipped the frame), "
+                "so it would run unoptimized; run it once with torch.compile(model, fullgraph=True) "
+                "to see why")
+        return out
 
     def train(self, mode: bool = True) -> FxoptModule:
         self._model.train(mode)
@@ -190,6 +216,7 @@ def optimize(
     compiler: str = "eager",
     compress: bool = True,
     quantize: str | Quantize | None = None,
+    graph_breaks: str = "split",
 ) -> FxoptModule:
     """Return ``model`` rewritten so that its training step (forward + backward) peaks within
     ``budget``, recomputing as little as possible.
@@ -211,16 +238,29 @@ def optimize(
     (lossy: gradients change; see `fxopt.gradient_sqnr`). Either way the solver compresses a
     value only where that is cheaper than recomputing within the budget; `Plan.compressed`
     lists what it chose.
+
+    ``graph_breaks``: what to do when torch.compile cannot capture the forward in one graph
+    (``.item()`` steering control flow, an unsupported call). ``"split"`` (default): plan the
+    pieces in order, each against the budget minus what the rest of the step holds while it runs
+    (see `fxopt.pieces`; the budget must then be in bytes, and a `GraphBreakWarning` names the
+    break). ``"error"``: raise `CaptureError`. Logging and printing inside forward() are not
+    breaks: ``print`` and ``warnings.warn`` run after the captured graph, ``logging.Logger``
+    calls are skipped while the optimized step runs.
     """
     _check_args(model, budget, solver)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
                       cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
                       quantize=quantize)
     if example_inputs is not None and plan is None:
-        options = dataclasses.replace(options, plan_from_examples=True, plan=_plan_now(
-            model, budget, example_inputs, solver=solver, time_limit=time_limit,
-            cost_model=options.cost_model, compiler=compiler, compress=compress, quantize=quantize))
-    return FxoptModule(model, options)
+        try:
+            options = dataclasses.replace(options, plan_from_examples=True, plan=_plan_now(
+                model, budget, example_inputs, solver=solver, time_limit=time_limit,
+                cost_model=options.cost_model, compiler=compiler, compress=compress, quantize=quantize))
+        except GraphBreakError:
+            if graph_breaks != "split":
+                raise
+            # A step in pieces is planned piece by piece at its first call.
+    return FxoptModule(model, options, graph_breaks)
 
 
 def plan(

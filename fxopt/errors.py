@@ -31,5 +31,9 @@ class CaptureError(FxoptError, RuntimeError):
     """The model's training step could not be captured as one graph."""
 
 
+class GraphBreakError(CaptureError):
+    """The step could not be captured as one graph where one graph is required."""
+
+
 class BudgetError(FxoptError, ValueError):
     """The budget could not be understood."""

@@ -118,9 +118,11 @@ def test_graph_break_is_refused_with_the_reason():
                 y = y * 2
             return y
 
-    optimized = fxopt.optimize(DataDependent(), 0.9)
+    optimized = fxopt.optimize(DataDependent(), 0.9, graph_breaks="error")
     with pytest.raises(fxopt.CaptureError, match="whole training step as one graph"):
         optimized(torch.randn(4, 8))
+    with pytest.raises(fxopt.CaptureError, match="graph_breaks='split'"):
+        fxopt.plan(DataDependent(), 0.9, (torch.randn(4, 8),))
 
 
 def test_wrong_arguments():

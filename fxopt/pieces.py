@@ -1,0 +1,223 @@
+"""A step that Dynamo captures in pieces, planned piece by piece so the whole step stays bounded.
+
+Where Dynamo cannot trace a model's forward whole (``.item()`` steering Python control flow, an
+unsupported library call), it compiles the forward in pieces with Python in between. Each piece
+is an autograd function of its own: its forward runs, then the next piece's; the backward runs
+the pieces' backwards in reverse order. So while piece k runs (forward or backward), the step
+also holds:
+
+  - every resident tensor that piece k does not take as an input: the parameters and buffers of
+    the other pieces, the user's inputs it does not read;
+  - what earlier pieces left alive after their forward: their SAVEd values (as their plans keep
+    them) and the outputs they returned, unless piece k takes them as inputs;
+  - in its backward, the gradients of parameters that later pieces have already produced.
+
+fxopt plans piece k against ``budget − reserve_k``, the sum of the above, so that the peak of
+every piece, counted with everything else alive, is within the budget:
+
+    budget 100 MiB:  piece 0 [embeddings]  reserve 40 (other pieces' weights, their grads)
+                     piece 1 [blocks]      reserve 55 (piece 0's weights and what it saved...)
+
+The reserve is a bound, not an estimate: an earlier piece's outputs count as alive until the step
+ends, and a tied parameter (registered under several names, as tied embeddings are), whose
+gradient a later piece may accumulate before this piece's backward adds its own, has that
+gradient counted twice. What fxopt cannot see: tensors that the Python between pieces allocates
+and keeps (ops run eagerly there), and a parameter shared across pieces without being registered
+twice (one module called on both sides of a break). Budgets
+must be in bytes: a fraction of the step's eager peak is not known until every piece has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from fxopt.budget import format_bytes, resolve_budget
+from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
+from fxopt.plan import Plan
+
+log = logging.getLogger("fxopt")
+
+# What `fxopt.optimize` does with a step Dynamo captures in pieces: plan the pieces in order
+# within the budget, or refuse.
+GRAPH_BREAKS = ("split", "error")
+
+
+class GraphBreakWarning(UserWarning):
+    """Dynamo captured the step in pieces; fxopt plans each against what the others hold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A piece whose forward ran in the current step."""
+
+    plan: Plan
+    inputs: frozenset[int]  # storages (data pointers) of the real tensors it takes
+    saved_bytes: int  # what its forward keeps for its backward (as the plan keeps it)
+    outputs: dict[int, int]  # storage -> bytes of the tensors its forward returned in this step
+
+
+@dataclasses.dataclass
+class Step:
+    """One call of the optimized module: what is resident, and the pieces that ran so far."""
+
+    resident: dict[int, int]  # storage data pointer -> bytes: parameters, buffers, inputs, grads
+    trainable: dict[int, int]  # storage of a parameter that requires grad -> bytes of its gradient
+    shared: frozenset[int]  # trainable parameters registered under several names (tied weights)
+    pieces: list[Piece] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def start(cls, model: nn.Module, args: Iterable[Any]) -> Step:
+        resident: dict[int, int] = {}
+        trainable: dict[int, int] = {}
+        for t in _tensors([*model.parameters(), *model.buffers(), *args]):
+            resident[_storage(t)] = t.untyped_storage().nbytes()
+            if isinstance(t, nn.Parameter) and t.requires_grad:
+                trainable[_storage(t)] = t.numel() * t.element_size()
+            if t.grad is not None:
+                resident[_storage(t.grad)] = t.grad.untyped_storage().nbytes()
+        names: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            names[_storage(p)] = names.get(_storage(p), 0) + 1
+        return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1))
+
+    def reserve(self, inputs: frozenset[int]) -> int:
+        """Bytes alive beside a piece taking ``inputs``, at any time while it runs."""
+        others = sum(n for ptr, n in self.resident.items() if ptr not in inputs)
+        # What earlier pieces saved, and the outputs they returned that this piece does not take
+        # (those it takes, it counts itself).
+        earlier = sum(p.saved_bytes for p in self.pieces)
+        outputs: dict[int, int] = {}
+        for p in self.pieces:
+            outputs.update(p.outputs)
+        earlier += sum(n for ptr, n in outputs.items() if ptr not in inputs and ptr not in self.resident)
+        seen = inputs.union(*(p.inputs for p in self.pieces)) if self.pieces else inputs
+        # Gradients that later pieces' backwards produce before this piece's backward runs: those
+        # of the parameters no piece so far takes, and of this piece's tied parameters, which a
+        # later piece may also use and accumulate into first.
+        later_grads = sum(n for ptr, n in self.trainable.items()
+                          if ptr not in seen or (ptr in inputs and ptr in self.shared))
+        log.debug("fxopt: reserve beside a piece: %d other resident, %d from earlier pieces, %d later gradients",
+                  others, earlier, later_grads)
+        return others + earlier + later_grads
+
+
+def _bytes(budget: Any) -> int | None:
+    """The budget in bytes, or None when it is a fraction of the eager peak."""
+    try:
+        return resolve_budget(budget, None)
+    except BudgetError:
+        return None
+
+
+def _tensors(values: Iterable[Any]):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(v)
+        elif isinstance(v, dict):
+            yield from _tensors(v.values())
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def break_location(gm: fx.GraphModule) -> str | None:
+    """``file:line (reason)`` of the graph break that ends this piece, or None if none does."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    where = "an unknown place"
+    if reason.user_stack:
+        frame = reason.user_stack[-1]
+        where = f"{frame.filename}:{frame.lineno}"
+    why = reason.reason.strip().splitlines()[0] if reason.reason else "unknown reason"
+    return f"{where} ({why})"
+
+
+class PiecewiseBackend:
+    """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
+    piece against the budget minus what the rest of the step holds (see the module docstring).
+    ``make_piece_backend(budget_bytes, on_plan)`` builds the planning backend of one piece."""
+
+    def __init__(self, budget: Any, make_piece_backend: Callable[[Any, Callable[[Plan], None]], Callable],
+                 graph_breaks: str):
+        self.budget = budget
+        self.make_piece_backend = make_piece_backend
+        self.graph_breaks = graph_breaks
+        self.step: Step | None = None
+        self.warned: set[str] = set()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        where = break_location(gm)
+        in_pieces = where is not None or bool(self.step and self.step.pieces)
+        if not in_pieces:  # the whole step in one graph
+            return self._compile(gm, example_inputs, self.budget, reserve=0)
+        if self.graph_breaks == "error":
+            raise CaptureError(
+                f"torch.compile split this training step at a graph break at {where or 'an earlier piece'}; "
+                "with graph_breaks='error' fxopt refuses a step it does not see whole. Remove the break "
+                "(data-dependent Python such as .item() is the usual cause), or use graph_breaks='split' "
+                "(the default) to plan the pieces in order within the budget."
+            )
+        budget = _bytes(self.budget)
+        if budget is None:
+            raise BudgetError(
+                f"this training step is captured in pieces (a graph break at {where or 'an earlier piece'}), "
+                f"so fxopt plans it piece by piece and needs the budget in bytes, not {self.budget!r}: the "
+                "step's eager peak is not known until every piece has run. Pass bytes or a size such as '2GiB'."
+            )
+        if where is not None and where not in self.warned:
+            self.warned.add(where)
+            message = (f"torch.compile split this training step at a graph break at {where}; fxopt plans "
+                       "the pieces in order, each within what the budget leaves beside the others")
+            log.warning("fxopt: %s", message)
+            warnings.warn(message, GraphBreakWarning, stacklevel=2)
+        if self.step is None:
+            raise CaptureError("fxopt: a piece of the step was compiled outside an fxopt module's call")
+        inputs = frozenset(_storage(t) for t in _tensors(example_inputs))
+        reserve = self.step.reserve(inputs)
+        log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
+                 format_bytes(budget - reserve), format_bytes(reserve))
+        return self._compile(gm, example_inputs, budget - reserve, reserve, inputs)
+
+    def _compile(self, gm, example_inputs, budget, reserve: int, inputs: frozenset[int] = frozenset()):
+        if reserve and budget <= 0:
+            raise InfeasibleBudgetError(
+                budget + reserve, reserve + 1,
+                f"The step is captured in pieces, and the rest of the step holds {format_bytes(reserve)} "
+                "while this piece runs.")
+        plans: list[Plan] = []
+        try:
+            compiled = self.make_piece_backend(budget, plans.append)(gm, example_inputs)
+        except InfeasibleBudgetError as err:
+            if not reserve:
+                raise
+            raise InfeasibleBudgetError(
+                budget + reserve, err.min_budget + reserve,
+                f"The step is captured in pieces, and the rest of the step holds {format_bytes(reserve)} "
+                "while this piece runs.") from None
+        if not plans:  # no backward (inference): nothing to plan, nothing held for a backward
+            return compiled
+        plan = plans[-1]
+        saved_bytes = plan.timeline().saved_bytes
+
+        @functools.wraps(compiled)
+        def run(*args):
+            outputs = compiled(*args)
+            if self.step is not None:
+                returned = {_storage(t): t.untyped_storage().nbytes() for t in _tensors([outputs])}
+                self.step.pieces.append(Piece(plan, inputs, saved_bytes, returned))
+            return outputs
+
+        return run

@@ -1,0 +1,113 @@
+"""Steps Dynamo cannot capture whole: planned piece by piece within the budget (`fxopt.pieces`),
+or refused with graph_breaks="error"; logging and printing in forward() are not breaks."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxopt
+from fxopt.pieces import GraphBreakWarning
+from helpers import assert_same_step, measured_peak, step
+
+logger = logging.getLogger("fxopt.tests.model")
+
+
+class ItemInTheMiddle(nn.Module):
+    """Residual blocks, a ``.item()`` steering Python control flow, more blocks."""
+
+    def __init__(self, width=128, blocks=4):
+        super().__init__()
+        self.first = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.second = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.first:
+            x = torch.relu(layer(x)) + x
+        if x.mean().item() > -1e9:  # a graph break: Python needs the value
+            x = x * 1.0
+        for layer in self.second:
+            x = torch.relu(layer(x)) + x
+        return x.pow(2).mean()
+
+
+class Chatty(nn.Module):
+    """Logs, warns and prints inside forward(), as library models do."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        logger.warning("a message from inside forward()")
+        h = torch.relu(self.a(x))
+        print("inside forward")
+        return self.b(h).pow(2).mean()
+
+
+def _model_and_inputs():
+    torch.manual_seed(0)
+    return ItemInTheMiddle(), (torch.randn(512, 128),)
+
+
+def _eager_peak(model, inputs) -> int:
+    return fxopt.measure_peak(step, copy.deepcopy(model), inputs, resident=[model, inputs]).peak_bytes
+
+
+def test_a_step_in_pieces_stays_within_the_budget():
+    model, inputs = _model_and_inputs()
+    eager_peak = _eager_peak(model, inputs)
+    budget = int(0.6 * eager_peak)
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(copy.deepcopy(model), budget)
+    with pytest.warns(GraphBreakWarning, match=r"test_graph_breaks.py:\d+"):
+        loss_o = step(optimized, inputs)
+    loss_e = step(eager, inputs)
+    assert_same_step(eager, optimized, loss_e, loss_o)
+    assert len(optimized.plans) == 2  # one per piece
+    assert all(p.peak_bytes <= p.budget_bytes < budget for p in optimized.plans)
+    # The two pieces' eager plans together do not fit: something is recomputed or compressed.
+    assert any(p.recompute_flops or p.compressed for p in optimized.plans)
+    peak = measured_peak(optimized, inputs)
+    assert peak <= budget < eager_peak
+
+
+def test_pieces_that_cannot_fit_name_a_larger_budget():
+    model, inputs = _model_and_inputs()
+    optimized = fxopt.optimize(copy.deepcopy(model), int(0.3 * _eager_peak(model, inputs)))
+    with pytest.warns(GraphBreakWarning), pytest.raises(fxopt.InfeasibleBudgetError) as info:
+        step(optimized, inputs)
+    assert info.value.min_budget > info.value.budget
+    assert "captured in pieces" in str(info.value)
+
+
+def test_graph_breaks_error_refuses_with_the_location():
+    model, inputs = _model_and_inputs()
+    optimized = fxopt.optimize(copy.deepcopy(model), "100MiB", graph_breaks="error")
+    with pytest.raises(fxopt.CaptureError, match="one piece"):
+        step(optimized, inputs)
+    with pytest.raises(ValueError, match="graph_breaks"):
+        fxopt.optimize(copy.deepcopy(model), "100MiB", graph_breaks="ignore")
+
+
+def test_a_fraction_budget_with_pieces_asks_for_bytes():
+    model, inputs = _model_and_inputs()
+    optimized = fxopt.optimize(copy.deepcopy(model), 0.5)
+    with pytest.raises(fxopt.BudgetError, match="in bytes"):
+        step(optimized, inputs)
+
+
+def test_logging_and_printing_do_not_break_the_step(capsys):
+    torch.manual_seed(0)
+    model, inputs = Chatty(), (torch.randn(256, 64),)
+    eager, loss_e = copy.deepcopy(model), None
+    optimized = fxopt.optimize(copy.deepcopy(model), 1.0, graph_breaks="error")
+    loss_o = step(optimized, inputs)
+    loss_e = step(eager, inputs)
+    assert_same_step(eager, optimized, loss_e, loss_o)
+    assert len(optimized.plans) == 1
+    assert capsys.readouterr().out.count("inside forward") == 2  # printed by both runs
