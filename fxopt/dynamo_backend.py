@@ -10,9 +10,11 @@ pyproject.toml), which Dynamo reads when it meets a backend name it does not kno
 Graph breaks: Dynamo, unlike ``fullgraph=True``, splits a model it cannot trace whole into
 several graphs with Python in between, and hands each to the backend alone. Each piece's plan
 bounds only that piece, and what earlier pieces saved for their backward is still alive while
-later pieces run, so the step's peak could exceed the budget. By default the backend refuses a
-graph break, naming where it is; ``graph_breaks="warn"`` plans each piece against the budget on
-its own and warns that the step as a whole is not bounded.
+later pieces run, so the step's peak could exceed the budget. The backend sees only the pieces,
+not the model, so it cannot count what the rest of the step holds (`fxopt.optimize` can: see
+`fxopt.pieces`). By default the backend refuses a graph break, naming where it is;
+``graph_breaks="warn"`` plans each piece against the budget on its own and warns that the step
+as a whole is not bounded.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class FxoptBackend:
             frame = reason.user_stack[-1]
             where = f" at {frame.filename}:{frame.lineno}"
         why = reason.reason.strip().splitlines()[0] if reason.reason else "unknown reason"
+        if "logging" in why.lower() or "logger" in why.lower():
+            why += ("; a logging call inside forward(): fxopt.optimize skips those, or add the method to "
+                    "torch._dynamo.config.ignore_logger_methods")
         if self.graph_breaks == "error":
             raise CaptureError(
                 f"torch.compile split this training step at a graph break{where} ({why}); fxopt can "
