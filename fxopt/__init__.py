@@ -10,6 +10,7 @@ from fxopt.compression import Quantize, gradient_sqnr
 from fxopt.dynamo_backend import backend
 from fxopt.errors import BudgetError, CaptureError, FxoptError, InfeasibleBudgetError
 from fxopt.measure import PeakMemory, measure_peak
+from fxopt.pieces import GraphBreakWarning
 from fxopt.plan import Plan
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "CaptureError",
     "BudgetError",
     "FxoptError",
+    "GraphBreakWarning",
 ]
 __version__ = "0.1.0"

@@ -33,6 +33,7 @@ from fxopt.budget import Budget, resolve_budget
 from fxopt.compression import Quantize
 from fxopt.capture import COMPILERS, Options, make_backend
 from fxopt.errors import CaptureError
+from fxopt.pieces import GraphBreakWarning
 from fxopt.plan import Plan
 from fxopt.solvers import SOLVERS
 
@@ -40,10 +41,6 @@ log = logging.getLogger("fxopt")
 
 GRAPH_BREAKS = ("error", "warn")
 OPTIONS = ("budget", "compiler", "solver", "time_limit", "graph_breaks", "plan", "inductor", "compress", "quantize")
-
-
-class GraphBreakWarning(UserWarning):
-    """Dynamo split the step into pieces; each is planned alone, the step as a whole is not bounded."""
 
 
 class FxoptBackend:

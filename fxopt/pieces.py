@@ -52,7 +52,7 @@ GRAPH_BREAKS = ("split", "error")
 
 
 class GraphBreakWarning(UserWarning):
-    """Dynamo captured the step in pieces; fxopt plans each against what the others hold."""
+    """Dynamo captured the step in pieces (see `fxopt.pieces` and `fxopt.backend`'s ``graph_breaks``)."""
 
 
 @dataclasses.dataclass(frozen=True)
