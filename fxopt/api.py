@@ -147,7 +147,7 @@ class FxoptModule(nn.Module):
         self.__dict__["_model"] = model
         self.__dict__["_options"] = options
         self.__dict__["plans"] = []
-        backend = make_backend(options, self.plans.append)
+        backend = make_backend(options, self.plans.append, resident=model)
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         self.training = model.training
 
@@ -265,7 +265,7 @@ def plan_and_rewrite(
     _check_args(model, budget, solver)
     options = Options(budget=budget, solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel(),
                       compiler=compiler, compress=compress, quantize=quantize)
-    backend = make_backend(options, lambda plan: None, stop_after_plan=True)
+    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:
