@@ -212,11 +212,19 @@ def _check_constant(joint: fx.GraphModule, node: fx.Node) -> None:
         node.meta["val"] = fake_mode.from_tensor(value, static_shapes=True) if fake_mode is not None else value
 
 
+# The name of the input node standing for resident memory the step does not read.
+UNREAD_RESIDENT = "<resident, not read by the step>"
+
+
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,
-            compress: bool = True, quantize: Quantize | None = None) -> JointGraph:
+            compress: bool = True, quantize: Quantize | None = None,
+            unread_resident_bytes: int = 0) -> JointGraph:
     """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
     tensors, int32 for max-pooling indices); ``quantize``: offer this lossy codec for floating-point
-    activations (see `fxopt.compression`)."""
+    activations (see `fxopt.compression`). ``unread_resident_bytes``: memory alive through the
+    step that no graph input shows (a module's parameters and buffers the step never reads, such
+    as Llama's ``original_inv_freq``); the graph gets one more input node of that size, last, so
+    that every peak counts it as the measured peak does."""
     cost_model = cost_model or CostModel()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
     index = {n: i for i, n in enumerate(fx_nodes)}
@@ -330,12 +338,18 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     if codecs:
         workspace = _codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()})
         nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
+    names = [n.name for n in fx_nodes]
+    module_paths = [_module_path(n) for n in fx_nodes]
+    if unread_resident_bytes > 0:
+        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=unread_resident_bytes, recomputable=False))
+        names.append(UNREAD_RESIDENT)
+        module_paths.append("")
     graph = Graph(tuple(nodes))
     return JointGraph(
         module=joint,
         graph=graph,
-        names=tuple(n.name for n in fx_nodes),
+        names=tuple(names),
         num_fwd_outputs=num_fwd_outputs,
-        module_paths=tuple(_module_path(n) for n in fx_nodes),
+        module_paths=tuple(module_paths),
         codecs=codecs,
     )

@@ -152,11 +152,13 @@ class FxoptModule(nn.Module):
         self.__dict__["_options"] = options
         self.__dict__["plans"] = []
 
-        def piece_backend(budget, on_plan):
+        def piece_backend(budget, on_plan, whole):
             def both(plan):
                 on_plan(plan)
                 self.plans.append(plan)
-            return make_backend(dataclasses.replace(options, budget=budget), both)
+            # A whole step counts the parameters and buffers it does not read; a piece's reserve
+            # counts everything it does not take (see fxopt.pieces).
+            return make_backend(dataclasses.replace(options, budget=budget), both, resident=model if whole else None)
 
         backend = PiecewiseBackend(options.budget, piece_backend, graph_breaks)
         self.__dict__["_backend"] = backend
@@ -305,7 +307,7 @@ def plan_and_rewrite(
     _check_args(model, budget, solver)
     options = Options(budget=budget, solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel(),
                       compiler=compiler, compress=compress, quantize=quantize)
-    backend = make_backend(options, lambda plan: None, stop_after_plan=True)
+    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:

@@ -83,10 +83,11 @@ class PlanReady(Exception):
         self.backward = backward
 
 
-def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options):
+def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0):
+    """``unread_resident_bytes``: see `fxopt.analyze.analyze`."""
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
-    codecs = dict(compress=options.compress, quantize=options.quantize)
+    codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes)
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) \
         if options.plan is None or options.plan_from_examples else None
     rewritten = recompute_dropout_from_mask(joint)
@@ -192,12 +193,34 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     return run
 
 
-def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False):
-    """A torch.compile backend that plans each captured graph and runs the rewritten step."""
+def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
+    """Bytes of ``module``'s parameters and buffers (each storage once) that are not among the
+    captured graph's inputs: the step never reads them, yet they are alive throughout it."""
+    read = set()
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            try:
+                read.add((t.device, t.untyped_storage().data_ptr()))
+            except Exception:  # noqa: BLE001 - a tensor without real storage: nothing to match
+                pass
+    unread = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in read:
+            unread[key] = t.untyped_storage().nbytes()
+    return sum(unread.values())
+
+
+def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
+                 resident: torch.nn.Module | None = None):
+    """A torch.compile backend that plans each captured graph and runs the rewritten step.
+    ``resident``: the module being compiled, when known: its parameters and buffers the step does
+    not read are counted in every peak too (a backend given to torch.compile does not see them)."""
+    unread = {"bytes": 0}
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
         t0 = time.perf_counter()
-        jg, plan = make_plan(joint, num_fwd_outputs, options)
+        jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"])
         on_plan(plan)
         fw, bw = split_with_recompute(jg, plan.schedule)
         log.debug("fxopt: planned and rewrote the step in %.2f s", time.perf_counter() - t0)
@@ -208,7 +231,20 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
     if options.compiler == "inductor":
         from fxopt.inductor import inductor_backend
 
-        return inductor_backend(partition, options.inductor_config)
+        compile_step = inductor_backend(partition, options.inductor_config)
+    else:
+        compile_step = _eager_backend(partition)
+    if resident is None:
+        return compile_step
+
+    def compile_with_resident(gm: fx.GraphModule, example_inputs):
+        unread["bytes"] = unread_resident_bytes(resident, example_inputs)
+        return compile_step(gm, example_inputs)
+
+    return compile_with_resident
+
+
+def _eager_backend(partition: Callable) -> Callable:
     compile_fn = _boxed
 
     def inference_not_planned(gm, example_inputs):

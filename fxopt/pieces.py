@@ -148,9 +148,10 @@ def break_location(gm: fx.GraphModule) -> str | None:
 class PiecewiseBackend:
     """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
     piece against the budget minus what the rest of the step holds (see the module docstring).
-    ``make_piece_backend(budget_bytes, on_plan)`` builds the planning backend of one piece."""
+    ``make_piece_backend(budget, on_plan, whole)`` builds the planning backend of one piece
+    (``whole``: the piece is the whole step)."""
 
-    def __init__(self, budget: Any, make_piece_backend: Callable[[Any, Callable[[Plan], None]], Callable],
+    def __init__(self, budget: Any, make_piece_backend: Callable[[Any, Callable[[Plan], None], bool], Callable],
                  graph_breaks: str):
         self.budget = budget
         self.make_piece_backend = make_piece_backend
@@ -162,7 +163,7 @@ class PiecewiseBackend:
         where = break_location(gm)
         in_pieces = where is not None or bool(self.step and self.step.pieces)
         if not in_pieces:  # the whole step in one graph
-            return self._compile(gm, example_inputs, self.budget, reserve=0)
+            return self._compile(gm, example_inputs, self.budget, reserve=0, whole=True)
         if self.graph_breaks == "error":
             raise CaptureError(
                 f"torch.compile split this training step at a graph break at {where or 'an earlier piece'}; "
@@ -189,9 +190,10 @@ class PiecewiseBackend:
         reserve = self.step.reserve(inputs)
         log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
                  format_bytes(budget - reserve), format_bytes(reserve))
-        return self._compile(gm, example_inputs, budget - reserve, reserve, inputs)
+        return self._compile(gm, example_inputs, budget - reserve, reserve, inputs, whole=False)
 
-    def _compile(self, gm, example_inputs, budget, reserve: int, inputs: frozenset[int] = frozenset()):
+    def _compile(self, gm, example_inputs, budget, reserve: int, inputs: frozenset[int] = frozenset(), *,
+                 whole: bool):
         if reserve and budget <= 0:
             raise InfeasibleBudgetError(
                 budget + reserve, reserve + 1,
@@ -199,7 +201,7 @@ class PiecewiseBackend:
                 "while this piece runs.")
         plans: list[Plan] = []
         try:
-            compiled = self.make_piece_backend(budget, plans.append)(gm, example_inputs)
+            compiled = self.make_piece_backend(budget, plans.append, whole)(gm, example_inputs)
         except InfeasibleBudgetError as err:
             if not reserve:
                 raise

@@ -197,3 +197,21 @@ def test_dynamic_shapes_are_refused_with_the_fix():
         step(compiled, inputs)
     err = unwrap_compile_error(info.value)
     assert isinstance(err, fxopt.CaptureError) and "dynamic=False" in str(err)
+
+
+@pytest.mark.slow
+def test_inductor_keeps_a_vision_transformer_within_its_smallest_budget():
+    """Inductor's layout optimization made channels-last copies of the patch embedding's input and
+    weight and saved them for the backward: +69632 B over the prediction on this ViT (issue 11)."""
+    pytest.importorskip("transformers")
+    from benchmarks.hf_zoo import HF_ZOO
+
+    torch.manual_seed(0)
+    model, inputs = HF_ZOO["vit"].build("test")
+    with pytest.raises(fxopt.InfeasibleBudgetError) as err:
+        fxopt.plan(model, 1, inputs, solver="instant", compiler="inductor")
+    optimized = fxopt.optimize(copy.deepcopy(model), err.value.min_budget, example_inputs=inputs,
+                               solver="instant", compiler="inductor")
+    step(optimized, inputs)  # the first call compiles
+    measured = measured_peak(optimized, inputs)
+    assert measured <= optimized.plan.peak_bytes <= optimized.plan.budget_bytes

@@ -105,3 +105,38 @@ def test_relu_mask_is_bit_identical_and_smaller(budget):
         without = fxopt.plan(model, 1.0, (x,), compress=False)
         assert not any(n.startswith("le") for n in without.saved)
         assert plan.peak_bytes < without.peak_bytes
+
+
+def test_value_saved_only_for_a_dead_recomputation_is_not_saved(monkeypatch):
+    """A recomputation nothing reads is dropped from the generated backward; a SAVEd value only it
+    read must then not be saved either: an unused backward input is never freed by FX's code,
+    while the simulator frees it as the backward starts."""
+    import fxopt.capture as capture
+    from fxopt.api import plan_and_rewrite
+    from fxopt.passes.recompute import split_with_recompute
+    from fxopt.solvers.schedule import Schedule, simulate
+
+    joints = []
+    real_split = capture.split_with_recompute
+
+    def spy(jg, schedule):
+        joints.append(jg)
+        return real_split(jg, schedule)
+
+    monkeypatch.setattr(capture, "split_with_recompute", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    ready = plan_and_rewrite(model, 1.0, (x,), solver="save_all", compress=False)
+    jg, graph = joints[-1], ready.plan.graph
+    names = [n.name for n in graph.nodes]
+    relu = names.index("relu")
+    pre = graph.nodes[relu].inputs[0]  # the first linear's output, which ReLU's backward does not read
+    assert pre not in ready.plan.schedule.saved
+    # Save it, and recompute ReLU from it once more at the very end, where nothing reads the copy.
+    schedule = Schedule(ready.plan.schedule.saved | {pre}, ready.plan.schedule.backward + (relu,))
+    simulate(graph, schedule)  # valid
+    fw, bw = split_with_recompute(jg, schedule)
+    unused = [n.name for n in bw.graph.find_nodes(op="placeholder") if not n.users]
+    assert unused == []
+    assert names[pre] not in [n.name for n in bw.graph.find_nodes(op="placeholder")]

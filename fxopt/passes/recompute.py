@@ -28,10 +28,14 @@ from torch._functorch import partitioners as _p
 from fxopt.analyze import JointGraph
 from fxopt.errors import CaptureError
 from fxopt.passes._fx import NodeBuilder
-from fxopt.solvers.schedule import Schedule, read_before_recompute
+from fxopt.solvers.schedule import Schedule, prune, read_before_recompute
 
 
 def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
+    # Recomputations nothing reads are dropped here, as the simulator drops them, before choosing
+    # what to save: a value saved only for one of them would be a backward input nothing reads,
+    # and FX code never frees such an input (the simulator frees it as the backward starts).
+    schedule = prune(joint.graph, schedule)
     module = joint.module
     by_name = {n.name: n for n in module.graph.nodes}
     nodes = joint.graph.nodes
