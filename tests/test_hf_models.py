@@ -36,7 +36,7 @@ from helpers import assert_same_step, measured_peak, run_pair, step  # noqa: E40
 
 TIME_LIMIT = 2.0  # seconds per solve: the plans here need not be optimal, only valid
 TINY = 1  # byte: nothing fits, so planning names the minimum
-MODELS = ("gpt2", "bert", "llama", "t5", "bart", "whisper", "vit", "resnet", "convnext")
+MODELS = ("gpt2", "bert", "llama", "t5", "vit", "resnet", "convnext")
 
 
 @functools.cache
@@ -146,38 +146,53 @@ def test_hf_gradient_checkpointing_on(name):
     step itself; gradients equal eager's with HF checkpointing."""
     model, inputs = _model(name)
     model = copy.deepcopy(model)
-    model.hf.gradient_checkpointing_enable()
+    # the new name of gradient_checkpointing_enable() (deprecated in transformers 5)
+    enable = getattr(model.hf, "activation_checkpointing_enable", None) or model.hf.gradient_checkpointing_enable
+    enable()
+    assert getattr(model.hf, "is_activation_checkpointing", None) or model.hf.is_gradient_checkpointing
     budget = _minimum(name)
     eager, optimized, loss_e, loss_o = run_pair(model, inputs, budget, plan_now=False, time_limit=TIME_LIMIT)
     assert_same_step(eager, optimized, loss_e, loss_o)
+    # fxopt sees the whole step, as without HF's checkpointing, and plans it itself
+    assert optimized.plan.eager_peak_bytes == _step(name, budget).plan.eager_peak_bytes
     assert optimized.plan.peak_bytes <= budget
     assert measured_peak(optimized, inputs) <= budget
 
 
-@pytest.mark.parametrize("name", ["gpt2", "resnet", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
 def test_flop_counter_counts_the_recomputation(name):
     """FlopCounterMode around an fxopt step counts eager's FLOPs plus the plan's recompute_flops."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model, inputs = _model(name)
-    run = _step(name, _minimum(name))
-    assert run.plan.recompute_flops > 0
-    eager = copy.deepcopy(model)
+    plan = _step(name, _minimum(name)).plan
+    assert plan.recompute_flops > 0
+    # The plan replayed: planning anew (Dynamo's caches are reset between tests) under a time
+    # limit may choose another plan.
+    optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan)
+    step(optimized, inputs)  # captured outside the mode
     with FlopCounterMode(display=False) as counted_eager:
-        step(eager, inputs)
+        step(copy.deepcopy(model), inputs)
     with FlopCounterMode(display=False) as counted:
-        step(run.module, inputs)
-    assert counted.get_total_flops() == counted_eager.get_total_flops() + run.plan.recompute_flops
+        step(optimized, inputs)
+    assert all(p is plan for p in optimized.plans)
+    assert counted.get_total_flops() == counted_eager.get_total_flops() + plan.recompute_flops
 
 
 @pytest.mark.parametrize("name", ["llama"])
 def test_bfloat16_autocast(name):
+    """Under bfloat16 autocast the step is captured and planned as it runs (bfloat16 activations),
+    within the budget, and its loss is eager-under-autocast's."""
     model, inputs = _model(name)
+    budget = _minimum(name)  # float32's minimum: the bfloat16 step needs less
     eager = copy.deepcopy(model)
-    optimized = fxopt.optimize(copy.deepcopy(model), _minimum(name), time_limit=TIME_LIMIT)
+    optimized = fxopt.optimize(copy.deepcopy(model), budget, time_limit=TIME_LIMIT)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss_e = eager(*inputs)
         loss_o = optimized(*inputs)
     loss_e.backward()
     loss_o.backward()
-    torch.testing.assert_close(loss_o, loss_e, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(loss_o, loss_e, rtol=1.6e-2, atol=1e-3)  # bfloat16's resolution
+    assert optimized.plan.peak_bytes <= budget
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        torch.testing.assert_close(p_o.grad, p_e.grad, rtol=1.6e-2, atol=1e-3)
