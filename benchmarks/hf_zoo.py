@@ -49,7 +49,8 @@ class HFLoss(nn.Module):
 class HFModel:
     name: str
     hf_class: str  # the transformers class
-    build_fn: Callable[[str, float], tuple[nn.Module, dict[str, torch.Tensor]]]  # size, dropout -> (HF model, inputs by name)
+    # size, dropout -> (HF model, inputs by name)
+    build_fn: Callable[[str, float], tuple[nn.Module, dict[str, torch.Tensor]]]
     description: str
 
     def build(self, size: str = "test", dropout: float = 0.0) -> tuple[HFLoss, tuple[torch.Tensor, ...]]:

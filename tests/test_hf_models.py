@@ -39,6 +39,14 @@ TINY = 1  # byte: nothing fits, so planning names the minimum
 MODELS = ("gpt2", "bert", "llama", "t5", "vit", "resnet", "convnext")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_shared_steps():
+    """The shared models, plans and compiled steps live as long as this module's tests."""
+    yield
+    for cached in (_model, _minimum, _step):
+        cached.cache_clear()
+
+
 @functools.cache
 def _model(name: str, dropout: float = 0.0):
     """The model (same weights every time: seeded) and its inputs; callers copy the model."""
