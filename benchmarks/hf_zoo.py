@@ -13,8 +13,10 @@ Sizes: ``"test"`` is tiny (each step well under a second on a 2-core CPU, for th
 ``"bench"`` is what `benchmarks.hf_models` runs (2 layers (T5, BART, Whisper: 1 + 1), hidden 128, sequences of 128 tokens
 or 64-pixel images), chosen so activations, not parameters, dominate the step.
 
-Every model has dropout 0 (including attention dropout), so the step is deterministic and
-gradient parity against eager is exact; ``use_cache=False`` on decoders (training builds no KV
+Every model has dropout 0 (including attention dropout) unless built with
+``build(size, dropout=p)``, so the step is deterministic and gradient parity against eager is
+exact (with dropout, exact under the same seed: fxopt keeps eager's masks; ResNet and ConvNeXt
+have no dropout to set); ``use_cache=False`` on decoders (training builds no KV
 cache). Attention is HF's default implementation (``sdpa``). Decoders get a padding mask (the
 last quarter of the second sequence padded, its labels -100), as batched training does.
 """
@@ -47,14 +49,16 @@ class HFLoss(nn.Module):
 class HFModel:
     name: str
     hf_class: str  # the transformers class
-    build_fn: Callable[[str], tuple[nn.Module, dict[str, torch.Tensor]]]  # size -> (HF model, inputs by name)
+    # size, dropout -> (HF model, inputs by name)
+    build_fn: Callable[[str, float], tuple[nn.Module, dict[str, torch.Tensor]]]
     description: str
 
-    def build(self, size: str = "test") -> tuple[HFLoss, tuple[torch.Tensor, ...]]:
-        """The wrapped model (in training mode) and its positional inputs."""
+    def build(self, size: str = "test", dropout: float = 0.0) -> tuple[HFLoss, tuple[torch.Tensor, ...]]:
+        """The wrapped model (in training mode) and its positional inputs. ``dropout``: the
+        probability of every dropout the config has (hidden, attention, activation)."""
         if size not in SIZES:
             raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-        hf, named = self.build_fn(size)
+        hf, named = self.build_fn(size, dropout)
         model = HFLoss(hf, tuple(named)).train()
         return model, tuple(named.values())
 
@@ -101,44 +105,44 @@ def _pixels(c: dict, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------- decoders
-def gpt2(size: str):
+def gpt2(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
     cfg = t.GPT2Config(n_layer=c["layers"], n_embd=c["hidden"], n_head=c["heads"], n_inner=c["ffn"],
-                       n_positions=c["seq"], vocab_size=c["vocab"], resid_pdrop=0.0, embd_pdrop=0.0,
-                       attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+                       n_positions=c["seq"], vocab_size=c["vocab"], resid_pdrop=dropout, embd_pdrop=dropout,
+                       attn_pdrop=dropout, use_cache=False, bos_token_id=0, eos_token_id=0)
     inputs = _text_inputs(c)
     return t.GPT2LMHeadModel(cfg), {**inputs, "labels": _lm_labels(inputs)}
 
 
-def _llama_like(config_cls: str, model_cls: str, size: str, **extra):
+def _llama_like(config_cls: str, model_cls: str, size: str, dropout: float, **extra):
     t, c = _transformers(), TEXT[size]
     cfg = getattr(t, config_cls)(num_hidden_layers=c["layers"], hidden_size=c["hidden"],
                                  num_attention_heads=c["heads"], num_key_value_heads=max(1, c["heads"] // 2),
                                  intermediate_size=c["ffn"], vocab_size=c["vocab"],
-                                 max_position_embeddings=c["seq"], attention_dropout=0.0, use_cache=False,
+                                 max_position_embeddings=c["seq"], attention_dropout=dropout, use_cache=False,
                                  **extra)
     inputs = _text_inputs(c)
     return getattr(t, model_cls)(cfg), {**inputs, "labels": _lm_labels(inputs)}
 
 
-def llama(size: str):
-    return _llama_like("LlamaConfig", "LlamaForCausalLM", size)
+def llama(size: str, dropout: float = 0.0):
+    return _llama_like("LlamaConfig", "LlamaForCausalLM", size, dropout)
 
 
-def mistral(size: str):
-    return _llama_like("MistralConfig", "MistralForCausalLM", size, sliding_window=None)
+def mistral(size: str, dropout: float = 0.0):
+    return _llama_like("MistralConfig", "MistralForCausalLM", size, dropout, sliding_window=None)
 
 
-def qwen2(size: str):
-    return _llama_like("Qwen2Config", "Qwen2ForCausalLM", size)
+def qwen2(size: str, dropout: float = 0.0):
+    return _llama_like("Qwen2Config", "Qwen2ForCausalLM", size, dropout)
 
 
 # ---------------------------------------------------------------- encoders
-def bert(size: str):
+def bert(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
     cfg = t.BertConfig(num_hidden_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
                        intermediate_size=c["ffn"], vocab_size=c["vocab"], max_position_embeddings=c["seq"],
-                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                       hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     inputs = _text_inputs(c)
     labels = torch.full_like(inputs["input_ids"], -100)
     labels[:, ::7] = inputs["input_ids"][:, ::7]  # masked-LM loss on one token in seven
@@ -147,30 +151,30 @@ def bert(size: str):
 
 
 # ---------------------------------------------------------------- encoder-decoders
-def t5(size: str):
+def t5(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
     cfg = t.T5Config(num_layers=c["layers"] // 2 or 1, num_decoder_layers=c["layers"] // 2 or 1, d_model=c["hidden"],
                      d_kv=c["hidden"] // c["heads"], num_heads=c["heads"], d_ff=c["ffn"], vocab_size=c["vocab"],
-                     dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+                     dropout_rate=dropout, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
     inputs = _text_inputs(c)
     labels = _text_inputs(c, mask=False, seed=1)["input_ids"][:, : c["seq"] // 2].contiguous()
     return t.T5ForConditionalGeneration(cfg), {**inputs, "labels": labels}
 
 
-def bart(size: str):
+def bart(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
     half = c["layers"] // 2 or 1
     cfg = t.BartConfig(encoder_layers=half, decoder_layers=half, d_model=c["hidden"],
                        encoder_attention_heads=c["heads"], decoder_attention_heads=c["heads"],
                        encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"], vocab_size=c["vocab"],
-                       max_position_embeddings=c["seq"], dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                       max_position_embeddings=c["seq"], dropout=dropout, attention_dropout=dropout, activation_dropout=dropout,
                        use_cache=False)
     inputs = _text_inputs(c)
     labels = _text_inputs(c, mask=False, seed=1)["input_ids"][:, : c["seq"] // 2].contiguous()
     return t.BartForConditionalGeneration(cfg), {**inputs, "labels": labels}
 
 
-def whisper(size: str):
+def whisper(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
     half = c["layers"] // 2 or 1
     frames = c["seq"]  # mel frames; the encoder's two convolutions halve them
@@ -178,7 +182,7 @@ def whisper(size: str):
                           encoder_attention_heads=c["heads"], decoder_attention_heads=c["heads"],
                           encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"], vocab_size=c["vocab"],
                           num_mel_bins=16, max_source_positions=frames // 2, max_target_positions=c["seq"],
-                          dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+                          dropout=dropout, attention_dropout=dropout, activation_dropout=dropout, use_cache=False,
                           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
     g = torch.Generator().manual_seed(0)
     features = torch.randn(c["batch"], 16, frames, generator=g)
@@ -187,41 +191,41 @@ def whisper(size: str):
 
 
 # ---------------------------------------------------------------- vision
-def _vit_config(config_cls: str, c: dict, **extra):
+def _vit_config(config_cls: str, c: dict, dropout: float, **extra):
     return getattr(_transformers(), config_cls)(
         num_hidden_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
         intermediate_size=c["ffn"], image_size=c["image"], patch_size=c["patch"], num_labels=N_CLASSES,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **extra)
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **extra)
 
 
-def vit(size: str):
+def vit(size: str, dropout: float = 0.0):
     c = IMAGE[size]
-    return _transformers().ViTForImageClassification(_vit_config("ViTConfig", c)), _pixels(c)
+    return _transformers().ViTForImageClassification(_vit_config("ViTConfig", c, dropout)), _pixels(c)
 
 
-def deit(size: str):
+def deit(size: str, dropout: float = 0.0):
     c = IMAGE[size]
-    return _transformers().DeiTForImageClassification(_vit_config("DeiTConfig", c)), _pixels(c)
+    return _transformers().DeiTForImageClassification(_vit_config("DeiTConfig", c, dropout)), _pixels(c)
 
 
-def swin(size: str):
+def swin(size: str, dropout: float = 0.0):
     t, c = _transformers(), IMAGE[size]
     stages = 2 if size == "test" else 3
     cfg = t.SwinConfig(image_size=c["image"], patch_size=4, embed_dim=c["hidden"] // 4 if size == "bench" else 16,
                        depths=[2] * stages, num_heads=[2 * 2**i for i in range(stages)], window_size=4,
-                       num_labels=N_CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       num_labels=N_CLASSES, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
                        drop_path_rate=0.0)
     return t.SwinForImageClassification(cfg), _pixels(c)
 
 
-def resnet(size: str):
+def resnet(size: str, dropout: float = 0.0):  # no dropout in HF's ResNet
     t, c = _transformers(), IMAGE[size]
     cfg = t.ResNetConfig(embedding_size=c["widths"][0], hidden_sizes=list(c["widths"]), depths=list(c["depths"]),
                          layer_type="basic", num_labels=N_CLASSES)
     return t.ResNetForImageClassification(cfg), _pixels(c)
 
 
-def convnext(size: str):
+def convnext(size: str, dropout: float = 0.0):  # no dropout (drop_path stays 0: stochastic depth)
     t, c = _transformers(), IMAGE[size]
     cfg = t.ConvNextConfig(hidden_sizes=list(c["widths"]), depths=list(c["depths"]), num_labels=N_CLASSES,
                            drop_path_rate=0.0, num_stages=len(c["widths"]))

@@ -16,11 +16,12 @@ def step(model, inputs):
     return loss
 
 
-def run_pair(model, inputs, budget, seed=1, **kwargs):
+def run_pair(model, inputs, budget, seed=1, plan_now=True, **kwargs):
     """Eager and fxopt copies of `model`, one step each under the same seed.
-    Returns (eager_model, fxopt_module, eager_loss, fxopt_loss)."""
+    Returns (eager_model, fxopt_module, eager_loss, fxopt_loss). ``plan_now=False``: plan at the
+    first call rather than from example inputs (the step is captured once instead of twice)."""
     eager = copy.deepcopy(model)
-    optimized = fxopt.optimize(copy.deepcopy(model), budget, example_inputs=inputs, **kwargs)
+    optimized = fxopt.optimize(copy.deepcopy(model), budget, example_inputs=inputs if plan_now else None, **kwargs)
     torch.manual_seed(seed)
     loss_e = step(eager, inputs)
     torch.manual_seed(seed)

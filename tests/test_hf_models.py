@@ -1,0 +1,206 @@
+"""Real models, unmodified (issue 11): Hugging Face ``transformers`` models from
+`benchmarks.hf_zoo` (small configs, random weights, nothing downloaded), each returning the loss
+HF computes itself, trained one step through fxopt.
+
+For every model, at two budgets:
+
+- half its activations: ``resident + (eager_peak - resident) / 2``, where ``resident`` is what
+  the step cannot free (parameters, buffers, inputs) and ``eager_peak`` the plan's predicted peak
+  of the un-rewritten step. Where no plan fits, the error must name a larger minimum, and the
+  step runs at that minimum instead;
+- its minimum: the ``min_budget`` fxopt names when asked for a budget nothing fits;
+
+the step's measured peak is within the budget and within the prediction, and its loss and every
+gradient equal eager's. Then, on a few models each: dropout 0.1 (eager's masks kept, so gradients
+still equal), the ``torch.compile(backend="fxopt")`` form, HF's own gradient checkpointing
+switched on, `FlopCounterMode` counting exactly the plan's extra FLOPs, and bfloat16 autocast.
+
+Capturing and planning dominate the run time, so each model's minimum and each (model, budget)
+step run once per module and are shared (`_minimum`, `_step`); ``TIME_LIMIT`` keeps each solve short.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import fxopt  # noqa: E402
+from benchmarks.hf_zoo import HF_ZOO  # noqa: E402
+from helpers import assert_same_step, measured_peak, run_pair, step  # noqa: E402
+
+TIME_LIMIT = 2.0  # seconds per solve: the plans here need not be optimal, only valid
+TINY = 1  # byte: nothing fits, so planning names the minimum
+MODELS = ("gpt2", "bert", "llama", "t5", "vit", "resnet", "convnext")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_shared_steps():
+    """The shared models, plans and compiled steps live as long as this module's tests."""
+    yield
+    for cached in (_model, _minimum, _step):
+        cached.cache_clear()
+
+
+@functools.cache
+def _model(name: str, dropout: float = 0.0):
+    """The model (same weights every time: seeded) and its inputs; callers copy the model."""
+    torch.manual_seed(0)
+    return HF_ZOO[name].build("test", dropout=dropout)
+
+
+def resident_bytes(model, inputs) -> int:
+    """What no plan can free: parameters, buffers and inputs."""
+    tensors = [*model.parameters(), *model.buffers(), *(x for x in inputs if isinstance(x, torch.Tensor))]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@functools.cache
+def _minimum(name: str, dropout: float = 0.0) -> int:
+    model, inputs = _model(name, dropout)
+    with pytest.raises(fxopt.InfeasibleBudgetError) as err:
+        fxopt.plan(copy.deepcopy(model), TINY, inputs, time_limit=TIME_LIMIT)
+    return err.value.min_budget
+
+
+@dataclasses.dataclass
+class Step:
+    """One training step of a model through fxopt at a budget, next to eager's."""
+
+    budget: int
+    plan: fxopt.Plan
+    measured: int
+    parity_error: str | None  # assert_same_step's message, None when loss and gradients equal
+    module: fxopt.FxoptModule
+
+    def check(self):
+        assert self.plan.peak_bytes <= self.budget
+        assert self.measured <= self.budget, f"measured {self.measured} B > budget {self.budget} B"
+        assert self.measured <= self.plan.peak_bytes, \
+            f"measured {self.measured} B > predicted {self.plan.peak_bytes} B"
+        assert self.parity_error is None, self.parity_error
+
+
+@functools.cache
+def _step(name: str, budget: int, dropout: float = 0.0) -> Step:
+    """One step eagerly and through fxopt at ``budget`` (planned at the first call, so the step
+    is captured once), under the same seed (run_pair's)."""
+    model, inputs = _model(name, dropout)
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, budget, plan_now=False, time_limit=TIME_LIMIT)
+    try:
+        assert_same_step(eager, optimized, loss_e, loss_o)
+        parity_error = None
+    except AssertionError as e:
+        parity_error = str(e)
+    return Step(budget, optimized.plan, measured_peak(optimized, inputs), parity_error, optimized)
+
+
+def _half_activations(name: str) -> int:
+    model, inputs = _model(name)
+    eager_peak = _step(name, _minimum(name)).plan.eager_peak_bytes
+    resident = resident_bytes(model, inputs)
+    return resident + (eager_peak - resident) // 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_at_its_minimum(name):
+    run = _step(name, _minimum(name))
+    run.check()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_at_half_its_activations(name):
+    budget = _half_activations(name)
+    try:
+        run = _step(name, budget)
+    except fxopt.InfeasibleBudgetError as err:
+        assert err.min_budget > budget
+        run = _step(name, err.min_budget)
+    run.check()
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_dropout_masks_are_eagers(name):
+    """Dropout 0.1 at the minimum, under the same seed: fxopt runs each dropout once, where eager
+    does, and recomputes from its mask, so gradients still equal eager's."""
+    run = _step(name, _minimum(name, 0.1), 0.1)
+    run.check()
+    assert run.plan.recomputed, "nothing recomputed: the minimum should force recomputation"
+
+
+@pytest.mark.parametrize("name", ["llama", "vit"])
+def test_torch_compile_backend(name):
+    model, inputs = _model(name)
+    budget = _minimum(name)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(copy.deepcopy(model), backend="fxopt",
+                             options={"budget": budget, "compiler": "eager", "time_limit": TIME_LIMIT})
+    torch.manual_seed(1)
+    loss_e = step(eager, inputs)
+    torch.manual_seed(1)
+    loss_o = step(compiled, inputs)
+    assert_same_step(eager, compiled, loss_e, loss_o)
+    assert measured_peak(compiled, inputs) <= budget
+
+
+@pytest.mark.parametrize("name", ["bert"])
+def test_hf_gradient_checkpointing_on(name):
+    """HF's own checkpointing switched on: fxopt captures the step with it and plans the whole
+    step itself; gradients equal eager's with HF checkpointing."""
+    model, inputs = _model(name)
+    model = copy.deepcopy(model)
+    # the new name of gradient_checkpointing_enable() (deprecated in transformers 5)
+    enable = getattr(model.hf, "activation_checkpointing_enable", None) or model.hf.gradient_checkpointing_enable
+    enable()
+    assert getattr(model.hf, "is_activation_checkpointing", None) or model.hf.is_gradient_checkpointing
+    budget = _minimum(name)
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, budget, plan_now=False, time_limit=TIME_LIMIT)
+    assert_same_step(eager, optimized, loss_e, loss_o)
+    # fxopt sees the whole step, as without HF's checkpointing, and plans it itself
+    assert optimized.plan.eager_peak_bytes == _step(name, budget).plan.eager_peak_bytes
+    assert optimized.plan.peak_bytes <= budget
+    assert measured_peak(optimized, inputs) <= budget
+
+
+@pytest.mark.parametrize("name", ["gpt2", "resnet"])
+def test_flop_counter_counts_the_recomputation(name):
+    """FlopCounterMode around an fxopt step counts eager's FLOPs plus the plan's recompute_flops."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, inputs = _model(name)
+    plan = _step(name, _minimum(name)).plan
+    assert plan.recompute_flops > 0
+    # The plan replayed: planning anew (Dynamo's caches are reset between tests) under a time
+    # limit may choose another plan.
+    optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan)
+    step(optimized, inputs)  # captured outside the mode
+    with FlopCounterMode(display=False) as counted_eager:
+        step(copy.deepcopy(model), inputs)
+    with FlopCounterMode(display=False) as counted:
+        step(optimized, inputs)
+    assert all(p is plan for p in optimized.plans)
+    assert counted.get_total_flops() == counted_eager.get_total_flops() + plan.recompute_flops
+
+
+@pytest.mark.parametrize("name", ["llama"])
+def test_bfloat16_autocast(name):
+    """Under bfloat16 autocast the step is captured and planned as it runs (bfloat16 activations),
+    within the budget, and its loss is eager-under-autocast's."""
+    model, inputs = _model(name)
+    budget = _minimum(name)  # float32's minimum: the bfloat16 step needs less
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(copy.deepcopy(model), budget, time_limit=TIME_LIMIT)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_e = eager(*inputs)
+        loss_o = optimized(*inputs)
+    loss_e.backward()
+    loss_o.backward()
+    torch.testing.assert_close(loss_o, loss_e, rtol=1.6e-2, atol=1e-3)  # bfloat16's resolution
+    assert optimized.plan.peak_bytes <= budget
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        torch.testing.assert_close(p_o.grad, p_e.grad, rtol=1.6e-2, atol=1e-3)
