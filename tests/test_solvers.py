@@ -613,3 +613,24 @@ def test_ilp_counts_all_outputs_of_a_recomputed_multi_output_op():
         assert err.min_budget == 18
     else:
         assert_valid_solution(graph, 17, solution, "auto")
+
+
+@pytest.mark.parametrize("name", sorted(HAND_GRAPHS))
+def test_the_named_smallest_budget_plans_even_when_the_search_is_cut_short(name, monkeypatch):
+    """`InfeasibleBudgetError.min_budget` promises that planning at it succeeds. A time-limited
+    search (the ILP's lowest peak) need not find that schedule again, so the schedule behind the
+    named budget is remembered: planning at it succeeds with every other solver switched off."""
+    import fxopt.solvers as solvers
+
+    graph = HAND_GRAPHS[name]()
+    with pytest.raises(InfeasibleBudgetError) as err:
+        solve(graph, 1, "auto", time_limit=5)
+    min_budget = err.value.min_budget
+    fresh = Graph(graph.nodes)  # another analysis of the same step: equal content, a new object
+    monkeypatch.setattr(solvers, "HEURISTICS", {k: (lambda g, b: []) for k in HEURISTICS})
+    monkeypatch.setattr(solvers, "solve_instant", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(solvers, "_lowest_peak_schedules", lambda *a, **k: [])
+    monkeypatch.setattr(solvers, "solve_ilp", lambda *a, **k: (_ for _ in ()).throw(TimeoutError()))
+    monkeypatch.setattr(solvers, "lp_bound_and_roundings", lambda *a, **k: (None, []))
+    solution = solve(fresh, min_budget, "auto", time_limit=5)
+    assert solution.timeline.peak_bytes <= min_budget

@@ -112,6 +112,7 @@ def solve(
     def consider(schedule: Schedule, timeline: Timeline, name: str, status: str) -> None:
         nonlocal lowest_peak
         lowest_peak = timeline.peak_bytes if lowest_peak is None else min(lowest_peak, timeline.peak_bytes)
+        _remember_lowest(graph, solver, schedule, timeline.peak_bytes, name)
         if timeline.peak_bytes <= budget:
             fitting.append(Solution(schedule, timeline, name, status, 0.0))
 
@@ -261,6 +262,11 @@ def solve(
         progress("no plan fits; solving for the lowest peak")
         for schedule in _lowest_peak_schedules(graph, time_limit, backend):
             consider(schedule, simulate(graph, schedule), "ilp", "feasible")
+    reached = _LOWEST.get((graph.nodes, solver))
+    if not fitting and reached is not None and reached[0] <= budget:
+        # The schedule behind a smallest budget named earlier in this process: a time-limited
+        # search need not find it again, and the budget it named must plan.
+        consider(reached[1], simulate(graph, reached[1]), reached[2], "heuristic")
     if not fitting:
         min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak,
                                          run_ilp=model is None)
@@ -322,17 +328,41 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     the ILP its solve with the budget as the objective (and the heuristics it falls back on); for
     "auto" the lowest of all. Every schedule is simulated."""
     peaks = [] if known is None else [known]
+
+    def reach(schedule: Schedule, name: str) -> None:
+        peak = simulate(graph, schedule).peak_bytes
+        peaks.append(peak)
+        _remember_lowest(graph, solver, schedule, peak, name)
+
     names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp", "instant") else (solver,)
     for name in names:
         for schedule, timeline in HEURISTICS[name](graph, 0):
-            peaks.append(timeline.peak_bytes)
+            reach(schedule, name)
             if schedule.saved & graph.compressible:
-                peaks.append(simulate(graph, compress_all(graph, schedule)).peak_bytes)
+                reach(compress_all(graph, schedule), f"{name}+compress")
     if run_ilp and solver in ("ilp", "auto"):
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
-            peaks += [simulate(graph, s).peak_bytes for s in _lowest_peak_schedules(graph, time_limit, None, model)]
+            for schedule in _lowest_peak_schedules(graph, time_limit, None, model):
+                reach(schedule, "ilp")
     return min(peaks)
+
+
+# The lowest-peak schedule seen so far per (graph, solver) in this process: the plan behind the
+# smallest budget an `InfeasibleBudgetError` named, so that planning at that budget succeeds even
+# when a time-limited search would not find it again. A few graphs' worth; the oldest go first.
+_LOWEST: dict[tuple[tuple, str], tuple[int, Schedule, str]] = {}  # by the graph's nodes (its content)
+_LOWEST_KEEP = 16
+
+
+def _remember_lowest(graph: Graph, solver: str, schedule: Schedule, peak: int, name: str) -> None:
+    key = (graph.nodes, solver)
+    known = _LOWEST.get(key)
+    if known is None or peak < known[0]:
+        _LOWEST.pop(key, None)
+        _LOWEST[key] = (peak, schedule, name)
+        while len(_LOWEST) > _LOWEST_KEEP:
+            del _LOWEST[next(iter(_LOWEST))]
 
 
 def _lowest_peak_schedules(graph: Graph, time_limit: float, backend: str | None,
