@@ -83,13 +83,21 @@ class PlanReady(Exception):
         self.backward = backward
 
 
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0):
     """``unread_resident_bytes``: see `fxopt.analyze.analyze`."""
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes)
-    before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) \
-        if options.plan is None or options.plan_from_examples else None
+    before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
+    # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
+    # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).
+    pristine = _copy(joint) if options.plan is not None and options.plan_from_examples else None
     rewritten = recompute_dropout_from_mask(joint)
     relu = masks.relu_masks(joint) if options.compress else 0
     jg = before if before is not None and not (rewritten or relu) else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
@@ -106,6 +114,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
             if relu:
                 masks.relu_masks(joint)
                 jg = analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+            before = analyze(pristine, num_fwd_outputs, options.cost_model, **codecs)
+            eager_graph = before.graph
             options = dataclasses.replace(options, plan=None, plan_from_examples=False)
         elif options.plan.fingerprint != jg.fingerprint:
             raise CaptureError(

@@ -89,6 +89,18 @@ def test_plans_at_first_call_and_replans_for_new_shapes():
     assert optimized.plans[1].eager_peak_bytes < optimized.plans[0].eager_peak_bytes
 
 
+def test_a_plan_made_from_example_inputs_is_replanned_for_a_new_shape():
+    model, inputs = small()
+    optimized = fxopt.optimize(copy.deepcopy(model), 0.8, example_inputs=inputs)
+    first = optimized.plan
+    step(optimized, inputs)
+    assert optimized.plan is first  # the example plan fits: replayed, not made again
+    step(optimized, (torch.randn(1024, 64),))  # another shape: planned anew, not refused
+    assert optimized.plan is not first
+    assert optimized.plan.eager_peak_bytes < first.eager_peak_bytes
+    assert optimized.plan.budget_bytes == int(0.8 * optimized.plan.eager_peak_bytes)
+
+
 def test_module_contract():
     model, inputs = small()
     optimized = fxopt.optimize(model, 0.8, example_inputs=inputs)
