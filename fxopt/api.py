@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +13,7 @@ import torch.nn as nn
 from fxopt.analyze import CostModel
 from fxopt.budget import Budget, resolve_budget
 from fxopt.compression import Quantize
-from fxopt.capture import Options, PlanReady, is_graph_break, make_backend, unwrap_compile_error
+from fxopt.capture import Options, PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
 from fxopt.errors import CaptureError, FxoptError, GraphBreakError
 from fxopt.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, _tensors as _tensors_of
 from fxopt.plan import Plan
@@ -34,36 +32,13 @@ def _check_args(model: Any, budget: Budget, solver: str) -> None:
     resolve_budget(budget, 1)  # reject unreadable budgets now, not at the first call
 
 
-# Logging inside forward() (HF's ``logger.warning_once`` in its loss path, say) is a graph break.
-# Dynamo can move ``print`` and ``warnings.warn`` calls to after the graph, so they still run;
-# a Logger method it can only skip: those are not emitted while the compiled step runs.
-_REORDERABLE = (print, warnings.warn)
-_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
-
-
-def _logger_methods() -> set:
-    """Every logging method of the Logger classes in use, including those libraries add
-    (``transformers`` adds ``warning_once`` and ``info_once`` to ``logging.Logger``)."""
-    methods = set()
-    for cls in {logging.Logger, logging.getLoggerClass()}:
-        for klass in cls.__mro__:
-            for name, value in vars(klass).items():
-                if callable(value) and (name in _LOGGER_METHODS or name.endswith("_once") or name.startswith("warning_")):
-                    methods.add(value)
-    return methods
-
-
 @contextlib.contextmanager
 def _dynamo_settings():
     cfg = torch._dynamo.config
-    patch = {
-        "recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT),
-        "reorderable_logging_functions": set(cfg.reorderable_logging_functions) | set(_REORDERABLE),
-        "ignore_logger_methods": set(cfg.ignore_logger_methods) | _logger_methods(),
-    }
+    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT)}
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         patch["fail_on_recompile_limit_hit"] = True
-    with cfg.patch(**patch):
+    with cfg.patch(**patch), logging_switches():
         yield
 
 

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,35 @@ from fxopt.solvers import eager_schedule, simulate, solve
 log = logging.getLogger("fxopt")
 
 COMPILERS = ("eager", "inductor")
+
+# Logging inside forward() (HF's ``logger.warning_once`` in its loss path, say) is a graph break.
+# Dynamo can move ``print`` and ``warnings.warn`` calls to after the graph, so they still run;
+# a Logger method it can only skip: those are not emitted while the compiled step runs.
+_REORDERABLE = (print, warnings.warn)
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+
+
+def _logger_methods() -> set:
+    """Every logging method of the Logger classes in use, including those libraries add
+    (``transformers`` adds ``warning_once`` and ``info_once`` to ``logging.Logger``)."""
+    methods = set()
+    for cls in {logging.Logger, logging.getLoggerClass()}:
+        for klass in cls.__mro__:
+            for name, value in vars(klass).items():
+                if callable(value) and (name in _LOGGER_METHODS or name.endswith("_once") or name.startswith("warning_")):
+                    methods.add(value)
+    return methods
+
+
+def logging_switches():
+    """Dynamo's logging switches for the duration of a capture (see above)."""
+    cfg = torch._dynamo.config
+    return cfg.patch(
+        reorderable_logging_functions=set(cfg.reorderable_logging_functions) | set(_REORDERABLE),
+        ignore_logger_methods=set(cfg.ignore_logger_methods) | _logger_methods(),
+    )
+
+
 
 
 @dataclasses.dataclass(frozen=True)
