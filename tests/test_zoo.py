@@ -18,7 +18,7 @@ def test_budget_and_parity(name, fraction):
     torch.manual_seed(0)
     model, inputs = ZOO[name]()
     try:
-        eager, optimized, loss_e, loss_o = run_pair(model, inputs, fraction, time_limit=20)
+        eager, optimized, loss_e, loss_o = run_pair(model, inputs, fraction, time_limit=10)
     except fxopt.InfeasibleBudgetError as err:
         plan = fxopt.plan(model, 1.0, inputs)
         budget = int(fraction * plan.eager_peak_bytes)
@@ -26,7 +26,7 @@ def test_budget_and_parity(name, fraction):
         assert err.min_budget > budget
         assert str(err.min_budget) in str(err)
         # The smallest budget fxopt names is one it can keep.
-        eager, optimized, loss_e, loss_o = run_pair(model, inputs, err.min_budget, time_limit=20)
+        eager, optimized, loss_e, loss_o = run_pair(model, inputs, err.min_budget, time_limit=10)
     plan = optimized.plan
     assert plan.peak_bytes <= plan.budget_bytes
     assert_same_step(eager, optimized, loss_e, loss_o)
@@ -51,8 +51,8 @@ def test_recompute_lowers_peak(name):
     torch.manual_seed(0)
     model, inputs = ZOO[name]()
     with pytest.raises(fxopt.InfeasibleBudgetError) as info:
-        fxopt.plan(model, 100, inputs)
-    eager, optimized, loss_e, loss_o = run_pair(model, inputs, info.value.min_budget, time_limit=20)
+        fxopt.plan(model, 100, inputs, time_limit=10)
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, info.value.min_budget, time_limit=10)
     assert_same_step(eager, optimized, loss_e, loss_o)
     assert optimized.plan.recomputed, "a minimal-memory plan must recompute something"
     assert measured_peak(optimized, inputs) < measured_peak(eager, inputs)
