@@ -91,6 +91,11 @@ def _text_inputs(c: dict, *, mask: bool = True, seed: int = 0) -> dict[str, torc
     return out
 
 
+def _seq2seq_labels(c: dict) -> torch.Tensor:
+    """Target ids for an encoder-decoder: another draw, half the source length."""
+    return _text_inputs(c, mask=False, seed=1)["input_ids"][:, : c["seq"] // 2].contiguous()
+
+
 def _lm_labels(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     labels = inputs["input_ids"].clone()
     if "attention_mask" in inputs:
@@ -157,7 +162,7 @@ def t5(size: str, dropout: float = 0.0):
                      d_kv=c["hidden"] // c["heads"], num_heads=c["heads"], d_ff=c["ffn"], vocab_size=c["vocab"],
                      dropout_rate=dropout, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
     inputs = _text_inputs(c)
-    labels = _text_inputs(c, mask=False, seed=1)["input_ids"][:, : c["seq"] // 2].contiguous()
+    labels = _seq2seq_labels(c)
     return t.T5ForConditionalGeneration(cfg), {**inputs, "labels": labels}
 
 
@@ -170,7 +175,7 @@ def bart(size: str, dropout: float = 0.0):
                        max_position_embeddings=c["seq"], dropout=dropout, attention_dropout=dropout, activation_dropout=dropout,
                        use_cache=False)
     inputs = _text_inputs(c)
-    labels = _text_inputs(c, mask=False, seed=1)["input_ids"][:, : c["seq"] // 2].contiguous()
+    labels = _seq2seq_labels(c)
     return t.BartForConditionalGeneration(cfg), {**inputs, "labels": labels}
 
 

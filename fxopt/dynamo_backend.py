@@ -33,7 +33,7 @@ from fxopt.budget import Budget, resolve_budget
 from fxopt.compression import Quantize
 from fxopt.capture import COMPILERS, Options, make_backend
 from fxopt.errors import CaptureError
-from fxopt.pieces import GraphBreakWarning
+from fxopt.pieces import GraphBreakWarning, break_location
 from fxopt.plan import Plan
 from fxopt.solvers import SOLVERS
 
@@ -61,27 +61,19 @@ class FxoptBackend:
         return self._compile(gm, example_inputs)
 
     def _check_graph_break(self, gm: fx.GraphModule) -> None:
-        reason = getattr(gm, "compile_subgraph_reason", None)
-        if reason is None or not getattr(reason, "graph_break", False):
+        where = break_location(gm)
+        if where is None:
             return
-        where = ""
-        if reason.user_stack:
-            frame = reason.user_stack[-1]
-            where = f" at {frame.filename}:{frame.lineno}"
-        why = reason.reason.strip().splitlines()[0] if reason.reason else "unknown reason"
-        if "logging" in why.lower() or "logger" in why.lower():
-            why += ("; a logging call inside forward(): fxopt.optimize skips those, or add the method to "
-                    "torch._dynamo.config.ignore_logger_methods")
         if self.graph_breaks == "error":
             raise CaptureError(
-                f"torch.compile split this training step at a graph break{where} ({why}); fxopt can "
+                f"torch.compile split this training step at a graph break at {where}; fxopt can "
                 "only bound the peak of a step it sees whole. Remove the break (run once with "
                 "torch.compile(..., fullgraph=True) to see it; data-dependent Python such as .item() "
                 "or printing is the usual cause), or pass options={'graph_breaks': 'warn'} to plan "
                 "each piece on its own, with no bound on the whole step."
             )
         message = (
-            f"torch.compile split this training step at a graph break{where} ({why}); fxopt plans "
+            f"torch.compile split this training step at a graph break at {where}; fxopt plans "
             "each piece against the budget on its own, so the step's peak is not bounded: what "
             "earlier pieces save for the backward adds to later pieces' peaks."
         )

@@ -142,6 +142,9 @@ def break_location(gm: fx.GraphModule) -> str | None:
         frame = reason.user_stack[-1]
         where = f"{frame.filename}:{frame.lineno}"
     why = reason.reason.strip().splitlines()[0] if reason.reason else "unknown reason"
+    if "logging" in why.lower() or "logger" in why.lower():
+        why += ("; a logging call inside forward(): fxopt.optimize skips those, or add the method to "
+                "torch._dynamo.config.ignore_logger_methods")
     return f"{where} ({why})"
 
 

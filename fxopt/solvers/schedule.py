@@ -57,9 +57,6 @@ class Timeline:
     recompute_flops: int  # FLOPs beyond one execution of every node (compression included)
     recompute_cost: float  # the same in the cost model's seconds
     events: tuple[tuple[str, str, int], ...]  # (phase, node name, bytes live while it runs)
-    # Bytes the forward leaves alive beyond the inputs: SAVEd values (as kept) and its outputs.
-    # A step split into pieces holds these of each earlier piece while later pieces run.
-    held_after_forward_bytes: int = 0
 
 
 def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
@@ -147,7 +144,6 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
             inst = create(i, 0)
             forever.add(inst)
 
-    resident_bytes = live_bytes
     # ---- forward
     fwd = forward_set(graph, saved)
     fwd_pos = {i: k for k, i in enumerate(fwd)}
@@ -188,7 +184,6 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
             packed.add(j)
     for i in graph.forward_outputs:
         forever.add(current[i])
-    held_after_forward = live_bytes - resident_bytes
     saved_bytes = sum(nodes[r].bytes for r in {storage_of[current[i]][0] for i in saved - graph.free - packed if i in current})
     saved_bytes += sum(nodes[i].compressed_bytes for i in packed)
 
@@ -278,7 +273,6 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         recompute_flops=extra_flops,
         recompute_cost=extra_cost,
         events=tuple(events),
-        held_after_forward_bytes=held_after_forward,
     )
 
 
