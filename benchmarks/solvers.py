@@ -100,9 +100,9 @@ def run_graph(name: str, graph, time_limit: float) -> dict:
     best = min(fitting, key=lambda f: f[0])[1] if fitting else None
     record("instant", inst.seconds, best, "heuristic" if best else "no plan", inst.bound, "instant")
     row["instant_bound"] = inst.bound
-    for backend in ("highs", "cbc"):
-        res = solve_ilp(graph, budget, time_limit=time_limit, backend=backend, model=build_ilp(graph, budget))
-        record(f"ilp-{backend}", res.seconds, res.schedule, res.status, res.lower_bound)
+    for mip_solver in ("highs", "cbc"):
+        res = solve_ilp(graph, budget, time_limit=time_limit, mip_solver=mip_solver, model=build_ilp(graph, budget))
+        record(f"ilp-{mip_solver}", res.seconds, res.schedule, res.status, res.lower_bound)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeoutWarning)

@@ -61,7 +61,7 @@ def main(name: str) -> None:
         try:
             loss = step(compiled, x)
         except Exception as err:  # noqa: BLE001 - Dynamo wraps what the backend raises
-            inner = fxopt.capture.unwrap_compile_error(err)
+            inner = fxopt.capture.dynamo.unwrap_compile_error(err)
             if not isinstance(inner, fxopt.InfeasibleBudgetError):
                 raise
             print(f"  {compiler}: {budget:.0%} is infeasible; using the smallest budget, "

@@ -3,30 +3,46 @@
     model = fxopt.optimize(model, "2GiB")        # the budget you give is the peak you get
     plan = fxopt.plan(model, 0.5, (x,))          # inspect before running
     torch.compile(model, backend="fxopt", options={"budget": "2GiB"})   # or fxopt.backend(...)
+
+The names below are imported on first use (PEP 562), so that ``import fxopt.solvers`` and
+``fxopt.errors`` do not import torch.
 """
 
-from fxopt.api import FxoptModule, optimize, plan
-from fxopt.compression import Quantize, gradient_sqnr
-from fxopt.dynamo_backend import backend
-from fxopt.errors import BudgetError, CaptureError, FxoptError, InfeasibleBudgetError
-from fxopt.measure import PeakMemory, measure_peak
-from fxopt.pieces import GraphBreakWarning
-from fxopt.plan import Plan
+from __future__ import annotations
 
-__all__ = [
-    "optimize",
-    "plan",
-    "backend",
-    "Plan",
-    "Quantize",
-    "gradient_sqnr",
-    "FxoptModule",
-    "measure_peak",
-    "PeakMemory",
-    "InfeasibleBudgetError",
-    "CaptureError",
-    "BudgetError",
-    "FxoptError",
-    "GraphBreakWarning",
-]
-__version__ = "0.1.0"
+import importlib
+
+from fxopt._version import __version__
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "optimize": "fxopt.api",
+    "plan": "fxopt.api",
+    "FxoptModule": "fxopt.api",
+    "backend": "fxopt.capture.backend",
+    "Plan": "fxopt.solvers.plan",
+    "Quantize": "fxopt.analysis.codecs",
+    "gradient_sqnr": "fxopt.measure",
+    "measure_peak": "fxopt.measure",
+    "PeakMemory": "fxopt.measure",
+    "InfeasibleBudgetError": "fxopt.errors",
+    "CaptureError": "fxopt.errors",
+    "BudgetError": "fxopt.errors",
+    "FxoptError": "fxopt.errors",
+    "GraphBreakWarning": "fxopt.capture.pieces",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fxopt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_EXPORTS})

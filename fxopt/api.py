@@ -10,13 +10,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxopt.analyze import CostModel
+from fxopt.analysis import CostModel
 from fxopt.budget import Budget, resolve_budget
-from fxopt.compression import Quantize
-from fxopt.capture import Options, PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
+from fxopt.analysis.codecs import Quantize
+from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
 from fxopt.errors import CaptureError, FxoptError, GraphBreakError
-from fxopt.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, _tensors as _tensors_of
-from fxopt.plan import Plan
+from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, _tensors as _tensors_of
+from fxopt.solvers.plan import Plan
+from fxopt.planner import Options
 from fxopt.solvers import SOLVERS
 
 # Dynamo keeps one compiled entry per input signature (and per fxopt module of the same class);
@@ -132,7 +133,7 @@ class FxoptModule(nn.Module):
                 on_plan(plan)
                 self.plans.append(plan)
             # A whole step counts the parameters and buffers it does not read; a piece's reserve
-            # counts everything it does not take (see fxopt.pieces).
+            # counts everything it does not take (see fxopt.capture.pieces).
             return make_backend(dataclasses.replace(options, budget=budget), both, resident=model if whole else None)
 
         backend = PiecewiseBackend(options.budget, piece_backend, graph_breaks)
@@ -207,7 +208,7 @@ def optimize(
     input shape); with them it is planned now, so errors such as `InfeasibleBudgetError` surface
     here. ``plan`` replays a plan from `fxopt.plan` or `Plan.from_json`. ``compiler``:
     ``"eager"`` runs the rewritten graphs op by op, ``"inductor"`` compiles them with Inductor
-    (see `fxopt.inductor`).
+    (see `fxopt.capture.inductor`).
 
     ``compress`` (default True): the solver may also keep saved values COMPRESSed losslessly
     (masks as packed bits; gradients bit-identical). ``quantize``: ``"int8"``, ``"fp8"``,
@@ -219,7 +220,7 @@ def optimize(
     ``graph_breaks``: what to do when torch.compile cannot capture the forward in one graph
     (``.item()`` steering control flow, an unsupported call). ``"split"`` (default): plan the
     pieces in order, each against the budget minus what the rest of the step holds while it runs
-    (see `fxopt.pieces`; the budget must then be in bytes, and a `GraphBreakWarning` names the
+    (see `fxopt.capture.pieces`; the budget must then be in bytes, and a `GraphBreakWarning` names the
     break). ``"error"``: raise `CaptureError`. Logging and printing inside forward() are not
     breaks: ``print`` and ``warnings.warn`` run after the captured graph, ``logging.Logger``
     calls are skipped while the optimized step runs.

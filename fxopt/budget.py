@@ -7,6 +7,7 @@ import re
 
 from fxopt.errors import BudgetError
 
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -55,10 +56,3 @@ def resolve_budget(budget: Budget, eager_peak_bytes: int | None = None) -> int:
             raise BudgetError(f"budget must be positive, got {budget} bytes")
         return budget
     raise BudgetError(f"budget must be an int (bytes), a str ('3GiB', '50%') or a float in (0, 1], not {type(budget).__name__}")
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"

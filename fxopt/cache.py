@@ -16,7 +16,9 @@ import logging
 import os
 from pathlib import Path
 
-from fxopt.plan import Plan
+from fxopt._version import __version__
+from fxopt.solvers.plan import Plan
+from fxopt.solvers import REVISION
 from fxopt.solvers.graph import Graph
 
 log = logging.getLogger("fxopt")
@@ -34,9 +36,6 @@ def directory() -> Path:
 
 
 def key(graph: Graph, budget: int, solver: str, time_limit: float) -> str:
-    from fxopt import __version__
-    from fxopt.solvers import REVISION
-
     payload = json.dumps([graph.to_dict(), budget, solver, time_limit, __version__, REVISION], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fxopt.units import format_bytes
+
 
 class FxoptError(Exception):
     """Base class of fxopt's errors."""
@@ -14,8 +16,6 @@ class InfeasibleBudgetError(FxoptError, ValueError):
     def __init__(self, budget: int, min_budget: int, detail: str = ""):
         self.budget = budget
         self.min_budget = min_budget
-        from fxopt.budget import format_bytes
-
         msg = (
             f"no schedule of this training step fits in {format_bytes(budget)}; the smallest feasible "
             f"budget fxopt found is {format_bytes(min_budget)} ({min_budget} bytes). Raise the budget "

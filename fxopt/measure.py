@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -176,3 +177,28 @@ def count_flops(step: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     with _FlopCounter() as counter:
         step(*args, **kwargs)
     return counter.flops
+
+
+# ------------------------------------------------------------------------- lossy compression's error
+
+
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``approx`` against ``reference``, in dB
+    (``inf`` when they are equal)."""
+    ref = reference.detach().double()
+    noise = (approx.detach().double() - ref).pow(2).sum().item()
+    signal = ref.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def gradient_sqnr(reference: torch.nn.Module, other: torch.nn.Module) -> dict[str, float]:
+    """Per parameter, the SQNR (dB) of ``other``'s gradient against ``reference``'s, after one
+    step of each on the same inputs (e.g. eager against ``fxopt.optimize(..., quantize="int8")``).
+    Parameters without a gradient in either are left out."""
+    out = {}
+    for (name, p), (_, q) in zip(reference.named_parameters(), other.named_parameters()):
+        if p.grad is not None and q.grad is not None:
+            out[name] = sqnr_db(p.grad, q.grad)
+    return out

@@ -165,7 +165,7 @@ def test_every_solver_end_to_end(solver):
 def test_plans_are_cached_on_disk(tmp_path, monkeypatch):
     """The second plan of the same step at the same budget comes from the cache (no solve), and
     equals the first; another budget is solved again; FXOPT_CACHE=0 turns the cache off."""
-    import fxopt.capture as capture
+    import fxopt.planner as capture
     from fxopt.models import ZOO
 
     monkeypatch.setenv("FXOPT_CACHE", "1")

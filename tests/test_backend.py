@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 import fxopt
-from fxopt.capture import unwrap_compile_error
-from fxopt.dynamo_backend import GraphBreakWarning
+from fxopt.capture.dynamo import unwrap_compile_error
+from fxopt import GraphBreakWarning
 from fxopt.models import residual_mlp, transformer_block
 from helpers import measured_peak, step
 
@@ -121,8 +121,8 @@ def test_entry_point_works_without_importing_fxopt(tmp_path):
                                  options={"budget": 0.9, "compiler": "eager", "solver": "greedy"})
         compiled(x).sum().backward()
         from torch._dynamo.backends.registry import lookup_backend
-        import fxopt.dynamo_backend
-        assert lookup_backend("fxopt") is fxopt.dynamo_backend.fxopt_backend
+        import fxopt.capture.backend
+        assert lookup_backend("fxopt") is fxopt.capture.backend.fxopt_backend
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         model(x).sum().backward()
@@ -135,7 +135,7 @@ def test_entry_point_works_without_importing_fxopt(tmp_path):
 
 
 def test_entry_point_options_are_checked():
-    from fxopt.dynamo_backend import fxopt_backend
+    from fxopt.capture.backend import fxopt_backend
 
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="needs a budget"):

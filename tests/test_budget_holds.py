@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fxopt
-from fxopt.plan import Plan
+from fxopt.solvers.plan import Plan
 from fxopt.solvers import SOLVERS, solve
 from fxopt.solvers.schedule import simulate
 from helpers import measured_peak, step

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fxopt.cli import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, main
+from fxopt.cli.main import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, main
 
 SMALL = ["demo", "--blocks", "2", "--width", "64", "--batch", "512", "--repeats", "1"]
 
@@ -37,7 +37,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import fxopt  # noqa: E402
-from fxopt.cli import EXIT_ERROR  # noqa: E402
+from fxopt.cli.main import EXIT_ERROR  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models.py"
 MLP = f"{EXAMPLES}:mlp"

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 import fxopt
-from fxopt.compression import Quantize, sqnr_db
+from fxopt.analysis.codecs import Quantize
+from fxopt.measure import sqnr_db
 from fxopt.solvers import Graph, Node, Schedule, simulate, solve
 from fxopt.solvers.ilp import solve_ilp
 from helpers import assert_same_step, measured_peak, run_pair, step
@@ -30,7 +31,7 @@ def test_bits_round_trip_exactly(shape):
     (Quantize("int4"), 17), (Quantize("int4", 16, "minmax"), 18),
 ])
 def test_quantize_round_trip_error_and_size(dtype, q, floor_db):
-    from fxopt.compression import codec_for
+    from fxopt.analysis.codecs import codec_for
 
     torch.manual_seed(0)
     x = torch.randn(257, 33, dtype=dtype)  # not a multiple of the group size: padded

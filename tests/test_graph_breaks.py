@@ -1,4 +1,4 @@
-"""Steps Dynamo cannot capture whole: planned piece by piece within the budget (`fxopt.pieces`),
+"""Steps Dynamo cannot capture whole: planned piece by piece within the budget (`fxopt.capture.pieces`),
 or refused with graph_breaks="error"; logging and printing in forward() are not breaks."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxopt
-from fxopt.pieces import GraphBreakWarning
+from fxopt import GraphBreakWarning
 from helpers import assert_same_step, measured_peak, step
 
 logger = logging.getLogger("fxopt.tests.model")

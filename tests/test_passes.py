@@ -111,7 +111,7 @@ def test_value_saved_only_for_a_dead_recomputation_is_not_saved(monkeypatch):
     """A recomputation nothing reads is dropped from the generated backward; a SAVEd value only it
     read must then not be saved either: an unused backward input is never freed by FX's code,
     while the simulator frees it as the backward starts."""
-    import fxopt.capture as capture
+    import fxopt.capture.dynamo as capture
     from fxopt.api import plan_and_rewrite
     from fxopt.passes.recompute import split_with_recompute
     from fxopt.solvers.schedule import Schedule, simulate

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxopt.plan import Plan
+from fxopt.solvers.plan import Plan
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.schedule import (
     InvalidScheduleError,

@@ -247,7 +247,7 @@ def test_auto_never_costs_more_than_the_ilp_on_hand_graphs():
     for name, make in HAND_GRAPHS.items():
         graph = make()
         for budget in (eager_peak(name), _budget(name, "between")):
-            ilp = solve_ilp(graph, budget, backend="highs", time_limit=TIME_LIMIT)
+            ilp = solve_ilp(graph, budget, mip_solver="highs", time_limit=TIME_LIMIT)
             if ilp.status != "optimal":
                 continue
             ilp_cost = simulate(graph, ilp.schedule).recompute_cost
@@ -477,7 +477,7 @@ def test_random_graph_optimal_ilp_means_ilp_solver_succeeds(graph, fraction):
     fitting = [(t.recompute_cost, s) for h in HEURISTICS.values() for s, t in h(graph, budget)
                if t.peak_bytes <= budget]
     start = min(fitting, key=lambda f: f[0])[1] if fitting else None
-    res = solve_ilp(graph, budget, backend="highs", time_limit=TIME_LIMIT, warm_start=start)
+    res = solve_ilp(graph, budget, mip_solver="highs", time_limit=TIME_LIMIT, warm_start=start)
     if res.status != "optimal":
         return
     timeline = simulate(graph, res.schedule)
@@ -511,7 +511,7 @@ def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
     lowest, _ = peak_lower_bound(graph)
     timelines = [t for _, t in res.plans] + [t for h in HEURISTICS.values() for _, t in h(graph, budget)]
     costs = [t.recompute_cost for t in timelines if t.peak_bytes <= budget]
-    ilp = solve_ilp(graph, budget, backend="highs", time_limit=TIME_LIMIT)
+    ilp = solve_ilp(graph, budget, mip_solver="highs", time_limit=TIME_LIMIT)
     if ilp.schedule is not None:
         t = simulate(graph, ilp.schedule)
         if t.peak_bytes <= budget:
@@ -604,7 +604,7 @@ def test_ilp_counts_all_outputs_of_a_recomputed_multi_output_op():
         Node("g_x", "backward", inputs=(25,), bytes=1, flops=1, cost=0.01, output=True),
     ))
     assert simulate(graph, eager_schedule(graph)).peak_bytes == 22
-    res = solve_ilp(graph, 17, backend="highs", time_limit=TIME_LIMIT)
+    res = solve_ilp(graph, 17, mip_solver="highs", time_limit=TIME_LIMIT)
     if res.schedule is not None:
         assert simulate(graph, res.schedule).peak_bytes <= 17
     try:
@@ -620,7 +620,7 @@ def test_the_named_smallest_budget_plans_even_when_the_search_is_cut_short(name,
     """`InfeasibleBudgetError.min_budget` promises that planning at it succeeds. A time-limited
     search (the ILP's lowest peak) need not find that schedule again, so the schedule behind the
     named budget is remembered: planning at it succeeds with every other solver switched off."""
-    import fxopt.solvers as solvers
+    import fxopt.solvers.auto as solvers
 
     graph = HAND_GRAPHS[name]()
     with pytest.raises(InfeasibleBudgetError) as err:

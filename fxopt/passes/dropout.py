@@ -29,6 +29,7 @@ import operator
 import torch
 import torch.fx as fx
 
+import fxopt.ops  # noqa: F401 - registers torch.ops.fxopt.*
 from fxopt.passes._fx import NodeBuilder, replace_node, replace_value
 
 aten = torch.ops.aten
@@ -74,19 +75,6 @@ def recompute_dropout_from_mask(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return rewritten
-
-
-@torch.library.custom_op("fxopt::masked_scale", mutates_args=())
-def masked_scale(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x * scale`` where ``mask``, else 0, in one output buffer (no float copy of the mask)."""
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device), out=out)
-    return out.mul_(scale)
-
-
-@masked_scale.register_fake
-def _(x, mask, scale):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _position(graph: fx.Graph, node: fx.Node) -> int:

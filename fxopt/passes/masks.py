@@ -1,10 +1,9 @@
-"""Masks as bits: the ops that pack a bool tensor 8 elements to a byte, and ReLU's backward made
-to read a bool mask instead of ReLU's float output.
+"""ReLU's backward made to read a bool mask instead of ReLU's float output (packed as bits by
+the ``bits`` codec, `fxopt.ops.bits`).
 
-`pack_bits` / `unpack_bits` are the ``bits`` codec of `fxopt.compression`: the solver may keep any
-SAVEd bool tensor of at least ``MIN_BYTES`` (a dropout mask, a comparison) COMPRESSed as packed
-bits, n / 8 bytes instead of n, decoded just before the backward reads it. ``unpack(pack(m))``
-equals ``m`` exactly, so gradients stay bit-identical to eager.
+The solver may then keep that mask, like any SAVEd bool tensor of at least ``MIN_BYTES`` (a
+dropout mask, a comparison), COMPRESSed as packed bits: n / 8 bytes instead of n, decoded just
+before the backward reads it, exactly, so gradients stay bit-identical to eager.
 """
 
 from __future__ import annotations
@@ -12,47 +11,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+import fxopt.ops  # noqa: F401 - registers torch.ops.fxopt.*
+from fxopt.analysis.codecs import MIN_BYTES
 from fxopt.passes._fx import NodeBuilder, replace_node, tangent_dependents
 
 aten = torch.ops.aten
 
-MIN_BYTES = 4096
 
 RELU_MASK = "fxopt_relu_mask"  # meta key of a rewritten ReLU backward: the output it read
-
-
-# pack_bits(x, threshold, mode): bit k of byte j is 1 where element 8j + k of x is "on": x itself
-# for a bool mask (mode 0), x <= threshold (mode 1). One op, so that what the backward needs is one
-# value made from forward values, which the forward can compute and SAVE.
-@torch.library.custom_op("fxopt::pack_bits", mutates_args=())
-def pack_bits(x: torch.Tensor, threshold: float, mode: int) -> torch.Tensor:
-    on = x if mode == 0 else x <= threshold
-    flat = on.reshape(-1).view(torch.uint8)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
-    return (flat.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
-
-
-@pack_bits.register_fake
-def _(x, threshold, mode):
-    return x.new_empty(((x.numel() + 7) // 8,), dtype=torch.uint8)
-
-
-@torch.library.custom_op("fxopt::unpack_bits", mutates_args=())
-def unpack_bits(packed: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    n = 1
-    for d in shape:
-        n *= d
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(1) >> shifts) & 1
-    return bits.view(-1)[:n].ne(0).view(shape)
-
-
-@unpack_bits.register_fake
-def _(packed, shape):
-    return packed.new_empty(shape, dtype=torch.bool)
 
 
 def relu_masks(gm: fx.GraphModule) -> int:

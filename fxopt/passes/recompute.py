@@ -11,7 +11,7 @@ forward node wherever the schedule recomputes it, reading the most recent copy o
 
 A COMPRESSed value (``schedule.compressed``) is encoded in the forward right after its last use
 there (and its views'), and the forward saves the encoding; the backward decodes it right before
-its first read (see `fxopt.compression`).
+its first read (see `fxopt.analysis.codecs`).
 
 Because every value dies after its last use, where a recomputation sits decides how long it lives,
 and recomputing a value twice (two copies) can be cheaper in memory than keeping one.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch._functorch import partitioners as _p
 
-from fxopt.analyze import JointGraph
+from fxopt.analysis import JointGraph
 from fxopt.errors import CaptureError
 from fxopt.passes._fx import NodeBuilder
 from fxopt.solvers.schedule import Schedule, prune, read_before_recompute

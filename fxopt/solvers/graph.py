@@ -1,7 +1,7 @@
 """The solvers' view of a training step: a torch-free DAG of values with sizes and costs.
 
 Each node is one value of the joint forward+backward graph. Nothing here knows about torch:
-`fxopt.analyze` builds a `Graph` from an aten-level fx graph, and tests build them by hand.
+`fxopt.analysis` builds a `Graph` from an aten-level fx graph, and tests build them by hand.
 
 Kinds of node:
   - ``input``: parameters, buffers and user inputs (resident for the whole step) and tangents
@@ -26,7 +26,7 @@ from typing import Literal
 Kind = Literal["input", "forward", "backward"]
 
 
-# Codecs that lose precision (`fxopt.compression`'s quantizing formats); a codec's name starts
+# Codecs that lose precision (`fxopt.analysis.codecs`'s quantizing formats); a codec's name starts
 # with its format ("int8/g64", ...).
 LOSSY_FORMATS = ("int8", "fp8", "int4")
 
@@ -51,7 +51,7 @@ class Node:
     tensor: bool = True  # False for tuples and other non-tensor values: they can never be SAVEd
     # COMPRESS: a codec that can keep this value, once SAVEd, in ``compressed_bytes`` between its
     # last forward use and its first backward read, for ``codec_cost`` seconds (``codec_flops``)
-    # of encoding plus decoding (see `fxopt.compression`). None: it is saved as it is.
+    # of encoding plus decoding (see `fxopt.analysis.codecs`). None: it is saved as it is.
     codec: str | None = None
     compressed_bytes: int = 0
     codec_cost: float = 0.0

@@ -56,10 +56,10 @@ import time
 from collections.abc import Callable
 
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.mip import Mip, Progress, default_backend, solve_mip
+from fxopt.solvers.mip import Mip, Progress, default_mip_solver, solve_mip
 from fxopt.solvers.schedule import Schedule, must_save, prune, read_before_recompute, with_fresh_aliases
 
-__all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_backend"]
+__all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_mip_solver"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,14 +566,14 @@ def solve_ilp(
     time_limit: float = 60.0,
     minimize_peak: bool = False,
     threads: int | None = None,
-    backend: str | None = None,
+    mip_solver: str | None = None,
     warm_start: Schedule | None = None,
     rel_gap: float = 1e-4,
     on_progress: Callable[[Progress], None] | None = None,
     verbose: bool = False,
     model: RematIlp | None = None,
 ) -> IlpResult:
-    """Solve the ILP. ``backend``: "highs" (default when ``highspy`` is installed) or "cbc".
+    """Solve the ILP. ``mip_solver``: "highs" (default when ``highspy`` is installed) or "cbc".
     ``warm_start``: a schedule to start from (ignored by the solver if it breaks a constraint).
     ``on_progress`` receives `Progress` about once a second (HiGHS only), costs in the cost
     model's seconds of recomputation."""
@@ -593,7 +593,7 @@ def solve_ilp(
             saved = warm_start.saved
             fixed = {col: 1.0 if i in saved else 0.0 for i, col in ilp.S0.items()}
             share = max(0.0, time_limit - (time.perf_counter() - t0)) / 4
-            sub = solve_mip(_with_fixed(ilp.mip, fixed), time_limit=share, backend=backend, rel_gap=0.05,
+            sub = solve_mip(_with_fixed(ilp.mip, fixed), time_limit=share, mip_solver=mip_solver, rel_gap=0.05,
                             threads=threads)
             start = list(sub.x) if sub.x is not None else None
 
@@ -605,7 +605,7 @@ def solve_ilp(
             None if p.bound is None else max(0.0, ilp.recompute_cost(p.bound)),
             p.gap, p.seconds))
 
-    res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), backend=backend,
+    res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), mip_solver=mip_solver,
                     warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose)
     seconds = time.perf_counter() - t0
     bound = None if res.bound is None or minimize_peak else max(0.0, ilp.recompute_cost(res.bound))
@@ -618,7 +618,7 @@ def solve_ilp(
                      lower_bound=bound, interrupted=res.interrupted)
 
 
-def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: float, backend: str | None = None,
+def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: float, mip_solver: str | None = None,
                            model: RematIlp | None = None) -> tuple[float | None, list[Schedule]]:
     """The LP relaxation's lower bound on the recompute cost (None with ``budget=None``, which
     relaxes the lowest-peak problem instead), and schedules rounded from its solution (Checkmate's
@@ -628,7 +628,7 @@ def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: floa
     ilp = model or build_ilp(graph, budget, minimize_peak=budget is None)
     if ilp.infeasible:
         return None, []
-    res = solve_mip(ilp.mip, time_limit=time_limit, backend=backend, relax=True)
+    res = solve_mip(ilp.mip, time_limit=time_limit, mip_solver=mip_solver, relax=True)
     if res.x is None:
         return None, []
     bound = None

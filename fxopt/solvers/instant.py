@@ -331,7 +331,7 @@ def _tightest(graph: Graph, timeline: Timeline, budget: int) -> tuple[str, int] 
     return None
 
 
-def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backend: str | None = None,
+def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_solver: str | None = None,
                   max_rounds: int = 6, rel_gap: float = 1e-4, target_gap: float = 0.005) -> InstantResult:
     """Solve the program for the instant with the most fixed memory (and the one where the eager
     schedule is worst), simulate the plan it suggests, add the instant where that plan is worst
@@ -364,7 +364,7 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, backen
         if left <= 0.5:
             break
         m, s, alive = prog.build(instants, forward_steps)
-        res = solve_mip(m, time_limit=left, backend=backend, rel_gap=rel_gap)
+        res = solve_mip(m, time_limit=left, mip_solver=mip_solver, rel_gap=rel_gap)
         if res.status == "infeasible":
             infeasible = True
             break

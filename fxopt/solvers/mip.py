@@ -1,7 +1,7 @@
-"""A small mixed-integer program in plain arrays, and the backends that solve it.
+"""A small mixed-integer program in plain arrays, and the MIP solvers that solve it.
 
 The rematerialization ILP (`fxopt.solvers.ilp`) is written once as a `Mip` and handed to a
-backend:
+solver:
 
   - ``highs``: HiGHS through ``highspy``, in process. The model is passed as arrays (tens of
     thousands of rows in well under a second), the warm start as a solution, and a callback
@@ -10,7 +10,7 @@ backend:
   - ``cbc``: CBC, the solver that ships with PuLP, as a subprocess (no progress; its bound is
     not reported).
 
-Both take a time limit; both return the best solution found and, where the backend gives it,
+Both take a time limit; both return the best solution found and, where the solver gives it,
 the proven lower bound on the objective.
 """
 
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-BACKENDS = ("highs", "cbc")
+MIP_SOLVERS = ("highs", "cbc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ class MipResult:
     status: str  # "optimal" | "feasible" (stopped with a solution) | "infeasible" | "timeout" (none found)
     x: tuple[float, ...] | None
     objective: float | None
-    bound: float | None  # a proven lower bound on the objective (None when the backend gives none)
+    bound: float | None  # a proven lower bound on the objective (None when the solver gives none)
     seconds: float
     interrupted: bool = False  # stopped by the user (Ctrl-C)
 
@@ -113,7 +113,7 @@ class Mip:
         return bad
 
 
-def default_backend() -> str:
+def default_mip_solver() -> str:
     """HiGHS when ``highspy`` is installed (several times faster than CBC on these problems, and
     it reports bounds and progress: see benchmarks/solvers.py), else CBC, which ships with PuLP."""
     return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
@@ -123,7 +123,7 @@ def solve_mip(
     model: Mip,
     *,
     time_limit: float,
-    backend: str | None = None,
+    mip_solver: str | None = None,
     warm_start: list[float] | dict[int, float] | None = None,
     relax: bool = False,
     rel_gap: float = 1e-4,
@@ -134,12 +134,12 @@ def solve_mip(
     """Solve ``model`` (its LP relaxation with ``relax``) within ``time_limit`` seconds; stop early
     once the relative gap is below ``rel_gap``. ``warm_start``: every column's value, or some
     columns' values (a dict) for the solver to complete (HiGHS; CBC ignores a partial start)."""
-    backend = backend or default_backend()
-    if backend == "highs":
+    mip_solver = mip_solver or default_mip_solver()
+    if mip_solver == "highs":
         return _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose)
-    if backend == "cbc":
+    if mip_solver == "cbc":
         return _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose)
-    raise ValueError(f"unknown ILP backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown MIP solver {mip_solver!r}; use one of {', '.join(MIP_SOLVERS)}")
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ A `Schedule` is what every solver returns and what the recompute pass turns into
   - ``saved``: forward values kept from the forward for the backward (SAVE);
   - ``backward``: the nodes the backward computes, in order. Every backward node appears exactly
     once; a forward node appearing there is a recomputation (RECOMPUTE), and may appear again;
-  - ``compressed``: SAVEd values kept compressed (COMPRESS, see `fxopt.compression`): encoded right
+  - ``compressed``: SAVEd values kept compressed (COMPRESS, see `fxopt.analysis.codecs`): encoded right
     after their last forward use (of them or a view of them), decoded right before the backward
     first reads them.
 

@@ -1,12 +1,9 @@
-"""Capture the training step and hand it to the planner: a torch.compile backend.
+"""The planner: from a captured joint graph and the user's options to a plan.
 
-Dynamo captures the model's forward as one graph (``fullgraph=True``: a graph break is refused
-with the reason, because a plan can only bound the peak of a step it sees whole). AOTAutograd
-traces forward and backward into one aten-level joint graph, without decompositions, so random
-ops stay whole and run exactly once, in eager order: dropout masks are eager's. Its partitioner
-hook (``partition_fn``) is where fxopt plans and rewrites: analyze → solve → split with recompute.
-The forward and backward run as FX Python code taking their inputs boxed, so saved tensors are
-released as soon as the backward has used them.
+analyze (`fxopt.analysis`) → the mask passes (`fxopt.passes.dropout`, `fxopt.passes.masks`) →
+resolve the budget against the simulated eager peak → the plan cache (`fxopt.cache`) → solve
+(`fxopt.solvers`), with one fallback: a budget the ReLU-mask rewrite makes infeasible is planned
+without it. A plan made from example inputs that does not fit a later graph is planned anew.
 """
 
 from __future__ import annotations
@@ -17,56 +14,22 @@ import logging
 import os
 import sys
 import time
-import warnings
-from collections.abc import Callable
 
-import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
 
 from fxopt import cache
-from fxopt.analyze import CostModel, analyze
+from fxopt.analysis import CostModel, analyze
+from fxopt.analysis.codecs import Quantize, resolve_quantize
 from fxopt.budget import Budget, resolve_budget
-from fxopt.compression import Quantize, resolve_quantize
 from fxopt.errors import CaptureError, InfeasibleBudgetError
-from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.passes import masks
-from fxopt.passes.recompute import split_with_recompute
-from fxopt.plan import Plan
+from fxopt.passes.dropout import recompute_dropout_from_mask
+from fxopt.solvers.plan import Plan
 from fxopt.solvers import eager_schedule, simulate, solve
 
 log = logging.getLogger("fxopt")
 
 COMPILERS = ("eager", "inductor")
-
-# Logging inside forward() (HF's ``logger.warning_once`` in its loss path, say) is a graph break.
-# Dynamo can move ``print`` and ``warnings.warn`` calls to after the graph, so they still run;
-# a Logger method it can only skip: those are not emitted while the compiled step runs.
-_REORDERABLE = (print, warnings.warn)
-_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
-
-
-def _logger_methods() -> set:
-    """Every logging method of the Logger classes in use, including those libraries add
-    (``transformers`` adds ``warning_once`` and ``info_once`` to ``logging.Logger``)."""
-    methods = set()
-    for cls in {logging.Logger, logging.getLoggerClass()}:
-        for klass in cls.__mro__:
-            for name, value in vars(klass).items():
-                if callable(value) and (name in _LOGGER_METHODS or name.endswith("_once") or name.startswith("warning_")):
-                    methods.add(value)
-    return methods
-
-
-def logging_switches():
-    """Dynamo's logging switches for the duration of a capture (see above)."""
-    cfg = torch._dynamo.config
-    return cfg.patch(
-        reorderable_logging_functions=set(cfg.reorderable_logging_functions) | set(_REORDERABLE),
-        ignore_logger_methods=set(cfg.ignore_logger_methods) | _logger_methods(),
-    )
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +38,7 @@ class Options:
     `fxopt.solvers.solve`. ``plan``: reuse this plan instead of solving (it must have been made
     for the same graph). ``time_limit``: seconds for the ILP. ``compiler``: what runs the
     rewritten forward and backward: ``"eager"`` (FX code, op by op) or ``"inductor"`` (see
-    `fxopt.inductor`). ``inductor_config``: extra Inductor settings for ``"inductor"``.
+    `fxopt.capture.inductor`). ``inductor_config``: extra Inductor settings for ``"inductor"``.
     ``compress``: let the solver COMPRESS saved values losslessly (bool masks as packed bits,
     ReLU's backward reading a bool mask, max-pooling indices as int32); gradients stay
     bit-identical. ``quantize``: a `fxopt.Quantize` (or its format name) to also let it quantize
@@ -102,17 +65,6 @@ class Options:
             raise ValueError(f"unknown compiler {self.compiler!r}; choose one of {', '.join(COMPILERS)}")
 
 
-class PlanReady(Exception):
-    """Raised from the partitioner to stop after planning (`fxopt.plan` does not run the model).
-    ``forward`` and ``backward``: the rewritten modules, before any compiler."""
-
-    def __init__(self, plan: Plan, forward: fx.GraphModule | None = None, backward: fx.GraphModule | None = None):
-        super().__init__("plan ready")
-        self.plan = plan
-        self.forward = forward
-        self.backward = backward
-
-
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -120,7 +72,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0):
-    """``unread_resident_bytes``: see `fxopt.analyze.analyze`."""
+    """``unread_resident_bytes``: see `fxopt.analysis.analyze`."""
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes)
@@ -213,104 +165,3 @@ def progress_display():
             status.update(f"fxopt: {msg}")
 
         yield report
-
-
-def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
-    """Run `gm` as FX Python code that takes its inputs as a list and clears it, so each input
-    (a saved activation, a tangent) is freed after its last use, like every intermediate."""
-    codegen = getattr(fx.graph, "_BoxedCodeGen", None)
-    if codegen is not None:
-        gm.graph.set_codegen(codegen())
-        gm.recompile()
-
-        def run(args):
-            return gm(args)
-    else:  # older torch: the interpreter also frees values after their last use
-        def run(args):
-            return fx.Interpreter(gm).boxed_run(args)
-
-    run._boxed_call = True
-    return run
-
-
-def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
-    """Bytes of ``module``'s parameters and buffers (each storage once) that are not among the
-    captured graph's inputs: the step never reads them, yet they are alive throughout it."""
-    read = set()
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor):
-            try:
-                read.add((t.device, t.untyped_storage().data_ptr()))
-            except Exception:  # noqa: BLE001 - a tensor without real storage: nothing to match
-                pass
-    unread = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key not in read:
-            unread[key] = t.untyped_storage().nbytes()
-    return sum(unread.values())
-
-
-def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
-                 resident: torch.nn.Module | None = None):
-    """A torch.compile backend that plans each captured graph and runs the rewritten step.
-    ``resident``: the module being compiled, when known: its parameters and buffers the step does
-    not read are counted in every peak too (a backend given to torch.compile does not see them)."""
-    unread = {"bytes": 0}
-
-    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
-        t0 = time.perf_counter()
-        jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"])
-        on_plan(plan)
-        fw, bw = split_with_recompute(jg, plan.schedule)
-        log.debug("fxopt: planned and rewrote the step in %.2f s", time.perf_counter() - t0)
-        if stop_after_plan:
-            raise PlanReady(plan, fw, bw)
-        return fw, bw
-
-    if options.compiler == "inductor":
-        from fxopt.inductor import inductor_backend
-
-        compile_step = inductor_backend(partition, options.inductor_config)
-    else:
-        compile_step = _eager_backend(partition)
-    if resident is None:
-        return compile_step
-
-    def compile_with_resident(gm: fx.GraphModule, example_inputs):
-        unread["bytes"] = unread_resident_bytes(resident, example_inputs)
-        return compile_step(gm, example_inputs)
-
-    return compile_with_resident
-
-
-def _eager_backend(partition: Callable) -> Callable:
-    compile_fn = _boxed
-
-    def inference_not_planned(gm, example_inputs):
-        # No gradient is needed (torch.no_grad, or nothing requires grad): there is no backward
-        # and nothing to rematerialize; the forward runs as captured.
-        return _boxed(gm, example_inputs)
-
-    return aot_autograd(
-        fw_compiler=compile_fn,
-        bw_compiler=compile_fn,
-        inference_compiler=inference_not_planned,
-        partition_fn=partition,
-        keep_inference_input_mutations=True,
-    )
-
-
-def unwrap_compile_error(err: BaseException) -> BaseException:
-    """Dynamo wraps what a backend raises; find fxopt's own error inside, if any."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, (PlanReady,)) or type(err).__module__.startswith("fxopt"):
-            return err
-        err = getattr(err, "inner_exception", None) or err.__cause__
-    return None
-
-
-def is_graph_break(err: BaseException) -> bool:
-    return isinstance(err, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError))

@@ -18,34 +18,15 @@ import operator
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.flop_counter import flop_registry
 
-import logging
-
-from fxopt.compression import Codec, Quantize, codec_for
+from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
+from fxopt.analysis.costs import CostModel, flops_of
+from fxopt.analysis.scratch import op_increases, scratch_beyond_output
+from fxopt.analysis.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
-from fxopt.passes._fx import NodeBuilder, tangent_dependents
-from fxopt.scratch import op_increases
+from fxopt.passes._fx import tangent_dependents
 from fxopt.solvers.graph import Graph, Node
-
-log = logging.getLogger("fxopt")
 aten = torch.ops.aten
-
-
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """Estimated seconds of one node: FLOPs / ``flops_per_second`` + bytes read and written /
-    ``bytes_per_second`` + ``op_overhead`` seconds. Only ratios matter to the solvers. The
-    defaults are a rough 2-core CPU; on GPU the same ratios order plans sensibly."""
-
-    flops_per_second: float = 1e11
-    bytes_per_second: float = 1e10
-    op_overhead: float = 2e-6
-
-    def seconds(self, flops: int, bytes_moved: int, is_alias: bool) -> float:
-        if is_alias:
-            return self.op_overhead / 10
-        return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + self.op_overhead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +38,7 @@ class JointGraph:
     names: tuple[str, ...]
     num_fwd_outputs: int
     module_paths: tuple[str, ...]  # nn.Module path each node comes from ("" when unknown)
-    codecs: dict = dataclasses.field(default_factory=dict)  # node index -> `fxopt.compression.Codec`
+    codecs: dict = dataclasses.field(default_factory=dict)  # node index -> `fxopt.analysis.codecs.Codec`
 
     @property
     def fingerprint(self) -> str:
@@ -68,21 +49,6 @@ def graph_fingerprint(graph: Graph) -> str:
     payload = [(n.name, n.kind, n.inputs, n.bytes, n.storage, n.recomputable, n.output, n.codec, n.compressed_bytes)
                for n in graph.nodes]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
-
-
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [t for v in val for t in _tensors(v)]
-    return []
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:  # noqa: BLE001 - tensors without storage (sparse, nested): use their elements
-        return t.numel() * t.element_size()
 
 
 def _is_recomputable(node: fx.Node) -> bool:
@@ -100,100 +66,12 @@ def _is_recomputable(node: fx.Node) -> bool:
     return True
 
 
-def _flops(node: fx.Node) -> int:
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
-        return 0
-    formula = flop_registry.get(target.overloadpacket)
-    if formula is None:
-        return 0
-
-    def val(a):
-        return a.meta.get("val") if isinstance(a, fx.Node) else a
-
-    args = torch.fx.node.map_aggregate(node.args, val)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
-    try:
-        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
-    except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: count none
-        return 0
-
-
-# The same op can take a few hundred bytes more in the step than alone (allocator and library
-# bookkeeping); a small margin on measured scratch keeps the prediction an upper bound.
-_SCRATCH_MARGIN = 4096
-
-
-def _scratch(increase: int, own_bytes: int) -> int:
-    """Bytes an op holds while it runs beyond its own storage. For a multi-output op that includes
-    the outputs taken out by the getitems that follow it: they are allocated with the op."""
-    extra = increase - own_bytes
-    return extra + _SCRATCH_MARGIN if extra > 0 else 0
-
-
 def _module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1]
         return path[0] if isinstance(path, tuple) else str(path)
     return ""
-
-
-def _codec_workspace(todo: dict[int, tuple[fx.Node, Codec]]) -> dict[int, int]:
-    """Measured scratch bytes of encoding and decoding each value (the larger), beyond the value
-    and its encoding: the codec ops run on made-up tensors like any op (`fxopt.scratch`)."""
-    graph = fx.Graph()
-    pairs = {}
-    for i, (node, codec) in todo.items():
-        value = graph.placeholder(f"v{i}")
-        value.meta["val"] = node.meta["val"]
-        add = NodeBuilder(graph, value, value)
-        enc = add(codec.compress_op, value, *codec.compress_args)
-        dec = add(codec.decompress_op, enc, *codec.decompress_args)
-        pairs[i] = (enc, dec, codec)
-    increases = op_increases(list(graph.nodes))
-    out = {}
-    for i, (enc, dec, codec) in pairs.items():
-        value_bytes = _nbytes(todo[i][0].meta["val"])
-        extra = max(increases.get(enc, 0) - codec.compressed_bytes, increases.get(dec, 0) - value_bytes, 0)
-        out[i] = extra + _SCRATCH_MARGIN if extra else 0
-    return out
-
-
-# Values not offered to lossy codecs: quantization error in them is amplified by the backward.
-# A log-probability's error becomes a relative error of its exp (int8 steps of log-probs spanning
-# [-10, 0] are 8% errors); a softmax's small probabilities round to 0 under a group's absmax
-# scale; a normalisation's backward re-standardises its input with the saved, exact statistics.
-_LOSSY_UNSAFE_PRODUCERS = {aten._log_softmax.default, aten._softmax.default, aten.log_softmax.int,
-                           aten.softmax.int}
-_LOSSY_UNSAFE_READERS = {aten.native_batch_norm_backward.default, aten.native_group_norm_backward.default}
-
-
-def _quantizable(n: fx.Node) -> bool:
-    target = n.target
-    if target in _LOSSY_UNSAFE_PRODUCERS or getattr(target, "__name__", "").startswith("_safe_softmax"):
-        return False
-    stack, seen = [n], set()
-    while stack:  # readers of the value or of views of it
-        v = stack.pop()
-        for u in v.users:
-            if u in seen:
-                continue
-            seen.add(u)
-            t = u.target
-            if t in _LOSSY_UNSAFE_READERS or getattr(t, "__name__", "").startswith("cudnn_batch_norm_backward"):
-                return False
-            if isinstance(t, torch._ops.OpOverload) and (t.is_view or t in (aten.detach.default, aten.alias.default)):
-                stack.append(u)
-    return True
-
-
-def _is_pool_indices(n: fx.Node) -> bool:
-    if n.target is not operator.getitem or n.args[1] != 1:
-        return False
-    src = n.args[0]
-    return isinstance(src, fx.Node) and src.target in (aten.max_pool2d_with_indices.default,
-                                                       aten.max_pool3d_with_indices.default)
 
 
 def _check_constant(joint: fx.GraphModule, node: fx.Node) -> None:
@@ -221,7 +99,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
             unread_resident_bytes: int = 0) -> JointGraph:
     """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
     tensors, int32 for max-pooling indices); ``quantize``: offer this lossy codec for floating-point
-    activations (see `fxopt.compression`). ``unread_resident_bytes``: memory alive through the
+    activations (see `fxopt.analysis.codecs`). ``unread_resident_bytes``: memory alive through the
     step that no graph input shows (a module's parameters and buffers the step never reads, such
     as Llama's ``original_inv_freq``); the graph gets one more input node of that size, last, so
     that every peak counts it as the measured peak does."""
@@ -243,7 +121,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         if n.op == "get_attr":
             _check_constant(joint, n)
         val = n.meta.get("val")
-        for t in _tensors(val):
+        for t in tensors_in(val):
             if any(not isinstance(s, int) for s in t.shape):
                 raise CaptureError(
                     f"{n.name} has a symbolic shape {tuple(t.shape)}; fxopt plans for static shapes "
@@ -272,7 +150,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     codecs: dict[int, Codec] = {}
     for i, n in enumerate(fx_nodes):
         val = n.meta.get("val")
-        tensors = _tensors(val)
+        tensors = tensors_in(val)
         storage = None
         own_bytes = 0
         if isinstance(val, torch.Tensor):
@@ -281,7 +159,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                 storage = storage_owner[ref]
             else:
                 storage_owner[ref] = i
-                own_bytes = _nbytes(val)
+                own_bytes = storage_bytes(val)
         elif tensors and all(StorageWeakRef(t.untyped_storage()) in storage_owner for t in tensors) and len(
                 {storage_owner[StorageWeakRef(t.untyped_storage())] for t in tensors}) == 1:
             # A tuple of views (split, unbind, chunk): while the tuple lives, so does their base.
@@ -292,7 +170,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
             items = val if isinstance(val, (list, tuple)) else []
             for k, t in enumerate(items):
                 if isinstance(t, torch.Tensor) and k not in taken and StorageWeakRef(t.untyped_storage()) not in storage_owner:
-                    own_bytes += _nbytes(t)
+                    own_bytes += storage_bytes(t)
         if n.op in ("placeholder", "get_attr"):
             kind = "input"
         elif n in backward:
@@ -302,14 +180,13 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         recomputable = n.op == "call_function" and _is_recomputable(n)
         if n.target is operator.getitem and not _is_recomputable(n.args[0]):
             recomputable = False
-        flops = _flops(n) if n.op == "call_function" else 0
+        flops = flops_of(n) if n.op == "call_function" else 0
         moved = own_bytes + sum(
-            _nbytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))
+            storage_bytes(t) for a in n.all_input_nodes for t in tensors_in(a.meta.get("val"))
         ) if n.op == "call_function" and storage is None else 0
         codec = None
-        if kind == "forward" and storage is None and (compress or quantize is not None):
-            lossy = quantize if quantize is not None and _quantizable(n) else None
-            codec = codec_for(val, lossless=compress, quantize=lossy, indices_of_pool=_is_pool_indices(n))
+        if kind == "forward" and storage is None:
+            codec = offered_codec(n, compress=compress, quantize=quantize)
         codec_flops, codec_cost = 0, 0.0
         if codec is not None:
             codecs[i] = codec
@@ -321,7 +198,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                 kind=kind,
                 inputs=tuple(index[a] for a in n.all_input_nodes),
                 bytes=own_bytes,
-                workspace=_scratch(increases.get(n, 0), own_bytes),
+                workspace=scratch_beyond_output(increases.get(n, 0), own_bytes),
                 flops=flops,
                 cost=0.0 if n.op in ("placeholder", "get_attr") else cost_model.seconds(flops, moved, storage is not None),
                 storage=storage,
@@ -336,7 +213,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
             )
         )
     if codecs:
-        workspace = _codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()})
+        workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()})
         nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
     names = [n.name for n in fx_nodes]
     module_paths = [_module_path(n) for n in fx_nodes]

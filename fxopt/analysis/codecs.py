@@ -17,21 +17,30 @@ Codecs:
     (absmax scaling) or a scale and a minimum (min/max scaling), optionally with stochastic
     rounding. ``int8``: about 4× smaller than fp32; ``fp8`` (e4m3): 4×; ``int4``: about 8×.
 
-All codecs are torch.library custom ops built from plain torch ops, so they run on any device and
-under Inductor (as fallback kernels). Stochastic rounding draws from fxopt's own generator, never
-from torch's global one, so dropout masks stay those of eager.
+This file decides which value is offered which codec (`offered_codec`) and what each costs; the
+codecs themselves are torch.library custom ops in `fxopt.ops`, and the rewrite that inserts them
+is `fxopt.passes.recompute`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+
+import operator
 
 import torch
+import torch.fx as fx
 
+import fxopt.ops  # noqa: F401 - registers the codecs' custom ops
+from fxopt.analysis.scratch import SCRATCH_MARGIN, op_increases
+from fxopt.analysis.storage import storage_bytes
+from fxopt.ops.quantize import FORMAT_CODE, layout
+from fxopt.passes._fx import NodeBuilder
 from fxopt.solvers.graph import LOSSY_FORMATS
 
-__all__ = ["Quantize", "Codec", "QUANTIZE_FORMATS", "codec_for", "resolve_quantize", "gradient_sqnr", "sqnr_db"]
+aten = torch.ops.aten
+
+__all__ = ["Quantize", "Codec", "QUANTIZE_FORMATS", "codec_for", "offered_codec", "codec_workspace", "resolve_quantize"]
 
 QUANTIZE_FORMATS = LOSSY_FORMATS  # the codec names `fxopt.solvers` treats as lossy
 SCALINGS = ("absmax", "minmax")
@@ -85,108 +94,6 @@ def resolve_quantize(quantize) -> Quantize | None:
     raise TypeError(f"quantize must be None, one of {', '.join(QUANTIZE_FORMATS)} or fxopt.Quantize, got {quantize!r}")
 
 
-# --------------------------------------------------------------------------------------- the ops
-
-_FORMAT_CODE = {"int8": 0, "fp8": 1, "int4": 2}
-_generators: dict[torch.device, torch.Generator] = {}
-
-
-def _generator(device: torch.device) -> torch.Generator:
-    if device not in _generators:
-        g = torch.Generator(device=device)
-        g.manual_seed(0x5EED)
-        _generators[device] = g
-    return _generators[device]
-
-
-def _layout(numel: int, group: int, fmt: int, minmax: bool) -> tuple[int, int, int]:
-    """(groups, payload bytes, scale bytes) of a quantized buffer."""
-    groups = -(-numel // group)
-    payload = groups * group // 2 if fmt == 2 else groups * group
-    scales = groups * 4 * (2 if minmax else 1)
-    return groups, payload, scales
-
-
-@torch.library.custom_op("fxopt::quantize", mutates_args=())
-def quantize(x: torch.Tensor, fmt: int, group: int, minmax: bool, stochastic: bool) -> torch.Tensor:
-    groups, payload, scales = _layout(x.numel(), group, fmt, minmax)
-    out = torch.empty(payload + scales, dtype=torch.uint8, device=x.device)
-    flat = x.detach().reshape(-1)
-    pad = groups * group - flat.numel()
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    g = flat.view(groups, group)
-    scale_out = out[payload:payload + groups * 4].view(torch.float32).view(groups, 1)
-    if fmt == 1:  # fp8 e4m3, absmax scaled onto its largest finite value
-        scale_out.copy_(g.abs().amax(dim=1, keepdim=True)).div_(448.0).clamp_min_(1e-30)
-        out[:payload].view(torch.float8_e4m3fn).view(groups, group).copy_(g / scale_out)
-        return out
-    levels = 255 if fmt == 0 else 15
-    if minmax:
-        lo = g.amin(dim=1, keepdim=True).float()
-        scale_out.copy_((g.amax(dim=1, keepdim=True).float() - lo) / levels).clamp_min_(1e-30)
-        t = (g - lo).div_(scale_out)  # in [0, levels]
-        out[payload + groups * 4:].view(torch.float32).copy_(lo.view(-1))
-    else:
-        half = levels // 2  # int8: [-127, 127]; int4: [-7, 7]
-        scale_out.copy_(g.abs().amax(dim=1, keepdim=True).float() / half).clamp_min_(1e-30)
-        t = (g / scale_out).add_(half + 1)  # in [1, levels]
-    if stochastic:
-        t.add_(torch.rand(t.shape, generator=_generator(t.device), device=t.device, dtype=t.dtype)).floor_()
-    else:
-        t.round_()
-    t.clamp_(0, levels)
-    if fmt == 2:
-        pairs = t.view(-1, 2)
-        q = out[:payload]
-        q.copy_(pairs[:, 1])
-        q.bitwise_left_shift_(4).bitwise_or_(pairs[:, 0].to(torch.uint8))
-    else:
-        out[:payload].copy_(t.view(-1))
-    return out
-
-
-@quantize.register_fake
-def _(x, fmt, group, minmax, stochastic):
-    _, payload, scales = _layout(x.numel(), group, fmt, minmax)
-    return x.new_empty((payload + scales,), dtype=torch.uint8)
-
-
-@torch.library.custom_op("fxopt::dequantize", mutates_args=())
-def dequantize(buf: torch.Tensor, shape: list[int], dtype: torch.dtype, fmt: int, group: int,
-               minmax: bool) -> torch.Tensor:
-    numel = math.prod(shape)
-    groups, payload, scales = _layout(numel, group, fmt, minmax)
-    scale = buf[payload:payload + groups * 4].view(torch.float32).view(groups, 1)
-    exact = groups * group == numel
-    work = dtype if exact else torch.float32
-    out = torch.empty(groups * group, dtype=work, device=buf.device)
-    g = out.view(groups, group)
-    if fmt == 1:
-        g.copy_(buf[:payload].view(torch.float8_e4m3fn).view(groups, group))
-        g.mul_(scale)
-    else:
-        q = buf[:payload]
-        if fmt == 2:
-            pairs = out.view(-1, 2)
-            pairs[:, 0].copy_(q & 0xF)
-            pairs[:, 1].copy_(q >> 4)
-        else:
-            out.copy_(q)
-        if minmax:
-            g.mul_(scale).add_(buf[payload + groups * 4:payload + scales].view(torch.float32).view(groups, 1))
-        else:
-            g.sub_((255 if fmt == 0 else 15) // 2 + 1).mul_(scale)
-    if exact:
-        return out.view(shape)
-    return out[:numel].view(shape).to(dtype)
-
-
-@dequantize.register_fake
-def _(buf, shape, dtype, fmt, group, minmax):
-    return buf.new_empty(shape, dtype=dtype)
-
-
 # ------------------------------------------------------------------------------------ the codecs
 
 
@@ -226,36 +133,78 @@ def codec_for(val, *, lossless: bool, quantize: Quantize | None, indices_of_pool
                      torch.ops.prims.convert_element_type.default, (torch.int32,),
                      torch.ops.prims.convert_element_type.default, (torch.int64,))
     if quantize is not None and val.dtype in _FLOAT_DTYPES:
-        fmt = _FORMAT_CODE[quantize.format]
+        fmt = FORMAT_CODE[quantize.format]
         minmax = quantize.scaling == "minmax"
-        _, payload, scales = _layout(val.numel(), quantize.group_size, fmt, minmax)
+        _, payload, scales = layout(val.numel(), quantize.group_size, fmt, minmax)
         return Codec(quantize.name, False, payload + scales,
                      torch.ops.fxopt.quantize.default, (fmt, quantize.group_size, minmax, quantize.stochastic),
                      torch.ops.fxopt.dequantize.default, (shape, val.dtype, fmt, quantize.group_size, minmax))
     return None
 
 
-# `pack_bits`/`unpack_bits` live with the mask passes; import them so their ops are registered.
-from fxopt.passes import masks as _masks  # noqa: E402,F401
+def offered_codec(n: fx.Node, *, compress: bool, quantize: Quantize | None) -> Codec | None:
+    """The codec the solver may choose for the forward value ``n`` (SAVEd, not a view), or None:
+    lossless ones with ``compress``; ``quantize``'s where quantization error is safe (see below)."""
+    if not compress and quantize is None:
+        return None
+    lossy = quantize if quantize is not None and _quantizable(n) else None
+    return codec_for(n.meta.get("val"), lossless=compress, quantize=lossy, indices_of_pool=_is_pool_indices(n))
 
 
-def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of ``approx`` against ``reference``, in dB
-    (``inf`` when they are equal)."""
-    ref = reference.detach().double()
-    noise = (approx.detach().double() - ref).pow(2).sum().item()
-    signal = ref.pow(2).sum().item()
-    if noise == 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
-def gradient_sqnr(reference: torch.nn.Module, other: torch.nn.Module) -> dict[str, float]:
-    """Per parameter, the SQNR (dB) of ``other``'s gradient against ``reference``'s, after one
-    step of each on the same inputs (e.g. eager against ``fxopt.optimize(..., quantize="int8")``).
-    Parameters without a gradient in either are left out."""
+def codec_workspace(todo: dict[int, tuple[fx.Node, Codec]]) -> dict[int, int]:
+    """Measured scratch bytes of encoding and decoding each value (the larger), beyond the value
+    and its encoding: the codec ops run on made-up tensors like any op (`fxopt.analysis.scratch`)."""
+    graph = fx.Graph()
+    pairs = {}
+    for i, (node, codec) in todo.items():
+        value = graph.placeholder(f"v{i}")
+        value.meta["val"] = node.meta["val"]
+        add = NodeBuilder(graph, value, value)
+        enc = add(codec.compress_op, value, *codec.compress_args)
+        dec = add(codec.decompress_op, enc, *codec.decompress_args)
+        pairs[i] = (enc, dec, codec)
+    increases = op_increases(list(graph.nodes))
     out = {}
-    for (name, p), (_, q) in zip(reference.named_parameters(), other.named_parameters()):
-        if p.grad is not None and q.grad is not None:
-            out[name] = sqnr_db(p.grad, q.grad)
+    for i, (enc, dec, codec) in pairs.items():
+        value_bytes = storage_bytes(todo[i][0].meta["val"])
+        extra = max(increases.get(enc, 0) - codec.compressed_bytes, increases.get(dec, 0) - value_bytes, 0)
+        out[i] = extra + SCRATCH_MARGIN if extra else 0
     return out
+
+
+# Values not offered to lossy codecs: quantization error in them is amplified by the backward.
+# A log-probability's error becomes a relative error of its exp (int8 steps of log-probs spanning
+# [-10, 0] are 8% errors); a softmax's small probabilities round to 0 under a group's absmax
+# scale; a normalisation's backward re-standardises its input with the saved, exact statistics.
+_LOSSY_UNSAFE_PRODUCERS = {aten._log_softmax.default, aten._softmax.default, aten.log_softmax.int,
+                           aten.softmax.int}
+_LOSSY_UNSAFE_READERS = {aten.native_batch_norm_backward.default, aten.native_group_norm_backward.default}
+
+
+def _quantizable(n: fx.Node) -> bool:
+    target = n.target
+    if target in _LOSSY_UNSAFE_PRODUCERS or getattr(target, "__name__", "").startswith("_safe_softmax"):
+        return False
+    stack, seen = [n], set()
+    while stack:  # readers of the value or of views of it
+        v = stack.pop()
+        for u in v.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            t = u.target
+            if t in _LOSSY_UNSAFE_READERS or getattr(t, "__name__", "").startswith("cudnn_batch_norm_backward"):
+                return False
+            if isinstance(t, torch._ops.OpOverload) and (t.is_view or t in (aten.detach.default, aten.alias.default)):
+                stack.append(u)
+    return True
+
+
+def _is_pool_indices(n: fx.Node) -> bool:
+    if n.target is not operator.getitem or n.args[1] != 1:
+        return False
+    src = n.args[0]
+    return isinstance(src, fx.Node) and src.target in (aten.max_pool2d_with_indices.default,
+                                                       aten.max_pool3d_with_indices.default)
+
+

@@ -53,7 +53,8 @@ from fxopt.passes.decompose import decompose
 
 log = logging.getLogger("fxopt")
 
-_SOURCES = tuple(str(Path(__file__).parent / name) for name in ("inductor.py", "passes/decompose.py"))
+_PACKAGE = Path(__file__).parent.parent
+_SOURCES = tuple(str(_PACKAGE / name) for name in ("capture/inductor.py", "passes/decompose.py"))
 
 
 def inductor_backend(partition: Callable, inductor_config: dict[str, Any] | None = None) -> Callable:

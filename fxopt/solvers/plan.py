@@ -41,7 +41,7 @@ class Plan:
     # budget, in the ILP's memory model; None when no ILP ran. See `gap`.
     lower_bound_cost: float | None = None
     # COMPRESSed SAVEd values (fx node names) -> codec ("bits", "int32", "int8/g64", ...; see
-    # `fxopt.compression`). Only the quantizing codecs (int8, fp8, int4) are lossy: see `lossy`.
+    # `fxopt.analysis.codecs`). Only the quantizing codecs (int8, fp8, int4) are lossy: see `lossy`.
     compressed: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
@@ -107,7 +107,7 @@ class Plan:
         return out
 
     def summary(self) -> str:
-        from fxopt.budget import format_bytes
+        from fxopt.units import format_bytes
 
         n_re = sum(self.recomputed.values())
         return (

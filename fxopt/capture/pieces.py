@@ -40,9 +40,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxopt.budget import format_bytes, resolve_budget
+from fxopt.budget import resolve_budget
+from fxopt.units import format_bytes
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
-from fxopt.plan import Plan
+from fxopt.solvers.plan import Plan
 
 log = logging.getLogger("fxopt")
 
@@ -52,7 +53,7 @@ GRAPH_BREAKS = ("split", "error")
 
 
 class GraphBreakWarning(UserWarning):
-    """Dynamo captured the step in pieces (see `fxopt.pieces` and `fxopt.backend`'s ``graph_breaks``)."""
+    """Dynamo captured the step in pieces (see `fxopt.capture.pieces` and `fxopt.backend`'s ``graph_breaks``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ several graphs with Python in between, and hands each to the backend alone. Each
 bounds only that piece, and what earlier pieces saved for their backward is still alive while
 later pieces run, so the step's peak could exceed the budget. The backend sees only the pieces,
 not the model, so it cannot count what the rest of the step holds (`fxopt.optimize` can: see
-`fxopt.pieces`). By default the backend refuses a graph break, naming where it is;
+`fxopt.capture.pieces`). By default the backend refuses a graph break, naming where it is;
 ``graph_breaks="warn"`` plans each piece against the budget on its own and warns that the step
 as a whole is not bounded.
 """
@@ -28,13 +28,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxopt.analyze import CostModel
+from fxopt.analysis import CostModel
 from fxopt.budget import Budget, resolve_budget
-from fxopt.compression import Quantize
-from fxopt.capture import COMPILERS, Options, make_backend
+from fxopt.analysis.codecs import Quantize
+from fxopt.capture.dynamo import make_backend
 from fxopt.errors import CaptureError
-from fxopt.pieces import GraphBreakWarning, break_location
-from fxopt.plan import Plan
+from fxopt.capture.pieces import GraphBreakWarning, break_location
+from fxopt.solvers.plan import Plan
+from fxopt.planner import COMPILERS, Options
 from fxopt.solvers import SOLVERS
 
 log = logging.getLogger("fxopt")
@@ -97,7 +98,7 @@ def backend(
     """A backend for ``torch.compile(model, backend=fxopt.backend(...))``.
 
     ``budget``: as for `fxopt.optimize` (a fraction is of the captured step's eager peak).
-    ``compiler``: ``"inductor"`` (default; fused kernels, see `fxopt.inductor`) or ``"eager"``
+    ``compiler``: ``"inductor"`` (default; fused kernels, see `fxopt.capture.inductor`) or ``"eager"``
     (the rewritten graphs run op by op). ``graph_breaks``: ``"error"`` (default) or ``"warn"``,
     see the module docstring. ``plan``: replay a `Plan` (or the path of its JSON) instead of
     solving. ``inductor_config``: extra Inductor settings. ``compress``, ``quantize``: as for

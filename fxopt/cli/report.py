@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from fxopt.errors import FxoptError
-from fxopt.plan import Plan
+from fxopt.solvers.plan import Plan
 from fxopt.solvers import eager_schedule, simulate
 
 MiB = 2**20
@@ -95,7 +95,7 @@ def _quote(text: str) -> str:
 
 
 def _size(n: int) -> str:
-    from fxopt.budget import format_bytes
+    from fxopt.units import format_bytes
 
     return format_bytes(n)
 

@@ -275,8 +275,8 @@ def inspect(args: argparse.Namespace) -> int:
 
     import fxopt
     from fxopt.api import plan_and_rewrite
-    from fxopt.budget import format_bytes
-    from fxopt.report import tensor_rows
+    from fxopt.units import format_bytes
+    from fxopt.cli.report import tensor_rows
 
     out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)
     err = Console(stderr=True, quiet=args.quiet)
@@ -312,11 +312,11 @@ def inspect(args: argparse.Namespace) -> int:
     if args.json:
         plan.to_json(args.json)
     if args.dot:
-        from fxopt.report import write_dot
+        from fxopt.cli.report import write_dot
 
         write_dot(plan, args.dot)
     if args.plot:
-        from fxopt.report import plot_timeline
+        from fxopt.cli.report import plot_timeline
 
         plot_timeline(plan, args.plot, measured or None, title=f"{args.model}: one training step")
 
@@ -419,7 +419,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fxopt.capture import COMPILERS
+    from fxopt.planner import COMPILERS
     from fxopt.solvers import SOLVERS
 
     budget_help = "bytes, '3GiB', '500MB', or a share of the eager peak: '50%%' or 0.5 (default 50%%)"

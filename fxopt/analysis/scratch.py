@@ -147,3 +147,15 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
                 live += e.nbytes()
                 top = max(top, live)
         _cache[k] = top
+
+
+# The same op can take a few hundred bytes more in the step than alone (allocator and library
+# bookkeeping); a small margin on measured scratch keeps the prediction an upper bound.
+SCRATCH_MARGIN = 4096
+
+
+def scratch_beyond_output(increase: int, own_bytes: int) -> int:
+    """Bytes an op holds while it runs beyond its own storage. For a multi-output op that includes
+    the outputs taken out by the getitems that follow it: they are allocated with the op."""
+    extra = increase - own_bytes
+    return extra + SCRATCH_MARGIN if extra > 0 else 0

@@ -1,0 +1,165 @@
+"""Capture the training step for the planner: the torch.compile backend fxopt builds on.
+
+Dynamo captures the model's forward as a graph. AOTAutograd traces forward and backward into one
+aten-level joint graph, without decompositions, so random ops stay whole and run exactly once,
+in eager order: dropout masks are eager's. Its partitioner hook (``partition_fn``) is where fxopt
+plans (`fxopt.planner`) and rewrites (`fxopt.passes.recompute`). The forward and backward run as
+FX Python code taking their inputs boxed (or through Inductor, `fxopt.capture.inductor`), so
+saved tensors are released as soon as the backward has used them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+from fxopt.passes.recompute import split_with_recompute
+from fxopt.solvers.plan import Plan
+from fxopt.planner import Options, make_plan
+
+log = logging.getLogger("fxopt")
+
+# Logging inside forward() (HF's ``logger.warning_once`` in its loss path, say) is a graph break.
+# Dynamo can move ``print`` and ``warnings.warn`` calls to after the graph, so they still run;
+# a Logger method it can only skip: those are not emitted while the compiled step runs.
+_REORDERABLE = (print, warnings.warn)
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+
+
+def _logger_methods() -> set:
+    """Every logging method of the Logger classes in use, including those libraries add
+    (``transformers`` adds ``warning_once`` and ``info_once`` to ``logging.Logger``)."""
+    methods = set()
+    for cls in {logging.Logger, logging.getLoggerClass()}:
+        for klass in cls.__mro__:
+            for name, value in vars(klass).items():
+                if callable(value) and (name in _LOGGER_METHODS or name.endswith("_once") or name.startswith("warning_")):
+                    methods.add(value)
+    return methods
+
+
+def logging_switches():
+    """Dynamo's logging switches for the duration of a capture (see above)."""
+    cfg = torch._dynamo.config
+    return cfg.patch(
+        reorderable_logging_functions=set(cfg.reorderable_logging_functions) | set(_REORDERABLE),
+        ignore_logger_methods=set(cfg.ignore_logger_methods) | _logger_methods(),
+    )
+
+
+class PlanReady(Exception):
+    """Raised from the partitioner to stop after planning (`fxopt.plan` does not run the model).
+    ``forward`` and ``backward``: the rewritten modules, before any compiler."""
+
+    def __init__(self, plan: Plan, forward: fx.GraphModule | None = None, backward: fx.GraphModule | None = None):
+        super().__init__("plan ready")
+        self.plan = plan
+        self.forward = forward
+        self.backward = backward
+
+
+def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
+    """Run `gm` as FX Python code that takes its inputs as a list and clears it, so each input
+    (a saved activation, a tangent) is freed after its last use, like every intermediate."""
+    codegen = getattr(fx.graph, "_BoxedCodeGen", None)
+    if codegen is not None:
+        gm.graph.set_codegen(codegen())
+        gm.recompile()
+
+        def run(args):
+            return gm(args)
+    else:  # older torch: the interpreter also frees values after their last use
+        def run(args):
+            return fx.Interpreter(gm).boxed_run(args)
+
+    run._boxed_call = True
+    return run
+
+
+def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
+    """Bytes of ``module``'s parameters and buffers (each storage once) that are not among the
+    captured graph's inputs: the step never reads them, yet they are alive throughout it."""
+    read = set()
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            try:
+                read.add((t.device, t.untyped_storage().data_ptr()))
+            except Exception:  # noqa: BLE001 - a tensor without real storage: nothing to match
+                pass
+    unread = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in read:
+            unread[key] = t.untyped_storage().nbytes()
+    return sum(unread.values())
+
+
+def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
+                 resident: torch.nn.Module | None = None):
+    """A torch.compile backend that plans each captured graph and runs the rewritten step.
+    ``resident``: the module being compiled, when known: its parameters and buffers the step does
+    not read are counted in every peak too (a backend given to torch.compile does not see them)."""
+    unread = {"bytes": 0}
+
+    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+        t0 = time.perf_counter()
+        jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"])
+        on_plan(plan)
+        fw, bw = split_with_recompute(jg, plan.schedule)
+        log.debug("fxopt: planned and rewrote the step in %.2f s", time.perf_counter() - t0)
+        if stop_after_plan:
+            raise PlanReady(plan, fw, bw)
+        return fw, bw
+
+    if options.compiler == "inductor":
+        from fxopt.capture.inductor import inductor_backend
+
+        compile_step = inductor_backend(partition, options.inductor_config)
+    else:
+        compile_step = _eager_backend(partition)
+    if resident is None:
+        return compile_step
+
+    def compile_with_resident(gm: fx.GraphModule, example_inputs):
+        unread["bytes"] = unread_resident_bytes(resident, example_inputs)
+        return compile_step(gm, example_inputs)
+
+    return compile_with_resident
+
+
+def _eager_backend(partition: Callable) -> Callable:
+    compile_fn = _boxed
+
+    def inference_not_planned(gm, example_inputs):
+        # No gradient is needed (torch.no_grad, or nothing requires grad): there is no backward
+        # and nothing to rematerialize; the forward runs as captured.
+        return _boxed(gm, example_inputs)
+
+    return aot_autograd(
+        fw_compiler=compile_fn,
+        bw_compiler=compile_fn,
+        inference_compiler=inference_not_planned,
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
+
+
+def unwrap_compile_error(err: BaseException) -> BaseException:
+    """Dynamo wraps what a backend raises; find fxopt's own error inside, if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (PlanReady,)) or type(err).__module__.startswith("fxopt"):
+            return err
+        err = getattr(err, "inner_exception", None) or err.__cause__
+    return None
+
+
+def is_graph_break(err: BaseException) -> bool:
+    return isinstance(err, (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError))

@@ -1,0 +1,391 @@
+"""``solve``: the one entry point of the solvers, and the ``"auto"`` strategy that combines them.
+
+Every solver's schedule is replayed by the simulator before it is returned, so a solution's
+``timeline.peak_bytes`` is the peak the generated code will have, not the solver's own estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Callable
+
+from fxopt.errors import InfeasibleBudgetError
+from fxopt.solvers.graph import Graph, is_lossy_codec
+from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
+from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
+from fxopt.solvers.instant import instant_solve
+from fxopt.solvers.mip import Progress, default_mip_solver
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
+
+log = logging.getLogger("fxopt")
+
+# Bumped whenever the solvers may answer differently for the same graph, budget and options, so
+# that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
+REVISION = 6
+
+SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
+
+# Above this many integer variables "auto" does not start the exact solve: it would not finish in
+# seconds. (A 12-layer GPT-2 step, ~2,100 nodes, has about 7,500.)
+AUTO_ILP_MAX_VARIABLES = 200_000
+
+# How many over-budget heuristic schedules (the cheapest) `solve` tries to complete with COMPRESS.
+COMPRESS_TRIES = 12
+
+# The ILP stops once its plan is proven within this fraction of the optimum (of its model).
+ILP_REL_GAP = 0.005
+
+# Share of the time limit "auto" gives the instant program before the ILP.
+INSTANT_TIME_SHARE = 0.4
+
+
+class SolverTimeoutWarning(UserWarning):
+    """The ILP hit its time limit; the best plan found so far (or a heuristic's) is used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    schedule: Schedule
+    timeline: Timeline
+    solver: str
+    status: str  # "optimal" | "feasible" | "heuristic"
+    solve_seconds: float
+    # A proven lower bound on the recompute cost of any plan within the budget (None: none was
+    # computed): the highest of the instant program's (`fxopt.solvers.instant`: valid for every
+    # schedule the simulator accepts) and the ILP's (its LP relaxation's or branch-and-bound's:
+    # valid within the ILP's model, which restricts recomputation to a window and counts memory
+    # conservatively). `bound_source` says which ("instant" or "ilp").
+    lower_bound_cost: float | None = None
+    bound_source: str | None = None
+
+    @property
+    def gap(self) -> float | None:
+        """(cost - lower bound) / cost: how far from optimal this plan may be; 0 when proven."""
+        if self.lower_bound_cost is None:
+            return None
+        cost = self.timeline.recompute_cost
+        if cost - self.lower_bound_cost <= 1e-6:  # a microsecond: nothing to gain
+            return 0.0
+        return max(0.0, (cost - self.lower_bound_cost) / cost)
+
+
+def eager_schedule(graph: Graph) -> Schedule:
+    """The un-rewritten step: save what eager autograd saves, recompute nothing."""
+    return on_demand(graph, save_all_set(graph))
+
+
+def solve(
+    graph: Graph,
+    budget: int,
+    solver: str = "auto",
+    *,
+    time_limit: float = 60.0,
+    on_progress: Callable[[str], None] | None = None,
+    mip_solver: str | None = None,
+) -> Solution:
+    """The cheapest schedule whose simulated peak is within ``budget`` bytes.
+
+    ``solver``: "ilp" (exact, Checkmate-style), "instant" (the instant program: a plan and a lower
+    bound from the memory at the backward's tightest instants, see `fxopt.solvers.instant`),
+    "segments" (checkpoints at the forward's articulation values, then the most expensive values
+    per byte), "greedy", "checkpoint" (Chen segments), "save_all" (no rewrite), or "auto"
+    (save_all and checkpoint, then the instant program; unless that proves its plan within
+    `ILP_REL_GAP` of optimal: greedy and segments, the ILP's LP relaxation rounded and the ILP
+    warm-started from the best plan so far; the cheapest valid schedule wins).
+    ``time_limit``: seconds for the ILP (its LP relaxation included). ``on_progress`` receives
+    one-line progress messages (by default they go to the ``fxopt`` logger). Ctrl-C during the
+    ILP stops it and keeps the best plan found so far.
+    Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does.
+    """
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    t0 = time.perf_counter()
+    progress = on_progress or (lambda msg: log.info("fxopt: %s", msg))
+    fitting: list[Solution] = []
+    lowest_peak: int | None = None
+
+    def consider(schedule: Schedule, timeline: Timeline, name: str, status: str) -> None:
+        nonlocal lowest_peak
+        lowest_peak = timeline.peak_bytes if lowest_peak is None else min(lowest_peak, timeline.peak_bytes)
+        _remember_lowest(graph, solver, schedule, timeline.peak_bytes, name)
+        if timeline.peak_bytes <= budget:
+            fitting.append(Solution(schedule, timeline, name, status, 0.0))
+
+    def cheapest() -> Solution | None:
+        return min(fitting, key=lambda s: s.timeline.recompute_cost) if fitting else None
+
+    over: list[tuple[Schedule, Timeline, str]] = []  # over-budget heuristic schedules
+
+    def run_heuristics(names) -> None:
+        for name in names:
+            progress(f"solver {name}")
+            for schedule, timeline in HEURISTICS[name](graph, budget):
+                consider(schedule, timeline, name, "heuristic")
+                if timeline.peak_bytes > budget:
+                    over.append((schedule, timeline, name))
+
+    # "auto" runs the fast heuristics first, and the slower ones (a few seconds each on thousands
+    # of nodes) only if the instant program does not prove its plan optimal.
+    heuristics = ["save_all", "checkpoint"] if solver == "auto" else [solver] if solver in HEURISTICS else []
+    if solver in ("ilp", "instant"):
+        heuristics = ["save_all"]  # recomputing nothing is optimal when it fits: the models may not see it
+    run_heuristics(heuristics)
+
+    ilp_status = None
+    lower_bound: float | None = None
+    bound_source: str | None = None
+    proven_infeasible = False
+    if solver in ("instant", "auto"):
+        share = time_limit if solver == "instant" else INSTANT_TIME_SHARE * time_limit
+        progress("solver instant")
+        inst = instant_solve(graph, budget, time_limit=share, mip_solver=mip_solver)
+        proven_infeasible = inst.infeasible
+        if inst.bound is not None:
+            lower_bound, bound_source = inst.bound, "instant"
+        for schedule, timeline in inst.plans:
+            consider(schedule, timeline, "instant", "heuristic")
+            if timeline.peak_bytes > budget:
+                over.append((schedule, timeline, "instant"))  # compression may make it fit (below)
+        best = cheapest()
+        if best is not None and lower_bound is not None:
+            progress(f"instant: best {_fmt(best.timeline.recompute_cost)}, bound {_fmt(lower_bound)}, "
+                     f"gap {100 * _gap(best.timeline.recompute_cost, lower_bound):.2f}%, "
+                     f"{time.perf_counter() - t0:.0f} s")
+
+    def settled() -> bool:
+        best = cheapest()
+        return proven_infeasible or (best is not None and lower_bound is not None
+                                     and _proven(best.timeline.recompute_cost, lower_bound))
+
+    if solver == "auto" and (proven_infeasible or not settled()):
+        # (Also when the budget is proven infeasible: cheap, and a check on that proof.)
+        run_heuristics([name for name in HEURISTICS if name not in heuristics])
+    if graph.compressible and over:
+        # COMPRESS where recomputation alone does not fit (or fits only at a higher cost): the
+        # cheapest over-budget schedules, completed with as little compression as fits.
+        progress("compressing saved values")
+        best = cheapest()
+        over.sort(key=lambda c: c[1].recompute_cost)
+        for schedule, timeline, name in over[:COMPRESS_TRIES]:
+            if best is not None and timeline.recompute_cost >= best.timeline.recompute_cost:
+                break
+            done = compress_to_fit(graph, schedule, budget)
+            if done is not None:
+                consider(*done, f"{name}+compress", "heuristic")
+    if proven_infeasible and fitting:
+        log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
+                    "(please report this graph)", budget)
+        proven_infeasible = False
+    model = None
+    if solver == "ilp" or (solver == "auto" and not settled()):
+        model = build_ilp(graph, budget)
+        if solver == "auto" and model.mip.num_integer > AUTO_ILP_MAX_VARIABLES:
+            progress(f"ILP skipped: {model.mip.num_integer} integer variables")
+            model = None
+    if model is not None:
+        progress(f"ILP: {model.mip.num_integer} integer variables, {model.mip.num_rows} constraints; LP relaxation")
+        lp_bound, roundings = lp_bound_and_roundings(graph, budget, time_limit=max(1.0, time_limit - (time.perf_counter() - t0)),
+                                                     mip_solver=mip_solver, model=model)
+        if lp_bound is not None and (lower_bound is None or lp_bound > lower_bound):
+            lower_bound, bound_source = lp_bound, "ilp"
+        for schedule in roundings:
+            try:
+                consider(schedule, simulate(graph, schedule), "ilp-rounding", "heuristic")
+            except InvalidScheduleError:
+                continue
+        best = cheapest()
+        if lp_bound is None and model.infeasible is False and best is None:
+            progress("the LP relaxation found no plan within the budget")
+        remaining = time_limit - (time.perf_counter() - t0)
+        if lower_bound is not None and best is not None and _proven(best.timeline.recompute_cost, lower_bound):
+            progress("a plan is proven optimal")
+        elif lp_bound is not None and remaining > 0:
+            progress(f"solver ilp ({mip_solver or default_mip_solver()}), {remaining:.0f} s left")
+
+            def report(p: Progress) -> None:
+                if p.incumbent is None:
+                    progress(f"ILP: searching, bound {_fmt(p.bound)}, {p.seconds:.0f} s")
+                else:
+                    gap = "?" if p.gap is None else f"{100 * p.gap:.1f}%"
+                    progress(f"ILP: best {_fmt(p.incumbent)}, bound {_fmt(p.bound)}, gap {gap}, {p.seconds:.0f} s")
+
+            res = solve_ilp(graph, budget, time_limit=remaining, warm_start=best.schedule if best else None,
+                            mip_solver=mip_solver, rel_gap=ILP_REL_GAP, on_progress=report, model=model)
+            ilp_status = res.status
+            if res.lower_bound is not None and (lower_bound is None or res.lower_bound > lower_bound):
+                lower_bound, bound_source = res.lower_bound, "ilp"
+            if res.schedule is not None:
+                timeline = simulate(graph, res.schedule)
+                if timeline.peak_bytes > budget:
+                    # The ILP's memory model is meant to over-approximate the code; a plan that
+                    # does not fit when simulated is a gap in that model. Never use it; say so.
+                    log.warning("fxopt: the ILP's plan peaks at %d bytes when simulated, above the budget "
+                                "%d; it is discarded (please report this graph)", timeline.peak_bytes, budget)
+                else:
+                    consider(res.schedule, timeline, "ilp", "optimal" if res.status == "optimal" else "feasible")
+            if res.interrupted:
+                progress("ILP interrupted; keeping the best plan found")
+            elif res.status in ("timeout", "feasible"):
+                warnings.warn(
+                    f"the ILP stopped at its {time_limit:.0f} s time limit "
+                    + ("with a feasible plan" if res.schedule else "without a plan; using the best heuristic")
+                    + ("" if lower_bound is None or not fitting else
+                       f" (its recompute cost is at most {100 * _gap(cheapest().timeline.recompute_cost, lower_bound):.0f}% "
+                       "above the proven lower bound)"),
+                    SolverTimeoutWarning,
+                    stacklevel=2,
+                )
+    if (solver == "ilp" and not any(s.solver.startswith("ilp") for s in fitting)
+            or solver == "instant" and not proven_infeasible and not any(s.solver == "instant" for s in fitting)):
+        # Fall back on the heuristics: the ILP's memory model is conservative, so a budget it
+        # calls infeasible may still be met by a simulated heuristic schedule; the instant
+        # program's plans may peak at instants it did not model.
+        for name in ("segments", "greedy", "checkpoint"):
+            for schedule, timeline in HEURISTICS[name](graph, budget):
+                consider(schedule, timeline, name, "heuristic")
+
+    if not fitting and graph.compressible:
+        # Nothing fits: every over-budget heuristic schedule, completed with compression (what
+        # `min_feasible_budget` also tries, so the budget it names plans).
+        for schedule, timeline, name in over[COMPRESS_TRIES:]:
+            done = compress_to_fit(graph, schedule, budget)
+            if done is not None:
+                consider(*done, f"{name}+compress", "heuristic")
+    if not fitting and model is not None and not proven_infeasible:
+        # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
+        # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
+        progress("no plan fits; solving for the lowest peak")
+        for schedule in _lowest_peak_schedules(graph, time_limit, mip_solver):
+            consider(schedule, simulate(graph, schedule), "ilp", "feasible")
+    reached = _LOWEST.get((graph.nodes, solver))
+    if not fitting and reached is not None and reached[0] <= budget:
+        # The schedule behind a smallest budget named earlier in this process: a time-limited
+        # search need not find it again, and the budget it named must plan.
+        consider(reached[1], simulate(graph, reached[1]), reached[2], "heuristic")
+    if not fitting:
+        min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak,
+                                         run_ilp=model is None)
+        fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
+        if fewer is not graph:
+            # The solvers do not always find the lowest peak of the larger problem (more choices,
+            # the same time): never let the codecs make a budget infeasible that plans without them.
+            progress("no plan fits with " + ("quantization" if fewer.compressible else "compression")
+                     + "; planning without it")
+            try:
+                found = solve(fewer, budget, solver, time_limit=time_limit, on_progress=on_progress,
+                              mip_solver=mip_solver)
+            except InfeasibleBudgetError as err:
+                raise InfeasibleBudgetError(budget, min(min_budget, err.min_budget)) from None
+            # Its schedule is one of this graph's (fewer codecs, the same values).
+            return dataclasses.replace(found, timeline=simulate(graph, found.schedule),
+                                       solve_seconds=time.perf_counter() - t0)
+        raise InfeasibleBudgetError(budget, min_budget)
+    rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
+    best = min(fitting, key=lambda s: (round(s.timeline.recompute_cost, 12), s.timeline.peak_bytes, rank[s.status]))
+    if best.solver != "ilp" and ilp_status == "optimal":
+        # The ILP's memory model over-approximates: a heuristic may beat it. Still proven optimal
+        # within that model, so report what was found honestly.
+        best = dataclasses.replace(best, status="heuristic")
+    if lower_bound is not None and _proven(best.timeline.recompute_cost, lower_bound):
+        best = dataclasses.replace(best, status="optimal")
+    return dataclasses.replace(best, solve_seconds=time.perf_counter() - t0, lower_bound_cost=lower_bound,
+                               bound_source=bound_source)
+
+
+def without_codecs(graph: Graph, *, lossy_only: bool) -> Graph:
+    """`graph` with no codec on its values (only the lossy ones dropped with ``lossy_only``); the
+    graph itself when there is nothing to drop."""
+    drop = [i for i, n in enumerate(graph.nodes) if n.codec is not None and (is_lossy_codec(n.codec) or not lossy_only)]
+    if not drop:
+        return graph
+    nodes = list(graph.nodes)
+    for i in drop:
+        nodes[i] = dataclasses.replace(nodes[i], codec=None, compressed_bytes=0, codec_cost=0.0, codec_flops=0,
+                                       codec_workspace=0)
+    return Graph(tuple(nodes))
+
+
+def _gap(cost: float, bound: float) -> float:
+    return 0.0 if cost <= 1e-15 else max(0.0, (cost - bound) / cost)
+
+
+def _proven(cost: float, bound: float) -> bool:
+    return cost <= bound + 1e-12 or _gap(cost, bound) <= ILP_REL_GAP
+
+
+def _fmt(cost: float | None) -> str:
+    return "?" if cost is None else f"{cost * 1e3:.2f} ms"
+
+
+def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float = 60.0,
+                        known: int | None = None, run_ilp: bool = True) -> int:
+    """The smallest peak ``solver`` can reach for this graph: for a heuristic its lowest peak; for
+    the ILP its solve with the budget as the objective (and the heuristics it falls back on); for
+    "auto" the lowest of all. Every schedule is simulated."""
+    peaks = [] if known is None else [known]
+
+    def reach(schedule: Schedule, name: str) -> None:
+        peak = simulate(graph, schedule).peak_bytes
+        peaks.append(peak)
+        _remember_lowest(graph, solver, schedule, peak, name)
+
+    names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp", "instant") else (solver,)
+    for name in names:
+        for schedule, timeline in HEURISTICS[name](graph, 0):
+            reach(schedule, name)
+            if schedule.saved & graph.compressible:
+                reach(compress_all(graph, schedule), f"{name}+compress")
+    if run_ilp and solver in ("ilp", "auto"):
+        model = build_ilp(graph, None, minimize_peak=True)
+        if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
+            for schedule in _lowest_peak_schedules(graph, time_limit, None, model):
+                reach(schedule, "ilp")
+    return min(peaks)
+
+
+# The lowest-peak schedule seen so far per (graph, solver) in this process: the plan behind the
+# smallest budget an `InfeasibleBudgetError` named, so that planning at that budget succeeds even
+# when a time-limited search would not find it again. A few graphs' worth; the oldest go first.
+_LOWEST: dict[tuple[tuple, str], tuple[int, Schedule, str]] = {}  # by the graph's nodes (its content)
+_LOWEST_KEEP = 16
+
+
+def _remember_lowest(graph: Graph, solver: str, schedule: Schedule, peak: int, name: str) -> None:
+    key = (graph.nodes, solver)
+    known = _LOWEST.get(key)
+    if known is None or peak < known[0]:
+        _LOWEST.pop(key, None)
+        _LOWEST[key] = (peak, schedule, name)
+        while len(_LOWEST) > _LOWEST_KEEP:
+            del _LOWEST[next(iter(_LOWEST))]
+
+
+def _lowest_peak_schedules(graph: Graph, time_limit: float, mip_solver: str | None,
+                           model=None) -> list[Schedule]:
+    """The ILP's lowest-peak schedule and the roundings of its LP relaxation (one model for both)."""
+    t0 = time.perf_counter()
+    model = model or build_ilp(graph, None, minimize_peak=True)
+    _, schedules = lp_bound_and_roundings(graph, None, time_limit=time_limit, mip_solver=mip_solver, model=model)
+    out = []
+    for schedule in schedules:
+        try:
+            simulate(graph, schedule)
+            out.append(schedule)
+            if schedule.saved & graph.compressible - schedule.compressed:
+                out.append(compress_all(graph, schedule))
+        except InvalidScheduleError:
+            continue
+    res = solve_ilp(graph, None, minimize_peak=True, mip_solver=mip_solver, model=model,
+                    time_limit=max(1.0, time_limit - (time.perf_counter() - t0)))
+    if res.schedule is not None:
+        out.append(res.schedule)
+        out.append(compress_all(graph, res.schedule))
+    return out
+
+
+def compress_all(graph: Graph, schedule: Schedule) -> Schedule:
+    """`schedule` with every SAVEd value that has a codec COMPRESSed (its lowest peak, mostly)."""
+    return dataclasses.replace(schedule, compressed=schedule.saved & graph.compressible)
