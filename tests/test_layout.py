@@ -110,3 +110,34 @@ def long_functions() -> list[str]:
 
 def test_functions_fit_on_a_screen():
     assert not long_functions(), "split these along their phases, or say why in the docstring:\n" + "\n".join(long_functions())
+
+
+def _declared() -> dict[str, list[str]]:
+    import re
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    name = lambda req: re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower()  # noqa: E731
+    groups = {"": project["dependencies"], **project.get("optional-dependencies", {})}
+    return {group: [name(r) for r in reqs] for group, reqs in groups.items()}
+
+
+def _third_party_imports() -> set[str]:
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+    return {m for m in found if m != "fxopt" and m not in sys.stdlib_module_names}
+
+
+def test_dependencies_are_the_imports():
+    """Every package fxopt imports is declared (a required dependency, or an extra for the
+    optional features: plots, DOT files), and every required dependency is imported by fxopt."""
+    declared = _declared()
+    imported = _third_party_imports()
+    anywhere = {d for reqs in declared.values() for d in reqs}
+    assert imported <= anywhere, f"imported but not declared: {sorted(imported - anywhere)}"
+    assert set(declared[""]) <= imported, f"declared but never imported: {sorted(set(declared[''])- imported)}"

@@ -63,7 +63,7 @@ def _is_recomputable(node: fx.Node) -> bool:
         return False
     if target.namespace in ("_c10d_functional", "c10d_functional", "_dtensor", "profiler"):
         return False
-    return True
+    return flops_of(node) is not None  # an op whose cost cannot be counted is never recomputed
 
 
 def _module_path(node: fx.Node) -> str:
@@ -105,12 +105,72 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     that every peak counts it as the measured peak does."""
     cost_model = cost_model or CostModel()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
-    index = {n: i for i, n in enumerate(fx_nodes)}
-    out_node = next(iter(joint.graph.find_nodes(op="output")))
-    outs = list(out_node.args[0])
+    _check_inputs(joint, fx_nodes)
+    outs = list(next(iter(joint.graph.find_nodes(op="output"))).args[0])
     fwd_outs = {o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
     bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
+    backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
 
+    index = {n: i for i, n in enumerate(fx_nodes)}
+    increases = op_increases(fx_nodes)
+    storage_owner: dict[StorageWeakRef, int] = {}
+    nodes: list[Node] = []
+    codecs: dict[int, Codec] = {}
+    for i, n in enumerate(fx_nodes):
+        storage, own_bytes = _storage_of(n, i, storage_owner)
+        if n.op in ("placeholder", "get_attr"):
+            kind = "input"
+        elif n in backward:
+            kind = "backward"
+        else:
+            kind = "forward"
+        recomputable = n.op == "call_function" and _is_recomputable(n)
+        if n.target is operator.getitem and not _is_recomputable(n.args[0]):
+            recomputable = False
+        flops = (flops_of(n) or 0) if n.op == "call_function" else 0
+        moved = own_bytes + sum(
+            storage_bytes(t) for a in n.all_input_nodes for t in tensors_in(a.meta.get("val"))
+        ) if n.op == "call_function" and storage is None else 0
+        val = n.meta.get("val")
+        codec = offered_codec(n, compress=compress, quantize=quantize) if kind == "forward" and storage is None else None
+        codec_flops, codec_cost = 0, 0.0
+        if codec is not None:
+            codecs[i] = codec
+            codec_flops = codec.elementwise_flops(val.numel())
+            codec_cost = 2 * cost_model.seconds(codec_flops // 2, own_bytes + codec.compressed_bytes, False)
+        nodes.append(Node(
+            name=n.name,
+            kind=kind,
+            inputs=tuple(index[a] for a in n.all_input_nodes),
+            bytes=own_bytes,
+            workspace=scratch_beyond_output(increases.get(n, 0), own_bytes),
+            flops=flops,
+            cost=0.0 if n.op in ("placeholder", "get_attr") else cost_model.seconds(flops, moved, storage is not None),
+            storage=storage,
+            recomputable=recomputable,
+            output=n in fwd_outs or n in bwd_outs,
+            tangent=n.op == "placeholder" and n.name.startswith("tangents"),
+            tensor=isinstance(val, torch.Tensor),
+            codec=None if codec is None else codec.name,
+            compressed_bytes=0 if codec is None else codec.compressed_bytes,
+            codec_cost=codec_cost,
+            codec_flops=codec_flops,
+        ))
+    if codecs:
+        workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()})
+        nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
+    names = [n.name for n in fx_nodes]
+    module_paths = [_module_path(n) for n in fx_nodes]
+    if unread_resident_bytes > 0:
+        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=unread_resident_bytes, recomputable=False))
+        names.append(UNREAD_RESIDENT)
+        module_paths.append("")
+    return JointGraph(module=joint, graph=Graph(tuple(nodes)), names=tuple(names), num_fwd_outputs=num_fwd_outputs,
+                      module_paths=tuple(module_paths), codecs=codecs)
+
+
+def _check_inputs(joint: fx.GraphModule, fx_nodes: list[fx.Node]) -> None:
+    """Refuse what fxopt cannot plan: unknown graph inputs, non-tensor constants, symbolic shapes."""
     for n in fx_nodes:
         if n.op == "placeholder" and not (n.name.startswith("primals") or n.name.startswith("tangents")):
             raise CaptureError(
@@ -120,16 +180,19 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
             )
         if n.op == "get_attr":
             _check_constant(joint, n)
-        val = n.meta.get("val")
-        for t in tensors_in(val):
+        for t in tensors_in(n.meta.get("val")):
             if any(not isinstance(s, int) for s in t.shape):
                 raise CaptureError(
                     f"{n.name} has a symbolic shape {tuple(t.shape)}; fxopt plans for static shapes "
                     "(it re-plans when shapes change)"
                 )
 
-    # Backward values: those that depend on a tangent, and gradients the forward does not need.
-    depends_on_tangent = tangent_dependents(joint.graph)
+
+def _backward_nodes(graph: fx.Graph, fx_nodes: list[fx.Node], fwd_outs: set[fx.Node],
+                    bwd_outs: set[fx.Node]) -> set[fx.Node]:
+    """Backward values: those that depend on a tangent, gradients the forward does not need, and
+    constants AOTAutograd tagged as backward."""
+    depends_on_tangent = tangent_dependents(graph)
     forward_needed: set[fx.Node] = set()
     stack = list(fwd_outs)
     while stack:
@@ -143,90 +206,27 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         n for n in fx_nodes
         if n.op == "call_function" and not n.all_input_nodes and n.meta.get("partitioner_tag") == "is_backward"
     }
+    return backward
 
-    increases = op_increases(fx_nodes)
-    storage_owner: dict[StorageWeakRef, int] = {}
-    nodes: list[Node] = []
-    codecs: dict[int, Codec] = {}
-    for i, n in enumerate(fx_nodes):
-        val = n.meta.get("val")
-        tensors = tensors_in(val)
-        storage = None
-        own_bytes = 0
-        if isinstance(val, torch.Tensor):
-            ref = StorageWeakRef(val.untyped_storage())
-            if ref in storage_owner:
-                storage = storage_owner[ref]
-            else:
-                storage_owner[ref] = i
-                own_bytes = storage_bytes(val)
-        elif tensors and all(StorageWeakRef(t.untyped_storage()) in storage_owner for t in tensors) and len(
-                {storage_owner[StorageWeakRef(t.untyped_storage())] for t in tensors}) == 1:
-            # A tuple of views (split, unbind, chunk): while the tuple lives, so does their base.
-            storage = storage_owner[StorageWeakRef(tensors[0].untyped_storage())]
-        elif tensors:
-            # Outputs taken out by getitem are owned by the getitem; the rest die with the tuple.
-            taken = {u.args[1] for u in n.users if u.target is operator.getitem}
-            items = val if isinstance(val, (list, tuple)) else []
-            for k, t in enumerate(items):
-                if isinstance(t, torch.Tensor) and k not in taken and StorageWeakRef(t.untyped_storage()) not in storage_owner:
-                    own_bytes += storage_bytes(t)
-        if n.op in ("placeholder", "get_attr"):
-            kind = "input"
-        elif n in backward:
-            kind = "backward"
-        else:
-            kind = "forward"
-        recomputable = n.op == "call_function" and _is_recomputable(n)
-        if n.target is operator.getitem and not _is_recomputable(n.args[0]):
-            recomputable = False
-        flops = flops_of(n) if n.op == "call_function" else 0
-        moved = own_bytes + sum(
-            storage_bytes(t) for a in n.all_input_nodes for t in tensors_in(a.meta.get("val"))
-        ) if n.op == "call_function" and storage is None else 0
-        codec = None
-        if kind == "forward" and storage is None:
-            codec = offered_codec(n, compress=compress, quantize=quantize)
-        codec_flops, codec_cost = 0, 0.0
-        if codec is not None:
-            codecs[i] = codec
-            codec_flops = codec.elementwise_flops(val.numel())
-            codec_cost = 2 * cost_model.seconds(codec_flops // 2, own_bytes + codec.compressed_bytes, False)
-        nodes.append(
-            Node(
-                name=n.name,
-                kind=kind,
-                inputs=tuple(index[a] for a in n.all_input_nodes),
-                bytes=own_bytes,
-                workspace=scratch_beyond_output(increases.get(n, 0), own_bytes),
-                flops=flops,
-                cost=0.0 if n.op in ("placeholder", "get_attr") else cost_model.seconds(flops, moved, storage is not None),
-                storage=storage,
-                recomputable=recomputable,
-                output=n in fwd_outs or n in bwd_outs,
-                tangent=n.op == "placeholder" and n.name.startswith("tangents"),
-                tensor=isinstance(val, torch.Tensor),
-                codec=None if codec is None else codec.name,
-                compressed_bytes=0 if codec is None else codec.compressed_bytes,
-                codec_cost=codec_cost,
-                codec_flops=codec_flops,
-            )
-        )
-    if codecs:
-        workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()})
-        nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
-    names = [n.name for n in fx_nodes]
-    module_paths = [_module_path(n) for n in fx_nodes]
-    if unread_resident_bytes > 0:
-        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=unread_resident_bytes, recomputable=False))
-        names.append(UNREAD_RESIDENT)
-        module_paths.append("")
-    graph = Graph(tuple(nodes))
-    return JointGraph(
-        module=joint,
-        graph=graph,
-        names=tuple(names),
-        num_fwd_outputs=num_fwd_outputs,
-        module_paths=tuple(module_paths),
-        codecs=codecs,
-    )
+
+def _storage_of(n: fx.Node, i: int, storage_owner: dict[StorageWeakRef, int]) -> tuple[int | None, int]:
+    """(the node owning the storage ``n``'s value aliases, or None; the bytes ``n`` owns), with
+    ``storage_owner`` (storage -> owning node index) updated for a new storage."""
+    val = n.meta.get("val")
+    tensors = tensors_in(val)
+    if isinstance(val, torch.Tensor):
+        ref = StorageWeakRef(val.untyped_storage())
+        if ref in storage_owner:
+            return storage_owner[ref], 0
+        storage_owner[ref] = i
+        return None, storage_bytes(val)
+    owners = {storage_owner.get(StorageWeakRef(t.untyped_storage())) for t in tensors}
+    if tensors and None not in owners and len(owners) == 1:
+        # A tuple of views (split, unbind, chunk): while the tuple lives, so does their base.
+        return owners.pop(), 0
+    # Outputs taken out by getitem are owned by the getitem; the rest die with the tuple.
+    taken = {u.args[1] for u in n.users if u.target is operator.getitem}
+    items = val if isinstance(val, (list, tuple)) else []
+    own = sum(storage_bytes(t) for k, t in enumerate(items)
+              if isinstance(t, torch.Tensor) and k not in taken and StorageWeakRef(t.untyped_storage()) not in storage_owner)
+    return None, own

@@ -19,6 +19,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from fxopt.analysis.storage import tensors_in
+
 log = logging.getLogger("fxopt")
 
 _cache: dict[tuple, int] = {}
@@ -44,7 +46,7 @@ def _measurable(node: fx.Node) -> bool:
     if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
         return False
     val = node.meta.get("val")
-    outs = [val] if isinstance(val, torch.Tensor) else [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (list, tuple)) else []
+    outs = _outs(node)
     if not outs or any(o.numel() == 0 for o in outs):
         return False
     # Views allocate nothing: their output shares an input's storage.
@@ -88,10 +90,23 @@ def op_increases(nodes: list[fx.Node]) -> dict[fx.Node, int]:
 
 
 def _outs(node: fx.Node) -> list[torch.Tensor]:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return [val]
-    return [v for v in val if isinstance(v, torch.Tensor)] if isinstance(val, (list, tuple)) else []
+    return tensors_in(node.meta.get("val"))
+
+
+# An op whose allocations cannot be measured is assumed to hold this many times the bytes of its
+# inputs and outputs while it runs: more than any kernel measured so far (convolution's im2col
+# buffers, the largest, are about twice its input). Never zero: an unmeasured op must not make
+# the predicted peak smaller than the real one.
+UNMEASURED_FACTOR = 2
+
+
+def _unmeasured(node: fx.Node, why) -> int:
+    """The allocation assumed for an op that could not be measured: a conservative estimate."""
+    tensors = [*_outs(node), *(t for a in node.all_input_nodes for t in tensors_in(a.meta.get("val")))]
+    assumed = UNMEASURED_FACTOR * sum(t.numel() * t.element_size() for t in tensors)
+    log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming %d bytes, %d times its inputs "
+                "and outputs", node.target, why, assumed, UNMEASURED_FACTOR)
+    return assumed
 
 
 def _measure(todo: dict[tuple, fx.Node]) -> None:
@@ -101,7 +116,7 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
             continue
         device = _outs(n)[0].device
         if device.type != "cuda":
-            _cache[k] = 0
+            _cache[k] = _unmeasured(n, f"no allocator statistics on {device.type}")
             continue
         try:
             args, kwargs = _real_args(n)
@@ -113,8 +128,7 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
             _cache[k] = torch.cuda.max_memory_allocated(device) - start
             del out
         except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
-            log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming none", n.target, err)
-            _cache[k] = 0
+            _cache[k] = _unmeasured(n, err)
     if not cpu:
         return
     from torch.profiler import record_function
@@ -132,9 +146,8 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
                     out = n.target(*args, **kwargs)
                     del out
                 runs.append((k, label))
-            except Exception as err:  # noqa: BLE001
-                log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming none", n.target, err)
-                _cache[k] = 0
+            except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
+                _cache[k] = _unmeasured(n, err)
             del args, kwargs
     events = list(prof.profiler.kineto_results.events())
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
