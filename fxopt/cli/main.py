@@ -270,13 +270,10 @@ def _environ(**values: str):
 def inspect(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
-    from rich.syntax import Syntax
-    from rich.table import Table
 
     import fxopt
     from fxopt.api import plan_and_rewrite
     from fxopt.units import format_bytes
-    from fxopt.cli.report import tensor_rows
 
     out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)
     err = Console(stderr=True, quiet=args.quiet)
@@ -305,10 +302,25 @@ def inspect(args: argparse.Namespace) -> int:
     plan = ready.plan
     planning = time.perf_counter() - t0
 
-    measured = {}
-    grads_equal = None
-    if args.run:
-        measured, grads_equal = _measure(model, inputs, plan, args, err)
+    measured, grads_equal = _measure(model, inputs, plan, args, err) if args.run else ({}, None)
+    _write_files(plan, args, measured)
+    _print_summary(out, plan, args, planning, measured, grads_equal)
+    _print_tensors(out, plan, args.top)
+    if args.code:
+        _print_code(out, ready, args.compiler)
+    for flag, path in (("json", args.json), ("dot", args.dot), ("plot", args.plot)):
+        if path:
+            out.print(f"wrote {path} (--{flag})")
+    if measured and not (_measured_peak(measured["fxopt"]) <= plan.budget_bytes and grads_equal):
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def _measured_peak(timeline) -> int:
+    return max(timeline.live_bytes, default=timeline.start_bytes)
+
+
+def _write_files(plan, args: argparse.Namespace, measured: dict) -> None:
     if args.json:
         plan.to_json(args.json)
     if args.dot:
@@ -320,7 +332,13 @@ def inspect(args: argparse.Namespace) -> int:
 
         plot_timeline(plan, args.plot, measured or None, title=f"{args.model}: one training step")
 
-    total_flops = sum(n.flops for n in plan.graph.nodes)
+
+def _print_summary(out, plan, args: argparse.Namespace, planning: float, measured: dict, grads_equal) -> None:
+    """Peaks (predicted, and measured with --run) against the budget, extra compute, decisions."""
+    from rich.table import Table
+
+    from fxopt.units import format_bytes
+
     summary = Table(title="one training step (forward + backward)", show_header=True)
     summary.add_column("")
     summary.add_column("peak (predicted)", justify="right")
@@ -333,11 +351,12 @@ def inspect(args: argparse.Namespace) -> int:
     for label, predicted, real, note in rows:
         cells = [label, format_bytes(predicted)]
         if measured:
-            cells.append(format_bytes(max(real.live_bytes, default=real.start_bytes)))
+            cells.append(format_bytes(_measured_peak(real)))
         summary.add_row(*cells, note)
     budget_cells = ["budget", format_bytes(plan.budget_bytes)] + ([""] if measured else [])
     summary.add_row(*budget_cells, f"{args.budget}")
     out.print(summary)
+    total_flops = sum(n.flops for n in plan.graph.nodes)
     extra = plan.recompute_flops
     share = f" ({100 * extra / total_flops:.1f}% of the step's {total_flops / 1e9:.3f} GFLOP)" if total_flops else ""
     recomputations = sum(plan.recomputed.values())
@@ -349,39 +368,43 @@ def inspect(args: argparse.Namespace) -> int:
               f"{len(plan.compressed)} of them compressed ({len(plan.lossy)} lossy), "
               f"{recomputations} recomputations of {len(plan.recomputed)} values")
     if measured:
-        fx_peak = max(measured["fxopt"].live_bytes, default=measured["fxopt"].start_bytes)
-        within = fx_peak <= plan.budget_bytes
+        within = _measured_peak(measured["fxopt"]) <= plan.budget_bytes
         out.print(f"measured: fxopt's peak {'within' if within else '[red]ABOVE[/]'} the budget; gradients "
                   f"{'equal to' if grads_equal else '[red]DIFFERENT from[/]'} eager's")
+
+
+def _print_tensors(out, plan, top: int) -> None:
+    """The saved and recomputed tensors, largest first (``top`` of them)."""
+    from rich.table import Table
+
+    from fxopt.cli.report import tensor_rows
+    from fxopt.units import format_bytes
 
     rows = tensor_rows(plan)
     table = Table(title="saved and recomputed tensors, largest first")
     for col, justify in (("tensor", "left"), ("decision", "left"), ("size", "right"), ("module", "left"),
                          ("extra GFLOP", "right")):
         table.add_column(col, justify=justify)
-    for r in rows[: args.top]:
+    for r in rows[:top]:
         decision = f"RECOMPUTE x{r.times}" if r.decision == "RECOMPUTE" else r.decision
         table.add_row(r.name, decision, format_bytes(r.bytes), r.module or "-",
                       f"{r.flops / 1e9:.4f}" if r.decision == "RECOMPUTE" else "")
-    if len(rows) > args.top:
-        table.caption = f"{len(rows) - args.top} more not shown (--top N shows more)"
+    if len(rows) > top:
+        table.caption = f"{len(rows) - top} more not shown (--top N shows more)"
     out.print(table)
 
-    if args.code:
-        note = " (as fxopt rewrote them; Inductor then compiles these)" if args.compiler == "inductor" else ""
-        for title, gm in (("forward", ready.forward), ("backward", ready.backward)):
-            out.print(f"[bold]# rewritten {title}{note}[/]")
-            code = gm.code.strip()
-            if out.is_terminal:
-                out.print(Syntax(code, "python", theme="ansi_dark", word_wrap=True))
-            else:
-                out.print(code, markup=False)
-    for flag, path in (("json", args.json), ("dot", args.dot), ("plot", args.plot)):
-        if path:
-            out.print(f"wrote {path} (--{flag})")
-    if measured and not (within and grads_equal):
-        return EXIT_ERROR
-    return EXIT_OK
+
+def _print_code(out, ready, compiler: str) -> None:
+    from rich.syntax import Syntax
+
+    note = " (as fxopt rewrote them; Inductor then compiles these)" if compiler == "inductor" else ""
+    for title, gm in (("forward", ready.forward), ("backward", ready.backward)):
+        out.print(f"[bold]# rewritten {title}{note}[/]")
+        code = gm.code.strip()
+        if out.is_terminal:
+            out.print(Syntax(code, "python", theme="ansi_dark", word_wrap=True))
+        else:
+            out.print(code, markup=False)
 
 
 def _measure(model, inputs, plan, args, err):
