@@ -35,7 +35,7 @@ import fxopt.ops  # noqa: F401 - registers the codecs' custom ops
 from fxopt.analysis.scratch import SCRATCH_MARGIN, op_increases
 from fxopt.analysis.storage import storage_bytes
 from fxopt.ops.quantize import FORMAT_CODE, layout
-from fxopt.passes._fx import NodeBuilder
+from fxopt.fxgraph import NodeBuilder, aliases_input
 from fxopt.solvers.graph import LOSSY_FORMATS
 
 aten = torch.ops.aten
@@ -195,7 +195,7 @@ def _quantizable(n: fx.Node) -> bool:
             t = u.target
             if t in _LOSSY_UNSAFE_READERS or getattr(t, "__name__", "").startswith("cudnn_batch_norm_backward"):
                 return False
-            if isinstance(t, torch._ops.OpOverload) and (t.is_view or t in (aten.detach.default, aten.alias.default)):
+            if aliases_input(t):
                 stack.append(u)
     return True
 

@@ -24,7 +24,7 @@ from fxopt.analysis.costs import CostModel, flops_of
 from fxopt.analysis.scratch import op_increases, scratch_beyond_output
 from fxopt.analysis.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
-from fxopt.passes._fx import tangent_dependents
+from fxopt.fxgraph import tangent_dependents
 from fxopt.solvers.graph import Graph, Node
 aten = torch.ops.aten
 

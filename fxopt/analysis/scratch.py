@@ -20,6 +20,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fxopt.analysis.storage import tensors_in
+from fxopt.fxgraph import aliases_input
 
 log = logging.getLogger("fxopt")
 
@@ -50,7 +51,7 @@ def _measurable(node: fx.Node) -> bool:
     if not outs or any(o.numel() == 0 for o in outs):
         return False
     # Views allocate nothing: their output shares an input's storage.
-    return not (isinstance(val, torch.Tensor) and node.target.is_view)
+    return not (isinstance(val, torch.Tensor) and aliases_input(node.target))
 
 
 def _real_args(node: fx.Node):

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers torch.ops.fxopt.*
-from fxopt.passes._fx import NodeBuilder, replace_node, replace_value
+from fxopt.fxgraph import NodeBuilder, replace_node, replace_value
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers torch.ops.fxopt.*
 from fxopt.analysis.codecs import MIN_BYTES
-from fxopt.passes._fx import NodeBuilder, replace_node, tangent_dependents
+from fxopt.fxgraph import ALIAS_OPS, NodeBuilder, aliases_input, replace_node, tangent_dependents
 
 aten = torch.ops.aten
 
@@ -37,7 +37,7 @@ def relu_masks(gm: fx.GraphModule) -> int:
     count = 0
     for node in list(graph.find_nodes(op="call_function", target=aten.threshold_backward.default)):
         grad, out, threshold = node.args[0], node.args[1], node.args[2]
-        while isinstance(out, fx.Node) and out.target in (aten.detach.default, aten.alias.default):
+        while isinstance(out, fx.Node) and out.target in ALIAS_OPS:
             out = out.args[0]  # AOTAutograd hands the backward a detached alias of ReLU's output
         val = out.meta.get("val") if isinstance(out, fx.Node) else None
         if not isinstance(val, torch.Tensor) or out in backward or val.numel() < MIN_BYTES:
@@ -90,6 +90,6 @@ def _read_by_backward(value: fx.Node, backward: set[fx.Node], besides: fx.Node) 
             if u in backward:
                 return True
             target = getattr(u, "target", None)
-            if isinstance(target, torch._ops.OpOverload) and (target.is_view or target is aten.detach.default):
+            if aliases_input(target):
                 stack.append(u)
     return False

@@ -27,7 +27,7 @@ from torch._functorch import partitioners as _p
 
 from fxopt.analysis import JointGraph
 from fxopt.errors import CaptureError
-from fxopt.passes._fx import NodeBuilder
+from fxopt.fxgraph import NodeBuilder
 from fxopt.solvers.schedule import Schedule, prune, read_before_recompute
 
 

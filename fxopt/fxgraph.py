@@ -1,5 +1,5 @@
-"""What the graph passes share: inserting nodes with their fake values and source metadata, and
-knowing which nodes belong to the backward."""
+"""Helpers on torch.fx graphs that the analysis and the passes share: which ops alias their input,
+which nodes belong to the backward, inserting nodes with their fake values and source metadata."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-_ALIASING = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+# Ops whose output shares their input's storage without being marked as views.
+ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 _SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag")
+
+
+def aliases_input(target) -> bool:
+    """Whether the op ``target`` returns a view of (or an alias to) its input: no new storage."""
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or target in ALIAS_OPS)
 
 
 class NodeBuilder:
@@ -63,7 +69,7 @@ def replace_value(old: fx.Node, new: fx.Node) -> None:
     while stack:
         node = stack.pop()
         target = node.target
-        if not (isinstance(target, torch._ops.OpOverload) and (target.is_view or target in _ALIASING)):
+        if not aliases_input(target):
             continue
         vals = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
         with fake_mode:
