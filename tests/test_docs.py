@@ -4,8 +4,9 @@
   it (a block may be wrapped after ", "), and names every argument under it;
 - docs/cli.md shows each command's usage exactly as argparse prints it (up to line wrapping), and
   names every option;
-- every module, attribute and file path the docs and the front page mention exists, and every
-  link between pages resolves (anchors included);
+- every ``fxopt.*`` module and attribute, and every file under fxopt/, tests/, examples/ and
+  benchmarks/, that the docs and the front page mention exists, and every link between pages
+  resolves (anchors included);
 - the front page stays a front page.
 """
 
@@ -124,13 +125,13 @@ def test_every_cli_option_is_described():
         for action in parser._actions:
             for option in action.option_strings:
                 if option.startswith("--") and option != "--help":
-                    assert f"`{option}" in CLI, f"docs/cli.md does not describe `{name} {option}`"
+                    assert re.search(rf"`{option}(?![\w-])", CLI), f"docs/cli.md does not describe `{name} {option}`"
 
 
 # --- every page: paths and links ----------------------------------------------------------------
 
 DOTTED = re.compile(r"(?<![\w./-])fxopt(?:\.[A-Za-z_]\w*)+")
-FILE = re.compile(r"(?<![\w./~$-])fxopt/[\w/.-]*\w/?")
+FILE = re.compile(r"(?<![\w./~$-])(?:fxopt|tests|examples|benchmarks)/[\w/.-]*\w/?")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
