@@ -1,8 +1,19 @@
-"""The docs follow the code: every public name and every argument of the entry points is
-documented, every link from the front page resolves, and the front page stays a front page."""
+"""The docs follow the code.
+
+- docs/api.md shows every public name with its signature exactly as ``inspect.signature`` prints
+  it (a block may be wrapped after ", "), and names every argument under it;
+- docs/cli.md shows each command's usage exactly as argparse prints it (up to line wrapping), and
+  names every option;
+- every ``fxopt.*`` module and attribute, and every file under fxopt/, tests/, examples/ and
+  benchmarks/, that the docs and the front page mention exists, and every link between pages
+  resolves (anchors included);
+- the front page stays a front page.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import inspect
 import re
 from pathlib import Path
@@ -10,29 +21,163 @@ from pathlib import Path
 import pytest
 
 import fxopt
+from fxopt.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.md")}
-README = (ROOT / "README.md").read_text()
+PAGES = {p.relative_to(ROOT).as_posix(): p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+API = PAGES["docs/api.md"]
+CLI = PAGES["docs/cli.md"]
 
 
-@pytest.mark.parametrize("name", sorted(set(fxopt.__all__)))
-def test_every_public_name_is_documented(name):
-    assert any(name in text for text in DOCS.values()), f"fxopt.{name} appears nowhere in docs/"
+def one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
-@pytest.mark.parametrize("function", [fxopt.optimize, fxopt.plan, fxopt.backend], ids=lambda f: f.__name__)
-def test_every_argument_of_the_entry_points_is_in_the_usage_page(function):
-    usage = DOCS["usage.md"]
-    for parameter in inspect.signature(function).parameters:
-        if parameter in ("model", "cost_model"):
+def resolve(dotted: str):
+    """The object a dotted path names: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
             continue
-        assert re.search(rf"\b{parameter}\b", usage), f"{function.__name__}({parameter}=...) is not in docs/usage.md"
+        for name in parts[i:]:
+            obj = getattr(obj, name)  # AttributeError: the path names nothing
+        return obj
+    raise ModuleNotFoundError(dotted)
 
 
-def test_front_page_links_resolve_and_it_stays_short():
-    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
-    assert links
-    for link in links:
-        assert (ROOT / link).exists(), link
-    assert len(README.splitlines()) < 120
+# --- docs/api.md: signatures --------------------------------------------------------------------
+
+# A signature block: a ```python block holding ``fxopt.NAME(...)`` (a call) or
+# ``class fxopt.NAME(Base, ...)`` (an exception, whose signature is Exception's).
+BLOCK = re.compile(r"^```python\n(?P<body>(?:class )?fxopt\.[\w.]+\(.*?)\n```$", re.M | re.S)
+BLOCKS = list(BLOCK.finditer(API))
+CALLS = {m["body"].split("(", 1)[0]: m for m in BLOCKS if not m["body"].startswith("class ")}
+CLASSES = {m["body"].split("(", 1)[0].removeprefix("class "): m for m in BLOCKS if m["body"].startswith("class ")}
+
+
+def has_signature(obj) -> bool:
+    try:
+        inspect.signature(obj)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", fxopt.__all__)
+def test_every_public_name_has_a_signature_block(name):
+    obj = getattr(fxopt, name)
+    if isinstance(obj, type) and issubclass(obj, BaseException):
+        assert f"fxopt.{name}" in CLASSES, f"docs/api.md has no ```python class fxopt.{name}(...)``` block"
+    if has_signature(obj):
+        assert f"fxopt.{name}" in CALLS, f"docs/api.md has no ```python fxopt.{name}(...)``` block"
+
+
+@pytest.mark.parametrize("path", sorted(CALLS))
+def test_documented_signatures_are_the_real_ones(path):
+    real = f"{path}{inspect.signature(resolve(path))}"
+    assert one_line(CALLS[path]["body"]) == one_line(real), f"docs/api.md is out of date; the real signature is\n{real}"
+
+
+@pytest.mark.parametrize("path", sorted(CLASSES))
+def test_documented_bases_are_the_real_ones(path):
+    real = f"class {path}({', '.join(base.__name__ for base in resolve(path).__bases__)})"
+    assert one_line(CLASSES[path]["body"]) == real
+
+
+@pytest.mark.parametrize("path", sorted(CALLS))
+def test_every_argument_is_described_under_its_signature(path):
+    block = CALLS[path]
+    later = [m.start() for m in BLOCKS if m.start() > block.start()]
+    described = API[block.end():min(later, default=len(API))]
+    for name, parameter in inspect.signature(resolve(path)).parameters.items():
+        if name == "self":
+            continue
+        stars = {inspect.Parameter.VAR_POSITIONAL: r"\*", inspect.Parameter.VAR_KEYWORD: r"\*\*"}.get(parameter.kind, "")
+        assert re.search(rf"`{stars}{name}\b", described), f"{path}: argument {name} is not described under it"
+
+
+# --- docs/cli.md: usage -------------------------------------------------------------------------
+
+USAGE = re.compile(r"^```text\n(usage: fxopt\b.*?)\n```$", re.M | re.S)
+
+
+def commands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    found = {"fxopt": parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found.update({f"fxopt {name}": sub for name, sub in action.choices.items()})
+    return found
+
+
+def test_cli_usage_blocks_are_argparses():
+    documented = {one_line(u) for u in USAGE.findall(CLI)}
+    real = {name: one_line(p.format_usage()) for name, p in commands().items()}
+    for name, usage in real.items():
+        assert usage in documented, f"docs/cli.md lacks the usage of `{name}` as argparse prints it:\n{usage}"
+    assert documented <= set(real.values()), f"docs/cli.md shows usage argparse no longer prints: {documented - set(real.values())}"
+
+
+def test_every_cli_option_is_described():
+    for name, parser in commands().items():
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert re.search(rf"`{option}(?![\w-])", CLI), f"docs/cli.md does not describe `{name} {option}`"
+
+
+# --- every page: paths and links ----------------------------------------------------------------
+
+DOTTED = re.compile(r"(?<![\w./-])fxopt(?:\.[A-Za-z_]\w*)+")
+FILE = re.compile(r"(?<![\w./~$-])(?:fxopt|tests|examples|benchmarks)/[\w/.-]*\w/?")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def mentions(pattern: re.Pattern) -> list[tuple[str, str]]:
+    return sorted({(page, m) for page, text in PAGES.items() for m in pattern.findall(text)})
+
+
+@pytest.mark.parametrize("page,dotted", mentions(DOTTED))
+def test_dotted_paths_exist(page, dotted):
+    try:
+        resolve(dotted)
+    except (ImportError, AttributeError) as err:
+        pytest.fail(f"{page} mentions {dotted}, which does not exist ({err})")
+
+
+@pytest.mark.parametrize("page,path", mentions(FILE))
+def test_file_paths_exist(page, path):
+    assert (ROOT / path).exists(), f"{page} mentions {path}, which does not exist"
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page,link", sorted({(page, link) for page, text in PAGES.items() for link in LINK.findall(text)}))
+def test_links_resolve(page, link):
+    if re.match(r"\w+://", link):
+        return
+    target, _, anchor = link.partition("#")
+    path = (ROOT / page).parent / target if target else ROOT / page
+    assert path.exists(), f"{page} links to {link}: no such file"
+    if anchor and path.suffix == ".md":
+        assert anchor in anchors(path.read_text()), f"{page} links to {link}: no heading with that anchor"
+
+
+def test_front_page_stays_short_and_points_to_the_docs():
+    readme = PAGES["README.md"]
+    assert len(readme.splitlines()) < 120
+    for page in ("docs/design.md", "docs/api.md"):
+        assert f"]({page}" in readme, f"README.md does not link to {page}"
+
+
+@pytest.mark.parametrize("page", sorted(p for p in PAGES if p.startswith("docs/")))
+def test_each_page_says_what_it_is_for(page):
+    lines = PAGES[page].splitlines()
+    assert lines[0].startswith("# ") and lines[1] == "" and lines[2] and not lines[2].startswith(("#", "`", "|", "-")), (
+        f"{page} should open with its title and one line saying what it is for")
