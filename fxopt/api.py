@@ -11,26 +11,22 @@ import torch
 import torch.nn as nn
 
 from fxopt.analysis import CostModel
-from fxopt.budget import Budget, resolve_budget
 from fxopt.analysis.codecs import Quantize
+from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
-from fxopt.errors import CaptureError, FxoptError, GraphBreakError
 from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, _tensors as _tensors_of
-from fxopt.solvers.plan import Plan
+from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
 from fxopt.planner import Options
-from fxopt.solvers import SOLVERS
+from fxopt.solvers.plan import Plan
 
 # Dynamo keeps one compiled entry per input signature (and per fxopt module of the same class);
 # past its limit it would silently run eagerly. fxopt raises instead, after this many.
 RECOMPILE_LIMIT = 64
 
 
-def _check_args(model: Any, budget: Budget, solver: str) -> None:
+def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    resolve_budget(budget, 1)  # reject unreadable budgets now, not at the first call
 
 
 @contextlib.contextmanager
@@ -118,8 +114,7 @@ class FxoptModule(nn.Module):
 
     def __init__(self, model: nn.Module, options: Options, graph_breaks: str = "split"):
         super().__init__()
-        if graph_breaks not in GRAPH_BREAKS:
-            raise ValueError(f"graph_breaks must be one of {', '.join(GRAPH_BREAKS)}, not {graph_breaks!r}")
+        check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
         # Share the original's state, so parameters(), state_dict() and .to() are the original's.
         self.__dict__["_parameters"] = model._parameters
         self.__dict__["_buffers"] = model._buffers
@@ -225,7 +220,7 @@ def optimize(
     breaks: ``print`` and ``warnings.warn`` run after the captured graph, ``logging.Logger``
     calls are skipped while the optimized step runs.
     """
-    _check_args(model, budget, solver)
+    _check_model(model)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
                       cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
                       quantize=quantize)
@@ -262,32 +257,21 @@ def plan(
     ``compress``, ``quantize``: as for `optimize`.
     """
     return plan_and_rewrite(model, budget, example_inputs, solver=solver, time_limit=time_limit,
-                            cost_model=cost_model, compiler=compiler, compress=compress,
+                            cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
                             quantize=quantize).plan
 
 
-def plan_and_rewrite(
-    model: nn.Module,
-    budget: Budget,
-    example_inputs: Sequence[Any],
-    *,
-    solver: str = "auto",
-    time_limit: float = 60.0,
-    cost_model: CostModel | None = None,
-    compiler: str = "eager",
-    compress: bool = True,
-    quantize: str | Quantize | None = None,
-) -> PlanReady:
-    """Like `plan`, and also the rewritten forward and backward modules (before any compiler):
-    ``.plan``, ``.forward``, ``.backward``."""
-    _check_args(model, budget, solver)
-    options = Options(budget=budget, solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel(),
-                      compiler=compiler, compress=compress, quantize=quantize)
+def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[Any], **options) -> PlanReady:
+    """Like `plan` (``options``: its keyword arguments, see `fxopt.planner.Options`), and also the
+    rewritten forward and backward modules (before any compiler): ``.plan``, ``.forward``,
+    ``.backward``."""
+    _check_model(model)
+    options = Options(budget=budget, **options)
     backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:
-        _run_compiled(compiled, args, kwargs, compiler)
+        _run_compiled(compiled, args, kwargs, options.compiler)
     except PlanReady as ready:
         return ready
     raise CaptureError(

@@ -37,3 +37,10 @@ class GraphBreakError(CaptureError):
 
 class BudgetError(FxoptError, ValueError):
     """The budget could not be understood."""
+
+
+def check_choice(what: str, value, choices) -> None:
+    """Refuse ``value`` unless it is one of ``choices``, naming them (every option that takes one
+    of a few names is checked here)."""
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(map(str, choices))}")

@@ -21,11 +21,11 @@ from fxopt import cache
 from fxopt.analysis import CostModel, analyze
 from fxopt.analysis.codecs import Quantize, resolve_quantize
 from fxopt.budget import Budget, resolve_budget
-from fxopt.errors import CaptureError, InfeasibleBudgetError
+from fxopt.errors import CaptureError, InfeasibleBudgetError, check_choice
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
-from fxopt.solvers import eager_schedule, simulate, solve
+from fxopt.solvers import SOLVERS, eager_schedule, simulate, solve
 
 log = logging.getLogger("fxopt")
 
@@ -61,8 +61,11 @@ class Options:
         object.__setattr__(self, "quantize", resolve_quantize(self.quantize))
         if not isinstance(self.compress, bool):
             raise TypeError(f"compress must be True or False, got {self.compress!r}")
-        if self.compiler not in COMPILERS:
-            raise ValueError(f"unknown compiler {self.compiler!r}; choose one of {', '.join(COMPILERS)}")
+        check_choice("compiler", self.compiler, COMPILERS)
+        check_choice("solver", self.solver, SOLVERS)
+        resolve_budget(self.budget, 1)  # an unreadable budget fails now, not at the first call
+        if not self.time_limit > 0:
+            raise ValueError(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

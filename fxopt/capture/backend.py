@@ -29,14 +29,13 @@ import torch
 import torch.fx as fx
 
 from fxopt.analysis import CostModel
-from fxopt.budget import Budget, resolve_budget
 from fxopt.analysis.codecs import Quantize
+from fxopt.budget import Budget
 from fxopt.capture.dynamo import make_backend
-from fxopt.errors import CaptureError
 from fxopt.capture.pieces import GraphBreakWarning, break_location
+from fxopt.errors import CaptureError, check_choice
+from fxopt.planner import Options
 from fxopt.solvers.plan import Plan
-from fxopt.planner import COMPILERS, Options
-from fxopt.solvers import SOLVERS
 
 log = logging.getLogger("fxopt")
 
@@ -49,8 +48,7 @@ class FxoptBackend:
     holds every plan it made, in the order the graphs were compiled."""
 
     def __init__(self, options: Options, graph_breaks: str = "error"):
-        if graph_breaks not in GRAPH_BREAKS:
-            raise ValueError(f"graph_breaks must be one of {', '.join(GRAPH_BREAKS)}, not {graph_breaks!r}")
+        check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
         self.options = options
         self.graph_breaks = graph_breaks
         self.plans: list[Plan] = []
@@ -104,11 +102,6 @@ def backend(
     solving. ``inductor_config``: extra Inductor settings. ``compress``, ``quantize``: as for
     `fxopt.optimize` (lossless compression on by default; quantization opt-in).
     """
-    if compiler not in COMPILERS:
-        raise ValueError(f"unknown compiler {compiler!r}; choose one of {', '.join(COMPILERS)}")
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    resolve_budget(budget, 1)  # unreadable budgets fail here, not inside torch.compile
     if isinstance(plan, (str, Path)):
         plan = Plan.from_json(plan)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=float(time_limit),
