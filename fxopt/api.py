@@ -14,10 +14,11 @@ from fxopt.analysis import CostModel
 from fxopt.analysis.codecs import Quantize
 from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
-from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, _tensors as _tensors_of
+from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
 from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
 from fxopt.planner import Options
 from fxopt.solvers.plan import Plan
+from fxopt.storage import tensors_in
 
 # Dynamo keeps one compiled entry per input signature (and per fxopt module of the same class);
 # past its limit it would silently run eagerly. fxopt raises instead, after this many.
@@ -155,7 +156,7 @@ class FxoptModule(nn.Module):
         finally:
             backend.step = None
         if not pieces and torch.is_grad_enabled() and any(
-                t.requires_grad for t in _tensors_of(out)):
+                t.requires_grad for t in tensors_in(out)):
             raise CaptureError(
                 "torch.compile captured no graph of this training step (Dynamo skipped the frame), "
                 "so it would run unoptimized; run it once with torch.compile(model, fullgraph=True) "

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from fxopt.storage import storages, tensors_in
+
 
 @dataclasses.dataclass(frozen=True)
 class PeakMemory:
@@ -32,34 +34,6 @@ class PeakMemory:
     increase_bytes: int
     device: str
     result: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-
-def _tensors_in(objs: Iterable[Any]):
-    """Every tensor reachable from `objs`: tensors and their gradients, modules' parameters and
-    buffers, optimizers' parameters and state, through lists, tuples and dicts."""
-    for o in objs:
-        if isinstance(o, torch.Tensor):
-            yield o
-            if o.grad is not None:
-                yield o.grad
-        elif isinstance(o, torch.nn.Module):
-            yield from _tensors_in(o.parameters())
-            yield from o.buffers()
-        elif isinstance(o, torch.optim.Optimizer):
-            yield from _tensors_in(p for group in o.param_groups for p in group["params"])
-            yield from _tensors_in(v for state in o.state.values() for v in state.values())
-        elif isinstance(o, dict):
-            yield from _tensors_in(o.values())
-        elif isinstance(o, (list, tuple)):
-            yield from _tensors_in(o)
-
-
-def _storages(objs: Iterable[Any]) -> dict[int, int]:
-    """Bytes of each distinct CPU storage reachable from `objs`, by address."""
-    return {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in _tensors_in(objs) if t.device.type == "cpu"
-    }
 
 
 def measure_peak(
@@ -104,7 +78,7 @@ class MemoryTimeline:
 def measure_timeline(step: Callable[..., Any], *args: Any, resident: Iterable[Any] = (), **kwargs: Any) -> MemoryTimeline:
     """Run ``step(*args, **kwargs)`` once on CPU and return its memory over time, from profiler
     allocation events (``resident`` as for `measure_peak`)."""
-    start = sum(_storages([*resident, args, kwargs]).values())
+    start = sum(storages([*resident, args, kwargs], grads=True, device_type="cpu").values())
     with profile_cpu_memory() as prof:
         result = step(*args, **kwargs)
     events = [e for e in prof.profiler.kineto_results.events()
@@ -146,7 +120,7 @@ def profile_cpu_memory():
 
 
 def _guess_device(*objs: Any) -> torch.device:
-    return next((t.device for t in _tensors_in(objs)), torch.device("cpu"))
+    return next((t.device for t in tensors_in(objs)), torch.device("cpu"))
 
 
 class _FlopCounter(torch.utils._python_dispatch.TorchDispatchMode):

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers the codecs' custom ops
 from fxopt.analysis.scratch import SCRATCH_MARGIN, op_increases
-from fxopt.analysis.storage import storage_bytes
+from fxopt.storage import storage_bytes
 from fxopt.ops.quantize import FORMAT_CODE, layout
 from fxopt.fxgraph import NodeBuilder, aliases_input
 from fxopt.solvers.graph import LOSSY_FORMATS

@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
 from fxopt.analysis.costs import CostModel, flops_of
 from fxopt.analysis.scratch import op_increases, scratch_beyond_output
-from fxopt.analysis.storage import storage_bytes, tensors_in
+from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import tangent_dependents
 from fxopt.solvers.graph import Graph, Node

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from fxopt.analysis.storage import tensors_in
+from fxopt.storage import tensors_in
 from fxopt.fxgraph import aliases_input
 
 log = logging.getLogger("fxopt")

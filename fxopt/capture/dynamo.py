@@ -22,6 +22,7 @@ from torch._dynamo.backends.common import aot_autograd
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.solvers.plan import Plan
 from fxopt.planner import Options, make_plan
+from fxopt.storage import storages
 
 log = logging.getLogger("fxopt")
 
@@ -85,19 +86,8 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
 def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
     """Bytes of ``module``'s parameters and buffers (each storage once) that are not among the
     captured graph's inputs: the step never reads them, yet they are alive throughout it."""
-    read = set()
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor):
-            try:
-                read.add((t.device, t.untyped_storage().data_ptr()))
-            except Exception:  # noqa: BLE001 - a tensor without real storage: nothing to match
-                pass
-    unread = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key not in read:
-            unread[key] = t.untyped_storage().nbytes()
-    return sum(unread.values())
+    read = storages(list(example_inputs))
+    return sum(n for key, n in storages(module).items() if key not in read)
 
 
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,

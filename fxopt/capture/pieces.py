@@ -36,14 +36,14 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from fxopt.budget import resolve_budget
-from fxopt.units import format_bytes
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
 from fxopt.solvers.plan import Plan
+from fxopt.storage import StorageKey, storage_key, storages
+from fxopt.units import format_bytes
 
 log = logging.getLogger("fxopt")
 
@@ -61,42 +61,36 @@ class Piece:
     """A piece whose forward ran in the current step."""
 
     plan: Plan
-    inputs: frozenset[int]  # storages (data pointers) of the real tensors it takes
+    inputs: frozenset[StorageKey]  # storages of the real tensors it takes
     saved_bytes: int  # what its forward keeps for its backward (as the plan keeps it)
-    outputs: dict[int, int]  # storage -> bytes of the tensors its forward returned in this step
+    outputs: dict[StorageKey, int]  # storage -> bytes of the tensors its forward returned in this step
 
 
 @dataclasses.dataclass
 class Step:
     """One call of the optimized module: what is resident, and the pieces that ran so far."""
 
-    resident: dict[int, int]  # storage data pointer -> bytes: parameters, buffers, inputs, grads
-    trainable: dict[int, int]  # storage of a parameter that requires grad -> bytes of its gradient
-    shared: frozenset[int]  # trainable parameters registered under several names (tied weights)
+    resident: dict[StorageKey, int]  # storage -> bytes: parameters, buffers, inputs, grads
+    trainable: dict[StorageKey, int]  # storage of a parameter that requires grad -> bytes of its gradient
+    shared: frozenset[StorageKey]  # trainable parameters registered under several names (tied weights)
     pieces: list[Piece] = dataclasses.field(default_factory=list)
 
     @classmethod
     def start(cls, model: nn.Module, args: Iterable[Any]) -> Step:
-        resident: dict[int, int] = {}
-        trainable: dict[int, int] = {}
-        for t in _tensors([*model.parameters(), *model.buffers(), *args]):
-            resident[_storage(t)] = t.untyped_storage().nbytes()
-            if isinstance(t, nn.Parameter) and t.requires_grad:
-                trainable[_storage(t)] = t.numel() * t.element_size()
-            if t.grad is not None:
-                resident[_storage(t.grad)] = t.grad.untyped_storage().nbytes()
-        names: dict[int, int] = {}
+        resident = storages([model, *args], grads=True)
+        trainable = {storage_key(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad}
+        names: dict[StorageKey, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
-            names[_storage(p)] = names.get(_storage(p), 0) + 1
+            names[storage_key(p)] = names.get(storage_key(p), 0) + 1
         return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1))
 
-    def reserve(self, inputs: frozenset[int]) -> int:
+    def reserve(self, inputs: frozenset[StorageKey]) -> int:
         """Bytes alive beside a piece taking ``inputs``, at any time while it runs."""
         others = sum(n for ptr, n in self.resident.items() if ptr not in inputs)
         # What earlier pieces saved, and the outputs they returned that this piece does not take
         # (those it takes, it counts itself).
         earlier = sum(p.saved_bytes for p in self.pieces)
-        outputs: dict[int, int] = {}
+        outputs: dict[StorageKey, int] = {}
         for p in self.pieces:
             outputs.update(p.outputs)
         earlier += sum(n for ptr, n in outputs.items() if ptr not in inputs and ptr not in self.resident)
@@ -117,20 +111,6 @@ def _bytes(budget: Any) -> int | None:
         return resolve_budget(budget, None)
     except BudgetError:
         return None
-
-
-def _tensors(values: Iterable[Any]):
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            yield v
-        elif isinstance(v, (list, tuple)):
-            yield from _tensors(v)
-        elif isinstance(v, dict):
-            yield from _tensors(v.values())
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def break_location(gm: fx.GraphModule) -> str | None:
@@ -190,13 +170,13 @@ class PiecewiseBackend:
             warnings.warn(message, GraphBreakWarning, stacklevel=2)
         if self.step is None:
             raise CaptureError("fxopt: a piece of the step was compiled outside an fxopt module's call")
-        inputs = frozenset(_storage(t) for t in _tensors(example_inputs))
+        inputs = frozenset(storages(list(example_inputs)))
         reserve = self.step.reserve(inputs)
         log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
                  format_bytes(budget - reserve), format_bytes(reserve))
         return self._compile(gm, example_inputs, budget - reserve, reserve, inputs, whole=False)
 
-    def _compile(self, gm, example_inputs, budget, reserve: int, inputs: frozenset[int] = frozenset(), *,
+    def _compile(self, gm, example_inputs, budget, reserve: int, inputs: frozenset[StorageKey] = frozenset(), *,
                  whole: bool):
         if reserve and budget <= 0:
             raise InfeasibleBudgetError(
@@ -222,7 +202,7 @@ class PiecewiseBackend:
         def run(*args):
             outputs = compiled(*args)
             if self.step is not None:
-                returned = {_storage(t): t.untyped_storage().nbytes() for t in _tensors([outputs])}
+                returned = storages(outputs)
                 self.step.pieces.append(Piece(plan, inputs, saved_bytes, returned))
             return outputs
 

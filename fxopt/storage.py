@@ -1,0 +1,60 @@
+"""Tensors reachable from a value, and their storages: what the analysis sizes, what a step holds
+resident, what a measured peak starts from. One walk, so that all three count the same bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+StorageKey = tuple[str, int | None, int]  # (device type, device index, data pointer)
+
+
+def tensors_in(obj: Any, *, grads: bool = False) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj``: tensors, modules' parameters and buffers, optimizers'
+    parameters and state, through lists, tuples and dicts; with ``grads``, tensors' gradients too."""
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+            if grads and o.grad is not None:
+                found.append(o.grad)
+        elif isinstance(o, torch.nn.Module):
+            stack.extend(reversed([*o.parameters(), *o.buffers()]))
+        elif isinstance(o, torch.optim.Optimizer):
+            state = [v for s in o.state.values() for v in s.values()]
+            stack.extend(reversed([*(p for g in o.param_groups for p in g["params"]), *state]))
+        elif isinstance(o, dict):
+            stack.extend(reversed(list(o.values())))
+        elif isinstance(o, (list, tuple)):
+            stack.extend(reversed(o))
+    return found
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of the storage under ``t`` (all of it, not only the part ``t`` views)."""
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:  # noqa: BLE001 - tensors without storage (sparse, nested): use their elements
+        return t.numel() * t.element_size()
+
+
+def storage_key(t: torch.Tensor) -> StorageKey | None:
+    """What identifies the storage under ``t`` (None for a tensor without real storage)."""
+    try:
+        return t.device.type, t.device.index, t.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - fake, meta or sparse tensors: nothing to match
+        return None
+
+
+def storages(obj: Any, *, grads: bool = False, device_type: str | None = None) -> dict[StorageKey, int]:
+    """Bytes of each distinct storage reachable from ``obj`` (see `tensors_in`), optionally only
+    those on devices of ``device_type``."""
+    out = {}
+    for t in tensors_in(obj, grads=grads):
+        key = storage_key(t)
+        if key is not None and (device_type is None or t.device.type == device_type):
+            out[key] = storage_bytes(t)
+    return out
