@@ -74,3 +74,37 @@ def test_cost_model_adds_compute_traffic_and_overhead():
     model = costs.CostModel(flops_per_second=1e9, bytes_per_second=1e8, op_overhead=1e-3)
     assert model.seconds(2_000_000_000, 300_000_000, False) == 2.0 + 3.0 + 1e-3
     assert model.seconds(2_000_000_000, 300_000_000, True) == 1e-4  # a view moves nothing
+
+
+def test_scratch_measurements_are_cached_on_disk_per_machine(tmp_path, monkeypatch):
+    """A second process (here: a cleared in-process cache) reads measurements from disk instead of
+    running the ops again; an unmeasurable op's estimate is not written; FXOPT_CACHE=0 keeps
+    nothing; a damaged file is ignored and replaced."""
+    monkeypatch.setenv("FXOPT_CACHE", "1")
+    monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path))
+    mm = one_op_graph(torch.ops.aten.mm.default, (64, 32), (32, 16))
+    bad = one_op_graph(torch.ops.fxopt_test.fails_on_real_inputs.default, (256, 64))
+    runs = []
+    real_measure = scratch._measure
+    monkeypatch.setattr(scratch, "_measure", lambda todo: runs.append(len(todo)) or real_measure(todo))
+
+    def fresh_process():
+        scratch._cache.clear()
+        scratch._on_disk.clear()
+
+    fresh_process()
+    first = scratch.op_increases([mm, bad])
+    files = list((tmp_path / "scratch").glob("*.json"))
+    assert len(files) == 1 and runs == [2]
+    fresh_process()
+    assert scratch.op_increases([mm, bad]) == first
+    assert runs == [2, 1]  # the unmeasurable op is tried again, mm is read from disk
+
+    files[0].write_text("{not json")
+    fresh_process()
+    assert scratch.op_increases([mm]) == {mm: first[mm]} and runs[-1] == 1
+
+    monkeypatch.setenv("FXOPT_CACHE", "0")
+    fresh_process()
+    scratch.op_increases([mm])
+    assert runs[-1] == 1

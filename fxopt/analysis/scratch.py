@@ -5,26 +5,38 @@ the input), ``native_dropout``'s float mask before it becomes a bool mask, the f
 mask in ``native_dropout_backward``. A peak bound must count them, so each distinct op signature
 (op, argument shapes, strides, dtypes, device, constants) is run once on made-up inputs of the
 same layout and its allocations are measured: on CUDA with the allocator's statistics, on CPU
-with ``torch.profiler`` memory events (one profiling session for all ops). Results are cached
-per process. The global RNG state is restored afterwards, so measuring a random op changes no
-dropout mask.
+with ``torch.profiler`` memory events (one profiling session for all ops). The global RNG state
+is restored afterwards, so measuring a random op changes no dropout mask.
+
+Measurements are cached per process and on disk, next to the plan cache (`fxopt.cache`), in
+``scratch/<machine>.json``: one file per torch version, CPU model, thread count and CUDA devices,
+whose kernels may allocate differently. ``FXOPT_CACHE=0`` turns the disk cache off. An op that
+could not be measured gets a conservative estimate (see `UNMEASURED_FACTOR`), never written to
+disk, so it is measured again next time.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import operator
+import platform
+from pathlib import Path
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from fxopt.storage import tensors_in
+from fxopt import cache
 from fxopt.fxgraph import aliases_input
+from fxopt.storage import tensors_in
 
 log = logging.getLogger("fxopt")
 
-_cache: dict[tuple, int] = {}
+_cache: dict[tuple, int] = {}  # signature -> measured bytes, this process
+_on_disk: dict[Path, dict[str, int]] = {}  # disk cache file -> its entries, as read
 
 
 def _signature(node: fx.Node) -> tuple:
@@ -76,18 +88,78 @@ def op_increases(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     """For each measurable node, the peak bytes allocated while its op runs (outputs included)."""
     todo: dict[tuple, fx.Node] = {}
     keys: dict[fx.Node, tuple] = {}
+    disk = _disk_entries()
     for n in nodes:
         if _measurable(n):
             k = _signature(n)
             keys[n] = k
+            if k not in _cache and _digest(k) in disk:
+                _cache[k] = disk[_digest(k)]
             if k not in _cache:
                 todo.setdefault(k, n)
     if todo:
         with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(
             devices=sorted({v.device.index or 0 for n in todo.values() for v in _outs(n) if v.device.type == "cuda"}),
         ):
-            _measure(todo)
+            measured = _measure(todo)
+        _store({_digest(k): _cache[k] for k in measured})
     return {n: _cache[k] for n, k in keys.items() if k in _cache}
+
+
+def _digest(signature: tuple) -> str:
+    return hashlib.sha256(repr(signature).encode()).hexdigest()[:24]
+
+
+@functools.cache
+def _machine() -> str:
+    """What the measurements depend on besides the op: torch's version and build, the CPU, the
+    number of threads, the CUDA devices."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    cuda = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
+    payload = json.dumps([torch.__version__, torch.version.cuda, platform.machine(), cpu,
+                          torch.get_num_threads(), cuda])
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _disk_path() -> Path | None:
+    return cache.directory() / "scratch" / f"{_machine()}.json" if cache.enabled() else None
+
+
+def _disk_entries() -> dict[str, int]:
+    path = _disk_path()
+    if path is None:
+        return {}
+    if path not in _on_disk:
+        try:
+            entries = json.loads(path.read_text()) if path.exists() else {}
+            if not isinstance(entries, dict) or not all(isinstance(v, int) for v in entries.values()):
+                raise ValueError("not a table of byte counts")
+        except (OSError, ValueError) as err:
+            log.info("fxopt: ignoring unreadable scratch cache %s (%s)", path, err)
+            entries = {}
+        _on_disk[path] = entries
+    return _on_disk[path]
+
+
+def _store(new: dict[str, int]) -> None:
+    path = _disk_path()
+    if path is None or not new:
+        return
+    entries = _disk_entries()
+    entries.update(new)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{id(entries)}.tmp")
+        tmp.write_text(json.dumps(entries, sort_keys=True))
+        tmp.replace(path)
+    except OSError as err:  # a read-only cache directory must not break planning
+        log.info("fxopt: could not cache scratch measurements in %s (%s)", path, err)
 
 
 def _outs(node: fx.Node) -> list[torch.Tensor]:
@@ -110,11 +182,16 @@ def _unmeasured(node: fx.Node, why) -> int:
     return assumed
 
 
-def _measure(todo: dict[tuple, fx.Node]) -> None:
+def _measure(todo: dict[tuple, fx.Node]) -> set[tuple]:
+    """Measure each op of ``todo`` into ``_cache``; the signatures measured (not estimated)."""
     cpu = {k: n for k, n in todo.items() if all(o.device.type == "cpu" for o in _outs(n))}
+    others = {k: n for k, n in todo.items() if k not in cpu}
+    return _measure_cuda(others) | (_measure_cpu(cpu) if cpu else set())
+
+
+def _measure_cuda(todo: dict[tuple, fx.Node]) -> set[tuple]:
+    measured = set()
     for k, n in todo.items():
-        if k in cpu:
-            continue
         device = _outs(n)[0].device
         if device.type != "cuda":
             _cache[k] = _unmeasured(n, f"no allocator statistics on {device.type}")
@@ -127,18 +204,23 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
             out = n.target(*args, **kwargs)
             torch.cuda.synchronize(device)
             _cache[k] = torch.cuda.max_memory_allocated(device) - start
+            measured.add(k)
             del out
         except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
             _cache[k] = _unmeasured(n, err)
-    if not cpu:
-        return
+    return measured
+
+
+def _measure_cpu(todo: dict[tuple, fx.Node]) -> set[tuple]:
+    """All ops in one profiling session, each inside a labelled range; an op's peak is the highest
+    running sum of the memory events inside its range."""
     from torch.profiler import record_function
 
     from fxopt.measure import profile_cpu_memory
 
-    runs: list[tuple[tuple, str]] = []
+    runs: list[tuple[tuple, fx.Node, str]] = []
     with profile_cpu_memory() as prof:
-        for idx, (k, n) in enumerate(cpu.items()):
+        for idx, (k, n) in enumerate(todo.items()):
             label = f"fxopt_scratch_{idx}"
             args = kwargs = None
             try:
@@ -146,21 +228,27 @@ def _measure(todo: dict[tuple, fx.Node]) -> None:
                 with record_function(label):
                     out = n.target(*args, **kwargs)
                     del out
-                runs.append((k, label))
+                runs.append((k, n, label))
             except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
                 _cache[k] = _unmeasured(n, err)
             del args, kwargs
     events = list(prof.profiler.kineto_results.events())
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
     windows = {e.name(): (e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name().startswith("fxopt_scratch_")}
-    for k, label in runs:
-        lo, hi = windows.get(label, (0, -1))
+    measured = set()
+    for k, n, label in runs:
+        if label not in windows:
+            _cache[k] = _unmeasured(n, "the profiler recorded no range for it")
+            continue
+        lo, hi = windows[label]
         live = top = 0
         for e in memory:
             if lo <= e.start_ns() <= hi:
                 live += e.nbytes()
                 top = max(top, live)
         _cache[k] = top
+        measured.add(k)
+    return measured
 
 
 # The same op can take a few hundred bytes more in the step than alone (allocator and library
