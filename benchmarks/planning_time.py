@@ -1,0 +1,195 @@
+"""How long every answer takes: plans at 100% and 50% of the eager peak, the answer "infeasible,
+here is the smallest budget" for a 1-byte budget, and a plan at that smallest budget, for the
+built-in zoo and the `transformers` models of `benchmarks.hf_zoo`.
+
+    python -m benchmarks.planning_time [--models zoo,hf] [--only gpt2_tiny,bert] [--time-limit 60]
+                                       [--out benchmarks/results]
+
+Each row is one call of `fxopt.plan` in this process, with the plan cache off (a cold plan cache:
+every answer is solved) and the scratch-memory cache in a fresh directory per model (so each
+model's first row measures its ops, later rows read them, as a user's second call would). Wall
+time is split into capture (Dynamo and AOTAutograd tracing, and the rewrite), analysis
+(`fxopt.analysis.analyze`, scratch measurements included) and solve (`fxopt.solvers.solve`); the
+split is taken by timing those two functions as the planner calls them. Plan cost is the
+solver's estimated recompute seconds; bound and gap are the plan's (`Plan.lower_bound_cost`,
+`Plan.gap`). The minimum row is also run: its measured peak must be within that minimum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import fxopt
+import fxopt.planner as planner
+from benchmarks.harness import log, mib, run_meta
+from fxopt.models import ZOO, loss_of
+from fxopt.solvers import SolverTimeoutWarning
+
+TARGET_SECONDS = {"small": 5.0, "gpt2-12": 15.0}  # issue 13: <= 1,000 nodes / the 12-layer GPT-2 at 50%
+
+
+class Timers:
+    """Seconds spent in the planner's `analyze` and `solve` during one `fxopt.plan` call."""
+
+    def __init__(self):
+        self.analysis = self.solve = 0.0
+
+    @contextlib.contextmanager
+    def installed(self):
+        real_analyze, real_solve = planner.analyze, planner.solve
+
+        def analyze(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real_analyze(*args, **kwargs)
+            finally:
+                self.analysis += time.perf_counter() - t0
+
+        def solve(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real_solve(*args, **kwargs)
+            finally:
+                self.solve += time.perf_counter() - t0
+
+        planner.analyze, planner.solve = analyze, solve
+        try:
+            yield self
+        finally:
+            planner.analyze, planner.solve = real_analyze, real_solve
+
+
+def models(which: list[str], only: set[str] | None):
+    """(name, builder) pairs; each builder returns (model, inputs)."""
+    out = []
+    if "zoo" in which:
+        out += [(name, build) for name, build in sorted(ZOO.items())]
+    if "hf" in which:
+        from benchmarks.hf_zoo import HF_ZOO
+
+        out += [(f"hf-{name}", lambda m=m: m.build("bench")) for name, m in HF_ZOO.items()]
+    if "gpt2-12" in which:
+        from benchmarks.gpt2_scale import gpt2
+
+        out.append(("gpt2-12", lambda: gpt2(12)))
+    return [(n, b) for n, b in out if only is None or n in only or n.removeprefix("hf-") in only]
+
+
+def one_answer(model, inputs, budget, time_limit: float) -> dict:
+    timers = Timers()
+    row: dict = {"budget_asked": budget}
+    t0 = time.perf_counter()
+    with timers.installed(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverTimeoutWarning)
+        try:
+            plan = fxopt.plan(model, budget, inputs, time_limit=time_limit)
+        except fxopt.InfeasibleBudgetError as err:
+            plan, row["infeasible_min_budget"] = None, err.min_budget
+    row["wall_s"] = time.perf_counter() - t0
+    row["analysis_s"], row["solve_s"] = timers.analysis, timers.solve
+    row["capture_s"] = row["wall_s"] - timers.analysis - timers.solve
+    if plan is not None:
+        row.update(nodes=len(plan.graph), budget=plan.budget_bytes, eager_peak=plan.eager_peak_bytes,
+                   peak=plan.peak_bytes, solver=plan.solver, status=plan.status, cost=plan.recompute_cost,
+                   bound=plan.lower_bound_cost, gap=plan.gap)
+    return row, plan
+
+
+def measured_peak(model, inputs, plan) -> int:
+    optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan)
+
+    def step():
+        loss = loss_of(optimized(*inputs))
+        loss.backward()
+        return loss.detach()
+
+    step()  # compiles
+    optimized.zero_grad(set_to_none=True)
+    return fxopt.measure_peak(step, resident=[optimized, inputs]).peak_bytes
+
+
+def run_model(name: str, build, time_limit: float) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as cache_dir:
+        os.environ["FXOPT_CACHE_DIR"] = cache_dir
+        torch.manual_seed(0)
+        model, inputs = build()
+        for label, budget in (("100%", 1.0), ("50%", 0.5), ("infeasible", 1)):
+            for old in Path(cache_dir).glob("*.json"):
+                old.unlink()  # a cold plan cache for every answer; scratch/ stays
+            row, plan = one_answer(model, inputs, budget, time_limit)
+            row.update(model=name, row=label)
+            rows.append(row)
+            log(json.dumps(row))
+            if label == "infeasible" and "infeasible_min_budget" in row:
+                for old in Path(cache_dir).glob("*.json"):
+                    old.unlink()
+                minimum, plan = one_answer(model, inputs, row["infeasible_min_budget"], time_limit)
+                minimum.update(model=name, row="min")
+                if plan is not None:
+                    minimum["measured_peak"] = measured_peak(model, inputs, plan)
+                rows.append(minimum)
+                log(json.dumps(minimum))
+    return rows
+
+
+def write(rows: list[dict], out: Path, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "planning_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    s = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
+    lines = [
+        "# Planning time: every answer, split into capture, analysis and solve", "",
+        f"`{meta['command']}` · {meta['date']} · torch {meta['torch']} · fxopt git {meta['git']} · "
+        f"{meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads", "",
+        "Plan cache off for every row; the scratch-memory cache starts empty per model (its first row "
+        "measures every op). `infeasible`: a 1-byte budget, answered with the smallest budget fxopt "
+        "finds; `min`: a plan at that budget, then run and measured. Targets (issue 13): ≤ 5 s for graphs "
+        "up to 1,000 nodes, ≤ 15 s for the 12-layer GPT-2 at 50%.", "",
+        "| model | row | nodes | wall s | capture s | analysis s | solve s | budget MiB | peak MiB | measured MiB "
+        "| solver (status) | cost s | bound s | gap |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        budget = r.get("budget", r.get("infeasible_min_budget"))
+        note = f"min {mib(budget)}" if "infeasible_min_budget" in r else mib(budget)
+        solver = f"{r['solver']} ({r['status']})" if "solver" in r else "infeasible"
+        gap = "–" if r.get("gap") is None else f"{100 * r['gap']:.1f}%"
+        cost = "–" if r.get("cost") is None else f"{r['cost']:.2e}"
+        bound = "–" if r.get("bound") is None else f"{r['bound']:.2e}"
+        lines.append(f"| {r['model']} | {r['row']} | {r.get('nodes', '–')} | {s(r['wall_s'])} | {s(r['capture_s'])} | "
+                     f"{s(r['analysis_s'])} | {s(r['solve_s'])} | {note} | {mib(r.get('peak'))} | "
+                     f"{mib(r.get('measured_peak'))} | {solver} | {cost} | {bound} | {gap} |")
+    (out / "planning_time.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="zoo,hf", help="comma-separated from zoo, hf, gpt2-12 (default zoo,hf)")
+    parser.add_argument("--only", help="comma-separated model names to keep")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="the planner's time limit, s (default 60)")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    os.environ["FXOPT_CACHE"] = "1"
+    meta = run_meta("python -m benchmarks.planning_time " + " ".join(sys.argv[1:] if argv is None else argv))
+    rows: list[dict] = []
+    only = set(args.only.split(",")) if args.only else None
+    for name, build in models(args.models.split(","), only):
+        log(f"== {name}")
+        rows += run_model(name, build, args.time_limit)
+        write(rows, Path(args.out), meta)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
