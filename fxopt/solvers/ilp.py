@@ -55,9 +55,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from fxopt.solvers.gap import gap
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.mip import Mip, Progress, default_mip_solver, solve_mip
-from fxopt.solvers.schedule import Schedule, must_save, prune, read_before_recompute, with_fresh_aliases
+from fxopt.solvers.liveness import backward_profile, forward_profile
+from fxopt.solvers.mip import Mip, Progress, byte_unit, cost_scale_for, default_mip_solver, solve_mip
+from fxopt.solvers.schedule import OnDemand, Schedule, prune, read_before_recompute, with_fresh_aliases
 
 __all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_mip_solver"]
 
@@ -72,97 +74,6 @@ class IlpResult:
     variables: int
     lower_bound: float | None = None  # proven lower bound on the recompute cost (this model)
     interrupted: bool = False
-
-
-def _backward_profile(graph: Graph) -> tuple[list[int], list[int]]:
-    """Bytes of backward values and tangents live at each backward node while it runs (and just
-    before it allocates), plus what is resident for the whole step (inputs, forward outputs)."""
-    nodes = graph.nodes
-    bwd = graph.backward_nodes
-    pos = {b: k for k, b in enumerate(bwd)}
-    last: dict[int, int] = {}
-    for k, b in enumerate(bwd):
-        for j in nodes[b].inputs:
-            if nodes[j].kind == "backward" or nodes[j].tangent:
-                last[j] = k
-    resident_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
-    base = sum(nodes[r].bytes for r in resident_roots)
-    refs: dict[int, int] = {}
-    live = 0
-
-    def hold(i: int) -> None:
-        nonlocal live
-        r = graph.roots[i]
-        if r in resident_roots:
-            return
-        if refs.get(r, 0) == 0:
-            live += nodes[r].bytes
-        refs[r] = refs.get(r, 0) + 1
-
-    def let_go(i: int) -> None:
-        nonlocal live
-        r = graph.roots[i]
-        if r in resident_roots:
-            return
-        refs[r] -= 1
-        if refs[r] == 0:
-            live -= nodes[r].bytes
-
-    dying: dict[int, list[int]] = {}
-    for i, n in enumerate(nodes):
-        if n.tangent:  # held by the autograd engine for the whole backward
-            hold(i)
-    for b in bwd:
-        if not nodes[b].output:
-            dying.setdefault(last.get(b, pos[b]), []).append(b)
-    profile, before = [], []
-    for k, b in enumerate(bwd):
-        before.append(base + live)
-        hold(b)
-        profile.append(base + live + nodes[b].workspace)
-        for j in dying.get(k, ()):
-            let_go(j)
-    return profile, before
-
-
-def _forward_profile(graph: Graph, order: list[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
-    """Bytes live at each step of the forward when nothing is saved, and each storage root's
-    live interval [first step, last step] in it."""
-    nodes = graph.nodes
-    pos = {i: k for k, i in enumerate(order)}
-    resident_roots = {graph.roots[i] for i in graph.resident}
-    end: dict[int, int] = {}
-    for k, i in enumerate(order):
-        r = graph.roots[i]
-        end[r] = max(end.get(r, k), k)
-        for j in nodes[i].inputs:
-            if j in pos:
-                rj = graph.roots[j]
-                end[rj] = max(end.get(rj, k), k)
-    for i in graph.forward_outputs:
-        end[graph.roots[i]] = len(order)
-    base = sum(nodes[r].bytes for r in resident_roots)
-    start = {graph.roots[i]: pos[i] for i in reversed(order)}
-    delta = [0] * (len(order) + 2)
-    for r, s in start.items():
-        if r in resident_roots:
-            continue
-        delta[s] += nodes[r].bytes
-        delta[end[r] + 1] -= nodes[r].bytes
-    profile, live = [], base
-    for k in range(len(order)):
-        live += delta[k]
-        profile.append(live + nodes[order[k]].workspace)
-    return profile, {r: (s, end[r]) for r, s in start.items()}
-
-
-def _unit(graph: Graph) -> int:
-    """A power of two that brings the step's total bytes to about 4096 units (1 for tiny graphs)."""
-    total = sum(n.bytes for n in graph.nodes)
-    unit = 1
-    while total // (unit * 2) >= 4096:
-        unit *= 2
-    return unit
 
 
 @dataclasses.dataclass
@@ -309,10 +220,9 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
             return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in cset)
         return nodes[i].bytes
 
-    unit = _unit(graph)
+    unit = byte_unit(graph)
     mb = {i: mem_bytes(i) / unit for i in cands}
-    max_cost = max((nodes[i].cost for i in cands), default=0.0)
-    cost_scale = 1000.0 / max_cost if max_cost > 0 else 1.0
+    cost_scale = cost_scale_for(nodes[i].cost for i in cands)
     m = Mip()
     ilp = RematIlp(graph, m, cands, stages, anc, first, last, {}, {}, {}, {}, [], None, unit, cost_scale,
                    cost_offset=sum(nodes[i].cost for i in cands if i in graph.backward_only))
@@ -428,7 +338,8 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
             return 0.0
         return sum(mb[g] for g in graph.users[i] if g in cset and nodes[g].kind == "forward")
 
-    profile, before = _backward_profile(graph)
+    stage_bytes = backward_profile(graph)
+    profile, before = stage_bytes.during, stage_bytes.before
     bounds = [-1] + stages + [len(bwd)]
     for t in range(T + 1):
         between = range(bounds[t] + 1, bounds[t + 1])
@@ -465,7 +376,8 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     # Memory in the forward: a SAVEd value stays alive from the end of its forward life (or, if
     # only the backward needs it, from when it is computed, keeping its inputs alive until then).
     order = sorted(graph.forward_required)
-    fprofile, interval = _forward_profile(graph, order)
+    forward_bytes = forward_profile(graph, order)
+    fprofile, interval = forward_bytes.during, forward_bytes.lifetimes
     fpos = {i: k for k, i in enumerate(order)}
     n_steps = len(order)
     from_step: dict[int, list[tuple[int, float]]] = {}  # alive from this step to the end
@@ -600,10 +512,9 @@ def solve_ilp(
     def report(p: Progress) -> None:
         if on_progress is None or minimize_peak:
             return
-        on_progress(Progress(
-            None if p.incumbent is None else ilp.recompute_cost(p.incumbent),
-            None if p.bound is None else max(0.0, ilp.recompute_cost(p.bound)),
-            p.gap, p.seconds))
+        incumbent = None if p.incumbent is None else ilp.recompute_cost(p.incumbent)
+        bound = None if p.bound is None else max(0.0, ilp.recompute_cost(p.bound))
+        on_progress(Progress(incumbent, bound, gap(incumbent, bound), p.seconds))
 
     res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), mip_solver=mip_solver,
                     warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose)
@@ -651,31 +562,15 @@ def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: floa
 
 
 def _rounded(ilp: RematIlp, x, threshold: float) -> Schedule:
-    from fxopt.solvers.schedule import _missing
-
-    graph, nodes = ilp.graph, ilp.graph.nodes
-    saved = frozenset(i for i, col in ilp.S0.items() if x[col] >= threshold - 1e-9)
-    saved = (saved - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
-    avail = set(graph.resident) | set(graph.forward_outputs) | (saved & graph.saveable)
-    avail |= {i for i, n in enumerate(nodes) if n.tangent}
+    graph = ilp.graph
+    builder = OnDemand(graph, (i for i, col in ilp.S0.items() if x[col] >= threshold - 1e-9))
     stage_of = {k: t for t, k in enumerate(ilp.stages)}
-    recomputed: set[int] = set()
-    events: list[int] = []
     for k, b in enumerate(graph.backward_nodes):
-        missing = _missing(graph, nodes[b].inputs, avail)
-        events.extend(missing)
-        avail.update(missing)
-        recomputed.update(missing)
-        events.append(b)
-        avail.add(b)
+        builder.run(b)
         t = stage_of.get(k)
-        if t is None:
-            continue
-        for i in list(recomputed):
-            col = ilp.S.get((t + 1, i))
-            if col is None or x[col] < threshold - 1e-9:
-                avail.discard(i)
-                recomputed.discard(i)
-    events = with_fresh_aliases(graph, events)
-    compressed = frozenset(i for i, col in ilp.Z.items() if i in saved and x[col] >= threshold - 1e-9)
-    return prune(graph, Schedule(saved, events, compressed & read_before_recompute(graph, events)))
+        if t is not None:
+            builder.forget([i for i in builder.recomputed
+                            if (col := ilp.S.get((t + 1, i))) is None or x[col] < threshold - 1e-9])
+    events = builder.backward()
+    compressed = frozenset(i for i, col in ilp.Z.items() if i in builder.saved and x[col] >= threshold - 1e-9)
+    return prune(graph, Schedule(builder.saved, events, compressed & read_before_recompute(graph, events)))
