@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 from fxopt.solvers.gap import gap
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.liveness import backward_profile, forward_profile
+from fxopt.solvers.liveness import Profile, backward_profile, forward_profile
 from fxopt.solvers.mip import Mip, Progress, byte_unit, cost_scale_for, default_mip_solver, solve_mip
 from fxopt.solvers.schedule import OnDemand, Schedule, prune, read_before_recompute, with_fresh_aliases
 
@@ -157,269 +157,321 @@ MAX_RECOMPUTE_VARS = 8_000
 
 def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
               max_recompute_vars: int = MAX_RECOMPUTE_VARS) -> RematIlp:
-    nodes = graph.nodes
-    cands = sorted(graph.needed_by_backward - graph.free - graph.aliases)
-    cset = set(cands)
-    saveable = graph.saveable
-    bwd = graph.backward_nodes
-    deps = {i: graph.through_aliases(nodes[i].inputs) & cset for i in cands}
-    stages = [k for k, b in enumerate(bwd) if graph.through_aliases(nodes[b].inputs) & cset]
-    reads = [sorted(graph.through_aliases(nodes[bwd[k]].inputs) & cset) for k in stages]
-    T = len(stages)
+    """The ILP of the module docstring for ``graph`` within ``budget`` bytes (with
+    ``minimize_peak``, the smallest budget instead)."""
+    builder = _Builder(graph, _Scope.of(graph, max_recompute_vars), budget, minimize_peak)
+    builder.add_variables()
+    builder.add_residency_rows()
+    builder.add_backward_memory_rows()
+    builder.add_forward_memory_rows()
+    return builder.ilp
 
-    rank = {i: k for k, i in enumerate(cands)}
 
-    def needed_for(seeds, lowest: int) -> set[int]:
-        # What must be there to make `seeds`: recomputation stops at values it cannot recompute
-        # and at values more than `window` values before the earliest seed.
-        out: set[int] = set()
-        stack = list(seeds)
-        while stack:
-            i = stack.pop()
-            if i in out:
-                continue
-            out.add(i)
-            if nodes[i].recomputable and rank[i] >= lowest:
-                stack.extend(deps[i])
-        return out
+@dataclasses.dataclass
+class _Scope:
+    """What the ILP decides on: the candidates (forward values the backward needs, less free values
+    and views), the stages, and which values each stage may recompute."""
 
-    def with_siblings(values: set[int]) -> set[int]:
-        # A multi-output op makes all its outputs at once: recomputing it for one output also
-        # recomputes the others, which may then be kept for later stages.
-        out = set(values)
-        for i in values:
-            if not nodes[i].tensor and nodes[i].recomputable:
-                out.update(u for u in graph.users[i] if u in cset)
-        return out
+    cands: list[int]
+    deps: dict[int, frozenset[int]]  # candidate -> the candidates it is made from
+    stages: list[int]  # backward positions of the stages
+    reads: list[list[int]]  # candidates each stage reads
+    anc: list[set[int]]  # candidates each stage may recompute (or read)
+    lowest: list[int]  # each stage's window starts at this rank
+    window: int
+    first: dict[int, int]  # candidate -> first stage that may use it
+    last: dict[int, int]
 
-    def ancestors(window: int) -> list[set[int]]:
-        return [with_siblings(needed_for(d, min(rank[i] for i in d) - window)) for d in reads]
+    @classmethod
+    def of(cls, graph: Graph, max_recompute_vars: int) -> _Scope:
+        nodes = graph.nodes
+        cands = sorted(graph.needed_by_backward - graph.free - graph.aliases)
+        cset = set(cands)
+        bwd = graph.backward_nodes
+        deps = {i: graph.through_aliases(nodes[i].inputs) & cset for i in cands}
+        stages = [k for k, b in enumerate(bwd) if graph.through_aliases(nodes[b].inputs) & cset]
+        reads = [sorted(graph.through_aliases(nodes[bwd[k]].inputs) & cset) for k in stages]
+        rank = {i: k for k, i in enumerate(cands)}
 
-    # Recomputing a value far upstream of where the backward reads (another transformer layer's
-    # internals, say) is rarely worth its cost; letting the ILP consider every such chain makes it
-    # quadratic in the depth of the model. Narrow the window until the problem has at most
-    # `max_recompute_vars` recomputation variables; the window is part of the model (and so of
-    # the bound the solve proves).
-    window = len(cands)
-    anc = ancestors(window)
-    while sum(len(a) for a in anc) > max_recompute_vars and window > 8:
-        window = int(window * 0.7)
+        def needed_for(seeds, lowest: int) -> set[int]:
+            # What must be there to make `seeds`: recomputation stops at values it cannot recompute
+            # and at values more than `window` values before the earliest seed.
+            out: set[int] = set()
+            stack = list(seeds)
+            while stack:
+                i = stack.pop()
+                if i in out:
+                    continue
+                out.add(i)
+                if nodes[i].recomputable and rank[i] >= lowest:
+                    stack.extend(deps[i])
+            return out
+
+        def with_siblings(values: set[int]) -> set[int]:
+            # A multi-output op makes all its outputs at once: recomputing it for one output also
+            # recomputes the others, which may then be kept for later stages.
+            out = set(values)
+            for i in values:
+                if not nodes[i].tensor and nodes[i].recomputable:
+                    out.update(u for u in graph.users[i] if u in cset)
+            return out
+
+        def ancestors(window: int) -> list[set[int]]:
+            return [with_siblings(needed_for(d, min(rank[i] for i in d) - window)) for d in reads]
+
+        # Recomputing a value far upstream of where the backward reads (another transformer layer's
+        # internals, say) is rarely worth its cost; letting the ILP consider every such chain makes it
+        # quadratic in the depth of the model. Narrow the window until the problem has at most
+        # `max_recompute_vars` recomputation variables; the window is part of the model (and so of
+        # the bound the solve proves).
+        window = len(cands)
         anc = ancestors(window)
-    lowest = [min(rank[i] for i in d) - window for d in reads]
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for t in range(T):
-        for i in anc[t]:
-            first.setdefault(i, t)
-            last[i] = t
+        while sum(len(a) for a in anc) > max_recompute_vars and window > 8:
+            window = int(window * 0.7)
+            anc = ancestors(window)
+        lowest = [min(rank[i] for i in d) - window for d in reads]
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for t in range(len(stages)):
+            for i in anc[t]:
+                first.setdefault(i, t)
+                last[i] = t
+        return cls(cands, deps, stages, reads, anc, lowest, window, first, last)
 
-    def mem_bytes(i: int) -> int:
+
+class _Builder:
+    """`build_ilp`'s phases: the variables, then the rows (residency and recomputation, memory in
+    the backward, memory in the forward). Memory is in units of `byte_unit` bytes."""
+
+    def __init__(self, graph: Graph, scope: _Scope, budget: int | None, minimize_peak: bool):
+        nodes = graph.nodes
+        self.graph, self.nodes, self.scope = graph, nodes, scope
+        self.cset = set(scope.cands)
+        self.rank = {i: k for k, i in enumerate(scope.cands)}
+        self.T = len(scope.stages)
+        self.unit = unit = byte_unit(graph)
+        self.mb = {i: self.mem_bytes(i) / unit for i in scope.cands}
+        self.minimize_peak = minimize_peak
+        self.cap = float("inf") if minimize_peak else budget / unit
+        self.m = Mip()
+        self.ilp = RematIlp(graph, self.m, scope.cands, scope.stages, scope.anc, scope.first, scope.last,
+                            {}, {}, {}, {}, [], None, unit, cost_scale_for(nodes[i].cost for i in scope.cands),
+                            cost_offset=sum(nodes[i].cost for i in scope.cands if i in graph.backward_only),
+                            window=scope.window)
+
+    def mem_bytes(self, i: int) -> int:
+        graph, nodes = self.graph, self.nodes
         if graph.roots[i] != i:
             return 0
         if not nodes[i].tensor:  # its outputs nobody needs are allocated too
-            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in cset)
+            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in self.cset)
         return nodes[i].bytes
 
-    unit = byte_unit(graph)
-    mb = {i: mem_bytes(i) / unit for i in cands}
-    cost_scale = cost_scale_for(nodes[i].cost for i in cands)
-    m = Mip()
-    ilp = RematIlp(graph, m, cands, stages, anc, first, last, {}, {}, {}, {}, [], None, unit, cost_scale,
-                   cost_offset=sum(nodes[i].cost for i in cands if i in graph.backward_only))
-    infeasible = False
-    for i in cands:
-        if i not in first:
-            continue  # needed only through values that are saved anyway
-        if i in saveable and nodes[i].tensor:
-            cost = nodes[i].cost * cost_scale if i in graph.backward_only else 0.0
-            # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
-            # the constraints below see to that, as it has no R variables.
-            ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
-        if nodes[i].tensor:
-            for t in range(first[i] + 1, last[i] + 1):
-                ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
-    for t in range(T):
-        for i in sorted(anc[t]):
-            if nodes[i].recomputable and (rank[i] >= lowest[t] or i in reads[t]):
-                ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * cost_scale)
-    compressible = graph.compressible
-    for i in ilp.S0:
-        if i in compressible:
-            ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * cost_scale)
-    zb = {i: nodes[i].compressed_bytes / unit for i in ilp.Z}  # compressed size, in units
-    zw = {i: nodes[i].codec_workspace / unit for i in ilp.Z}  # scratch while encoding or decoding
-    # A compressed value is decoded for the first stage that reads it (fr); before that no
-    # recomputation may read it (it is still encoded), and it counts its compressed size.
-    fr = {i: next((t for t in range(first[i], T) if i in reads[t]), first[i]) for i in ilp.Z}
-    ilp.infeasible = infeasible
-    ilp.window = window
-    peak_col = None
-    if minimize_peak:
-        # The peak first; among the lowest-peak plans the cheapest: all recomputation together
-        # weighs less than a hundredth of a memory unit.
-        total = sum(m.cost) or 1.0
-        m.cost = [c * 0.01 / total for c in m.cost]
-        ilp.cost_scale *= 0.01 / total
-        peak_col = m.var("peak", cost=1.0)
-    ilp.peak = peak_col
-    cap = float("inf") if minimize_peak else budget / unit
+    def s(self, t: int, i: int) -> int | None:
+        return self.ilp.s(t, i)
 
-    def s(t, i):
-        return ilp.s(t, i)
+    def r(self, t: int, i: int) -> int | None:
+        return self.ilp.R.get((t, i))
 
-    def r(t, i):
-        return ilp.R.get((t, i))
-
-    def terms(*pairs):
-        return [(col, a) for col, a in pairs if col is not None]
-
-    def within(fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
+    def within(self, fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
         """sum(var_terms) + fixed <= budget (or <= peak)."""
-        fixed = fixed_bytes / unit
-        if peak_col is not None:
-            m.row(var_terms + [(peak_col, -1.0)], upper=-fixed)
+        fixed = fixed_bytes / self.unit
+        if self.ilp.peak is not None:
+            self.m.row(var_terms + [(self.ilp.peak, -1.0)], upper=-fixed)
         else:
-            m.row(var_terms, upper=cap - fixed)
+            self.m.row(var_terms, upper=self.cap - fixed)
 
-    # Residency and recomputation.
-    for i, col in ilp.Z.items():
-        m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
-        for t in range(first[i] + 1, fr[i] + 1):
-            if (t, i) in ilp.S:
-                m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
-        for t in range(first[i], fr[i]):
-            for u in anc[t]:
-                if (t, u) in ilp.R and i in deps[u]:
-                    m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
-    for (t, i), col in ilp.S.items():
-        m.row(terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
-    users: dict[int, list[int]] = {i: [] for i in cands}
-    for i in cands:
-        for j in deps[i]:
-            users[j].append(i)
-    for t in range(T):
-        for i in reads[t]:
-            m.row(terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
-        for i in anc[t]:
-            col = r(t, i)
-            if col is None:
-                continue
-            for j in deps[i]:
-                m.row(terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
-            if i not in reads[t]:
-                m.row(terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in anc[t]]),
-                      upper=0.0)
+    def add_variables(self) -> None:
+        """S0 (SAVE), S (kept into a stage), R (recomputed in a stage), Z (COMPRESS); the peak."""
+        graph, nodes, m, ilp, sc = self.graph, self.nodes, self.m, self.ilp, self.scope
+        for i in sc.cands:
+            if i not in sc.first:
+                continue  # needed only through values that are saved anyway
+            if i in graph.saveable and nodes[i].tensor:
+                cost = nodes[i].cost * ilp.cost_scale if i in graph.backward_only else 0.0
+                # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
+                # the constraints below see to that, as it has no R variables.
+                ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
+            if nodes[i].tensor:
+                for t in range(sc.first[i] + 1, sc.last[i] + 1):
+                    ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
+        for t in range(self.T):
+            for i in sorted(sc.anc[t]):
+                if nodes[i].recomputable and (self.rank[i] >= sc.lowest[t] or i in sc.reads[t]):
+                    ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * ilp.cost_scale)
+        for i in ilp.S0:
+            if i in graph.compressible:
+                ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * ilp.cost_scale)
+        self.zb = {i: nodes[i].compressed_bytes / self.unit for i in ilp.Z}  # compressed size, in units
+        self.zw = {i: nodes[i].codec_workspace / self.unit for i in ilp.Z}  # scratch while encoding or decoding
+        # A compressed value is decoded for the first stage that reads it (fr); before that no
+        # recomputation may read it (it is still encoded), and it counts its compressed size.
+        self.fr = {i: next((t for t in range(sc.first[i], self.T) if i in sc.reads[t]), sc.first[i]) for i in ilp.Z}
+        if self.minimize_peak:
+            # The peak first; among the lowest-peak plans the cheapest: all recomputation together
+            # weighs less than a hundredth of a memory unit.
+            total = sum(m.cost) or 1.0
+            m.cost = [c * 0.01 / total for c in m.cost]
+            ilp.cost_scale *= 0.01 / total
+            ilp.peak = m.var("peak", cost=1.0)
 
-    # Memory in the backward. P[t]: SAVEd values not yet used by stage t (running total).
-    waiting: list[int | None] = [None] * (T + 1)
-    for t in range(T - 1, -1, -1):
-        fresh = [(ilp.S0[i], mb[i]) for i in cands if first.get(i) == t and i in ilp.S0 and mb[i]]
-        # Compressed until decoded for stage first[i]: smaller in every earlier total.
-        fresh += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if min(first[i], fr[i] - 1) == t]
-        if waiting[t + 1] is None and not fresh:
-            continue
-        col = m.var(f"P_{t}")
-        parts = fresh + ([(waiting[t + 1], 1.0)] if waiting[t + 1] is not None else [])
-        m.row([(col, 1.0)] + [(j, -a) for j, a in parts], lower=0.0, upper=0.0)
-        ilp.aux.append((col, parts))
-        waiting[t] = col
-    in_window: list[list[tuple[int, float]]] = [[] for _ in range(T + 1)]
-    for (t, i), col in ilp.S.items():
-        if mb[i]:
-            in_window[t].append((col, mb[i]))
-            if i in ilp.Z and t < fr[i]:
-                in_window[t].append((ilp.Z[i], zb[i] - mb[i]))
+    def add_residency_rows(self) -> None:
+        """What is resident was kept or just computed; what a stage reads is there; a recomputation
+        has its inputs and is read or kept; COMPRESS only what is SAVEd, encoded until first read."""
+        m, ilp, sc, s, r = self.m, self.ilp, self.scope, self.s, self.r
+        for i, col in ilp.Z.items():
+            m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
+            for t in range(sc.first[i] + 1, self.fr[i] + 1):
+                if (t, i) in ilp.S:
+                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
+            for t in range(sc.first[i], self.fr[i]):
+                for u in sc.anc[t]:
+                    if (t, u) in ilp.R and i in sc.deps[u]:
+                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
+        for (t, i), col in ilp.S.items():
+            m.row(_terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
+        users: dict[int, list[int]] = {i: [] for i in sc.cands}
+        for i in sc.cands:
+            for j in sc.deps[i]:
+                users[j].append(i)
+        for t in range(self.T):
+            for i in sc.reads[t]:
+                m.row(_terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
+            for i in sc.anc[t]:
+                col = r(t, i)
+                if col is None:
+                    continue
+                for j in sc.deps[i]:
+                    m.row(_terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
+                if i not in sc.reads[t]:
+                    m.row(_terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in sc.anc[t]]),
+                          upper=0.0)
 
-    def resident(t: int) -> list[tuple[int, float]]:
-        return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
+    def running_total(self, name: str, parts: list[tuple[int, float]], previous: int | None) -> int:
+        """A continuous column equal to sum(parts) + previous (shared terms for later rows)."""
+        col = self.m.var(name)
+        parts = parts + ([(previous, 1.0)] if previous is not None else [])
+        self.m.row([(col, 1.0)] + [(j, -a) for j, a in parts], lower=0.0, upper=0.0)
+        self.ilp.aux.append((col, parts))
+        return col
 
-    def outputs_of(i: int) -> float:
-        if nodes[i].tensor:
-            return 0.0
-        return sum(mb[g] for g in graph.users[i] if g in cset and nodes[g].kind == "forward")
+    def add_backward_memory_rows(self) -> None:
+        """Memory between stages, while each stage recomputes, while its node runs, and as the
+        backward starts."""
+        graph, ilp, sc, mb, zb = self.graph, self.ilp, self.scope, self.mb, self.zb
+        T, fr = self.T, self.fr
+        # P[t]: SAVEd values not yet used by stage t (running total).
+        waiting: list[int | None] = [None] * (T + 1)
+        for t in range(T - 1, -1, -1):
+            fresh = [(ilp.S0[i], mb[i]) for i in sc.cands if sc.first.get(i) == t and i in ilp.S0 and mb[i]]
+            # Compressed until decoded for stage first[i]: smaller in every earlier total.
+            fresh += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if min(sc.first[i], fr[i] - 1) == t]
+            if waiting[t + 1] is not None or fresh:
+                waiting[t] = self.running_total(f"P_{t}", fresh, waiting[t + 1])
+        in_window: list[list[tuple[int, float]]] = [[] for _ in range(T + 1)]
+        for (t, i), col in ilp.S.items():
+            if mb[i]:
+                in_window[t].append((col, mb[i]))
+                if i in ilp.Z and t < fr[i]:
+                    in_window[t].append((ilp.Z[i], zb[i] - mb[i]))
 
-    stage_bytes = backward_profile(graph)
-    profile, before = stage_bytes.during, stage_bytes.before
-    bounds = [-1] + stages + [len(bwd)]
-    for t in range(T + 1):
-        between = range(bounds[t] + 1, bounds[t + 1])
-        if between:
-            within(max(profile[k] for k in between), resident(t) if t < T else [])
-        if t == T:
-            break
-        k = stages[t]
+        def resident(t: int) -> list[tuple[int, float]]:
+            return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
+
+        fixed = backward_profile(graph)
+        bounds = [-1] + sc.stages + [len(graph.backward_nodes)]
+        for t in range(T + 1):
+            between = range(bounds[t] + 1, bounds[t + 1])
+            if between:
+                self.within(max(fixed.during[k] for k in between), resident(t) if t < T else [])
+            if t < T:
+                self.add_stage_rows(t, fixed, resident)
+        # Tangents and every saved value, as the backward starts.
+        self.within(fixed.start, [(waiting[0], 1.0)] if waiting[0] is not None else [])
+
+    def add_stage_rows(self, t: int, fixed: Profile, resident) -> None:
+        nodes, ilp, sc, mb, zb, zw, fr = self.nodes, self.ilp, self.scope, self.mb, self.zb, self.zw, self.fr
+        k = sc.stages[t]
+
+        def outputs_of(i: int) -> float:
+            if nodes[i].tensor:
+                return 0.0
+            return sum(mb[g] for g in self.graph.users[i] if g in self.cset and nodes[g].kind == "forward")
+
         # While stage t recomputes: at most everything it recomputes is alive.
         # A multi-output op allocates all its outputs at once (the schedule takes them all out
         # right after it), needed here or not: count them with the op, on top of their own R.
-        recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit + outputs_of(i)) for i in anc[t]
+        recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / self.unit + outputs_of(i)) for i in sc.anc[t]
                        if (t, i) in ilp.R]
         recomputing += [(col, zb[i] + zw[i]) for i, col in ilp.Z.items() if fr[i] == t]  # decoding
-        within(before[k], resident(t) + [(c, a) for c, a in recomputing if a])
+        self.within(fixed.before[k], resident(t) + [(c, a) for c, a in recomputing if a])
         # While the stage's node runs: what it reads, and what is kept for later stages (resident
         # entering stage t + 1, whether it was kept from before or recomputed here); everything
         # else was last used by a recomputation in this stage, or earlier, and is freed by then.
         running = list(resident(t + 1))
         running += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if fr[i] == t + 1]  # not decoded yet
-        for i in reads[t]:
+        for i in sc.reads[t]:
             if not mb[i]:
                 continue
-            running += [(c, a) for c, a in ((s(t, i), mb[i]), (r(t, i), mb[i])) if c is not None]
+            running += [(c, a) for c, a in ((self.s(t, i), mb[i]), (self.r(t, i), mb[i])) if c is not None]
             if (t + 1, i) in ilp.S:  # read here and kept: counted once
                 running.append((ilp.S[t + 1, i], -mb[i]))
-        within(profile[k], running)
-    # Tangents and every saved value, as the backward starts.
-    tangent_bytes = sum(nodes[i].bytes for i, n in enumerate(nodes) if n.tangent)
-    resident_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
-    within(sum(nodes[x].bytes for x in resident_roots) + tangent_bytes,
-           [(waiting[0], 1.0)] if waiting[0] is not None else [])
+        self.within(fixed.during[k], running)
 
-    # Memory in the forward: a SAVEd value stays alive from the end of its forward life (or, if
-    # only the backward needs it, from when it is computed, keeping its inputs alive until then).
-    order = sorted(graph.forward_required)
-    forward_bytes = forward_profile(graph, order)
-    fprofile, interval = forward_bytes.during, forward_bytes.lifetimes
-    fpos = {i: k for k, i in enumerate(order)}
-    n_steps = len(order)
-    from_step: dict[int, list[tuple[int, float]]] = {}  # alive from this step to the end
-    spans: list[tuple[int, int, int, float]] = []  # (first step, last step, column, units)
-    for i, col in ilp.S0.items():
-        if not mb[i]:
-            continue
-        if i in fpos:
-            start = interval[i][1] + 1
-            if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
-                from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
-                spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
-                if start < n_steps:
-                    from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
-        else:  # backward-only: computed in the forward after every forward_required node before it
-            start = sum(1 for j in order if j < i)
-            if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
-                at = min(start, n_steps - 1)
-                spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
-                if start < n_steps:
-                    from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
-            for j in graph.through_aliases(nodes[i].inputs):
-                rj = graph.roots[j]
-                if rj in interval and interval[rj][1] < start and rj not in graph.resident:
-                    spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / unit))
-        if start < n_steps:
-            from_step.setdefault(start, []).append((col, mb[i]))
-    cuts = sorted({0} | set(from_step) | {a for a, _, _, _ in spans} | {b + 1 for _, b, _, _ in spans})
-    cuts = [c for c in cuts if c < n_steps] + [n_steps]
-    total: int | None = None
-    for g in range(len(cuts) - 1):
-        lo, hi = cuts[g], cuts[g + 1]
-        fresh = from_step.get(lo, [])  # every key of from_step is a cut point
-        if fresh:
-            col = m.var(f"E_{lo}")
-            parts = fresh + ([(total, 1.0)] if total is not None else [])
-            m.row([(col, 1.0)] + [(j, -a) for j, a in parts], lower=0.0, upper=0.0)
-            ilp.aux.append((col, parts))
-            total = col
-        extra = [(c, a) for a_lo, a_hi, c, a in spans if a_lo <= lo and hi - 1 <= a_hi]
-        within(max(fprofile[lo:hi]), ([(total, 1.0)] if total is not None else []) + extra)
-    return ilp
+    def add_forward_memory_rows(self) -> None:
+        """Memory in the forward: a SAVEd value stays alive from the end of its forward life (or, if
+        only the backward needs it, from when it is computed, keeping its inputs alive until then)."""
+        order = sorted(self.graph.forward_required)
+        fixed = forward_profile(self.graph, order)
+        from_step, spans = self.saved_in_forward(order, fixed.lifetimes)
+        n_steps = len(order)
+        cuts = sorted({0} | set(from_step) | {a for a, _, _, _ in spans} | {b + 1 for _, b, _, _ in spans})
+        cuts = [c for c in cuts if c < n_steps] + [n_steps]
+        total: int | None = None
+        for g in range(len(cuts) - 1):
+            lo, hi = cuts[g], cuts[g + 1]
+            fresh = from_step.get(lo, [])  # every key of from_step is a cut point
+            if fresh:
+                total = self.running_total(f"E_{lo}", fresh, total)
+            extra = [(c, a) for a_lo, a_hi, c, a in spans if a_lo <= lo and hi - 1 <= a_hi]
+            self.within(max(fixed.during[lo:hi]), ([(total, 1.0)] if total is not None else []) + extra)
+
+    def saved_in_forward(self, order: list[int], interval: dict[int, tuple[int, int]]):
+        """The SAVE decisions' bytes in the forward: terms alive from a step to the end
+        (``from_step``), and terms alive over a span of steps (first, last, column, units)."""
+        graph, nodes, ilp, mb, zb, zw = self.graph, self.nodes, self.ilp, self.mb, self.zb, self.zw
+        fpos = {i: k for k, i in enumerate(order)}
+        n_steps = len(order)
+        from_step: dict[int, list[tuple[int, float]]] = {}
+        spans: list[tuple[int, int, int, float]] = []
+        for i, col in ilp.S0.items():
+            if not mb[i]:
+                continue
+            if i in fpos:
+                start = interval[i][1] + 1
+                if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
+                    from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
+                    spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
+                    if start < n_steps:
+                        from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
+            else:  # backward-only: computed in the forward after every forward_required node before it
+                start = sum(1 for j in order if j < i)
+                if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
+                    at = min(start, n_steps - 1)
+                    spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
+                    if start < n_steps:
+                        from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
+                for j in graph.through_aliases(nodes[i].inputs):
+                    rj = graph.roots[j]
+                    if rj in interval and interval[rj][1] < start and rj not in graph.resident:
+                        spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / self.unit))
+            if start < n_steps:
+                from_step.setdefault(start, []).append((col, mb[i]))
+        return from_step, spans
+
+
+def _terms(*pairs):
+    return [(col, a) for col, a in pairs if col is not None]
 
 
 def _with_fixed(mip: Mip, values: dict[int, float]) -> Mip:

@@ -99,12 +99,22 @@ class _Program:
 
     def build(self, instants: list[int], forward_steps: list[int] = ()
               ) -> tuple[Mip, dict[int, int], dict[tuple[int, int], int]]:
-        graph, nodes = self.graph, self.graph.nodes
+        """The program for backward positions ``instants`` (and forward steps ``forward_steps``):
+        the MIP, the columns of s, and those of a (by (instant, value))."""
         m = Mip()
         self.instants = list(instants)
         self._after: dict[int, set[int]] = {}
-        vals = self.values
-        vset = set(vals)
+        s, z, n = self._add_decisions(m)
+        alive: dict[tuple[int, int], int] = {}
+        per_instant = {k: self._add_instant(m, k, s, z, n, alive) for k in instants}
+        self._link_instants(m, per_instant)
+        if forward_steps:
+            self._add_forward_rows(m, s, z, forward_steps)
+        return m, s, alive
+
+    def _add_decisions(self, m: Mip) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        """The variables all instants share: s (SAVE), z (COMPRESS), n (backward computations)."""
+        graph, nodes, vals = self.graph, self.graph.nodes, self.values
         s = {i: m.binary(f"s_{nodes[i].name}") for i in vals if i in graph.saveable}
         # COMPRESS: z_i, only for SAVEd values, at its codec's cost; a compressed value may count
         # its compressed size wherever it is alive (w: alive and compressed), a relaxation of the
@@ -115,80 +125,80 @@ class _Program:
             m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
         n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
              for i in vals if self.computable(i)}
-        alive: dict[tuple[int, int], int] = {}
-        per_instant: dict[int, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {}
-        for k in instants:
-            a = {i: m.binary(f"a{k}_{nodes[i].name}") for i in vals}
-            p = {i: m.binary(f"p{k}_{nodes[i].name}") for i in vals if self.computable(i)}
-            r = {i: m.binary(f"r{k}_{nodes[i].name}") for i in vals if self.computable(i)}
-            per_instant[k] = (a, p, r)
-            before = {j for kk in range(k) for j in self.reads[kk]}
-            now = set(self.reads[k])
-            after = {j for kk in range(k + 1, len(self.reads)) for j in self.reads[kk]}
-            self._after[k] = after | now
-            for i in vals:
-                alive[k, i] = a[i]
-                m.row([(a[i], 1.0)] + [(c, -1.0) for c in (s.get(i), p.get(i)) if c is not None], upper=0.0)
-                if i in now:
-                    m.row([(a[i], 1.0)], lower=1.0)
-                if i in before:
-                    m.row([(c, 1.0) for c in (s.get(i), p.get(i)) if c is not None], lower=1.0)
-                if i in after:
-                    m.row([(a[i], 1.0)] + ([(r[i], 1.0)] if i in r else []), lower=1.0)
-                root = graph.roots[i]
-                if root != i and root in vset:
-                    m.row([(a[i], 1.0), (a[root], -1.0)], upper=0.0)
-                if i in p:
-                    for j in dict.fromkeys(nodes[i].inputs):
-                        if j in vset:
-                            m.row([(p[i], 1.0)] + [(c, -1.0) for c in (s.get(j), p.get(j)) if c is not None],
-                                  upper=0.0)
-                            m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
-                    m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
-            mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
-            for i, col in z.items():
-                w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
-                m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
-                m.row([(w, 1.0), (col, -1.0)], upper=0.0)
-                mem.append((w, -(nodes[i].bytes - nodes[i].compressed_bytes) / self.unit))
-            m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
-        # Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
-        # before k means computed before k2; computed before k2 means before k or after k;
-        # computed after k2 means computed after k.
+        return s, z, n
+
+    def _add_instant(self, m: Mip, k: int, s, z, n, alive) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        """Instant k's variables a, p, r and rows (see the module); its a columns go into ``alive``."""
+        graph, nodes, vals = self.graph, self.graph.nodes, self.values
+        vset = set(vals)
+        a = {i: m.binary(f"a{k}_{nodes[i].name}") for i in vals}
+        p = {i: m.binary(f"p{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+        r = {i: m.binary(f"r{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+        before = {j for kk in range(k) for j in self.reads[kk]}
+        now = set(self.reads[k])
+        after = {j for kk in range(k + 1, len(self.reads)) for j in self.reads[kk]}
+        self._after[k] = after | now
+        for i in vals:
+            alive[k, i] = a[i]
+            m.row([(a[i], 1.0)] + [(c, -1.0) for c in (s.get(i), p.get(i)) if c is not None], upper=0.0)
+            if i in now:
+                m.row([(a[i], 1.0)], lower=1.0)
+            if i in before:
+                m.row([(c, 1.0) for c in (s.get(i), p.get(i)) if c is not None], lower=1.0)
+            if i in after:
+                m.row([(a[i], 1.0)] + ([(r[i], 1.0)] if i in r else []), lower=1.0)
+            root = graph.roots[i]
+            if root != i and root in vset:
+                m.row([(a[i], 1.0), (a[root], -1.0)], upper=0.0)
+            if i in p:
+                for j in dict.fromkeys(nodes[i].inputs):
+                    if j in vset:
+                        m.row([(p[i], 1.0)] + [(c, -1.0) for c in (s.get(j), p.get(j)) if c is not None],
+                              upper=0.0)
+                        m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
+                m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
+        mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
+        for i, col in z.items():
+            w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
+            m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
+            m.row([(w, 1.0), (col, -1.0)], upper=0.0)
+            mem.append((w, -(nodes[i].bytes - nodes[i].compressed_bytes) / self.unit))
+        m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
+        return a, p, r
+
+    def _link_instants(self, m: Mip, per_instant) -> None:
+        """Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
+        before k means computed before k2; computed before k2 means before k or after k;
+        computed after k2 means computed after k."""
         ordered = sorted(per_instant)
         for k, k2 in zip(ordered, ordered[1:]):
             a, p, r = per_instant[k]
             a2, p2, r2 = per_instant[k2]
-            for i in vals:
+            for i in self.values:
                 m.row([(a2[i], 1.0), (a[i], -1.0)] + ([(r[i], -1.0)] if i in r else []), upper=0.0)
                 if i in p:
                     m.row([(p[i], 1.0), (p2[i], -1.0)], upper=0.0)
                     m.row([(p2[i], 1.0), (p[i], -1.0), (r[i], -1.0)], upper=0.0)
                     m.row([(r2[i], 1.0), (r[i], -1.0)], upper=0.0)
-        if forward_steps:
-            # In the forward, a SAVEd value outlives its last forward use: at step f, the storage
-            # of every saved value whose forward life ended before f is alive on top of what the
-            # forward holds anyway (`forward_profile`, a lower bound whatever else it computes).
-            kept: dict[int, int] = {}
-            for i, col in s.items():
-                r = graph.roots[i]
-                if r not in self.interval or r in graph.resident or not nodes[r].bytes:
-                    continue
-                if r not in kept:
-                    kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
-                m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
-            for f in forward_steps:
-                terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
-                terms += [(z[r], -(nodes[r].bytes - nodes[r].compressed_bytes) / self.unit) for r in kept
-                          if r in z and self.interval[r][1] < f]
-                m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
-        return m, s, alive
 
-    def forward_step(self, i: int) -> int:
-        """Position in `order` of the forward node i (or of the first one after it)."""
-        import bisect
-
-        return min(bisect.bisect_left(self.order, i), len(self.order) - 1)
+    def _add_forward_rows(self, m: Mip, s, z, forward_steps: list[int]) -> None:
+        """In the forward, a SAVEd value outlives its last forward use: at step f, the storage of
+        every saved value whose forward life ended before f is alive on top of what the forward
+        holds anyway (`forward_profile`, a lower bound whatever else it computes)."""
+        graph, nodes = self.graph, self.graph.nodes
+        kept: dict[int, int] = {}
+        for i, col in s.items():
+            r = graph.roots[i]
+            if r not in self.interval or r in graph.resident or not nodes[r].bytes:
+                continue
+            if r not in kept:
+                kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
+            m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
+        for f in forward_steps:
+            terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
+            terms += [(z[r], -(nodes[r].bytes - nodes[r].compressed_bytes) / self.unit) for r in kept
+                      if r in z and self.interval[r][1] < f]
+            m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
 
     def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x) -> frozenset[int]:
         """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last

@@ -76,6 +76,7 @@ def last_uses(reads: Iterable[Iterable[Hashable]]) -> dict[Hashable, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
+    start: int  # bytes alive before the first step: resident and held values
     before: list[int]  # bytes alive as step k starts, before it allocates
     during: list[int]  # bytes alive while step k runs: its value and workspace included
     lifetimes: dict[int, tuple[int, int]]  # counted root -> (first step, last step) it is alive; past the end: len(order)
@@ -109,6 +110,7 @@ def profile(graph: Graph, order: Sequence[int], *, resident: Iterable[int], held
     for i in order:
         if not nodes[i].output:
             dying.setdefault(max(last.get(i, pos[i]), pos[i]), []).append(i)
+    start = memory.bytes
     before, during = [], []
     first: dict[int, int] = {}
     end: dict[int, int] = {}
@@ -124,7 +126,7 @@ def profile(graph: Graph, order: Sequence[int], *, resident: Iterable[int], held
                 memory.release(key)
                 if not memory.is_held(key):
                     end[key[0]] = k
-    return Profile(before, during, {r: (k, end.get(r, len(order))) for r, k in first.items()})
+    return Profile(start, before, during, {r: (k, end.get(r, len(order))) for r, k in first.items()})
 
 
 def forward_profile(graph: Graph, order: Sequence[int]) -> Profile:
