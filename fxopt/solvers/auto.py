@@ -68,6 +68,12 @@ class Solution:
         return gap(self.timeline.recompute_cost, self.lower_bound_cost)
 
 
+def check_solver(solver: str) -> None:
+    """Raise `ValueError` unless ``solver`` is one of `SOLVERS` (for every entry point that takes one)."""
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+
+
 def eager_schedule(graph: Graph) -> Schedule:
     """The un-rewritten step: save what eager autograd saves, recompute nothing."""
     return on_demand(graph, save_all_set(graph))
@@ -96,8 +102,7 @@ def solve(
     ILP stops it and keeps the best plan found so far.
     Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does.
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    check_solver(solver)
     search = _Search(graph, budget, solver, time_limit, on_progress, mip_solver)
     # "auto" runs the fast heuristics first, and the slower ones (a few seconds each on thousands
     # of nodes) only if the instant program does not prove its plan optimal.

@@ -14,7 +14,8 @@ code drops each local after its last use, and the backward takes its inputs boxe
 tensors die early too. Forward outputs are held by the caller, gradients are kept, and the
 incoming gradients (tangents) are held by the autograd engine until the backward returns, so
 none of these is freed. A multi-output op's tuple holds every output it made, so an output taken
-out of it lives at least as long as the tuple.
+out of it lives at least as long as the tuple. It counts with `fxopt.solvers.liveness`, the memory
+model the ILP and the instant program's bound count with too.
 """
 
 from __future__ import annotations
