@@ -31,7 +31,8 @@ What keeps it small enough to solve in seconds for thousands of nodes:
   - Bytes are counted in units of a power of two and costs are normalised, so the coefficients
     stay within a few orders of magnitude (HiGHS calls a budget of 4e9 bytes "badly scaled" and
     may then declare feasible problems infeasible).
-C_t and F_k are the fixed parts (backward values, tangents; forward values in use). While stage t
+C_t and F_k are the fixed parts (backward values, tangents; forward values in use), counted by
+`fxopt.solvers.liveness`'s backward and forward profiles, as the simulator counts. While stage t
 recomputes, everything resident and everything it recomputes is counted alive at once (the code
 frees recomputation intermediates earlier); while its node runs, only what it reads and what stays
 resident for stage t + 1. Both over-approximate the generated code, so a plan that fits here fits

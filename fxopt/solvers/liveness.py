@@ -119,6 +119,7 @@ def profile(graph: Graph, order: Sequence[int], *, resident: Iterable[int], held
         hold(i)
         if (key := counted(i)) is not None:
             first.setdefault(key[0], k)
+            end.pop(key[0], None)  # alive again (a view made after its storage was let go)
         during.append(memory.bytes + nodes[i].workspace)
         for j in dying.get(k, ()):
             key = counted(j)
