@@ -3,17 +3,21 @@
 The whole package imports without torch (a test blocks ``import torch`` and imports it):
 
   - `graph`: the solver graph (`Graph`, `Node`): values, sizes, costs, codecs.
-  - `schedule`: a `Schedule` (what is SAVEd, RECOMPUTEd, COMPRESSed) and `simulate`, which
-    replays it op by op and gives its `Timeline` (the peak the generated code will have).
-  - `heuristics`, `instant`, `ilp` (on `mip`): the solvers.
+  - `liveness`: the memory model (reference counts on storage, last uses) that the simulator, the
+    ILP and the instant program's bound all count with.
+  - `schedule`: a `Schedule` (what is SAVEd, RECOMPUTEd, COMPRESSed), `simulate`, which replays
+    it op by op and gives its `Timeline` (the peak the generated code will have), and `OnDemand`,
+    the backward that recomputes what is missing before each node.
+  - `heuristics`, `instant`, `ilp` (on `mip`): the solvers; `gap`: how far a plan may be from
+    optimal, one definition for all of them.
   - `auto`: `solve`, the one entry point, and the ``"auto"`` strategy.
   - `plan`: `Plan`, a solution as the user sees it (decisions, peak, costs; JSON).
 """
 
-from fxopt.solvers.auto import (ILP_REL_GAP, REVISION, SOLVERS, Solution, SolverTimeoutWarning, eager_schedule,
-                                min_feasible_budget, solve)
+from fxopt.solvers.auto import (ILP_REL_GAP, REVISION, SOLVERS, Solution, SolverTimeoutWarning, check_solver,
+                                eager_schedule, min_feasible_budget, solve)
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 
 __all__ = ["Graph", "Node", "Schedule", "Timeline", "Solution", "SolverTimeoutWarning", "SOLVERS", "REVISION",
-           "ILP_REL_GAP", "solve", "min_feasible_budget", "simulate", "eager_schedule"]
+           "ILP_REL_GAP", "check_solver", "solve", "min_feasible_budget", "simulate", "eager_schedule"]

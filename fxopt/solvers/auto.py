@@ -15,7 +15,8 @@ from collections.abc import Callable
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
-from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
+from fxopt.solvers.gap import gap, proven
+from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
@@ -64,12 +65,13 @@ class Solution:
     @property
     def gap(self) -> float | None:
         """(cost - lower bound) / cost: how far from optimal this plan may be; 0 when proven."""
-        if self.lower_bound_cost is None:
-            return None
-        cost = self.timeline.recompute_cost
-        if cost - self.lower_bound_cost <= 1e-6:  # a microsecond: nothing to gain
-            return 0.0
-        return max(0.0, (cost - self.lower_bound_cost) / cost)
+        return gap(self.timeline.recompute_cost, self.lower_bound_cost)
+
+
+def check_solver(solver: str) -> None:
+    """Raise `ValueError` unless ``solver`` is one of `SOLVERS` (for every entry point that takes one)."""
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
 
 
 def eager_schedule(graph: Graph) -> Schedule:
@@ -100,199 +102,248 @@ def solve(
     ILP stops it and keeps the best plan found so far.
     Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does.
     """
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
-    t0 = time.perf_counter()
-    progress = on_progress or (lambda msg: log.info("fxopt: %s", msg))
-    fitting: list[Solution] = []
-    lowest_peak: int | None = None
-
-    def consider(schedule: Schedule, timeline: Timeline, name: str, status: str) -> None:
-        nonlocal lowest_peak
-        lowest_peak = timeline.peak_bytes if lowest_peak is None else min(lowest_peak, timeline.peak_bytes)
-        _remember_lowest(graph, solver, schedule, timeline.peak_bytes, name)
-        if timeline.peak_bytes <= budget:
-            fitting.append(Solution(schedule, timeline, name, status, 0.0))
-
-    def cheapest() -> Solution | None:
-        return min(fitting, key=lambda s: s.timeline.recompute_cost) if fitting else None
-
-    over: list[tuple[Schedule, Timeline, str]] = []  # over-budget heuristic schedules
-
-    def run_heuristics(names) -> None:
-        for name in names:
-            progress(f"solver {name}")
-            for schedule, timeline in HEURISTICS[name](graph, budget):
-                consider(schedule, timeline, name, "heuristic")
-                if timeline.peak_bytes > budget:
-                    over.append((schedule, timeline, name))
-
+    check_solver(solver)
+    search = _Search(graph, budget, solver, time_limit, on_progress, mip_solver)
     # "auto" runs the fast heuristics first, and the slower ones (a few seconds each on thousands
     # of nodes) only if the instant program does not prove its plan optimal.
-    heuristics = ["save_all", "checkpoint"] if solver == "auto" else [solver] if solver in HEURISTICS else []
+    first = ["save_all", "checkpoint"] if solver == "auto" else [solver] if solver in HEURISTICS else []
     if solver in ("ilp", "instant"):
-        heuristics = ["save_all"]  # recomputing nothing is optimal when it fits: the models may not see it
-    run_heuristics(heuristics)
-
-    ilp_status = None
-    lower_bound: float | None = None
-    bound_source: str | None = None
-    proven_infeasible = False
+        first = ["save_all"]  # recomputing nothing is optimal when it fits: the models may not see it
+    search.run_heuristics(first)
     if solver in ("instant", "auto"):
-        share = time_limit if solver == "instant" else INSTANT_TIME_SHARE * time_limit
-        progress("solver instant")
-        inst = instant_solve(graph, budget, time_limit=share, mip_solver=mip_solver)
-        proven_infeasible = inst.infeasible
-        if inst.bound is not None:
-            lower_bound, bound_source = inst.bound, "instant"
-        for schedule, timeline in inst.plans:
-            consider(schedule, timeline, "instant", "heuristic")
-            if timeline.peak_bytes > budget:
-                over.append((schedule, timeline, "instant"))  # compression may make it fit (below)
-        best = cheapest()
-        if best is not None and lower_bound is not None:
-            progress(f"instant: best {_fmt(best.timeline.recompute_cost)}, bound {_fmt(lower_bound)}, "
-                     f"gap {100 * _gap(best.timeline.recompute_cost, lower_bound):.2f}%, "
-                     f"{time.perf_counter() - t0:.0f} s")
-
-    def settled() -> bool:
-        best = cheapest()
-        return proven_infeasible or (best is not None and lower_bound is not None
-                                     and _proven(best.timeline.recompute_cost, lower_bound))
-
-    if solver == "auto" and (proven_infeasible or not settled()):
+        search.run_instant()
+    if solver == "auto" and (search.proven_infeasible or not search.settled()):
         # (Also when the budget is proven infeasible: cheap, and a check on that proof.)
-        run_heuristics([name for name in HEURISTICS if name not in heuristics])
-    if graph.compressible and over:
-        # COMPRESS where recomputation alone does not fit (or fits only at a higher cost): the
-        # cheapest over-budget schedules, completed with as little compression as fits.
-        progress("compressing saved values")
-        best = cheapest()
-        over.sort(key=lambda c: c[1].recompute_cost)
-        for schedule, timeline, name in over[:COMPRESS_TRIES]:
-            if best is not None and timeline.recompute_cost >= best.timeline.recompute_cost:
-                break
-            done = compress_to_fit(graph, schedule, budget)
-            if done is not None:
-                consider(*done, f"{name}+compress", "heuristic")
-    if proven_infeasible and fitting:
+        search.run_heuristics([name for name in HEURISTICS if name not in first])
+    if graph.compressible and search.over:
+        search.compress_cheapest_over_budget()
+    if search.proven_infeasible and search.fitting:
         log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
                     "(please report this graph)", budget)
-        proven_infeasible = False
-    model = None
-    if solver == "ilp" or (solver == "auto" and not settled()):
-        model = build_ilp(graph, budget)
-        if solver == "auto" and model.mip.num_integer > AUTO_ILP_MAX_VARIABLES:
-            progress(f"ILP skipped: {model.mip.num_integer} integer variables")
-            model = None
-    if model is not None:
-        progress(f"ILP: {model.mip.num_integer} integer variables, {model.mip.num_rows} constraints; LP relaxation")
-        lp_bound, roundings = lp_bound_and_roundings(graph, budget, time_limit=max(1.0, time_limit - (time.perf_counter() - t0)),
-                                                     mip_solver=mip_solver, model=model)
-        if lp_bound is not None and (lower_bound is None or lp_bound > lower_bound):
-            lower_bound, bound_source = lp_bound, "ilp"
-        for schedule in roundings:
-            try:
-                consider(schedule, simulate(graph, schedule), "ilp-rounding", "heuristic")
-            except InvalidScheduleError:
-                continue
-        best = cheapest()
-        if lp_bound is None and model.infeasible is False and best is None:
-            progress("the LP relaxation found no plan within the budget")
-        remaining = time_limit - (time.perf_counter() - t0)
-        if lower_bound is not None and best is not None and _proven(best.timeline.recompute_cost, lower_bound):
-            progress("a plan is proven optimal")
-        elif lp_bound is not None and remaining > 0:
-            progress(f"solver ilp ({mip_solver or default_mip_solver()}), {remaining:.0f} s left")
-
-            def report(p: Progress) -> None:
-                if p.incumbent is None:
-                    progress(f"ILP: searching, bound {_fmt(p.bound)}, {p.seconds:.0f} s")
-                else:
-                    gap = "?" if p.gap is None else f"{100 * p.gap:.1f}%"
-                    progress(f"ILP: best {_fmt(p.incumbent)}, bound {_fmt(p.bound)}, gap {gap}, {p.seconds:.0f} s")
-
-            res = solve_ilp(graph, budget, time_limit=remaining, warm_start=best.schedule if best else None,
-                            mip_solver=mip_solver, rel_gap=ILP_REL_GAP, on_progress=report, model=model)
-            ilp_status = res.status
-            if res.lower_bound is not None and (lower_bound is None or res.lower_bound > lower_bound):
-                lower_bound, bound_source = res.lower_bound, "ilp"
-            if res.schedule is not None:
-                timeline = simulate(graph, res.schedule)
-                if timeline.peak_bytes > budget:
-                    # The ILP's memory model is meant to over-approximate the code; a plan that
-                    # does not fit when simulated is a gap in that model. Never use it; say so.
-                    log.warning("fxopt: the ILP's plan peaks at %d bytes when simulated, above the budget "
-                                "%d; it is discarded (please report this graph)", timeline.peak_bytes, budget)
-                else:
-                    consider(res.schedule, timeline, "ilp", "optimal" if res.status == "optimal" else "feasible")
-            if res.interrupted:
-                progress("ILP interrupted; keeping the best plan found")
-            elif res.status in ("timeout", "feasible"):
-                warnings.warn(
-                    f"the ILP stopped at its {time_limit:.0f} s time limit "
-                    + ("with a feasible plan" if res.schedule else "without a plan; using the best heuristic")
-                    + ("" if lower_bound is None or not fitting else
-                       f" (its recompute cost is at most {100 * _gap(cheapest().timeline.recompute_cost, lower_bound):.0f}% "
-                       "above the proven lower bound)"),
-                    SolverTimeoutWarning,
-                    stacklevel=2,
-                )
-    if (solver == "ilp" and not any(s.solver.startswith("ilp") for s in fitting)
-            or solver == "instant" and not proven_infeasible and not any(s.solver == "instant" for s in fitting)):
+        search.proven_infeasible = False
+    if solver == "ilp" or (solver == "auto" and not search.settled()):
+        search.run_ilp()
+    if (solver == "ilp" and not any(s.solver.startswith("ilp") for s in search.fitting)
+            or solver == "instant" and not search.proven_infeasible
+            and not any(s.solver == "instant" for s in search.fitting)):
         # Fall back on the heuristics: the ILP's memory model is conservative, so a budget it
         # calls infeasible may still be met by a simulated heuristic schedule; the instant
         # program's plans may peak at instants it did not model.
-        for name in ("segments", "greedy", "checkpoint"):
-            for schedule, timeline in HEURISTICS[name](graph, budget):
-                consider(schedule, timeline, name, "heuristic")
+        search.run_heuristics(("segments", "greedy", "checkpoint"), fallback=True)
+    if not search.fitting:
+        search.rescue()
+    if not search.fitting:
+        return search.nothing_fits()
+    return search.best()
 
-    if not fitting and graph.compressible:
-        # Nothing fits: every over-budget heuristic schedule, completed with compression (what
-        # `min_feasible_budget` also tries, so the budget it names plans).
-        for schedule, timeline, name in over[COMPRESS_TRIES:]:
-            done = compress_to_fit(graph, schedule, budget)
-            if done is not None:
-                consider(*done, f"{name}+compress", "heuristic")
-    if not fitting and model is not None and not proven_infeasible:
-        # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
-        # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
-        progress("no plan fits; solving for the lowest peak")
-        for schedule in _lowest_peak_schedules(graph, time_limit, mip_solver):
-            consider(schedule, simulate(graph, schedule), "ilp", "feasible")
-    reached = _LOWEST.get((graph.nodes, solver))
-    if not fitting and reached is not None and reached[0] <= budget:
-        # The schedule behind a smallest budget named earlier in this process: a time-limited
-        # search need not find it again, and the budget it named must plan.
-        consider(reached[1], simulate(graph, reached[1]), reached[2], "heuristic")
-    if not fitting:
-        min_budget = min_feasible_budget(graph, solver, time_limit=time_limit, known=lowest_peak,
-                                         run_ilp=model is None)
-        fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
-        if fewer is not graph:
-            # The solvers do not always find the lowest peak of the larger problem (more choices,
-            # the same time): never let the codecs make a budget infeasible that plans without them.
-            progress("no plan fits with " + ("quantization" if fewer.compressible else "compression")
-                     + "; planning without it")
+
+class _Search:
+    """One `solve`: the schedules it has found (those within the budget, and the heuristics' over
+    it, which compression may bring within), the best lower bound proven, and its phases."""
+
+    def __init__(self, graph: Graph, budget: int, solver: str, time_limit: float,
+                 on_progress: Callable[[str], None] | None, mip_solver: str | None):
+        self.t0 = time.perf_counter()
+        self.graph, self.budget, self.solver = graph, budget, solver
+        self.time_limit, self.mip_solver = time_limit, mip_solver
+        self.on_progress = on_progress
+        self.progress = on_progress or (lambda msg: log.info("fxopt: %s", msg))
+        self.fitting: list[Solution] = []
+        self.over: list[tuple[Schedule, Timeline, str]] = []  # over-budget heuristic schedules
+        self.lowest_peak: int | None = None
+        self.lower_bound: float | None = None
+        self.bound_source: str | None = None  # "instant" or "ilp"
+        self.proven_infeasible = False
+        self.ilp_status: str | None = None
+        self.model: RematIlp | None = None  # the ILP, once built (and not skipped as too large)
+
+    def seconds_left(self) -> float:
+        return self.time_limit - (time.perf_counter() - self.t0)
+
+    def consider(self, schedule: Schedule, timeline: Timeline, name: str, status: str) -> None:
+        peak = timeline.peak_bytes
+        self.lowest_peak = peak if self.lowest_peak is None else min(self.lowest_peak, peak)
+        _remember_lowest(self.graph, self.solver, schedule, peak, name)
+        if peak <= self.budget:
+            self.fitting.append(Solution(schedule, timeline, name, status, 0.0))
+
+    def cheapest(self) -> Solution | None:
+        return min(self.fitting, key=lambda s: s.timeline.recompute_cost) if self.fitting else None
+
+    def raise_bound(self, bound: float | None, source: str) -> None:
+        if bound is not None and (self.lower_bound is None or bound > self.lower_bound):
+            self.lower_bound, self.bound_source = bound, source
+
+    def settled(self) -> bool:
+        best = self.cheapest()
+        return self.proven_infeasible or (best is not None and proven(best.timeline.recompute_cost, self.lower_bound,
+                                                                      ILP_REL_GAP))
+
+    def run_heuristics(self, names, *, fallback: bool = False) -> None:
+        """Each heuristic's schedules; as a ``fallback`` without a word, and not kept for compression."""
+        for name in names:
+            if not fallback:
+                self.progress(f"solver {name}")
+            for schedule, timeline in HEURISTICS[name](self.graph, self.budget):
+                self.consider(schedule, timeline, name, "heuristic")
+                if timeline.peak_bytes > self.budget and not fallback:
+                    self.over.append((schedule, timeline, name))
+
+    def run_instant(self) -> None:
+        share = self.time_limit if self.solver == "instant" else INSTANT_TIME_SHARE * self.time_limit
+        self.progress("solver instant")
+        inst = instant_solve(self.graph, self.budget, time_limit=share, mip_solver=self.mip_solver)
+        self.proven_infeasible = inst.infeasible
+        self.raise_bound(inst.bound, "instant")
+        for schedule, timeline in inst.plans:
+            self.consider(schedule, timeline, "instant", "heuristic")
+            if timeline.peak_bytes > self.budget:
+                self.over.append((schedule, timeline, "instant"))  # compression may make it fit
+        best = self.cheapest()
+        if best is not None and self.lower_bound is not None:
+            cost = best.timeline.recompute_cost
+            self.progress(f"instant: best {_fmt(cost)}, bound {_fmt(self.lower_bound)}, "
+                          f"gap {100 * gap(cost, self.lower_bound):.2f}%, {time.perf_counter() - self.t0:.0f} s")
+
+    def compress_cheapest_over_budget(self) -> None:
+        """COMPRESS where recomputation alone does not fit (or fits only at a higher cost): the
+        cheapest over-budget schedules, completed with as little compression as fits."""
+        self.progress("compressing saved values")
+        best = self.cheapest()
+        self.over.sort(key=lambda c: c[1].recompute_cost)
+        for schedule, timeline, name in self.over[:COMPRESS_TRIES]:
+            if best is not None and timeline.recompute_cost >= best.timeline.recompute_cost:
+                break
+            self.compress_to_fit(schedule, name)
+
+    def compress_to_fit(self, schedule: Schedule, name: str) -> None:
+        done = compress_to_fit(self.graph, schedule, self.budget)
+        if done is not None:
+            self.consider(*done, f"{name}+compress", "heuristic")
+
+    def run_ilp(self) -> None:
+        """The ILP: its LP relaxation (a bound, and plans rounded from it), then the exact solve,
+        warm-started from the best plan so far, unless a plan is already proven optimal."""
+        model = build_ilp(self.graph, self.budget)
+        if self.solver == "auto" and model.mip.num_integer > AUTO_ILP_MAX_VARIABLES:
+            self.progress(f"ILP skipped: {model.mip.num_integer} integer variables")
+            return
+        self.model = model
+        self.progress(f"ILP: {model.mip.num_integer} integer variables, {model.mip.num_rows} constraints; "
+                      "LP relaxation")
+        lp_bound, roundings = lp_bound_and_roundings(self.graph, self.budget, time_limit=max(1.0, self.seconds_left()),
+                                                     mip_solver=self.mip_solver, model=model)
+        self.raise_bound(lp_bound, "ilp")
+        for schedule in roundings:
             try:
-                found = solve(fewer, budget, solver, time_limit=time_limit, on_progress=on_progress,
-                              mip_solver=mip_solver)
-            except InfeasibleBudgetError as err:
-                raise InfeasibleBudgetError(budget, min(min_budget, err.min_budget)) from None
-            # Its schedule is one of this graph's (fewer codecs, the same values).
-            return dataclasses.replace(found, timeline=simulate(graph, found.schedule),
-                                       solve_seconds=time.perf_counter() - t0)
-        raise InfeasibleBudgetError(budget, min_budget)
-    rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
-    best = min(fitting, key=lambda s: (round(s.timeline.recompute_cost, 12), s.timeline.peak_bytes, rank[s.status]))
-    if best.solver != "ilp" and ilp_status == "optimal":
-        # The ILP's memory model over-approximates: a heuristic may beat it. Still proven optimal
-        # within that model, so report what was found honestly.
-        best = dataclasses.replace(best, status="heuristic")
-    if lower_bound is not None and _proven(best.timeline.recompute_cost, lower_bound):
-        best = dataclasses.replace(best, status="optimal")
-    return dataclasses.replace(best, solve_seconds=time.perf_counter() - t0, lower_bound_cost=lower_bound,
-                               bound_source=bound_source)
+                self.consider(schedule, simulate(self.graph, schedule), "ilp-rounding", "heuristic")
+            except InvalidScheduleError:
+                continue
+        best = self.cheapest()
+        if lp_bound is None and model.infeasible is False and best is None:
+            self.progress("the LP relaxation found no plan within the budget")
+        remaining = self.seconds_left()
+        if best is not None and proven(best.timeline.recompute_cost, self.lower_bound, ILP_REL_GAP):
+            self.progress("a plan is proven optimal")
+        elif lp_bound is not None and remaining > 0:
+            self.solve_ilp(model, remaining, best)
+
+    def solve_ilp(self, model: RematIlp, remaining: float, best: Solution | None) -> None:
+        self.progress(f"solver ilp ({self.mip_solver or default_mip_solver()}), {remaining:.0f} s left")
+
+        def report(p: Progress) -> None:
+            if p.incumbent is None:
+                self.progress(f"ILP: searching, bound {_fmt(p.bound)}, {p.seconds:.0f} s")
+            else:
+                found = "?" if p.gap is None else f"{100 * p.gap:.1f}%"
+                self.progress(f"ILP: best {_fmt(p.incumbent)}, bound {_fmt(p.bound)}, gap {found}, {p.seconds:.0f} s")
+
+        res = solve_ilp(self.graph, self.budget, time_limit=remaining, warm_start=best.schedule if best else None,
+                        mip_solver=self.mip_solver, rel_gap=ILP_REL_GAP, on_progress=report, model=model)
+        self.ilp_status = res.status
+        self.raise_bound(res.lower_bound, "ilp")
+        if res.schedule is not None:
+            timeline = simulate(self.graph, res.schedule)
+            if timeline.peak_bytes > self.budget:
+                # The ILP's memory model is meant to over-approximate the code; a plan that
+                # does not fit when simulated is a gap in that model. Never use it; say so.
+                log.warning("fxopt: the ILP's plan peaks at %d bytes when simulated, above the budget "
+                            "%d; it is discarded (please report this graph)", timeline.peak_bytes, self.budget)
+            else:
+                self.consider(res.schedule, timeline, "ilp", "optimal" if res.status == "optimal" else "feasible")
+        if res.interrupted:
+            self.progress("ILP interrupted; keeping the best plan found")
+        elif res.status in ("timeout", "feasible"):
+            self.warn_timeout(found_plan=res.schedule is not None)
+
+    def warn_timeout(self, *, found_plan: bool) -> None:
+        best = self.cheapest()
+        warnings.warn(
+            f"the ILP stopped at its {self.time_limit:.0f} s time limit "
+            + ("with a feasible plan" if found_plan else "without a plan; using the best heuristic")
+            + ("" if self.lower_bound is None or best is None else
+               f" (its recompute cost is at most {100 * gap(best.timeline.recompute_cost, self.lower_bound):.0f}% "
+               "above the proven lower bound)"),
+            SolverTimeoutWarning,
+            stacklevel=5,  # solve's caller (solve, run_ilp, solve_ilp, warn_timeout are 4 to 1)
+        )
+
+    def rescue(self) -> None:
+        """Nothing fits yet: plans that may fit where the searches above found none."""
+        graph = self.graph
+        if graph.compressible:
+            # Every over-budget heuristic schedule, completed with compression (what
+            # `min_feasible_budget` also tries, so the budget it names plans).
+            for schedule, _, name in self.over[COMPRESS_TRIES:]:
+                self.compress_to_fit(schedule, name)
+        if not self.fitting and self.model is not None and not self.proven_infeasible:
+            # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
+            # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
+            self.progress("no plan fits; solving for the lowest peak")
+            for schedule in _lowest_peak_schedules(graph, self.time_limit, self.mip_solver):
+                self.consider(schedule, simulate(graph, schedule), "ilp", "feasible")
+        reached = _LOWEST.get((graph.nodes, self.solver))
+        if not self.fitting and reached is not None and reached[0] <= self.budget:
+            # The schedule behind a smallest budget named earlier in this process: a time-limited
+            # search need not find it again, and the budget it named must plan.
+            self.consider(reached[1], simulate(graph, reached[1]), reached[2], "heuristic")
+
+    def nothing_fits(self) -> Solution:
+        """Raise `InfeasibleBudgetError` with the smallest budget that plans; first, if the graph
+        has codecs, plan without them (a solution there is one here too)."""
+        graph, budget, solver = self.graph, self.budget, self.solver
+        min_budget = min_feasible_budget(graph, solver, time_limit=self.time_limit, known=self.lowest_peak,
+                                         run_ilp=self.model is None)
+        fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
+        if fewer is graph:
+            raise InfeasibleBudgetError(budget, min_budget)
+        # The solvers do not always find the lowest peak of the larger problem (more choices,
+        # the same time): never let the codecs make a budget infeasible that plans without them.
+        self.progress("no plan fits with " + ("quantization" if fewer.compressible else "compression")
+                      + "; planning without it")
+        try:
+            found = solve(fewer, budget, solver, time_limit=self.time_limit, on_progress=self.on_progress,
+                          mip_solver=self.mip_solver)
+        except InfeasibleBudgetError as err:
+            raise InfeasibleBudgetError(budget, min(min_budget, err.min_budget)) from None
+        # Its schedule is one of this graph's (fewer codecs, the same values).
+        return dataclasses.replace(found, timeline=simulate(graph, found.schedule),
+                                   solve_seconds=time.perf_counter() - self.t0)
+
+    def best(self) -> Solution:
+        """The cheapest plan that fits (then the lowest peak, then the best status), with its status
+        as proven and the bound."""
+        rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
+        best = min(self.fitting,
+                   key=lambda s: (round(s.timeline.recompute_cost, 12), s.timeline.peak_bytes, rank[s.status]))
+        if best.solver != "ilp" and self.ilp_status == "optimal":
+            # The ILP's memory model over-approximates: a heuristic may beat it. Still proven optimal
+            # within that model, so report what was found honestly.
+            best = dataclasses.replace(best, status="heuristic")
+        if proven(best.timeline.recompute_cost, self.lower_bound, ILP_REL_GAP):
+            best = dataclasses.replace(best, status="optimal")
+        return dataclasses.replace(best, solve_seconds=time.perf_counter() - self.t0,
+                                   lower_bound_cost=self.lower_bound, bound_source=self.bound_source)
 
 
 def without_codecs(graph: Graph, *, lossy_only: bool) -> Graph:
@@ -306,14 +357,6 @@ def without_codecs(graph: Graph, *, lossy_only: bool) -> Graph:
         nodes[i] = dataclasses.replace(nodes[i], codec=None, compressed_bytes=0, codec_cost=0.0, codec_flops=0,
                                        codec_workspace=0)
     return Graph(tuple(nodes))
-
-
-def _gap(cost: float, bound: float) -> float:
-    return 0.0 if cost <= 1e-15 else max(0.0, (cost - bound) / cost)
-
-
-def _proven(cost: float, bound: float) -> bool:
-    return cost <= bound + 1e-12 or _gap(cost, bound) <= ILP_REL_GAP
 
 
 def _fmt(cost: float | None) -> str:

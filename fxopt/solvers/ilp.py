@@ -31,7 +31,8 @@ What keeps it small enough to solve in seconds for thousands of nodes:
   - Bytes are counted in units of a power of two and costs are normalised, so the coefficients
     stay within a few orders of magnitude (HiGHS calls a budget of 4e9 bytes "badly scaled" and
     may then declare feasible problems infeasible).
-C_t and F_k are the fixed parts (backward values, tangents; forward values in use). While stage t
+C_t and F_k are the fixed parts (backward values, tangents; forward values in use), counted by
+`fxopt.solvers.liveness`'s backward and forward profiles, as the simulator counts. While stage t
 recomputes, everything resident and everything it recomputes is counted alive at once (the code
 frees recomputation intermediates earlier); while its node runs, only what it reads and what stays
 resident for stage t + 1. Both over-approximate the generated code, so a plan that fits here fits
@@ -55,9 +56,11 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from fxopt.solvers.gap import gap
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.mip import Mip, Progress, default_mip_solver, solve_mip
-from fxopt.solvers.schedule import Schedule, must_save, prune, read_before_recompute, with_fresh_aliases
+from fxopt.solvers.liveness import Profile, backward_profile, forward_profile
+from fxopt.solvers.mip import Mip, Progress, byte_unit, cost_scale_for, default_mip_solver, solve_mip
+from fxopt.solvers.schedule import OnDemand, Schedule, prune, read_before_recompute, with_fresh_aliases
 
 __all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_mip_solver"]
 
@@ -72,97 +75,6 @@ class IlpResult:
     variables: int
     lower_bound: float | None = None  # proven lower bound on the recompute cost (this model)
     interrupted: bool = False
-
-
-def _backward_profile(graph: Graph) -> tuple[list[int], list[int]]:
-    """Bytes of backward values and tangents live at each backward node while it runs (and just
-    before it allocates), plus what is resident for the whole step (inputs, forward outputs)."""
-    nodes = graph.nodes
-    bwd = graph.backward_nodes
-    pos = {b: k for k, b in enumerate(bwd)}
-    last: dict[int, int] = {}
-    for k, b in enumerate(bwd):
-        for j in nodes[b].inputs:
-            if nodes[j].kind == "backward" or nodes[j].tangent:
-                last[j] = k
-    resident_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
-    base = sum(nodes[r].bytes for r in resident_roots)
-    refs: dict[int, int] = {}
-    live = 0
-
-    def hold(i: int) -> None:
-        nonlocal live
-        r = graph.roots[i]
-        if r in resident_roots:
-            return
-        if refs.get(r, 0) == 0:
-            live += nodes[r].bytes
-        refs[r] = refs.get(r, 0) + 1
-
-    def let_go(i: int) -> None:
-        nonlocal live
-        r = graph.roots[i]
-        if r in resident_roots:
-            return
-        refs[r] -= 1
-        if refs[r] == 0:
-            live -= nodes[r].bytes
-
-    dying: dict[int, list[int]] = {}
-    for i, n in enumerate(nodes):
-        if n.tangent:  # held by the autograd engine for the whole backward
-            hold(i)
-    for b in bwd:
-        if not nodes[b].output:
-            dying.setdefault(last.get(b, pos[b]), []).append(b)
-    profile, before = [], []
-    for k, b in enumerate(bwd):
-        before.append(base + live)
-        hold(b)
-        profile.append(base + live + nodes[b].workspace)
-        for j in dying.get(k, ()):
-            let_go(j)
-    return profile, before
-
-
-def _forward_profile(graph: Graph, order: list[int]) -> tuple[list[int], dict[int, tuple[int, int]]]:
-    """Bytes live at each step of the forward when nothing is saved, and each storage root's
-    live interval [first step, last step] in it."""
-    nodes = graph.nodes
-    pos = {i: k for k, i in enumerate(order)}
-    resident_roots = {graph.roots[i] for i in graph.resident}
-    end: dict[int, int] = {}
-    for k, i in enumerate(order):
-        r = graph.roots[i]
-        end[r] = max(end.get(r, k), k)
-        for j in nodes[i].inputs:
-            if j in pos:
-                rj = graph.roots[j]
-                end[rj] = max(end.get(rj, k), k)
-    for i in graph.forward_outputs:
-        end[graph.roots[i]] = len(order)
-    base = sum(nodes[r].bytes for r in resident_roots)
-    start = {graph.roots[i]: pos[i] for i in reversed(order)}
-    delta = [0] * (len(order) + 2)
-    for r, s in start.items():
-        if r in resident_roots:
-            continue
-        delta[s] += nodes[r].bytes
-        delta[end[r] + 1] -= nodes[r].bytes
-    profile, live = [], base
-    for k in range(len(order)):
-        live += delta[k]
-        profile.append(live + nodes[order[k]].workspace)
-    return profile, {r: (s, end[r]) for r, s in start.items()}
-
-
-def _unit(graph: Graph) -> int:
-    """A power of two that brings the step's total bytes to about 4096 units (1 for tiny graphs)."""
-    total = sum(n.bytes for n in graph.nodes)
-    unit = 1
-    while total // (unit * 2) >= 4096:
-        unit *= 2
-    return unit
 
 
 @dataclasses.dataclass
@@ -246,268 +158,321 @@ MAX_RECOMPUTE_VARS = 8_000
 
 def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
               max_recompute_vars: int = MAX_RECOMPUTE_VARS) -> RematIlp:
-    nodes = graph.nodes
-    cands = sorted(graph.needed_by_backward - graph.free - graph.aliases)
-    cset = set(cands)
-    saveable = graph.saveable
-    bwd = graph.backward_nodes
-    deps = {i: graph.through_aliases(nodes[i].inputs) & cset for i in cands}
-    stages = [k for k, b in enumerate(bwd) if graph.through_aliases(nodes[b].inputs) & cset]
-    reads = [sorted(graph.through_aliases(nodes[bwd[k]].inputs) & cset) for k in stages]
-    T = len(stages)
+    """The ILP of the module docstring for ``graph`` within ``budget`` bytes (with
+    ``minimize_peak``, the smallest budget instead)."""
+    builder = _Builder(graph, _Scope.of(graph, max_recompute_vars), budget, minimize_peak)
+    builder.add_variables()
+    builder.add_residency_rows()
+    builder.add_backward_memory_rows()
+    builder.add_forward_memory_rows()
+    return builder.ilp
 
-    rank = {i: k for k, i in enumerate(cands)}
 
-    def needed_for(seeds, lowest: int) -> set[int]:
-        # What must be there to make `seeds`: recomputation stops at values it cannot recompute
-        # and at values more than `window` values before the earliest seed.
-        out: set[int] = set()
-        stack = list(seeds)
-        while stack:
-            i = stack.pop()
-            if i in out:
-                continue
-            out.add(i)
-            if nodes[i].recomputable and rank[i] >= lowest:
-                stack.extend(deps[i])
-        return out
+@dataclasses.dataclass
+class _Scope:
+    """What the ILP decides on: the candidates (forward values the backward needs, less free values
+    and views), the stages, and which values each stage may recompute."""
 
-    def with_siblings(values: set[int]) -> set[int]:
-        # A multi-output op makes all its outputs at once: recomputing it for one output also
-        # recomputes the others, which may then be kept for later stages.
-        out = set(values)
-        for i in values:
-            if not nodes[i].tensor and nodes[i].recomputable:
-                out.update(u for u in graph.users[i] if u in cset)
-        return out
+    cands: list[int]
+    deps: dict[int, frozenset[int]]  # candidate -> the candidates it is made from
+    stages: list[int]  # backward positions of the stages
+    reads: list[list[int]]  # candidates each stage reads
+    anc: list[set[int]]  # candidates each stage may recompute (or read)
+    lowest: list[int]  # each stage's window starts at this rank
+    window: int
+    first: dict[int, int]  # candidate -> first stage that may use it
+    last: dict[int, int]
 
-    def ancestors(window: int) -> list[set[int]]:
-        return [with_siblings(needed_for(d, min(rank[i] for i in d) - window)) for d in reads]
+    @classmethod
+    def of(cls, graph: Graph, max_recompute_vars: int) -> _Scope:
+        nodes = graph.nodes
+        cands = sorted(graph.needed_by_backward - graph.free - graph.aliases)
+        cset = set(cands)
+        bwd = graph.backward_nodes
+        deps = {i: graph.through_aliases(nodes[i].inputs) & cset for i in cands}
+        stages = [k for k, b in enumerate(bwd) if graph.through_aliases(nodes[b].inputs) & cset]
+        reads = [sorted(graph.through_aliases(nodes[bwd[k]].inputs) & cset) for k in stages]
+        rank = {i: k for k, i in enumerate(cands)}
 
-    # Recomputing a value far upstream of where the backward reads (another transformer layer's
-    # internals, say) is rarely worth its cost; letting the ILP consider every such chain makes it
-    # quadratic in the depth of the model. Narrow the window until the problem has at most
-    # `max_recompute_vars` recomputation variables; the window is part of the model (and so of
-    # the bound the solve proves).
-    window = len(cands)
-    anc = ancestors(window)
-    while sum(len(a) for a in anc) > max_recompute_vars and window > 8:
-        window = int(window * 0.7)
+        def needed_for(seeds, lowest: int) -> set[int]:
+            # What must be there to make `seeds`: recomputation stops at values it cannot recompute
+            # and at values more than `window` values before the earliest seed.
+            out: set[int] = set()
+            stack = list(seeds)
+            while stack:
+                i = stack.pop()
+                if i in out:
+                    continue
+                out.add(i)
+                if nodes[i].recomputable and rank[i] >= lowest:
+                    stack.extend(deps[i])
+            return out
+
+        def with_siblings(values: set[int]) -> set[int]:
+            # A multi-output op makes all its outputs at once: recomputing it for one output also
+            # recomputes the others, which may then be kept for later stages.
+            out = set(values)
+            for i in values:
+                if not nodes[i].tensor and nodes[i].recomputable:
+                    out.update(u for u in graph.users[i] if u in cset)
+            return out
+
+        def ancestors(window: int) -> list[set[int]]:
+            return [with_siblings(needed_for(d, min(rank[i] for i in d) - window)) for d in reads]
+
+        # Recomputing a value far upstream of where the backward reads (another transformer layer's
+        # internals, say) is rarely worth its cost; letting the ILP consider every such chain makes it
+        # quadratic in the depth of the model. Narrow the window until the problem has at most
+        # `max_recompute_vars` recomputation variables; the window is part of the model (and so of
+        # the bound the solve proves).
+        window = len(cands)
         anc = ancestors(window)
-    lowest = [min(rank[i] for i in d) - window for d in reads]
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for t in range(T):
-        for i in anc[t]:
-            first.setdefault(i, t)
-            last[i] = t
+        while sum(len(a) for a in anc) > max_recompute_vars and window > 8:
+            window = int(window * 0.7)
+            anc = ancestors(window)
+        lowest = [min(rank[i] for i in d) - window for d in reads]
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for t in range(len(stages)):
+            for i in anc[t]:
+                first.setdefault(i, t)
+                last[i] = t
+        return cls(cands, deps, stages, reads, anc, lowest, window, first, last)
 
-    def mem_bytes(i: int) -> int:
+
+class _Builder:
+    """`build_ilp`'s phases: the variables, then the rows (residency and recomputation, memory in
+    the backward, memory in the forward). Memory is in units of `byte_unit` bytes."""
+
+    def __init__(self, graph: Graph, scope: _Scope, budget: int | None, minimize_peak: bool):
+        nodes = graph.nodes
+        self.graph, self.nodes, self.scope = graph, nodes, scope
+        self.cset = set(scope.cands)
+        self.rank = {i: k for k, i in enumerate(scope.cands)}
+        self.T = len(scope.stages)
+        self.unit = unit = byte_unit(graph)
+        self.mb = {i: self.mem_bytes(i) / unit for i in scope.cands}
+        self.minimize_peak = minimize_peak
+        self.cap = float("inf") if minimize_peak else budget / unit
+        self.m = Mip()
+        self.ilp = RematIlp(graph, self.m, scope.cands, scope.stages, scope.anc, scope.first, scope.last,
+                            {}, {}, {}, {}, [], None, unit, cost_scale_for(nodes[i].cost for i in scope.cands),
+                            cost_offset=sum(nodes[i].cost for i in scope.cands if i in graph.backward_only),
+                            window=scope.window)
+
+    def mem_bytes(self, i: int) -> int:
+        graph, nodes = self.graph, self.nodes
         if graph.roots[i] != i:
             return 0
         if not nodes[i].tensor:  # its outputs nobody needs are allocated too
-            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in cset)
+            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in self.cset)
         return nodes[i].bytes
 
-    unit = _unit(graph)
-    mb = {i: mem_bytes(i) / unit for i in cands}
-    max_cost = max((nodes[i].cost for i in cands), default=0.0)
-    cost_scale = 1000.0 / max_cost if max_cost > 0 else 1.0
-    m = Mip()
-    ilp = RematIlp(graph, m, cands, stages, anc, first, last, {}, {}, {}, {}, [], None, unit, cost_scale,
-                   cost_offset=sum(nodes[i].cost for i in cands if i in graph.backward_only))
-    infeasible = False
-    for i in cands:
-        if i not in first:
-            continue  # needed only through values that are saved anyway
-        if i in saveable and nodes[i].tensor:
-            cost = nodes[i].cost * cost_scale if i in graph.backward_only else 0.0
-            # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
-            # the constraints below see to that, as it has no R variables.
-            ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
-        if nodes[i].tensor:
-            for t in range(first[i] + 1, last[i] + 1):
-                ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
-    for t in range(T):
-        for i in sorted(anc[t]):
-            if nodes[i].recomputable and (rank[i] >= lowest[t] or i in reads[t]):
-                ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * cost_scale)
-    compressible = graph.compressible
-    for i in ilp.S0:
-        if i in compressible:
-            ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * cost_scale)
-    zb = {i: nodes[i].compressed_bytes / unit for i in ilp.Z}  # compressed size, in units
-    zw = {i: nodes[i].codec_workspace / unit for i in ilp.Z}  # scratch while encoding or decoding
-    # A compressed value is decoded for the first stage that reads it (fr); before that no
-    # recomputation may read it (it is still encoded), and it counts its compressed size.
-    fr = {i: next((t for t in range(first[i], T) if i in reads[t]), first[i]) for i in ilp.Z}
-    ilp.infeasible = infeasible
-    ilp.window = window
-    peak_col = None
-    if minimize_peak:
-        # The peak first; among the lowest-peak plans the cheapest: all recomputation together
-        # weighs less than a hundredth of a memory unit.
-        total = sum(m.cost) or 1.0
-        m.cost = [c * 0.01 / total for c in m.cost]
-        ilp.cost_scale *= 0.01 / total
-        peak_col = m.var("peak", cost=1.0)
-    ilp.peak = peak_col
-    cap = float("inf") if minimize_peak else budget / unit
+    def s(self, t: int, i: int) -> int | None:
+        return self.ilp.s(t, i)
 
-    def s(t, i):
-        return ilp.s(t, i)
+    def r(self, t: int, i: int) -> int | None:
+        return self.ilp.R.get((t, i))
 
-    def r(t, i):
-        return ilp.R.get((t, i))
-
-    def terms(*pairs):
-        return [(col, a) for col, a in pairs if col is not None]
-
-    def within(fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
+    def within(self, fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
         """sum(var_terms) + fixed <= budget (or <= peak)."""
-        fixed = fixed_bytes / unit
-        if peak_col is not None:
-            m.row(var_terms + [(peak_col, -1.0)], upper=-fixed)
+        fixed = fixed_bytes / self.unit
+        if self.ilp.peak is not None:
+            self.m.row(var_terms + [(self.ilp.peak, -1.0)], upper=-fixed)
         else:
-            m.row(var_terms, upper=cap - fixed)
+            self.m.row(var_terms, upper=self.cap - fixed)
 
-    # Residency and recomputation.
-    for i, col in ilp.Z.items():
-        m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
-        for t in range(first[i] + 1, fr[i] + 1):
-            if (t, i) in ilp.S:
-                m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
-        for t in range(first[i], fr[i]):
-            for u in anc[t]:
-                if (t, u) in ilp.R and i in deps[u]:
-                    m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
-    for (t, i), col in ilp.S.items():
-        m.row(terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
-    users: dict[int, list[int]] = {i: [] for i in cands}
-    for i in cands:
-        for j in deps[i]:
-            users[j].append(i)
-    for t in range(T):
-        for i in reads[t]:
-            m.row(terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
-        for i in anc[t]:
-            col = r(t, i)
-            if col is None:
-                continue
-            for j in deps[i]:
-                m.row(terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
-            if i not in reads[t]:
-                m.row(terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in anc[t]]),
-                      upper=0.0)
+    def add_variables(self) -> None:
+        """S0 (SAVE), S (kept into a stage), R (recomputed in a stage), Z (COMPRESS); the peak."""
+        graph, nodes, m, ilp, sc = self.graph, self.nodes, self.m, self.ilp, self.scope
+        for i in sc.cands:
+            if i not in sc.first:
+                continue  # needed only through values that are saved anyway
+            if i in graph.saveable and nodes[i].tensor:
+                cost = nodes[i].cost * ilp.cost_scale if i in graph.backward_only else 0.0
+                # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
+                # the constraints below see to that, as it has no R variables.
+                ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
+            if nodes[i].tensor:
+                for t in range(sc.first[i] + 1, sc.last[i] + 1):
+                    ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
+        for t in range(self.T):
+            for i in sorted(sc.anc[t]):
+                if nodes[i].recomputable and (self.rank[i] >= sc.lowest[t] or i in sc.reads[t]):
+                    ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * ilp.cost_scale)
+        for i in ilp.S0:
+            if i in graph.compressible:
+                ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * ilp.cost_scale)
+        self.zb = {i: nodes[i].compressed_bytes / self.unit for i in ilp.Z}  # compressed size, in units
+        self.zw = {i: nodes[i].codec_workspace / self.unit for i in ilp.Z}  # scratch while encoding or decoding
+        # A compressed value is decoded for the first stage that reads it (fr); before that no
+        # recomputation may read it (it is still encoded), and it counts its compressed size.
+        self.fr = {i: next((t for t in range(sc.first[i], self.T) if i in sc.reads[t]), sc.first[i]) for i in ilp.Z}
+        if self.minimize_peak:
+            # The peak first; among the lowest-peak plans the cheapest: all recomputation together
+            # weighs less than a hundredth of a memory unit.
+            total = sum(m.cost) or 1.0
+            m.cost = [c * 0.01 / total for c in m.cost]
+            ilp.cost_scale *= 0.01 / total
+            ilp.peak = m.var("peak", cost=1.0)
 
-    # Memory in the backward. P[t]: SAVEd values not yet used by stage t (running total).
-    waiting: list[int | None] = [None] * (T + 1)
-    for t in range(T - 1, -1, -1):
-        fresh = [(ilp.S0[i], mb[i]) for i in cands if first.get(i) == t and i in ilp.S0 and mb[i]]
-        # Compressed until decoded for stage first[i]: smaller in every earlier total.
-        fresh += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if min(first[i], fr[i] - 1) == t]
-        if waiting[t + 1] is None and not fresh:
-            continue
-        col = m.var(f"P_{t}")
-        parts = fresh + ([(waiting[t + 1], 1.0)] if waiting[t + 1] is not None else [])
-        m.row([(col, 1.0)] + [(j, -a) for j, a in parts], lower=0.0, upper=0.0)
-        ilp.aux.append((col, parts))
-        waiting[t] = col
-    in_window: list[list[tuple[int, float]]] = [[] for _ in range(T + 1)]
-    for (t, i), col in ilp.S.items():
-        if mb[i]:
-            in_window[t].append((col, mb[i]))
-            if i in ilp.Z and t < fr[i]:
-                in_window[t].append((ilp.Z[i], zb[i] - mb[i]))
+    def add_residency_rows(self) -> None:
+        """What is resident was kept or just computed; what a stage reads is there; a recomputation
+        has its inputs and is read or kept; COMPRESS only what is SAVEd, encoded until first read."""
+        m, ilp, sc, s, r = self.m, self.ilp, self.scope, self.s, self.r
+        for i, col in ilp.Z.items():
+            m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
+            for t in range(sc.first[i] + 1, self.fr[i] + 1):
+                if (t, i) in ilp.S:
+                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
+            for t in range(sc.first[i], self.fr[i]):
+                for u in sc.anc[t]:
+                    if (t, u) in ilp.R and i in sc.deps[u]:
+                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
+        for (t, i), col in ilp.S.items():
+            m.row(_terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
+        users: dict[int, list[int]] = {i: [] for i in sc.cands}
+        for i in sc.cands:
+            for j in sc.deps[i]:
+                users[j].append(i)
+        for t in range(self.T):
+            for i in sc.reads[t]:
+                m.row(_terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
+            for i in sc.anc[t]:
+                col = r(t, i)
+                if col is None:
+                    continue
+                for j in sc.deps[i]:
+                    m.row(_terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
+                if i not in sc.reads[t]:
+                    m.row(_terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in sc.anc[t]]),
+                          upper=0.0)
 
-    def resident(t: int) -> list[tuple[int, float]]:
-        return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
+    def running_total(self, name: str, parts: list[tuple[int, float]], previous: int | None) -> int:
+        """A continuous column equal to sum(parts) + previous (shared terms for later rows)."""
+        col = self.m.var(name)
+        parts = parts + ([(previous, 1.0)] if previous is not None else [])
+        self.m.row([(col, 1.0)] + [(j, -a) for j, a in parts], lower=0.0, upper=0.0)
+        self.ilp.aux.append((col, parts))
+        return col
 
-    def outputs_of(i: int) -> float:
-        if nodes[i].tensor:
-            return 0.0
-        return sum(mb[g] for g in graph.users[i] if g in cset and nodes[g].kind == "forward")
+    def add_backward_memory_rows(self) -> None:
+        """Memory between stages, while each stage recomputes, while its node runs, and as the
+        backward starts."""
+        graph, ilp, sc, mb, zb = self.graph, self.ilp, self.scope, self.mb, self.zb
+        T, fr = self.T, self.fr
+        # P[t]: SAVEd values not yet used by stage t (running total).
+        waiting: list[int | None] = [None] * (T + 1)
+        for t in range(T - 1, -1, -1):
+            fresh = [(ilp.S0[i], mb[i]) for i in sc.cands if sc.first.get(i) == t and i in ilp.S0 and mb[i]]
+            # Compressed until decoded for stage first[i]: smaller in every earlier total.
+            fresh += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if min(sc.first[i], fr[i] - 1) == t]
+            if waiting[t + 1] is not None or fresh:
+                waiting[t] = self.running_total(f"P_{t}", fresh, waiting[t + 1])
+        in_window: list[list[tuple[int, float]]] = [[] for _ in range(T + 1)]
+        for (t, i), col in ilp.S.items():
+            if mb[i]:
+                in_window[t].append((col, mb[i]))
+                if i in ilp.Z and t < fr[i]:
+                    in_window[t].append((ilp.Z[i], zb[i] - mb[i]))
 
-    profile, before = _backward_profile(graph)
-    bounds = [-1] + stages + [len(bwd)]
-    for t in range(T + 1):
-        between = range(bounds[t] + 1, bounds[t + 1])
-        if between:
-            within(max(profile[k] for k in between), resident(t) if t < T else [])
-        if t == T:
-            break
-        k = stages[t]
+        def resident(t: int) -> list[tuple[int, float]]:
+            return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
+
+        fixed = backward_profile(graph)
+        bounds = [-1] + sc.stages + [len(graph.backward_nodes)]
+        for t in range(T + 1):
+            between = range(bounds[t] + 1, bounds[t + 1])
+            if between:
+                self.within(max(fixed.during[k] for k in between), resident(t) if t < T else [])
+            if t < T:
+                self.add_stage_rows(t, fixed, resident)
+        # Tangents and every saved value, as the backward starts.
+        self.within(fixed.start, [(waiting[0], 1.0)] if waiting[0] is not None else [])
+
+    def add_stage_rows(self, t: int, fixed: Profile, resident) -> None:
+        nodes, ilp, sc, mb, zb, zw, fr = self.nodes, self.ilp, self.scope, self.mb, self.zb, self.zw, self.fr
+        k = sc.stages[t]
+
+        def outputs_of(i: int) -> float:
+            if nodes[i].tensor:
+                return 0.0
+            return sum(mb[g] for g in self.graph.users[i] if g in self.cset and nodes[g].kind == "forward")
+
         # While stage t recomputes: at most everything it recomputes is alive.
         # A multi-output op allocates all its outputs at once (the schedule takes them all out
         # right after it), needed here or not: count them with the op, on top of their own R.
-        recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / unit + outputs_of(i)) for i in anc[t]
+        recomputing = [(ilp.R[t, i], mb[i] + nodes[i].workspace / self.unit + outputs_of(i)) for i in sc.anc[t]
                        if (t, i) in ilp.R]
         recomputing += [(col, zb[i] + zw[i]) for i, col in ilp.Z.items() if fr[i] == t]  # decoding
-        within(before[k], resident(t) + [(c, a) for c, a in recomputing if a])
+        self.within(fixed.before[k], resident(t) + [(c, a) for c, a in recomputing if a])
         # While the stage's node runs: what it reads, and what is kept for later stages (resident
         # entering stage t + 1, whether it was kept from before or recomputed here); everything
         # else was last used by a recomputation in this stage, or earlier, and is freed by then.
         running = list(resident(t + 1))
         running += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if fr[i] == t + 1]  # not decoded yet
-        for i in reads[t]:
+        for i in sc.reads[t]:
             if not mb[i]:
                 continue
-            running += [(c, a) for c, a in ((s(t, i), mb[i]), (r(t, i), mb[i])) if c is not None]
+            running += [(c, a) for c, a in ((self.s(t, i), mb[i]), (self.r(t, i), mb[i])) if c is not None]
             if (t + 1, i) in ilp.S:  # read here and kept: counted once
                 running.append((ilp.S[t + 1, i], -mb[i]))
-        within(profile[k], running)
-    # Tangents and every saved value, as the backward starts.
-    tangent_bytes = sum(nodes[i].bytes for i, n in enumerate(nodes) if n.tangent)
-    resident_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
-    within(sum(nodes[x].bytes for x in resident_roots) + tangent_bytes,
-           [(waiting[0], 1.0)] if waiting[0] is not None else [])
+        self.within(fixed.during[k], running)
 
-    # Memory in the forward: a SAVEd value stays alive from the end of its forward life (or, if
-    # only the backward needs it, from when it is computed, keeping its inputs alive until then).
-    order = sorted(graph.forward_required)
-    fprofile, interval = _forward_profile(graph, order)
-    fpos = {i: k for k, i in enumerate(order)}
-    n_steps = len(order)
-    from_step: dict[int, list[tuple[int, float]]] = {}  # alive from this step to the end
-    spans: list[tuple[int, int, int, float]] = []  # (first step, last step, column, units)
-    for i, col in ilp.S0.items():
-        if not mb[i]:
-            continue
-        if i in fpos:
-            start = interval[i][1] + 1
-            if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
-                from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
-                spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
-                if start < n_steps:
-                    from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
-        else:  # backward-only: computed in the forward after every forward_required node before it
-            start = sum(1 for j in order if j < i)
-            if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
-                at = min(start, n_steps - 1)
-                spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
-                if start < n_steps:
-                    from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
-            for j in graph.through_aliases(nodes[i].inputs):
-                rj = graph.roots[j]
-                if rj in interval and interval[rj][1] < start and rj not in graph.resident:
-                    spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / unit))
-        if start < n_steps:
-            from_step.setdefault(start, []).append((col, mb[i]))
-    cuts = sorted({0} | set(from_step) | {a for a, _, _, _ in spans} | {b + 1 for _, b, _, _ in spans})
-    cuts = [c for c in cuts if c < n_steps] + [n_steps]
-    total: int | None = None
-    for g in range(len(cuts) - 1):
-        lo, hi = cuts[g], cuts[g + 1]
-        fresh = from_step.get(lo, [])  # every key of from_step is a cut point
-        if fresh:
-            col = m.var(f"E_{lo}")
-            parts = fresh + ([(total, 1.0)] if total is not None else [])
-            m.row([(col, 1.0)] + [(j, -a) for j, a in parts], lower=0.0, upper=0.0)
-            ilp.aux.append((col, parts))
-            total = col
-        extra = [(c, a) for a_lo, a_hi, c, a in spans if a_lo <= lo and hi - 1 <= a_hi]
-        within(max(fprofile[lo:hi]), ([(total, 1.0)] if total is not None else []) + extra)
-    return ilp
+    def add_forward_memory_rows(self) -> None:
+        """Memory in the forward: a SAVEd value stays alive from the end of its forward life (or, if
+        only the backward needs it, from when it is computed, keeping its inputs alive until then)."""
+        order = sorted(self.graph.forward_required)
+        fixed = forward_profile(self.graph, order)
+        from_step, spans = self.saved_in_forward(order, fixed.lifetimes)
+        n_steps = len(order)
+        cuts = sorted({0} | set(from_step) | {a for a, _, _, _ in spans} | {b + 1 for _, b, _, _ in spans})
+        cuts = [c for c in cuts if c < n_steps] + [n_steps]
+        total: int | None = None
+        for g in range(len(cuts) - 1):
+            lo, hi = cuts[g], cuts[g + 1]
+            fresh = from_step.get(lo, [])  # every key of from_step is a cut point
+            if fresh:
+                total = self.running_total(f"E_{lo}", fresh, total)
+            extra = [(c, a) for a_lo, a_hi, c, a in spans if a_lo <= lo and hi - 1 <= a_hi]
+            self.within(max(fixed.during[lo:hi]), ([(total, 1.0)] if total is not None else []) + extra)
+
+    def saved_in_forward(self, order: list[int], interval: dict[int, tuple[int, int]]):
+        """The SAVE decisions' bytes in the forward: terms alive from a step to the end
+        (``from_step``), and terms alive over a span of steps (first, last, column, units)."""
+        graph, nodes, ilp, mb, zb, zw = self.graph, self.nodes, self.ilp, self.mb, self.zb, self.zw
+        fpos = {i: k for k, i in enumerate(order)}
+        n_steps = len(order)
+        from_step: dict[int, list[tuple[int, float]]] = {}
+        spans: list[tuple[int, int, int, float]] = []
+        for i, col in ilp.S0.items():
+            if not mb[i]:
+                continue
+            if i in fpos:
+                start = interval[i][1] + 1
+                if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
+                    from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
+                    spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
+                    if start < n_steps:
+                        from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
+            else:  # backward-only: computed in the forward after every forward_required node before it
+                start = sum(1 for j in order if j < i)
+                if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
+                    at = min(start, n_steps - 1)
+                    spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
+                    if start < n_steps:
+                        from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
+                for j in graph.through_aliases(nodes[i].inputs):
+                    rj = graph.roots[j]
+                    if rj in interval and interval[rj][1] < start and rj not in graph.resident:
+                        spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / self.unit))
+            if start < n_steps:
+                from_step.setdefault(start, []).append((col, mb[i]))
+        return from_step, spans
+
+
+def _terms(*pairs):
+    return [(col, a) for col, a in pairs if col is not None]
 
 
 def _with_fixed(mip: Mip, values: dict[int, float]) -> Mip:
@@ -600,10 +565,9 @@ def solve_ilp(
     def report(p: Progress) -> None:
         if on_progress is None or minimize_peak:
             return
-        on_progress(Progress(
-            None if p.incumbent is None else ilp.recompute_cost(p.incumbent),
-            None if p.bound is None else max(0.0, ilp.recompute_cost(p.bound)),
-            p.gap, p.seconds))
+        incumbent = None if p.incumbent is None else ilp.recompute_cost(p.incumbent)
+        bound = None if p.bound is None else max(0.0, ilp.recompute_cost(p.bound))
+        on_progress(Progress(incumbent, bound, gap(incumbent, bound), p.seconds))
 
     res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), mip_solver=mip_solver,
                     warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose)
@@ -651,31 +615,15 @@ def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: floa
 
 
 def _rounded(ilp: RematIlp, x, threshold: float) -> Schedule:
-    from fxopt.solvers.schedule import _missing
-
-    graph, nodes = ilp.graph, ilp.graph.nodes
-    saved = frozenset(i for i, col in ilp.S0.items() if x[col] >= threshold - 1e-9)
-    saved = (saved - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
-    avail = set(graph.resident) | set(graph.forward_outputs) | (saved & graph.saveable)
-    avail |= {i for i, n in enumerate(nodes) if n.tangent}
+    graph = ilp.graph
+    builder = OnDemand(graph, (i for i, col in ilp.S0.items() if x[col] >= threshold - 1e-9))
     stage_of = {k: t for t, k in enumerate(ilp.stages)}
-    recomputed: set[int] = set()
-    events: list[int] = []
     for k, b in enumerate(graph.backward_nodes):
-        missing = _missing(graph, nodes[b].inputs, avail)
-        events.extend(missing)
-        avail.update(missing)
-        recomputed.update(missing)
-        events.append(b)
-        avail.add(b)
+        builder.run(b)
         t = stage_of.get(k)
-        if t is None:
-            continue
-        for i in list(recomputed):
-            col = ilp.S.get((t + 1, i))
-            if col is None or x[col] < threshold - 1e-9:
-                avail.discard(i)
-                recomputed.discard(i)
-    events = with_fresh_aliases(graph, events)
-    compressed = frozenset(i for i, col in ilp.Z.items() if i in saved and x[col] >= threshold - 1e-9)
-    return prune(graph, Schedule(saved, events, compressed & read_before_recompute(graph, events)))
+        if t is not None:
+            builder.forget([i for i in builder.recomputed
+                            if (col := ilp.S.get((t + 1, i))) is None or x[col] < threshold - 1e-9])
+    events = builder.backward()
+    compressed = frozenset(i for i, col in ilp.Z.items() if i in builder.saved and x[col] >= threshold - 1e-9)
+    return prune(graph, Schedule(builder.saved, events, compressed & read_before_recompute(graph, events)))

@@ -49,12 +49,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from fxopt.solvers.gap import proven
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import compress_to_fit
-from fxopt.solvers.ilp import _forward_profile
-from fxopt.solvers.mip import Mip, solve_mip
-from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, must_save, on_demand, save_all_set,
-                                    simulate)
+from fxopt.solvers.liveness import fixed_backward_bytes, forward_profile
+from fxopt.solvers.mip import Mip, byte_unit, cost_scale_for, solve_mip
+from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, must_save, on_demand,
+                                    read_before_recompute, save_all_set, simulate)
 
 __all__ = ["InstantResult", "fixed_backward_bytes", "instant_solve"]
 
@@ -66,63 +67,6 @@ class InstantResult:
     instants: tuple[int, ...]  # backward positions modelled in the last round
     seconds: float
     infeasible: bool = False  # proven: no schedule fits the budget
-
-
-def fixed_backward_bytes(graph: Graph) -> list[int]:
-    """For each backward node k, the bytes every schedule holds while it runs, forward values
-    aside: resident values and forward outputs, tangents, the backward values alive at k, and
-    k's workspace. A backward value that shares a forward value's storage counts nothing here
-    (that storage is counted as a forward value)."""
-    nodes = graph.nodes
-    bwd = graph.backward_nodes
-    kept_roots = {graph.roots[i] for i in graph.resident | graph.forward_outputs}
-    base = sum(nodes[r].bytes for r in kept_roots)
-    last: dict[int, int] = {}
-    for k, b in enumerate(bwd):
-        for j in nodes[b].inputs:
-            last[j] = k
-    refs: dict[int, int] = {}
-    live = 0
-
-    def counted(i: int) -> int | None:
-        r = graph.roots[i]
-        if r in kept_roots or nodes[r].kind == "forward":
-            return None
-        return r
-
-    def hold(i: int) -> None:
-        nonlocal live
-        r = counted(i)
-        if r is None:
-            return
-        if refs.get(r, 0) == 0:
-            live += nodes[r].bytes
-        refs[r] = refs.get(r, 0) + 1
-
-    def let_go(i: int) -> None:
-        nonlocal live
-        r = counted(i)
-        if r is None:
-            return
-        refs[r] -= 1
-        if refs[r] == 0:
-            live -= nodes[r].bytes
-
-    for i, n in enumerate(nodes):
-        if n.tangent:
-            hold(i)
-    pos = {b: k for k, b in enumerate(bwd)}
-    dying: dict[int, list[int]] = {}
-    for b in bwd:
-        if not nodes[b].output:
-            dying.setdefault(max(last.get(b, pos[b]), pos[b]), []).append(b)
-    out = []
-    for k, b in enumerate(bwd):
-        hold(b)
-        out.append(base + live + nodes[b].workspace)
-        for j in dying.get(k, ()):
-            let_go(j)
-    return out
 
 
 class _Program:
@@ -138,12 +82,11 @@ class _Program:
         needs = {j for r in self.reads for j in r}
         self.values = sorted(graph.ancestors(needs) - self.avail)
         self.fixed = fixed_backward_bytes(graph)
-        costs = [nodes[i].cost for i in self.values if i not in graph.backward_only]
-        top = max(costs, default=0.0)
-        self.cost_scale = 1000.0 / top if top > 0 else 1.0
+        self.cost_scale = cost_scale_for(nodes[i].cost for i in self.values if i not in graph.backward_only)
         self.instants: list[int] = []
         self.order = sorted(graph.forward_required)
-        self.fprofile, self.interval = _forward_profile(graph, self.order)
+        forward_bytes = forward_profile(graph, self.order)
+        self.fprofile, self.interval = forward_bytes.during, forward_bytes.lifetimes
 
     def cost(self, i: int) -> float:
         return 0.0 if i in self.graph.backward_only else self.graph.nodes[i].cost
@@ -156,12 +99,22 @@ class _Program:
 
     def build(self, instants: list[int], forward_steps: list[int] = ()
               ) -> tuple[Mip, dict[int, int], dict[tuple[int, int], int]]:
-        graph, nodes = self.graph, self.graph.nodes
+        """The program for backward positions ``instants`` (and forward steps ``forward_steps``):
+        the MIP, the columns of s, and those of a (by (instant, value))."""
         m = Mip()
         self.instants = list(instants)
         self._after: dict[int, set[int]] = {}
-        vals = self.values
-        vset = set(vals)
+        s, z, n = self._add_decisions(m)
+        alive: dict[tuple[int, int], int] = {}
+        per_instant = {k: self._add_instant(m, k, s, z, n, alive) for k in instants}
+        self._link_instants(m, per_instant)
+        if forward_steps:
+            self._add_forward_rows(m, s, z, forward_steps)
+        return m, s, alive
+
+    def _add_decisions(self, m: Mip) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        """The variables all instants share: s (SAVE), z (COMPRESS), n (backward computations)."""
+        graph, nodes, vals = self.graph, self.graph.nodes, self.values
         s = {i: m.binary(f"s_{nodes[i].name}") for i in vals if i in graph.saveable}
         # COMPRESS: z_i, only for SAVEd values, at its codec's cost; a compressed value may count
         # its compressed size wherever it is alive (w: alive and compressed), a relaxation of the
@@ -172,80 +125,80 @@ class _Program:
             m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
         n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
              for i in vals if self.computable(i)}
-        alive: dict[tuple[int, int], int] = {}
-        per_instant: dict[int, tuple[dict[int, int], dict[int, int], dict[int, int]]] = {}
-        for k in instants:
-            a = {i: m.binary(f"a{k}_{nodes[i].name}") for i in vals}
-            p = {i: m.binary(f"p{k}_{nodes[i].name}") for i in vals if self.computable(i)}
-            r = {i: m.binary(f"r{k}_{nodes[i].name}") for i in vals if self.computable(i)}
-            per_instant[k] = (a, p, r)
-            before = {j for kk in range(k) for j in self.reads[kk]}
-            now = set(self.reads[k])
-            after = {j for kk in range(k + 1, len(self.reads)) for j in self.reads[kk]}
-            self._after[k] = after | now
-            for i in vals:
-                alive[k, i] = a[i]
-                m.row([(a[i], 1.0)] + [(c, -1.0) for c in (s.get(i), p.get(i)) if c is not None], upper=0.0)
-                if i in now:
-                    m.row([(a[i], 1.0)], lower=1.0)
-                if i in before:
-                    m.row([(c, 1.0) for c in (s.get(i), p.get(i)) if c is not None], lower=1.0)
-                if i in after:
-                    m.row([(a[i], 1.0)] + ([(r[i], 1.0)] if i in r else []), lower=1.0)
-                root = graph.roots[i]
-                if root != i and root in vset:
-                    m.row([(a[i], 1.0), (a[root], -1.0)], upper=0.0)
-                if i in p:
-                    for j in dict.fromkeys(nodes[i].inputs):
-                        if j in vset:
-                            m.row([(p[i], 1.0)] + [(c, -1.0) for c in (s.get(j), p.get(j)) if c is not None],
-                                  upper=0.0)
-                            m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
-                    m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
-            mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
-            for i, col in z.items():
-                w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
-                m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
-                m.row([(w, 1.0), (col, -1.0)], upper=0.0)
-                mem.append((w, -(nodes[i].bytes - nodes[i].compressed_bytes) / self.unit))
-            m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
-        # Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
-        # before k means computed before k2; computed before k2 means before k or after k;
-        # computed after k2 means computed after k.
+        return s, z, n
+
+    def _add_instant(self, m: Mip, k: int, s, z, n, alive) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        """Instant k's variables a, p, r and rows (see the module); its a columns go into ``alive``."""
+        graph, nodes, vals = self.graph, self.graph.nodes, self.values
+        vset = set(vals)
+        a = {i: m.binary(f"a{k}_{nodes[i].name}") for i in vals}
+        p = {i: m.binary(f"p{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+        r = {i: m.binary(f"r{k}_{nodes[i].name}") for i in vals if self.computable(i)}
+        before = {j for kk in range(k) for j in self.reads[kk]}
+        now = set(self.reads[k])
+        after = {j for kk in range(k + 1, len(self.reads)) for j in self.reads[kk]}
+        self._after[k] = after | now
+        for i in vals:
+            alive[k, i] = a[i]
+            m.row([(a[i], 1.0)] + [(c, -1.0) for c in (s.get(i), p.get(i)) if c is not None], upper=0.0)
+            if i in now:
+                m.row([(a[i], 1.0)], lower=1.0)
+            if i in before:
+                m.row([(c, 1.0) for c in (s.get(i), p.get(i)) if c is not None], lower=1.0)
+            if i in after:
+                m.row([(a[i], 1.0)] + ([(r[i], 1.0)] if i in r else []), lower=1.0)
+            root = graph.roots[i]
+            if root != i and root in vset:
+                m.row([(a[i], 1.0), (a[root], -1.0)], upper=0.0)
+            if i in p:
+                for j in dict.fromkeys(nodes[i].inputs):
+                    if j in vset:
+                        m.row([(p[i], 1.0)] + [(c, -1.0) for c in (s.get(j), p.get(j)) if c is not None],
+                              upper=0.0)
+                        m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
+                m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
+        mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
+        for i, col in z.items():
+            w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
+            m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
+            m.row([(w, 1.0), (col, -1.0)], upper=0.0)
+            mem.append((w, -(nodes[i].bytes - nodes[i].compressed_bytes) / self.unit))
+        m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
+        return a, p, r
+
+    def _link_instants(self, m: Mip, per_instant) -> None:
+        """Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
+        before k means computed before k2; computed before k2 means before k or after k;
+        computed after k2 means computed after k."""
         ordered = sorted(per_instant)
         for k, k2 in zip(ordered, ordered[1:]):
             a, p, r = per_instant[k]
             a2, p2, r2 = per_instant[k2]
-            for i in vals:
+            for i in self.values:
                 m.row([(a2[i], 1.0), (a[i], -1.0)] + ([(r[i], -1.0)] if i in r else []), upper=0.0)
                 if i in p:
                     m.row([(p[i], 1.0), (p2[i], -1.0)], upper=0.0)
                     m.row([(p2[i], 1.0), (p[i], -1.0), (r[i], -1.0)], upper=0.0)
                     m.row([(r2[i], 1.0), (r[i], -1.0)], upper=0.0)
-        if forward_steps:
-            # In the forward, a SAVEd value outlives its last forward use: at step f, the storage
-            # of every saved value whose forward life ended before f is alive on top of what the
-            # forward holds anyway (`_forward_profile`, a lower bound whatever else it computes).
-            kept: dict[int, int] = {}
-            for i, col in s.items():
-                r = graph.roots[i]
-                if r not in self.interval or r in graph.resident or not nodes[r].bytes:
-                    continue
-                if r not in kept:
-                    kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
-                m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
-            for f in forward_steps:
-                terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
-                terms += [(z[r], -(nodes[r].bytes - nodes[r].compressed_bytes) / self.unit) for r in kept
-                          if r in z and self.interval[r][1] < f]
-                m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
-        return m, s, alive
 
-    def forward_step(self, i: int) -> int:
-        """Position in `order` of the forward node i (or of the first one after it)."""
-        import bisect
-
-        return min(bisect.bisect_left(self.order, i), len(self.order) - 1)
+    def _add_forward_rows(self, m: Mip, s, z, forward_steps: list[int]) -> None:
+        """In the forward, a SAVEd value outlives its last forward use: at step f, the storage of
+        every saved value whose forward life ended before f is alive on top of what the forward
+        holds anyway (`forward_profile`, a lower bound whatever else it computes)."""
+        graph, nodes = self.graph, self.graph.nodes
+        kept: dict[int, int] = {}
+        for i, col in s.items():
+            r = graph.roots[i]
+            if r not in self.interval or r in graph.resident or not nodes[r].bytes:
+                continue
+            if r not in kept:
+                kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
+            m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
+        for f in forward_steps:
+            terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
+            terms += [(z[r], -(nodes[r].bytes - nodes[r].compressed_bytes) / self.unit) for r in kept
+                      if r in z and self.interval[r][1] < f]
+            m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
 
     def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x) -> frozenset[int]:
         """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last
@@ -271,40 +224,23 @@ def schedule_for(graph: Graph, saved, alive_at: dict[int, frozenset[int]]) -> Sc
     before what k needs is recomputed and again right after k runs, every forward value not in
     ``alive_at[k]`` is forgotten (recomputed later if needed again), so that what is alive at k is
     what the solution said."""
-    from fxopt.solvers.schedule import _missing, read_before_recompute, with_fresh_aliases
-
     nodes = graph.nodes
-    saved = (frozenset(saved) - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
-    keep = set(graph.resident) | set(graph.forward_outputs) | set(graph.free)
-    avail = keep | (saved & graph.saveable) | {i for i, n in enumerate(nodes) if n.tangent}
-    events: list[int] = []
+    builder = OnDemand(graph, saved)
+    keep = graph.resident | graph.forward_outputs | graph.free
 
     def forget(k: int) -> None:
-        drop = {i for i in avail if nodes[i].kind == "forward" and i not in keep and i not in alive_at[k]
-                and nodes[i].recomputable}
-        avail.difference_update(drop)
+        builder.forget([i for i in builder.available if nodes[i].kind == "forward" and i not in keep
+                        and i not in alive_at[k] and nodes[i].recomputable])
 
     for k, b in enumerate(graph.backward_nodes):
         if k in alive_at:
             forget(k)
-        missing = _missing(graph, nodes[b].inputs, avail)
-        events.extend(missing)
-        avail.update(missing)
-        events.append(b)
-        avail.add(b)
+        builder.run(b)
         if k in alive_at:
             forget(k)
-    events = with_fresh_aliases(graph, events)
-    saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free) | must_save(graph)
-    return Schedule(frozenset(saved), events)
-
-
-def _unit(graph: Graph) -> int:
-    total = sum(n.bytes for n in graph.nodes)
-    unit = 1
-    while total // (unit * 2) >= 4096:
-        unit *= 2
-    return unit
+    events = builder.backward()
+    saved = (builder.saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free)
+    return Schedule(saved | must_save(graph), events)
 
 
 def _tightest(graph: Graph, timeline: Timeline, budget: int) -> tuple[str, int] | None:
@@ -342,7 +278,7 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
     t0 = time.perf_counter()
     if not graph.backward_nodes:
         return InstantResult(None, (), (), 0.0)
-    prog = _Program(graph, budget, _unit(graph))
+    prog = _Program(graph, budget, byte_unit(graph))
     fixed = prog.fixed
     # Instants where the fixed part alone is over the budget make every plan infeasible.
     if max(fixed) > budget:
@@ -393,7 +329,7 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
             break
         plans += new
         fitting = [t.recompute_cost for _, t in plans if t.peak_bytes <= budget]
-        if fitting and bound is not None and min(fitting) - bound <= target_gap * min(fitting) + 1e-12:
+        if fitting and proven(min(fitting), bound, target_gap):
             break
         # Model the instant where the latest plan is worst (above the budget, or tightest).
         where = _tightest(graph, min(new, key=lambda p: p[1].peak_bytes)[1], budget)
@@ -427,7 +363,7 @@ def peak_lower_bound(graph: Graph) -> tuple[int, str]:
             best, where = peak, f"backward node {nodes[b].name}"
     order = sorted(graph.forward_required)
     if order:
-        fprofile, _ = _forward_profile(graph, order)
+        fprofile = forward_profile(graph, order).during
         f = max(range(len(order)), key=fprofile.__getitem__)
         if fprofile[f] > best:
             best, where = fprofile[f], f"forward node {nodes[order[f]].name}"

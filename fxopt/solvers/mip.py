@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from fxopt.solvers.gap import gap
+
 MIP_SOLVERS = ("highs", "cbc")
 
 
@@ -113,6 +115,23 @@ class Mip:
         return bad
 
 
+def byte_unit(graph) -> int:
+    """A power of two that brings the step's total bytes to about 4096 units (1 for tiny graphs):
+    memory rows in these units keep the coefficients within a few orders of magnitude (HiGHS calls
+    a budget of 4e9 bytes "badly scaled" and may then declare feasible problems infeasible)."""
+    total = sum(n.bytes for n in graph.nodes)
+    unit = 1
+    while total // (unit * 2) >= 4096:
+        unit *= 2
+    return unit
+
+
+def cost_scale_for(costs: Iterable[float]) -> float:
+    """The factor that makes the largest of ``costs`` 1000 in an objective (1 when none is positive)."""
+    top = max(costs, default=0.0)
+    return 1000.0 / top if top > 0 else 1.0
+
+
 def default_mip_solver() -> str:
     """HiGHS when ``highspy`` is installed (several times faster than CBC on these problems, and
     it reports bounds and progress: see benchmarks/solvers.py), else CBC, which ships with PuLP."""
@@ -162,11 +181,11 @@ def _interruptible(on_interrupt: Callable[[], None]):
 
 def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose) -> MipResult:
     import highspy
-    import numpy as np
 
     from fxopt._quiet import silenced
 
     t0 = time.perf_counter()
+    stop = threading.Event()
     # HiGHS prints a banner from C++ whatever its options say.
     with contextlib.nullcontext() if verbose else silenced(1):
         h = highspy.Highs()
@@ -175,51 +194,11 @@ def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_prog
         h.setOptionValue("mip_rel_gap", float(rel_gap))
         if threads is not None:
             h.setOptionValue("threads", int(threads))
-        n = model.num_vars
-        inf = highspy.kHighsInf
-        h.addCols(n, np.asarray(model.cost, dtype=np.float64),
-                  np.asarray([max(v, -inf) for v in model.lower], dtype=np.float64),
-                  np.asarray([min(v, inf) for v in model.upper], dtype=np.float64),
-                  0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float64))
-        h.addRows(model.num_rows,
-                  np.asarray([max(v, -inf) for v in model.row_lower], dtype=np.float64),
-                  np.asarray([min(v, inf) for v in model.row_upper], dtype=np.float64),
-                  len(model.row_index), np.asarray(model.row_start[:-1], dtype=np.int32),
-                  np.asarray(model.row_index, dtype=np.int32), np.asarray(model.row_value, dtype=np.float64))
-        ints = [j for j in range(n) if model.integer[j]]
-        if ints and not relax:
-            h.changeColsIntegrality(len(ints), np.asarray(ints, dtype=np.int32),
-                                    np.asarray([highspy.HighsVarType.kInteger] * len(ints)))
-        if isinstance(warm_start, dict) and warm_start and not relax:
-            # A partial solution: HiGHS completes it with a small sub-MIP.
-            idx = np.asarray(sorted(warm_start), dtype=np.int32)
-            h.setSolution(len(idx), idx, np.asarray([warm_start[j] for j in sorted(warm_start)], dtype=np.float64))
-        elif warm_start is not None and not relax:
-            sol = highspy.HighsSolution()
-            sol.col_value = list(map(float, warm_start))
-            sol.value_valid = True
-            h.setSolution(sol)
-
-        stop = threading.Event()
-        last_report = [0.0]
-
-        def on_interrupt_check(event) -> None:
-            if stop.is_set():
-                event.interrupt()
-            if on_progress is None:
-                return
-            now = time.perf_counter() - t0
-            if now - last_report[0] < 1.0:
-                return
-            last_report[0] = now
-            out = event.data_out
-            inc = out.mip_primal_bound if abs(out.mip_primal_bound) < 1e300 else None
-            bound = out.mip_dual_bound if abs(out.mip_dual_bound) < 1e300 else None
-            gap = _gap(inc, bound)
-            on_progress(Progress(inc, bound, gap, now))
-
+        _load_highs(h, model, relax)
+        if warm_start is not None and not relax:
+            _start_highs(h, warm_start)
         if not relax:
-            h.cbMipInterrupt.subscribe(on_interrupt_check)
+            h.cbMipInterrupt.subscribe(_highs_callback(stop, on_progress, t0))
         with _interruptible(stop.set):
             h.run()
         status = h.getModelStatus()
@@ -232,7 +211,7 @@ def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_prog
     if relax:
         bound = objective if status == S.kOptimal else None
     else:
-        bound = info.mip_dual_bound if abs(info.mip_dual_bound) < 1e300 else None
+        bound = _finite(info.mip_dual_bound)
     if status == S.kOptimal:
         name = "optimal"
     elif status in (S.kInfeasible, S.kUnboundedOrInfeasible):
@@ -240,16 +219,68 @@ def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_prog
     else:
         name = "feasible" if x is not None else "timeout"
     if on_progress is not None and not relax:
-        on_progress(Progress(objective, bound, _gap(objective, bound), seconds))
+        on_progress(Progress(objective, bound, gap(objective, bound), seconds))
     return MipResult(name, x, objective, bound, seconds, interrupted=stop.is_set())
 
 
-def _gap(incumbent: float | None, bound: float | None) -> float | None:
-    if incumbent is None or bound is None:
-        return None
-    if abs(incumbent) < 1e-12:
-        return 0.0 if abs(bound) < 1e-12 else None
-    return max(0.0, (incumbent - bound) / abs(incumbent))
+def _load_highs(h, model: Mip, relax: bool) -> None:
+    """Columns, rows and integrality of ``model``, as arrays."""
+    import highspy
+    import numpy as np
+
+    inf = highspy.kHighsInf
+    h.addCols(model.num_vars, np.asarray(model.cost, dtype=np.float64),
+              np.asarray([max(v, -inf) for v in model.lower], dtype=np.float64),
+              np.asarray([min(v, inf) for v in model.upper], dtype=np.float64),
+              0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float64))
+    h.addRows(model.num_rows,
+              np.asarray([max(v, -inf) for v in model.row_lower], dtype=np.float64),
+              np.asarray([min(v, inf) for v in model.row_upper], dtype=np.float64),
+              len(model.row_index), np.asarray(model.row_start[:-1], dtype=np.int32),
+              np.asarray(model.row_index, dtype=np.int32), np.asarray(model.row_value, dtype=np.float64))
+    ints = [j for j in range(model.num_vars) if model.integer[j]]
+    if ints and not relax:
+        h.changeColsIntegrality(len(ints), np.asarray(ints, dtype=np.int32),
+                                np.asarray([highspy.HighsVarType.kInteger] * len(ints)))
+
+
+def _start_highs(h, warm_start: list[float] | dict[int, float]) -> None:
+    import highspy
+    import numpy as np
+
+    if isinstance(warm_start, dict):
+        if warm_start:  # a partial solution: HiGHS completes it with a small sub-MIP
+            idx = np.asarray(sorted(warm_start), dtype=np.int32)
+            h.setSolution(len(idx), idx, np.asarray([warm_start[j] for j in sorted(warm_start)], dtype=np.float64))
+        return
+    sol = highspy.HighsSolution()
+    sol.col_value = list(map(float, warm_start))
+    sol.value_valid = True
+    h.setSolution(sol)
+
+
+def _highs_callback(stop: threading.Event, on_progress: Callable[[Progress], None] | None, t0: float):
+    """HiGHS's MIP callback: stop when ``stop`` is set; `Progress` about once a second."""
+    last_report = [0.0]
+
+    def on_interrupt_check(event) -> None:
+        if stop.is_set():
+            event.interrupt()
+        if on_progress is None:
+            return
+        now = time.perf_counter() - t0
+        if now - last_report[0] < 1.0:
+            return
+        last_report[0] = now
+        inc, bound = _finite(event.data_out.mip_primal_bound), _finite(event.data_out.mip_dual_bound)
+        on_progress(Progress(inc, bound, gap(inc, bound), now))
+
+    return on_interrupt_check
+
+
+def _finite(value: float) -> float | None:
+    """HiGHS's objective or bound, None where it has none (it reports infinity)."""
+    return value if abs(value) < 1e300 else None
 
 
 def _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose) -> MipResult:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from fxopt.solvers.gap import gap
 from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 
@@ -53,11 +54,7 @@ class Plan:
     def gap(self) -> float | None:
         """(recompute_cost - lower_bound_cost) / recompute_cost: how far from optimal this plan
         may be (0: proven optimal; None: unknown)."""
-        if self.lower_bound_cost is None:
-            return None
-        if self.recompute_cost - self.lower_bound_cost <= 1e-6:  # a microsecond: nothing to gain
-            return 0.0
-        return max(0.0, (self.recompute_cost - self.lower_bound_cost) / self.recompute_cost)
+        return gap(self.recompute_cost, self.lower_bound_cost)
 
     @classmethod
     def build(cls, *, graph: Graph, schedule: Schedule, budget_bytes: int, eager_peak_bytes: int,

@@ -14,7 +14,8 @@ code drops each local after its last use, and the backward takes its inputs boxe
 tensors die early too. Forward outputs are held by the caller, gradients are kept, and the
 incoming gradients (tangents) are held by the autograd engine until the backward returns, so
 none of these is freed. A multi-output op's tuple holds every output it made, so an output taken
-out of it lives at least as long as the tuple.
+out of it lives at least as long as the tuple. It counts with `fxopt.solvers.liveness`, the memory
+model the ILP and the instant program's bound count with too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
+from fxopt.solvers.liveness import Key, LiveBytes, last_uses
 
 
 class InvalidScheduleError(ValueError):
@@ -66,20 +68,39 @@ def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
 
 def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     """Replay the schedule and return its memory timeline; raise if it is not valid."""
+    _check(graph, schedule)
+    replay = _Replay(graph, schedule)
+    replay.forward()
+    steps = _pruned(graph, _copies(graph, schedule.backward, replay.available()))
+    replay.backward(steps)
+    extra_flops, extra_cost = _extra_work(graph, schedule, steps)
+    return Timeline(
+        peak_bytes=max(replay.forward_peak, replay.backward_peak),
+        forward_peak_bytes=replay.forward_peak,
+        backward_peak_bytes=replay.backward_peak,
+        saved_bytes=replay.saved_bytes,
+        recompute_flops=extra_flops,
+        recompute_cost=extra_cost,
+        events=tuple(replay.events),
+    )
+
+
+def _check(graph: Graph, schedule: Schedule) -> None:
+    """Raise `InvalidScheduleError` unless the forward can run and SAVE as the schedule says, and
+    its backward runs every backward node once, in order, recomputing only what may be."""
     nodes = graph.nodes
     saved = frozenset(schedule.saved)
     bad = saved - graph.saveable - graph.free
     if bad:
         raise InvalidScheduleError(f"cannot save {_names(graph, bad)}: not computed in the forward")
-    compressed = frozenset(schedule.compressed)
-    bad = compressed - (saved & graph.compressible)
+    bad = frozenset(schedule.compressed) - (saved & graph.compressible)
     if bad:
         raise InvalidScheduleError(f"cannot compress {_names(graph, bad)}: not saved, or no codec for it")
     backward = [i for i in schedule.backward if nodes[i].kind == "backward"]
     if backward != list(graph.backward_nodes):
         raise InvalidScheduleError("the backward must run every backward node once, in graph order")
-
-    fwd_computed = set(forward_set(graph, saved))
+    fwd = forward_set(graph, saved)
+    fwd_computed = set(fwd)
     seen_once: set[int] = set()
     for i in schedule.backward:
         node = nodes[i]
@@ -87,225 +108,235 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
             if i in fwd_computed or i in seen_once:
                 raise InvalidScheduleError(f"{node.name} cannot be recomputed (random, mutating or a collective)")
             seen_once.add(i)
-    refs: dict[object, int] = {}  # storage key -> number of live values in it
-    live_bytes = 0
-    events: list[tuple[str, str, int]] = []
-
-    def acquire(key: object, owner: int) -> None:
-        nonlocal live_bytes
-        if refs.get(key, 0) == 0:
-            live_bytes += nodes[owner].bytes
-        refs[key] = refs.get(key, 0) + 1
-
-    def release(key: object, owner: int) -> None:
-        nonlocal live_bytes
-        refs[key] -= 1
-        if refs[key] == 0:
-            live_bytes -= nodes[owner].bytes
-
-    # Instances: (node, n) where n counts computations of the node; storage key of an instance is
-    # the instance owning the storage.
-    storage_of: dict[tuple[int, int], tuple[int, int]] = {}
-    current: dict[int, tuple[int, int]] = {}
-    forever: set[tuple[int, int]] = set()
-    # A multi-output op's tuple holds every output it made: an output taken out by a getitem
-    # lives until both the getitem's value and the tuple are dead, and taking it out again from
-    # the same copy of the tuple gives the same tensor.
-    held: dict[tuple[int, int], list[tuple[int, int]]] = {}  # tuple instance -> storages it holds
-    taken: dict[tuple[tuple[int, int], int], tuple[int, int]] = {}  # (tuple instance, getitem) -> storage
-
-    def create(i: int, n: int) -> tuple[int, int]:
-        inst = (i, n)
-        root = graph.roots[i]
-        if root == i and i in graph.tuple_items:
-            src = current[nodes[i].inputs[0]]
-            key = taken.get((src, i))
-            if key is None:
-                key = taken[(src, i)] = inst
-                held.setdefault(src, []).append(key)
-                acquire(key, i)  # the tuple's reference
-            storage_of[inst] = key
-        elif root == i:
-            storage_of[inst] = inst
-        else:
-            src = next((current[j] for j in nodes[i].inputs if graph.roots[j] == root), None)
-            storage_of[inst] = storage_of[src] if src is not None else current.get(root, (root, 0))
-        current[i] = inst
-        acquire(storage_of[inst], storage_of[inst][0])
-        return inst
-
-    def drop(inst: tuple[int, int]) -> None:
-        release(storage_of[inst], storage_of[inst][0])
-        for key in held.pop(inst, ()):
-            release(key, key[0])
-
-    for i, node in enumerate(nodes):
-        if node.kind == "input" and not node.tangent:
-            inst = create(i, 0)
-            forever.add(inst)
-
-    # ---- forward
-    fwd = forward_set(graph, saved)
-    fwd_pos = {i: k for k, i in enumerate(fwd)}
-    keep = saved | graph.forward_outputs
-    last_fwd_use: dict[int, int] = {}
-    for k, i in enumerate(fwd):
-        for j in nodes[i].inputs:
-            if nodes[j].kind == "forward":
-                if j not in fwd_pos:
-                    raise InvalidScheduleError(f"{nodes[i].name} needs {nodes[j].name}, which the forward does not compute")
-                last_fwd_use[j] = k
-    dying_at: dict[int, list[int]] = {}
     for i in fwd:
-        if i not in keep:
-            dying_at.setdefault(last_fwd_use.get(i, fwd_pos[i]), []).append(i)
-    # A compressed value is encoded once neither it nor a view of it has a forward use left.
-    compress_at: dict[int, list[int]] = {}
-    if compressed:
-        done_with: dict[int, int] = {}
-        for i in fwd:
-            r = graph.roots[i]
-            done_with[r] = max(done_with.get(r, -1), last_fwd_use.get(i, fwd_pos[i]))
-        for i in compressed:
-            compress_at.setdefault(done_with[i], []).append(i)
-    packed: set[int] = set()  # compressed values whose storage is, for now, only the encoding
-    forward_peak = live_bytes
-    for k, i in enumerate(fwd):
-        create(i, 0)
-        events.append(("forward", nodes[i].name, live_bytes + nodes[i].workspace))
-        forward_peak = max(forward_peak, live_bytes + nodes[i].workspace)
-        for j in dying_at.get(k, ()):
-            drop(current.pop(j))
-        for j in compress_at.get(k, ()):
-            live_bytes += nodes[j].compressed_bytes
-            events.append(("forward", f"compress {nodes[j].name}", live_bytes + nodes[j].codec_workspace))
-            forward_peak = max(forward_peak, live_bytes + nodes[j].codec_workspace)
-            drop(current[j])
-            packed.add(j)
-    for i in graph.forward_outputs:
-        forever.add(current[i])
-    saved_bytes = sum(nodes[r].bytes for r in {storage_of[current[i]][0] for i in saved - graph.free - packed if i in current})
-    saved_bytes += sum(nodes[i].compressed_bytes for i in packed)
+        for j in nodes[i].inputs:
+            if nodes[j].kind == "forward" and j not in fwd_computed:
+                raise InvalidScheduleError(f"{nodes[i].name} needs {nodes[j].name}, which the forward does not compute")
 
-    # ---- backward: saved values, tangents and forward outputs are its inputs
+
+# One computation of a value in the backward: (node, its copy (node, n), the copies it reads).
+Step = tuple[int, Key, list[Key]]
+
+
+def _copies(graph: Graph, backward: Iterable[int], available: dict[int, Key] | None) -> list[Step]:
+    """The backward's steps, each with the copies it reads: the latest computed, else the one
+    ``available`` as the backward starts (a missing one is an `InvalidScheduleError`). With
+    ``available=None`` every value the backward has not computed yet is copy 0 (as `prune` needs)."""
+    nodes = graph.nodes
+    current = dict(available or {})
     count: dict[int, int] = {}
-    last_use: dict[tuple[int, int], int] = {}
-    avail = {i: current[i] for i in current}
-    for i, node in enumerate(nodes):
-        if node.tangent:
-            avail[i] = (i, 0)
-    order: list[tuple[int, tuple[int, int], list[tuple[int, int]]]] = []
-    for e, i in enumerate(schedule.backward):
+    steps: list[Step] = []
+    for e, i in enumerate(backward):
         args = []
         for j in nodes[i].inputs:
-            if j not in avail:
+            if j in current:
+                args.append(current[j])
+            elif available is None:
+                args.append((j, 0))
+            else:
                 raise InvalidScheduleError(
                     f"backward step {e} computes {nodes[i].name} but {nodes[j].name} is not available"
                 )
-            args.append(avail[j])
-            last_use[avail[j]] = e
         count[i] = count.get(i, 0) + 1
-        inst = (i, count[i])
-        avail[i] = inst
-        order.append((i, inst, args))
-    # A recomputation nothing reads afterwards is dropped from the generated code (dead-code
-    # elimination), so it neither runs nor allocates.
-    order = [order[e] for e in _read_events(graph, order)]
-    last_use = {}
-    for e, (_, _, args) in enumerate(order):
-        for a in args:
-            last_use[a] = e
-    for i, node in enumerate(nodes):
-        if node.tangent:
-            # The autograd engine holds the incoming gradients until the backward returns.
-            forever.add(create(i, 0))
-    # Values the backward never reads are freed as soon as it starts (boxed inputs).
-    for i, inst in list(current.items()):
-        if inst not in forever and inst not in last_use:
-            if i in packed:
-                live_bytes -= nodes[i].compressed_bytes
-                packed.discard(i)
-            else:
-                drop(inst)
-            del current[i]
-    events.append(("backward", "<start>", live_bytes))
-    backward_peak = live_bytes
-    for e, (i, inst, args) in enumerate(order):
-        for j in nodes[i].inputs:
-            if j in packed:  # decoded just before its first read; the encoding dies then
-                acquire(storage_of[current[j]], storage_of[current[j]][0])
-                decoding = live_bytes + nodes[j].compressed_bytes + nodes[j].codec_workspace
-                events.append(("backward", f"decompress {nodes[j].name}", decoding))
-                backward_peak = max(backward_peak, decoding)
-                live_bytes -= nodes[j].compressed_bytes
-                packed.discard(j)
-        for j, a in zip(nodes[i].inputs, args):
-            current[j] = a  # the instance this node reads
-        create(i, inst[1])
-        current[i] = inst
-        events.append(("backward", nodes[i].name, live_bytes + nodes[i].workspace))
-        backward_peak = max(backward_peak, live_bytes + nodes[i].workspace)
-        for a in dict.fromkeys(args):
-            if last_use.get(a) == e and a not in forever:
-                drop(a)
-        if inst not in last_use and not nodes[i].output:
-            drop(inst)
-        elif nodes[i].output:
-            forever.add(inst)
+        current[i] = (i, count[i])
+        steps.append((i, current[i], args))
+    return steps
 
-    recomputed = [i for i, _, _ in order if nodes[i].kind == "forward"]
-    first_free = set(graph.backward_only - saved)  # computing these once in the backward is not extra
+
+def _pruned(graph: Graph, steps: list[Step]) -> list[Step]:
+    """The steps the generated code keeps: a recomputation nothing reads afterwards is dropped
+    (dead-code elimination), so it neither runs nor allocates."""
+    return [steps[e] for e in _read_events(graph, steps)]
+
+
+class _Replay:
+    """The generated code's memory, step by step: a `LiveBytes` over the storage of every copy of
+    every value, a copy freed right after its last use (see the module)."""
+
+    def __init__(self, graph: Graph, schedule: Schedule):
+        self.graph, self.nodes = graph, graph.nodes
+        self.saved = frozenset(schedule.saved)
+        self.compressed = frozenset(schedule.compressed)
+        self.memory = LiveBytes(graph)
+        self.events: list[tuple[str, str, int]] = []
+        self.storage_of: dict[Key, Key] = {}  # copy -> the copy owning its storage
+        self.current: dict[int, Key] = {}  # value -> its latest live copy
+        self.forever: set[Key] = set()  # copies never freed: inputs, outputs, tangents
+        # A multi-output op's tuple holds every output it made: an output taken out by a getitem
+        # lives until both the getitem's value and the tuple are dead, and taking it out again from
+        # the same copy of the tuple gives the same tensor.
+        self.held: dict[Key, list[Key]] = {}  # tuple copy -> storages it holds
+        self.taken: dict[tuple[Key, int], Key] = {}  # (tuple copy, getitem) -> storage
+        self.packed: set[int] = set()  # compressed values whose storage is, for now, only the encoding
+        self.forward_peak = self.backward_peak = self.saved_bytes = 0
+
+    def create(self, i: int, n: int) -> Key:
+        graph, nodes, copy = self.graph, self.nodes, (i, n)
+        root = graph.roots[i]
+        if root == i and i in graph.tuple_items:
+            src = self.current[nodes[i].inputs[0]]
+            key = self.taken.get((src, i))
+            if key is None:
+                key = self.taken[(src, i)] = copy
+                self.held.setdefault(src, []).append(key)
+                self.memory.hold(key)  # the tuple's reference
+            self.storage_of[copy] = key
+        elif root == i:
+            self.storage_of[copy] = copy
+        else:
+            src = next((self.current[j] for j in nodes[i].inputs if graph.roots[j] == root), None)
+            self.storage_of[copy] = self.storage_of[src] if src is not None else self.current.get(root, (root, 0))
+        self.current[i] = copy
+        self.memory.hold(self.storage_of[copy])
+        return copy
+
+    def drop(self, copy: Key) -> None:
+        self.memory.release(self.storage_of[copy])
+        for key in self.held.pop(copy, ()):
+            self.memory.release(key)
+
+    def record(self, phase: str, name: str, live: int) -> int:
+        self.events.append((phase, name, live))
+        return live
+
+    def encode(self, j: int) -> int:
+        """COMPRESS value j: its encoding is made, then its storage let go. Bytes while encoding."""
+        self.memory.hold(("encoded", j), self.nodes[j].compressed_bytes)
+        encoding = self.memory.bytes + self.nodes[j].codec_workspace
+        self.drop(self.current[j])
+        self.packed.add(j)
+        return encoding
+
+    def decode(self, j: int) -> int:
+        """Decode value j for its first backward read; the encoding dies then. Bytes while decoding."""
+        self.memory.hold(self.storage_of[self.current[j]])
+        decoding = self.memory.bytes + self.nodes[j].compressed_bytes + self.nodes[j].codec_workspace
+        self.memory.release(("encoded", j), self.nodes[j].compressed_bytes)
+        self.packed.discard(j)
+        return decoding
+
+    def forward(self) -> None:
+        graph, nodes = self.graph, self.nodes
+        for i, node in enumerate(nodes):
+            if node.kind == "input" and not node.tangent:
+                self.forever.add(self.create(i, 0))
+        fwd = forward_set(graph, self.saved)
+        fwd_pos = {i: k for k, i in enumerate(fwd)}
+        last = last_uses([j for j in nodes[i].inputs if nodes[j].kind == "forward"] for i in fwd)
+        keep = self.saved | graph.forward_outputs
+        dying_at: dict[int, list[int]] = {}
+        for i in fwd:
+            if i not in keep:
+                dying_at.setdefault(last.get(i, fwd_pos[i]), []).append(i)
+        # A compressed value is encoded once neither it nor a view of it has a forward use left.
+        compress_at: dict[int, list[int]] = {}
+        if self.compressed:
+            done_with: dict[int, int] = {}
+            for i in fwd:
+                r = graph.roots[i]
+                done_with[r] = max(done_with.get(r, -1), last.get(i, fwd_pos[i]))
+            for i in self.compressed:
+                compress_at.setdefault(done_with[i], []).append(i)
+        peak = self.memory.bytes
+        for k, i in enumerate(fwd):
+            self.create(i, 0)
+            peak = max(peak, self.record("forward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
+            for j in dying_at.get(k, ()):
+                self.drop(self.current.pop(j))
+            for j in compress_at.get(k, ()):
+                peak = max(peak, self.record("forward", f"compress {nodes[j].name}", self.encode(j)))
+        self.forward_peak = peak
+        for i in graph.forward_outputs:
+            self.forever.add(self.current[i])
+        held_saved = {self.storage_of[self.current[i]][0] for i in self.saved - graph.free - self.packed
+                      if i in self.current}
+        self.saved_bytes = (sum(nodes[r].bytes for r in held_saved)
+                            + sum(nodes[i].compressed_bytes for i in self.packed))
+
+    def available(self) -> dict[int, Key]:
+        """What the backward starts with: saved values, tangents and forward outputs (its inputs)."""
+        out = dict(self.current)
+        for i, node in enumerate(self.nodes):
+            if node.tangent:
+                out[i] = (i, 0)
+        return out
+
+    def backward(self, steps: list[Step]) -> None:
+        nodes = self.nodes
+        last = last_uses(args for _, _, args in steps)
+        for i, node in enumerate(nodes):
+            if node.tangent:
+                # The autograd engine holds the incoming gradients until the backward returns.
+                self.forever.add(self.create(i, 0))
+        # Values the backward never reads are freed as soon as it starts (boxed inputs).
+        for i, copy in list(self.current.items()):
+            if copy not in self.forever and copy not in last:
+                if i in self.packed:
+                    self.memory.release(("encoded", i), nodes[i].compressed_bytes)
+                    self.packed.discard(i)
+                else:
+                    self.drop(copy)
+                del self.current[i]
+        peak = self.record("backward", "<start>", self.memory.bytes)
+        for e, (i, copy, args) in enumerate(steps):
+            for j in nodes[i].inputs:
+                if j in self.packed:
+                    peak = max(peak, self.record("backward", f"decompress {nodes[j].name}", self.decode(j)))
+            for j, a in zip(nodes[i].inputs, args):
+                self.current[j] = a  # the copy this node reads
+            self.create(i, copy[1])
+            peak = max(peak, self.record("backward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
+            for a in dict.fromkeys(args):
+                if last.get(a) == e and a not in self.forever:
+                    self.drop(a)
+            if copy not in last and not nodes[i].output:
+                self.drop(copy)
+            elif nodes[i].output:
+                self.forever.add(copy)
+        self.backward_peak = peak
+
+
+def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float]:
+    """FLOPs and cost beyond one execution of every node: recomputations (the first backward
+    computation of a value only the backward needs is not one), encoding and decoding."""
+    nodes = graph.nodes
+    first_free = set(graph.backward_only - frozenset(schedule.saved))
     extra_flops, extra_cost = 0, 0.0
-    for i in recomputed:
+    for i, _, _ in steps:
+        if nodes[i].kind != "forward":
+            continue
         if i in first_free:
             first_free.discard(i)
             continue
         extra_flops += nodes[i].flops
         extra_cost += nodes[i].cost
-    for i in compressed:
+    for i in frozenset(schedule.compressed):
         extra_flops += nodes[i].codec_flops
         extra_cost += nodes[i].codec_cost
-    return Timeline(
-        peak_bytes=max(forward_peak, backward_peak),
-        forward_peak_bytes=forward_peak,
-        backward_peak_bytes=backward_peak,
-        saved_bytes=saved_bytes,
-        recompute_flops=extra_flops,
-        recompute_cost=extra_cost,
-        events=tuple(events),
-    )
+    return extra_flops, extra_cost
 
 
-def _read_events(graph: Graph, order) -> list[int]:
-    """Positions of the events the generated code keeps: backward nodes, and recomputations read
-    by a kept event (a multi-output op's outputs stay with it: it allocates them all)."""
+def _read_events(graph: Graph, steps: list[Step]) -> list[int]:
+    """Positions of the steps the generated code keeps: backward nodes, and recomputations read
+    by a kept step (a multi-output op's outputs stay with it: it allocates them all)."""
     nodes = graph.nodes
-    needed: set[tuple[int, int]] = set()
-    keep = [False] * len(order)
-    for e in range(len(order) - 1, -1, -1):
-        i, inst, args = order[e]
-        if nodes[i].kind == "backward" or inst in needed:
+    needed: set[Key] = set()
+    keep = [False] * len(steps)
+    for e in range(len(steps) - 1, -1, -1):
+        i, copy, args = steps[e]
+        if nodes[i].kind == "backward" or copy in needed:
             keep[e] = True
             needed.update(args)
-    for e, (i, inst, args) in enumerate(order):
+    for e, (i, copy, args) in enumerate(steps):
         if not keep[e] and len(args) == 1 and args[0] in needed and not nodes[args[0][0]].tensor:
             keep[e] = True  # an output of a kept tuple
-    return [e for e in range(len(order)) if keep[e]]
+    return [e for e in range(len(steps)) if keep[e]]
 
 
 def prune(graph: Graph, schedule: Schedule) -> Schedule:
     """`schedule` without the recomputations nothing reads (what the generated code drops)."""
-    nodes = graph.nodes
-    avail: dict[int, tuple[int, int]] = {}
-    count: dict[int, int] = {}
-    order = []
-    for i in schedule.backward:
-        args = [avail.get(j, (j, 0)) for j in nodes[i].inputs]
-        count[i] = count.get(i, 0) + 1
-        avail[i] = (i, count[i])
-        order.append((i, avail[i], args))
-    kept = _read_events(graph, order)
-    if len(kept) == len(order):
+    kept = _read_events(graph, _copies(graph, schedule.backward, None))
+    if len(kept) == len(schedule.backward):
         return schedule
     return dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
 
@@ -314,18 +345,50 @@ def on_demand(graph: Graph, saved: Iterable[int]) -> Schedule:
     """The backward for a given SAVE set: before each backward node, recompute the values it needs
     that are not available, from the nearest available ones, and keep them until their last use
     (what `torch.utils.checkpoint` does for a segment)."""
-    saved = (frozenset(saved) - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
-    nodes = graph.nodes
-    avail = set(graph.resident) | set(graph.forward_outputs) | (set(forward_set(graph, saved)) & saved)
-    avail |= {i for i, n in enumerate(nodes) if n.tangent}
-    events: list[int] = []
+    builder = OnDemand(graph, saved)
     for b in graph.backward_nodes:
-        missing = _missing(graph, nodes[b].inputs, avail)
-        events.extend(missing)
-        avail.update(missing)
-        events.append(b)
-        avail.add(b)
-    return prune(graph, Schedule(saved, with_fresh_aliases(graph, events)))
+        builder.run(b)
+    return prune(graph, Schedule(builder.saved, builder.backward()))
+
+
+def required_saves(graph: Graph, saved: Iterable[int]) -> frozenset[int]:
+    """``saved`` as a schedule must have it: no views (a schedule makes them fresh from their
+    base), and every value the backward reads for free or cannot recompute."""
+    return (frozenset(saved) - graph.aliases) | (graph.needed_by_backward & graph.free) | must_save(graph)
+
+
+class OnDemand:
+    """A backward built node by node for a SAVE set: `run` recomputes, just before a backward node,
+    what it needs that is not available, from the nearest available values; what is recomputed
+    stays available until `forget` says otherwise. `on_demand` forgets nothing (the generated code
+    frees each value after its last use anyway); the ILP's rounding and the instant program's plans
+    forget what their solution does not keep."""
+
+    def __init__(self, graph: Graph, saved: Iterable[int]):
+        self.graph = graph
+        self.saved = required_saves(graph, saved)
+        # What the backward starts with (as `simulate` has it): resident values, forward outputs,
+        # tangents, and the SAVEd values the forward computes.
+        self.available = set(graph.resident) | set(graph.forward_outputs) | (set(forward_set(graph, self.saved)) & self.saved)
+        self.available |= {i for i, n in enumerate(graph.nodes) if n.tangent}
+        self.recomputed: set[int] = set()  # recomputed and still available
+        self.events: list[int] = []
+
+    def run(self, b: int) -> None:
+        missing = _missing(self.graph, self.graph.nodes[b].inputs, self.available)
+        self.events.extend(missing)
+        self.available.update(missing)
+        self.recomputed.update(missing)
+        self.events.append(b)
+        self.available.add(b)
+
+    def forget(self, values: Iterable[int]) -> None:
+        values = set(values)
+        self.available -= values
+        self.recomputed -= values
+
+    def backward(self) -> tuple[int, ...]:
+        return with_fresh_aliases(self.graph, self.events)
 
 
 def read_before_recompute(graph: Graph, backward: Iterable[int]) -> frozenset[int]:
