@@ -25,7 +25,7 @@ from fxopt.errors import CaptureError, InfeasibleBudgetError, check_choice
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
-from fxopt.solvers import SOLVERS, eager_schedule, simulate, solve
+from fxopt.solvers import check_solver, eager_schedule, simulate, solve
 
 log = logging.getLogger("fxopt")
 
@@ -62,7 +62,7 @@ class Options:
         if not isinstance(self.compress, bool):
             raise TypeError(f"compress must be True or False, got {self.compress!r}")
         check_choice("compiler", self.compiler, COMPILERS)
-        check_choice("solver", self.solver, SOLVERS)
+        check_solver(self.solver)
         resolve_budget(self.budget, 1)  # an unreadable budget fails now, not at the first call
         if not self.time_limit > 0:
             raise ValueError(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")

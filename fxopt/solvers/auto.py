@@ -12,7 +12,7 @@ import time
 import warnings
 from collections.abc import Callable
 
-from fxopt.errors import InfeasibleBudgetError
+from fxopt.errors import InfeasibleBudgetError, check_choice
 from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
 from fxopt.solvers.gap import gap, proven
@@ -70,8 +70,7 @@ class Solution:
 
 def check_solver(solver: str) -> None:
     """Raise `ValueError` unless ``solver`` is one of `SOLVERS` (for every entry point that takes one)."""
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    check_choice("solver", solver, SOLVERS)
 
 
 def eager_schedule(graph: Graph) -> Schedule:
