@@ -152,6 +152,33 @@ def test_entry_point_options_are_checked():
         fxopt.backend(0.5, graph_breaks="ignore")
 
 
+def test_backend_replays_a_given_plan_without_solving(tmp_path, monkeypatch):
+    """``fxopt.backend(plan=...)`` (here the path of a plan's JSON) runs that plan: nothing is
+    solved and the step equals eager's; a plan for another graph is refused."""
+    import fxopt.planner as planner
+
+    torch.manual_seed(0)
+    model, inputs = residual_mlp(blocks=3, width=32, batch=512)
+    plan = fxopt.plan(model, 0.8, inputs, solver="greedy")
+    assert plan.recomputed
+    plan.to_json(tmp_path / "plan.json")
+    solves = []
+    monkeypatch.setattr(planner, "solve", lambda *a, **k: solves.append(1))
+    eager = copy.deepcopy(model)
+    torch.manual_seed(1)
+    loss_e = step(eager, inputs)
+    backend = fxopt.backend(0.8, compiler="eager", plan=str(tmp_path / "plan.json"))
+    _, loss = compiled_step(model, inputs, backend)
+    assert not solves
+    assert [p.to_dict() for p in backend.plans] == [plan.to_dict()]
+    torch.testing.assert_close(loss, loss_e)
+    for p_e, p_o in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(p_o.grad, p_e.grad)
+    torch._dynamo.reset()
+    with pytest.raises(fxopt.CaptureError, match="different graph"):
+        compiled_step(model, (inputs[0][:256],), fxopt.backend(0.8, compiler="eager", plan=plan))
+
+
 class BreaksInTheMiddle(nn.Module):
     def __init__(self):
         super().__init__()

@@ -129,6 +129,30 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize("flags, planned", [
+    ([], dict(compiler="eager", compress=True, quantize=None)),
+    (["--compiler", "inductor"], dict(compiler="inductor", compress=True, quantize=None)),
+    (["--no-compress"], dict(compiler="eager", compress=False, quantize=None)),
+    (["--quantize", "int8"], dict(compiler="eager", compress=True, quantize="int8")),
+])
+def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, capsys):
+    """What --compiler, --no-compress and --quantize do once they reach the planner is tested
+    with the API (test_backend, test_compression); here, that they reach it."""
+    import fxopt.api
+
+    calls = []
+
+    def plan_and_rewrite(model, budget, inputs, **kwargs):
+        calls.append(kwargs)
+        raise fxopt.InfeasibleBudgetError(1000, 2000)  # stop here: planning is not what is tested
+
+    monkeypatch.setattr(fxopt.api, "plan_and_rewrite", plan_and_rewrite)
+    assert main(["inspect", MLP, "--budget", "50%", *flags]) == EXIT_INFEASIBLE
+    (kwargs,) = calls
+    assert {k: kwargs[k] for k in planned} == planned
+    assert f"compiler {planned['compiler']}," in capsys.readouterr().out
+
+
 def test_verbose_logs_and_quiet_prints_nothing(capsys):
     assert main(["inspect", MLP, "--budget", "1.0", *FAST, "-v"]) == EXIT_OK
     captured = capsys.readouterr()

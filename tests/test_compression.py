@@ -2,10 +2,12 @@
 (lossless: bit-identical gradients; lossy: measured error)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxopt
 from fxopt.analysis.codecs import Quantize
@@ -205,3 +207,76 @@ def test_instant_bound_counts_compression(codec_cost):
     bound = instant_solve(g, budget, time_limit=10).bound
     assert bound is not None and bound <= best + 1e-9
     assert bound == pytest.approx(min(codec_cost, 1.0), rel=1e-3)
+
+
+def test_solve_falls_back_on_planning_without_codecs(monkeypatch):
+    """The solvers do not always find the lowest peak of the larger problem that codecs make; a
+    budget that plans without them must plan with them. Here the instant program misses on the
+    graph with a codec (it calls the budget infeasible) and compressing alone does not fit (a
+    16-byte value that compresses to 15): solve plans the graph without its codec instead."""
+    import dataclasses
+
+    import fxopt.solvers.auto as auto
+    from fxopt.solvers.instant import InstantResult, instant_solve
+
+    from solver_graphs import mlp2
+
+    plain = mlp2()
+    a = next(i for i, n in enumerate(plain.nodes) if n.name == "a")
+    nodes = list(plain.nodes)
+    nodes[a] = dataclasses.replace(nodes[a], codec="test", compressed_bytes=15, codec_cost=1e-3)
+    graph = Graph(tuple(nodes))
+    assert graph.compressible == frozenset({a})
+
+    def misses_with_codecs(g, budget, **kwargs):
+        if g.compressible:
+            return InstantResult(bound=None, plans=(), instants=(), seconds=0.0, infeasible=True)
+        return instant_solve(g, budget, **kwargs)
+
+    monkeypatch.setattr(auto, "instant_solve", misses_with_codecs)
+    messages = []
+    solution = solve(graph, 70, "instant", time_limit=10, on_progress=messages.append)
+    assert "no plan fits with compression; planning without it" in messages
+    assert not solution.schedule.compressed
+    assert solution.timeline == simulate(graph, solution.schedule)
+    assert solution.timeline.peak_bytes <= 70
+    assert solution.timeline.recompute_cost == pytest.approx(3.0)  # mlp2's optimum at 70 bytes
+
+
+class PoolNet(nn.Module):
+    """Three convolutions, each followed by a size-keeping max-pool: its int64 indices are the
+    largest values the backward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(c, 8, 3, padding=1) for c in (3, 8, 8))
+        self.head = nn.Linear(8 * 16 * 16, 10)
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = F.max_pool2d(conv(x), 3, stride=1, padding=1)
+        return self.head(x.flatten(1)).sum()
+
+
+def test_int32_codec_on_max_pool_indices_is_exact():
+    """Max-pooling's int64 indices are offered the int32 codec (half the bytes); a plan that
+    COMPRESSes them gives bit-identical gradients."""
+    torch.manual_seed(0)
+    model, inputs = PoolNet(), (torch.randn(16, 3, 16, 16),)
+    saved = fxopt.plan(model, 1.0, inputs)
+    graph = saved.graph
+    int32 = {i for i, n in enumerate(graph.nodes) if n.codec == "int32"}
+    assert len(int32) == 3 and int32 <= graph.compressible
+    assert all(graph.nodes[i].compressed_bytes * 2 == graph.nodes[i].bytes for i in int32)
+    # Replay the eager plan with the indices COMPRESSed.
+    schedule = dataclasses.replace(saved.schedule, compressed=frozenset(int32))
+    packed = fxopt.Plan.build(graph=graph, schedule=schedule, budget_bytes=saved.budget_bytes,
+                              eager_peak_bytes=saved.eager_peak_bytes, solver="test", status="heuristic",
+                              solve_seconds=0.0, fingerprint=saved.fingerprint)
+    assert set(packed.compressed.values()) == {"int32"} and not packed.lossy
+    assert packed.peak_bytes < saved.peak_bytes
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, saved.budget_bytes, plan_now=False, plan=packed)
+    assert torch.equal(loss_e, loss_o)
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        assert torch.equal(p_e.grad, p_o.grad)
+    assert measured_peak(optimized, inputs) <= packed.peak_bytes

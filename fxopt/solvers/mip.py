@@ -154,6 +154,12 @@ def solve_mip(
     once the relative gap is below ``rel_gap``. ``warm_start``: every column's value, or some
     columns' values (a dict) for the solver to complete (HiGHS; CBC ignores a partial start)."""
     mip_solver = mip_solver or default_mip_solver()
+    if model.num_vars == 0:
+        # Nothing to decide (the backward reads no forward value): HiGHS reports such a model
+        # empty without solving it. Each row is the constant 0.
+        if model.violations([]):
+            return MipResult("infeasible", None, None, None, 0.0)
+        return MipResult("optimal", (), 0.0, 0.0, 0.0)
     if mip_solver == "highs":
         return _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose)
     if mip_solver == "cbc":
