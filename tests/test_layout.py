@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import networkx as nx
-import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fxopt"
 
