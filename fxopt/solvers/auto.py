@@ -239,7 +239,7 @@ class _Search:
             except InvalidScheduleError:
                 continue
         best = self.cheapest()
-        if lp_bound is None and model.infeasible is False and best is None:
+        if lp_bound is None and best is None:
             self.progress("the LP relaxation found no plan within the budget")
         remaining = self.seconds_left()
         if best is not None and proven(best.timeline.recompute_cost, self.lower_bound, ILP_REL_GAP):

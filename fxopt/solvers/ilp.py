@@ -97,7 +97,6 @@ class RematIlp:
     unit: int
     cost_scale: float
     cost_offset: float  # cost of backward-only values, paid once whatever the plan
-    infeasible: bool = False  # a value the backward needs can be neither saved nor recomputed
     window: int = 0  # how many values back from a stage's reads recomputation may reach
 
     def s(self, t: int, i: int) -> int | None:
@@ -545,8 +544,6 @@ def solve_ilp(
     t0 = time.perf_counter()
     ilp = model or build_ilp(graph, budget, minimize_peak=minimize_peak)
     nvars = ilp.mip.num_vars
-    if ilp.infeasible:
-        return IlpResult(None, "infeasible", None, None, time.perf_counter() - t0, nvars)
     start = None
     if warm_start is not None:
         start = ilp.values_of(warm_start, budget)
@@ -590,8 +587,6 @@ def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: floa
     saves at least a threshold of; before each backward node recompute what is missing; after
     each stage, forget recomputed values the relaxation keeps less than the threshold of."""
     ilp = model or build_ilp(graph, budget, minimize_peak=budget is None)
-    if ilp.infeasible:
-        return None, []
     res = solve_mip(ilp.mip, time_limit=time_limit, mip_solver=mip_solver, relax=True)
     if res.x is None:
         return None, []
