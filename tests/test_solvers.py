@@ -349,7 +349,7 @@ def test_ctrl_c_stops_the_ilp_and_keeps_its_best_plan():
 @pytest.mark.parametrize(("bound", "gap", "shown"), [
     (None, None, ""),
     (3.0, 0.0, ", gap to the lower bound 0.0%"),
-    (3.0 - 5e-7, 0.0, ", gap to the lower bound 0.0%"),  # within a microsecond: nothing to gain
+    (3.0 - 5e-7, 5e-7 / 3.0, ", gap to the lower bound 0.0%"),  # the true gap, shown rounded
     (1.5, 0.5, ", gap to the lower bound 50.0%"),
     (0.0, 1.0, ", gap to the lower bound 100.0%"),
 ])
@@ -740,3 +740,19 @@ def test_the_named_smallest_budget_plans_even_when_the_search_is_cut_short(name,
     monkeypatch.setattr(solvers, "lp_bound_and_roundings", lambda *a, **k: (None, []))
     solution = solve(fresh, min_budget, "auto", time_limit=5)
     assert solution.timeline.peak_bytes <= min_budget
+
+
+def test_a_mip_solution_is_judged_by_its_own_objective():
+    """HiGHS 1.16, warm-started, can report the optimum's objective with the warm start as its
+    solution: the result then carries the solution's objective and is not called optimal unless
+    the bound proves it."""
+    from fxopt.solvers.mip import Mip, MipResult, _checked
+
+    m = Mip()
+    a, b = m.binary("a", cost=1.0), m.binary("b", cost=2.0)
+    m.row([(a, 1.0), (b, 1.0)], lower=1.0)
+    reported = MipResult("optimal", (0.0, 1.0), 1.0, 1.0, 0.1)  # claims 1.0, returns b (2.0)
+    checked = _checked(m, reported, 1e-4)
+    assert (checked.status, checked.objective) == ("feasible", 2.0)
+    honest = MipResult("optimal", (1.0, 0.0), 1.0, 1.0, 0.1)
+    assert _checked(m, honest, 1e-4) == honest

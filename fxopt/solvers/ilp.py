@@ -107,8 +107,10 @@ class RematIlp:
         return self.S.get((t, i))
 
     def recompute_cost(self, objective: float) -> float:
-        """The model's objective in the cost model's seconds, less what any plan pays."""
-        return objective / self.cost_scale - self.cost_offset
+        """The model's objective in the cost model's seconds (what any plan pays, ``cost_offset``,
+        is taken out of it as the MIP's constant offset, so that the solver's relative gap is on
+        the recompute cost alone)."""
+        return objective / self.cost_scale
 
     def values_of(self, schedule: Schedule, budget: int | None) -> list[float]:
         """Column values describing `schedule` (a warm start)."""
@@ -258,6 +260,7 @@ class _Builder:
                             {}, {}, {}, {}, [], None, unit, cost_scale_for(nodes[i].cost for i in scope.cands),
                             cost_offset=sum(nodes[i].cost for i in scope.cands if i in graph.backward_only),
                             window=scope.window)
+        self.m.offset = -self.ilp.cost_offset * self.ilp.cost_scale
 
     def mem_bytes(self, i: int) -> int:
         graph, nodes = self.graph, self.nodes

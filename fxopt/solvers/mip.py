@@ -51,9 +51,12 @@ class MipResult:
 
 
 class Mip:
-    """minimise cost·x  s.t.  lo_r <= row_r·x <= hi_r,  lower <= x <= upper,  x_j integer for marked j."""
+    """minimise cost·x + offset  s.t.  lo_r <= row_r·x <= hi_r,  lower <= x <= upper,  x_j integer
+    for marked j. The constant ``offset`` matters to the solvers' relative gap, which is taken on the
+    whole objective: a large constant would let them stop far from the optimum of what varies."""
 
     def __init__(self) -> None:
+        self.offset: float = 0.0
         self.names: list[str] = []
         self.cost: list[float] = []
         self.lower: list[float] = []
@@ -102,7 +105,7 @@ class Mip:
         self.row_upper.append(upper)
 
     def objective(self, x: Iterable[float]) -> float:
-        return sum(c * v for c, v in zip(self.cost, x))
+        return self.offset + sum(c * v for c, v in zip(self.cost, x))
 
     def violations(self, x: list[float], tol: float = 1e-6) -> list[int]:
         """Rows that ``x`` breaks (for tests and warm starts)."""
@@ -161,10 +164,33 @@ def solve_mip(
             return MipResult("infeasible", None, None, None, 0.0)
         return MipResult("optimal", (), 0.0, 0.0, 0.0)
     if mip_solver == "highs":
-        return _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose)
+        t0 = time.perf_counter()
+        res = _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose)
+        if warm_start is not None and not relax and res.x is not None and not _solution_matches(model, res):
+            # HiGHS (1.16) can report a better objective than the solution it returns, which is
+            # then the warm start: solve again without it.
+            left = time_limit - (time.perf_counter() - t0)
+            res = _solve_highs(model, max(left, 0.01), None, relax, rel_gap, threads, on_progress, verbose)
+        return _checked(model, res, rel_gap)
     if mip_solver == "cbc":
         return _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose)
     raise ValueError(f"unknown MIP solver {mip_solver!r}; use one of {', '.join(MIP_SOLVERS)}")
+
+
+def _solution_matches(model: Mip, res: MipResult) -> bool:
+    return abs(model.objective(res.x) - res.objective) <= 1e-9 * max(1.0, abs(res.objective))
+
+
+def _checked(model: Mip, res: MipResult, rel_gap: float) -> MipResult:
+    """``res`` with its objective that of the solution it returns; "optimal" only if that
+    solution is proven within ``rel_gap``."""
+    if res.x is None or _solution_matches(model, res):
+        return res
+    objective = model.objective(res.x)
+    status = res.status
+    if status == "optimal" and not (res.bound is not None and gap(objective, res.bound) <= rel_gap):
+        status = "feasible"
+    return dataclasses.replace(res, status=status, objective=objective)
 
 
 @contextlib.contextmanager
@@ -244,6 +270,7 @@ def _load_highs(h, model: Mip, relax: bool) -> None:
               np.asarray([min(v, inf) for v in model.row_upper], dtype=np.float64),
               len(model.row_index), np.asarray(model.row_start[:-1], dtype=np.int32),
               np.asarray(model.row_index, dtype=np.int32), np.asarray(model.row_value, dtype=np.float64))
+    h.changeObjectiveOffset(float(model.offset))
     ints = [j for j in range(model.num_vars) if model.integer[j]]
     if ints and not relax:
         h.changeColsIntegrality(len(ints), np.asarray(ints, dtype=np.int32),
@@ -300,7 +327,7 @@ def _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose) 
         hi = model.upper[j] if model.upper[j] < float("inf") else None
         cat = pulp.LpInteger if model.integer[j] and not relax else pulp.LpContinuous
         xs.append(pulp.LpVariable(f"x{j}", lowBound=lo, upBound=hi, cat=cat))
-    prob += pulp.LpAffineExpression([(xs[j], c) for j, c in enumerate(model.cost) if c])
+    prob += pulp.LpAffineExpression([(xs[j], c) for j, c in enumerate(model.cost) if c], constant=model.offset)
     for r in range(model.num_rows):
         lo, hi = model.row_start[r], model.row_start[r + 1]
         expr = pulp.LpAffineExpression([(xs[model.row_index[k]], model.row_value[k]) for k in range(lo, hi)])
