@@ -17,7 +17,7 @@ from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
-from fxopt.solvers.chain import min_peak_schedule
+from fxopt.solvers.chain import chain_candidates, min_peak_schedule
 from fxopt.solvers.instant import instant_solve, peak_lower_bound
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
@@ -110,6 +110,8 @@ def solve(
     if solver in ("ilp", "instant"):
         first = ["save_all"]  # recomputing nothing is optimal when it fits: the models may not see it
     search.run_heuristics(first)
+    if solver == "auto":
+        search.run_chain()
     if solver in ("instant", "auto"):
         search.run_instant()
     if solver == "auto" and (search.proven_infeasible or not search.settled()):
@@ -188,6 +190,15 @@ class _Search:
                 self.consider(schedule, timeline, name, "heuristic")
                 if timeline.peak_bytes > self.budget and not fallback:
                     self.over.append((schedule, timeline, name))
+
+    def run_chain(self) -> None:
+        """The chain solver's cheapest schedule within the budget, and its lowest-peak one
+        (`fxopt.solvers.chain`); over the budget, compression may make them fit."""
+        self.progress("solver chain")
+        for schedule, timeline in chain_candidates(self.graph, self.budget):
+            self.consider(schedule, timeline, "chain", "heuristic")
+            if timeline.peak_bytes > self.budget:
+                self.over.append((schedule, timeline, "chain"))
 
     def run_instant(self) -> None:
         share = self.time_limit if self.solver == "instant" else INSTANT_TIME_SHARE * self.time_limit

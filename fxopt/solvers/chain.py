@@ -53,9 +53,12 @@ from fxopt.solvers.heuristics import Candidate, checkpoint_cuts
 from fxopt.solvers.liveness import LiveBytes, fixed_backward_profile, last_uses
 from fxopt.solvers.schedule import OnDemand, Schedule, must_save, prune, simulate
 
-# Memory slots of `cheapest_schedule`'s DP (rotor discretizes memory the same way): sizes are
-# rounded up to budget / SLOTS, so a plan within the budget may be missed by that much.
+# Memory slots of `cheapest_schedule`'s DP (rotor discretizes memory the same way). When every
+# size held across a sub-call is a multiple of one unit and the budget is at most EXACT_SLOTS of
+# them, that unit is the slot and the DP is exact; otherwise sizes are rounded up to budget /
+# SLOTS, so a plan within the budget may be missed by that much.
 SLOTS = 400
+EXACT_SLOTS = 4000
 
 # A sub-chain's decision: "all" or the stage e whose output CK(e) keeps; then its sub-calls.
 Tree = tuple[int, int, "str | int", tuple]
@@ -293,9 +296,12 @@ def _min_peak_tree(chain: Chain) -> Tree:
 def _cheapest_tree(chain: Chain, budget: int, slots: int) -> Tree | None:
     """Rotor's DP: the least recomputation with memory ``budget`` (bytes, pinned values aside)
     in ``slots`` slots; None if nothing fits."""
-    unit = budget / slots
-    if unit <= 0:
+    if budget <= 0:
         return None
+    step = math.gcd(*(b for st in chain.stages for b in (st.link_bytes, st.kept_bytes)))
+    unit = step if 0 < step and budget // step <= EXACT_SLOTS else budget / slots
+    slots = int(budget // unit)
+    spare = budget - slots * unit  # with m slots free, m * unit + spare bytes are
 
     def size(b: int) -> int:
         return max(0, math.ceil(b / unit - 1e-9))
@@ -312,7 +318,7 @@ def _cheapest_tree(chain: Chain, budget: int, slots: int) -> Tree | None:
                 if h <= slots:
                     shifted[h:] = table[(a, b)][0][:slots + 1 - h]
                 total += shifted
-            total[:min(size(need), slots + 1)] = np.inf
+            total[:min(size(need - spare), slots + 1)] = np.inf
             better = total < best
             best, arg = np.where(better, total, best), np.where(better, k, arg)
         table[(s, t)] = (best, arg, options)
@@ -414,17 +420,21 @@ def cheapest_schedule(graph: Graph, budget: int, chain: Chain | None = None,
     if tree is None:
         return None
     peak, cost = _evaluate(chain, tree)
+    if peak + chain.pinned > budget:  # rounding at the slots' edge: never offer what the model rejects
+        return None
     return ChainSchedule(_schedule(graph, chain, tree), chain.pinned + peak, cost)
 
 
 def chain_candidates(graph: Graph, budget: int) -> list[Candidate]:
-    """For `solve`: the cheapest chain schedule within ``budget``, simulated. Where the model
-    underestimates (a chain that is not a clean one), the DP runs again with the budget lowered
-    by the excess, twice at most."""
+    """For `solve`: the lowest-peak chain schedule and the cheapest within ``budget``, simulated
+    (at a budget near the lowest peak, the slots' rounding may leave only the first). Where the
+    model underestimates (a chain that is not a clean one), the DP runs again with the budget
+    lowered by the excess, twice at most."""
     chain = chain_of(graph)
     if chain is None:
         return []
-    out: list[Candidate] = []
+    lowest = min_peak_schedule(graph, chain)
+    out: list[Candidate] = [(lowest.schedule, simulate(graph, lowest.schedule))]
     target = budget
     for _ in range(3):
         found = cheapest_schedule(graph, target, chain)
