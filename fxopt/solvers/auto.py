@@ -132,6 +132,7 @@ def solve(
         # calls infeasible may still be met by a simulated heuristic schedule; the instant
         # program's plans may peak at instants it did not model.
         search.run_heuristics(("segments", "greedy", "checkpoint"), fallback=True)
+        search.run_chain(fallback=True)  # what `min_feasible_budget` also names a budget by
     if not search.fitting:
         search.rescue()
     if not search.fitting:
@@ -191,13 +192,14 @@ class _Search:
                 if timeline.peak_bytes > self.budget and not fallback:
                     self.over.append((schedule, timeline, name))
 
-    def run_chain(self) -> None:
+    def run_chain(self, *, fallback: bool = False) -> None:
         """The chain solver's cheapest schedule within the budget, and its lowest-peak one
         (`fxopt.solvers.chain`); over the budget, compression may make them fit."""
-        self.progress("solver chain")
+        if not fallback:
+            self.progress("solver chain")
         for schedule, timeline in chain_candidates(self.graph, self.budget):
             self.consider(schedule, timeline, "chain", "heuristic")
-            if timeline.peak_bytes > self.budget:
+            if timeline.peak_bytes > self.budget and not fallback:
                 self.over.append((schedule, timeline, "chain"))
 
     def run_instant(self) -> None:
