@@ -78,9 +78,9 @@ def assert_valid_solution(graph: Graph, budget: int, solution: Solution, solver:
     if solver in HEURISTICS:
         assert (solution.solver, solution.status) == (solver, "heuristic")
     elif solver == "ilp":
-        assert solution.solver in ("ilp", "ilp-rounding", "save_all", "segments", "greedy", "checkpoint")  # rounded LP, eager, fallbacks
+        assert solution.solver in ("ilp", "ilp-rounding", "save_all", "segments", "greedy", "checkpoint", "chain")  # rounded LP, eager, fallbacks
     elif solver == "instant":
-        assert solution.solver in ("instant", "save_all", "segments", "greedy", "checkpoint")
+        assert solution.solver in ("instant", "save_all", "segments", "greedy", "checkpoint", "chain")
     timeline = simulate(graph, solution.schedule)  # raises if the schedule is not valid
     assert timeline == solution.timeline
     assert timeline.peak_bytes <= budget

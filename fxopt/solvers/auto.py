@@ -17,7 +17,8 @@ from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
-from fxopt.solvers.instant import instant_solve
+from fxopt.solvers.chain import chain_candidates, min_peak_schedule
+from fxopt.solvers.instant import instant_solve, peak_lower_bound
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
 
@@ -25,7 +26,7 @@ log = logging.getLogger("fxopt")
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 6
+REVISION = 7
 
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
@@ -109,6 +110,8 @@ def solve(
     if solver in ("ilp", "instant"):
         first = ["save_all"]  # recomputing nothing is optimal when it fits: the models may not see it
     search.run_heuristics(first)
+    if solver == "auto":
+        search.run_chain()
     if solver in ("instant", "auto"):
         search.run_instant()
     if solver == "auto" and (search.proven_infeasible or not search.settled()):
@@ -129,6 +132,7 @@ def solve(
         # calls infeasible may still be met by a simulated heuristic schedule; the instant
         # program's plans may peak at instants it did not model.
         search.run_heuristics(("segments", "greedy", "checkpoint"), fallback=True)
+        search.run_chain(fallback=True)  # what `min_feasible_budget` also names a budget by
     if not search.fitting:
         search.rescue()
     if not search.fitting:
@@ -187,6 +191,16 @@ class _Search:
                 self.consider(schedule, timeline, name, "heuristic")
                 if timeline.peak_bytes > self.budget and not fallback:
                     self.over.append((schedule, timeline, name))
+
+    def run_chain(self, *, fallback: bool = False) -> None:
+        """The chain solver's cheapest schedule within the budget, and its lowest-peak one
+        (`fxopt.solvers.chain`); over the budget, compression may make them fit."""
+        if not fallback:
+            self.progress("solver chain")
+        for schedule, timeline in chain_candidates(self.graph, self.budget):
+            self.consider(schedule, timeline, "chain", "heuristic")
+            if timeline.peak_bytes > self.budget and not fallback:
+                self.over.append((schedule, timeline, "chain"))
 
     def run_instant(self) -> None:
         share = self.time_limit if self.solver == "instant" else INSTANT_TIME_SHARE * self.time_limit
@@ -365,25 +379,35 @@ def _fmt(cost: float | None) -> str:
 def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float = 60.0,
                         known: int | None = None, run_ilp: bool = True) -> int:
     """The smallest peak ``solver`` can reach for this graph: for a heuristic its lowest peak; for
-    the ILP its solve with the budget as the objective (and the heuristics it falls back on); for
-    "auto" the lowest of all. Every schedule is simulated."""
+    the ILP, the instant program and "auto", the lowest of the chain solver's (`fxopt.solvers.chain`:
+    the lowest peak of checkpointing at the articulation values), the heuristics' and the ILP's
+    solve with the budget as the objective, warm-started from the lowest so far; the ILP is
+    skipped when that already meets `peak_lower_bound` (proven). Every schedule is simulated."""
     peaks = [] if known is None else [known]
+    lowest: list[tuple[int, Schedule]] = []
 
     def reach(schedule: Schedule, name: str) -> None:
         peak = simulate(graph, schedule).peak_bytes
         peaks.append(peak)
+        lowest.append((peak, schedule))
         _remember_lowest(graph, solver, schedule, peak, name)
 
-    names = ("checkpoint", "greedy", "segments") if solver in ("auto", "ilp", "instant") else (solver,)
+    exact = solver in ("auto", "ilp", "instant")
+    if exact and (chain := min_peak_schedule(graph)) is not None:
+        reach(chain.schedule, "chain")
+        if chain.schedule.saved & graph.compressible:
+            reach(compress_all(graph, chain.schedule), "chain+compress")
+    names = ("checkpoint", "greedy", "segments") if exact else (solver,)
     for name in names:
         for schedule, timeline in HEURISTICS[name](graph, 0):
             reach(schedule, name)
             if schedule.saved & graph.compressible:
                 reach(compress_all(graph, schedule), f"{name}+compress")
-    if run_ilp and solver in ("ilp", "auto"):
+    if run_ilp and solver in ("ilp", "auto") and min(peaks) > peak_lower_bound(graph)[0]:
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
-            for schedule in _lowest_peak_schedules(graph, time_limit, None, model):
+            incumbent = min(lowest, key=lambda p: p[0]) if lowest else None
+            for schedule in _lowest_peak_schedules(graph, time_limit, None, model, incumbent):
                 reach(schedule, "ilp")
     return min(peaks)
 
@@ -406,8 +430,9 @@ def _remember_lowest(graph: Graph, solver: str, schedule: Schedule, peak: int, n
 
 
 def _lowest_peak_schedules(graph: Graph, time_limit: float, mip_solver: str | None,
-                           model=None) -> list[Schedule]:
-    """The ILP's lowest-peak schedule and the roundings of its LP relaxation (one model for both)."""
+                           model=None, incumbent: tuple[int, Schedule] | None = None) -> list[Schedule]:
+    """The ILP's lowest-peak schedule and the roundings of its LP relaxation (one model for both);
+    ``incumbent``: a schedule and its simulated peak for the ILP to start from."""
     t0 = time.perf_counter()
     model = model or build_ilp(graph, None, minimize_peak=True)
     _, schedules = lp_bound_and_roundings(graph, None, time_limit=time_limit, mip_solver=mip_solver, model=model)
@@ -420,7 +445,9 @@ def _lowest_peak_schedules(graph: Graph, time_limit: float, mip_solver: str | No
                 out.append(compress_all(graph, schedule))
         except InvalidScheduleError:
             continue
-    res = solve_ilp(graph, None, minimize_peak=True, mip_solver=mip_solver, model=model,
+    # (The budget only places the incumbent's peak: the model is built already.)
+    res = solve_ilp(graph, incumbent[0] if incumbent else None, minimize_peak=True, mip_solver=mip_solver,
+                    model=model, warm_start=incumbent[1] if incumbent else None,
                     time_limit=max(1.0, time_limit - (time.perf_counter() - t0)))
     if res.schedule is not None:
         out.append(res.schedule)

@@ -110,11 +110,19 @@ def articulation_values(graph: Graph) -> list[int]:
     return cuts
 
 
+def checkpoint_cuts(graph: Graph) -> list[int]:
+    """The articulation values worth checkpointing at: values a schedule may SAVE or recompute,
+    owning storage, not forward outputs. In forward order (`segments` and the chain solver)."""
+    nodes = graph.nodes
+    decidable = set(_recomputable_saves(graph))
+    return [i for i in articulation_values(graph)
+            if i in decidable and graph.roots[i] == i and nodes[i].bytes > 0 and not nodes[i].output]
+
+
 def segments(graph: Graph, budget: int) -> list[Candidate]:
     nodes = graph.nodes
     decidable = set(_recomputable_saves(graph))
-    cuts = [i for i in articulation_values(graph)
-            if i in decidable and graph.roots[i] == i and nodes[i].bytes > 0 and not nodes[i].output]
+    cuts = checkpoint_cuts(graph)
     out: list[Candidate] = save_all(graph, budget)  # no checkpoint at all is a choice too
     if not cuts:
         return out

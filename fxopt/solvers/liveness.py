@@ -14,6 +14,7 @@ of a value. `profile` walks an order in which every node runs once, one storage 
     backward_profile    the backward nodes, forward values      ILP: the fixed part of each stage
                         aside
     fixed_backward_bytes  the same, a lower bound                 instant program and `peak_lower_bound`
+                                                                and the chain solver's fixed part
 
 All three count what the simulator counts (outputs are never freed: the caller holds the forward's,
 the gradients are kept; tangents are held by the autograd engine for the whole backward). They
@@ -142,10 +143,15 @@ def backward_profile(graph: Graph) -> Profile:
                    held=[i for i, n in enumerate(graph.nodes) if n.tangent])
 
 
+def fixed_backward_profile(graph: Graph) -> Profile:
+    """The backward nodes' walk that every schedule holds, forward values aside: resident values
+    and forward outputs, tangents, the backward values alive. A backward value that shares a
+    forward value's storage counts nothing here (that storage is counted as a forward value)."""
+    return profile(graph, graph.backward_nodes, resident=graph.resident | graph.forward_outputs,
+                   held=[i for i, n in enumerate(graph.nodes) if n.tangent], forward_storage=False)
+
+
 def fixed_backward_bytes(graph: Graph) -> list[int]:
     """For each backward node k, the bytes every schedule holds while it runs, forward values
-    aside: resident values and forward outputs, tangents, the backward values alive at k, and
-    k's workspace. A backward value that shares a forward value's storage counts nothing here
-    (that storage is counted as a forward value)."""
-    return profile(graph, graph.backward_nodes, resident=graph.resident | graph.forward_outputs,
-                   held=[i for i, n in enumerate(graph.nodes) if n.tangent], forward_storage=False).during
+    aside (`fixed_backward_profile`), k's value and workspace included."""
+    return fixed_backward_profile(graph).during

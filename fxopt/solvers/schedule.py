@@ -382,6 +382,16 @@ class OnDemand:
         self.events.append(b)
         self.available.add(b)
 
+    def recompute(self, wanted: Iterable[int], keep: Iterable[int]) -> None:
+        """Recompute what ``wanted`` needs that is not available (from the nearest available
+        values), and keep available only ``keep`` of it: the rest is used and let go (a segment
+        recomputed to reach a checkpoint, as the chain solver does)."""
+        missing = _missing(self.graph, wanted, self.available)
+        self.events.extend(missing)
+        kept = set(missing) & set(keep)
+        self.available.update(kept)
+        self.recomputed.update(kept)
+
     def forget(self, values: Iterable[int]) -> None:
         values = set(values)
         self.available -= values
