@@ -47,27 +47,24 @@ class Timers:
 
     @contextlib.contextmanager
     def installed(self):
-        real_analyze, real_solve = planner.analyze, planner.solve
-
-        def analyze(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return real_analyze(*args, **kwargs)
-            finally:
-                self.analysis += time.perf_counter() - t0
-
-        def solve(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return real_solve(*args, **kwargs)
-            finally:
-                self.solve += time.perf_counter() - t0
-
-        planner.analyze, planner.solve = analyze, solve
+        real = {name: getattr(planner, name) for name in ("analyze", "solve")}
+        for name, fn in real.items():
+            setattr(planner, name, self._timed(fn, "analysis" if name == "analyze" else "solve"))
         try:
             yield self
         finally:
-            planner.analyze, planner.solve = real_analyze, real_solve
+            for name, fn in real.items():
+                setattr(planner, name, fn)
+
+    def _timed(self, fn, field: str):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - t0)
+
+        return timed
 
 
 def models(which: list[str], only: set[str] | None):
