@@ -125,8 +125,8 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         else:
             kind = "forward"
         recomputable = n.op == "call_function" and _is_recomputable(n)
-        if n.target is operator.getitem and not _is_recomputable(n.args[0]):
-            recomputable = False
+        if n.target is operator.getitem and not nodes[index[n.args[0]]].recomputable:
+            recomputable = False  # an output taken out of a tuple is recomputed with the op that made it
         flops = (flops_of(n) or 0) if n.op == "call_function" else 0
         moved = own_bytes + sum(
             storage_bytes(t) for a in n.all_input_nodes for t in tensors_in(a.meta.get("val"))
