@@ -17,6 +17,7 @@ from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, ma
 from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
 from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
 from fxopt.planner import Options
+from fxopt.solvers import DEFAULT_TIME_LIMIT
 from fxopt.solvers.plan import Plan
 from fxopt.storage import tensors_in
 
@@ -185,7 +186,7 @@ def optimize(
     example_inputs: Sequence[Any] | None = None,
     solver: str = "auto",
     plan: Plan | None = None,
-    time_limit: float = 60.0,
+    time_limit: float = DEFAULT_TIME_LIMIT,
     cost_model: CostModel | None = None,
     compiler: str = "eager",
     compress: bool = True,
@@ -243,7 +244,7 @@ def plan(
     example_inputs: Sequence[Any],
     *,
     solver: str = "auto",
-    time_limit: float = 60.0,
+    time_limit: float = DEFAULT_TIME_LIMIT,
     cost_model: CostModel | None = None,
     compiler: str = "eager",
     compress: bool = True,

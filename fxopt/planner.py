@@ -25,7 +25,9 @@ from fxopt.errors import CaptureError, InfeasibleBudgetError, check_choice
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
-from fxopt.solvers import check_solver, eager_schedule, simulate, solve
+from fxopt.solvers import check_solver, eager_schedule, min_feasible_budget, simulate, solve
+from fxopt.solvers.instant import peak_lower_bound
+from fxopt.solvers.auto import DEFAULT_TIME_LIMIT, MIN_PHASE_SECONDS, lowest_schedule
 
 log = logging.getLogger("fxopt")
 
@@ -36,7 +38,8 @@ COMPILERS = ("eager", "inductor")
 class Options:
     """How to plan. ``budget``: see `fxopt.budget.resolve_budget`. ``solver``: see
     `fxopt.solvers.solve`. ``plan``: reuse this plan instead of solving (it must have been made
-    for the same graph). ``time_limit``: seconds for the ILP. ``compiler``: what runs the
+    for the same graph). ``time_limit``: seconds the solvers may spend on one plan or on the answer "infeasible"
+    (`fxopt.solvers.DEFAULT_TIME_LIMIT` by default). ``compiler``: what runs the
     rewritten forward and backward: ``"eager"`` (FX code, op by op) or ``"inductor"`` (see
     `fxopt.capture.inductor`). ``inductor_config``: extra Inductor settings for ``"inductor"``.
     ``compress``: let the solver COMPRESS saved values losslessly (bool masks as packed bits,
@@ -47,7 +50,7 @@ class Options:
     budget: Budget
     solver: str = "auto"
     plan: Plan | None = None
-    time_limit: float = 60.0
+    time_limit: float = DEFAULT_TIME_LIMIT
     cost_model: CostModel = dataclasses.field(default_factory=CostModel)
     compiler: str = "eager"
     inductor_config: dict | None = None
@@ -120,25 +123,12 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
         return jg, cached
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
-    with progress_display() as report:
-        try:
-            solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
-        except InfeasibleBudgetError as err:
-            if not relu:
-                raise
-            # The solvers do not always find the rewritten step's lowest peak (its memory model
-            # differs a little): never let the ReLU masks make a budget infeasible.
-            report("no plan fits with ReLU masks; planning without them")
-            jg = without_relu_masks()
-            try:
-                solution = solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
-            except InfeasibleBudgetError as err2:
-                raise InfeasibleBudgetError(budget, min(err.min_budget, err2.min_budget)) from None
+    planned = dict(budget_bytes=budget, eager_peak_bytes=eager.peak_bytes)
+    jg, solution = _solve(jg, options, planned, without_relu_masks if relu else None)
     plan = Plan.build(
         graph=jg.graph,
         schedule=solution.schedule,
-        budget_bytes=budget,
-        eager_peak_bytes=eager.peak_bytes,
+        **planned,
         solver=solution.solver,
         status=solution.status,
         solve_seconds=time.perf_counter() - t0,
@@ -150,6 +140,57 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     log.info("%s", plan.summary())
     cache.store(cache_key, plan)
     return jg, plan
+
+
+def _solve(jg, options: Options, planned: dict, without_relu_masks):
+    """The analyzed step ``jg`` solved within ``planned["budget_bytes"]``, as (the step planned,
+    the solution); with the ReLU masks (``without_relu_masks`` undoes them), a budget they make
+    infeasible is planned without them, in what is left of the time limit."""
+    budget, t0 = planned["budget_bytes"], time.perf_counter()
+    with progress_display() as report:
+        try:
+            return jg, solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
+        except InfeasibleBudgetError as err:
+            if without_relu_masks is None:
+                _remember_minimum(err, [jg], options, planned)
+                raise
+            # The solvers do not always find the rewritten step's lowest peak (its memory model
+            # differs a little): never let the ReLU masks make a budget infeasible.
+            report("no plan fits with ReLU masks; planning without them")
+            tried, jg = jg, without_relu_masks()
+            left = options.time_limit - (time.perf_counter() - t0)
+            floor = peak_lower_bound(jg.graph)[0]
+            try:
+                if budget < floor:
+                    # Out of reach without them too: only the smallest budget there is of interest.
+                    raise InfeasibleBudgetError(budget, min_feasible_budget(jg.graph, options.solver, run_ilp=False),
+                                                lower_bound=floor)
+                return jg, solve(jg.graph, budget, options.solver, time_limit=max(MIN_PHASE_SECONDS, left),
+                                 on_progress=report)
+            except InfeasibleBudgetError as err2:
+                # The step runs either way: a peak neither can go below bounds it.
+                floors = [e.lower_bound for e in (err, err2)]
+                both = InfeasibleBudgetError(budget, min(err.min_budget, err2.min_budget),
+                                             lower_bound=None if None in floors else min(floors))
+                _remember_minimum(both, [tried, jg], options, planned)
+                raise both from None
+
+
+def _remember_minimum(err: InfeasibleBudgetError, analyzed: list, options: Options, planned: dict) -> None:
+    """Store, in the plan cache, the plan behind the smallest budget ``err`` names (the schedule
+    the solvers reached it with, among the graphs ``analyzed``), under the key a call with that
+    budget looks up: asking for the minimum fxopt named plans at once, in this process or the
+    next, and is not left to a time-limited search finding the same schedule again."""
+    for jg in analyzed:
+        lowest = lowest_schedule(jg.graph, options.solver)
+        if lowest is None or lowest.peak != err.min_budget:
+            continue
+        timeline = simulate(jg.graph, lowest.schedule)
+        plan = Plan.build(graph=jg.graph, schedule=lowest.schedule, **dict(planned, budget_bytes=err.min_budget),
+                          solver=lowest.name, status="heuristic", solve_seconds=0.0, fingerprint=jg.fingerprint,
+                          module_paths=jg.module_paths, timeline=timeline, lower_bound_cost=None)
+        cache.store(cache.key(analyzed[0].graph, err.min_budget, options.solver, options.time_limit), plan)
+        return
 
 
 @contextlib.contextmanager

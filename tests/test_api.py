@@ -191,6 +191,50 @@ def test_plans_are_cached_on_disk(tmp_path, monkeypatch):
     assert len(solves) == 3
 
 
+def test_infeasible_is_answered_within_the_time_limit_and_its_minimum_plans(tmp_path, monkeypatch):
+    """"Infeasible" comes within the time limit (every fallback and the smallest-budget search
+    included), with a proven floor under the minimum it names; that minimum then plans, from the
+    plan cache, even in a process that did not search (the in-process memo cleared)."""
+    import time
+
+    import fxopt.planner as planner
+    import fxopt.solvers.auto as auto
+    from fxopt.models import ZOO
+
+    monkeypatch.setenv("FXOPT_CACHE", "1")
+    monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path))
+    spent = []
+    real_solve = planner.solve
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real_solve(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    monkeypatch.setattr(planner, "solve", timed)
+    torch.manual_seed(0)
+    model, inputs = ZOO["residual_mlp"]()
+    limit, slack = 3.0, 3 * auto.MIN_PHASE_SECONDS + 2.0
+    with pytest.raises(fxopt.InfeasibleBudgetError) as info:
+        fxopt.plan(model, 1, inputs, time_limit=limit)
+    err = info.value
+    assert err.lower_bound is not None and 1 < err.lower_bound <= err.min_budget
+    assert sum(spent) < limit + slack
+    if err.lower_bound < err.min_budget:  # between the two: the searches run, within the limit
+        spent.clear()
+        try:
+            fxopt.plan(model, (err.lower_bound + err.min_budget) // 2, inputs, time_limit=limit)
+        except fxopt.InfeasibleBudgetError:
+            pass
+        assert sum(spent) < limit + slack, spent
+    auto._LOWEST.clear()  # as in a new process
+    spent.clear()
+    plan = fxopt.plan(model, err.min_budget, inputs, time_limit=limit)
+    assert not spent and plan.peak_bytes <= err.min_budget
+
+
 def test_a_damaged_or_unwritable_plan_cache_only_costs_a_solve(tmp_path, monkeypatch):
     """A cache entry that cannot be read is solved again and replaced; a cache directory that
     cannot be made (a file is in its way) caches nothing and plans all the same."""

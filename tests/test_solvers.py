@@ -756,3 +756,79 @@ def test_a_mip_solution_is_judged_by_its_own_objective():
     assert (checked.status, checked.objective) == ("feasible", 2.0)
     honest = MipResult("optimal", (1.0, 0.0), 1.0, 1.0, 0.1)
     assert _checked(m, honest, 1e-4) == honest
+
+
+# ------------------------------------------------------------------ every answer in seconds
+def test_budget_below_the_floor_is_answered_without_a_search(monkeypatch):
+    """Below `peak_lower_bound` the answer is proven at once: no instant program, no ILP; the
+    error names the floor, which no plan goes below, and the smallest budget, which plans."""
+    import fxopt.solvers.auto as auto
+    from fxopt.solvers.instant import peak_lower_bound
+
+    graph = chain(8)
+    floor = peak_lower_bound(graph)[0]
+    lowest = auto.min_feasible_budget(graph)  # (the ILP runs here, once; the answer is remembered)
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("a search ran for a budget proven infeasible")
+
+    monkeypatch.setattr(auto, "instant_solve", no_search)
+    monkeypatch.setattr(auto, "build_ilp", no_search)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(graph, floor - 1, time_limit=TIME_LIMIT)
+    err = info.value
+    assert err.lower_bound == floor and err.min_budget == lowest >= floor
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.lower_bound, again.min_budget, str(again)) == (err.lower_bound, err.min_budget, str(err))
+    monkeypatch.undo()
+    assert solve(graph, err.min_budget, time_limit=TIME_LIMIT).timeline.peak_bytes <= err.min_budget
+
+
+def test_the_time_limit_bounds_the_whole_answer(monkeypatch):
+    """Every MIP solve of one `solve` call, the infeasible answer's included (the smallest-budget
+    search, the graph without codecs), fits in its time limit, each late phase given at most
+    `MIN_PHASE_SECONDS`: the time limits handed to the MIP solver add up to no more."""
+    import fxopt.solvers.auto as auto
+    import fxopt.solvers.ilp as ilp
+    import fxopt.solvers.instant as instant
+    import fxopt.solvers.mip as mip
+    from fxopt.solvers.instant import peak_lower_bound
+
+    given: list[float] = []
+    real = mip.solve_mip
+
+    def timed(model, *, time_limit, **kwargs):
+        given.append(time_limit)
+        time.sleep(min(time_limit, 0.05))  # as if each solve ran a little
+        return real(model, time_limit=time_limit, **kwargs)
+
+    for module in (ilp, instant):
+        monkeypatch.setattr(module, "solve_mip", timed)
+    graph = chain(8)
+    limit = 3.0
+    budget = peak_lower_bound(graph)[0]  # not below the floor: the searches run
+    auto._LOWEST.clear()
+    t0 = time.perf_counter()
+    try:
+        solve(graph, budget, time_limit=limit)
+    except InfeasibleBudgetError:
+        pass
+    assert given, "no MIP was solved"
+    assert time.perf_counter() - t0 < limit + 3 * auto.MIN_PHASE_SECONDS + 2.0
+    # The largest limit any one phase got is within the whole; none exceeds what was left by more
+    # than the floor a late phase gets.
+    assert max(given) <= limit + auto.MIN_PHASE_SECONDS
+
+
+def test_the_smallest_budget_is_searched_once_per_graph(monkeypatch):
+    """Asking again (another infeasible budget, the same graph) answers from the first search:
+    the same minimum, without a second ILP."""
+    import fxopt.solvers.auto as auto
+
+    graph = chain(8)
+    auto._LOWEST.clear()
+    first = auto.min_feasible_budget(graph)
+    monkeypatch.setattr(auto, "build_ilp", lambda *a, **k: (_ for _ in ()).throw(AssertionError("searched again")))
+    assert auto.min_feasible_budget(graph) == first
+    assert auto.min_feasible_budget(graph, known=first + 1) == first
+    assert auto.min_feasible_budget(graph, known=first - 1) == first - 1

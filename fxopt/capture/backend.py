@@ -35,6 +35,7 @@ from fxopt.capture.dynamo import make_backend
 from fxopt.capture.pieces import GraphBreakWarning, break_location
 from fxopt.errors import CaptureError, check_choice
 from fxopt.planner import Options
+from fxopt.solvers import DEFAULT_TIME_LIMIT
 from fxopt.solvers.plan import Plan
 
 log = logging.getLogger("fxopt")
@@ -85,7 +86,7 @@ def backend(
     *,
     compiler: str = "inductor",
     solver: str = "auto",
-    time_limit: float = 60.0,
+    time_limit: float = DEFAULT_TIME_LIMIT,
     graph_breaks: str = "error",
     plan: Plan | str | Path | None = None,
     cost_model: CostModel | None = None,

@@ -443,7 +443,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from fxopt.planner import COMPILERS
-    from fxopt.solvers import SOLVERS
+    from fxopt.solvers import DEFAULT_TIME_LIMIT, SOLVERS
 
     budget_help = "bytes, '3GiB', '500MB', or a share of the eager peak: '50%%' or 0.5 (default 50%%)"
     parser = argparse.ArgumentParser(prog="fxopt", description="Budgeted rematerialization of PyTorch training steps.")
@@ -452,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="eager vs fxopt on a built-in residual MLP, measured")
     d.add_argument("--budget", type=_parse_budget, default="50%", help=budget_help)
     d.add_argument("--solver", choices=SOLVERS, default="auto")
-    d.add_argument("--time-limit", type=float, default=30.0, help="seconds for the ILP (default 30)")
+    d.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                   help=f"seconds the solvers may spend (default {DEFAULT_TIME_LIMIT:g})")
     d.add_argument("--blocks", type=int, default=8)
     d.add_argument("--width", type=int, default=512)
     d.add_argument("--batch", type=int, default=4096)
@@ -469,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
     i.add_argument("--budget", type=_parse_budget, default="50%", help=budget_help)
     i.add_argument("--solver", choices=SOLVERS, default="auto")
-    i.add_argument("--time-limit", type=float, default=30.0, help="seconds for the ILP (default 30)")
+    i.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                   help=f"seconds the solvers may spend (default {DEFAULT_TIME_LIMIT:g})")
     i.add_argument("--compiler", choices=COMPILERS, default="eager",
                    help="what runs the rewritten step with --run (default eager)")
     i.add_argument("--no-compress", action="store_true", help="recompute only: no lossless compression of saved values")

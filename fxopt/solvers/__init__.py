@@ -14,10 +14,10 @@ The whole package imports without torch (a test blocks ``import torch`` and impo
   - `plan`: `Plan`, a solution as the user sees it (decisions, peak, costs; JSON).
 """
 
-from fxopt.solvers.auto import (ILP_REL_GAP, REVISION, SOLVERS, Solution, SolverTimeoutWarning, check_solver,
-                                eager_schedule, min_feasible_budget, solve)
+from fxopt.solvers.auto import (DEFAULT_TIME_LIMIT, ILP_REL_GAP, REVISION, SOLVERS, Solution, SolverTimeoutWarning,
+                                check_solver, eager_schedule, min_feasible_budget, solve)
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 
 __all__ = ["Graph", "Node", "Schedule", "Timeline", "Solution", "SolverTimeoutWarning", "SOLVERS", "REVISION",
-           "ILP_REL_GAP", "check_solver", "solve", "min_feasible_budget", "simulate", "eager_schedule"]
+           "DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "check_solver", "solve", "min_feasible_budget", "simulate", "eager_schedule"]

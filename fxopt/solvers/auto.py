@@ -43,6 +43,20 @@ ILP_REL_GAP = 0.005
 # Share of the time limit "auto" gives the instant program before the ILP.
 INSTANT_TIME_SHARE = 0.4
 
+# Seconds for the whole of one `solve` (every solver, the fallbacks and the search for the smallest
+# budget when nothing fits) unless the caller gives another limit: a user trying budgets gets each
+# answer in seconds; a longer limit may buy a proven-optimal plan on large graphs.
+DEFAULT_TIME_LIMIT = 10.0
+
+# The least a time-limited phase is given, even past the deadline, so that a late phase (the
+# lowest-peak search after a long ILP) still answers: a solve may overrun its limit by about this.
+MIN_PHASE_SECONDS = 1.0
+
+# Share of the remaining time that the search for the smallest budget (when nothing fits) may
+# spend in the ILP. Its roundings and first incumbents give the lowest peaks it finds on the zoo
+# within a second; the rest is left for planning without the codecs.
+MIN_BUDGET_TIME_SHARE = 0.2
+
 
 class SolverTimeoutWarning(UserWarning):
     """The ILP hit its time limit; the best plan found so far (or a heuristic's) is used."""
@@ -84,7 +98,7 @@ def solve(
     budget: int,
     solver: str = "auto",
     *,
-    time_limit: float = 60.0,
+    time_limit: float = DEFAULT_TIME_LIMIT,
     on_progress: Callable[[str], None] | None = None,
     mip_solver: str | None = None,
 ) -> Solution:
@@ -97,13 +111,20 @@ def solve(
     (save_all and checkpoint, then the instant program; unless that proves its plan within
     `ILP_REL_GAP` of optimal: greedy and segments, the ILP's LP relaxation rounded and the ILP
     warm-started from the best plan so far; the cheapest valid schedule wins).
-    ``time_limit``: seconds for the ILP (its LP relaxation included). ``on_progress`` receives
-    one-line progress messages (by default they go to the ``fxopt`` logger). Ctrl-C during the
-    ILP stops it and keeps the best plan found so far.
-    Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does.
+    ``time_limit``: seconds for the whole solve, the answer "infeasible" included (each late phase
+    still gets `MIN_PHASE_SECONDS`); at the limit the best plan found so far is used, with its
+    proven gap. ``on_progress`` receives one-line progress messages (by default they go to the
+    ``fxopt`` logger). Ctrl-C during the ILP stops it and keeps the best plan found so far.
+    Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does and the
+    peak no schedule goes below.
     """
     check_solver(solver)
     search = _Search(graph, budget, solver, time_limit, on_progress, mip_solver)
+    floor, where = peak_lower_bound(graph)
+    if budget < floor:
+        # Proven at once: while ``where`` runs, more than the budget is alive whatever the plan.
+        search.progress(f"infeasible: at least {floor} bytes are alive at {where}")
+        search.proven_infeasible = True
     # "auto" runs the fast heuristics first, and the slower ones (a few seconds each on thousands
     # of nodes) only if the instant program does not prove its plan optimal.
     first = ["save_all", "checkpoint"] if solver == "auto" else [solver] if solver in HEURISTICS else []
@@ -112,18 +133,18 @@ def solve(
     search.run_heuristics(first)
     if solver == "auto":
         search.run_chain()
-    if solver in ("instant", "auto"):
+    if solver in ("instant", "auto") and not search.proven_infeasible:
         search.run_instant()
     if solver == "auto" and (search.proven_infeasible or not search.settled()):
         # (Also when the budget is proven infeasible: cheap, and a check on that proof.)
         search.run_heuristics([name for name in HEURISTICS if name not in first])
-    if graph.compressible and search.over:
+    if graph.compressible and search.over and not search.proven_infeasible:
         search.compress_cheapest_over_budget()
     if search.proven_infeasible and search.fitting:
         log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
                     "(please report this graph)", budget)
         search.proven_infeasible = False
-    if solver == "ilp" or (solver == "auto" and not search.settled()):
+    if not search.proven_infeasible and (solver == "ilp" or solver == "auto" and not search.settled()):
         search.run_ilp()
     if (solver == "ilp" and not any(s.solver.startswith("ilp") for s in search.fitting)
             or solver == "instant" and not search.proven_infeasible
@@ -133,7 +154,7 @@ def solve(
         # program's plans may peak at instants it did not model.
         search.run_heuristics(("segments", "greedy", "checkpoint"), fallback=True)
         search.run_chain(fallback=True)  # what `min_feasible_budget` also names a budget by
-    if not search.fitting:
+    if not search.fitting and not search.proven_infeasible:
         search.rescue()
     if not search.fitting:
         return search.nothing_fits()
@@ -162,6 +183,11 @@ class _Search:
 
     def seconds_left(self) -> float:
         return self.time_limit - (time.perf_counter() - self.t0)
+
+    def phase_seconds(self, share: float = 1.0) -> float:
+        """Seconds for the next time-limited phase: ``share`` of what is left, at least
+        `MIN_PHASE_SECONDS`."""
+        return max(MIN_PHASE_SECONDS, share * self.seconds_left())
 
     def consider(self, schedule: Schedule, timeline: Timeline, name: str, status: str) -> None:
         peak = timeline.peak_bytes
@@ -203,7 +229,7 @@ class _Search:
                 self.over.append((schedule, timeline, "chain"))
 
     def run_instant(self) -> None:
-        share = self.time_limit if self.solver == "instant" else INSTANT_TIME_SHARE * self.time_limit
+        share = self.phase_seconds(1.0 if self.solver == "instant" else INSTANT_TIME_SHARE)
         self.progress("solver instant")
         inst = instant_solve(self.graph, self.budget, time_limit=share, mip_solver=self.mip_solver)
         self.proven_infeasible = inst.infeasible
@@ -244,7 +270,7 @@ class _Search:
         self.model = model
         self.progress(f"ILP: {model.mip.num_integer} integer variables, {model.mip.num_rows} constraints; "
                       "LP relaxation")
-        lp_bound, roundings = lp_bound_and_roundings(self.graph, self.budget, time_limit=max(1.0, self.seconds_left()),
+        lp_bound, roundings = lp_bound_and_roundings(self.graph, self.budget, time_limit=self.phase_seconds(),
                                                      mip_solver=self.mip_solver, model=model)
         self.raise_bound(lp_bound, "ilp")
         for schedule in roundings:
@@ -313,32 +339,41 @@ class _Search:
             # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
             # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
             self.progress("no plan fits; solving for the lowest peak")
-            for schedule in _lowest_peak_schedules(graph, self.time_limit, self.mip_solver):
+            for schedule in _lowest_peak_schedules(graph, self.phase_seconds(MIN_BUDGET_TIME_SHARE), self.mip_solver):
                 self.consider(schedule, simulate(graph, schedule), "ilp", "feasible")
         reached = _LOWEST.get((graph.nodes, self.solver))
-        if not self.fitting and reached is not None and reached[0] <= self.budget:
+        if not self.fitting and reached is not None and reached.peak <= self.budget:
             # The schedule behind a smallest budget named earlier in this process: a time-limited
             # search need not find it again, and the budget it named must plan.
-            self.consider(reached[1], simulate(graph, reached[1]), reached[2], "heuristic")
+            self.consider(reached.schedule, simulate(graph, reached.schedule), reached.name, "heuristic")
 
     def nothing_fits(self) -> Solution:
         """Raise `InfeasibleBudgetError` with the smallest budget that plans; first, if the graph
         has codecs, plan without them (a solution there is one here too)."""
         graph, budget, solver = self.graph, self.budget, self.solver
-        min_budget = min_feasible_budget(graph, solver, time_limit=self.time_limit, known=self.lowest_peak,
-                                         run_ilp=self.model is None)
+        self.progress("no plan fits; searching for the smallest budget")
+        min_budget = min_feasible_budget(graph, solver, time_limit=self.phase_seconds(MIN_BUDGET_TIME_SHARE),
+                                         known=self.lowest_peak, run_ilp=self.model is None)
+        # A budget the instant program proved infeasible is below every schedule's peak too.
+        floor = max(peak_lower_bound(graph)[0], budget + 1 if self.proven_infeasible else 0)
         fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
         if fewer is graph:
-            raise InfeasibleBudgetError(budget, min_budget)
+            raise InfeasibleBudgetError(budget, min_budget, lower_bound=floor)
+        if self.proven_infeasible:
+            # Without the codecs the budget is out of reach too (they only add choices): only the
+            # smallest budget there is still of interest, from the fast solvers.
+            raise InfeasibleBudgetError(budget, min(min_budget, min_feasible_budget(fewer, solver, run_ilp=False)),
+                                        lower_bound=floor)
         # The solvers do not always find the lowest peak of the larger problem (more choices,
         # the same time): never let the codecs make a budget infeasible that plans without them.
         self.progress("no plan fits with " + ("quantization" if fewer.compressible else "compression")
                       + "; planning without it")
         try:
-            found = solve(fewer, budget, solver, time_limit=self.time_limit, on_progress=self.on_progress,
+            found = solve(fewer, budget, solver, time_limit=self.phase_seconds(), on_progress=self.on_progress,
                           mip_solver=self.mip_solver)
         except InfeasibleBudgetError as err:
-            raise InfeasibleBudgetError(budget, min(min_budget, err.min_budget)) from None
+            # (The codecs only add choices: the graph's own floor holds for both.)
+            raise InfeasibleBudgetError(budget, min(min_budget, err.min_budget), lower_bound=floor) from None
         # Its schedule is one of this graph's (fewer codecs, the same values).
         return dataclasses.replace(found, timeline=simulate(graph, found.schedule),
                                    solve_seconds=time.perf_counter() - self.t0)
@@ -376,13 +411,18 @@ def _fmt(cost: float | None) -> str:
     return "?" if cost is None else f"{cost * 1e3:.2f} ms"
 
 
-def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float = 60.0,
+def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float = DEFAULT_TIME_LIMIT,
                         known: int | None = None, run_ilp: bool = True) -> int:
     """The smallest peak ``solver`` can reach for this graph: for a heuristic its lowest peak; for
     the ILP, the instant program and "auto", the lowest of the chain solver's (`fxopt.solvers.chain`:
     the lowest peak of checkpointing at the articulation values), the heuristics' and the ILP's
-    solve with the budget as the objective, warm-started from the lowest so far; the ILP is
-    skipped when that already meets `peak_lower_bound` (proven). Every schedule is simulated."""
+    solve with the budget as the objective (within ``time_limit``), warm-started from the lowest so
+    far; the ILP is skipped when that already meets `peak_lower_bound` (proven). Every schedule is
+    simulated. The answer does not depend on the budget: the first one per graph and solver in this
+    process is kept (`_LOWEST`), so asking again answers at once, and the same."""
+    remembered = _LOWEST.get((graph.nodes, solver))
+    if remembered is not None and remembered.searched:
+        return remembered.peak if known is None else min(known, remembered.peak)
     peaks = [] if known is None else [known]
     lowest: list[tuple[int, Schedule]] = []
 
@@ -409,22 +449,39 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
             incumbent = min(lowest, key=lambda p: p[0]) if lowest else None
             for schedule in _lowest_peak_schedules(graph, time_limit, None, model, incumbent):
                 reach(schedule, "ilp")
+    if (remembered := _LOWEST.get((graph.nodes, solver))) is not None:
+        remembered.searched = True
     return min(peaks)
+
+
+@dataclasses.dataclass
+class Lowest:
+    """The lowest-peak schedule seen for one graph and solver, and the solver that found it."""
+
+    peak: int
+    schedule: Schedule
+    name: str
+    searched: bool = False  # `min_feasible_budget` ran on this graph: ``peak`` is its answer
 
 
 # The lowest-peak schedule seen so far per (graph, solver) in this process: the plan behind the
 # smallest budget an `InfeasibleBudgetError` named, so that planning at that budget succeeds even
 # when a time-limited search would not find it again. A few graphs' worth; the oldest go first.
-_LOWEST: dict[tuple[tuple, str], tuple[int, Schedule, str]] = {}  # by the graph's nodes (its content)
+_LOWEST: dict[tuple[tuple, str], Lowest] = {}  # by the graph's nodes (its content)
 _LOWEST_KEEP = 16
+
+
+def lowest_schedule(graph: Graph, solver: str = "auto") -> Lowest | None:
+    """The lowest-peak schedule this process has seen for ``graph`` planned by ``solver``."""
+    return _LOWEST.get((graph.nodes, solver))
 
 
 def _remember_lowest(graph: Graph, solver: str, schedule: Schedule, peak: int, name: str) -> None:
     key = (graph.nodes, solver)
     known = _LOWEST.get(key)
-    if known is None or peak < known[0]:
+    if known is None or peak < known.peak:
         _LOWEST.pop(key, None)
-        _LOWEST[key] = (peak, schedule, name)
+        _LOWEST[key] = Lowest(peak, schedule, name, searched=known is not None and known.searched)
         while len(_LOWEST) > _LOWEST_KEEP:
             del _LOWEST[next(iter(_LOWEST))]
 
