@@ -359,9 +359,10 @@ class _Search:
         fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
         if fewer is graph:
             raise InfeasibleBudgetError(budget, min_budget, lower_bound=floor)
-        if self.proven_infeasible:
+        if budget < peak_lower_bound(graph)[0]:
             # Without the codecs the budget is out of reach too (they only add choices): only the
-            # smallest budget there is still of interest, from the fast solvers.
+            # smallest budget there is still of interest, from the fast solvers. (Not on the
+            # instant program's word alone: a MIP's proof is checked by planning without them.)
             raise InfeasibleBudgetError(budget, min(min_budget, min_feasible_budget(fewer, solver, run_ilp=False)),
                                         lower_bound=floor)
         # The solvers do not always find the lowest peak of the larger problem (more choices,
