@@ -43,11 +43,13 @@ class GraphBuilder:
             recomputable=recomputable, output=output, tensor=tensor, workspace=workspace,
         ))
 
-    def bwd(self, name: str, inputs, bytes: int = 0, *, output: bool = False, view_of: str | None = None) -> int:
+    def bwd(self, name: str, inputs, bytes: int = 0, *, output: bool = False, view_of: str | None = None,
+            cost: float | None = None) -> int:
+        """A backward node; ``cost``: its seconds (by default bytes / 100)."""
         return self._add(Node(
             name, "backward", self._ids(inputs),
             bytes=0 if view_of else bytes,
-            flops=bytes, cost=bytes / 100,
+            flops=bytes, cost=bytes / 100 if cost is None else cost,
             storage=self.index[view_of] if view_of else None,
             output=output,
         ))

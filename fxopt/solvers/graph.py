@@ -14,6 +14,9 @@ Kinds of node:
 Storage: a node either owns ``bytes`` of fresh storage (``storage == its own index``) or aliases
 the storage of an earlier node (views, ``detach``, ``getitem`` of an aliasing op) and then costs
 nothing, but keeps its root's storage alive.
+
+Transfers: a graph may carry the bandwidths between device and host memory (``transfers``, see
+`fxopt.solvers.transfers`); only then may a schedule OFFLOAD a value.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Literal
+
+from fxopt.solvers.transfers import Transfers
 
 Kind = Literal["input", "forward", "backward"]
 
@@ -61,9 +66,11 @@ class Node:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Graph:
-    """A topologically ordered list of nodes (inputs of a node precede it)."""
+    """A topologically ordered list of nodes (inputs of a node precede it), and the bandwidths of
+    the copies to and from host memory (None: OFFLOAD is not offered)."""
 
     nodes: tuple[Node, ...]
+    transfers: Transfers | None = None
 
     def __post_init__(self) -> None:
         for i, node in enumerate(self.nodes):
@@ -209,6 +216,24 @@ class Graph:
             and self.nodes[i].compressed_bytes < self.nodes[i].bytes
         )
 
+    @functools.cached_property
+    def offloadable(self) -> frozenset[int]:
+        """SAVEable values that may be OFFLOADed (kept in host memory between forward and backward):
+        none without ``transfers``; else tensors that own storage of their own, which neither they
+        nor a view of them outlives the step (a forward output) or is saved in their place, as
+        for COMPRESS."""
+        if self.transfers is None:
+            return frozenset()
+        held = {self.roots[i] for i in self.forward_outputs | self.resident}
+        return frozenset(
+            i for i in self.saveable
+            if self.roots[i] == i and i not in held and self.nodes[i].bytes > 0
+        )
+
+    def with_transfers(self, transfers: Transfers | None) -> Graph:
+        """The same values with these bandwidths (None: without OFFLOAD)."""
+        return Graph(self.nodes, transfers)
+
     def ancestors(self, seeds, kinds: Sequence[Kind] = ("forward",)) -> frozenset[int]:
         """`seeds` and everything they depend on, restricted to nodes of the given kinds."""
         seen: set[int] = set()
@@ -225,8 +250,15 @@ class Graph:
         return sum(n.flops for n in self.nodes)
 
     def to_dict(self) -> dict:
-        return {"nodes": [dataclasses.asdict(n) for n in self.nodes]}
+        # (No "transfers" key without them: a graph's dict, and the plan cache's key made from it,
+        # stay what they were before OFFLOAD.)
+        d: dict = {"nodes": [dataclasses.asdict(n) for n in self.nodes]}
+        if self.transfers is not None:
+            d["transfers"] = self.transfers.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Graph:
-        return cls(tuple(Node(**{**n, "inputs": tuple(n["inputs"])}) for n in d["nodes"]))
+        transfers = d.get("transfers")
+        return cls(tuple(Node(**{**n, "inputs": tuple(n["inputs"])}) for n in d["nodes"]),
+                   None if transfers is None else Transfers.from_dict(transfers))

@@ -8,6 +8,11 @@ A `Schedule` is what every solver returns and what the recompute pass turns into
   - ``compressed``: SAVEd values kept compressed (COMPRESS, see `fxopt.analysis.codecs`): encoded right
     after their last forward use (of them or a view of them), decoded right before the backward
     first reads them.
+  - ``offloaded``: SAVEd values kept in host memory between forward and backward (OFFLOAD, see
+    `fxopt.solvers.transfers`): copied to the host right after their last forward use (after
+    encoding, if also COMPRESSed: then the encoding travels), and back at their reload point
+    (``reload_at``: a backward position, or by default as late as lets the copy complete before
+    the backward first reads them).
 
 The simulator frees every value right after its last use, exactly as the generated code does: FX
 code drops each local after its last use, and the backward takes its inputs boxed, so saved
@@ -16,15 +21,28 @@ incoming gradients (tangents) are held by the autograd engine until the backward
 none of these is freed. A multi-output op's tuple holds every output it made, so an output taken
 out of it lives at least as long as the tuple. It counts with `fxopt.solvers.liveness`, the memory
 model the ILP and the instant program's bound count with too.
+
+OFFLOAD takes time as well as bytes, so the simulator keeps a clock: it advances by each node's
+compute time (`Node.cost`; encoding and decoding take half a codec's cost each) and by stalls. An
+offload is queued on the device-to-host channel after the value's last forward use, and its
+device memory counts until the copy completes (it is let go before the first allocation after
+that). A reload is queued on the host-to-device channel at its reload point, once the offload has
+completed, and takes its device memory at issue; the backward node that first reads the value
+waits until the copy completes. That wait is the exposed transfer time, added to the schedule's
+cost (`Timeline.cost`). Each channel serves one copy at a time, in the order issued
+(`fxopt.solvers.transfers.Channel`). Without OFFLOAD the clock changes nothing.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Key, LiveBytes, last_uses
+from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
 class InvalidScheduleError(ValueError):
@@ -36,16 +54,27 @@ class Schedule:
     saved: frozenset[int]
     backward: tuple[int, ...]
     compressed: frozenset[int] = frozenset()
+    offloaded: frozenset[int] = frozenset()
+    # (value, position): the reload of an OFFLOADed value is issued just before ``backward[position]``
+    # runs (or the next step the generated code keeps). A value not listed reloads at the default
+    # point; `Timeline.reload_at` says where that was.
+    reload_at: tuple[tuple[int, int], ...] = ()
 
     def recomputed(self, graph: Graph) -> tuple[int, ...]:
         return tuple(i for i in self.backward if graph.nodes[i].kind == "forward")
 
     def to_dict(self) -> dict:
-        return {"saved": sorted(self.saved), "backward": list(self.backward), "compressed": sorted(self.compressed)}
+        d = {"saved": sorted(self.saved), "backward": list(self.backward), "compressed": sorted(self.compressed)}
+        if self.offloaded:  # (no keys without OFFLOAD: such a schedule's dict is what it always was)
+            d["offloaded"] = sorted(self.offloaded)
+        if self.reload_at:
+            d["reload_at"] = [list(p) for p in self.reload_at]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Schedule:
-        return cls(frozenset(d["saved"]), tuple(d["backward"]), frozenset(d.get("compressed", ())))
+        return cls(frozenset(d["saved"]), tuple(d["backward"]), frozenset(d.get("compressed", ())),
+                   frozenset(d.get("offloaded", ())), tuple((j, p) for j, p in d.get("reload_at", ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +88,21 @@ class Timeline:
     recompute_flops: int  # FLOPs beyond one execution of every node (compression included)
     recompute_cost: float  # the same in the cost model's seconds
     events: tuple[tuple[str, str, int], ...]  # (phase, node name, bytes live while it runs)
+    # OFFLOAD (all zero or empty without it): seconds the backward waited for reloads; the most
+    # host memory held at once, and whether that is over the graph's ``transfers.host_budget``
+    # (a plan over it is over budget, like one over the device budget: see `Transfers`); every
+    # copy on the two channels; and where each reload was issued, as (value, backward position).
+    exposed_transfer_seconds: float = 0.0
+    host_peak_bytes: int = 0
+    over_host_budget: bool = False
+    copies: tuple[Copy, ...] = ()
+    reload_at: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def cost(self) -> float:
+        """What the solvers minimise, in the cost model's seconds: recomputation and codecs
+        (``recompute_cost``) plus the exposed transfer time."""
+        return self.recompute_cost + self.exposed_transfer_seconds
 
 
 def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
@@ -71,9 +115,14 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
     _check(graph, schedule)
     replay = _Replay(graph, schedule)
     replay.forward()
-    steps = _pruned(graph, _copies(graph, schedule.backward, replay.available()))
-    replay.backward(steps)
+    steps = _copies(graph, schedule.backward, replay.available())
+    positions = _read_events(graph, steps)  # the steps kept, by their position in the schedule
+    steps = [steps[e] for e in positions]
+    replay.backward(steps, positions)
     extra_flops, extra_cost = _extra_work(graph, schedule, steps)
+    copies = replay.d2h.copies + replay.h2d.copies
+    host_peak = host_peak_bytes(copies)
+    host_budget = graph.transfers.host_budget if graph.transfers is not None else None
     return Timeline(
         peak_bytes=max(replay.forward_peak, replay.backward_peak),
         forward_peak_bytes=replay.forward_peak,
@@ -82,6 +131,11 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         recompute_flops=extra_flops,
         recompute_cost=extra_cost,
         events=tuple(replay.events),
+        exposed_transfer_seconds=replay.exposed,
+        host_peak_bytes=host_peak,
+        over_host_budget=host_budget is not None and host_peak > host_budget,
+        copies=tuple(copies),
+        reload_at=tuple(sorted(replay.reload_positions.items())),
     )
 
 
@@ -96,6 +150,14 @@ def _check(graph: Graph, schedule: Schedule) -> None:
     bad = frozenset(schedule.compressed) - (saved & graph.compressible)
     if bad:
         raise InvalidScheduleError(f"cannot compress {_names(graph, bad)}: not saved, or no codec for it")
+    bad = frozenset(schedule.offloaded) - (saved & graph.offloadable)
+    if bad:
+        why = "the graph has no transfers" if graph.transfers is None else "not saved, or not offloadable"
+        raise InvalidScheduleError(f"cannot offload {_names(graph, bad)}: {why}")
+    bad = {j for j, p in schedule.reload_at if j not in schedule.offloaded or not 0 <= p < len(schedule.backward)}
+    if bad or len(dict(schedule.reload_at)) != len(schedule.reload_at):
+        raise InvalidScheduleError(f"bad reload points for {_names(graph, bad)}: each offloaded value at most once, "
+                                   "at a backward position")
     backward = [i for i in schedule.backward if nodes[i].kind == "backward"]
     if backward != list(graph.backward_nodes):
         raise InvalidScheduleError("the backward must run every backward node once, in graph order")
@@ -143,15 +205,10 @@ def _copies(graph: Graph, backward: Iterable[int], available: dict[int, Key] | N
     return steps
 
 
-def _pruned(graph: Graph, steps: list[Step]) -> list[Step]:
-    """The steps the generated code keeps: a recomputation nothing reads afterwards is dropped
-    (dead-code elimination), so it neither runs nor allocates."""
-    return [steps[e] for e in _read_events(graph, steps)]
-
-
 class _Replay:
     """The generated code's memory, step by step: a `LiveBytes` over the storage of every copy of
-    every value, a copy freed right after its last use (see the module)."""
+    every value, a copy freed right after its last use; and its clock, with the copies OFFLOAD
+    makes on two channels (see the module)."""
 
     def __init__(self, graph: Graph, schedule: Schedule):
         self.graph, self.nodes = graph, graph.nodes
@@ -169,6 +226,18 @@ class _Replay:
         self.taken: dict[tuple[Key, int], Key] = {}  # (tuple copy, getitem) -> storage
         self.packed: set[int] = set()  # compressed values whose storage is, for now, only the encoding
         self.forward_peak = self.backward_peak = self.saved_bytes = 0
+        # OFFLOAD. (Without transfers a schedule offloads nothing, see `_check`: the channels idle.)
+        self.offloaded = frozenset(schedule.offloaded)
+        self.reload_at = dict(schedule.reload_at)
+        transfers = graph.transfers or INSTANT
+        self.d2h = Channel("d2h", transfers.d2h_bytes_per_s)
+        self.h2d = Channel("h2d", transfers.h2d_bytes_per_s)
+        self.now = 0.0  # seconds since the step began: compute, codecs and stalls
+        self.exposed = 0.0  # seconds the backward waited for reloads
+        self.in_flight: list[tuple[float, int, int]] = []  # offloads not complete: (end, value, bytes)
+        self.offload_end: dict[int, float] = {}
+        self.reloading: dict[int, int] = {}  # value -> its reload's index in ``h2d.copies``
+        self.reload_positions: dict[int, int] = {}  # value -> schedule position its reload was issued at
 
     def create(self, i: int, n: int) -> Key:
         graph, nodes, copy = self.graph, self.nodes, (i, n)
@@ -201,19 +270,69 @@ class _Replay:
 
     def encode(self, j: int) -> int:
         """COMPRESS value j: its encoding is made, then its storage let go. Bytes while encoding."""
+        self.settle()
         self.memory.hold(("encoded", j), self.nodes[j].compressed_bytes)
         encoding = self.memory.bytes + self.nodes[j].codec_workspace
         self.drop(self.current[j])
         self.packed.add(j)
+        self.now += self.nodes[j].codec_cost / 2
         return encoding
 
     def decode(self, j: int) -> int:
         """Decode value j for its first backward read; the encoding dies then. Bytes while decoding."""
+        self.settle()
         self.memory.hold(self.storage_of[self.current[j]])
         decoding = self.memory.bytes + self.nodes[j].compressed_bytes + self.nodes[j].codec_workspace
         self.memory.release(("encoded", j), self.nodes[j].compressed_bytes)
         self.packed.discard(j)
+        self.now += self.nodes[j].codec_cost / 2
         return decoding
+
+    def offload(self, j: int) -> None:
+        """OFFLOAD value j after its last forward use: queue its copy to the host (of its encoding,
+        if COMPRESSed); its device memory counts until the copy completes (`settle`)."""
+        node = self.nodes[j]
+        nbytes = node.compressed_bytes if j in self.packed else node.bytes
+        copy = self.d2h.copy(node.name, nbytes, self.now)
+        self.memory.hold(("offload", j), nbytes)
+        if j in self.packed:
+            self.memory.release(("encoded", j), nbytes)
+        else:
+            self.drop(self.current[j])
+        self.in_flight.append((copy.end, j, nbytes))
+        self.offload_end[j] = copy.end
+
+    def settle(self) -> None:
+        """Let go of the device memory of the offloads complete by now (before an allocation)."""
+        if self.in_flight and min(self.in_flight)[0] <= self.now:
+            for end, j, nbytes in self.in_flight:
+                if end <= self.now:
+                    self.memory.release(("offload", j), nbytes)
+            self.in_flight = [c for c in self.in_flight if c[0] > self.now]
+
+    def reload(self, j: int) -> int:
+        """Issue value j's reload: its device memory (the encoding's, if COMPRESSed) is taken now;
+        the copy starts once the channel is free and the offload complete. Bytes after."""
+        self.settle()
+        node = self.nodes[j]
+        if j in self.packed:
+            self.memory.hold(("encoded", j), node.compressed_bytes)
+            nbytes = node.compressed_bytes
+        else:
+            self.memory.hold(self.storage_of[self.current[j]])
+            nbytes = node.bytes
+        self.h2d.copy(node.name, nbytes, self.now, not_before=self.offload_end[j])
+        self.reloading[j] = len(self.h2d.copies) - 1
+        return self.memory.bytes
+
+    def wait(self, j: int) -> None:
+        """The backward first reads value j: wait until its reload completes (the exposed time)."""
+        k = self.reloading[j]
+        copy = self.h2d.copies[k]
+        self.h2d.copies[k] = dataclasses.replace(copy, needed=self.now)
+        if copy.end > self.now:
+            self.exposed += copy.end - self.now
+            self.now = copy.end
 
     def forward(self) -> None:
         graph, nodes = self.graph, self.nodes
@@ -228,30 +347,40 @@ class _Replay:
         for i in fwd:
             if i not in keep:
                 dying_at.setdefault(last.get(i, fwd_pos[i]), []).append(i)
-        # A compressed value is encoded once neither it nor a view of it has a forward use left.
+        # A compressed value is encoded, and an offloaded one copied to the host, once neither it
+        # nor a view of it has a forward use left.
         compress_at: dict[int, list[int]] = {}
-        if self.compressed:
+        offload_at: dict[int, list[int]] = {}
+        if self.compressed or self.offloaded:
             done_with: dict[int, int] = {}
             for i in fwd:
                 r = graph.roots[i]
                 done_with[r] = max(done_with.get(r, -1), last.get(i, fwd_pos[i]))
             for i in self.compressed:
                 compress_at.setdefault(done_with[i], []).append(i)
+            for i in self.offloaded:  # (after the encoding, if compressed too)
+                offload_at.setdefault(done_with[i], []).append(i)
         peak = self.memory.bytes
         for k, i in enumerate(fwd):
+            self.settle()
             self.create(i, 0)
             peak = max(peak, self.record("forward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
+            self.now += nodes[i].cost
             for j in dying_at.get(k, ()):
                 self.drop(self.current.pop(j))
             for j in compress_at.get(k, ()):
                 peak = max(peak, self.record("forward", f"compress {nodes[j].name}", self.encode(j)))
+            for j in sorted(offload_at.get(k, ())):
+                self.offload(j)
         self.forward_peak = peak
         for i in graph.forward_outputs:
             self.forever.add(self.current[i])
-        held_saved = {self.storage_of[self.current[i]][0] for i in self.saved - graph.free - self.packed
-                      if i in self.current}
+        self.settle()
+        on_device = self.saved - graph.free - self.offloaded
+        held_saved = {self.storage_of[self.current[i]][0] for i in on_device - self.packed if i in self.current}
         self.saved_bytes = (sum(nodes[r].bytes for r in held_saved)
-                            + sum(nodes[i].compressed_bytes for i in self.packed))
+                            + sum(nodes[i].compressed_bytes for i in self.packed & on_device)
+                            + sum(nbytes for _, _, nbytes in self.in_flight))  # offloads still copying
 
     def available(self) -> dict[int, Key]:
         """What the backward starts with: saved values, tangents and forward outputs (its inputs)."""
@@ -261,9 +390,11 @@ class _Replay:
                 out[i] = (i, 0)
         return out
 
-    def backward(self, steps: list[Step]) -> None:
+    def backward(self, steps: list[Step], positions: list[int]) -> None:
+        """Run the kept ``steps`` (``positions``: their places in the schedule's backward)."""
         nodes = self.nodes
         last = last_uses(args for _, _, args in steps)
+        self.settle()
         for i, node in enumerate(nodes):
             if node.tangent:
                 # The autograd engine holds the incoming gradients until the backward returns.
@@ -271,14 +402,23 @@ class _Replay:
         # Values the backward never reads are freed as soon as it starts (boxed inputs).
         for i, copy in list(self.current.items()):
             if copy not in self.forever and copy not in last:
-                if i in self.packed:
+                if i in self.offloaded:
+                    self.packed.discard(i)  # (its device memory went, or goes, with its offload)
+                elif i in self.packed:
                     self.memory.release(("encoded", i), nodes[i].compressed_bytes)
                     self.packed.discard(i)
                 else:
                     self.drop(copy)
                 del self.current[i]
+        reloads, first_read = self.reload_points(steps, positions)
         peak = self.record("backward", "<start>", self.memory.bytes)
         for e, (i, copy, args) in enumerate(steps):
+            for j in reloads.get(e, ()):
+                peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
+            for j, n in dict.fromkeys(args):
+                if n == 0 and first_read.get(j) == e:
+                    self.wait(j)
+            self.settle()
             for j in nodes[i].inputs:
                 if j in self.packed:
                     peak = max(peak, self.record("backward", f"decompress {nodes[j].name}", self.decode(j)))
@@ -286,6 +426,7 @@ class _Replay:
                 self.current[j] = a  # the copy this node reads
             self.create(i, copy[1])
             peak = max(peak, self.record("backward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
+            self.now += nodes[i].cost
             for a in dict.fromkeys(args):
                 if last.get(a) == e and a not in self.forever:
                     self.drop(a)
@@ -294,6 +435,46 @@ class _Replay:
             elif nodes[i].output:
                 self.forever.add(copy)
         self.backward_peak = peak
+
+    def reload_points(self, steps: list[Step], positions: list[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
+        """For the offloaded values the backward reads: the kept step before which each reload is
+        issued (by step, in the order of their first reads), and the step that first reads each.
+
+        A reload point the schedule gives is kept (it must not be after the first read). By default
+        the reloads are placed as late as lets each copy complete before its first read, counting
+        backwards from the last first read so that copies sharing the channel do not overlap: a
+        reloaded value takes device memory for as short a time as hides its copy. (The backward's
+        clock here counts compute and decoding only: a stall only delays what follows, and a copy
+        that cannot start before its offload completes waits, exposed, as the simulator says.)"""
+        nodes = self.nodes
+        first_read: dict[int, int] = {}
+        for e, (_, _, args) in enumerate(steps):
+            for j, n in args:
+                if j in self.offloaded and n == 0:
+                    first_read.setdefault(j, e)
+        points: dict[int, int] = {}
+        for j, p in self.reload_at.items():
+            if j in first_read:
+                if p > positions[first_read[j]]:
+                    raise InvalidScheduleError(f"{nodes[j].name} is reloaded after the backward first reads it")
+                points[j] = bisect.bisect_left(positions, p)
+        # When each kept step would start, from the backward's start, if nothing stalled.
+        seconds = [nodes[i].cost for i, _, _ in steps]
+        for j in self.compressed:
+            if j in first_read:
+                seconds[first_read[j]] += nodes[j].codec_cost / 2
+        start = list(itertools.accumulate(seconds, initial=0.0))[:-1]
+        channel_free_from = float("inf")
+        for j in sorted(set(first_read) - set(points), key=lambda j: (-first_read[j], -j)):
+            nbytes = nodes[j].compressed_bytes if j in self.compressed else nodes[j].bytes
+            begin = min(start[first_read[j]], channel_free_from) - nbytes / self.h2d.bytes_per_s
+            channel_free_from = begin
+            points[j] = max(0, min(bisect.bisect_right(start, begin) - 1, first_read[j]))
+        self.reload_positions = {j: positions[e] for j, e in points.items()}
+        issue: dict[int, list[int]] = {}
+        for j in sorted(points, key=lambda j: (first_read[j], j)):
+            issue.setdefault(points[j], []).append(j)
+        return issue, first_read
 
 
 def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float]:
