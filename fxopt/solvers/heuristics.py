@@ -15,14 +15,18 @@
 
 `compress_to_fit` completes any of these with COMPRESS: a schedule over the budget keeps the values
 that cost least to encode and decode per byte saved compressed, as many as it takes to fit.
+`offload_to_fit` completes them with OFFLOAD (on a graph with transfers): the values whose copies
+hide best behind compute, as many as it takes to fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.schedule import Schedule, Timeline, must_save, on_demand, save_all_set, simulate
+from fxopt.solvers.transfers import INSTANT
 
 Candidate = tuple[Schedule, Timeline]
 
@@ -169,7 +173,7 @@ def compress_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate 
         return None
 
     def run(k: int) -> Candidate:
-        s = Schedule(schedule.saved, schedule.backward, schedule.compressed | frozenset(order[:k]))
+        s = dataclasses.replace(schedule, compressed=schedule.compressed | frozenset(order[:k]))
         return s, simulate(graph, s)
 
     best = run(len(order))
@@ -184,6 +188,61 @@ def compress_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate 
         else:
             lo = mid + 1
     return best
+
+
+def offload_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate | None:
+    """`schedule` with the fewest of its SAVEd values OFFLOADed that brings its simulated peak
+    within `budget`; None if offloading all that may help does not, or if that takes more host
+    memory than the graph's ``transfers.host_budget``.
+
+    The values go in the order their copies hide best: the least share of their window (the
+    compute time between their last forward use and their first backward read) that their two
+    copies take, i.e. the most bytes moved per second of the channels' time they leave exposed;
+    then the largest first. Values whose copies take longer than their window cannot be off the
+    device at all with the default reload point (it is back before it is gone), and are left out.
+    (The shares ignore the other copies on the channels; the simulator counts them, stalls and all.)"""
+    transfers = graph.transfers
+    candidates = schedule.saved & graph.offloadable - schedule.offloaded
+    if transfers is None or not candidates:
+        return None
+    share: dict[int, float] = {}
+    nbytes: dict[int, int] = {}
+    for j, (size, window) in offload_windows(graph, schedule, candidates).items():
+        busy = transfers.d2h_seconds(size) + transfers.h2d_seconds(size)
+        if busy < window:
+            share[j], nbytes[j] = busy / window, size
+    order = sorted(share, key=lambda j: (share[j], -nbytes[j], j))
+    if not order:
+        return None
+
+    def run(k: int) -> Candidate:
+        s = dataclasses.replace(schedule, offloaded=schedule.offloaded | frozenset(order[:k]))
+        return s, simulate(graph, s)
+
+    best = run(len(order))
+    if best[1].peak_bytes > budget:
+        return None
+    lo, hi = 1, len(order)  # the shortest prefix that fits (the least host memory, the fewest copies)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        candidate = run(mid)
+        if candidate[1].peak_bytes <= budget:
+            best, hi = candidate, mid
+        else:
+            lo = mid + 1
+    return None if best[1].over_host_budget else best
+
+
+def offload_windows(graph: Graph, schedule: Schedule, values) -> dict[int, tuple[int, float]]:
+    """For each of ``values`` (offloadable, SAVEd by ``schedule``) that the backward reads: the
+    bytes its offload would move and the seconds from its last forward use to its first backward
+    read. Read from the simulator's clock with copies that take no time (so nothing stalls)."""
+    free_copies = graph.with_transfers(INSTANT)
+    timeline = simulate(free_copies, dataclasses.replace(schedule, offloaded=frozenset(values), reload_at=()))
+    gone = {c.value: c for c in timeline.copies if c.channel == "d2h"}
+    by_name = {graph.nodes[j].name: j for j in values}
+    return {by_name[c.value]: (c.bytes, c.needed - gone[c.value].issued)
+            for c in timeline.copies if c.channel == "h2d" and c.needed is not None}
 
 
 HEURISTICS = {"save_all": save_all, "checkpoint": checkpoint, "greedy": greedy, "segments": segments}
