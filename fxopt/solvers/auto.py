@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError, check_choice
 from fxopt.solvers.graph import Graph, is_lossy_codec
-from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit
+from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit, offload_to_fit
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.chain import chain_candidates, min_peak_schedule
@@ -26,7 +26,7 @@ log = logging.getLogger("fxopt")
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 7
+REVISION = 8
 
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
@@ -73,14 +73,15 @@ class Solution:
     # computed): the highest of the instant program's (`fxopt.solvers.instant`: valid for every
     # schedule the simulator accepts) and the ILP's (its LP relaxation's or branch-and-bound's:
     # valid within the ILP's model, which restricts recomputation to a window and counts memory
-    # conservatively). `bound_source` says which ("instant" or "ilp").
+    # conservatively). `bound_source` says which ("instant" or "ilp"). None on a graph that offers
+    # OFFLOAD (see `_Search.raise_bound`).
     lower_bound_cost: float | None = None
     bound_source: str | None = None
 
     @property
     def gap(self) -> float | None:
         """(cost - lower bound) / cost: how far from optimal this plan may be; 0 when proven."""
-        return gap(self.timeline.recompute_cost, self.lower_bound_cost)
+        return gap(self.timeline.cost, self.lower_bound_cost)
 
 
 def check_solver(solver: str) -> None:
@@ -140,6 +141,8 @@ def solve(
         search.run_heuristics([name for name in HEURISTICS if name not in first])
     if graph.compressible and search.over and not search.proven_infeasible:
         search.compress_cheapest_over_budget()
+    if graph.offloadable and search.over and not search.proven_infeasible:
+        search.offload_cheapest_over_budget()
     if search.proven_infeasible and search.fitting:
         log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
                     "(please report this graph)", budget)
@@ -193,19 +196,25 @@ class _Search:
         peak = timeline.peak_bytes
         self.lowest_peak = peak if self.lowest_peak is None else min(self.lowest_peak, peak)
         _remember_lowest(self.graph, self.solver, schedule, peak, name)
-        if peak <= self.budget:
+        if peak <= self.budget and not timeline.over_host_budget:
             self.fitting.append(Solution(schedule, timeline, name, status, 0.0))
 
     def cheapest(self) -> Solution | None:
-        return min(self.fitting, key=lambda s: s.timeline.recompute_cost) if self.fitting else None
+        return min(self.fitting, key=lambda s: s.timeline.cost) if self.fitting else None
 
     def raise_bound(self, bound: float | None, source: str) -> None:
+        # The instant program and the ILP model SAVE and RECOMPUTE (and COMPRESS), not OFFLOAD: on a
+        # graph that offers it their bounds do not hold (an offloaded plan may cost less than any
+        # plan they model), so none is reported. (`peak_lower_bound` still holds: a value is on
+        # the device while a backward node reads it, whatever brought it there.)
+        if self.graph.offloadable:
+            return
         if bound is not None and (self.lower_bound is None or bound > self.lower_bound):
             self.lower_bound, self.bound_source = bound, source
 
     def settled(self) -> bool:
         best = self.cheapest()
-        return self.proven_infeasible or (best is not None and proven(best.timeline.recompute_cost, self.lower_bound,
+        return self.proven_infeasible or (best is not None and proven(best.timeline.cost, self.lower_bound,
                                                                       ILP_REL_GAP))
 
     def run_heuristics(self, names, *, fallback: bool = False) -> None:
@@ -232,7 +241,7 @@ class _Search:
         share = self.phase_seconds(1.0 if self.solver == "instant" else INSTANT_TIME_SHARE)
         self.progress("solver instant")
         inst = instant_solve(self.graph, self.budget, time_limit=share, mip_solver=self.mip_solver)
-        self.proven_infeasible = inst.infeasible
+        self.proven_infeasible = inst.infeasible and not self.graph.offloadable  # (no proof with OFFLOAD)
         self.raise_bound(inst.bound, "instant")
         for schedule, timeline in inst.plans:
             self.consider(schedule, timeline, "instant", "heuristic")
@@ -249,9 +258,9 @@ class _Search:
         cheapest over-budget schedules, completed with as little compression as fits."""
         self.progress("compressing saved values")
         best = self.cheapest()
-        self.over.sort(key=lambda c: c[1].recompute_cost)
+        self.over.sort(key=lambda c: c[1].cost)
         for schedule, timeline, name in self.over[:COMPRESS_TRIES]:
-            if best is not None and timeline.recompute_cost >= best.timeline.recompute_cost:
+            if best is not None and timeline.cost >= best.timeline.cost:
                 break
             self.compress_to_fit(schedule, name)
 
@@ -259,6 +268,19 @@ class _Search:
         done = compress_to_fit(self.graph, schedule, self.budget)
         if done is not None:
             self.consider(*done, f"{name}+compress", "heuristic")
+
+    def offload_cheapest_over_budget(self) -> None:
+        """OFFLOAD where the plans so far do not fit, or fit only at a higher cost: the cheapest
+        over-budget schedules, completed with the values whose copies hide best."""
+        self.progress("offloading saved values")
+        best = self.cheapest()
+        self.over.sort(key=lambda c: c[1].cost)
+        for schedule, timeline, name in self.over[:COMPRESS_TRIES]:
+            if best is not None and timeline.cost >= best.timeline.cost:
+                break
+            done = offload_to_fit(self.graph, schedule, self.budget)
+            if done is not None:
+                self.consider(*done, f"{name}+offload", "heuristic")
 
     def run_ilp(self) -> None:
         """The ILP: its LP relaxation (a bound, and plans rounded from it), then the exact solve,
@@ -341,7 +363,7 @@ class _Search:
             self.progress("no plan fits; solving for the lowest peak")
             for schedule in _lowest_peak_schedules(graph, self.phase_seconds(MIN_BUDGET_TIME_SHARE), self.mip_solver):
                 self.consider(schedule, simulate(graph, schedule), "ilp", "feasible")
-        reached = _LOWEST.get((graph.nodes, self.solver))
+        reached = _LOWEST.get(_lowest_key(graph, self.solver))
         if not self.fitting and reached is not None and reached.peak <= self.budget:
             # The schedule behind a smallest budget named earlier in this process: a time-limited
             # search need not find it again, and the budget it named must plan.
@@ -384,12 +406,12 @@ class _Search:
         as proven and the bound."""
         rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
         best = min(self.fitting,
-                   key=lambda s: (round(s.timeline.recompute_cost, 12), s.timeline.peak_bytes, rank[s.status]))
+                   key=lambda s: (round(s.timeline.cost, 12), s.timeline.peak_bytes, rank[s.status]))
         if best.solver != "ilp" and self.ilp_status == "optimal":
             # The ILP's memory model over-approximates: a heuristic may beat it. Still proven optimal
             # within that model, so report what was found honestly.
             best = dataclasses.replace(best, status="heuristic")
-        if proven(best.timeline.recompute_cost, self.lower_bound, ILP_REL_GAP):
+        if proven(best.timeline.cost, self.lower_bound, ILP_REL_GAP):
             best = dataclasses.replace(best, status="optimal")
         return dataclasses.replace(best, solve_seconds=time.perf_counter() - self.t0,
                                    lower_bound_cost=self.lower_bound, bound_source=self.bound_source)
@@ -405,7 +427,7 @@ def without_codecs(graph: Graph, *, lossy_only: bool) -> Graph:
     for i in drop:
         nodes[i] = dataclasses.replace(nodes[i], codec=None, compressed_bytes=0, codec_cost=0.0, codec_flops=0,
                                        codec_workspace=0)
-    return Graph(tuple(nodes))
+    return Graph(tuple(nodes), graph.transfers)
 
 
 def _fmt(cost: float | None) -> str:
@@ -421,7 +443,7 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     far; the ILP is skipped when that already meets `peak_lower_bound` (proven). Every schedule is
     simulated. The answer does not depend on the budget: the first one per graph and solver in this
     process is kept (`_LOWEST`), so asking again answers at once, and the same."""
-    remembered = _LOWEST.get((graph.nodes, solver))
+    remembered = _LOWEST.get(_lowest_key(graph, solver))
     if remembered is not None and remembered.searched:
         return remembered.peak if known is None else min(known, remembered.peak)
     peaks = [] if known is None else [known]
@@ -450,7 +472,7 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
             incumbent = min(lowest, key=lambda p: p[0]) if lowest else None
             for schedule in _lowest_peak_schedules(graph, time_limit, None, model, incumbent):
                 reach(schedule, "ilp")
-    if (remembered := _LOWEST.get((graph.nodes, solver))) is not None:
+    if (remembered := _LOWEST.get(_lowest_key(graph, solver))) is not None:
         remembered.searched = True
     return min(peaks)
 
@@ -468,17 +490,23 @@ class Lowest:
 # The lowest-peak schedule seen so far per (graph, solver) in this process: the plan behind the
 # smallest budget an `InfeasibleBudgetError` named, so that planning at that budget succeeds even
 # when a time-limited search would not find it again. A few graphs' worth; the oldest go first.
-_LOWEST: dict[tuple[tuple, str], Lowest] = {}  # by the graph's nodes (its content)
+_LOWEST: dict[tuple, Lowest] = {}  # by `_lowest_key`
 _LOWEST_KEEP = 16
+
+
+def _lowest_key(graph: Graph, solver: str) -> tuple:
+    """A graph's content (its nodes, and its transfers: an offloading schedule plans only with
+    them) and the solver."""
+    return graph.nodes, graph.transfers, solver
 
 
 def lowest_schedule(graph: Graph, solver: str = "auto") -> Lowest | None:
     """The lowest-peak schedule this process has seen for ``graph`` planned by ``solver``."""
-    return _LOWEST.get((graph.nodes, solver))
+    return _LOWEST.get(_lowest_key(graph, solver))
 
 
 def _remember_lowest(graph: Graph, solver: str, schedule: Schedule, peak: int, name: str) -> None:
-    key = (graph.nodes, solver)
+    key = _lowest_key(graph, solver)
     known = _LOWEST.get(key)
     if known is None or peak < known.peak:
         _LOWEST.pop(key, None)
