@@ -12,7 +12,7 @@ from fxopt.solvers.gap import gap
 from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: OFFLOAD (offloaded, host_bytes, exposed_transfer_seconds; transfers on the graph)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,18 @@ class Plan:
     # COMPRESSed SAVEd values (fx node names) -> codec ("bits", "int32", "int8/g64", ...; see
     # `fxopt.analysis.codecs`). Only the quantizing codecs (int8, fp8, int4) are lossy: see `lossy`.
     compressed: dict[str, str] = dataclasses.field(default_factory=dict)
+    # OFFLOADed SAVEd values (fx node names), kept in host memory between forward and backward (a
+    # COMPRESSed one travels encoded); the most host memory they hold at once; and the seconds the
+    # backward is predicted to wait for their reloads (part of the plan's `cost`). The bandwidths
+    # are the graph's (``graph.transfers``); the reload points are in the schedule.
+    offloaded: tuple[str, ...] = ()
+    host_bytes: int = 0
+    exposed_transfer_seconds: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        """What the solver minimised: recompute cost (codecs included) plus exposed transfer time."""
+        return self.recompute_cost + self.exposed_transfer_seconds
 
     @property
     def lossy(self) -> dict[str, str]:
@@ -62,6 +74,9 @@ class Plan:
               module_paths: tuple[str, ...] = (), timeline: Timeline | None = None,
               lower_bound_cost: float | None = None) -> Plan:
         timeline = timeline or simulate(graph, schedule)
+        if schedule.offloaded and not schedule.reload_at:
+            # Pin the default reload points, so that whoever compiles the plan need not find them.
+            schedule = dataclasses.replace(schedule, reload_at=timeline.reload_at)
         counts = collections.Counter(graph.nodes[i].name for i in schedule.recomputed(graph))
         for i in graph.backward_only - schedule.saved:  # computed once in the backward: not a recompute
             name = graph.nodes[i].name
@@ -86,21 +101,28 @@ class Plan:
             module_paths=module_paths,
             lower_bound_cost=lower_bound_cost,
             compressed={graph.nodes[i].name: graph.nodes[i].codec for i in sorted(schedule.compressed)},
+            offloaded=tuple(graph.nodes[i].name for i in sorted(schedule.offloaded)),
+            host_bytes=timeline.host_peak_bytes,
+            exposed_transfer_seconds=timeline.exposed_transfer_seconds,
         )
 
     def timeline(self) -> Timeline:
         return simulate(self.graph, self.schedule)
 
     def decisions(self) -> dict[str, str]:
-        """SAVE, COMPRESS or RECOMPUTE for every forward value the backward needs (free aliases
-        left out)."""
-        g = self.graph
+        """SAVE, RECOMPUTE, COMPRESS, OFFLOAD or COMPRESS+OFFLOAD (kept encoded in host memory) for
+        every forward value the backward needs (free aliases left out)."""
+        g, s = self.graph, self.schedule
         out = {}
         for i in sorted(g.needed_by_backward - g.free):
-            if i in self.schedule.compressed:
+            if i in s.compressed and i in s.offloaded:
+                out[g.nodes[i].name] = "COMPRESS+OFFLOAD"
+            elif i in s.compressed:
                 out[g.nodes[i].name] = "COMPRESS"
+            elif i in s.offloaded:
+                out[g.nodes[i].name] = "OFFLOAD"
             else:
-                out[g.nodes[i].name] = "SAVE" if i in self.schedule.saved else "RECOMPUTE"
+                out[g.nodes[i].name] = "SAVE" if i in s.saved else "RECOMPUTE"
         return out
 
     def summary(self) -> str:
@@ -112,6 +134,8 @@ class Plan:
             f"peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget_bytes)}, "
             f"eager {format_bytes(self.eager_peak_bytes)}), {len(self.saved)} saved"
             + (f" ({len(self.compressed)} compressed{', lossy' if self.lossy else ''})" if self.compressed else "")
+            + (f" ({len(self.offloaded)} offloaded, {format_bytes(self.host_bytes)} on the host, "
+               f"{self.exposed_transfer_seconds * 1e3:.2f} ms exposed)" if self.offloaded else "")
             + ", "
             f"{n_re} recomputations, +{self.recompute_flops / 1e9:.3f} GFLOP"
             + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
@@ -123,6 +147,7 @@ class Plan:
         d["graph"] = self.graph.to_dict()
         d["saved"] = list(self.saved)
         d["module_paths"] = list(self.module_paths)
+        d["offloaded"] = list(self.offloaded)
         d["format_version"] = FORMAT_VERSION
         return d
 
@@ -141,6 +166,7 @@ class Plan:
         d["graph"] = Graph.from_dict(d["graph"])
         d["saved"] = tuple(d["saved"])
         d["module_paths"] = tuple(d["module_paths"])
+        d["offloaded"] = tuple(d["offloaded"])
         return cls(**d)
 
     @classmethod
