@@ -202,6 +202,9 @@ def test_a_compressed_offloaded_value_travels_encoded():
     assert t.exposed_transfer_seconds == 0.0 and t.cost == t.recompute_cost == 2.0
     # At c (4) the encoding has left: c 90 - 16 = 74.
     assert event(t, "c") == 74
+    plan = Plan.build(graph=g, schedule=s, budget_bytes=90, eager_peak_bytes=90, solver="test", status="heuristic",
+                      solve_seconds=0.0, fingerprint="f")
+    assert plan.decisions()["a"] == "COMPRESS+OFFLOAD" and plan.host_bytes == 4
 
 
 # ------------------------------------------------------------------ offload_to_fit and solve

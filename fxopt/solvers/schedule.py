@@ -446,24 +446,26 @@ class _Replay:
         reloaded value takes device memory for as short a time as hides its copy. (The backward's
         clock here counts compute and decoding only: a stall only delays what follows, and a copy
         that cannot start before its offload completes waits, exposed, as the simulator says.)"""
+        if not self.offloaded:
+            return {}, {}
         nodes = self.nodes
-        first_read: dict[int, int] = {}
+        first_read: dict[int, int] = {}  # (of the compressed values too: they are decoded there)
         for e, (_, _, args) in enumerate(steps):
             for j, n in args:
-                if j in self.offloaded and n == 0:
+                if n == 0 and (j in self.offloaded or j in self.compressed):
                     first_read.setdefault(j, e)
+        # When each kept step would start, from the backward's start, if nothing stalled.
+        seconds = [nodes[i].cost for i, _, _ in steps]
+        for j in self.compressed & first_read.keys():
+            seconds[first_read[j]] += nodes[j].codec_cost / 2
+        start = list(itertools.accumulate(seconds, initial=0.0))[:-1]
+        first_read = {j: e for j, e in first_read.items() if j in self.offloaded}
         points: dict[int, int] = {}
         for j, p in self.reload_at.items():
             if j in first_read:
                 if p > positions[first_read[j]]:
                     raise InvalidScheduleError(f"{nodes[j].name} is reloaded after the backward first reads it")
                 points[j] = bisect.bisect_left(positions, p)
-        # When each kept step would start, from the backward's start, if nothing stalled.
-        seconds = [nodes[i].cost for i, _, _ in steps]
-        for j in self.compressed:
-            if j in first_read:
-                seconds[first_read[j]] += nodes[j].codec_cost / 2
-        start = list(itertools.accumulate(seconds, initial=0.0))[:-1]
         channel_free_from = float("inf")
         for j in sorted(set(first_read) - set(points), key=lambda j: (-first_read[j], -j)):
             nbytes = nodes[j].compressed_bytes if j in self.compressed else nodes[j].bytes
