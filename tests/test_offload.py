@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxopt.errors import InfeasibleBudgetError
-from fxopt.solvers import solve
+from fxopt.solvers import SOLVERS, solve
 from fxopt.solvers.auto import eager_schedule
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import offload_to_fit, offload_windows
@@ -292,7 +293,8 @@ def test_transfers_defaults_and_checks():
 
 
 # ------------------------------------------------------------------ random graphs
-PROPERTY = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=int(os.environ.get("FXOPT_EXAMPLES", 40)), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 BANDWIDTHS = st.sampled_from([0.5, 4.0, 16.0, 64.0, 1e9])
 
 
@@ -332,7 +334,7 @@ def test_random_solutions_with_transfers_fit_and_are_what_the_simulator_says(dat
     eager = simulate(g, eager_schedule(g)).peak_bytes
     floor, _ = peak_lower_bound(g)  # (below it every solver answers "infeasible" at once)
     budget = floor + int((eager - floor) * data.draw(st.floats(0.0, 1.0)))
-    solver = data.draw(st.sampled_from(["auto", "greedy", "segments"]))
+    solver = data.draw(st.sampled_from(SOLVERS))
     try:
         solution = solve(g, budget, solver, time_limit=2)
     except InfeasibleBudgetError as err:
