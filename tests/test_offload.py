@@ -244,11 +244,13 @@ def test_the_solver_offloads_when_bandwidth_hides_it_and_recomputes_when_not():
     budget = int(0.8 * eager)
     recompute_only = solve(g, budget, time_limit=5)
     assert recompute_only.timeline.recompute_cost > 0 and not recompute_only.schedule.offloaded
+    assert recompute_only.lower_bound_cost is not None  # the instant program's, valid without OFFLOAD
     fast = solve(g.with_transfers(Transfers(1e6, 1e6)), budget, time_limit=5)
     assert fast.schedule.offloaded and fast.timeline.cost == 0.0 < recompute_only.timeline.cost
     assert fast.solver.endswith("+offload") and fast.lower_bound_cost is None  # (no bound with OFFLOAD)
     slow = solve(g.with_transfers(Transfers(0.01, 0.01)), budget, time_limit=5)
     assert not slow.schedule.offloaded and slow.timeline.cost == pytest.approx(recompute_only.timeline.cost)
+    assert slow.lower_bound_cost is None  # OFFLOAD was offered: no bound is known to hold
 
 
 def test_the_peak_floor_holds_with_offload():

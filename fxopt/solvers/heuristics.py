@@ -197,10 +197,11 @@ def offload_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate |
 
     The values go in the order their copies hide best: the least share of their window (the
     compute time between their last forward use and their first backward read) that their two
-    copies take, i.e. the most bytes moved per second of the channels' time they leave exposed;
-    then the largest first. Values whose copies take longer than their window cannot be off the
-    device at all with the default reload point (it is back before it is gone), and are left out.
-    (The shares ignore the other copies on the channels; the simulator counts them, stalls and all.)"""
+    copies take, then the largest first. That share stands in for the bytes moved per exposed
+    second, which depends on the other copies sharing the channels: only the simulator knows it,
+    and it scores every prefix tried, stalls and all. Values whose copies take longer than their
+    window cannot be off the device at all with the default reload point (back before it is gone),
+    and are left out."""
     transfers = graph.transfers
     candidates = schedule.saved & graph.offloadable - schedule.offloaded
     if transfers is None or not candidates:
