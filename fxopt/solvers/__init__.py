@@ -2,12 +2,15 @@
 
 The whole package imports without torch (a test blocks ``import torch`` and imports it):
 
-  - `graph`: the solver graph (`Graph`, `Node`): values, sizes, costs, codecs.
+  - `graph`: the solver graph (`Graph`, `Node`): values, sizes, costs, codecs, and optionally the
+    bandwidths to and from host memory that OFFLOAD needs (`transfers`: `Transfers`, the copy
+    channels the simulator times).
   - `liveness`: the memory model (reference counts on storage, last uses) that the simulator, the
     ILP and the instant program's bound all count with.
-  - `schedule`: a `Schedule` (what is SAVEd, RECOMPUTEd, COMPRESSed), `simulate`, which replays
-    it op by op and gives its `Timeline` (the peak the generated code will have), and `OnDemand`,
-    the backward that recomputes what is missing before each node.
+  - `schedule`: a `Schedule` (what is SAVEd, RECOMPUTEd, COMPRESSed, OFFLOADed), `simulate`, which
+    replays it op by op and gives its `Timeline` (the peak the generated code will have, and the
+    time the backward waits for offloaded values), and `OnDemand`, the backward that recomputes
+    what is missing before each node.
   - `heuristics`, `instant`, `ilp` (on `mip`): the solvers; `gap`: how far a plan may be from
     optimal, one definition for all of them.
   - `auto`: `solve`, the one entry point, and the ``"auto"`` strategy.
@@ -18,6 +21,7 @@ from fxopt.solvers.auto import (DEFAULT_TIME_LIMIT, ILP_REL_GAP, REVISION, SOLVE
                                 check_solver, eager_schedule, min_feasible_budget, solve)
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
+from fxopt.solvers.transfers import Transfers
 
-__all__ = ["Graph", "Node", "Schedule", "Timeline", "Solution", "SolverTimeoutWarning", "SOLVERS", "REVISION",
+__all__ = ["Graph", "Node", "Transfers", "Schedule", "Timeline", "Solution", "SolverTimeoutWarning", "SOLVERS", "REVISION",
            "DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "check_solver", "solve", "min_feasible_budget", "simulate", "eager_schedule"]
