@@ -227,6 +227,37 @@ def test_instant_bound_counts_compression(codec_cost):
     assert bound == pytest.approx(min(codec_cost, 1.0), rel=1e-3)
 
 
+def test_instant_program_counts_a_value_decoded_once_the_backward_has_read_it():
+    """c (10 bytes, not recomputable, int8 keeps it in 1) is read by g_c; a (10 bytes, cost 2) by
+    g_a after it. While g_c runs, c is decoded: x, tan, loss, g_loss, c and g_c are 24 bytes, and
+    a SAVEd would make 34, over the budget of 30, so a is recomputed after g_c (cost 2). The
+    instant program once let c count its compressed size there: it proved only the codec's
+    0.05 and suggested saving a, a plan that peaks at 34; at 4 layers of GPT-2 small shapes its
+    plans then never fitted, and the budget's plan was a heuristic's at twice its cost."""
+    from fxopt.solvers.instant import instant_solve
+
+    from solver_graphs import GraphBuilder
+
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("a", ["x"], 10, cost=2.0)
+    b.fwd("c", ["a"], 10, recomputable=False)
+    b.fwd("loss", ["c"], 1, output=True)
+    b.bwd("g_loss", ["tan"], 1)
+    b.bwd("g_c", ["g_loss", "c"], 10)
+    b.bwd("g_a", ["g_c", "a"], 1, output=True)
+    nodes = list(b.build().nodes)
+    c = b.index["c"]
+    nodes[c] = dataclasses.replace(nodes[c], codec="int8/g64", compressed_bytes=1, codec_cost=0.05)
+    g = Graph(tuple(nodes))
+    res = instant_solve(g, 30, time_limit=10)
+    assert res.bound == pytest.approx(2.0)
+    assert min(t.recompute_cost for _, t in res.plans if t.peak_bytes <= 30) == pytest.approx(2.0)
+    best = solve(g, 30)
+    assert (best.status, best.timeline.recompute_cost) == ("optimal", pytest.approx(2.0))
+
+
 def test_solve_falls_back_on_planning_without_codecs(monkeypatch):
     """The solvers do not always find the lowest peak of the larger problem that codecs make; a
     budget that plans without them must plan with them. Here the instant program misses on the

@@ -48,17 +48,24 @@ def assert_timeline_invariants(graph: Graph, schedule: Schedule, timeline: Timel
     assert timeline.backward_peak_bytes == max(e[2] for e in backward)
 
     # Forward: while a node runs, it, its inputs, the inputs of the step and what the forward keeps
-    # (SAVEd values and outputs computed so far) are all alive.
+    # (SAVEd values and outputs computed so far; a COMPRESSed one at least in its encoding) are
+    # all alive.
     done: set[int] = set()
     by_name = {n.name: i for i, n in enumerate(nodes)}
     for _, name, live in forward:
+        if name.startswith("compress "):
+            continue
         i = by_name[name]
         done.add(i)
         kept = {j for j in done if j in schedule.saved or nodes[j].output}
-        needed = always | kept | {i} | set(nodes[i].inputs)
-        assert live >= _storage_bytes(graph, needed) + nodes[i].workspace, (name, live)
+        packed = (kept & schedule.compressed) - {i} - set(nodes[i].inputs)
+        needed = always | (kept - packed) | {i} | set(nodes[i].inputs)
+        encodings = sum(nodes[j].compressed_bytes for j in packed)
+        assert live >= _storage_bytes(graph, needed) + encodings + nodes[i].workspace, (name, live)
 
-    # Backward: the same, with the tangents and the gradients made so far.
+    # Backward: the same, with the tangents and the gradients made so far (a decoding is an event
+    # of its own).
+    backward = [e for e in backward if not e[1].startswith("decompress ")]
     assert backward[0][1] == "<start>"
     forward_outputs = {i for i, n in enumerate(nodes) if n.kind == "forward" and n.output}
     grads: set[int] = set()
@@ -600,6 +607,27 @@ def test_random_graph_with_lossy_codecs_ilp_plans_fit(graph, fraction):
     if res.schedule is not None:
         event("compressed" if res.schedule.compressed else "not compressed" if graph.compressible else "no codec")
         assert simulate(graph, res.schedule).peak_bytes <= budget
+
+
+@PROPERTY_SETTINGS
+@given(graph=quantized_training_graphs(), fraction=st.floats(0.3, 1.0))
+def test_random_graph_codecs_never_make_a_plan_costlier(graph, fraction):
+    """Every schedule of the graph without its codecs is one of the graph with them (compressing
+    nothing): a budget that plans without codecs plans with them, at no higher a cost (up to the
+    gap at which auto stops). Below the smallest budget without codecs: at that budget."""
+    from fxopt.solvers.auto import without_codecs
+
+    budget = int(simulate(graph, eager_schedule(graph)).peak_bytes * fraction)
+    plain = _solve(without_codecs(graph, lossy_only=False), budget, "auto")
+    if isinstance(plain, InfeasibleBudgetError):
+        budget = plain.min_budget
+        plain = _solve(without_codecs(graph, lossy_only=False), budget, "auto")
+    result = _solve(graph, budget, "auto")
+    event("compressed" if isinstance(result, Solution) and result.schedule.compressed else "not compressed")
+    assert isinstance(result, Solution), "plans without codecs but not with them"
+    assert_valid_solution(graph, budget, result, "auto")
+    cost = plain.timeline.recompute_cost
+    assert result.timeline.recompute_cost <= cost + ILP_REL_GAP * cost + 1e-9
 
 
 @PROPERTY_SETTINGS
