@@ -277,3 +277,22 @@ def _random_off_the_loss_path(graph: Graph) -> frozenset[int]:
     value in a real step feeds the forward; off its path, fxopt cannot plan some such graphs (see
     ``test_random_op_on_backward_only_value`` and ``test_random_op_on_parameter_view``)."""
     return frozenset(i for i in graph.backward_only if not graph.nodes[i].recomputable)
+
+
+def with_random_lossy_codecs(draw, st, graph: Graph) -> Graph:
+    """``graph`` with a quantizing codec on most of its SAVEable values that own their storage, as
+    ``quantize="int8"`` offers them: a random compressed size below the value's, a codec cost
+    and the codec's scratch memory (none, a byte, or up to twice the value, as the int8 codec
+    measures). ``draw`` and ``st`` as for `random_training_graph`."""
+    import dataclasses
+
+    nodes = list(graph.nodes)
+    for i in sorted(graph.saveable):
+        node = nodes[i]
+        if graph.roots[i] != i or not node.tensor or node.bytes < 2 or draw(st.integers(0, 3)) == 0:
+            continue
+        nodes[i] = dataclasses.replace(
+            node, codec="int8/g64", compressed_bytes=draw(st.integers(1, node.bytes - 1)),
+            codec_cost=draw(st.sampled_from([0.01, 0.05, 0.2])),
+            codec_workspace=draw(st.sampled_from([0, 1, node.bytes, 2 * node.bytes])))
+    return Graph(tuple(nodes))

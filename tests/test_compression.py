@@ -55,11 +55,12 @@ def test_quantize_options_are_checked():
         fxopt.optimize(nn.Linear(2, 2), 0.5, quantize=8)
 
 
-def _chain(codec_cost=1e-6):
+def _chain(codec_cost=1e-6, codec_workspace=0):
     """x -> a -> b -> loss; the backward reads a (compressible 1000 -> 100 bytes) and b."""
     return Graph((
         Node("x", "input", bytes=10),
-        Node("a", "forward", (0,), bytes=1000, cost=1.0, codec="test", compressed_bytes=100, codec_cost=codec_cost),
+        Node("a", "forward", (0,), bytes=1000, cost=1.0, codec="test", compressed_bytes=100, codec_cost=codec_cost,
+             codec_workspace=codec_workspace),
         Node("b", "forward", (1,), bytes=1000, cost=1.0),
         Node("out", "forward", (2,), bytes=4, cost=0.1, output=True),
         Node("g", "input", bytes=4, tangent=True),
@@ -80,6 +81,23 @@ def test_simulator_counts_compressed_bytes_and_codec_cost():
     assert any(e[1] == "decompress a" for e in t1.events)
     with pytest.raises(ValueError, match="cannot compress"):
         simulate(g, Schedule(frozenset({2}), (1, 5, 6), frozenset({2})))
+
+
+def test_decoding_counts_the_encoding_once():
+    """While a is decoded for ga, the encoding (held since the forward), the decoded value and the
+    codec's scratch are alive, with x, out, the tangent and gb: 10 + 4 + 4 + 1000 + 100 + 1000 + 50
+    = 2168 bytes. The simulator once counted the encoding twice there (2268; measured on
+    residual_mlp with int8, a step peaked at a decode 168,960 bytes below that count): the ILP's
+    plan for 2168, which counts it once, was discarded as over the budget, and `solve` fell back
+    on recomputing a (cost 1 instead of 1e-6)."""
+    g = _chain(codec_workspace=50)
+    packed = Schedule(frozenset({1, 2}), (5, 6), frozenset({1}))
+    timeline = simulate(g, packed)
+    assert ("backward", "decompress a", 2168) in timeline.events
+    assert timeline.peak_bytes == 2168
+    res = solve_ilp(g, 2168, time_limit=10)
+    assert res.schedule == packed and simulate(g, res.schedule).peak_bytes <= 2168
+    assert solve(g, 2168).timeline.recompute_cost == pytest.approx(1e-6)
 
 
 @pytest.mark.parametrize("codec_cost, expect", [(1e-3, "compress"), (10.0, "recompute")])
@@ -207,6 +225,37 @@ def test_instant_bound_counts_compression(codec_cost):
     bound = instant_solve(g, budget, time_limit=10).bound
     assert bound is not None and bound <= best + 1e-9
     assert bound == pytest.approx(min(codec_cost, 1.0), rel=1e-3)
+
+
+def test_instant_program_counts_a_value_decoded_once_the_backward_has_read_it():
+    """c (10 bytes, not recomputable, int8 keeps it in 1) is read by g_c; a (10 bytes, cost 2) by
+    g_a after it. While g_c runs, c is decoded: x, tan, loss, g_loss, c and g_c are 24 bytes, and
+    a SAVEd would make 34, over the budget of 30, so a is recomputed after g_c (cost 2). The
+    instant program once let c count its compressed size there: it proved only the codec's
+    0.05 and suggested saving a, a plan that peaks at 34; at 4 layers of GPT-2 small shapes its
+    plans then never fitted, and the budget's plan was a heuristic's at twice its cost."""
+    from fxopt.solvers.instant import instant_solve
+
+    from solver_graphs import GraphBuilder
+
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("a", ["x"], 10, cost=2.0)
+    b.fwd("c", ["a"], 10, recomputable=False)
+    b.fwd("loss", ["c"], 1, output=True)
+    b.bwd("g_loss", ["tan"], 1)
+    b.bwd("g_c", ["g_loss", "c"], 10)
+    b.bwd("g_a", ["g_c", "a"], 1, output=True)
+    nodes = list(b.build().nodes)
+    c = b.index["c"]
+    nodes[c] = dataclasses.replace(nodes[c], codec="int8/g64", compressed_bytes=1, codec_cost=0.05)
+    g = Graph(tuple(nodes))
+    res = instant_solve(g, 30, time_limit=10)
+    assert res.bound == pytest.approx(2.0)
+    assert min(t.recompute_cost for _, t in res.plans if t.peak_bytes <= 30) == pytest.approx(2.0)
+    best = solve(g, 30)
+    assert (best.status, best.timeline.recompute_cost) == ("optimal", pytest.approx(2.0))
 
 
 def test_solve_falls_back_on_planning_without_codecs(monkeypatch):

@@ -8,6 +8,7 @@ keeps is left at the end, and random values are never recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 import signal
@@ -24,7 +25,7 @@ from fxopt.solvers.heuristics import HEURISTICS, articulation_values
 from fxopt.solvers.ilp import solve_ilp
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline
-from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, mlp2, random_training_graph
+from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, mlp2, random_training_graph, with_random_lossy_codecs
 
 STATUSES = {"optimal", "feasible", "heuristic"}
 TIME_LIMIT = 10.0
@@ -47,17 +48,24 @@ def assert_timeline_invariants(graph: Graph, schedule: Schedule, timeline: Timel
     assert timeline.backward_peak_bytes == max(e[2] for e in backward)
 
     # Forward: while a node runs, it, its inputs, the inputs of the step and what the forward keeps
-    # (SAVEd values and outputs computed so far) are all alive.
+    # (SAVEd values and outputs computed so far; a COMPRESSed one at least in its encoding) are
+    # all alive.
     done: set[int] = set()
     by_name = {n.name: i for i, n in enumerate(nodes)}
     for _, name, live in forward:
+        if name.startswith("compress "):
+            continue
         i = by_name[name]
         done.add(i)
         kept = {j for j in done if j in schedule.saved or nodes[j].output}
-        needed = always | kept | {i} | set(nodes[i].inputs)
-        assert live >= _storage_bytes(graph, needed) + nodes[i].workspace, (name, live)
+        packed = (kept & schedule.compressed) - {i} - set(nodes[i].inputs)
+        needed = always | (kept - packed) | {i} | set(nodes[i].inputs)
+        encodings = sum(nodes[j].compressed_bytes for j in packed)
+        assert live >= _storage_bytes(graph, needed) + encodings + nodes[i].workspace, (name, live)
 
-    # Backward: the same, with the tangents and the gradients made so far.
+    # Backward: the same, with the tangents and the gradients made so far (a decoding is an event
+    # of its own).
+    backward = [e for e in backward if not e[1].startswith("decompress ")]
     assert backward[0][1] == "<start>"
     forward_outputs = {i for i, n in enumerate(nodes) if n.kind == "forward" and n.output}
     grads: set[int] = set()
@@ -580,6 +588,48 @@ def test_random_graph_optimal_ilp_means_ilp_solver_succeeds(graph, fraction):
                 assert result.budget == budget < result.min_budget
 
 
+@st.composite
+def quantized_training_graphs(draw):
+    return with_random_lossy_codecs(draw, st, random_training_graph(draw, st, min_forward=3, max_forward=12))
+
+
+@PROPERTY_SETTINGS
+@given(graph=quantized_training_graphs(), fraction=st.floats(0.0, 0.5))
+def test_random_graph_with_lossy_codecs_ilp_plans_fit(graph, fraction):
+    """The ILP's memory model over-approximates the simulator's with COMPRESSed values too: its
+    lowest-peak plan peaks no higher than the peak it reports, and a plan it returns for a budget
+    between that peak and the eager one fits when simulated (`solve` never has to discard it)."""
+    eager = simulate(graph, eager_schedule(graph)).peak_bytes
+    lowest = solve_ilp(graph, None, minimize_peak=True, mip_solver="highs", time_limit=TIME_LIMIT)
+    assert simulate(graph, lowest.schedule).peak_bytes <= lowest.peak_bound + 1e-6 * eager
+    budget = int(lowest.peak_bound + fraction * max(0, eager - lowest.peak_bound))
+    res = solve_ilp(graph, budget, mip_solver="highs", time_limit=TIME_LIMIT)
+    if res.schedule is not None:
+        event("compressed" if res.schedule.compressed else "not compressed" if graph.compressible else "no codec")
+        assert simulate(graph, res.schedule).peak_bytes <= budget
+
+
+@PROPERTY_SETTINGS
+@given(graph=quantized_training_graphs(), fraction=st.floats(0.3, 1.0))
+def test_random_graph_codecs_never_make_a_plan_costlier(graph, fraction):
+    """Every schedule of the graph without its codecs is one of the graph with them (compressing
+    nothing): a budget that plans without codecs plans with them, at no higher a cost (up to the
+    gap at which auto stops). Below the smallest budget without codecs: at that budget."""
+    from fxopt.solvers.auto import without_codecs
+
+    budget = int(simulate(graph, eager_schedule(graph)).peak_bytes * fraction)
+    plain = _solve(without_codecs(graph, lossy_only=False), budget, "auto")
+    if isinstance(plain, InfeasibleBudgetError):
+        budget = plain.min_budget
+        plain = _solve(without_codecs(graph, lossy_only=False), budget, "auto")
+    result = _solve(graph, budget, "auto")
+    event("compressed" if isinstance(result, Solution) and result.schedule.compressed else "not compressed")
+    assert isinstance(result, Solution), "plans without codecs but not with them"
+    assert_valid_solution(graph, budget, result, "auto")
+    cost = plain.timeline.recompute_cost
+    assert result.timeline.recompute_cost <= cost + ILP_REL_GAP * cost + 1e-9
+
+
 @PROPERTY_SETTINGS
 @given(graph=training_graphs(), fraction=st.floats(0.6, 1.0))
 def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
@@ -697,6 +747,38 @@ def test_ilp_counts_all_outputs_of_a_recomputed_multi_output_op():
         solve(graph, 17, "auto", time_limit=TIME_LIMIT)
     assert info.value.min_budget == 18
     assert_valid_solution(graph, 18, solve(graph, 18, "auto", time_limit=TIME_LIMIT), "auto")
+
+
+def test_ilp_never_recomputes_a_value_it_keeps_compressed():
+    """Found by hypothesis: t1 is a multi-output op making t1_0 (5 bytes, which int8 keeps in 1)
+    and t1_1 (5 bytes); g_f5 reads t1_1 (and f0), g_f4 reads t1_0 later. The lowest-peak ILP once
+    SAVEd t1_0 COMPRESSed and recomputed t1 for t1_1: that takes out t1_0 again, and the schedule
+    keeps that copy (5 bytes, not 1) until g_f4. Its model said 25 bytes, the plan peaked at 26."""
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("f0", ["x"], 2)
+    b.fwd("t1", ["x"], 0, tensor=False)
+    b.fwd("t1_0", ["t1"], 5, cost=0.0)
+    b.fwd("t1_1", ["t1"], 5, cost=0.0)
+    b.fwd("f4", ["t1_0"], 1, cost=0.5, recomputable=False)
+    b.fwd("f5", ["x"], 1, cost=0.5)
+    b.fwd("loss", ["f5", "f4"], 1, cost=0.5, output=True)
+    b.bwd("g_loss", ["tan"], 3)
+    b.bwd("g_f5", ["g_loss", "t1_1", "f0"], 7)
+    b.bwd("g_f4", ["g_f5", "t1_0", "f4"], 9)
+    b.bwd("g_x", ["g_f4"], 1, output=True)
+    nodes = list(b.build().nodes)
+    t1_0 = b.index["t1_0"]
+    nodes[t1_0] = dataclasses.replace(nodes[t1_0], codec="int8/g64", compressed_bytes=1, codec_cost=0.01)
+    graph = Graph(tuple(nodes))
+    assert simulate(graph, eager_schedule(graph)).peak_bytes == 26
+    # The lowest: g_f4 runs with x, tan, loss, g_f5 (7), t1_0 decoded (5), f4 and g_f4 (9).
+    lowest = solve_ilp(graph, None, minimize_peak=True, mip_solver="highs", time_limit=TIME_LIMIT)
+    assert lowest.schedule.compressed == {t1_0}
+    assert lowest.peak_bound == simulate(graph, lowest.schedule).peak_bytes == 25
+    res = solve_ilp(graph, 25, mip_solver="highs", time_limit=TIME_LIMIT)
+    assert simulate(graph, res.schedule).peak_bytes <= 25
 
 
 @pytest.mark.parametrize("mip_solver", ["highs", "cbc"])

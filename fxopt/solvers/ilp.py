@@ -17,7 +17,8 @@ Constraints (i, j forward values; t a stage; D_t the forward values stage t read
     Z[i] <= S0[i]                               COMPRESS only what is SAVEd
 A compressed value (Z[i] = 1) counts its compressed size instead of its own from the step after
 its last forward use until its first possible backward stage (and both while being encoded or
-decoded); encoding plus decoding cost is added to the objective.
+decoded); until then no stage reads it or makes it again (a recomputed copy would replace the
+encoded one, at full size). Encoding plus decoding cost is added to the objective.
 
 What keeps it small enough to solve in seconds for thousands of nodes:
   - Views are not variables: a schedule makes a fresh view from its base right before each use.
@@ -327,9 +328,14 @@ class _Builder:
             for t in range(sc.first[i] + 1, self.fr[i] + 1):
                 if (t, i) in ilp.S:
                     m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
+            # Until it is decoded, nothing reads it (it is encoded), and it is not made again: a
+            # schedule uses the latest copy of a value, so a recomputed one (or one a recomputed
+            # multi-output op takes out with its other outputs) would live uncompressed, where
+            # this model counts the encoding.
+            makers = {i} | {p for p in self.nodes[i].inputs if not self.nodes[p].tensor}
             for t in range(sc.first[i], self.fr[i]):
                 for u in sc.anc[t]:
-                    if (t, u) in ilp.R and i in sc.deps[u]:
+                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
                         m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
         for (t, i), col in ilp.S.items():
             m.row(_terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)

@@ -24,8 +24,10 @@ mixed-integer program
     needs    read by node k: a_ik = 1; by a node before k: s_i + p_ik >= 1; after k: a_ik + r_ik >= 1
     views    a_ik <= a_(root of i),k                    (a view keeps its base's storage alive)
     memory   fixed_k + sum_i bytes_i a_ik - sum_i (bytes_i - compressed_i) w_ik <= budget
-    COMPRESS z_i <= s_i at its codec's cost; w_ik <= a_ik, w_ik <= z_i (a compressed value may
-             count its compressed size wherever it is alive: more than the simulator allows)
+    COMPRESS z_i <= s_i at its codec's cost; w_ik <= a_ik, w_ik <= z_i: a compressed value may
+             count its compressed size where it is alive and may still be encoded, i.e. not yet
+             read: w_ik = 0 if a backward node up to k reads i, w_ik + p_jk <= 1 for j made
+             from i (the simulator decodes it at its first read, so this allows no less)
 
     minimise sum_i c_i n_i + sum_i codec_i z_i
 
@@ -105,6 +107,7 @@ class _Program:
         self.instants = list(instants)
         self._after: dict[int, set[int]] = {}
         s, z, n = self._add_decisions(m)
+        self.z = z
         alive: dict[tuple[int, int], int] = {}
         per_instant = {k: self._add_instant(m, k, s, z, n, alive) for k in instants}
         self._link_instants(m, per_instant)
@@ -158,10 +161,19 @@ class _Program:
                         m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
                 m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
         mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
+        # A compressed value is decoded at its first backward read: once a backward node up to k
+        # (directly or through a view) or a computation before k has read it, what is alive of it
+        # at k is full size.
+        decoded = graph.through_aliases(before | now)
         for i, col in z.items():
+            if i in decoded:
+                continue
             w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
             m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
             m.row([(w, 1.0), (col, -1.0)], upper=0.0)
+            for u in graph.users[i]:
+                if u in p:
+                    m.row([(w, 1.0), (p[u], 1.0)], upper=1.0)
             mem.append((w, -(nodes[i].bytes - nodes[i].compressed_bytes) / self.unit))
         m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
         return a, p, r
@@ -209,6 +221,10 @@ class _Program:
         early = {j for kk in range(k0) for j in self.reads[kk]} - self._after[k0]
         return frozenset(i for i, col in s.items()
                          if x[col] > 0.5 and (x[alive[k0, i]] > 0.5 or i in early))
+
+    def compressed(self, x) -> frozenset[int]:
+        """The values a solution COMPRESSes (columns of the latest `build`)."""
+        return frozenset(i for i, col in self.z.items() if x[col] > 0.5)
 
     def alive_sets(self, alive: dict[tuple[int, int], int], x) -> dict[int, frozenset[int]]:
         """For each modelled instant, the forward values the solution keeps alive there."""
@@ -258,13 +274,45 @@ def _tightest(graph: Graph, timeline: Timeline, budget: int) -> tuple[str, int] 
             return None
         over = max(back, key=lambda e: events[e][2])
     phase, name, _ = events[over]
-    if phase == "forward":
-        return ("forward", by_name[name])
+    if phase == "forward":  # a node, or the encoding of a value ("compress <value>")
+        return ("forward", by_name[name.removeprefix("compress ")])
     for ph, nm, _ in events[over:]:
         i = by_name.get(nm)
         if i in bwd_pos:
             return ("backward", bwd_pos[i])
     return None
+
+
+def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple]) -> list[tuple[Schedule, Timeline]]:
+    """The plans a solution ``x`` suggests, simulated (those in ``tried`` skipped, the others added
+    to it): its SAVE set recomputed on demand, and keeping alive at each modelled instant what the
+    solution keeps there; over the budget, each also COMPRESSing what the solution compresses, and
+    completed by `compress_to_fit`."""
+    graph, budget = prog.graph, prog.budget
+    saved = prog.saved(s, alive, x) | must_save(graph)
+    alive_at = prog.alive_sets(alive, x)
+    chosen = prog.compressed(x) & graph.compressible
+    new: list[tuple[Schedule, Timeline]] = []
+    for schedule in (on_demand(graph, saved), schedule_for(graph, saved, alive_at)):
+        key = (schedule.saved, schedule.backward)
+        if key in tried:
+            continue
+        tried.add(key)
+        try:
+            timeline = simulate(graph, schedule)
+        except InvalidScheduleError:
+            continue
+        new.append((schedule, timeline))
+        if timeline.peak_bytes > budget and graph.compressible:
+            # Where the plan compressing what the solution compresses is worst is an instant the
+            # program missed (a value it counted encoded, decoded there): the next one to model.
+            if chosen & schedule.saved:
+                packed = dataclasses.replace(schedule, compressed=chosen & schedule.saved)
+                new.append((packed, simulate(graph, packed)))
+            done = compress_to_fit(graph, schedule, budget)
+            if done is not None:
+                new.append(done)
+    return new
 
 
 def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_solver: str | None = None,
@@ -308,41 +356,25 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
             bound = max(bound or 0.0, max(0.0, res.bound / prog.cost_scale))
         if res.x is None:
             break
-        saved = prog.saved(s, alive, res.x) | must_save(graph)
-        alive_at = prog.alive_sets(alive, res.x)
-        new: list[tuple[Schedule, Timeline]] = []
-        for schedule in (on_demand(graph, saved), schedule_for(graph, saved, alive_at)):
-            key = (schedule.saved, schedule.backward)
-            if key in tried:
-                continue
-            tried.add(key)
-            try:
-                timeline = simulate(graph, schedule)
-            except InvalidScheduleError:
-                continue
-            new.append((schedule, timeline))
-            if timeline.peak_bytes > budget and graph.compressible:
-                done = compress_to_fit(graph, schedule, budget)
-                if done is not None:
-                    new.append(done)
+        new = _suggested_plans(prog, s, alive, res.x, tried)
         if not new:
             break
         plans += new
         fitting = [t.recompute_cost for _, t in plans if t.peak_bytes <= budget]
         if fitting and proven(min(fitting), bound, target_gap):
             break
-        # Model the instant where the latest plan is worst (above the budget, or tightest).
-        where = _tightest(graph, min(new, key=lambda p: p[1].peak_bytes)[1], budget)
+        # Model the instant where the latest plans are worst (above the budget, or tightest), the
+        # lowest-peak plan's first; where that instant is modelled already, another plan's (the one
+        # compressing what the solution compresses may be worst elsewhere).
+        wheres = (_tightest(graph, t, budget) for _, t in sorted(new, key=lambda p: p[1].peak_bytes))
+        where = next((w for w in wheres if w is not None and (w[1] not in instants if w[0] == "backward"
+                                                             else not forward_steps)), None)
         if where is None:
             break
         if where[0] == "backward":
-            if where[1] in instants:
-                break
             instants.append(where[1])
         else:
             # The forward's rows are over the SAVE decisions only and cheap: add every step once.
-            if forward_steps:
-                break
             forward_steps = list(range(len(prog.order)))
     return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
 

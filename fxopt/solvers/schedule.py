@@ -279,10 +279,12 @@ class _Replay:
         return encoding
 
     def decode(self, j: int) -> int:
-        """Decode value j for its first backward read; the encoding dies then. Bytes while decoding."""
+        """Decode value j for its first backward read; the encoding dies then. Bytes while decoding:
+        the encoding (held since `encode` or its reload, counted once), the decoded value and the
+        codec's scratch."""
         self.settle()
         self.memory.hold(self.storage_of[self.current[j]])
-        decoding = self.memory.bytes + self.nodes[j].compressed_bytes + self.nodes[j].codec_workspace
+        decoding = self.memory.bytes + self.nodes[j].codec_workspace
         self.memory.release(("encoded", j), self.nodes[j].compressed_bytes)
         self.packed.discard(j)
         self.now += self.nodes[j].codec_cost / 2
