@@ -1,0 +1,153 @@
+"""OFFLOAD in the rewritten step, on CPU (synchronous copies): loss and gradients bit-identical to
+eager with every offloadable saved value offloaded, with and without compression; the copies sit
+where the plan says; the host arena is reused from step to step."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import fxopt
+from fxopt.api import plan_and_rewrite
+from fxopt.models import ZOO
+from fxopt.ops.offload import HostCopies, extent_bytes
+from fxopt.passes.offload import reload_positions
+from fxopt.solvers.plan import Plan
+from fxopt.solvers.transfers import Transfers
+from helpers import assert_same_step, step
+
+ops = torch.ops.fxopt
+MODELS = ["residual_mlp", "cnn_bn", "gpt2_tiny", "transformer_block"]
+
+
+def offload_everything(plan: Plan, compress: bool = False) -> Plan:
+    """``plan`` with every offloadable SAVEd value OFFLOADed (and with ``compress``, every
+    compressible one COMPRESSed too), reloaded where the simulator puts reloads by default."""
+    saved = frozenset(plan.schedule.saved)
+    compressed = saved & plan.graph.compressible if compress else plan.schedule.compressed
+    schedule = dataclasses.replace(plan.schedule, offloaded=saved & plan.graph.offloadable,
+                                   compressed=compressed, reload_at=())
+    return Plan.build(graph=plan.graph, schedule=schedule, budget_bytes=plan.budget_bytes,
+                      eager_peak_bytes=plan.eager_peak_bytes, solver="forced", status="heuristic",
+                      solve_seconds=0.0, fingerprint=plan.fingerprint, module_paths=plan.module_paths)
+
+
+def forced_pair(name: str, compress: bool, budget=1.0):
+    """(eager, optimized, inputs, plan): the zoo model planned with offload on and then forced
+    to offload every value it may."""
+    torch.manual_seed(0)
+    model, inputs = ZOO[name]()
+    base = fxopt.plan(model, budget, inputs, offload=True, compress=compress)
+    plan = offload_everything(base, compress)
+    assert plan.offloaded, "nothing offloadable: the test would test nothing"
+    optimized = fxopt.optimize(copy.deepcopy(model), budget, plan=plan, offload=True, compress=compress)
+    return copy.deepcopy(model), optimized, inputs, plan
+
+
+def _bit_identical(eager, optimized, inputs, seed=1):
+    torch.manual_seed(seed)
+    loss_e = step(eager, inputs)
+    torch.manual_seed(seed)
+    loss_o = step(optimized, inputs)
+    assert torch.equal(loss_e, loss_o)
+    for (name, p_e), (_, p_o) in zip(eager.named_parameters(), optimized.named_parameters()):
+        assert (p_e.grad is None) == (p_o.grad is None), name
+        if p_e.grad is not None:
+            assert torch.equal(p_e.grad, p_o.grad), name
+    assert_same_step(eager, optimized, loss_e, loss_o)  # buffers too (BatchNorm statistics)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_offload_everything_is_bit_identical(name):
+    eager, optimized, inputs, _ = forced_pair(name, compress=False)
+    _bit_identical(eager, optimized, inputs)
+    # A second step reuses the host arena (and the events' bookkeeping).
+    for m in (eager, optimized):
+        m.zero_grad(set_to_none=True)
+    _bit_identical(eager, optimized, inputs, seed=2)
+
+
+@pytest.mark.parametrize("name", ["residual_mlp", "cnn_bn", "gpt2_tiny"])
+def test_offload_with_compression_is_bit_identical(name):
+    eager, optimized, inputs, plan = forced_pair(name, compress=True)
+    _bit_identical(eager, optimized, inputs)
+    if name != "gpt2_tiny":  # (ReLU masks and pooling indices: COMPRESSed and OFFLOADed)
+        both = [v for v in plan.offloaded if v in plan.compressed]
+        assert both and plan.decisions()[both[0]] == "COMPRESS+OFFLOAD"
+
+
+def test_the_graphs_copy_what_the_plan_offloads_where_it_says():
+    torch.manual_seed(0)
+    model, inputs = ZOO["residual_mlp"]()
+    plan = offload_everything(fxopt.plan(model, 1.0, inputs, offload=True, compress=False))
+    ready = plan_and_rewrite(model, plan.budget_bytes, inputs, plan=plan, offload=True, compress=False)
+    fw, bw = ready.forward.graph, ready.backward.graph
+    offloads = list(fw.find_nodes(op="call_function", target=ops.offload.default))
+    assert sorted(n.args[0].name for n in offloads) == sorted(plan.offloaded)
+    saved = [o for o in next(iter(fw.find_nodes(op="output"))).args[0] if isinstance(o, torch.fx.Node)]
+    assert set(offloads) <= set(saved)
+    assert not {n.name for n in saved} & set(plan.offloaded)  # the device tensors are not saved
+    order = list(fw.nodes)
+    for n in offloads:  # right after the value's last forward use (other offloads aside)
+        value, before = n.args[0], n.prev
+        while before.target == ops.offload.default:
+            before = before.prev
+        assert before is value or before in value.users
+        assert all(order.index(u) < order.index(n) for u in value.users if u is not n)
+    # In the backward: each reload before the step the plan says, its wait right before the reader.
+    order = list(bw.nodes)
+    reloads = list(bw.find_nodes(op="call_function", target=ops.reload.default))
+    waits = list(bw.find_nodes(op="call_function", target=ops.wait_reload.default))
+    assert len(reloads) == len(waits) == len(plan.offloaded)
+    for w in waits:
+        assert order.index(w.args[0]) < order.index(w)
+        first_reader = min(w.users, key=order.index)
+        assert order.index(w) < order.index(first_reader)
+    planned_steps = [order.index(r) for r in reloads]
+    assert planned_steps == sorted(planned_steps)
+
+
+def test_reload_positions_move_to_the_next_kept_step():
+    names = ["a", "b", "c"]
+    # Steps 1 and 3 of 5 are dropped (recomputations nothing reads): kept = [0, 2, 4].
+    at = reload_positions(5, [0, 2, 4], [(0, 1), (1, 2), (2, 4)], names)
+    assert at == {1: ["a", "b"], 2: ["c"]}
+
+
+def test_host_arena_is_allocated_once_and_a_step_in_flight_takes_another():
+    copies = HostCopies([extent_bytes((4, 3), (3, 1), 4), extent_bytes((5,), (1,), 8)])
+    x, y = torch.randn(4, 3), torch.arange(5, dtype=torch.float64)
+    for _ in range(3):  # step after step: the same arena
+        hx, hy = copies.offload(x, 0), copies.offload(y, 1)
+        assert torch.equal(copies.reload(hx, 0, x.device), x) and torch.equal(copies.reload(hy, 1, y.device), y)
+        del hx, hy
+    assert len(copies.arenas) == 1
+    first = copies.offload(x, 0)  # a forward whose backward has not run yet
+    second = copies.offload(x * 2, 0)  # ... and another: its slot is busy, so a second arena
+    assert len(copies.arenas) == 2
+    assert torch.equal(copies.reload(first, 0, x.device), x) and torch.equal(copies.reload(second, 0, x.device), x * 2)
+    dropped = copies.offload(x, 0)  # a host copy dropped unread (its backward never ran) frees its slot
+    del dropped
+    copies.offload(x, 0)
+    assert len(copies.arenas) == 2
+
+
+def test_non_contiguous_values_keep_their_strides():
+    copies = HostCopies([extent_bytes((3, 4), (1, 3), 4)])
+    x = torch.randn(4, 3).t()
+    host = copies.offload(x, 0)
+    back = copies.reload(host, 0, x.device)
+    assert back.stride() == x.stride() and torch.equal(back, x)
+
+
+def test_offload_option_on_cpu():
+    torch.manual_seed(0)
+    model, inputs = ZOO["residual_mlp"]()
+    off = fxopt.plan(model, 1.0, inputs)  # default on CPU: off
+    assert off.graph.transfers is None
+    on = fxopt.plan(model, 1.0, inputs, offload=True)
+    assert on.graph.transfers == Transfers()  # CPU: the documented defaults
+    assert on.fingerprint != off.fingerprint
+    with pytest.raises(TypeError):
+        fxopt.plan(model, 1.0, inputs, offload="yes")
