@@ -218,7 +218,7 @@ def optimize(
     ``offload``: let the solver OFFLOAD saved values to host memory, copied back before the
     backward reads them (see docs/offload.md). None (default): on for a step on a CUDA device
     (bandwidths measured once per device), off on CPU. True on CPU plans with the default
-    bandwidths but lowers no measured peak (host and device are the same memory there).
+    bandwidths but saves no memory (host and device are the same memory there).
     `Plan.offloaded` lists what it chose.
 
     ``graph_breaks``: what to do when torch.compile cannot capture the forward in one graph

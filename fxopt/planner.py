@@ -51,8 +51,8 @@ class Options:
     bit-identical. ``quantize``: a `fxopt.Quantize` (or its format name) to also let it quantize
     saved floating-point activations (lossy; off by default). ``offload``: let the solver OFFLOAD
     saved values to host memory (see `transfers`): None (default) where the step runs on a CUDA
-    device, True or False to force it (True on CPU plans with the default bandwidths and lowers
-    no measured peak: host and device are the same memory there)."""
+    device, True or False to force it (True on CPU plans with the default bandwidths and saves
+    no memory: host and device are the same memory there)."""
 
     budget: Budget
     solver: str = "auto"

@@ -10,7 +10,7 @@ named after the machine and the device (the scratch measurements' key, `fxopt.an
 
 A device without separate memory (CPU) has nothing to measure: OFFLOAD asked for there is planned
 with the documented default, `fxopt.solvers.transfers.PCIE_GEN4_X16_BYTES_PER_S` each way (useful
-for tests and dry runs; it lowers no measured CPU peak, host and device being the same memory).
+for tests and dry runs; it saves no memory on CPU, host and device being the same memory).
 """
 
 from __future__ import annotations

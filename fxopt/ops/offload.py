@@ -31,7 +31,7 @@ fills it on the H2D stream once both the compute issued before it and the value'
 
 On CPU (and any device that is host memory) the copies are synchronous: the offload is a copy into
 a host arena slot, a separate tensor, and the reload a copy out of it, so the rewritten graph runs
-and is tested everywhere; it lowers no CPU peak (host and device are the same memory).
+and is tested everywhere; it saves no memory there (host and device are the same memory).
 
 A slot is reused by the next step's offload only after this step's reload read it (an event on the
 H2D stream) or the host copy was dropped unread (its backward never ran). A second forward before
