@@ -25,7 +25,10 @@ with one slot per offloaded value, allocated at the first step and reused by eve
 ``cudaHostAlloc`` per tensor). The device tensor an offload copies is marked used by the D2H stream
 (``record_stream``), and the forward drops it right after the offload (its last use), so the caching
 allocator reuses its memory once the copy completes, not before, and the compute stream never waits
-for it: what the simulator models. A reload allocates its device tensor on the compute stream and
+for it: what the simulator models. (The allocator's ``allocated`` count, which
+``torch.cuda.max_memory_allocated`` reads, drops the tensor when the forward does; its block stays
+unusable until the copy completes, so the real occupancy is what the simulator predicts, and the
+allocated count can read lower.) A reload allocates its device tensor on the compute stream and
 fills it on the H2D stream once both the compute issued before it and the value's offload are done;
 ``wait_reload`` makes the compute stream wait for that copy, right before the first reader.
 
