@@ -182,3 +182,44 @@ def test_the_planner_offloads_where_recomputation_alone_cannot_fit():
     assert "OFFLOAD" in plan.decisions().values()
     assert torch.equal(loss_e, loss_o)
     assert_same_step(eager, optimized, loss_e, loss_o)
+
+
+def test_fingerprint_counts_transfers_only_when_set():
+    from fxopt.analysis import graph_fingerprint
+
+    torch.manual_seed(0)
+    model, inputs = ZOO["residual_mlp"]()
+    plan = fxopt.plan(model, 1.0, inputs, offload=False)
+    graph = plan.graph
+    assert graph_fingerprint(graph) == plan.fingerprint == graph_fingerprint(graph.with_transfers(None))
+    fast = graph_fingerprint(graph.with_transfers(Transfers(50e9, 50e9)))
+    assert fast != plan.fingerprint and fast != graph_fingerprint(graph.with_transfers(Transfers()))
+
+
+def test_bandwidths_are_measured_once_per_device_and_cached_on_disk(tmp_path, monkeypatch):
+    from fxopt.analysis import bandwidth
+
+    monkeypatch.setenv("FXOPT_CACHE", "1")
+    monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bandwidth, "_measured", {})
+    runs = []
+
+    def measure(device):
+        runs.append(device)
+        return Transfers(12e9, 34e9)
+
+    monkeypatch.setattr(bandwidth, "measure", measure)
+    cuda = torch.device("cuda", 0)
+    assert bandwidth.device_transfers(cuda) == Transfers(12e9, 34e9)
+    assert bandwidth.device_transfers(cuda) == Transfers(12e9, 34e9)
+    assert len(runs) == 1 and (tmp_path / "bandwidth.json").exists()
+    monkeypatch.setattr(bandwidth, "_measured", {})  # a new process: read from disk
+    assert bandwidth.device_transfers(cuda) == Transfers(12e9, 34e9) and len(runs) == 1
+    assert bandwidth.device_transfers(torch.device("cpu")) == Transfers()  # nothing to measure
+
+
+def test_the_backend_takes_offload():
+    from fxopt.capture.backend import OPTIONS, backend
+
+    assert "offload" in OPTIONS
+    assert backend(0.5, offload=False).options.offload is False
