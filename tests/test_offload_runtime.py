@@ -13,6 +13,7 @@ from fxopt.api import plan_and_rewrite
 from fxopt.models import ZOO
 from fxopt.ops.offload import HostCopies, extent_bytes
 from fxopt.passes.offload import reload_positions
+from fxopt.solvers.schedule import kept_steps
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
 from helpers import assert_same_step, run_pair, step
@@ -104,8 +105,18 @@ def test_the_graphs_copy_what_the_plan_offloads_where_it_says():
         assert order.index(w.args[0]) < order.index(w)
         first_reader = min(w.users, key=order.index)
         assert order.index(w) < order.index(first_reader)
-    planned_steps = [order.index(r) for r in reloads]
-    assert planned_steps == sorted(planned_steps)
+    # Each reload is issued after as many of the backward's steps as the plan says.
+    names = [n.name for n in plan.graph.nodes]
+    at = reload_positions(len(plan.schedule.backward), kept_steps(plan.graph, plan.schedule),
+                          plan.schedule.reload_at, names)
+    planned = {value: position for position, values in at.items() for value in values}
+    steps, issued = 0, {}
+    for n in order:
+        if n.op == "call_function" and n.target == ops.reload.default:
+            issued[n.args[0].name] = steps  # (the host copy's placeholder is named after the value)
+        elif n.op == "call_function" and n.target != ops.wait_reload.default:
+            steps += 1
+    assert issued == planned and len(set(planned.values())) > 1
 
 
 def test_reload_positions_move_to_the_next_kept_step():
