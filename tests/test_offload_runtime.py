@@ -234,3 +234,23 @@ def test_the_backend_takes_offload():
 
     assert "offload" in OPTIONS
     assert backend(0.5, offload=False).options.offload is False
+
+
+def test_two_forwards_before_one_backward():
+    """Gradient accumulation in one graph: the second forward finds the first one's host slots
+    still held, takes a second arena, and both backwards read their own values."""
+    eager, optimized, inputs, _ = forced_pair("residual_mlp", compress=False)
+    (x,) = inputs
+    other = (x.flip(0),)
+    losses = []
+    for m in (eager, optimized):
+        torch.manual_seed(1)
+        loss = m(*inputs).sum() + 2 * m(*other).sum()
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        assert torch.equal(p_e.grad, p_o.grad)
+    from fxopt.ops.offload import _runtimes
+
+    assert any(len(copies.arenas) == 2 for copies in _runtimes.values())
