@@ -11,9 +11,10 @@ point and its first reader waits for that copy (the ops: `fxopt.ops.offload`).
 A value also COMPRESSed travels encoded: the forward offloads its encoding (made right after the
 value's last use), and the backward decodes what it reloaded, after the wait.
 
-`split_with_recompute` (`fxopt.passes.recompute`) calls `offload_in_forward` on the forward it
-extracted and drives a `Reloads` while it builds the backward; the two share a
-`fxopt.ops.offload.HostCopies`, which the forward module keeps alive (``_fxopt_host_copies``).
+`split_with_recompute` (`fxopt.passes.recompute`) calls `offload_saved` on the forward it
+extracted and drives the `Reloads` it returns while it builds the backward; the two share a
+`fxopt.ops.offload.HostCopies`, which both modules and the backend that compiled them keep alive
+(the ops find it by key).
 """
 
 from __future__ import annotations
@@ -60,17 +61,37 @@ def on_host(val):
         return val.new_empty_strided(val.shape, val.stride(), device="cpu")
 
 
-class Reloads:
-    """The backward's side: `issue` inserts the reloads planned before a backward position;
-    `arrive` inserts the wait before a value's first reader (issuing its reload there if none was
-    planned earlier, which the simulator would count as exposed)."""
+def offload_saved(fw_graph: fx.Graph, travels: dict[str, fx.Node], after: dict[str, fx.Node],
+                  at: dict[int, list[str]]) -> Reloads:
+    """Offload, in the forward, what travels for each offloaded value (``travels[name]``: the
+    value, or its encoding), right after ``after[name]``; slot k holds the k-th in ``travels``'
+    order. Returns the backward's `Reloads`, reloading before the steps ``at`` names."""
+    slot = {name: k for k, name in enumerate(travels)}
+    copies = host_copies_for(list(travels.values()))
+    offload_in_forward(fw_graph, travels, after, copies, slot)
+    return Reloads(copies, slot, at, {name: node.meta["val"] for name, node in travels.items()})
 
-    def __init__(self, graph: fx.Graph, copies: HostCopies, slot: dict[str, int], at: dict[int, list[str]],
+
+class Reloads:
+    """The backward's side, for one graph being built (`begin`): `add_host_copy` takes each host
+    copy's placeholder, `issue` inserts the reloads planned before a backward position, `arrive`
+    inserts the wait before a value's first reader (issuing its reload there if none was planned
+    earlier, which the simulator would count as exposed)."""
+
+    def __init__(self, copies: HostCopies, slot: dict[str, int], at: dict[int, list[str]],
                  device_val: dict[str, object]):
-        self.graph, self.copies, self.slot, self.at = graph, copies, slot, at
+        self.copies, self.slot, self.at = copies, slot, at
         self.device_val = device_val  # name -> fake value on the device (what a reload makes)
+        self.graph: fx.Graph | None = None
         self.host: dict[str, fx.Node] = {}  # name -> its host copy (a placeholder), until reloaded
         self.inflight: dict[str, fx.Node] = {}  # name -> its reload, until waited on
+
+    def begin(self, graph: fx.Graph) -> None:
+        self.graph = graph
+
+    def add_host_copy(self, name: str, placeholder: fx.Node) -> None:
+        placeholder.meta["val"] = on_host(placeholder.meta["val"])
+        self.host[name] = placeholder
 
     def __contains__(self, name: str) -> bool:
         return name in self.host or name in self.inflight

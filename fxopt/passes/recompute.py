@@ -31,7 +31,7 @@ from torch._functorch import partitioners as _p
 from fxopt.analysis import JointGraph
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import NodeBuilder
-from fxopt.passes.offload import Reloads, on_host, offload_in_forward, host_copies_for, reload_positions
+from fxopt.passes.offload import Reloads, offload_saved, reload_positions
 from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate
 
 
@@ -99,17 +99,13 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
 
 def _offload(fw_graph: fx.Graph, saved: list[fx.Node], encoded: dict[str, fx.Node], names: set[str],
              last: dict[str, fx.Node], at: dict[int, list[str]]) -> Reloads:
-    """Offload ``names`` in the forward (their encodings, if COMPRESSed, right after encoding) and
-    return the backward's `Reloads` for them, to be given the host copies as placeholders."""
-    order = [n.name for n in saved if n.name in names]  # slot k: the k-th offloaded saved value
-    slot = {name: k for k, name in enumerate(order)}
+    """Offload ``names`` in the forward: each right after its last use, or, if COMPRESSed, its
+    encoding right after it is made (the encoding travels)."""
     by_name = {n.name: n for n in fw_graph.nodes}
+    order = [n.name for n in saved if n.name in names]
     travels = {name: encoded.get(name, by_name[name]) for name in order}
     after = {name: encoded[name] if name in encoded else last[name] for name in order}
-    copies = host_copies_for([travels[name] for name in order])
-    offload_in_forward(fw_graph, travels, after, copies, slot)
-    device_val = {name: travels[name].meta["val"] for name in order}
-    return Reloads(None, copies, slot, at, device_val)
+    return offload_saved(fw_graph, travels, after, at)
 
 
 def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node], constants: list[fx.Node],
@@ -122,7 +118,7 @@ def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node]
     index = {name: i for i, name in enumerate(joint.names)}
     graph = fx.Graph()
     if reloads is not None:
-        reloads.graph = graph
+        reloads.begin(graph)
     current: dict[str, fx.Node] = {}
     packed: dict[str, fx.Node] = {}  # compressed value -> its encoding, until decoded
     for n in inputs:
@@ -130,8 +126,7 @@ def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node]
         new = graph.placeholder(travels.name)
         new.meta = dict(travels.meta)
         if reloads is not None and n.name in reloads.slot:
-            new.meta["val"] = on_host(travels.meta["val"])
-            reloads.host[n.name] = new
+            reloads.add_host_copy(n.name, new)
         elif n.name in encoded:
             packed[n.name] = new
         else:
