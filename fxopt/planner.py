@@ -107,7 +107,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes)
     copies = transfers(joint, options)
 
-    def analyze(gm, num_fwd_outputs, cost_model, **codecs):
+    def analyze(gm, num_fwd_outputs, cost_model, **codecs):  # every analysis below carries the bandwidths
         jg = analyze_step(gm, num_fwd_outputs, cost_model, **codecs)
         return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
 
