@@ -191,6 +191,7 @@ def optimize(
     compiler: str = "eager",
     compress: bool = True,
     quantize: str | Quantize | None = None,
+    offload: bool | None = None,
     graph_breaks: str = "split",
 ) -> FxoptModule:
     """Return ``model`` rewritten so that its training step (forward + backward) peaks within
@@ -214,6 +215,12 @@ def optimize(
     value only where that is cheaper than recomputing within the budget; `Plan.compressed`
     lists what it chose.
 
+    ``offload``: let the solver OFFLOAD saved values to host memory, copied back before the
+    backward reads them (see docs/offload.md). None (default): on for a step on a CUDA device
+    (bandwidths measured once per device), off on CPU. True on CPU plans with the default
+    bandwidths but saves no memory (host and device are the same memory there).
+    `Plan.offloaded` lists what it chose.
+
     ``graph_breaks``: what to do when torch.compile cannot capture the forward in one graph
     (``.item()`` steering control flow, an unsupported call). ``"split"`` (default): plan the
     pieces in order, each against the budget minus what the rest of the step holds while it runs
@@ -225,12 +232,13 @@ def optimize(
     _check_model(model)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
                       cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
-                      quantize=quantize)
+                      quantize=quantize, offload=offload)
     if example_inputs is not None and plan is None:
         try:
             options = dataclasses.replace(options, plan_from_examples=True, plan=_plan_now(
                 model, budget, example_inputs, solver=solver, time_limit=time_limit,
-                cost_model=options.cost_model, compiler=compiler, compress=compress, quantize=quantize))
+                cost_model=options.cost_model, compiler=compiler, compress=compress, quantize=quantize,
+                offload=offload))
         except GraphBreakError:
             if graph_breaks != "split":
                 raise
@@ -249,6 +257,7 @@ def plan(
     compiler: str = "eager",
     compress: bool = True,
     quantize: str | Quantize | None = None,
+    offload: bool | None = None,
 ) -> Plan:
     """Capture and plan the training step of ``model`` on ``example_inputs`` without running it.
 
@@ -256,11 +265,11 @@ def plan(
     passed as keyword arguments). Returns a `Plan`; raises `InfeasibleBudgetError` (with
     ``.min_budget``) when no schedule fits. ``compiler``: the one the plan is for (Inductor's
     graph passes may change the captured graph a little, so a plan replays on its own compiler).
-    ``compress``, ``quantize``: as for `optimize`.
+    ``compress``, ``quantize``, ``offload``: as for `optimize`.
     """
     return plan_and_rewrite(model, budget, example_inputs, solver=solver, time_limit=time_limit,
                             cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
-                            quantize=quantize).plan
+                            quantize=quantize, offload=offload).plan
 
 
 def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[Any], **options) -> PlanReady:

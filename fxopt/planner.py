@@ -15,16 +15,20 @@ import os
 import sys
 import time
 
+import torch
 import torch.fx as fx
 
 from fxopt import cache
-from fxopt.analysis import CostModel, analyze
+from fxopt.analysis import CostModel
+from fxopt.analysis import analyze as analyze_step
+from fxopt.analysis.bandwidth import device_transfers
 from fxopt.analysis.codecs import Quantize, resolve_quantize
 from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import CaptureError, InfeasibleBudgetError, check_choice
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
+from fxopt.solvers.transfers import Transfers
 from fxopt.solvers import check_solver, eager_schedule, min_feasible_budget, simulate, solve
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.auto import DEFAULT_TIME_LIMIT, MIN_PHASE_SECONDS, lowest_schedule
@@ -45,7 +49,10 @@ class Options:
     ``compress``: let the solver COMPRESS saved values losslessly (bool masks as packed bits,
     ReLU's backward reading a bool mask, max-pooling indices as int32); gradients stay
     bit-identical. ``quantize``: a `fxopt.Quantize` (or its format name) to also let it quantize
-    saved floating-point activations (lossy; off by default)."""
+    saved floating-point activations (lossy; off by default). ``offload``: let the solver OFFLOAD
+    saved values to host memory (see `transfers`): None (default) where the step runs on a CUDA
+    device, True or False to force it (True on CPU plans with the default bandwidths and saves
+    no memory: host and device are the same memory there)."""
 
     budget: Budget
     solver: str = "auto"
@@ -56,6 +63,7 @@ class Options:
     inductor_config: dict | None = None
     compress: bool = True
     quantize: Quantize | None = None
+    offload: bool | None = None
     # ``plan`` was made here from ``example_inputs``: a graph it does not fit (another input
     # shape, autocast on) is planned anew, as without example inputs, instead of refused.
     plan_from_examples: bool = False
@@ -64,6 +72,8 @@ class Options:
         object.__setattr__(self, "quantize", resolve_quantize(self.quantize))
         if not isinstance(self.compress, bool):
             raise TypeError(f"compress must be True or False, got {self.compress!r}")
+        if self.offload not in (None, True, False):
+            raise TypeError(f"offload must be None, True or False, got {self.offload!r}")
         check_choice("compiler", self.compiler, COMPILERS)
         check_solver(self.solver)
         resolve_budget(self.budget, 1)  # an unreadable budget fails now, not at the first call
@@ -77,11 +87,30 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
+    """The bandwidths OFFLOAD is planned with, or None where it is off: a replayed plan's own (so
+    a plan replays on the graph it was made for), else the device's (`fxopt.analysis.bandwidth`).
+    ``options.offload`` None: on where the step's tensors are on a CUDA device."""
+    if options.plan is not None:
+        return options.plan.graph.transfers
+    devices = {v.device for n in joint.graph.find_nodes(op="placeholder")
+               for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}
+    device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+    on = options.offload if options.offload is not None else device.type == "cuda"
+    return device_transfers(device) if on else None
+
+
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0):
     """``unread_resident_bytes``: see `fxopt.analysis.analyze`."""
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes)
+    copies = transfers(joint, options)
+
+    def analyze(gm, num_fwd_outputs, cost_model, **codecs):  # every analysis below carries the bandwidths
+        jg = analyze_step(gm, num_fwd_outputs, cost_model, **codecs)
+        return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
+
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
     # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).

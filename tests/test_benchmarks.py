@@ -88,3 +88,23 @@ def test_hf_models_benchmark_tiny(tmp_path):
     hf_models.main(["--report", "--out", str(out)])
     assert "| bert | fxopt | hf-peak |" in out.with_suffix(".md").read_text()
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
+
+
+def test_offload_benchmark_dry_run(tmp_path):
+    """The GPU OFFLOAD benchmark's code paths, on CPU with a tiny GPT-2: every method writes a row
+    with eager's gradients, and fxopt's plans keep their budget."""
+    from benchmarks import offload
+
+    cache = os.environ.get("FXOPT_CACHE")
+    offload.main(["--dry-run", "--fractions", "0.5", "--timed-steps", "1", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "offload_dry_run_cpu.json").read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert set(rows) == {"eager", "fxopt+offload", "fxopt", "same schedule, no copies", "offload-all hooks",
+                         "save_on_cpu"}
+    for name, row in rows.items():
+        assert "error" not in row, (name, row.get("error"))
+        assert name == "eager" or row["grads_equal"], name
+    assert rows["fxopt+offload"]["offloaded"] > 0 and rows["fxopt+offload"]["within_budget"]
+    assert "measured_exposed_s" in rows["fxopt+offload"]
+    assert "| 50% | fxopt+offload |" in (tmp_path / "offload_dry_run_cpu.md").read_text()
+    assert os.environ.get("FXOPT_CACHE") == cache

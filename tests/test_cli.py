@@ -83,6 +83,21 @@ def _check_png(path):
     assert pixels[..., :3].std() > 0.05  # not a flat image
 
 
+def test_inspect_offload_shows_the_rows_and_draws_the_channels(tmp_path, capsys):
+    """--offload on CPU (a dry run with the default bandwidths) at a budget recomputation alone
+    cannot meet: OFFLOAD rows, the host line, a DOT graph and a plot with the copy channels, and
+    the step run with the plan measured within the budget with eager's gradients."""
+    paths = {k: tmp_path / f"plan.{k}" for k in ("dot", "png")}
+    code = main(["inspect", MLP, "--budget", "40%", *FAST, "--offload", "--run", "--top", "50",
+                 "--dot", str(paths["dot"]), "--plot", str(paths["png"])])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    for text in ("OFFLOAD", "offloaded: ", "in host memory at most", "within the budget", "gradients equal to eager's"):
+        assert text in out, text
+    assert "OFFLOAD" in paths["dot"].read_text()
+    _check_png(paths["png"])
+
+
 def test_inspect_a_module_factory_and_dict_inputs(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_models.py").write_text(
         "import torch\nfrom examples_models import classifier\n\ndef tiny():\n    return classifier()\n")
@@ -130,10 +145,12 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("flags, planned", [
-    ([], dict(compiler="eager", compress=True, quantize=None)),
+    ([], dict(compiler="eager", compress=True, quantize=None, offload=None)),
     (["--compiler", "inductor"], dict(compiler="inductor", compress=True, quantize=None)),
     (["--no-compress"], dict(compiler="eager", compress=False, quantize=None)),
     (["--quantize", "int8"], dict(compiler="eager", compress=True, quantize="int8")),
+    (["--offload"], dict(offload=True)),
+    (["--no-offload"], dict(offload=False)),
 ])
 def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, capsys):
     """What --compiler, --no-compress and --quantize do once they reach the planner is tested
@@ -150,7 +167,7 @@ def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, c
     assert main(["inspect", MLP, "--budget", "50%", *flags]) == EXIT_INFEASIBLE
     (kwargs,) = calls
     assert {k: kwargs[k] for k in planned} == planned
-    assert f"compiler {planned['compiler']}," in capsys.readouterr().out
+    assert f"compiler {planned.get('compiler', 'eager')}," in capsys.readouterr().out
 
 
 def test_verbose_logs_and_quiet_prints_nothing(capsys):

@@ -48,6 +48,8 @@ class JointGraph:
 def graph_fingerprint(graph: Graph) -> str:
     payload = [(n.name, n.kind, n.inputs, n.bytes, n.storage, n.recomputable, n.output, n.codec, n.compressed_bytes)
                for n in graph.nodes]
+    if graph.transfers is not None:  # (only then: fingerprints of graphs without OFFLOAD are unchanged)
+        payload.append(graph.transfers.to_dict())
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 

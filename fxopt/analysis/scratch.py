@@ -111,7 +111,7 @@ def _digest(signature: tuple) -> str:
 
 
 @functools.cache
-def _machine() -> str:
+def machine_key() -> str:
     """What the measurements depend on besides the op: torch's version and build, the CPU, the
     number of threads, the CUDA devices."""
     cpu = platform.processor() or platform.machine()
@@ -128,7 +128,7 @@ def _machine() -> str:
 
 
 def _disk_path() -> Path | None:
-    return cache.directory() / "scratch" / f"{_machine()}.json" if cache.enabled() else None
+    return cache.directory() / "scratch" / f"{machine_key()}.json" if cache.enabled() else None
 
 
 def _disk_entries() -> dict[str, int]:

@@ -41,7 +41,8 @@ from fxopt.solvers.plan import Plan
 log = logging.getLogger("fxopt")
 
 GRAPH_BREAKS = ("error", "warn")
-OPTIONS = ("budget", "compiler", "solver", "time_limit", "graph_breaks", "plan", "inductor", "compress", "quantize")
+OPTIONS = ("budget", "compiler", "solver", "time_limit", "graph_breaks", "plan", "inductor", "compress", "quantize",
+           "offload")
 
 
 class FxoptBackend:
@@ -93,6 +94,7 @@ def backend(
     inductor_config: dict[str, Any] | None = None,
     compress: bool = True,
     quantize: str | Quantize | None = None,
+    offload: bool | None = None,
 ) -> FxoptBackend:
     """A backend for ``torch.compile(model, backend=fxopt.backend(...))``.
 
@@ -100,14 +102,15 @@ def backend(
     ``compiler``: ``"inductor"`` (default; fused kernels, see `fxopt.capture.inductor`) or ``"eager"``
     (the rewritten graphs run op by op). ``graph_breaks``: ``"error"`` (default) or ``"warn"``,
     see the module docstring. ``plan``: replay a `Plan` (or the path of its JSON) instead of
-    solving. ``inductor_config``: extra Inductor settings. ``compress``, ``quantize``: as for
-    `fxopt.optimize` (lossless compression on by default; quantization opt-in).
+    solving. ``inductor_config``: extra Inductor settings. ``compress``, ``quantize``, ``offload``:
+    as for `fxopt.optimize` (lossless compression on by default; quantization opt-in; offload on
+    for CUDA steps by default).
     """
     if isinstance(plan, (str, Path)):
         plan = Plan.from_json(plan)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=float(time_limit),
                       cost_model=cost_model or CostModel(), compiler=compiler,
-                      inductor_config=inductor_config, compress=compress, quantize=quantize)
+                      inductor_config=inductor_config, compress=compress, quantize=quantize, offload=offload)
     return FxoptBackend(options, graph_breaks)
 
 

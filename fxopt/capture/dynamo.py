@@ -96,12 +96,18 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
     ``resident``: the module being compiled, when known: its parameters and buffers the step does
     not read are counted in every peak too (a backend given to torch.compile does not see them)."""
     unread = {"bytes": 0}
+    # The state of each step's OFFLOAD copies (`fxopt.ops.offload.HostCopies`), which its ops find
+    # by key: kept as long as this backend (and so the steps it compiled), because Inductor does
+    # not keep the modules that hold it.
+    host_copies = []
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
         t0 = time.perf_counter()
         jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"])
         on_plan(plan)
         fw, bw = split_with_recompute(jg, plan.schedule)
+        if hasattr(fw, "_fxopt_host_copies"):
+            host_copies.append(fw._fxopt_host_copies)
         log.debug("fxopt: planned and rewrote the step in %.2f s", time.perf_counter() - t0)
         if stop_after_plan:
             raise PlanReady(plan, fw, bw)

@@ -294,7 +294,8 @@ def inspect(args: argparse.Namespace) -> int:
         with _progress(err, "capturing and planning the training step"):
             ready = plan_and_rewrite(model, args.budget, inputs, solver=args.solver,
                                      time_limit=args.time_limit, compiler=args.compiler,
-                                     compress=not args.no_compress, quantize=args.quantize)
+                                     compress=not args.no_compress, quantize=args.quantize,
+                                     offload=args.offload)
     except fxopt.InfeasibleBudgetError as e:
         out.print(f"[red]infeasible budget:[/] {e}")
         out.print(f"try: fxopt inspect {args.model} --budget {e.min_budget}")
@@ -367,6 +368,10 @@ def _print_summary(out, plan, args: argparse.Namespace, planning: float, measure
     out.print(f"decisions: {len(plan.saved)} values saved ({format_bytes(saved_bytes)} kept after the forward), "
               f"{len(plan.compressed)} of them compressed ({len(plan.lossy)} lossy), "
               f"{recomputations} recomputations of {len(plan.recomputed)} values")
+    if plan.offloaded:
+        out.print(f"offloaded: {len(plan.offloaded)} values, {format_bytes(plan.host_bytes)} in host memory at "
+                  f"most; the backward is predicted to wait {plan.exposed_transfer_seconds * 1e3:.3f} ms for "
+                  f"reloads")
     if measured:
         within = _measured_peak(measured["fxopt"]) <= plan.budget_bytes
         out.print(f"measured: fxopt's peak {'within' if within else '[red]ABOVE[/]'} the budget; gradients "
@@ -417,7 +422,8 @@ def _measure(model, inputs, plan, args, err):
     from fxopt.measure import measure_timeline
 
     eager = copy.deepcopy(model)
-    optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan, compiler=args.compiler)
+    optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan, compiler=args.compiler,
+                               compress=not args.no_compress, quantize=args.quantize, offload=args.offload)
     timelines = {}
     for name, m in (("eager", eager), ("fxopt", optimized)):
         text = "compiling and measuring fxopt's step" if name == "fxopt" else "measuring eager's step"
@@ -475,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--compiler", choices=COMPILERS, default="eager",
                    help="what runs the rewritten step with --run (default eager)")
     i.add_argument("--no-compress", action="store_true", help="recompute only: no lossless compression of saved values")
+    i.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the solver keep saved values in host memory (default: on for a CUDA model)")
     i.add_argument("--quantize", choices=("int8", "fp8", "int4"),
                    help="also let the solver quantize saved activations (lossy; off by default)")
     i.add_argument("--code", action="store_true", help="print the rewritten forward and backward graphs")

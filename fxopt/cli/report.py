@@ -17,7 +17,7 @@ MiB = 2**20
 @dataclasses.dataclass(frozen=True)
 class TensorRow:
     name: str  # fx node name in the captured joint graph
-    decision: str  # "SAVE", "COMPRESS <codec>" or "RECOMPUTE"
+    decision: str  # "SAVE", "COMPRESS <codec>", "OFFLOAD", "COMPRESS <codec>+OFFLOAD" or "RECOMPUTE"
     times: int  # recomputations (0 for SAVE)
     bytes: int  # bytes of the storage it holds (its base's, for a view)
     module: str  # the nn.Module it comes from ("" when unknown)
@@ -42,8 +42,8 @@ def tensor_rows(plan: Plan) -> list[TensorRow]:
         node = g.nodes[i]
         return g.nodes[node.storage].bytes if node.storage is not None else node.bytes
 
-    rows = [TensorRow(name, f"COMPRESS {plan.compressed[name]}" if name in plan.compressed else "SAVE", 0,
-                      size(index[name]), module_name(paths[index[name]]), 0) for name in plan.saved]
+    rows = [TensorRow(name, decision(plan, name), 0, size(index[name]), module_name(paths[index[name]]), 0)
+            for name in plan.saved]
     order = {name: i for i, name in enumerate(n.name for n in g.nodes)}
     for name, times in plan.recomputed.items():
         i = index[name]
@@ -53,9 +53,18 @@ def tensor_rows(plan: Plan) -> list[TensorRow]:
     return rows
 
 
+def decision(plan: Plan, name: str) -> str:
+    """What the plan does with the SAVEd value ``name``: SAVE, COMPRESS <codec>, OFFLOAD, or
+    COMPRESS <codec>+OFFLOAD (the encoding travels)."""
+    kept = f"COMPRESS {plan.compressed[name]}" if name in plan.compressed else None
+    if name in plan.offloaded:
+        return f"{kept}+OFFLOAD" if kept else "OFFLOAD"
+    return kept or "SAVE"
+
+
 def write_dot(plan: Plan, path: str | Path) -> None:
-    """The captured step as a graphviz DOT file: inputs grey, forward values white, SAVEd green,
-    RECOMPUTEd orange (with their count), backward values blue; each labelled with its size."""
+    """The captured step as a graphviz DOT file: inputs grey, forward values white, SAVEd green
+    (OFFLOADed purple), RECOMPUTEd orange (with their count), backward values blue; each labelled with its size."""
     import networkx as nx
 
     try:
@@ -65,7 +74,7 @@ def write_dot(plan: Plan, path: str | Path) -> None:
         raise FxoptError("writing DOT needs pydot: pip install 'fxopt[dot]' (or pip install pydot)") from err
 
     g = plan.graph
-    saved, recomputed = set(plan.saved), plan.recomputed
+    saved, recomputed, offloaded = set(plan.saved), plan.recomputed, set(plan.offloaded)
     paths = plan.module_paths or ("",) * len(g.nodes)
     colors = {"input": "grey85", "forward": "white", "backward": "lightsteelblue1"}
     dot = nx.DiGraph(name="fxopt_plan", rankdir="TB")
@@ -78,8 +87,8 @@ def write_dot(plan: Plan, path: str | Path) -> None:
             lines.append(module)
         color = colors[node.kind]
         if node.name in saved:
-            lines.append("SAVE")
-            color = "palegreen"
+            lines.append(decision(plan, node.name))
+            color = "plum" if node.name in offloaded else "palegreen"
         elif node.name in recomputed:
             lines.append(f"RECOMPUTE x{recomputed[node.name]}")
             color = "orange"
@@ -103,7 +112,8 @@ def _size(n: int) -> str:
 def plot_timeline(plan: Plan, path: str | Path, measured: dict | None = None, title: str = "") -> None:
     """Draw live memory over the step, eager's and the plan's as the simulator predicts them
     (against ops run), and, given ``measured`` ({label: `fxopt.measure.MemoryTimeline`}), the
-    measured ones (against time), each with the budget line. Needs matplotlib."""
+    measured ones (against time), each with the budget line; with OFFLOAD, the copies on the two
+    channels as the simulator times them. Needs matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError as err:
@@ -113,9 +123,13 @@ def plot_timeline(plan: Plan, path: str | Path, measured: dict | None = None, ti
         f"eager (predicted, peak {_size(plan.eager_peak_bytes)})": simulate(plan.graph, eager_schedule(plan.graph)),
         f"fxopt plan (predicted, peak {_size(plan.peak_bytes)})": plan.timeline(),
     }
-    rows = 2 if measured else 1
+    copies = list(plan.timeline().copies) if plan.offloaded else []
+    rows = 1 + bool(measured) + bool(copies)
     fig = Figure(figsize=(10, 4.2 * rows), layout="constrained")
     axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
+    if copies:
+        _plot_copies(axes[-1], copies)
+        axes = axes[:-1]
     ax = axes[0]
     for (label, timeline), color in zip(predicted.items(), ("tab:blue", "tab:green")):
         ys = [b / MiB for _, _, b in timeline.events]
@@ -142,3 +156,21 @@ def plot_timeline(plan: Plan, path: str | Path, measured: dict | None = None, ti
         a.grid(alpha=0.3)
         a.legend(loc="upper left", fontsize="small")
     fig.savefig(str(path), dpi=110)
+
+
+def _plot_copies(ax, copies: list) -> None:
+    """The OFFLOAD copies (`fxopt.solvers.transfers.Copy`) on their two channels, in predicted
+    seconds: a bar per copy from its start to its end, and in red the time the backward waited
+    for a reload (exposed)."""
+    lanes = {"d2h": (1, "tab:purple", "device → host (offload)"), "h2d": (0, "tab:cyan", "host → device (reload)")}
+    for channel, (y, color, label) in lanes.items():
+        bars = [(c.start * 1e3, (c.end - c.start) * 1e3) for c in copies if c.channel == channel]
+        ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=color, edgecolor="black", linewidth=0.3, label=label)
+    waits = [(c.needed * 1e3, c.exposed * 1e3) for c in copies if c.exposed > 0]
+    if waits:
+        ax.broken_barh(waits, (-0.45, 0.9), facecolors="tab:red", alpha=0.5, label="backward waits (exposed)")
+    ax.set_yticks([0, 1], ["H2D", "D2H"])
+    ax.set_xlabel("predicted time (ms)")
+    ax.set_title("OFFLOAD copies on the two channels (predicted)")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(loc="upper left", fontsize="small")

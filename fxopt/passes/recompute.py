@@ -11,7 +11,10 @@ forward node wherever the schedule recomputes it, reading the most recent copy o
 
 A COMPRESSed value (``schedule.compressed``) is encoded in the forward right after its last use
 there (and its views'), and the forward saves the encoding; the backward decodes it right before
-its first read (see `fxopt.analysis.codecs`).
+its first read (see `fxopt.analysis.codecs`). An OFFLOADed value (``schedule.offloaded``; its
+encoding, if also COMPRESSed) is copied to host memory after its last forward use, the forward
+saves the host copy, and the backward copies it back at the plan's reload point (see
+`fxopt.passes.offload`).
 
 Because every value dies after its last use, where a recomputation sits decides how long it lives,
 and recomputing a value twice (two copies) can be cheaper in memory than keeping one.
@@ -28,14 +31,15 @@ from torch._functorch import partitioners as _p
 from fxopt.analysis import JointGraph
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import NodeBuilder
-from fxopt.solvers.schedule import Schedule, prune, read_before_recompute
+from fxopt.passes.offload import Reloads, offload_saved, reload_positions
+from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate
 
 
 def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
     # Recomputations nothing reads are dropped here, as the simulator drops them, before choosing
     # what to save: a value saved only for one of them would be a backward input nothing reads,
     # and FX code never frees such an input (the simulator frees it as the backward starts).
-    schedule = prune(joint.graph, schedule)
+    planned, schedule = schedule, prune(joint.graph, schedule)
     module = joint.module
     by_name = {n.name: n for n in module.graph.nodes}
     nodes = joint.graph.nodes
@@ -71,25 +75,71 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
     )
     index = {name: i for i, name in enumerate(joint.names)}
     compressed = {joint.names[i] for i in schedule.compressed if i in wanted}
-    encoded = _encode(fw_graph, joint, compressed, index) if compressed else {}
+    offloaded = {joint.names[i] for i in schedule.offloaded if i in wanted}
+    last = _last_readers(fw_graph, joint, compressed | offloaded, index)
+    encoded = _encode(fw_graph, joint, compressed, last) if compressed else {}
+    reloads = None
+    if offloaded:
+        # A plan pins its reload points (`Plan.build`); a bare schedule reloads where the simulator
+        # would by default.
+        reload_at = planned.reload_at or simulate(joint.graph, planned).reload_at
+        at = reload_positions(len(planned.backward), kept_steps(joint.graph, planned), reload_at, joint.names)
+        reloads = _offload(fw_graph, saved, encoded, offloaded, last, at)
 
+    graph = _backward_graph(joint, schedule, saved + tangents, constants, encoded, reloads, bwd_outputs)
+    next(iter(graph.find_nodes(op="output"))).meta["desc"] = bwd_descs  # AOTAutograd's descriptors
+    graph.eliminate_dead_code()
+    fw = fx._lazy_graph_module._make_graph_module(module, fw_graph)
+    bw = fx._lazy_graph_module._make_graph_module(module, graph)
+    if reloads is not None:  # both modules keep the copies' state (the ops find it by key)
+        fw._fxopt_host_copies = bw._fxopt_host_copies = reloads.copies
+    bw.graph.lint()
+    return fw, bw
+
+
+def _offload(fw_graph: fx.Graph, saved: list[fx.Node], encoded: dict[str, fx.Node], names: set[str],
+             last: dict[str, fx.Node], at: dict[int, list[str]]) -> Reloads:
+    """Offload ``names`` in the forward: each right after its last use, or, if COMPRESSed, its
+    encoding right after it is made (the encoding travels)."""
+    by_name = {n.name: n for n in fw_graph.nodes}
+    order = [n.name for n in saved if n.name in names]
+    travels = {name: encoded.get(name, by_name[name]) for name in order}
+    after = {name: encoded[name] if name in encoded else last[name] for name in order}
+    return offload_saved(fw_graph, travels, after, at)
+
+
+def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node], constants: list[fx.Node],
+                    encoded: dict[str, fx.Node], reloads: Reloads | None, bwd_outputs) -> fx.Graph:
+    """The backward: the schedule's steps in order, each reading the most recent copy of each
+    value; a COMPRESSed value decoded and an OFFLOADed one waited for before its first reader
+    (its reload issued where ``reloads`` says)."""
+    module = joint.module
+    by_name = {n.name: n for n in module.graph.nodes}
+    index = {name: i for i, name in enumerate(joint.names)}
     graph = fx.Graph()
+    if reloads is not None:
+        reloads.begin(graph)
     current: dict[str, fx.Node] = {}
     packed: dict[str, fx.Node] = {}  # compressed value -> its encoding, until decoded
-    for n in saved + tangents:
-        if n.name in encoded:
-            new = graph.placeholder(encoded[n.name].name)
-            new.meta = dict(encoded[n.name].meta)
+    for n in inputs:
+        travels = encoded.get(n.name, n)
+        new = graph.placeholder(travels.name)
+        new.meta = dict(travels.meta)
+        if reloads is not None and n.name in reloads.slot:
+            reloads.add_host_copy(n.name, new)
+        elif n.name in encoded:
             packed[n.name] = new
-            continue
-        new = graph.placeholder(n.name)
-        new.meta = dict(n.meta)
-        current[n.name] = new
+        else:
+            current[n.name] = new
     for n in constants:
         current[n.name] = graph.node_copy(n)
-    for i in schedule.backward:
+    for position, i in enumerate(schedule.backward):
+        if reloads is not None:
+            reloads.issue(position)
         original = by_name[joint.names[i]]
         for a in original.all_input_nodes:
+            if reloads is not None and a.name in reloads:
+                (packed if a.name in encoded else current)[a.name] = reloads.arrive(a.name)
             if a.name in packed:
                 codec = joint.codecs[index[a.name]]
                 new = graph.call_function(codec.decompress_op, (packed.pop(a.name), *codec.decompress_args))
@@ -101,18 +151,14 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
         new = graph.node_copy(original, lambda a: current[a.name])
         new.meta["autograd_backward"] = True
         current[original.name] = new
-    out = graph.output(tuple(fx.node.map_arg(o, lambda a: current[a.name]) if o is not None else None for o in bwd_outputs))
-    out.meta["desc"] = bwd_descs
-    graph.eliminate_dead_code()
-    fw = fx._lazy_graph_module._make_graph_module(module, fw_graph)
-    bw = fx._lazy_graph_module._make_graph_module(module, graph)
-    bw.graph.lint()
-    return fw, bw
+    graph.output(tuple(fx.node.map_arg(o, lambda a: current[a.name]) if o is not None else None
+                       for o in bwd_outputs))
+    return graph
 
 
-def _encode(fw_graph: fx.Graph, joint: JointGraph, names: set[str], index: dict[str, int]) -> dict[str, fx.Node]:
-    """Insert each compressed value's encoding into the forward, right after the last node that
-    reads the value or a view of it, and return it in place of the value."""
+def _last_readers(fw_graph: fx.Graph, joint: JointGraph, names: set[str], index: dict[str, int]) -> dict[str, fx.Node]:
+    """For each of ``names``, the last node of the forward that reads the value or a view of it
+    (the value itself if nothing does)."""
     roots = joint.graph.roots
     by_name = {n.name: n for n in fw_graph.nodes}
     last_reader: dict[str, fx.Node] = {name: by_name[name] for name in names}
@@ -124,6 +170,14 @@ def _encode(fw_graph: fx.Graph, joint: JointGraph, names: set[str], index: dict[
                 root = joint.names[roots[index[a.name]]]
                 if root in names:
                     last_reader[root] = n
+    return last_reader
+
+
+def _encode(fw_graph: fx.Graph, joint: JointGraph, names: set[str], last_reader: dict[str, fx.Node]) -> dict[str, fx.Node]:
+    """Insert each compressed value's encoding into the forward, right after the last node that
+    reads the value or a view of it, and return it in place of the value."""
+    index = {name: i for i, name in enumerate(joint.names)}
+    by_name = {n.name: n for n in fw_graph.nodes}
     out_node = next(iter(fw_graph.find_nodes(op="output")))
     encoded = {}
     for name in names:

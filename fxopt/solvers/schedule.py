@@ -518,9 +518,14 @@ def _read_events(graph: Graph, steps: list[Step]) -> list[int]:
     return [e for e in range(len(steps)) if keep[e]]
 
 
+def kept_steps(graph: Graph, schedule: Schedule) -> list[int]:
+    """The positions in ``schedule.backward`` that `prune` keeps."""
+    return list(_read_events(graph, _copies(graph, schedule.backward, None)))
+
+
 def prune(graph: Graph, schedule: Schedule) -> Schedule:
     """`schedule` without the recomputations nothing reads (what the generated code drops)."""
-    kept = _read_events(graph, _copies(graph, schedule.backward, None))
+    kept = kept_steps(graph, schedule)
     if len(kept) == len(schedule.backward):
         return schedule
     return dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
