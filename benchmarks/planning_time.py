@@ -47,9 +47,10 @@ class Timers:
 
     @contextlib.contextmanager
     def installed(self):
-        real = {name: getattr(planner, name) for name in ("analyze", "solve")}
+        # the names `fxopt.planner` calls them by
+        real = {name: getattr(planner, name) for name in ("analyze_step", "solve")}
         for name, fn in real.items():
-            setattr(planner, name, self._timed(fn, "analysis" if name == "analyze" else "solve"))
+            setattr(planner, name, self._timed(fn, "analysis" if name == "analyze_step" else "solve"))
         try:
             yield self
         finally:
