@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError, check_choice
 from fxopt.solvers.graph import Graph, is_lossy_codec
-from fxopt.solvers.heuristics import HEURISTICS, compress_to_fit, offload_to_fit
+from fxopt.solvers.heuristics import HEURISTICS, Candidate, compress_to_fit, offload_to_fit
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.chain import chain_candidates, min_peak_schedule
@@ -183,6 +183,7 @@ class _Search:
         self.proven_infeasible = False
         self.ilp_status: str | None = None
         self.model: RematIlp | None = None  # the ILP, once built (and not skipped as too large)
+        self.heuristic_runs: dict[str, list[Candidate]] = {}  # each heuristic's schedules
 
     def seconds_left(self) -> float:
         return self.time_limit - (time.perf_counter() - self.t0)
@@ -222,7 +223,8 @@ class _Search:
         for name in names:
             if not fallback:
                 self.progress(f"solver {name}")
-            for schedule, timeline in HEURISTICS[name](self.graph, self.budget):
+            self.heuristic_runs[name] = HEURISTICS[name](self.graph, self.budget)
+            for schedule, timeline in self.heuristic_runs[name]:
                 self.consider(schedule, timeline, name, "heuristic")
                 if timeline.peak_bytes > self.budget and not fallback:
                     self.over.append((schedule, timeline, name))
@@ -374,19 +376,21 @@ class _Search:
         has codecs, plan without them (a solution there is one here too)."""
         graph, budget, solver = self.graph, self.budget, self.solver
         self.progress("no plan fits; searching for the smallest budget")
+        # (Nothing fits: the heuristics' schedules here are theirs at any lower budget.)
         min_budget = min_feasible_budget(graph, solver, time_limit=self.phase_seconds(MIN_BUDGET_TIME_SHARE),
-                                         known=self.lowest_peak, run_ilp=self.model is None)
+                                         known=self.lowest_peak, run_ilp=self.model is None,
+                                         runs=self.heuristic_runs)
         # A budget the instant program proved infeasible is below every schedule's peak too.
         floor = max(peak_lower_bound(graph)[0], budget + 1 if self.proven_infeasible else 0)
         fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
         if fewer is graph:
             raise InfeasibleBudgetError(budget, min_budget, lower_bound=floor)
         if budget < peak_lower_bound(graph)[0]:
-            # Without the codecs the budget is out of reach too (they only add choices): only the
-            # smallest budget there is still of interest, from the fast solvers. (Not on the
-            # instant program's word alone: a MIP's proof is checked by planning without them.)
-            raise InfeasibleBudgetError(budget, min(min_budget, min_feasible_budget(fewer, solver, run_ilp=False)),
-                                        lower_bound=floor)
+            # Without the codecs the budget is out of reach too (they only add choices), and their
+            # smallest budget is no lower: the search above tried these schedules uncompressed.
+            # (Not on the instant program's word alone: a MIP's proof is checked by planning
+            # without them.)
+            raise InfeasibleBudgetError(budget, min_budget, lower_bound=floor)
         # The solvers do not always find the lowest peak of the larger problem (more choices,
         # the same time): never let the codecs make a budget infeasible that plans without them.
         self.progress("no plan fits with " + ("quantization" if fewer.compressible else "compression")
@@ -435,22 +439,27 @@ def _fmt(cost: float | None) -> str:
 
 
 def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float = DEFAULT_TIME_LIMIT,
-                        known: int | None = None, run_ilp: bool = True) -> int:
+                        known: int | None = None, run_ilp: bool = True,
+                        runs: dict[str, list[Candidate]] | None = None) -> int:
     """The smallest peak ``solver`` can reach for this graph: for a heuristic its lowest peak; for
     the ILP, the instant program and "auto", the lowest of the chain solver's (`fxopt.solvers.chain`:
     the lowest peak of checkpointing at the articulation values), the heuristics' and the ILP's
     solve with the budget as the objective (within ``time_limit``), warm-started from the lowest so
     far; the ILP is skipped when that already meets `peak_lower_bound` (proven). Every schedule is
     simulated. The answer does not depend on the budget: the first one per graph and solver in this
-    process is kept (`_LOWEST`), so asking again answers at once, and the same."""
+    process is kept (`_LOWEST`), so asking again answers at once, and the same.
+
+    ``runs``: heuristics already run on this graph at a budget none of their schedules met (their
+    schedules are then what they give at any lower budget, so they are not run again). Each
+    heuristic's `COMPRESS_TRIES` lowest-peak schedules are also tried with everything compressed."""
     remembered = _LOWEST.get(_lowest_key(graph, solver))
     if remembered is not None and remembered.searched:
         return remembered.peak if known is None else min(known, remembered.peak)
     peaks = [] if known is None else [known]
     lowest: list[tuple[int, Schedule]] = []
 
-    def reach(schedule: Schedule, name: str) -> None:
-        peak = simulate(graph, schedule).peak_bytes
+    def reach(schedule: Schedule, name: str, timeline: Timeline | None = None) -> None:
+        peak = (timeline or simulate(graph, schedule)).peak_bytes
         peaks.append(peak)
         lowest.append((peak, schedule))
         _remember_lowest(graph, solver, schedule, peak, name)
@@ -462,10 +471,12 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
             reach(compress_all(graph, chain.schedule), "chain+compress")
     names = ("checkpoint", "greedy", "segments") if exact else (solver,)
     for name in names:
-        for schedule, timeline in HEURISTICS[name](graph, 0):
-            reach(schedule, name)
-            if schedule.saved & graph.compressible:
-                reach(compress_all(graph, schedule), f"{name}+compress")
+        candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0)
+        for schedule, timeline in candidates:
+            reach(schedule, name, timeline)
+        lowest_first = sorted(candidates, key=lambda c: c[1].peak_bytes)
+        for schedule, _ in [c for c in lowest_first if c[0].saved & graph.compressible][:COMPRESS_TRIES]:
+            reach(compress_all(graph, schedule), f"{name}+compress")
     if run_ilp and solver in ("ilp", "auto") and min(peaks) > peak_lower_bound(graph)[0]:
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
