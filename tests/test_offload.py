@@ -26,8 +26,8 @@ from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers import SOLVERS, solve
 from fxopt.solvers.auto import eager_schedule
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.heuristics import offload_to_fit, offload_windows
-from fxopt.solvers.instant import peak_lower_bound
+from fxopt.solvers.heuristics import HEURISTICS, offload_to_fit, offload_windows
+from fxopt.solvers.instant import instant_solve, peak_lower_bound
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, on_demand, save_all_set, simulate
 from fxopt.solvers.transfers import INSTANT, PCIE_GEN4_X16_BYTES_PER_S, Transfers, host_peak_bytes
@@ -244,13 +244,15 @@ def test_the_solver_offloads_when_bandwidth_hides_it_and_recomputes_when_not():
     budget = int(0.8 * eager)
     recompute_only = solve(g, budget, time_limit=5)
     assert recompute_only.timeline.recompute_cost > 0 and not recompute_only.schedule.offloaded
-    assert recompute_only.lower_bound_cost is not None  # the instant program's, valid without OFFLOAD
+    assert recompute_only.lower_bound_cost is not None
     fast = solve(g.with_transfers(Transfers(1e6, 1e6)), budget, time_limit=5)
     assert fast.schedule.offloaded and fast.timeline.cost == 0.0 < recompute_only.timeline.cost
-    assert fast.solver.endswith("+offload") and fast.lower_bound_cost is None  # (no bound with OFFLOAD)
+    # the instant program relaxes OFFLOAD (copies free), so its bound holds, here proving the plan
+    assert fast.bound_source == "instant" and fast.lower_bound_cost == 0.0
     slow = solve(g.with_transfers(Transfers(0.01, 0.01)), budget, time_limit=5)
     assert not slow.schedule.offloaded and slow.timeline.cost == pytest.approx(recompute_only.timeline.cost)
-    assert slow.lower_bound_cost is None  # OFFLOAD was offered: no bound is known to hold
+    # OFFLOAD was offered: only the instant program's bound, which counts copies free, holds
+    assert slow.bound_source == "instant" and slow.lower_bound_cost <= slow.timeline.cost
 
 
 def test_the_peak_floor_holds_with_offload():
@@ -346,7 +348,35 @@ def test_random_solutions_with_transfers_fit_and_are_what_the_simulator_says(dat
     assert t == solution.timeline
     assert t.peak_bytes <= budget and not t.over_host_budget
     assert solution.schedule.offloaded <= solution.schedule.saved & g.offloadable
-    assert solution.lower_bound_cost is None or not g.offloadable
+    if g.offloadable and solution.lower_bound_cost is not None:  # the ILP's does not hold with OFFLOAD
+        assert solution.bound_source == "instant"
+        assert solution.lower_bound_cost <= t.cost * (1 + 1e-9) + 1e-12
+
+
+@PROPERTY
+@given(data=st.data())
+def test_random_instant_bound_and_proofs_hold_for_offloaded_plans(data):
+    """The instant program with OFFLOAD offered: its bound is below the cost (exposed transfer
+    time included) of every plan that fits, offloaded ones included, and where it proves the
+    budget infeasible no plan fits, whatever the bandwidths."""
+    graph = random_training_graph(data.draw, st)
+    g = graph.with_transfers(Transfers(data.draw(BANDWIDTHS), data.draw(BANDWIDTHS)))
+    eager = simulate(g, eager_schedule(g)).peak_bytes
+    floor, _ = peak_lower_bound(g)
+    budget = floor + int((eager - floor) * data.draw(st.floats(0.0, 1.0)))
+    result = instant_solve(g, budget, time_limit=2)
+    plans = [t for _, t in result.plans]
+    for name, heuristic in HEURISTICS.items():
+        for schedule, t in heuristic(g, budget):
+            plans.append(t)
+            done = offload_to_fit(g, schedule, budget)
+            if done is not None:
+                plans.append(done[1])
+    fitting = [t.cost for t in plans if t.peak_bytes <= budget and not t.over_host_budget]
+    if result.infeasible:
+        assert not fitting
+    elif result.bound is not None and fitting:
+        assert result.bound <= min(fitting) * (1 + 1e-9) + 1e-12
 
 
 @PROPERTY

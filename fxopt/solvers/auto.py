@@ -26,7 +26,7 @@ log = logging.getLogger("fxopt")
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 9
+REVISION = 10
 
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
@@ -73,8 +73,9 @@ class Solution:
     # computed): the highest of the instant program's (`fxopt.solvers.instant`: valid for every
     # schedule the simulator accepts) and the ILP's (its LP relaxation's or branch-and-bound's:
     # valid within the ILP's model, which restricts recomputation to a window and counts memory
-    # conservatively). `bound_source` says which ("instant" or "ilp"). None on a graph that offers
-    # OFFLOAD (see `_Search.raise_bound`).
+    # conservatively). `bound_source` says which ("instant" or "ilp"). On a graph that offers
+    # OFFLOAD, only the instant program's, a bound on the cost with exposed transfer time (see
+    # `_Search.raise_bound`).
     lower_bound_cost: float | None = None
     bound_source: str | None = None
 
@@ -204,11 +205,10 @@ class _Search:
         return min(self.fitting, key=lambda s: s.timeline.cost) if self.fitting else None
 
     def raise_bound(self, bound: float | None, source: str) -> None:
-        # The instant program and the ILP model SAVE and RECOMPUTE (and COMPRESS), not OFFLOAD: on a
-        # graph that offers it their bounds do not hold (an offloaded plan may cost less than any
-        # plan they model), so none is reported. (`peak_lower_bound` still holds: a value is on
-        # the device while a backward node reads it, whatever brought it there.)
-        if self.graph.offloadable:
+        # The ILP models SAVE and RECOMPUTE (and COMPRESS), not OFFLOAD: on a graph that offers it
+        # its bound does not hold (an offloaded plan may cost less than any plan it models), so
+        # none is taken from it. The instant program's holds: it relaxes OFFLOAD too.
+        if self.graph.offloadable and source == "ilp":
             return
         if bound is not None and (self.lower_bound is None or bound > self.lower_bound):
             self.lower_bound, self.bound_source = bound, source
@@ -243,7 +243,7 @@ class _Search:
         share = self.phase_seconds(1.0 if self.solver == "instant" else INSTANT_TIME_SHARE)
         self.progress("solver instant")
         inst = instant_solve(self.graph, self.budget, time_limit=share, mip_solver=self.mip_solver)
-        self.proven_infeasible = inst.infeasible and not self.graph.offloadable  # (no proof with OFFLOAD)
+        self.proven_infeasible = inst.infeasible
         self.raise_bound(inst.bound, "instant")
         for schedule, timeline in inst.plans:
             self.consider(schedule, timeline, "instant", "heuristic")

@@ -29,12 +29,21 @@ mixed-integer program
              read: w_ik = 0 if a backward node up to k reads i, w_ik + p_jk <= 1 for j made
              from i (the simulator decodes it at its first read, so this allows no less)
 
+    OFFLOAD  o_i <= s_i at no cost; v_ik <= a_ik, v_ik <= o_i + z_i (bytes_i - compressed_i) / bytes_i
+             for a value that may be OFFLOADed (v replaces w): it may count nothing where it is alive
+             and not yet read, like an encoding, and its copies take no time and free its memory at
+             once (the simulator frees it when its copy completes, reloads it before the first
+             read and counts the exposed copy time: again it allows no less)
+
     minimise sum_i c_i n_i + sum_i codec_i z_i
 
 is a relaxation of the simulator's problem: any schedule within the budget gives a solution of
 the same or lower cost (its SAVE set, what is alive at each k, what it computes before and after).
 (A value with a codec counts its compressed size, the least it can occupy if SAVEd and
 COMPRESSed; codec costs are not counted: both keep it a relaxation where graphs carry codecs.)
+With OFFLOAD offered (`Graph.offloadable`) it stays one: a plan's cost is its recompute cost plus
+the exposed transfer time, which is never negative, so the bound holds for OFFLOADed plans too, and
+so does a proof that no plan fits.
 Its optimum, or the branch-and-bound's proven bound, is therefore a lower bound on the recompute
 cost of every schedule the simulator accepts within the budget: no window, no conservative memory
 accounting, unlike the Checkmate ILP (`fxopt.solvers.ilp`), whose bound holds only in its model.
@@ -53,7 +62,7 @@ import time
 
 from fxopt.solvers.gap import proven
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.heuristics import compress_to_fit
+from fxopt.solvers.heuristics import compress_to_fit, offload_to_fit
 from fxopt.solvers.liveness import fixed_backward_bytes, forward_profile
 from fxopt.solvers.mip import Mip, byte_unit, cost_scale_for, solve_mip
 from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, must_save, on_demand,
@@ -128,6 +137,11 @@ class _Program:
             m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
         n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
              for i in vals if self.computable(i)}
+        # OFFLOAD: o_i, only for SAVEd values, at no cost (its exposed copy time is never negative).
+        o = {i: m.binary(f"o_{nodes[i].name}") for i in vals if i in graph.offloadable and i in s}
+        for i, col in o.items():
+            m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
+        self.o = o
         return s, z, n
 
     def _add_instant(self, m: Mip, k: int, s, z, n, alive) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
@@ -165,18 +179,29 @@ class _Program:
         # (directly or through a view) or a computation before k has read it, what is alive of it
         # at k is full size.
         decoded = graph.through_aliases(before | now)
-        for i, col in z.items():
+        # The same for a value OFFLOADed (off the device until reloaded for its first read) or
+        # COMPRESSed: w is the share of its bytes it does not hold at k.
+        for i in z.keys() | self.o.keys():
             if i in decoded:
                 continue
             w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
             m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
-            m.row([(w, 1.0), (col, -1.0)], upper=0.0)
+            m.row([(w, 1.0)] + self._away(i, z), upper=0.0)
             for u in graph.users[i]:
                 if u in p:
                     m.row([(w, 1.0), (p[u], 1.0)], upper=1.0)
-            mem.append((w, -(nodes[i].bytes - nodes[i].compressed_bytes) / self.unit))
+            mem.append((w, -nodes[i].bytes / self.unit))
         m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
         return a, p, r
+
+    def _away(self, i: int, z) -> list[tuple[int, float]]:
+        """Terms of -(the share of value i's bytes its decisions can take off the device): all of
+        them if OFFLOADed, all but its encoding's if COMPRESSed."""
+        nodes = self.graph.nodes
+        terms = [(self.o[i], -1.0)] if i in self.o else []
+        if i in z:
+            terms.append((z[i], -(nodes[i].bytes - nodes[i].compressed_bytes) / nodes[i].bytes))
+        return terms
 
     def _link_instants(self, m: Mip, per_instant) -> None:
         """Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
@@ -206,10 +231,16 @@ class _Program:
             if r not in kept:
                 kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
             m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
+        # A kept value COMPRESSed or OFFLOADed holds less: the share `away` of its bytes.
+        away: dict[int, int] = {}
+        for r in kept:
+            if r in z or r in self.o:
+                away[r] = m.var(f"away_{nodes[r].name}", upper=1.0)
+                m.row([(away[r], 1.0), (kept[r], -1.0)], upper=0.0)
+                m.row([(away[r], 1.0)] + self._away(r, z), upper=0.0)
         for f in forward_steps:
             terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
-            terms += [(z[r], -(nodes[r].bytes - nodes[r].compressed_bytes) / self.unit) for r in kept
-                      if r in z and self.interval[r][1] < f]
+            terms += [(away[r], -nodes[r].bytes / self.unit) for r in away if self.interval[r][1] < f]
             m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
 
     def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x) -> frozenset[int]:
@@ -225,6 +256,10 @@ class _Program:
     def compressed(self, x) -> frozenset[int]:
         """The values a solution COMPRESSes (columns of the latest `build`)."""
         return frozenset(i for i, col in self.z.items() if x[col] > 0.5)
+
+    def offloaded(self, x) -> frozenset[int]:
+        """The values a solution OFFLOADs (columns of the latest `build`)."""
+        return frozenset(i for i, col in self.o.items() if x[col] > 0.5)
 
     def alive_sets(self, alive: dict[tuple[int, int], int], x) -> dict[int, frozenset[int]]:
         """For each modelled instant, the forward values the solution keeps alive there."""
@@ -286,30 +321,40 @@ def _tightest(graph: Graph, timeline: Timeline, budget: int) -> tuple[str, int] 
 def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple]) -> list[tuple[Schedule, Timeline]]:
     """The plans a solution ``x`` suggests, simulated (those in ``tried`` skipped, the others added
     to it): its SAVE set recomputed on demand, and keeping alive at each modelled instant what the
-    solution keeps there; over the budget, each also COMPRESSing what the solution compresses, and
-    completed by `compress_to_fit`."""
+    solution keeps there; over the budget, each also COMPRESSing and OFFLOADing what the solution
+    does, and completed by `compress_to_fit` and `offload_to_fit`."""
     graph, budget = prog.graph, prog.budget
     saved = prog.saved(s, alive, x) | must_save(graph)
     alive_at = prog.alive_sets(alive, x)
     chosen = prog.compressed(x) & graph.compressible
+    chosen_off = prog.offloaded(x) & graph.offloadable
     new: list[tuple[Schedule, Timeline]] = []
+
+    def add(schedule: Schedule) -> Timeline | None:
+        try:
+            timeline = simulate(graph, schedule)
+        except InvalidScheduleError:
+            return None
+        new.append((schedule, timeline))
+        return timeline
+
     for schedule in (on_demand(graph, saved), schedule_for(graph, saved, alive_at)):
         key = (schedule.saved, schedule.backward)
         if key in tried:
             continue
         tried.add(key)
-        try:
-            timeline = simulate(graph, schedule)
-        except InvalidScheduleError:
+        timeline = add(schedule)
+        if timeline is None or timeline.peak_bytes <= budget:
             continue
-        new.append((schedule, timeline))
-        if timeline.peak_bytes > budget and graph.compressible:
-            # Where the plan compressing what the solution compresses is worst is an instant the
-            # program missed (a value it counted encoded, decoded there): the next one to model.
-            if chosen & schedule.saved:
-                packed = dataclasses.replace(schedule, compressed=chosen & schedule.saved)
-                new.append((packed, simulate(graph, packed)))
-            done = compress_to_fit(graph, schedule, budget)
+        # Where the plan compressing and offloading what the solution does is worst is an
+        # instant the program missed (a value it counted encoded, decoded there; one it counted
+        # off the device, still there while its copy runs): the next one to model.
+        if (chosen | chosen_off) & schedule.saved:
+            add(dataclasses.replace(schedule, compressed=chosen & schedule.saved,
+                                    offloaded=chosen_off & schedule.saved))
+        for complete in (compress_to_fit if graph.compressible else None,
+                         offload_to_fit if graph.offloadable else None):
+            done = complete(graph, schedule, budget) if complete else None
             if done is not None:
                 new.append(done)
     return new

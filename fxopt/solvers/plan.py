@@ -38,8 +38,9 @@ class Plan:
     graph: Graph
     fingerprint: str
     module_paths: tuple[str, ...] = ()
-    # A proven lower bound on the recompute cost (cost model seconds) of any plan within the
-    # budget, in the ILP's memory model; None when no ILP ran. See `gap`.
+    # A proven lower bound on the cost (cost model seconds: recompute cost plus exposed transfer
+    # time) of any plan within the budget (`fxopt.solvers.Solution.lower_bound_cost` says in
+    # which model); None when none was proven. See `gap`.
     lower_bound_cost: float | None = None
     # COMPRESSed SAVEd values (fx node names) -> codec ("bits", "int32", "int8/g64", ...; see
     # `fxopt.analysis.codecs`). Only the quantizing codecs (int8, fp8, int4) are lossy: see `lossy`.
@@ -64,9 +65,9 @@ class Plan:
 
     @property
     def gap(self) -> float | None:
-        """(recompute_cost - lower_bound_cost) / recompute_cost: how far from optimal this plan
-        may be (0: proven optimal; None: unknown)."""
-        return gap(self.recompute_cost, self.lower_bound_cost)
+        """(cost - lower_bound_cost) / cost: how far from optimal this plan may be (0: proven
+        optimal; None: unknown). Without OFFLOAD, cost is the recompute cost."""
+        return gap(self.cost, self.lower_bound_cost)
 
     @classmethod
     def build(cls, *, graph: Graph, schedule: Schedule, budget_bytes: int, eager_peak_bytes: int,
