@@ -359,17 +359,17 @@ class _Search:
             # `min_feasible_budget` also tries, so the budget it names plans).
             for schedule, _, name in self.over[COMPRESS_TRIES:]:
                 self.compress_to_fit(schedule, name)
+        reached = _LOWEST.get(_lowest_key(graph, self.solver))
+        if not self.fitting and reached is not None and reached.peak <= self.budget:
+            # The schedule behind a smallest budget named earlier in this process: a time-limited
+            # search need not find it again, and the budget it named must plan.
+            self.consider(reached.schedule, simulate(graph, reached.schedule), reached.name, "heuristic")
         if not self.fitting and self.model is not None and not self.proven_infeasible:
             # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
             # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
             self.progress("no plan fits; solving for the lowest peak")
             for schedule in _lowest_peak_schedules(graph, self.phase_seconds(MIN_BUDGET_TIME_SHARE), self.mip_solver):
                 self.consider(schedule, simulate(graph, schedule), "ilp", "feasible")
-        reached = _LOWEST.get(_lowest_key(graph, self.solver))
-        if not self.fitting and reached is not None and reached.peak <= self.budget:
-            # The schedule behind a smallest budget named earlier in this process: a time-limited
-            # search need not find it again, and the budget it named must plan.
-            self.consider(reached.schedule, simulate(graph, reached.schedule), reached.name, "heuristic")
 
     def nothing_fits(self) -> Solution:
         """Raise `InfeasibleBudgetError` with the smallest budget that plans; first, if the graph
