@@ -52,13 +52,19 @@ def assert_timeline_invariants(graph: Graph, schedule: Schedule, timeline: Timel
     # all alive.
     done: set[int] = set()
     by_name = {n.name: i for i, n in enumerate(nodes)}
+    position = {by_name[e[1]]: k for k, e in enumerate(forward) if not e[1].startswith("compress ")}
+    last_read: dict[int, int] = {}  # storage root -> the last forward node reading it or a view
+    for k in position:
+        for u in nodes[k].inputs:
+            last_read[graph.roots[u]] = max(last_read.get(graph.roots[u], -1), position[k])
     for _, name, live in forward:
         if name.startswith("compress "):
             continue
         i = by_name[name]
         done.add(i)
         kept = {j for j in done if j in schedule.saved or nodes[j].output}
-        packed = (kept & schedule.compressed) - {i} - set(nodes[i].inputs)
+        # encoded once nothing in the forward reads it (or a view of it) any more
+        packed = {j for j in kept & schedule.compressed if j != i and last_read.get(j, -1) < position[i]}
         needed = always | (kept - packed) | {i} | set(nodes[i].inputs)
         encodings = sum(nodes[j].compressed_bytes for j in packed)
         assert live >= _storage_bytes(graph, needed) + encodings + nodes[i].workspace, (name, live)
