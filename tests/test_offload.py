@@ -401,3 +401,44 @@ def test_hand_graphs_without_offload_simulate_the_same_with_transfers(name):
     g = HAND_GRAPHS[name]()
     s = on_demand(g, save_all_set(g))
     assert simulate(g.with_transfers(Transfers(1.0, 1.0)), s) == simulate(g, s)
+
+
+def masked_chain(n: int = 6) -> Graph:
+    """chain(n) with a dropout-like mask per layer: ``m_k`` (16 B, random: never recomputed) is
+    read by ``a_k`` and by its backward, so every mask is SAVEd; OFFLOAD can take them away."""
+    b = GraphBuilder()
+    b.input("x", 8)
+    for k in range(1, n + 1):
+        b.input(f"w{k}", 4)
+    b.input("tan", 1, tangent=True)
+    prev = "x"
+    for k in range(1, n + 1):
+        b.fwd(f"h{k}", [prev, f"w{k}"], 16, cost=2.0)
+        b.fwd(f"m{k}", [f"h{k}"], 16, cost=1.0, recomputable=False)
+        b.fwd(f"a{k}", [f"h{k}", f"m{k}"], 16, cost=1.0)
+        prev = f"a{k}"
+    b.fwd("loss", [prev], 1, output=True)
+    b.bwd(f"g_a{n}", ["tan"], 16)
+    for k in range(n, 0, -1):
+        b.bwd(f"g_h{k}", [f"g_a{k}", f"m{k}"], 16)
+        b.bwd(f"g_w{k}", ["x" if k == 1 else f"a{k - 1}", f"g_h{k}"], 4, output=True)
+        if k > 1:
+            b.bwd(f"g_a{k - 1}", [f"g_h{k}", f"w{k}"], 16)
+    return b.build()
+
+
+def test_the_smallest_budget_counts_offload_where_the_link_hides_it():
+    from fxopt.solvers.auto import min_feasible_budget
+
+    g = masked_chain()
+    plain = min_feasible_budget(g)  # every mask SAVEd on the device
+    fast = g.with_transfers(Transfers(1e6, 1e6))
+    lowest = min_feasible_budget(fast)
+    assert lowest < plain
+    solution = solve(fast, lowest, time_limit=5)  # the budget named plans, offloading
+    assert solution.schedule.offloaded and solution.timeline.peak_bytes <= lowest
+    with pytest.raises(InfeasibleBudgetError) as err:
+        solve(fast, lowest - 1, time_limit=5)
+    assert err.value.min_budget == lowest
+    # copies slower than any window take nothing off the device: the smallest budget is recompute's
+    assert min_feasible_budget(g.with_transfers(Transfers(0.01, 0.01))) == plain

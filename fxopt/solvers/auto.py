@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError, check_choice
 from fxopt.solvers.graph import Graph, is_lossy_codec
-from fxopt.solvers.heuristics import HEURISTICS, Candidate, compress_to_fit, offload_to_fit
+from fxopt.solvers.heuristics import HEURISTICS, Candidate, compress_to_fit, offload_all, offload_to_fit
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.chain import chain_candidates, min_peak_schedule
@@ -451,7 +451,9 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
 
     ``runs``: heuristics already run on this graph at a budget none of their schedules met (their
     schedules are then what they give at any lower budget, so they are not run again). Each
-    heuristic's `COMPRESS_TRIES` lowest-peak schedules are also tried with everything compressed."""
+    heuristic's `COMPRESS_TRIES` lowest-peak schedules are also tried with everything compressed
+    and, on a graph that offers OFFLOAD, with everything offloaded whose copies fit in its window
+    (`offload_all`; within the host budget)."""
     remembered = _LOWEST.get(_lowest_key(graph, solver))
     if remembered is not None and remembered.searched:
         return remembered.peak if known is None else min(known, remembered.peak)
@@ -459,16 +461,32 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     lowest: list[tuple[int, Schedule]] = []
 
     def reach(schedule: Schedule, name: str, timeline: Timeline | None = None) -> None:
-        peak = (timeline or simulate(graph, schedule)).peak_bytes
+        timeline = timeline or simulate(graph, schedule)
+        if timeline.over_host_budget:
+            return
+        peak = timeline.peak_bytes
         peaks.append(peak)
         lowest.append((peak, schedule))
         _remember_lowest(graph, solver, schedule, peak, name)
+
+    def reach_offloaded(schedules: list[Schedule], name: str) -> None:
+        # With OFFLOAD offered, each also with everything it may offload (after compressing all).
+        if not graph.offloadable:
+            return
+        for schedule in schedules:
+            bases = [(schedule, name)]
+            if schedule.saved & graph.compressible - schedule.compressed:
+                bases.append((compress_all(graph, schedule), f"{name}+compress"))
+            for base, label in bases:
+                if (done := offload_all(graph, base)) is not None:
+                    reach(done, f"{label}+offload")
 
     exact = solver in ("auto", "ilp", "instant")
     if exact and (chain := min_peak_schedule(graph)) is not None:
         reach(chain.schedule, "chain")
         if chain.schedule.saved & graph.compressible:
             reach(compress_all(graph, chain.schedule), "chain+compress")
+        reach_offloaded([chain.schedule], "chain")
     names = ("checkpoint", "greedy", "segments") if exact else (solver,)
     for name in names:
         candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0)
@@ -477,12 +495,15 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
         lowest_first = sorted(candidates, key=lambda c: c[1].peak_bytes)
         for schedule, _ in [c for c in lowest_first if c[0].saved & graph.compressible][:COMPRESS_TRIES]:
             reach(compress_all(graph, schedule), f"{name}+compress")
+        reach_offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], name)
     if run_ilp and solver in ("ilp", "auto") and min(peaks) > peak_lower_bound(graph)[0]:
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
             incumbent = min(lowest, key=lambda p: p[0]) if lowest else None
-            for schedule in _lowest_peak_schedules(graph, time_limit, None, model, incumbent):
+            found = _lowest_peak_schedules(graph, time_limit, None, model, incumbent)
+            for schedule in found:
                 reach(schedule, "ilp")
+            reach_offloaded(found, "ilp")
     if (remembered := _LOWEST.get(_lowest_key(graph, solver))) is not None:
         remembered.searched = True
     return min(peaks)

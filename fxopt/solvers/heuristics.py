@@ -202,17 +202,7 @@ def offload_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate |
     and it scores every prefix tried, stalls and all. Values whose copies take longer than their
     window cannot be off the device at all with the default reload point (back before it is gone),
     and are left out."""
-    transfers = graph.transfers
-    candidates = schedule.saved & graph.offloadable - schedule.offloaded
-    if transfers is None or not candidates:
-        return None
-    share: dict[int, float] = {}
-    nbytes: dict[int, int] = {}
-    for j, (size, window) in offload_windows(graph, schedule, candidates).items():
-        busy = transfers.d2h_seconds(size) + transfers.h2d_seconds(size)
-        if busy < window:
-            share[j], nbytes[j] = busy / window, size
-    order = sorted(share, key=lambda j: (share[j], -nbytes[j], j))
+    order = _offload_order(graph, schedule)
     if not order:
         return None
 
@@ -232,6 +222,29 @@ def offload_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate |
         else:
             lo = mid + 1
     return None if best[1].over_host_budget else best
+
+
+def offload_all(graph: Graph, schedule: Schedule) -> Schedule | None:
+    """`schedule` with every SAVEd value whose copies fit in its window OFFLOADed (its lowest
+    peak, mostly: what `fxopt.solvers.auto.min_feasible_budget` tries); None if there is none."""
+    order = _offload_order(graph, schedule)
+    return dataclasses.replace(schedule, offloaded=schedule.offloaded | frozenset(order)) if order else None
+
+
+def _offload_order(graph: Graph, schedule: Schedule) -> list[int]:
+    """The SAVEd values of `schedule` OFFLOAD may take off the device, those whose copies hide
+    best first (see `offload_to_fit`)."""
+    transfers = graph.transfers
+    candidates = schedule.saved & graph.offloadable - schedule.offloaded
+    if transfers is None or not candidates:
+        return []
+    share: dict[int, float] = {}
+    nbytes: dict[int, int] = {}
+    for j, (size, window) in offload_windows(graph, schedule, candidates).items():
+        busy = transfers.d2h_seconds(size) + transfers.h2d_seconds(size)
+        if busy < window:
+            share[j], nbytes[j] = busy / window, size
+    return sorted(share, key=lambda j: (share[j], -nbytes[j], j))
 
 
 def offload_windows(graph: Graph, schedule: Schedule, values) -> dict[int, tuple[int, float]]:
