@@ -191,7 +191,7 @@ def optimize(
     compiler: str = "eager",
     compress: bool = True,
     quantize: str | Quantize | None = None,
-    offload: bool | None = None,
+    offload: bool | int | str | None = None,
     graph_breaks: str = "split",
 ) -> FxoptModule:
     """Return ``model`` rewritten so that its training step (forward + backward) peaks within
@@ -218,8 +218,9 @@ def optimize(
     ``offload``: let the solver OFFLOAD saved values to host memory, copied back before the
     backward reads them (see docs/offload.md). None (default): on for a step on a CUDA device
     (bandwidths measured once per device), off on CPU. True on CPU plans with the default
-    bandwidths but saves no memory (host and device are the same memory there).
-    `Plan.offloaded` lists what it chose.
+    bandwidths but saves no memory (host and device are the same memory there). A size (bytes,
+    or a string such as ``"16GiB"``): on, holding at most that much host memory at once.
+    `Plan.offloaded` lists what it chose, `Plan.host_bytes` the host memory it holds.
 
     ``graph_breaks``: what to do when torch.compile cannot capture the forward in one graph
     (``.item()`` steering control flow, an unsupported call). ``"split"`` (default): plan the
@@ -257,7 +258,7 @@ def plan(
     compiler: str = "eager",
     compress: bool = True,
     quantize: str | Quantize | None = None,
-    offload: bool | None = None,
+    offload: bool | int | str | None = None,
 ) -> Plan:
     """Capture and plan the training step of ``model`` on ``example_inputs`` without running it.
 

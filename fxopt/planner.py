@@ -24,7 +24,7 @@ from fxopt.analysis import analyze as analyze_step
 from fxopt.analysis.bandwidth import device_transfers
 from fxopt.analysis.codecs import Quantize, resolve_quantize
 from fxopt.budget import Budget, resolve_budget
-from fxopt.errors import CaptureError, InfeasibleBudgetError, check_choice
+from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError, check_choice
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
@@ -52,7 +52,8 @@ class Options:
     saved floating-point activations (lossy; off by default). ``offload``: let the solver OFFLOAD
     saved values to host memory (see `transfers`): None (default) where the step runs on a CUDA
     device, True or False to force it (True on CPU plans with the default bandwidths and saves
-    no memory: host and device are the same memory there)."""
+    no memory: host and device are the same memory there), or the most host memory it may hold
+    at once (bytes or a size string, ``"16GiB"``: on, within that)."""
 
     budget: Budget
     solver: str = "auto"
@@ -63,7 +64,7 @@ class Options:
     inductor_config: dict | None = None
     compress: bool = True
     quantize: Quantize | None = None
-    offload: bool | None = None
+    offload: bool | int | str | None = None
     # ``plan`` was made here from ``example_inputs``: a graph it does not fit (another input
     # shape, autocast on) is planned anew, as without example inputs, instead of refused.
     plan_from_examples: bool = False
@@ -72,13 +73,26 @@ class Options:
         object.__setattr__(self, "quantize", resolve_quantize(self.quantize))
         if not isinstance(self.compress, bool):
             raise TypeError(f"compress must be True or False, got {self.compress!r}")
-        if self.offload not in (None, True, False):
-            raise TypeError(f"offload must be None, True or False, got {self.offload!r}")
+        self.host_budget  # an unreadable host memory limit fails now
         check_choice("compiler", self.compiler, COMPILERS)
         check_solver(self.solver)
         resolve_budget(self.budget, 1)  # an unreadable budget fails now, not at the first call
         if not self.time_limit > 0:
             raise ValueError(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
+
+
+    @property
+    def host_budget(self) -> int | None:
+        """The host memory OFFLOAD may hold at once, when ``offload`` gives one (else None)."""
+        if self.offload is None or isinstance(self.offload, bool):
+            return None
+        if isinstance(self.offload, float) or isinstance(self.offload, str) and self.offload.strip().endswith("%"):
+            raise BudgetError(f"offload={self.offload!r}: a host memory limit is bytes or a size string "
+                              "('16GiB'), not a fraction; or pass True, False or None")
+        if not isinstance(self.offload, (int, str)):
+            raise TypeError(f"offload must be None, True, False or a host memory limit (bytes or '16GiB'), "
+                            f"got {self.offload!r}")
+        return resolve_budget(self.offload)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -90,14 +104,17 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     """The bandwidths OFFLOAD is planned with, or None where it is off: a replayed plan's own (so
     a plan replays on the graph it was made for), else the device's (`fxopt.analysis.bandwidth`).
-    ``options.offload`` None: on where the step's tensors are on a CUDA device."""
+    ``options.offload`` None: on where the step's tensors are on a CUDA device; a host memory
+    limit: on, within it (`Transfers.host_budget`)."""
     if options.plan is not None:
         return options.plan.graph.transfers
     devices = {v.device for n in joint.graph.find_nodes(op="placeholder")
                for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}
     device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
-    on = options.offload if options.offload is not None else device.type == "cuda"
-    return device_transfers(device) if on else None
+    on = options.offload is not False and (options.offload is not None or device.type == "cuda")
+    if not on:
+        return None
+    return dataclasses.replace(device_transfers(device), host_budget=options.host_budget)
 
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0):

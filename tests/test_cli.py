@@ -184,3 +184,10 @@ def test_python_dash_m_fxopt():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_USAGE
     assert "has no 'nope'" in done.stderr
+
+
+def test_a_host_budget_cannot_go_with_no_offload(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", MLP, "--host-budget", "1GiB", "--no-offload"])
+    assert info.value.code == EXIT_USAGE
+    assert "--host-budget limits offload" in capsys.readouterr().err

@@ -254,3 +254,17 @@ def test_two_forwards_before_one_backward():
     from fxopt.ops.offload import _runtimes
 
     assert any(len(copies.arenas) == 2 for copies in _runtimes.values())
+
+
+def test_a_host_memory_limit_bounds_what_is_offloaded():
+    """``offload="<size>"``: offload on, the plan's host memory within that size; a fraction is
+    refused with a message; the limit is part of the plan's graph (and so of its cache key)."""
+    model, inputs = ZOO["residual_mlp"]()[:2]
+    free = fxopt.plan(copy.deepcopy(model), 0.6, inputs, offload=True, time_limit=5)
+    assert free.offloaded and free.host_bytes > 0
+    limit = free.host_bytes // 2
+    held = fxopt.plan(copy.deepcopy(model), 0.6, inputs, offload=limit, time_limit=5)
+    assert held.graph.transfers.host_budget == limit
+    assert held.host_bytes <= limit and held.peak_bytes <= held.budget_bytes
+    with pytest.raises(fxopt.BudgetError, match="not a fraction"):
+        fxopt.plan(copy.deepcopy(model), 0.6, inputs, offload="50%")

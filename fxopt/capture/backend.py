@@ -94,7 +94,7 @@ def backend(
     inductor_config: dict[str, Any] | None = None,
     compress: bool = True,
     quantize: str | Quantize | None = None,
-    offload: bool | None = None,
+    offload: bool | int | str | None = None,
 ) -> FxoptBackend:
     """A backend for ``torch.compile(model, backend=fxopt.backend(...))``.
 

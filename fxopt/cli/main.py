@@ -26,6 +26,12 @@ from pathlib import Path
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
 
 
+def _offload(args) -> bool | str | None:
+    """``offload=`` from --offload/--no-offload and --host-budget."""
+    host_budget = getattr(args, "host_budget", None)
+    return args.offload if host_budget is None else host_budget
+
+
 def _parse_budget(text: str):
     """"50%", "0.5" (a fraction), "3GiB", "500MB" or plain bytes."""
     from fxopt.budget import resolve_budget
@@ -295,7 +301,7 @@ def inspect(args: argparse.Namespace) -> int:
             ready = plan_and_rewrite(model, args.budget, inputs, solver=args.solver,
                                      time_limit=args.time_limit, compiler=args.compiler,
                                      compress=not args.no_compress, quantize=args.quantize,
-                                     offload=args.offload)
+                                     offload=_offload(args))
     except fxopt.InfeasibleBudgetError as e:
         out.print(f"[red]infeasible budget:[/] {e}")
         out.print(f"try: fxopt inspect {args.model} --budget {e.min_budget}")
@@ -423,7 +429,7 @@ def _measure(model, inputs, plan, args, err):
 
     eager = copy.deepcopy(model)
     optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan, compiler=args.compiler,
-                               compress=not args.no_compress, quantize=args.quantize, offload=args.offload)
+                               compress=not args.no_compress, quantize=args.quantize, offload=_offload(args))
     timelines = {}
     for name, m in (("eager", eager), ("fxopt", optimized)):
         text = "compiling and measuring fxopt's step" if name == "fxopt" else "measuring eager's step"
@@ -483,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--no-compress", action="store_true", help="recompute only: no lossless compression of saved values")
     i.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="let the solver keep saved values in host memory (default: on for a CUDA model)")
+    i.add_argument("--host-budget", metavar="SIZE",
+                   help="with offload: the most host memory it may hold at once ('16GiB'); turns offload on")
     i.add_argument("--quantize", choices=("int8", "fp8", "int4"),
                    help="also let the solver quantize saved activations (lossy; off by default)")
     i.add_argument("--code", action="store_true", help="print the rewritten forward and backward graphs")
@@ -523,6 +531,8 @@ def _logging(verbosity: int, quiet: bool):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "host_budget", None) is not None and args.offload is False:
+        parser.error("--host-budget limits offload: it cannot go with --no-offload")
     verbosity = args.verbose + getattr(args, "sub_verbose", 0)
     from fxopt.solvers import SolverTimeoutWarning
 
