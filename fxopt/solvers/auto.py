@@ -26,7 +26,7 @@ log = logging.getLogger("fxopt")
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 10
+REVISION = 11
 
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 

@@ -137,6 +137,13 @@ class _Program:
             m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
         n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
              for i in vals if self.computable(i)}
+        # A backward-only value is made once for free (in the forward if SAVEd, else at its first
+        # backward computation, as the simulator counts): every computation beyond that is paid,
+        # m_i >= n_i + s_i - 1.
+        for i in vals:
+            if i in graph.backward_only and i in n and nodes[i].recomputable and nodes[i].cost > 0:
+                extra = m.var(f"m_{nodes[i].name}", cost=nodes[i].cost * self.cost_scale, upper=2.0)
+                m.row([(extra, 1.0), (n[i], -1.0)] + ([(s[i], -1.0)] if i in s else []), lower=-1.0)
         # OFFLOAD: o_i, only for SAVEd values, at no cost (its exposed copy time is never negative).
         o = {i: m.binary(f"o_{nodes[i].name}") for i in vals if i in graph.offloadable and i in s}
         for i, col in o.items():

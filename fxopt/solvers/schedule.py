@@ -144,6 +144,9 @@ def _check(graph: Graph, schedule: Schedule) -> None:
     its backward runs every backward node once, in order, recomputing only what may be."""
     nodes = graph.nodes
     saved = frozenset(schedule.saved)
+    bad = saved & graph.aliases
+    if bad:
+        raise InvalidScheduleError(f"cannot save {_names(graph, bad)}: a view, made fresh from its base where read")
     bad = saved - graph.saveable - graph.free
     if bad:
         raise InvalidScheduleError(f"cannot save {_names(graph, bad)}: not computed in the forward")
@@ -604,20 +607,32 @@ def read_before_recompute(graph: Graph, backward: Iterable[int]) -> frozenset[in
 
 def with_fresh_aliases(graph: Graph, events: Iterable[int]) -> tuple[int, ...]:
     """Finish an event list the way the generated code must run it:
-    - before each event, fresh copies of the aliases (views) it reads;
+    - before each event, a fresh copy of each alias (view) it reads, unless the latest copy of
+      that view was made from the latest copies of what it views (then it is read again: the
+      storage is the same, alive either way, and making it again would cost a step);
     - right after each multi-output op (a tuple), all its outputs: the op allocates them together,
       so they are taken out at once and each lives as long as it is used."""
     out: list[int] = []
     taken: set[int] = set()  # outputs of the latest copy of each tuple, already emitted
+    made: dict[int, int] = {}  # value -> position in `out` of its latest copy
+
+    def current(j: int) -> bool:
+        at = made.get(j)
+        return at is not None and all(made.get(x, -1) < at and (x not in graph.aliases or current(x))
+                                      for x in graph.nodes[j].inputs)
 
     def emit(i: int) -> None:
         for j in dict.fromkeys(graph.nodes[i].inputs):
-            if j in graph.aliases:
+            if j in graph.aliases and not current(j):
                 emit(j)
+        if i in graph.aliases and current(i):
+            return  # an output of the view tuple just made
+        made[i] = len(out)
         out.append(i)
         if not graph.nodes[i].tensor and graph.nodes[i].kind == "forward":
             for g in graph.users[i]:
                 if graph.nodes[g].kind == "forward":
+                    made[g] = len(out)
                     out.append(g)
                     taken.add(g)
 
