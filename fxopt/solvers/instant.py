@@ -8,26 +8,28 @@ While backward node k runs, every schedule holds (as the simulator counts it)
                    once, in order, and are freed after their last use;
   + A_k            the storage of the forward values alive at that instant.
 
-What is alive at k must let the rest of the backward run: every forward value a later backward
-node reads is alive at k or computed after k, and what is computed after k is computed from values
-alive at k or computed after k. What is alive at k was SAVEd or computed in the backward before k.
-Every backward computation of a forward value costs its recompute cost (the first computation of
-a value only the backward needs is free, as in the simulator). So, for one or more instants k, the
-mixed-integer program
+The modelled instants k_1 < ... < k_m cut the backward into intervals: t = 0 before k_1, t
+between k_t and k_(t+1), m after k_m. A value a backward node reads, or a recomputation reads, in
+an interval was there as the interval began (SAVEd, for the first; alive at the instant that opens
+it, for the others) or was computed in it; what is alive at an instant was there as its interval
+began or computed in it. Every backward computation of a forward value is in one interval and
+costs its recompute cost (the first computation of a value only the backward needs is free, as in
+the simulator). So, for one or more instants, the mixed-integer program
 
     s_i      SAVE i (saveable values only)              shared by all instants
-    n_i      backward computations of i, cost c_i       shared: n_i >= p_ik + r_ik
-    a_ik     i alive while node k runs                  a_ik <= s_i + p_ik
-    p_ik     i computed in the backward before k        p_ik <= s_j + p_jk   (j an input of i)
-    r_ik     i computed after k                         r_ik <= a_jk + r_jk
-    k < k'   a_ik' <= a_ik + r_ik,  p_ik <= p_ik' <= p_ik + r_ik,  r_ik' <= r_ik
-    needs    read by node k: a_ik = 1; by a node before k: s_i + p_ik >= 1; after k: a_ik + r_ik >= 1
+    c_it     i computed in the backward in interval t
+    n_i      backward computations of i, cost c_i       n_i >= sum_t c_it
+             (a value only the backward needs: m_i >= n_i + s_i - 1 at cost c_i instead)
+    a_ik     i alive while node k runs                  a_(i,k_1) <= s_i + c_i0,  a_(i,k_t+1) <= a_(i,k_t) + c_it
+    there    there_i0 = s_i, there_it = a_(i,k_t)
+    inputs   c_it <= there_jt + c_jt                    (j an input of i)
+    needs    read by node k: a_ik = 1; by a node in interval t: there_it + c_it >= 1
     views    a_ik <= a_(root of i),k                    (a view keeps its base's storage alive)
     memory   fixed_k + sum_i bytes_i a_ik - sum_i (bytes_i - compressed_i) w_ik <= budget
     COMPRESS z_i <= s_i at its codec's cost; w_ik <= a_ik, w_ik <= z_i: a compressed value may
              count its compressed size where it is alive and may still be encoded, i.e. not yet
-             read: w_ik = 0 if a backward node up to k reads i, w_ik + p_jk <= 1 for j made
-             from i (the simulator decodes it at its first read, so this allows no less)
+             read: w_ik = 0 if a backward node up to k reads i, w_ik + c_jt <= 1 for j made
+             from i in an interval before k (the simulator decodes it at its first read, so this allows no less)
 
     OFFLOAD  o_i <= s_i at no cost; v_ik <= a_ik, v_ik <= o_i + z_i (bytes_i - compressed_i) / bytes_i
              for a value that may be OFFLOADed (v replaces w): it may count nothing where it is alive
@@ -57,6 +59,7 @@ instants already give a plan within a fraction of a percent of the bound.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 
@@ -93,6 +96,9 @@ class _Program:
         needs = {j for r in self.reads for j in r}
         self.values = sorted(graph.ancestors(needs) - self.avail)
         self.fixed = fixed_backward_bytes(graph)
+        # Multi-output ops (tuples) and the outputs taken out of them.
+        self.items = {i: [u for u in graph.users[i] if nodes[u].kind == "forward"] for i in self.values
+                      if not nodes[i].tensor and nodes[i].kind == "forward"}
         self.cost_scale = cost_scale_for(nodes[i].cost for i in self.values if i not in graph.backward_only)
         self.instants: list[int] = []
         self.order = sorted(graph.forward_required)
@@ -113,13 +119,16 @@ class _Program:
         """The program for backward positions ``instants`` (and forward steps ``forward_steps``):
         the MIP, the columns of s, and those of a (by (instant, value))."""
         m = Mip()
-        self.instants = list(instants)
+        self.instants = sorted(set(instants))
         self._after: dict[int, set[int]] = {}
         s, z, n = self._add_decisions(m)
         self.z = z
+        c = self._add_intervals(m, n)
+        self.c = c
         alive: dict[tuple[int, int], int] = {}
-        per_instant = {k: self._add_instant(m, k, s, z, n, alive) for k in instants}
-        self._link_instants(m, per_instant)
+        for t, k in enumerate(self.instants):
+            self._add_instant(m, t, k, s, z, c, alive)
+        self._add_interval_rows(m, s, c, alive)
         if forward_steps:
             self._add_forward_rows(m, s, z, forward_steps)
         return m, s, alive
@@ -135,14 +144,14 @@ class _Program:
              for i in vals if i in graph.compressible and i in s}
         for i, col in z.items():
             m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
-        n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
+        n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale)
              for i in vals if self.computable(i)}
         # A backward-only value is made once for free (in the forward if SAVEd, else at its first
         # backward computation, as the simulator counts): every computation beyond that is paid,
         # m_i >= n_i + s_i - 1.
         for i in vals:
             if i in graph.backward_only and i in n and nodes[i].recomputable and nodes[i].cost > 0:
-                extra = m.var(f"m_{nodes[i].name}", cost=nodes[i].cost * self.cost_scale, upper=2.0)
+                extra = m.var(f"m_{nodes[i].name}", cost=nodes[i].cost * self.cost_scale)
                 m.row([(extra, 1.0), (n[i], -1.0)] + ([(s[i], -1.0)] if i in s else []), lower=-1.0)
         # OFFLOAD: o_i, only for SAVEd values, at no cost (its exposed copy time is never negative).
         o = {i: m.binary(f"o_{nodes[i].name}") for i in vals if i in graph.offloadable and i in s}
@@ -151,36 +160,43 @@ class _Program:
         self.o = o
         return s, z, n
 
-    def _add_instant(self, m: Mip, k: int, s, z, n, alive) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
-        """Instant k's variables a, p, r and rows (see the module); its a columns go into ``alive``."""
+    def _add_intervals(self, m: Mip, n) -> list[dict[int, int]]:
+        """c_it: value i is computed in the backward in interval t (t = 0 before the first instant,
+        t between instants t - 1 and t, the last after the last instant); each computation is in
+        one interval, so n_i >= sum_t c_it."""
+        nodes = self.graph.nodes
+        c = [{i: m.binary(f"c{t}_{nodes[i].name}") for i in n} for t in range(len(self.instants) + 1)]
+        for i, col in n.items():
+            m.row([(col, 1.0)] + [(ct[i], -1.0) for ct in c], lower=0.0)
+        # A multi-output op recomputed has all its outputs taken out right after it (the simulator
+        # accepts nothing else): in the same interval.
+        for ct in c:
+            for i, out in self.items.items():
+                if i in ct:
+                    for u in out:
+                        if u in ct:
+                            m.row([(ct[u], 1.0), (ct[i], -1.0)], lower=0.0)
+        return c
+
+    def _add_instant(self, m: Mip, t: int, k: int, s, z, c, alive) -> None:
+        """Instant k's (the t-th) variables a (alive while backward node k runs), its reads and its
+        memory row; its a columns go into ``alive``."""
         graph, nodes, vals = self.graph, self.graph.nodes, self.values
         vset = set(vals)
         a = {i: m.binary(f"a{k}_{nodes[i].name}") for i in vals}
-        p = {i: m.binary(f"p{k}_{nodes[i].name}") for i in vals if self.computable(i)}
-        r = {i: m.binary(f"r{k}_{nodes[i].name}") for i in vals if self.computable(i)}
         before = {j for kk in range(k) for j in self.reads[kk]}
         now = set(self.reads[k])
         after = {j for kk in range(k + 1, len(self.reads)) for j in self.reads[kk]}
         self._after[k] = after | now
         for i in vals:
             alive[k, i] = a[i]
-            m.row([(a[i], 1.0)] + [(c, -1.0) for c in (s.get(i), p.get(i)) if c is not None], upper=0.0)
             if i in now:
                 m.row([(a[i], 1.0)], lower=1.0)
-            if i in before:
-                m.row([(c, 1.0) for c in (s.get(i), p.get(i)) if c is not None], lower=1.0)
-            if i in after:
-                m.row([(a[i], 1.0)] + ([(r[i], 1.0)] if i in r else []), lower=1.0)
+            if i in self.items:
+                m.row([(a[i], 1.0)], upper=0.0)  # a tuple dies as its outputs are taken out
             root = graph.roots[i]
             if root != i and root in vset:
                 m.row([(a[i], 1.0), (a[root], -1.0)], upper=0.0)
-            if i in p:
-                for j in dict.fromkeys(nodes[i].inputs):
-                    if j in vset:
-                        m.row([(p[i], 1.0)] + [(c, -1.0) for c in (s.get(j), p.get(j)) if c is not None],
-                              upper=0.0)
-                        m.row([(r[i], 1.0), (a[j], -1.0)] + ([(r[j], -1.0)] if j in r else []), upper=0.0)
-                m.row([(n[i], 1.0), (p[i], -1.0), (r[i], -1.0)], lower=0.0)
         mem = [(a[i], nodes[i].bytes / self.unit) for i in vals if graph.roots[i] == i and nodes[i].bytes]
         # A compressed value is decoded at its first backward read: once a backward node up to k
         # (directly or through a view) or a computation before k has read it, what is alive of it
@@ -195,11 +211,42 @@ class _Program:
             m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
             m.row([(w, 1.0)] + self._away(i, z), upper=0.0)
             for u in graph.users[i]:
-                if u in p:
-                    m.row([(w, 1.0), (p[u], 1.0)], upper=1.0)
+                for ct in c[:t + 1]:
+                    if u in ct:
+                        m.row([(w, 1.0), (ct[u], 1.0)], upper=1.0)
             mem.append((w, -nodes[i].bytes / self.unit))
         m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
-        return a, p, r
+
+    def _add_interval_rows(self, m: Mip, s, c, alive) -> None:
+        """What links the instants: a value alive at the first instant was SAVEd or computed
+        before it, and one alive at a later instant was alive at the previous one or computed in
+        between; a value a backward node reads in an interval was there as it began (SAVEd, for
+        the first; alive at the instant that opens it, for the others) or computed in it, and so
+        was every input of a value computed in it."""
+        nodes, vals, instants = self.graph.nodes, self.values, self.instants
+        vset = set(vals)
+
+        def there(t: int, i: int) -> list[tuple[int, float]]:  # i is there as interval t begins
+            col = s.get(i) if t == 0 else alive[instants[t - 1], i]
+            return [] if col is None else [(col, 1.0)]
+
+        def made(t: int, i: int) -> list[tuple[int, float]]:
+            return [(c[t][i], 1.0)] if i in c[t] else []
+
+        bounds = [0] + [k + 1 for k in instants]
+        ends = instants + [len(self.reads)]
+        for t in range(len(instants) + 1):
+            if t < len(instants):
+                k = instants[t]
+                for i in vals:
+                    m.row([(alive[k, i], 1.0)] + [(col, -a) for col, a in there(t, i) + made(t, i)], upper=0.0)
+            read = {j for kk in range(bounds[t], ends[t]) for j in self.reads[kk]}
+            for i in read:
+                m.row(there(t, i) + made(t, i), lower=1.0)
+            for i, col in c[t].items():
+                for j in dict.fromkeys(nodes[i].inputs):
+                    if j in vset:
+                        m.row([(col, 1.0)] + [(cc, -a) for cc, a in there(t, j) + made(t, j)], upper=0.0)
 
     def _away(self, i: int, z) -> list[tuple[int, float]]:
         """Terms of -(the share of value i's bytes its decisions can take off the device): all of
@@ -209,21 +256,6 @@ class _Program:
         if i in z:
             terms.append((z[i], -(nodes[i].bytes - nodes[i].compressed_bytes) / nodes[i].bytes))
         return terms
-
-    def _link_instants(self, m: Mip, per_instant) -> None:
-        """Instants in order, k < k2: alive at k2 means alive at k or computed after k; computed
-        before k means computed before k2; computed before k2 means before k or after k;
-        computed after k2 means computed after k."""
-        ordered = sorted(per_instant)
-        for k, k2 in zip(ordered, ordered[1:]):
-            a, p, r = per_instant[k]
-            a2, p2, r2 = per_instant[k2]
-            for i in self.values:
-                m.row([(a2[i], 1.0), (a[i], -1.0)] + ([(r[i], -1.0)] if i in r else []), upper=0.0)
-                if i in p:
-                    m.row([(p[i], 1.0), (p2[i], -1.0)], upper=0.0)
-                    m.row([(p2[i], 1.0), (p[i], -1.0), (r[i], -1.0)], upper=0.0)
-                    m.row([(r2[i], 1.0), (r[i], -1.0)], upper=0.0)
 
     def _add_forward_rows(self, m: Mip, s, z, forward_steps: list[int]) -> None:
         """In the forward, a SAVEd value outlives its last forward use: at step f, the storage of
@@ -245,18 +277,39 @@ class _Program:
                 away[r] = m.var(f"away_{nodes[r].name}", upper=1.0)
                 m.row([(away[r], 1.0), (kept[r], -1.0)], upper=0.0)
                 m.row([(away[r], 1.0)] + self._away(r, z), upper=0.0)
+        # A SAVEd backward-only value is computed in the forward, after the forward's nodes that
+        # precede it, and held from there on.
+        made_at: dict[int, int] = {}
+        for i, col in s.items():
+            r = graph.roots[i]
+            if i not in graph.backward_only or r in self.interval or r in graph.resident or not nodes[r].bytes:
+                continue
+            if r not in kept:
+                kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
+            m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
+            made_at[r] = min(made_at.get(r, len(self.order)), bisect.bisect_left(self.order, i))
         for f in forward_steps:
-            terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items() if self.interval[r][1] < f]
-            terms += [(away[r], -nodes[r].bytes / self.unit) for r in away if self.interval[r][1] < f]
+            terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items()
+                     if (self.interval[r][1] < f if r in self.interval else made_at[r] <= f)]
+            terms += [(away[r], -nodes[r].bytes / self.unit) for r in away
+                      if (self.interval[r][1] < f if r in self.interval else made_at[r] <= f)]
             m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
 
-    def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x) -> frozenset[int]:
+    def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x, *, used: bool = False) -> frozenset[int]:
         """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last
         read): what is saved and alive at the earliest instant, and what is saved and read only
         before it. (A saved value that is not alive at an instant was dropped before it; a saved
-        value that only served to compute others before the instant is not worth saving.)"""
+        value that only served to compute others before the instant is not worth saving.) With
+        ``used``, also what is saved and read before that instant by the backward or by what the
+        solution computes there (through views), even if read again later (then made again: the
+        saved copy dies first)."""
         k0 = min(self.instants)
-        early = {j for kk in range(k0) for j in self.reads[kk]} - self._after[k0]
+        early = {j for kk in range(k0) for j in self.reads[kk]}
+        if used:
+            made = [i for i, col in self.c[0].items() if x[col] > 0.5]
+            early = self.graph.through_aliases(early | {j for i in made for j in self.graph.nodes[i].inputs})
+        else:
+            early -= self._after[k0]
         return frozenset(i for i, col in s.items()
                          if x[col] > 0.5 and (x[alive[k0, i]] > 0.5 or i in early))
 
@@ -268,6 +321,11 @@ class _Program:
         """The values a solution OFFLOADs (columns of the latest `build`)."""
         return frozenset(i for i, col in self.o.items() if x[col] > 0.5)
 
+    def made_sets(self, x) -> dict[int, frozenset[int]]:
+        """For each modelled instant, the forward values the solution computes in the interval
+        that ends there (columns of the latest `build`)."""
+        return {k: frozenset(i for i, col in self.c[t].items() if x[col] > 0.5) for t, k in enumerate(self.instants)}
+
     def alive_sets(self, alive: dict[tuple[int, int], int], x) -> dict[int, frozenset[int]]:
         """For each modelled instant, the forward values the solution keeps alive there."""
         out: dict[int, set[int]] = {k: set() for k in self.instants}
@@ -277,11 +335,14 @@ class _Program:
         return {k: frozenset(v) for k, v in out.items()}
 
 
-def schedule_for(graph: Graph, saved, alive_at: dict[int, frozenset[int]]) -> Schedule:
+def schedule_for(graph: Graph, saved, alive_at: dict[int, frozenset[int]],
+                 made_before: dict[int, frozenset[int]] | None = None) -> Schedule:
     """`on_demand` for a SAVE set, except that at each backward position k in ``alive_at``, just
     before what k needs is recomputed and again right after k runs, every forward value not in
     ``alive_at[k]`` is forgotten (recomputed later if needed again), so that what is alive at k is
-    what the solution said."""
+    what the solution said. ``made_before[k]``: values the solution computes in the interval that
+    ends at k; those it keeps alive at k are computed by then (not later, on demand, when what
+    they are made from may have been forgotten)."""
     nodes = graph.nodes
     builder = OnDemand(graph, saved)
     keep = graph.resident | graph.forward_outputs | graph.free
@@ -292,6 +353,9 @@ def schedule_for(graph: Graph, saved, alive_at: dict[int, frozenset[int]]) -> Sc
 
     for k, b in enumerate(graph.backward_nodes):
         if k in alive_at:
+            if made_before is not None:
+                wanted = made_before[k] & alive_at[k]
+                builder.recompute(wanted, keep=wanted)
             forget(k)
         builder.run(b)
         if k in alive_at:
@@ -305,24 +369,36 @@ def _tightest(graph: Graph, timeline: Timeline, budget: int) -> tuple[str, int] 
     """Where a plan's memory is worst: the first event above the budget or, if it fits, the
     highest backward event. ("backward", position of that backward node, or of the first one
     after a recomputation) or ("forward", node index); None if nothing can be named."""
+    spots = _tight_spots(graph, timeline, budget)
+    return spots[0] if spots else None
+
+
+def _tight_spots(graph: Graph, timeline: Timeline, budget: int) -> list[tuple[str, int]]:
+    """`_tightest`, then (for a plan over the budget) its highest backward event above it: the
+    instants to model next, best first."""
     nodes = graph.nodes
     by_name = {n.name: i for i, n in enumerate(nodes)}
     bwd_pos = {b: k for k, b in enumerate(graph.backward_nodes)}
     events = timeline.events
+    back = [e for e, ev in enumerate(events) if ev[0] == "backward" and ev[1] in by_name]
+
+    def where(e: int) -> tuple[str, int] | None:
+        phase, name, _ = events[e]
+        if phase == "forward":  # a node, or the encoding of a value ("compress <value>")
+            return ("forward", by_name[name.removeprefix("compress ")])
+        for ph, nm, _ in events[e:]:
+            i = by_name.get(nm)
+            if i in bwd_pos:
+                return ("backward", bwd_pos[i])
+        return None
+
     over = next((e for e, ev in enumerate(events) if ev[2] > budget), None)
     if over is None:
-        back = [e for e, ev in enumerate(events) if ev[0] == "backward" and ev[1] in by_name]
-        if not back:
-            return None
-        over = max(back, key=lambda e: events[e][2])
-    phase, name, _ = events[over]
-    if phase == "forward":  # a node, or the encoding of a value ("compress <value>")
-        return ("forward", by_name[name.removeprefix("compress ")])
-    for ph, nm, _ in events[over:]:
-        i = by_name.get(nm)
-        if i in bwd_pos:
-            return ("backward", bwd_pos[i])
-    return None
+        picks = [max(back, key=lambda e: events[e][2])] if back else []
+    else:
+        worst = [e for e in back if events[e][2] > budget]
+        picks = [over] + ([max(worst, key=lambda e: events[e][2])] if worst else [])
+    return [w for w in dict.fromkeys(where(e) for e in picks) if w is not None]
 
 
 def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple]) -> list[tuple[Schedule, Timeline]]:
@@ -331,7 +407,7 @@ def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple]) -> list[tup
     solution keeps there; over the budget, each also COMPRESSing and OFFLOADing what the solution
     does, and completed by `compress_to_fit` and `offload_to_fit`."""
     graph, budget = prog.graph, prog.budget
-    saved = prog.saved(s, alive, x) | must_save(graph)
+    saves = [prog.saved(s, alive, x, used=used) | must_save(graph) for used in (False, True)]
     alive_at = prog.alive_sets(alive, x)
     chosen = prog.compressed(x) & graph.compressible
     chosen_off = prog.offloaded(x) & graph.offloadable
@@ -345,7 +421,10 @@ def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple]) -> list[tup
         new.append((schedule, timeline))
         return timeline
 
-    for schedule in (on_demand(graph, saved), schedule_for(graph, saved, alive_at)):
+    made = prog.made_sets(x)
+    schedules = [on_demand(graph, saves[0])] + [schedule_for(graph, saved, alive_at, guide)
+                                                  for saved in dict.fromkeys(saves) for guide in (None, made)]
+    for schedule in schedules:
         key = (schedule.saved, schedule.backward)
         if key in tried:
             continue
@@ -418,9 +497,8 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
         # Model the instant where the latest plans are worst (above the budget, or tightest), the
         # lowest-peak plan's first; where that instant is modelled already, another plan's (the one
         # compressing what the solution compresses may be worst elsewhere).
-        wheres = (_tightest(graph, t, budget) for _, t in sorted(new, key=lambda p: p[1].peak_bytes))
-        where = next((w for w in wheres if w is not None and (w[1] not in instants if w[0] == "backward"
-                                                             else not forward_steps)), None)
+        wheres = (w for _, t in sorted(new, key=lambda p: p[1].peak_bytes) for w in _tight_spots(graph, t, budget))
+        where = next((w for w in wheres if (w[1] not in instants if w[0] == "backward" else not forward_steps)), None)
         if where is None:
             break
         if where[0] == "backward":

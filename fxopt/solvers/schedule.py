@@ -164,6 +164,7 @@ def _check(graph: Graph, schedule: Schedule) -> None:
     backward = [i for i in schedule.backward if nodes[i].kind == "backward"]
     if backward != list(graph.backward_nodes):
         raise InvalidScheduleError("the backward must run every backward node once, in graph order")
+    _check_tuples(graph, schedule.backward)
     fwd = forward_set(graph, saved)
     fwd_computed = set(fwd)
     seen_once: set[int] = set()
@@ -177,6 +178,18 @@ def _check(graph: Graph, schedule: Schedule) -> None:
         for j in nodes[i].inputs:
             if nodes[j].kind == "forward" and j not in fwd_computed:
                 raise InvalidScheduleError(f"{nodes[i].name} needs {nodes[j].name}, which the forward does not compute")
+
+
+def _check_tuples(graph: Graph, backward: tuple[int, ...]) -> None:
+    """A multi-output op recomputed in the backward allocates all its outputs, and the generated
+    code takes them out at once (`with_fresh_aliases`): the simulator counts them from there, so
+    it accepts no schedule that takes them out later (their memory would go uncounted meanwhile)."""
+    nodes = graph.nodes
+    for e, i in enumerate(backward):
+        if nodes[i].kind == "forward" and not nodes[i].tensor:
+            items = [u for u in graph.users[i] if nodes[u].kind == "forward"]
+            if list(backward[e + 1:e + 1 + len(items)]) != items:
+                raise InvalidScheduleError(f"{nodes[i].name} is recomputed without all its outputs taken out right after it")
 
 
 # One computation of a value in the backward: (node, its copy (node, n), the copies it reads).
