@@ -480,3 +480,21 @@ def test_plan_json_round_trip(tmp_path):
     bad["format_version"] = 999
     with pytest.raises(ValueError, match="format"):
         Plan.from_dict(bad)
+
+
+def test_a_multi_output_op_recomputed_has_its_outputs_taken_out_at_once():
+    """The op allocates all its outputs: a schedule that recomputes it and takes one out later
+    would hold memory the simulator did not count meanwhile, so it is refused."""
+    b = GraphBuilder()
+    b.input("x", 8)
+    b.input("tan", 1, tangent=True)
+    b.fwd("t", ["x"], 0, tensor=False)
+    b.fwd("o", ["t"], 16)
+    b.fwd("m", ["t"], 2)
+    b.fwd("y", ["o", "m"], 8, output=True)
+    b.bwd("g1", ["tan", "o"], 4)
+    b.bwd("g2", ["g1", "m"], 8, output=True)
+    g = b.build()
+    assert simulate(g, sched(g, [], ["t", "o", "m", "g1", "g2"])).peak_bytes > 0
+    with pytest.raises(InvalidScheduleError, match="outputs taken out right after"):
+        simulate(g, sched(g, [], ["t", "o", "g1", "m", "g2"]))

@@ -6,7 +6,7 @@
   Tries several segment sizes (the classic choice is sqrt of the total) and returns the cheapest
   schedule within the budget.
 - ``greedy``: start from ``save_all`` and stop saving the values whose recomputation is cheapest
-  per byte, until the simulated peak fits.
+  per byte, as few as make the simulated peak fit (the shortest such prefix, by bisection).
 - ``segments``: checkpoint at the forward's articulation values (a value every later value depends
   on only through it: a transformer layer's or residual block's output), so each segment is
   recomputed only for its own backward; then also SAVE the values whose recomputation costs most
@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import Schedule, Timeline, must_save, on_demand, save_all_set, simulate
+from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, must_save, on_demand, prune,
+                                    save_all_set, simulate)
 from fxopt.solvers.transfers import INSTANT
 
 Candidate = tuple[Schedule, Timeline]
@@ -77,15 +79,24 @@ def greedy(graph: Graph, budget: int) -> list[Candidate]:
     # they depend on; include those so the greedy can drop them too.
     candidates = [i for i in _recomputable_saves(graph) if graph.roots[i] == i and graph.nodes[i].bytes > 0]
     candidates.sort(key=lambda i: (graph.nodes[i].cost / graph.nodes[i].bytes, i))
-    for i in candidates:
-        if i not in saved:
-            continue
-        saved.discard(i)
-        schedule = on_demand(graph, saved)
-        timeline = simulate(graph, schedule)
-        out.append((schedule, timeline))
-        if timeline.peak_bytes <= budget:
-            break
+    order = [i for i in candidates if i in saved]
+
+    def run(k: int) -> Candidate:
+        schedule = on_demand(graph, saved - set(order[:k]))
+        out.append((schedule, simulate(graph, schedule)))
+        return out[-1]
+
+    # The shortest prefix of `order` that fits, found by bisection (a peak mostly falls as more is
+    # dropped; every schedule tried is kept, the lowest-peak one included).
+    lo, hi = 1, len(order)
+    if not order or run(hi)[1].peak_bytes > budget:
+        return out
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if run(mid)[1].peak_bytes <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
     return out
 
 
@@ -123,7 +134,8 @@ def checkpoint_cuts(graph: Graph) -> list[int]:
             if i in decidable and graph.roots[i] == i and nodes[i].bytes > 0 and not nodes[i].output]
 
 
-def segments(graph: Graph, budget: int) -> list[Candidate]:
+def segments(graph: Graph, budget: int, *, deadline: float | None = None) -> list[Candidate]:
+    """``deadline`` (a `time.perf_counter` value): stop adding values one at a time past it."""
     nodes = graph.nodes
     decidable = set(_recomputable_saves(graph))
     cuts = checkpoint_cuts(graph)
@@ -158,9 +170,42 @@ def segments(graph: Graph, budget: int) -> list[Candidate]:
         # Then the values after it that still fit, one at a time (a few dozen at most).
         saved = set(base | set(extra[:lo]))
         for i in extra[lo + 1: lo + 41]:
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             if run(saved | {i})[1].peak_bytes <= budget:
                 saved.add(i)
     return out
+
+
+def save_more(graph: Graph, schedule: Schedule, budget: int, *, seconds: float) -> Candidate | None:
+    """`schedule` with values it recomputes SAVEd instead, while its simulated peak stays within
+    ``budget`` and its cost falls: the values whose recomputation costs most per byte first, each
+    tried once (its first recomputation dropped, then all of them), within ``seconds``. None if
+    nothing more fits. (A lowest-peak plan recomputes what it need not where memory is not tight.)"""
+    deadline = time.perf_counter() + seconds
+    nodes = graph.nodes
+    best = (schedule, simulate(graph, schedule))
+    recomputed = {i for i in schedule.recomputed(graph) if i in graph.saveable and graph.roots[i] == i
+                  and nodes[i].bytes > 0 and nodes[i].cost > 0}
+    for v in sorted(recomputed, key=lambda i: (-nodes[i].cost / nodes[i].bytes, i)):
+        for first_only in (True, False):
+            if time.perf_counter() > deadline:
+                return best if best[0] is not schedule else None
+            current = best[0]
+            at = [e for e, i in enumerate(current.backward) if i == v]
+            if not at:
+                break
+            drop = set(at[:1] if first_only else at)
+            backward = tuple(i for e, i in enumerate(current.backward) if e not in drop)
+            try:
+                candidate = prune(graph, dataclasses.replace(current, saved=current.saved | {v}, backward=backward))
+                timeline = simulate(graph, candidate)
+            except InvalidScheduleError:
+                continue
+            if timeline.peak_bytes <= budget and timeline.cost < best[1].cost and not timeline.over_host_budget:
+                best = (candidate, timeline)
+                break
+    return best if best[0] is not schedule else None
 
 
 def compress_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate | None:

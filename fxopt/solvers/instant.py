@@ -61,15 +61,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import time
 
 from fxopt.solvers.gap import proven
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import compress_to_fit, offload_to_fit
-from fxopt.solvers.liveness import fixed_backward_bytes, forward_profile
+from fxopt.solvers.liveness import fixed_backward_bytes, forward_profile, last_uses
 from fxopt.solvers.mip import Mip, byte_unit, cost_scale_for, solve_mip
-from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, must_save, on_demand,
-                                    read_before_recompute, save_all_set, simulate)
+from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, backward_steps, must_save,
+                                    on_demand, read_before_recompute, save_all_set, simulate)
 
 __all__ = ["InstantResult", "fixed_backward_bytes", "instant_solve"]
 
@@ -83,12 +84,19 @@ class InstantResult:
     infeasible: bool = False  # proven: no schedule fits the budget
 
 
+# Without a budget (`lowest_peak`), the weight of all recomputation in the objective, in memory
+# units (`byte_unit`): the peak comes first.
+PEAK_COST_WEIGHT = 0.001
+
+
 class _Program:
     """The program above for a growing set of instants."""
 
-    def __init__(self, graph: Graph, budget: int, unit: int):
+    def __init__(self, graph: Graph, budget: int | None, unit: int):
+        """``budget`` None: the lowest peak instead (see `lowest_peak`)."""
         nodes = graph.nodes
         self.graph, self.budget, self.unit = graph, budget, unit
+        self.peak: int | None = None  # the peak's column, without a budget
         bwd = graph.backward_nodes
         self.avail = graph.resident | graph.free | graph.forward_outputs
         self.reads = [[j for j in dict.fromkeys(nodes[b].inputs) if nodes[j].kind == "forward" and j not in self.avail]
@@ -121,8 +129,17 @@ class _Program:
         m = Mip()
         self.instants = sorted(set(instants))
         self._after: dict[int, set[int]] = {}
+        self.extra: dict[int, int] = {}  # m_i (backward-only values' paid computations)
+        self.kept: dict[int, int] = {}  # the forward rows' kept roots
+        self.w: dict[tuple[int, int], int] = {}  # (instant, value): the share of it not on the device
         s, z, n = self._add_decisions(m)
-        self.z = z
+        self.s, self.z, self.n = s, z, n
+        if self.budget is None:
+            # The peak first; among the lowest-peak plans the cheapest: all recomputation together
+            # weighs at most `PEAK_COST_WEIGHT` of a memory unit.
+            scale = PEAK_COST_WEIGHT / max(sum(m.cost) * (len(self.instants) + 1), 1e-300)
+            m.cost = [c * scale for c in m.cost]
+            self.peak = m.var("peak", cost=1.0)
         c = self._add_intervals(m, n)
         self.c = c
         alive: dict[tuple[int, int], int] = {}
@@ -131,6 +148,7 @@ class _Program:
         self._add_interval_rows(m, s, c, alive)
         if forward_steps:
             self._add_forward_rows(m, s, z, forward_steps)
+        self.alive, self.mip = alive, m
         return m, s, alive
 
     def _add_decisions(self, m: Mip) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
@@ -151,7 +169,7 @@ class _Program:
         # m_i >= n_i + s_i - 1.
         for i in vals:
             if i in graph.backward_only and i in n and nodes[i].recomputable and nodes[i].cost > 0:
-                extra = m.var(f"m_{nodes[i].name}", cost=nodes[i].cost * self.cost_scale)
+                extra = self.extra[i] = m.var(f"m_{nodes[i].name}", cost=nodes[i].cost * self.cost_scale)
                 m.row([(extra, 1.0), (n[i], -1.0)] + ([(s[i], -1.0)] if i in s else []), lower=-1.0)
         # OFFLOAD: o_i, only for SAVEd values, at no cost (its exposed copy time is never negative).
         o = {i: m.binary(f"o_{nodes[i].name}") for i in vals if i in graph.offloadable and i in s}
@@ -207,7 +225,7 @@ class _Program:
         for i in z.keys() | self.o.keys():
             if i in decoded:
                 continue
-            w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
+            w = self.w[k, i] = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
             m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
             m.row([(w, 1.0)] + self._away(i, z), upper=0.0)
             for u in graph.users[i]:
@@ -215,7 +233,7 @@ class _Program:
                     if u in ct:
                         m.row([(w, 1.0), (ct[u], 1.0)], upper=1.0)
             mem.append((w, -nodes[i].bytes / self.unit))
-        m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
+        self._within(m, mem, self.fixed[k])
 
     def _add_interval_rows(self, m: Mip, s, c, alive) -> None:
         """What links the instants: a value alive at the first instant was SAVEd or computed
@@ -247,6 +265,13 @@ class _Program:
                 for j in dict.fromkeys(nodes[i].inputs):
                     if j in vset:
                         m.row([(col, 1.0)] + [(cc, -a) for cc, a in there(t, j) + made(t, j)], upper=0.0)
+
+    def _within(self, m: Mip, terms: list[tuple[int, float]], fixed_bytes: int) -> None:
+        """fixed + sum(terms) <= the budget, or <= the peak without one."""
+        if self.peak is None:
+            m.row(terms, upper=(self.budget - fixed_bytes) / self.unit)
+        else:
+            m.row(terms + [(self.peak, -1.0)], upper=-fixed_bytes / self.unit)
 
     def _away(self, i: int, z) -> list[tuple[int, float]]:
         """Terms of -(the share of value i's bytes its decisions can take off the device): all of
@@ -288,12 +313,13 @@ class _Program:
                 kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
             m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
             made_at[r] = min(made_at.get(r, len(self.order)), bisect.bisect_left(self.order, i))
+        self.kept = kept
         for f in forward_steps:
             terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items()
                      if (self.interval[r][1] < f if r in self.interval else made_at[r] <= f)]
             terms += [(away[r], -nodes[r].bytes / self.unit) for r in away
                       if (self.interval[r][1] < f if r in self.interval else made_at[r] <= f)]
-            m.row(terms, upper=(self.budget - self.fprofile[f]) / self.unit)
+            self._within(m, terms, self.fprofile[f])
 
     def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x, *, used: bool = False) -> frozenset[int]:
         """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last
@@ -320,6 +346,57 @@ class _Program:
     def offloaded(self, x) -> frozenset[int]:
         """The values a solution OFFLOADs (columns of the latest `build`)."""
         return frozenset(i for i, col in self.o.items() if x[col] > 0.5)
+
+    def values_of(self, schedule: Schedule) -> list[float]:
+        """Column values (of the latest `build`) describing ``schedule``, a warm start: what it
+        SAVEs, COMPRESSes and OFFLOADs, what it keeps alive at each modelled instant (a view's
+        base with it) and computes in each interval. (Compressed values count full size here.) A
+        schedule that fits the budget gives a solution of the program, which is a relaxation."""
+        graph, nodes = self.graph, self.graph.nodes
+        x = [0.0] * self.mip.num_vars
+        saved = schedule.saved
+        steps = backward_steps(graph, schedule)
+        last = last_uses(args for _, _, args in steps)
+        bwd_step = [e for e, (i, _, _) in enumerate(steps) if nodes[i].kind == "backward"]
+        born = {copy: e for e, (_, copy, _) in enumerate(steps)}
+        at = [bwd_step[k] for k in self.instants]
+        interval = {}
+        for e, (i, _, _) in enumerate(steps):
+            if nodes[i].kind == "forward" and i in self.n:
+                t = bisect.bisect_left(at, e)
+                interval[i, t] = 1.0
+        for i, col in self.s.items():
+            x[col] = float(i in saved)
+        for (i, t), v in interval.items():
+            x[self.c[t][i]] = v
+        for i, col in self.n.items():
+            x[col] = sum(interval.get((i, t), 0.0) for t in range(len(self.c)))
+        for i, col in self.extra.items():
+            x[col] = max(0.0, x[self.n[i]] + (x[self.s[i]] if i in self.s else 0.0) - 1.0)
+        for i, col in self.z.items():
+            x[col] = float(i in schedule.compressed)
+        for i, col in self.o.items():
+            x[col] = float(i in schedule.offloaded)
+        for k, e in zip(self.instants, at):
+            held = {copy[0] for copy, end in last.items() if end >= e and born.get(copy, -1) < e
+                    and (copy in born or copy[0] in saved)}
+            held |= {graph.roots[i] for i in held}
+            for i in self.values:
+                x[self.alive[k, i]] = float(i in held)
+        for (k, i), col in self.w.items():
+            # As little of it as the rows allow: off the device if it may be, until a computation
+            # in an interval before k reads it.
+            t = self.instants.index(k)
+            read = any(x[ct[u]] > 0.5 for u in graph.users[i] for ct in self.c[:t + 1] if u in ct)
+            away = x[self.o[i]] if i in self.o else 0.0
+            if i in self.z:
+                away += x[self.z[i]] * (nodes[i].bytes - nodes[i].compressed_bytes) / nodes[i].bytes
+            x[col] = 0.0 if read else min(x[self.alive[k, i]], away, 1.0)
+        for r, col in self.kept.items():
+            x[col] = float(any(graph.roots[i] == r for i in saved))
+        if self.peak is not None:
+            x[self.peak] = simulate(graph, schedule).peak_bytes / self.unit
+        return x
 
     def made_sets(self, x) -> dict[int, frozenset[int]]:
         """For each modelled instant, the forward values the solution computes in the interval
@@ -401,12 +478,13 @@ def _tight_spots(graph: Graph, timeline: Timeline, budget: int) -> list[tuple[st
     return [w for w in dict.fromkeys(where(e) for e in picks) if w is not None]
 
 
-def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple]) -> list[tuple[Schedule, Timeline]]:
+def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple], budget: int | None = None
+                     ) -> list[tuple[Schedule, Timeline]]:
     """The plans a solution ``x`` suggests, simulated (those in ``tried`` skipped, the others added
     to it): its SAVE set recomputed on demand, and keeping alive at each modelled instant what the
-    solution keeps there; over the budget, each also COMPRESSing and OFFLOADing what the solution
-    does, and completed by `compress_to_fit` and `offload_to_fit`."""
-    graph, budget = prog.graph, prog.budget
+    solution keeps there; over the budget (the program's, or ``budget``), each also COMPRESSing and
+    OFFLOADing what the solution does, and completed by `compress_to_fit` and `offload_to_fit`."""
+    graph, budget = prog.graph, prog.budget if budget is None else budget
     saves = [prog.saved(s, alive, x, used=used) | must_save(graph) for used in (False, True)]
     alive_at = prog.alive_sets(alive, x)
     chosen = prog.compressed(x) & graph.compressible
@@ -447,13 +525,16 @@ def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple]) -> list[tup
 
 
 def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_solver: str | None = None,
-                  max_rounds: int = 6, rel_gap: float = 1e-4, target_gap: float = 0.005) -> InstantResult:
+                  max_rounds: int = 6, rel_gap: float = 1e-4, target_gap: float = 0.005,
+                  start: Schedule | None = None) -> InstantResult:
     """Solve the program for the instant with the most fixed memory (and the one where the eager
     schedule is worst), simulate the plan it suggests, add the instant where that plan is worst
     (its first event above the budget, in the backward or the forward; if it fits, its highest
     backward event), and so on, until a plan is proven within ``target_gap`` of the bound, an
     instant repeats, or ``max_rounds`` solves or ``time_limit`` seconds are spent. Returns the
-    best proven bound and every plan tried, simulated."""
+    best proven bound and every plan tried, simulated. Each round starts from the cheapest plan
+    within the budget so far (``start``, a schedule found elsewhere, to begin with): it is the
+    MIP's first incumbent."""
     t0 = time.perf_counter()
     if not graph.backward_nodes:
         return InstantResult(None, (), (), 0.0)
@@ -479,7 +560,10 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
         if left <= 0.5:
             break
         m, s, alive = prog.build(instants, forward_steps)
-        res = solve_mip(m, time_limit=left, mip_solver=mip_solver, rel_gap=rel_gap)
+        fits = [(t.cost, sch) for sch, t in plans if t.peak_bytes <= budget and not t.over_host_budget]
+        incumbent = min(fits, key=lambda f: f[0])[1] if fits else start
+        res = solve_mip(m, time_limit=left, mip_solver=mip_solver, rel_gap=rel_gap,
+                        warm_start=prog.values_of(incumbent) if incumbent is not None else None)
         if res.status == "infeasible":
             infeasible = True
             break
@@ -507,6 +591,66 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
             # The forward's rows are over the SAVE decisions only and cheap: add every step once.
             forward_steps = list(range(len(prog.order)))
     return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowestPeak:
+    floor: int  # proven: no schedule the simulator accepts peaks below it
+    plans: tuple[tuple[Schedule, Timeline], ...]  # simulated
+    instants: tuple[int, ...]
+    seconds: float
+
+    @property
+    def proven(self) -> bool:
+        """Whether a plan reaches the floor (its peak is the lowest there is)."""
+        return any(t.peak_bytes <= self.floor for _, t in self.plans)
+
+
+def lowest_peak(graph: Graph, *, time_limit: float = 10.0, mip_solver: str | None = None, max_rounds: int = 6,
+                rel_gap: float = 1e-6) -> LowestPeak:
+    """The program without a budget: the least peak P over the modelled instants (and forward
+    steps), then the least recomputation. It is a relaxation, so its proven bound on P is a floor
+    for every schedule (at least `peak_lower_bound`'s). Rounds as in `instant_solve`: the plans a
+    solution suggests are simulated, the instant where the lowest-peak one is worst is added, until
+    a plan reaches the floor (proven the lowest), an instant repeats, or ``max_rounds`` solves or
+    ``time_limit`` seconds are spent."""
+    t0 = time.perf_counter()
+    floor, _ = peak_lower_bound(graph)
+    if not graph.backward_nodes:
+        return LowestPeak(floor, (), (), 0.0)
+    prog = _Program(graph, None, byte_unit(graph))
+    fixed = prog.fixed
+    instants = [max(range(len(fixed)), key=lambda k: (fixed[k], -k))]
+    forward_steps: list[int] = []
+    plans: list[tuple[Schedule, Timeline]] = []
+    tried: set[tuple] = set()
+    for _ in range(max_rounds):
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0.1:
+            break
+        m, s, alive = prog.build(instants, forward_steps)
+        res = solve_mip(m, time_limit=left, mip_solver=mip_solver, rel_gap=rel_gap)
+        if res.bound is not None:
+            # P = objective - recomputation's share (at most PEAK_COST_WEIGHT), less the solver's
+            # tolerance on the rows.
+            proven_units = res.bound - PEAK_COST_WEIGHT - 1e-6 * max(1.0, abs(res.bound))
+            floor = max(floor, math.floor(proven_units * prog.unit))
+        if res.x is None:
+            break
+        target = math.ceil(res.x[prog.peak] * prog.unit)
+        new = _suggested_plans(prog, s, alive, res.x, tried, budget=target)
+        plans += new
+        if not new or min(t.peak_bytes for _, t in plans) <= floor:
+            break
+        wheres = (w for _, t in sorted(new, key=lambda p: p[1].peak_bytes) for w in _tight_spots(graph, t, target))
+        where = next((w for w in wheres if (w[1] not in instants if w[0] == "backward" else not forward_steps)), None)
+        if where is None:
+            break
+        if where[0] == "backward":
+            instants.append(where[1])
+        else:
+            forward_steps = list(range(len(prog.order)))
+    return LowestPeak(floor, tuple(plans), tuple(instants), time.perf_counter() - t0)
 
 
 def peak_lower_bound(graph: Graph) -> tuple[int, str]:

@@ -534,6 +534,13 @@ def _read_events(graph: Graph, steps: list[Step]) -> list[int]:
     return [e for e in range(len(steps)) if keep[e]]
 
 
+def backward_steps(graph: Graph, schedule: Schedule) -> list[Step]:
+    """The backward's steps the generated code keeps, each with the copy it makes and the copies
+    it reads (copy 0: what the forward left, a SAVEd value's)."""
+    steps = _copies(graph, schedule.backward, None)
+    return [steps[e] for e in _read_events(graph, steps)]
+
+
 def kept_steps(graph: Graph, schedule: Schedule) -> list[int]:
     """The positions in ``schedule.backward`` that `prune` keeps."""
     return list(_read_events(graph, _copies(graph, schedule.backward, None)))
