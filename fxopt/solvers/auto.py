@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError, check_choice
 from fxopt.solvers.graph import Graph, is_lossy_codec
-from fxopt.solvers.heuristics import HEURISTICS, Candidate, compress_to_fit, offload_all, offload_to_fit, save_more
+from fxopt.solvers.heuristics import (HEURISTICS, Candidate, compress_to_fit, offload_all, offload_to_fit, save_more,
+                                      segments)
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.chain import chain_candidates, min_peak_schedule
@@ -245,7 +246,7 @@ class _Search:
             if not fallback:
                 self.progress(f"solver {name}")
             run = HEURISTICS[name]
-            if name == "segments":
+            if run is segments:  # (past the deadline it stops adding values one at a time)
                 self.heuristic_runs[name] = run(self.graph, self.budget, deadline=self.t0 + self.time_limit)
             else:
                 self.heuristic_runs[name] = run(self.graph, self.budget)
@@ -497,20 +498,65 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     remembered = _LOWEST.get(_lowest_key(graph, solver))
     if remembered is not None and remembered.searched:
         return remembered.peak if known is None else min(known, remembered.peak)
-    peaks = [] if known is None else [known]
-    lowest: list[tuple[int, Schedule]] = []
+    reached = _Reached(graph, solver, [] if known is None else [known])
+    exact = solver in ("auto", "ilp", "instant")
+    if exact and (chain := min_peak_schedule(graph)) is not None:
+        reached.add(chain.schedule, "chain")
+        if chain.schedule.saved & graph.compressible:
+            reached.add(compress_all(graph, chain.schedule), "chain+compress")
+        reached.offloaded([chain.schedule], "chain")
+    for name in ("checkpoint", "greedy", "segments") if exact else (solver,):
+        candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0)
+        for schedule, timeline in candidates:
+            reached.add(schedule, name, timeline)
+        lowest_first = sorted(candidates, key=lambda c: c[1].peak_bytes)
+        for schedule, _ in [c for c in lowest_first if c[0].saved & graph.compressible][:COMPRESS_TRIES]:
+            reached.add(compress_all(graph, schedule), f"{name}+compress")
+        reached.offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], name)
+    floor = peak_lower_bound(graph)[0]
+    if exact and min(reached.peaks) > floor:
+        # The instant program's lowest peak: a floor for every schedule, and plans near it.
+        low = lowest_peak(graph, time_limit=LOWEST_PEAK_TIME_SHARE * time_limit)
+        floor = max(floor, low.floor)
+        if solver != "ilp":  # (the ILP's minimum is its own; the floor holds for every schedule)
+            for schedule, timeline in low.plans:
+                reached.add(schedule, "instant", timeline)
+            reached.offloaded([s for s, _ in sorted(low.plans, key=lambda p: p[1].peak_bytes)[:COMPRESS_TRIES]],
+                              "instant")
+    if run_ilp and solver in ("ilp", "auto") and min(reached.peaks) > floor * (1 + LOWEST_PEAK_SLACK):
+        model = build_ilp(graph, None, minimize_peak=True)
+        if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
+            incumbent = min(reached.lowest, key=lambda p: p[0]) if reached.lowest else None
+            found = _lowest_peak_schedules(graph, max(MIN_PHASE_SECONDS, time_limit - (time.perf_counter() - t0)),
+                                           None, model, incumbent, target=int(floor * (1 + LOWEST_PEAK_SLACK)))
+            for schedule in found:
+                reached.add(schedule, "ilp")
+            reached.offloaded(found, "ilp")
+    if (remembered := _LOWEST.get(_lowest_key(graph, solver))) is not None:
+        remembered.searched = True
+        remembered.floor = max(remembered.floor, floor)
+    return min(reached.peaks)
 
-    def reach(schedule: Schedule, name: str, timeline: Timeline | None = None) -> None:
-        timeline = timeline or simulate(graph, schedule)
+
+class _Reached:
+    """The peaks `min_feasible_budget` has reached, each schedule simulated and remembered
+    (`_LOWEST`); a schedule over the host budget reaches nothing."""
+
+    def __init__(self, graph: Graph, solver: str, peaks: list[int]):
+        self.graph, self.solver, self.peaks = graph, solver, peaks
+        self.lowest: list[tuple[int, Schedule]] = []
+
+    def add(self, schedule: Schedule, name: str, timeline: Timeline | None = None) -> None:
+        timeline = timeline or simulate(self.graph, schedule)
         if timeline.over_host_budget:
             return
-        peak = timeline.peak_bytes
-        peaks.append(peak)
-        lowest.append((peak, schedule))
-        _remember_lowest(graph, solver, schedule, peak, name)
+        self.peaks.append(timeline.peak_bytes)
+        self.lowest.append((timeline.peak_bytes, schedule))
+        _remember_lowest(self.graph, self.solver, schedule, timeline.peak_bytes, name)
 
-    def reach_offloaded(schedules: list[Schedule], name: str) -> None:
-        # With OFFLOAD offered, each also with everything it may offload (after compressing all).
+    def offloaded(self, schedules: list[Schedule], name: str) -> None:
+        """With OFFLOAD offered, each also with everything it may offload (after compressing all)."""
+        graph = self.graph
         if not graph.offloadable:
             return
         for schedule in schedules:
@@ -519,44 +565,7 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
                 bases.append((compress_all(graph, schedule), f"{name}+compress"))
             for base, label in bases:
                 if (done := offload_all(graph, base)) is not None:
-                    reach(done, f"{label}+offload")
-
-    exact = solver in ("auto", "ilp", "instant")
-    if exact and (chain := min_peak_schedule(graph)) is not None:
-        reach(chain.schedule, "chain")
-        if chain.schedule.saved & graph.compressible:
-            reach(compress_all(graph, chain.schedule), "chain+compress")
-        reach_offloaded([chain.schedule], "chain")
-    names = ("checkpoint", "greedy", "segments") if exact else (solver,)
-    for name in names:
-        candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0)
-        for schedule, timeline in candidates:
-            reach(schedule, name, timeline)
-        lowest_first = sorted(candidates, key=lambda c: c[1].peak_bytes)
-        for schedule, _ in [c for c in lowest_first if c[0].saved & graph.compressible][:COMPRESS_TRIES]:
-            reach(compress_all(graph, schedule), f"{name}+compress")
-        reach_offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], name)
-    floor = peak_lower_bound(graph)[0]
-    if exact and min(peaks) > floor:
-        # The instant program's lowest peak: a floor for every schedule, and plans near it.
-        low = lowest_peak(graph, time_limit=LOWEST_PEAK_TIME_SHARE * time_limit)
-        floor = max(floor, low.floor)
-        for schedule, timeline in low.plans:
-            reach(schedule, "instant", timeline)
-        reach_offloaded([s for s, _ in sorted(low.plans, key=lambda p: p[1].peak_bytes)[:COMPRESS_TRIES]], "instant")
-    if run_ilp and solver in ("ilp", "auto") and min(peaks) > floor * (1 + LOWEST_PEAK_SLACK):
-        model = build_ilp(graph, None, minimize_peak=True)
-        if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
-            incumbent = min(lowest, key=lambda p: p[0]) if lowest else None
-            found = _lowest_peak_schedules(graph, max(MIN_PHASE_SECONDS, time_limit - (time.perf_counter() - t0)),
-                                           None, model, incumbent, target=int(floor * (1 + LOWEST_PEAK_SLACK)))
-            for schedule in found:
-                reach(schedule, "ilp")
-            reach_offloaded(found, "ilp")
-    if (remembered := _LOWEST.get(_lowest_key(graph, solver))) is not None:
-        remembered.searched = True
-        remembered.floor = max(remembered.floor, floor)
-    return min(peaks)
+                    self.add(done, f"{label}+offload")
 
 
 @dataclasses.dataclass
