@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError, check_choice
 from fxopt.solvers.graph import Graph, is_lossy_codec
-from fxopt.solvers.heuristics import (HEURISTICS, Candidate, compress_to_fit, offload_all, offload_to_fit, save_more,
-                                      segments)
+from fxopt.solvers.heuristics import (HEURISTICS, Candidate, compress_to_fit, greedy, offload_all, offload_to_fit,
+                                      save_more, segments)
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.chain import chain_candidates, min_peak_schedule
@@ -246,7 +246,7 @@ class _Search:
             if not fallback:
                 self.progress(f"solver {name}")
             run = HEURISTICS[name]
-            if run is segments:  # (past the deadline it stops adding values one at a time)
+            if run in (segments, greedy):  # (past the deadline they stop trying values one at a time)
                 self.heuristic_runs[name] = run(self.graph, self.budget, deadline=self.t0 + self.time_limit)
             else:
                 self.heuristic_runs[name] = run(self.graph, self.budget)

@@ -6,7 +6,7 @@
   Tries several segment sizes (the classic choice is sqrt of the total) and returns the cheapest
   schedule within the budget.
 - ``greedy``: start from ``save_all`` and stop saving the values whose recomputation is cheapest
-  per byte, as few as make the simulated peak fit (the shortest such prefix, by bisection).
+  per byte, until the simulated peak fits.
 - ``segments``: checkpoint at the forward's articulation values (a value every later value depends
   on only through it: a transformer layer's or residual block's output), so each segment is
   recomputed only for its own backward; then also SAVE the values whose recomputation costs most
@@ -69,7 +69,8 @@ def checkpoint(graph: Graph, budget: int) -> list[Candidate]:
     return out
 
 
-def greedy(graph: Graph, budget: int) -> list[Candidate]:
+def greedy(graph: Graph, budget: int, *, deadline: float | None = None) -> list[Candidate]:
+    """``deadline`` (a `time.perf_counter` value): stop dropping values past it."""
     saved = set(save_all_set(graph))
     schedule = on_demand(graph, saved)
     out = [(schedule, simulate(graph, schedule))]
@@ -79,24 +80,17 @@ def greedy(graph: Graph, budget: int) -> list[Candidate]:
     # they depend on; include those so the greedy can drop them too.
     candidates = [i for i in _recomputable_saves(graph) if graph.roots[i] == i and graph.nodes[i].bytes > 0]
     candidates.sort(key=lambda i: (graph.nodes[i].cost / graph.nodes[i].bytes, i))
-    order = [i for i in candidates if i in saved]
-
-    def run(k: int) -> Candidate:
-        schedule = on_demand(graph, saved - set(order[:k]))
-        out.append((schedule, simulate(graph, schedule)))
-        return out[-1]
-
-    # The shortest prefix of `order` that fits, found by bisection (a peak mostly falls as more is
-    # dropped; every schedule tried is kept, the lowest-peak one included).
-    lo, hi = 1, len(order)
-    if not order or run(hi)[1].peak_bytes > budget:
-        return out
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if run(mid)[1].peak_bytes <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
+    for i in candidates:
+        if i not in saved:
+            continue
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        saved.discard(i)
+        schedule = on_demand(graph, saved)
+        timeline = simulate(graph, schedule)
+        out.append((schedule, timeline))
+        if timeline.peak_bytes <= budget:
+            break
     return out
 
 
