@@ -478,6 +478,26 @@ def _tight_spots(graph: Graph, timeline: Timeline, budget: int) -> list[tuple[st
     return [w for w in dict.fromkeys(where(e) for e in picks) if w is not None]
 
 
+# How many new instants (or the forward's steps) a round of `instant_solve` and `lowest_peak` adds.
+SPOTS_PER_ROUND = 1
+
+
+def _next_spots(graph: Graph, new, budget: int, instants: list[int], forward_steps: list[int],
+                most: int) -> list[tuple[str, int]]:
+    """Where to model next: where the latest plans are worst (above the budget, or tightest), the
+    lowest-peak plan's first; past what is modelled already, another plan's (the one compressing
+    what the solution compresses may be worst elsewhere). At most ``most``."""
+    out: list[tuple[str, int]] = []
+    for _, t in sorted(new, key=lambda p: p[1].peak_bytes):
+        for w in _tight_spots(graph, t, budget):
+            fresh = w[1] not in instants if w[0] == "backward" else not forward_steps
+            if fresh and w not in out and (w[0] == "backward" or all(o[0] == "backward" for o in out)):
+                out.append(w)
+            if len(out) == most:
+                return out
+    return out
+
+
 def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple], budget: int | None = None
                      ) -> list[tuple[Schedule, Timeline]]:
     """The plans a solution ``x`` suggests, simulated (those in ``tried`` skipped, the others added
@@ -581,13 +601,11 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
         # Model the instant where the latest plans are worst (above the budget, or tightest), the
         # lowest-peak plan's first; where that instant is modelled already, another plan's (the one
         # compressing what the solution compresses may be worst elsewhere).
-        wheres = (w for _, t in sorted(new, key=lambda p: p[1].peak_bytes) for w in _tight_spots(graph, t, budget))
-        where = next((w for w in wheres if (w[1] not in instants if w[0] == "backward" else not forward_steps)), None)
-        if where is None:
+        spots = _next_spots(graph, new, budget, instants, forward_steps, SPOTS_PER_ROUND)
+        if not spots:
             break
-        if where[0] == "backward":
-            instants.append(where[1])
-        else:
+        instants += [k for phase, k in spots if phase == "backward"]
+        if any(phase == "forward" for phase, _ in spots):
             # The forward's rows are over the SAVE decisions only and cheap: add every step once.
             forward_steps = list(range(len(prog.order)))
     return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
@@ -642,13 +660,11 @@ def lowest_peak(graph: Graph, *, time_limit: float = 10.0, mip_solver: str | Non
         plans += new
         if not new or min(t.peak_bytes for _, t in plans) <= floor:
             break
-        wheres = (w for _, t in sorted(new, key=lambda p: p[1].peak_bytes) for w in _tight_spots(graph, t, target))
-        where = next((w for w in wheres if (w[1] not in instants if w[0] == "backward" else not forward_steps)), None)
-        if where is None:
+        spots = _next_spots(graph, new, target, instants, forward_steps, SPOTS_PER_ROUND)
+        if not spots:
             break
-        if where[0] == "backward":
-            instants.append(where[1])
-        else:
+        instants += [k for phase, k in spots if phase == "backward"]
+        if any(phase == "forward" for phase, _ in spots):
             forward_steps = list(range(len(prog.order)))
     return LowestPeak(floor, tuple(plans), tuple(instants), time.perf_counter() - t0)
 
