@@ -84,8 +84,10 @@ def test_plans_at_first_call_and_replans_for_new_shapes():
     assert optimized.plan is None
     step(optimized, inputs)
     assert len(optimized.plans) == 1
+    optimized.zero_grad()
     step(optimized, inputs)
     assert len(optimized.plans) == 1  # same shape: no re-plan
+    optimized.zero_grad()
     step(optimized, (torch.randn(1024, 64),))
     assert len(optimized.plans) == 2
     assert optimized.plans[1].eager_peak_bytes < optimized.plans[0].eager_peak_bytes
