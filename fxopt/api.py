@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,6 +111,28 @@ def _run_compiled(compiled, args, kwargs, compiler: str = "eager"):
         raise
 
 
+class _WithTheOriginalsSignature:
+    """`FxoptModule.forward` as an instance sees it: the method, carrying the original model's
+    signature, so that code inspecting ``model.forward`` finds the model's arguments (HF's
+    ``Trainer`` drops every dataset column that ``forward`` does not name)."""
+
+    def __init__(self, method: Callable):
+        self.method = method
+        functools.update_wrapper(self, method)
+
+    def __get__(self, obj: FxoptModule | None, cls=None):
+        if obj is None:
+            return self.method
+        bound = functools.partial(self.method, obj)
+        if "_signature" not in obj.__dict__:
+            try:
+                obj.__dict__["_signature"] = inspect.signature(obj.original.forward)
+            except (TypeError, ValueError):  # a forward inspect cannot read: keep (*args, **kwargs)
+                obj.__dict__["_signature"] = inspect.signature(bound)
+        bound.__signature__ = obj.__dict__["_signature"]
+        return bound
+
+
 class FxoptModule(nn.Module):
     """A model whose training step fxopt plans and rewrites. Used like the original: it shares
     the original's parameters, buffers and submodules (and so its ``state_dict``); forward,
@@ -167,6 +191,7 @@ class FxoptModule(nn.Module):
     def original(self) -> nn.Module:
         return self._model
 
+    @_WithTheOriginalsSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         held = sum(storages([p.grad for p in self._model.parameters() if p.grad is not None]).values())
         backend, compiled = self._step_for(held)
