@@ -546,7 +546,11 @@ def _next_spots(graph: Graph, new, budget: int, instants: list[int], forward_ste
     what the solution compresses may be worst elsewhere). At most ``most``."""
     out: list[tuple[str, int]] = []
     for _, t in sorted(new, key=lambda p: p[1].peak_bytes):
-        for w in _tight_spots(graph, t, budget):
+        spots = _tight_spots(graph, t, budget)
+        # A plan worst at an instant modelled already is worst while recomputing for it (the
+        # program does not see that moment): the instant before may make it let go of more.
+        spots += [("backward", k - 1) for phase, k in spots if phase == "backward" and k in instants and k > 0]
+        for w in spots:
             fresh = w[1] not in instants if w[0] == "backward" else not forward_steps
             if fresh and w not in out and (w[0] == "backward" or all(o[0] == "backward" for o in out)):
                 out.append(w)
