@@ -62,12 +62,12 @@ LOWEST_PEAK_SLACK = 0.002
 
 # Share of the search for the smallest budget given to the instant program's lowest peak (its
 # floor, and plans near it) before the ILP's.
-LOWEST_PEAK_TIME_SHARE = 0.5
+LOWEST_PEAK_TIME_SHARE = 0.4
 
 # Share of the remaining time that the search for the smallest budget (when nothing fits) may
-# spend in the ILP. Its roundings and first incumbents give the lowest peaks it finds on the zoo
-# within a second; the rest is left for planning without the codecs.
-MIN_BUDGET_TIME_SHARE = 0.6
+# spend in the instant program's and the ILP's lowest peaks (searched once per graph and
+# process); the rest is left for planning without the codecs.
+MIN_BUDGET_TIME_SHARE = 0.8
 
 
 class SolverTimeoutWarning(UserWarning):
