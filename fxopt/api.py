@@ -15,6 +15,7 @@ from fxopt.analysis.codecs import Quantize
 from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
 from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
+from fxopt.distributed import data_parallel
 from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
 from fxopt.planner import Options
 from fxopt.solvers import DEFAULT_TIME_LIMIT
@@ -34,7 +35,9 @@ def _check_model(model: Any) -> None:
 @contextlib.contextmanager
 def _dynamo_settings():
     cfg = torch._dynamo.config
-    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT)}
+    # Dynamo's DDP optimizer would split the step at DDP's bucket boundaries: fxopt plans it whole
+    # (see fxopt.distributed.data_parallel).
+    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT), "optimize_ddp": False}
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         patch["fail_on_recompile_limit_hit"] = True
     with cfg.patch(**patch), logging_switches():
@@ -129,13 +132,21 @@ class FxoptModule(nn.Module):
             def both(plan):
                 on_plan(plan)
                 self.plans.append(plan)
-            # A whole step counts the parameters and buffers it does not read; a piece's reserve
-            # counts everything it does not take (see fxopt.capture.pieces).
-            return make_backend(dataclasses.replace(options, budget=budget), both, resident=model if whole else None)
+            # A whole step counts the parameters and buffers it does not read, and what DDP holds;
+            # a piece's reserve counts everything it does not take (see fxopt.capture.pieces).
+            held = backend.step.held if backend.step is not None else 0
+            return make_backend(dataclasses.replace(options, budget=budget), both,
+                                resident=model if whole else None, held_bytes=held if whole else 0)
 
         backend = PiecewiseBackend(options.budget, piece_backend, graph_breaks)
         self.__dict__["_backend"] = backend
-        self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=graph_breaks == "error",
+        # fxopt.optimize(DDP(model)): DDP's forward runs as it is, its call of the model runs the
+        # compiled step (see fxopt.distributed.data_parallel).
+        target = model
+        if data_parallel.is_ddp(model):
+            data_parallel.check_ddp(model)
+            target = data_parallel.module_call(model.module)
+        self.__dict__["_compiled"] = torch.compile(target, backend=backend, fullgraph=graph_breaks == "error",
                                                    dynamic=False)
         self.training = model.training
 
@@ -150,9 +161,18 @@ class FxoptModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         backend = self._backend
-        backend.step = Step.start(self._model, [args, kwargs])
+        model = self._model
+        ddp = model if data_parallel.is_ddp(model) else data_parallel.running_ddp(self)
+        if ddp is not None:
+            data_parallel.check_ddp(ddp)
+        held = data_parallel.bucket_bytes(ddp) if ddp is not None else 0
+        backend.step = Step.start(model, [args, kwargs], held=held)
         try:
-            out = _run_compiled(self._compiled, args, kwargs, self._options.compiler)
+            if ddp is model:
+                with data_parallel.routed(model.module, self._compiled):
+                    out = _run_compiled(model, args, kwargs, self._options.compiler)
+            else:
+                out = _run_compiled(self._compiled, args, kwargs, self._options.compiler)
             pieces = len(backend.step.pieces)
         finally:
             backend.step = None
@@ -279,7 +299,11 @@ def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[
     ``.backward``."""
     _check_model(model)
     options = Options(budget=budget, **options)
-    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model)
+    held = 0
+    if data_parallel.is_ddp(model):  # the step DDP runs, with DDP's buckets beside it
+        data_parallel.check_ddp(model)
+        held, model = data_parallel.bucket_bytes(model), model.module
+    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:

@@ -10,7 +10,9 @@ also holds:
     the other pieces, the user's inputs it does not read;
   - what earlier pieces left alive after their forward: their SAVEd values (as their plans keep
     them) and the outputs they returned, unless piece k takes them as inputs;
-  - in its backward, the gradients of parameters that later pieces have already produced.
+  - in its backward, the gradients of parameters that later pieces have already produced;
+  - what holds memory through the step beside the model's tensors: DDP's gradient buckets
+    (`fxopt.distributed.data_parallel`).
 
 fxopt plans piece k against ``budget − reserve_k``, the sum of the above, so that the peak of
 every piece, counted with everything else alive, is within the budget:
@@ -73,16 +75,17 @@ class Step:
     resident: dict[StorageKey, int]  # storage -> bytes: parameters, buffers, inputs, grads
     trainable: dict[StorageKey, int]  # storage of a parameter that requires grad -> bytes of its gradient
     shared: frozenset[StorageKey]  # trainable parameters registered under several names (tied weights)
+    held: int = 0  # alive through the step, seen by no tensor of the model (DDP's gradient buckets)
     pieces: list[Piece] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def start(cls, model: nn.Module, args: Iterable[Any]) -> Step:
+    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0) -> Step:
         resident = storages([model, *args], grads=True)
         trainable = {storage_key(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad}
         names: dict[StorageKey, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             names[storage_key(p)] = names.get(storage_key(p), 0) + 1
-        return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1))
+        return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1), held)
 
     def reserve(self, inputs: frozenset[StorageKey]) -> int:
         """Bytes alive beside a piece taking ``inputs``, at any time while it runs."""
@@ -100,9 +103,9 @@ class Step:
         # later piece may also use and accumulate into first.
         later_grads = sum(n for ptr, n in self.trainable.items()
                           if ptr not in seen or (ptr in inputs and ptr in self.shared))
-        log.debug("fxopt: reserve beside a piece: %d other resident, %d from earlier pieces, %d later gradients",
-                  others, earlier, later_grads)
-        return others + earlier + later_grads
+        log.debug("fxopt: reserve beside a piece: %d other resident, %d from earlier pieces, %d later gradients, "
+                  "%d held", others, earlier, later_grads, self.held)
+        return others + earlier + later_grads + self.held
 
 
 def _bytes(budget: Any) -> int | None:
