@@ -14,9 +14,9 @@ from fxopt.analysis import CostModel
 from fxopt.analysis.codecs import Quantize
 from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
-from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
+from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, budget_bytes as _budget_bytes
 from fxopt.distributed import data_parallel
-from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
+from fxopt.errors import BudgetError, CaptureError, FxoptError, GraphBreakError, check_choice
 from fxopt.planner import Options
 from fxopt.solvers import DEFAULT_TIME_LIMIT
 from fxopt.solvers.plan import Plan
@@ -148,6 +148,18 @@ class FxoptModule(nn.Module):
             target = data_parallel.module_call(model.module)
         self.__dict__["_compiled"] = torch.compile(target, backend=backend, fullgraph=graph_breaks == "error",
                                                    dynamic=False)
+        # An FSDP2 model: planned block by block; the submodules between its units compiled too.
+        units = data_parallel.fsdp_units(model)
+        if units:
+            data_parallel.check_fsdp(units, graph_breaks)
+            if _budget_bytes(options.budget) is None:
+                raise BudgetError(
+                    f"fxopt plans an FSDP2 step piece by piece (FSDP's hooks run between the pieces) and needs "
+                    f"the budget in bytes, not {options.budget!r}: the step's eager peak is not known until every "
+                    "piece has run. Pass bytes or a size such as '2GiB'.")
+        eager = data_parallel.eager_modules(model, units) if units else []
+        self.__dict__["_fsdp"] = (units, eager, [
+            torch.compile(data_parallel.module_call(m), backend=backend, dynamic=False) for m in eager])
         self.training = model.training
 
     @property
@@ -165,17 +177,23 @@ class FxoptModule(nn.Module):
         ddp = model if data_parallel.is_ddp(model) else data_parallel.running_ddp(self)
         if ddp is not None:
             data_parallel.check_ddp(ddp)
+        units, eager, calls = self._fsdp
         held = data_parallel.bucket_bytes(ddp) if ddp is not None else 0
-        backend.step = Step.start(model, [args, kwargs], held=held)
+        if units:
+            held += data_parallel.fsdp_held_bytes(units)
+        backend.step = Step.start(model, [args, kwargs], held=held, every_graph_a_piece=bool(units))
         try:
-            if ddp is model:
-                with data_parallel.routed(model.module, self._compiled):
-                    out = _run_compiled(model, args, kwargs, self._options.compiler)
-            else:
-                out = _run_compiled(self._compiled, args, kwargs, self._options.compiler)
+            with data_parallel.routes(eager, calls):
+                if ddp is model:
+                    with data_parallel.routed(model.module, self._compiled):
+                        out = _run_compiled(model, args, kwargs, self._options.compiler)
+                else:
+                    out = _run_compiled(self._compiled, args, kwargs, self._options.compiler)
             pieces = len(backend.step.pieces)
         finally:
             backend.step = None
+        if units and torch.is_grad_enabled():
+            data_parallel.check_planned(out)
         if not pieces and torch.is_grad_enabled() and any(
                 t.requires_grad for t in tensors_in(out)):
             raise CaptureError(
@@ -299,6 +317,10 @@ def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[
     ``.backward``."""
     _check_model(model)
     options = Options(budget=budget, **options)
+    if data_parallel.fsdp_units(model):
+        raise GraphBreakError(
+            "an FSDP2 model's step is not one graph (FSDP's hooks run between its blocks), so fxopt plans it "
+            "block by block as it runs: use fxopt.optimize(model, budget) and read its .plans after the first step")
     held = 0
     if data_parallel.is_ddp(model):  # the step DDP runs, with DDP's buckets beside it
         data_parallel.check_ddp(model)

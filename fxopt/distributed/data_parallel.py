@@ -33,13 +33,15 @@ communication hooks (``register_comm_hook``: they allocate what fxopt cannot see
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from fxopt.errors import CaptureError
-from fxopt.storage import storage_bytes, storage_key
+from fxopt.storage import storage_bytes, storage_key, tensors_in
 
 
 def _ddp_class() -> type | None:
@@ -135,3 +137,139 @@ def routed(module: nn.Module, compiled_call):
         yield
     finally:
         module._compiled_call_impl = previous
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+
+
+def _fsdp_module_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` made FSDP2 units, in module order."""
+    cls = _fsdp_module_class()
+    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
+
+
+def _managed(unit: nn.Module, units: list[nn.Module]) -> list[torch.Tensor]:
+    """The parameters FSDP2 shards for ``unit``: its own, not those of units inside it."""
+    inner = {id(p) for u in units if u is not unit and any(u is m for m in unit.modules()) for p in u.parameters()}
+    return [p for p in unit.parameters() if id(p) not in inner]
+
+
+def unsharded_bytes(unit: nn.Module, units: list[nn.Module]) -> int:
+    """Bytes of ``unit``'s parameters gathered whole, as FSDP2 all-gathers them (each padded to
+    a multiple of the world size along the dimension it shards)."""
+    total = 0
+    for p in _managed(unit, units):
+        world = p.device_mesh.size() if hasattr(p, "device_mesh") else 1
+        rows = math.ceil(p.shape[0] / world) * world if p.dim() else 1
+        total += rows * (p.numel() // max(1, p.shape[0] if p.dim() else 1)) * p.element_size()
+    return total
+
+
+def check_fsdp(units: list[nn.Module], graph_breaks: str) -> None:
+    """Refuse FSDP2 settings whose memory fxopt does not count (see the module docstring)."""
+    if graph_breaks == "error":
+        raise CaptureError(
+            "an FSDP2 model's step is always captured in pieces (FSDP's hooks run between them, outside "
+            "any graph), and graph_breaks='error' refuses pieces: use graph_breaks='split' (the default)")
+    for unit in units:
+        state = unit._get_fsdp_state()
+        mp = state._mp_policy
+        if mp.param_dtype is not None or mp.reduce_dtype is not None:
+            raise CaptureError(
+                "an FSDP2 unit has a MixedPrecisionPolicy with param_dtype/reduce_dtype: the casts it "
+                "allocates are not counted by fxopt yet; shard without it (torch.autocast inside the "
+                "model is supported)")
+        for group in state._fsdp_param_groups:
+            if type(group.offload_policy).__name__ != "OffloadPolicy":
+                raise CaptureError(
+                    "an FSDP2 unit offloads its parameters (CPUOffloadPolicy): fxopt does not count the "
+                    "host copies; shard without offload_policy")
+        for p in _managed(unit, units):
+            if getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim != 1:
+                raise CaptureError(
+                    "an FSDP2 unit shards over a mesh of several dimensions (HSDP); fxopt counts "
+                    "one-dimensional sharding only")
+
+
+def fsdp_held_bytes(units: list[nn.Module]) -> int:
+    """A bound on what FSDP2 holds beside a piece of the step that no parameter shows at the
+    moment the piece is planned:
+
+      - the all-gather outputs of the units it prefetches (one in the backward by default, or as
+        many as ``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch`` name);
+      - two buffers of the largest unit in flight (the last all-gather output, kept for the next
+        copy-in; a reduce-scatter input, kept until the next reduce-scatter; or one being filled
+        between two pieces) and a shard beside them (a reduce-scatter output);
+      - the gradients of the outermost units' parameters, whole: such a unit's forward takes no
+        input that requires grad (token ids), so FSDP reduce-scatters them only when the whole
+        backward is done, and they accumulate beside every later piece's backward.
+
+    The largest unit stands for every unit (a bound, not an estimate)."""
+    sizes = [unsharded_bytes(u, units) for u in units]
+    largest = max(sizes, default=0)
+    forward = max((len(u._get_fsdp_state()._states_to_forward_prefetch) for u in units), default=0)
+    backward = max((len(u._get_fsdp_state()._states_to_backward_prefetch) for u in units), default=0)
+    world = max((p.device_mesh.size() for u in units for p in _managed(u, units) if hasattr(p, "device_mesh")),
+                default=1)
+    outermost = [u for u in units if not any(v is not u and any(u is m for m in v.modules()) for v in units)]
+    root_grads = sum(unsharded_bytes(u, units) for u in outermost if any(p.requires_grad for p in _managed(u, units)))
+    return (forward + max(1, backward) + 2) * largest + math.ceil(largest / world) + root_grads
+
+
+def eager_modules(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The largest submodules of ``model`` that hold no FSDP2 unit, below those that do. A
+    forward that calls FSDP2 units in a loop is not compiled (Dynamo skips a frame with a graph
+    break inside a loop, and FSDP's hooks are graph breaks), so the submodules it calls would run
+    eagerly, outside any plan; fxopt compiles each of them (`routed`)."""
+    holding = {id(m) for u in units for m in model.modules() if any(u is x for x in m.modules())}
+    found, stack = [], [model]
+    while stack:
+        m = stack.pop()
+        for child in m.children():
+            (stack if id(child) in holding else found).append(child)
+    return found
+
+
+def routes(modules: list[nn.Module], calls: list[Callable]):
+    """`routed` for each module and its compiled call, together."""
+    stack = contextlib.ExitStack()
+    for module, call in zip(modules, calls):
+        stack.enter_context(routed(module, call))
+    return stack
+
+
+# Autograd nodes of a step whose every computation fxopt planned: its pieces, gradient
+# accumulation, FSDP's own hooks, and views (which allocate nothing).
+_PLANNED_NODES = ("CompiledFunctionBackward", "AccumulateGrad", "RegisterPostBackwardFunctionBackward",
+                  "BackwardHookFunctionBackward")
+
+
+def check_planned(output: Any) -> None:
+    """Refuse a step in which differentiable operations ran outside fxopt's pieces: their memory
+    (what autograd saves for them, their gradients) is in no plan."""
+    unplanned: dict[str, int] = {}
+    seen, stack = set(), [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if not (name.startswith(_PLANNED_NODES) or "View" in name or name.startswith("Alias")):
+            unplanned[name] = unplanned.get(name, 0) + 1
+        stack.extend(n for n, _ in node.next_functions)
+    if unplanned:
+        ops = ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in sorted(unplanned.items()))
+        raise CaptureError(
+            f"part of this FSDP2 step ran eagerly, outside fxopt's plans, so its memory is not bounded: {ops}. "
+            "It is code that a module runs itself between FSDP units (fxopt compiles the submodules it "
+            "calls, not its own operations, when Dynamo skips its frame): move those operations into a "
+            "submodule, or into the FSDP unit they feed.")
