@@ -181,7 +181,7 @@ class FxoptModule(nn.Module):
         held = data_parallel.bucket_bytes(ddp) if ddp is not None else 0
         if units:
             held += data_parallel.fsdp_held_bytes(units)
-        backend.step = Step.start(model, [args, kwargs], held=held, every_graph_a_piece=bool(units))
+        step = backend.step = Step.start(model, [args, kwargs], held=held, every_graph_a_piece=bool(units))
         try:
             with data_parallel.routes(eager, calls):
                 if ddp is model:
@@ -189,11 +189,11 @@ class FxoptModule(nn.Module):
                         out = _run_compiled(model, args, kwargs, self._options.compiler)
                 else:
                     out = _run_compiled(self._compiled, args, kwargs, self._options.compiler)
-            pieces = len(backend.step.pieces)
+            pieces = sum(p.plan is not None for p in step.pieces)
         finally:
             backend.step = None
         if units and torch.is_grad_enabled():
-            data_parallel.check_planned(out)
+            data_parallel.check_planned(out, step.counted())
         if not pieces and torch.is_grad_enabled() and any(
                 t.requires_grad for t in tensors_in(out)):
             raise CaptureError(

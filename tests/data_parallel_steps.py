@@ -83,9 +83,13 @@ def _reference(model, inputs):
     return loss.detach(), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
 
-def _check_and_measure(wrapped, model, inputs, rank, world, plan_of) -> dict:
+def _grads(model):
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_and_measure(wrapped, model, inputs, reference, rank, world, plan_of, grads=_grads) -> dict:
     """Three steps of ``wrapped`` on this rank's share; the reference checks; the third measured."""
-    ref_loss, ref_grads = _reference(model, inputs)
+    ref_loss, ref_grads = reference
     share = _share(inputs, rank, world)
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -95,7 +99,7 @@ def _check_and_measure(wrapped, model, inputs, rank, world, plan_of) -> dict:
     loss = peak.result.detach().clone()
     dist.all_reduce(loss)
     torch.testing.assert_close(loss / world, ref_loss)
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = grads(model)
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], msg=lambda m: f"gradient of {name}: {m}")
@@ -113,6 +117,7 @@ def ddp(rank: int, world: int) -> dict:
     for name, build in MODELS.items():
         for order in ("inner", "outer"):
             model, inputs = build()
+            reference = _reference(model, inputs)
             if order == "inner":
                 optimized = fxopt.optimize(model, BUDGET[name])
                 wrapped = DDP(optimized)
@@ -122,14 +127,48 @@ def ddp(rank: int, world: int) -> dict:
                 ddp_module = DDP(model)
                 wrapped = fxopt.optimize(ddp_module, BUDGET[name])
                 plans = lambda: wrapped.plans  # noqa: E731
-            result = _check_and_measure(wrapped, model, inputs, rank, world, plans)
+            result = _check_and_measure(wrapped, model, inputs, reference, rank, world, plans)
             result["buckets"] = bucket_bytes(ddp_module)
             out[f"{name}/{order}"] = result
     return out
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks a user shards with ``fully_shard`` one by one."""
+    hf = model.hf
+    return list(hf.transformer.h) if hasattr(hf, "transformer") else list(hf.convnext.encoder.stages)
+
+
+def shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _full_grads(model):
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def fsdp(rank: int, world: int) -> dict:
+    """fxopt.optimize of a model sharded with fully_shard per block (and at the root)."""
+    out = {}
+    for name, build in MODELS.items():
+        model, inputs = build()
+        reference = _reference(model, inputs)
+        shard(model)
+        optimized = fxopt.optimize(model, FSDP_BUDGET[name])
+        result = _check_and_measure(optimized, model, inputs, reference, rank, world, lambda: optimized.plans,
+                                    grads=_full_grads)
+        out[name] = result
+    return out
+
+
 BUDGET = {"gpt2": 0.6, "convnext": 0.8}
-CONFIGS = {"ddp": ddp}
+FSDP_BUDGET = {"gpt2": int(os.environ.get("FSDP_GPT2", 3_000_000)), "convnext": int(os.environ.get("FSDP_CNN", 3_000_000))}
+CONFIGS = {"ddp": ddp, "fsdp": fsdp}
 
 
 def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None:

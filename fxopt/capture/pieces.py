@@ -62,7 +62,7 @@ class GraphBreakWarning(UserWarning):
 class Piece:
     """A piece whose forward ran in the current step."""
 
-    plan: Plan
+    plan: Plan | None  # None: no backward (nothing kept for one; its outputs still count)
     inputs: frozenset[StorageKey]  # storages of the real tensors it takes
     saved_bytes: int  # what its forward keeps for its backward (as the plan keeps it)
     outputs: dict[StorageKey, int]  # storage -> bytes of the tensors its forward returned in this step
@@ -90,6 +90,14 @@ class Step:
             names[storage_key(local(p))] = names.get(storage_key(local(p)), 0) + 1
         return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1), model, held,
                    every_graph_a_piece)
+
+    def counted(self) -> set[StorageKey]:
+        """The storages every reserve from now on counts: resident, held by the model now, or
+        returned by a piece so far."""
+        out = set(self.resident) | set(storages(self.model) if self.model is not None else {})
+        for p in self.pieces:
+            out |= set(p.outputs)
+        return out
 
     def reserve(self, inputs: frozenset[StorageKey]) -> int:
         """Bytes alive beside a piece taking ``inputs``, at any time while it runs."""
@@ -160,7 +168,8 @@ class PiecewiseBackend:
         where = break_location(gm)
         in_pieces = where is not None or bool(self.step and (self.step.pieces or self.step.every_graph_a_piece))
         if not in_pieces:  # the whole step in one graph
-            return self._compile(gm, example_inputs, self.budget, reserve=0, whole=True)[0]
+            compiled, plan = self._compile(gm, example_inputs, self.budget, reserve=0, whole=True)
+            return self._recorded(lambda args, inputs: (compiled, plan))
         if self.graph_breaks == "error":
             raise CaptureError(
                 f"torch.compile split this training step at a graph break at {where or 'an earlier piece'}; "
@@ -175,7 +184,9 @@ class PiecewiseBackend:
                 f"so fxopt plans it piece by piece and needs the budget in bytes, not {self.budget!r}: the "
                 "step's eager peak is not known until every piece has run. Pass bytes or a size such as '2GiB'."
             )
-        if where is not None and where not in self.warned:
+        # FSDP2's hooks split its step by design (fxopt.distributed.data_parallel): no warning for those.
+        fsdp_hook = where is not None and "torch/distributed/fsdp" in where.replace("\\", "/")
+        if where is not None and where not in self.warned and not fsdp_hook:
             self.warned.add(where)
             message = (f"torch.compile split this training step at a graph break at {where}; fxopt plans "
                        "the pieces in order, each within what the budget leaves beside the others")
@@ -203,13 +214,17 @@ class PiecewiseBackend:
             return variants[reserve]
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
+        return self._recorded(variant)
 
+    def _recorded(self, variant: Callable):
+        """Run the compiled graph ``variant(args, inputs)`` gives, and record it in the step."""
         def run(*args):
             inputs = frozenset(storages(list(args)))
             compiled, plan = variant(args, inputs)
             outputs = compiled(*args)
-            if self.step is not None and plan is not None:  # no plan: no backward, nothing held for one
-                self.step.pieces.append(Piece(plan, inputs, plan.timeline().saved_bytes, storages(outputs)))
+            if self.step is not None:
+                saved = plan.timeline().saved_bytes if plan is not None else 0
+                self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs)))
             return outputs
 
         return run

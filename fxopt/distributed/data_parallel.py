@@ -247,14 +247,28 @@ def routes(modules: list[nn.Module], calls: list[Callable]):
 
 
 # Autograd nodes of a step whose every computation fxopt planned: its pieces, gradient
-# accumulation, FSDP's own hooks, and views (which allocate nothing).
+# accumulation, FSDP's own hooks.
 _PLANNED_NODES = ("CompiledFunctionBackward", "AccumulateGrad", "RegisterPostBackwardFunctionBackward",
                   "BackwardHookFunctionBackward")
 
 
-def check_planned(output: Any) -> None:
-    """Refuse a step in which differentiable operations ran outside fxopt's pieces: their memory
-    (what autograd saves for them, their gradients) is in no plan."""
+def _kept_tensors(node) -> list[torch.Tensor]:
+    """The tensors autograd keeps for ``node``'s backward."""
+    kept = []
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            value = getattr(node, name)
+            kept.extend(v for v in (value if isinstance(value, (list, tuple)) else [value])
+                        if isinstance(v, torch.Tensor))
+    return kept
+
+
+def check_planned(output: Any, counted: set) -> None:
+    """Refuse a step in which an operation ran outside fxopt's pieces and keeps, for its
+    backward, a tensor no plan or reserve counts (``counted``: the storages that are, resident or
+    returned by a piece). An operation that keeps nothing of its own (an add, a view: glue between
+    blocks that Dynamo left to run eagerly) costs only its output, which the pieces that take it
+    count."""
     unplanned: dict[str, int] = {}
     seen, stack = set(), [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
     while stack:
@@ -263,13 +277,14 @@ def check_planned(output: Any) -> None:
             continue
         seen.add(node)
         name = type(node).__name__
-        if not (name.startswith(_PLANNED_NODES) or "View" in name or name.startswith("Alias")):
+        if not name.startswith(_PLANNED_NODES) and any(storage_key(t) not in counted for t in _kept_tensors(node)):
             unplanned[name] = unplanned.get(name, 0) + 1
         stack.extend(n for n, _ in node.next_functions)
     if unplanned:
         ops = ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in sorted(unplanned.items()))
         raise CaptureError(
-            f"part of this FSDP2 step ran eagerly, outside fxopt's plans, so its memory is not bounded: {ops}. "
-            "It is code that a module runs itself between FSDP units (fxopt compiles the submodules it "
-            "calls, not its own operations, when Dynamo skips its frame): move those operations into a "
-            "submodule, or into the FSDP unit they feed.")
+            f"part of this FSDP2 step ran eagerly, outside fxopt's plans, and keeps tensors for its backward "
+            f"that no plan counts: {ops}. It is code a module runs itself between FSDP units, in a forward "
+            "that Dynamo skips (FSDP's hooks are graph breaks, and a graph break inside a loop skips the "
+            "frame; fxopt compiles the submodules such a forward calls, not its own operations): move those "
+            "operations into a submodule, or into the FSDP unit they feed.")
