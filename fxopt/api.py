@@ -128,14 +128,14 @@ class FxoptModule(nn.Module):
         self.__dict__["_options"] = options
         self.__dict__["plans"] = []
 
-        def piece_backend(budget, on_plan, whole):
+        def piece_backend(budget, on_plan, whole, share):
             def both(plan):
                 on_plan(plan)
                 self.plans.append(plan)
             # A whole step counts the parameters and buffers it does not read, and what DDP holds;
             # a piece's reserve counts everything it does not take (see fxopt.capture.pieces).
             held = backend.step.held if backend.step is not None else 0
-            return make_backend(dataclasses.replace(options, budget=budget), both,
+            return make_backend(dataclasses.replace(options, budget=budget, slack_share=share), both,
                                 resident=model if whole else None, held_bytes=held if whole else 0)
 
         backend = PiecewiseBackend(options.budget, piece_backend, graph_breaks)
@@ -168,6 +168,13 @@ class FxoptModule(nn.Module):
         return self.plans[-1] if self.plans else self._options.plan
 
     @property
+    def peak_bound_bytes(self) -> int | None:
+        """The most the plans made so far let the step hold at once: the largest, over the plans, of
+        what the rest of the step holds beside the piece (nothing for a whole step) plus the
+        piece's predicted peak; at most the budget. None before a plan is made."""
+        return max(self._backend.bounds, default=None)
+
+    @property
     def original(self) -> nn.Module:
         return self._model
 
@@ -181,7 +188,8 @@ class FxoptModule(nn.Module):
         held = data_parallel.bucket_bytes(ddp) if ddp is not None else 0
         if units:
             held += data_parallel.fsdp_held_bytes(units)
-        step = backend.step = Step.start(model, [args, kwargs], held=held, every_graph_a_piece=bool(units))
+        step = backend.step = Step.start(model, [args, kwargs], held=held, every_graph_a_piece=bool(units),
+                                         blocks_to_come=(lambda: data_parallel.units_to_come(units)) if units else None)
         try:
             with data_parallel.routes(eager, calls):
                 if ddp is model:

@@ -78,10 +78,14 @@ class Step:
     model: nn.Module | None = None
     held: int = 0  # alive beside every piece, seen by no tensor of the model (DDP's buckets, FSDP2's buffers)
     every_graph_a_piece: bool = False  # no graph is the whole step (FSDP2: its hooks run between graphs)
+    # The blocks still to run their forward, each as the storages of its parameters (FSDP2's
+    # units, sharded), or None where not known.
+    blocks_to_come: Callable[[], list[set[StorageKey]]] | None = None
     pieces: list[Piece] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, every_graph_a_piece: bool = False) -> Step:
+    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, every_graph_a_piece: bool = False,
+              blocks_to_come: Callable[[], list[set[StorageKey]]] | None = None) -> Step:
         resident = storages([model, *args], grads=True)
         trainable = {storage_key(local(p)): local(p).numel() * p.element_size() for p in model.parameters()
                      if p.requires_grad}
@@ -89,7 +93,13 @@ class Step:
         for _, p in model.named_parameters(remove_duplicate=False):
             names[storage_key(local(p))] = names.get(storage_key(local(p)), 0) + 1
         return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1), model, held,
-                   every_graph_a_piece)
+                   every_graph_a_piece, blocks_to_come)
+
+    def slack_share(self) -> float:
+        """The share of the budget above a piece's lowest peak that it may use: all of it where the
+        pieces to come are not known; else an even share with each block to come and the code
+        after them (a block planned first must not save what the later ones need)."""
+        return 1.0 if self.blocks_to_come is None else 1.0 / (2 + len(self.blocks_to_come()))
 
     def counted(self) -> set[StorageKey]:
         """The storages every reserve from now on counts: resident, held by the model now, or
@@ -118,9 +128,14 @@ class Step:
         seen = inputs.union(*(p.inputs for p in self.pieces)) if self.pieces else inputs
         # Gradients that later pieces' backwards produce before this piece's backward runs: those
         # of the parameters no piece so far takes, and of this piece's tied parameters, which a
-        # later piece may also use and accumulate into first.
-        later_grads = sum(n for ptr, n in self.trainable.items()
-                          if ptr not in seen or (ptr in inputs and ptr in self.shared))
+        # later piece may also use and accumulate into first. Blocks that take their parameters
+        # gathered (FSDP2) are known by their shards instead: those of the blocks to come.
+        if self.blocks_to_come is not None:
+            later = set().union(*self.blocks_to_come())
+            later_grads = sum(n for ptr, n in self.trainable.items() if ptr in later)
+        else:
+            later_grads = sum(n for ptr, n in self.trainable.items()
+                              if ptr not in seen or (ptr in inputs and ptr in self.shared))
         log.debug("fxopt: reserve beside a piece: %d other resident, %d gathered parameters, %d from earlier "
                   "pieces, %d later gradients, %d held", others, gathered, earlier, later_grads, self.held)
         return others + gathered + earlier + later_grads + self.held
@@ -153,16 +168,17 @@ def break_location(gm: fx.GraphModule) -> str | None:
 class PiecewiseBackend:
     """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
     piece against the budget minus what the rest of the step holds (see the module docstring).
-    ``make_piece_backend(budget, on_plan, whole)`` builds the planning backend of one piece
-    (``whole``: the piece is the whole step)."""
+    ``make_piece_backend(budget, on_plan, whole, share)`` builds the planning backend of one piece
+    (``whole``: the piece is the whole step; ``share``: `Step.slack_share`)."""
 
-    def __init__(self, budget: Any, make_piece_backend: Callable[[Any, Callable[[Plan], None], bool], Callable],
+    def __init__(self, budget: Any, make_piece_backend: Callable[[Any, Callable[[Plan], None], bool, float], Callable],
                  graph_breaks: str):
         self.budget = budget
         self.make_piece_backend = make_piece_backend
         self.graph_breaks = graph_breaks
         self.step: Step | None = None
         self.warned: set[str] = set()
+        self.bounds: list[int] = []  # per plan made: the most the step holds while it runs
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         where = break_location(gm)
@@ -202,16 +218,17 @@ class PiecewiseBackend:
         split inside a loop every iteration), each time beside a different rest of the step. The
         plan for the first reserve is made now; one for another reserve, at the first run that
         meets it (with Dynamo off: the graph is compiled again outside Dynamo's own compile)."""
-        variants: dict[int, tuple[Callable, Plan | None]] = {}
+        variants: dict[tuple[int, float], tuple[Callable, Plan | None]] = {}
 
         def variant(args, inputs: frozenset[StorageKey]):
-            reserve = self.step.reserve(inputs) if self.step is not None else min(variants)
-            if reserve not in variants:
+            key = (self.step.reserve(inputs), self.step.slack_share()) if self.step is not None else min(variants)
+            if key not in variants:
+                reserve, share = key
                 log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
                          format_bytes(budget - reserve), format_bytes(reserve))
                 compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
-                variants[reserve] = compile_now(gm, args, budget - reserve, reserve)
-            return variants[reserve]
+                variants[key] = compile_now(gm, args, budget - reserve, reserve, share=share)
+            return variants[key]
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
         return self._recorded(variant)
@@ -229,7 +246,7 @@ class PiecewiseBackend:
 
         return run
 
-    def _compile(self, gm, example_inputs, budget, reserve: int, *, whole: bool = False):
+    def _compile(self, gm, example_inputs, budget, reserve: int, *, whole: bool = False, share: float = 1.0):
         """The compiled graph, and its plan (None without a backward)."""
         if reserve and budget <= 0:
             raise InfeasibleBudgetError(
@@ -238,7 +255,7 @@ class PiecewiseBackend:
                 "while this piece runs.")
         plans: list[Plan] = []
         try:
-            compiled = self.make_piece_backend(budget, plans.append, whole)(gm, example_inputs)
+            compiled = self.make_piece_backend(budget, plans.append, whole, share)(gm, example_inputs)
         except InfeasibleBudgetError as err:
             if not reserve:
                 raise
@@ -246,4 +263,6 @@ class PiecewiseBackend:
                 budget + reserve, err.min_budget + reserve,
                 f"The step is captured in pieces, and the rest of the step holds {format_bytes(reserve)} "
                 "while this piece runs.") from None
+        if plans:
+            self.bounds.append(reserve + plans[-1].peak_bytes)
         return compiled, (plans[-1] if plans else None)

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from fxopt.errors import CaptureError
-from fxopt.storage import storage_bytes, storage_key, tensors_in
+from fxopt.storage import local, storage_bytes, storage_key, tensors_in
 
 
 def _ddp_class() -> type | None:
@@ -200,28 +200,49 @@ def check_fsdp(units: list[nn.Module], graph_breaks: str) -> None:
 
 
 def fsdp_held_bytes(units: list[nn.Module]) -> int:
-    """A bound on what FSDP2 holds beside a piece of the step that no parameter shows at the
-    moment the piece is planned:
+    """A bound on what FSDP2 holds beside a piece of the step, or between two pieces, that no
+    parameter shows when the piece is planned (U: a unit's parameters gathered whole; blocks: the
+    units inside the outermost):
 
-      - the all-gather outputs of the units it prefetches (one in the backward by default, or as
-        many as ``set_modules_to_forward_prefetch``/``set_modules_to_backward_prefetch`` name);
-      - two buffers of the largest unit in flight (the last all-gather output, kept for the next
-        copy-in; a reduce-scatter input, kept until the next reduce-scatter; or one being filled
-        between two pieces) and a shard beside them (a reduce-scatter output);
+      - in the forward, the all-gather output of the unit that runs, kept for the next unit's
+        copy-in (U), with the next one's beside it in that unit's pre-forward hook, and those of
+        the units ``set_modules_to_forward_prefetch`` names (U each);
+      - in the backward, the all-gather output of the block it prefetches (one by default, or as
+        many as ``set_modules_to_backward_prefetch`` names), the reduce-scatter input it keeps
+        until the next reduce-scatter, and, in a block's post-backward hook, the one being filled
+        with a shard beside it (a reduce-scatter output);
       - the gradients of the outermost units' parameters, whole: such a unit's forward takes no
         input that requires grad (token ids), so FSDP reduce-scatters them only when the whole
         backward is done, and they accumulate beside every later piece's backward.
 
-    The largest unit stands for every unit (a bound, not an estimate)."""
-    sizes = [unsharded_bytes(u, units) for u in units]
-    largest = max(sizes, default=0)
+    The largest block (or unit) stands for every block (a bound, not an estimate)."""
+    outermost = [u for u in units if not any(v is not u and any(u is m for m in v.modules()) for v in units)]
+    blocks = [u for u in units if not any(u is v for v in outermost)]
+    largest_unit = max((unsharded_bytes(u, units) for u in units), default=0)
+    largest = max((unsharded_bytes(u, units) for u in blocks), default=0)
     forward = max((len(u._get_fsdp_state()._states_to_forward_prefetch) for u in units), default=0)
     backward = max((len(u._get_fsdp_state()._states_to_backward_prefetch) for u in units), default=0)
     world = max((p.device_mesh.size() for u in units for p in _managed(u, units) if hasattr(p, "device_mesh")),
                 default=1)
-    outermost = [u for u in units if not any(v is not u and any(u is m for m in v.modules()) for v in units)]
+    in_forward = (2 + forward) * largest_unit
+    in_backward = (max(1, backward) + 2) * largest + math.ceil(largest / world)
     root_grads = sum(unsharded_bytes(u, units) for u in outermost if any(p.requires_grad for p in _managed(u, units)))
-    return (forward + max(1, backward) + 2) * largest + math.ceil(largest / world) + root_grads
+    return max(in_forward, in_backward) + root_grads
+
+
+def units_to_come(units: list[nn.Module]) -> list[set]:
+    """The FSDP2 units that have not started their forward yet in this step (each will keep
+    activations for its backward beside what runs now, and its sharded gradients will exist
+    during the backward of what runs now), each as the storages of its sharded parameters."""
+    out = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        group = state._fsdp_param_group
+        if group is None or state._training_state.name == "FORWARD":
+            continue
+        if not any(g is group for g in group.comm_ctx.post_forward_order):
+            out.append({storage_key(local(p)) for p in _managed(unit, units)})
+    return out
 
 
 def eager_modules(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
