@@ -128,14 +128,14 @@ class FxoptModule(nn.Module):
         self.__dict__["_options"] = options
         self.__dict__["plans"] = []
 
-        def piece_backend(budget, on_plan, whole, share):
+        def piece_backend(budget, on_plan, whole):
             def both(plan):
                 on_plan(plan)
                 self.plans.append(plan)
             # A whole step counts the parameters and buffers it does not read, and what DDP holds;
             # a piece's reserve counts everything it does not take (see fxopt.capture.pieces).
             held = backend.step.held if backend.step is not None else 0
-            return make_backend(dataclasses.replace(options, budget=budget, slack_share=share), both,
+            return make_backend(dataclasses.replace(options, budget=budget), both,
                                 resident=model if whole else None, held_bytes=held if whole else 0)
 
         backend = PiecewiseBackend(options.budget, piece_backend, graph_breaks)

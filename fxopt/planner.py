@@ -68,10 +68,6 @@ class Options:
     # ``plan`` was made here from ``example_inputs``: a graph it does not fit (another input
     # shape, autocast on) is planned anew, as without example inputs, instead of refused.
     plan_from_examples: bool = False
-    # Plan within the lowest peak the heuristics reach plus this share of the budget above it
-    # (1: all of it). A piece of a step planned in order (`fxopt.capture.pieces`) leaves the rest
-    # to the pieces after it.
-    slack_share: float = 1.0
 
     def __post_init__(self):
         object.__setattr__(self, "quantize", resolve_quantize(self.quantize))
@@ -83,8 +79,6 @@ class Options:
         resolve_budget(self.budget, 1)  # an unreadable budget fails now, not at the first call
         if not self.time_limit > 0:
             raise ValueError(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
-        if not 0 < self.slack_share <= 1:
-            raise ValueError(f"slack_share must be in (0, 1], got {self.slack_share!r}")
 
 
     @property
@@ -167,9 +161,6 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
             return jg, options.plan
     eager = simulate(eager_graph, eager_schedule(eager_graph))
     budget = resolve_budget(options.budget, eager.peak_bytes)
-    if options.slack_share < 1:
-        floor = min_feasible_budget(jg.graph, options.solver, time_limit=options.time_limit, run_ilp=False)
-        budget = min(budget, floor + int(options.slack_share * max(0, budget - floor)))
     cache_key = cache.key(jg.graph, budget, options.solver, options.time_limit)
     cached = cache.load(cache_key)
     if cached is not None:

@@ -95,11 +95,6 @@ class Step:
         return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1), model, held,
                    every_graph_a_piece, blocks_to_come)
 
-    def slack_share(self) -> float:
-        """The share of the budget above a piece's lowest peak that it may use: all of it where the
-        pieces to come are not known; else an even share with each block to come and the code
-        after them (a block planned first must not save what the later ones need)."""
-        return 1.0 if self.blocks_to_come is None else 1.0 / (2 + len(self.blocks_to_come()))
 
     def counted(self) -> set[StorageKey]:
         """The storages every reserve from now on counts: resident, held by the model now, or
@@ -168,10 +163,10 @@ def break_location(gm: fx.GraphModule) -> str | None:
 class PiecewiseBackend:
     """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
     piece against the budget minus what the rest of the step holds (see the module docstring).
-    ``make_piece_backend(budget, on_plan, whole, share)`` builds the planning backend of one piece
-    (``whole``: the piece is the whole step; ``share``: `Step.slack_share`)."""
+    ``make_piece_backend(budget, on_plan, whole)`` builds the planning backend of one piece
+    (``whole``: the piece is the whole step)."""
 
-    def __init__(self, budget: Any, make_piece_backend: Callable[[Any, Callable[[Plan], None], bool, float], Callable],
+    def __init__(self, budget: Any, make_piece_backend: Callable[[Any, Callable[[Plan], None], bool], Callable],
                  graph_breaks: str):
         self.budget = budget
         self.make_piece_backend = make_piece_backend
@@ -218,17 +213,16 @@ class PiecewiseBackend:
         split inside a loop every iteration), each time beside a different rest of the step. The
         plan for the first reserve is made now; one for another reserve, at the first run that
         meets it (with Dynamo off: the graph is compiled again outside Dynamo's own compile)."""
-        variants: dict[tuple[int, float], tuple[Callable, Plan | None]] = {}
+        variants: dict[int, tuple[Callable, Plan | None]] = {}
 
         def variant(args, inputs: frozenset[StorageKey]):
-            key = (self.step.reserve(inputs), self.step.slack_share()) if self.step is not None else min(variants)
-            if key not in variants:
-                reserve, share = key
+            reserve = self.step.reserve(inputs) if self.step is not None else min(variants)
+            if reserve not in variants:
                 log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
                          format_bytes(budget - reserve), format_bytes(reserve))
                 compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
-                variants[key] = compile_now(gm, args, budget - reserve, reserve, share=share)
-            return variants[key]
+                variants[reserve] = compile_now(gm, args, budget - reserve, reserve)
+            return variants[reserve]
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
         return self._recorded(variant)
@@ -246,7 +240,7 @@ class PiecewiseBackend:
 
         return run
 
-    def _compile(self, gm, example_inputs, budget, reserve: int, *, whole: bool = False, share: float = 1.0):
+    def _compile(self, gm, example_inputs, budget, reserve: int, *, whole: bool = False):
         """The compiled graph, and its plan (None without a backward)."""
         if reserve and budget <= 0:
             raise InfeasibleBudgetError(
@@ -255,7 +249,7 @@ class PiecewiseBackend:
                 "while this piece runs.")
         plans: list[Plan] = []
         try:
-            compiled = self.make_piece_backend(budget, plans.append, whole, share)(gm, example_inputs)
+            compiled = self.make_piece_backend(budget, plans.append, whole)(gm, example_inputs)
         except InfeasibleBudgetError as err:
             if not reserve:
                 raise
