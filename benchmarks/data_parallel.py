@@ -10,9 +10,9 @@ per decoder layer and at the root) the rows are: eager; per-block checkpointing 
 layer's forward under ``torch.utils.checkpoint``, non-reentrant, as `benchmarks.harness`
 wraps it); fxopt with that checkpointing's measured per-rank peak as its budget, in bytes
 (``fxopt.optimize(DDP(model), budget)``; ``fxopt.optimize(sharded_model, budget)``); and, when
-fxopt cannot plan at that peak, fxopt at the smallest budget it can plan (the budget it names,
-tried again at most ``--retries`` times: a step in pieces names the budget of the piece that did
-not fit).
+fxopt cannot plan at that peak, fxopt at the smallest budget it names (tried again at most
+``--retries`` times: a step in pieces names the budget of the piece that did not fit, given what the
+pieces before it keep), and, if none fits, fxopt at eager's measured peak.
 
 Per row and rank: the measured peak (`fxopt.measure_peak` of the third step, with DDP's buckets
 counted on CPU; on CUDA ``max_memory_allocated``), the FLOPs of one step counted by
@@ -181,6 +181,9 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
         if not need:
             break
         row = attempt("fxopt@min", need)
+    if "peak_bytes" not in row and eager.get("peak_bytes"):
+        # No budget down there could be planned: fxopt at eager's peak, to show what it does there.
+        attempt("fxopt@eager", _agreed_max(eager["peak_bytes"], device))
     ref = eager.get("grads")
     for r in rows:
         _compare(r, eager, ref)
@@ -282,7 +285,8 @@ def report(data: dict[str, Any]) -> str:
         "counted over one step, above eager's. Step: the median step time, the largest over the ranks (CPU "
         "timings on a shared machine are noisy: see the load). Checkpointing: each decoder layer's forward under "
         "`torch.utils.checkpoint` (non-reentrant). fxopt@checkpoint: that row's measured peak as fxopt's budget, in "
-        "bytes; fxopt@min: the smallest budget fxopt named when that one did not fit. Ratio: fxopt's extra FLOPs / "
+        "bytes; fxopt@min: the smallest budget fxopt named when that one did not fit; fxopt@eager: eager's measured "
+        "peak as the budget, when no smaller one fitted. Ratio: fxopt's extra FLOPs / "
         "checkpointing's (target ≤ 0.5).",
         "",
         "| setting | method | budget MiB | per-rank peak MiB | extra GFLOP | ratio | step s | plans | grads equal | note |",
