@@ -136,7 +136,8 @@ def _plan_fields(fn) -> dict[str, Any]:
     return {"plans": len(plans), "peak_bound_bytes": fn.peak_bound_bytes,
             "recomputations": sum(sum(p.recomputed.values()) for p in plans),
             "predicted_extra_flops": sum(p.recompute_flops for p in plans),
-            "solve_s": round(sum(p.solve_seconds for p in plans), 1)}
+            "solve_s": round(sum(p.solve_seconds for p in plans), 1),
+            "statuses": sorted({f"{p.solver} {p.status}" for p in plans})}
 
 
 def run_setting(setting: str, args, rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
