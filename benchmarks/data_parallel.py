@@ -30,6 +30,7 @@ import shlex
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -329,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python -m benchmarks.data_parallel", *(shlex.quote(a) for a in (argv or []))])
+    argv = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.data_parallel", *(shlex.quote(a) for a in argv)])
     meta = run_meta(command)
     import transformers
 
