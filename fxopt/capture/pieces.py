@@ -258,7 +258,9 @@ class PiecewiseBackend:
             raise InfeasibleBudgetError(
                 budget + reserve, err.min_budget + reserve,
                 f"The step is captured in pieces, and the rest of the step holds {format_bytes(reserve)} "
-                "while this piece runs.") from None
+                "while this piece runs. The pieces before it were planned first, keeping what fitted beside "
+                "them; at a larger budget they may keep more, so the budget named is what this piece needs "
+                "beside them as planned now, not a promise for the step.") from None
         if plans:
             self.bounds.append(reserve + plans[-1].peak_bytes)
         return compiled, (plans[-1] if plans else None)
