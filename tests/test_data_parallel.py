@@ -108,3 +108,22 @@ def test_fsdp2_refusals(one_process_group):
     fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     with pytest.raises(fxopt.CaptureError, match="MixedPrecisionPolicy"):
         fxopt.optimize(mixed, "1MiB")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_on_nccl(tmp_path):
+    """The benchmark's GPU row: world size 1 on NCCL runs DDP's reducer and FSDP2's collectives on
+    the device; every fxopt row that plans is within its budget, with eager's gradients."""
+    import json
+
+    from benchmarks import data_parallel as bench
+
+    out = tmp_path / "gpu"
+    bench.main(["--size", "quick", "--device", "cuda", "--backend", "nccl", "--world", "1", "--time-limit", "2",
+                "--timed-steps", "1", "--retries", "1", "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    planned = [r for r in rows if r["method"].startswith("fxopt") and r.get("peak_bytes") is not None]
+    assert planned, rows
+    for r in planned:
+        assert r["peak_bytes"] <= r["budget_bytes"] and r["grads_equal"], r
