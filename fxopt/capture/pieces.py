@@ -95,7 +95,6 @@ class Step:
         return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1), model, held,
                    every_graph_a_piece, blocks_to_come)
 
-
     def counted(self) -> set[StorageKey]:
         """The storages every reserve from now on counts: resident, held by the model now, or
         returned by a piece so far."""

@@ -16,14 +16,19 @@ Gradients are reduced by DDP's own reducer: its hooks on the parameters' gradien
 fire as autograd accumulates each gradient the compiled backward returns. So the all-reduces start
 only after the whole backward has run: communication does not overlap the backward's compute
 (it overlaps only the accumulation of later gradients). That is the cost of one plan for the whole
-step; on a link fast enough to reduce every bucket in the optimizer's time it is small.
+step: the all-reduce time eager DDP would have hidden behind the backward.
 
 What DDP adds to the peak: its gradient buckets, one flat tensor per bucket, together as large as
 the gradients of the parameters it reduces, allocated when the DDP is built and alive through
 every step (also with ``gradient_as_bucket_view=True``, where the gradients are views of the
 buckets between steps, while the backward's fresh gradients are still allocated and copied in).
-fxopt counts them (`bucket_bytes`) as resident memory the step does not read; a step captured in
-pieces counts them in every piece's reserve (`fxopt.capture.pieces`).
+fxopt counts them (`held_bytes`: those the gradients are not views of, which the step's resident
+tensors show already) as resident memory the step does not read; a step captured in pieces counts
+them in every piece's reserve (`fxopt.capture.pieces`).
+
+FSDP2 (``fully_shard`` per block): see the functions below (`fsdp_units` onwards) and
+docs/multi-device.md: every graph of its step is a piece of `fxopt.capture.pieces`, planned beside
+the reserve that counts FSDP's shards, gathered parameters and buffers.
 
 Refused, with the reason: a DDP built for compiled autograd (``optimize_ddp="python_reducer"``),
 communication hooks (``register_comm_hook``: they allocate what fxopt cannot see), DDP's
