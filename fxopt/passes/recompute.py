@@ -51,11 +51,13 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
         raise CaptureError(f"unsupported inputs of the captured step: {other}")
 
     # What the backward reads from the forward: SAVEd values, and the inputs (parameters, user
-    # inputs) it or its recomputations use; inputs cost nothing, they are alive anyway.
+    # inputs) and forward outputs it or its recomputations use; those cost nothing, they are
+    # alive anyway (the caller holds the outputs, as the simulator counts them: a model that
+    # returns normalised embeddings, CLIP's, has its backward read them).
     # A SAVEd value counts only if the backward reads it before recomputing it: a saved tensor
     # nothing reads would stay alive for nothing.
     read = read_before_recompute(joint.graph, schedule.backward)
-    wanted = (set(schedule.saved) & read) | {
+    wanted = (set(schedule.saved) & read) | (read & joint.graph.forward_outputs) | {
         j for j in read if nodes[j].kind == "input" and not nodes[j].tangent
     }
     # Tensor constants (``get_attr``) are read from the module by each graph that needs them.
