@@ -14,7 +14,10 @@ from fxopt.analysis import CostModel
 from fxopt.analysis.codecs import Quantize
 from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
+from fxopt.buckets import Bucket, bucket_of
+from fxopt.capture.dynamic import DynamicState, make_dynamic_backend
 from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
+from fxopt.capture.shapes import DynamicDims, capture_settings, mark
 from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
 from fxopt.planner import Options
 from fxopt.solvers import DEFAULT_TIME_LIMIT
@@ -114,7 +117,8 @@ class FxoptModule(nn.Module):
     ``loss.backward()`` and ``optimizer.step()`` work as before. Each new input signature is
     captured and planned at its first call; ``plans`` holds every plan, ``plan`` the latest."""
 
-    def __init__(self, model: nn.Module, options: Options, graph_breaks: str = "split"):
+    def __init__(self, model: nn.Module, options: Options, graph_breaks: str = "split",
+                 dynamic: DynamicDims | None = None):
         super().__init__()
         check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
         # Share the original's state, so parameters(), state_dict() and .to() are the original's.
@@ -137,11 +141,20 @@ class FxoptModule(nn.Module):
         self.__dict__["_backend"] = backend
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=graph_breaks == "error",
                                                    dynamic=False)
+        self.__dict__["_dynamic"] = None if dynamic is None else DynamicRun(model, options, dynamic)
         self.training = model.training
 
     @property
+    def buckets(self) -> list[Bucket] | None:
+        """With ``dynamic=``: the shapes each plan is for, once planned (see `fxopt.buckets`)."""
+        return None if self._dynamic is None else self._dynamic.state.buckets
+
+    @property
     def plan(self) -> Plan | None:
-        """The latest plan: the one given or made at construction, then the latest made."""
+        """The latest plan: the one given or made at construction, then the latest made (with
+        ``dynamic=``: the plan for the largest shapes)."""
+        if self._dynamic is not None:
+            return self.buckets[-1].plan if self.buckets else None
         return self.plans[-1] if self.plans else self._options.plan
 
     @property
@@ -149,6 +162,8 @@ class FxoptModule(nn.Module):
         return self._model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._dynamic is not None:
+            return self._dynamic(args, kwargs)
         backend = self._backend
         backend.step = Step.start(self._model, [args, kwargs])
         try:
@@ -179,6 +194,51 @@ class FxoptModule(nn.Module):
         return f"budget={self._options.budget!r}, solver={self._options.solver!r}"
 
 
+class DynamicRun:
+    """The calls of a module planned for a range of shapes: each call runs the compiled graph of
+    its shape's bucket (`fxopt.buckets`); the first call captures and plans them all."""
+
+    def __init__(self, model: nn.Module, options: Options, dims: DynamicDims, split: bool = True):
+        self.model, self.options = model, options
+        self.state = DynamicState(dims, split=split)
+        self.compiled: dict[int | None, Any] = {}
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        state = self.state
+        state.call_dims = state.dims.dims(self.model, args, kwargs)
+        state.point = state.dims.point(state.call_dims)
+        if not state.dims.ranges.contains(state.point):
+            raise ValueError(f"this call's shape {state.point} is outside the ranges fxopt planned for "
+                             f"(dynamic={dict(state.dims.ranges.bounds)}); widen them")
+        k = bucket_of(state.buckets, state.point) if state.buckets else None
+        if k not in self.compiled:
+            backend = make_dynamic_backend(self.options, state, self.model)
+            self.compiled[k] = torch.compile(self.model, backend=backend, fullgraph=True, dynamic=None)
+        try:
+            with capture_settings():
+                mark(state.call_dims, state.dims.ranges)
+                out = _run_compiled(self.compiled[k], args, kwargs, self.options.compiler)
+        finally:
+            state.call_dims = []
+        if k is None and state.buckets:  # the first call planned: its graph is its bucket's
+            self.compiled[bucket_of(state.buckets, state.point)] = self.compiled.pop(None)
+        return out
+
+    def plan_only(self, args: tuple, kwargs: dict) -> None:
+        """Capture and plan at this call's shape without running it (the model is not changed)."""
+        self.state.stop_after_plan = True
+        try:
+            self(args, kwargs)
+        except PlanReady:
+            pass
+        finally:
+            self.state.stop_after_plan = False
+            self.compiled.pop(None, None)
+        if self.state.buckets is None:
+            raise CaptureError("nothing to plan: the captured step has no backward (no input or parameter "
+                               "requires grad, or it ran under torch.no_grad())")
+
+
 def optimize(
     model: nn.Module,
     budget: Budget,
@@ -193,6 +253,7 @@ def optimize(
     quantize: str | Quantize | None = None,
     offload: bool | int | str | None = None,
     graph_breaks: str = "split",
+    dynamic: dict | None = None,
 ) -> FxoptModule:
     """Return ``model`` rewritten so that its training step (forward + backward) peaks within
     ``budget``, recomputing as little as possible.
@@ -229,8 +290,21 @@ def optimize(
     break). ``"error"``: raise `CaptureError`. Logging and printing inside forward() are not
     breaks: ``print`` and ``warnings.warn`` run after the captured graph, ``logging.Logger``
     calls are skipped while the optimized step runs.
+
+    ``dynamic``: plan once for a range of input shapes instead of once per shape, e.g.
+    ``{"batch": (1, 32), "seq": (2, 512)}`` (``"batch"``: dim 0 of every tensor argument;
+    ``"seq"``: dim 1 of those with two or more; ``(argument, dim)``: one dimension of one
+    argument, by position or name). The step is captured once with those dimensions symbolic,
+    planned at the largest shape and proven within the budget at every smaller one, or split into
+    a few buckets of shapes, each with its own plan and graph (see docs/dynamic-shapes.md). A
+    fraction budget is of the eager peak at the largest shape. The step must be one graph; a call
+    outside the ranges raises.
     """
     _check_model(model)
+    if dynamic is not None:
+        return _optimize_dynamic(model, budget, DynamicDims.parse(dynamic), example_inputs, plan, graph_breaks,
+                                 solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel(),
+                                 compiler=compiler, compress=compress, quantize=quantize, offload=offload)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
                       cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
                       quantize=quantize, offload=offload)
@@ -245,6 +319,21 @@ def optimize(
                 raise
             # A step in pieces is planned piece by piece at its first call.
     return FxoptModule(model, options, graph_breaks)
+
+
+def _optimize_dynamic(model: nn.Module, budget: Budget, dims: DynamicDims, example_inputs, plan: Plan | None,
+                      graph_breaks: str, **options) -> FxoptModule:
+    if plan is not None:
+        raise ValueError("dynamic= plans for a range of shapes; plan= replays one plan for one shape")
+    if graph_breaks != "split":
+        check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
+    module = FxoptModule(model, Options(budget=budget, **options), "error", dims)
+    if example_inputs is not None:
+        # Plan now (errors surface here): capture and plan at the examples' shape, without the
+        # backward (no gradient is accumulated).
+        args, kwargs = _split_inputs(example_inputs)
+        module._dynamic.plan_only(args, kwargs)
+    return module
 
 
 def plan(

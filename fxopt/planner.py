@@ -23,6 +23,7 @@ from fxopt.analysis import CostModel
 from fxopt.analysis import analyze as analyze_step
 from fxopt.analysis.bandwidth import device_transfers
 from fxopt.analysis.codecs import Quantize, resolve_quantize
+from fxopt.analysis.symbolic import Sizes
 from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError, check_choice
 from fxopt.passes import masks
@@ -117,11 +118,14 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     return dataclasses.replace(device_transfers(device), host_budget=options.host_budget)
 
 
-def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0):
-    """``unread_resident_bytes``: see `fxopt.analysis.analyze`."""
+def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
+              sizes: Sizes | None = None):
+    """``unread_resident_bytes``, ``sizes`` (a step captured with dynamic shapes, planned at
+    ``sizes.point``): see `fxopt.analysis.analyze`."""
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
-    codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes)
+    codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
+                  sizes=sizes)
     copies = transfers(joint, options)
 
     def analyze(gm, num_fwd_outputs, cost_model, **codecs):  # every analysis below carries the bandwidths

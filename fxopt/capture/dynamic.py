@@ -1,0 +1,97 @@
+"""The backend of a step planned for a range of shapes (``fxopt.optimize(..., dynamic=...)``).
+
+The first call captures the step with dynamic shapes and plans every bucket of the range at
+once (`fxopt.buckets`); each bucket's graph is captured at the first call in it, and replays its
+plan. The partitioner sees the joint graph with symbolic sizes: before planning it checks that
+the step holds for the whole range (`fxopt.capture.shapes.check_symbolic`), and while fxopt reads
+it no decision of fxopt's may depend on a size (`fxopt.analysis.joint.no_new_guards`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from fxopt.analysis.symbolic import Sizes
+from fxopt.buckets import Bucket, bucket_of, plan_buckets
+from fxopt.capture.dynamo import PlanReady, eager_backend, unread_resident_bytes
+from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
+from fxopt.errors import CaptureError
+from fxopt.passes.recompute import split_with_recompute
+from fxopt.planner import Options, make_plan
+
+log = logging.getLogger("fxopt")
+
+
+@dataclasses.dataclass
+class DynamicState:
+    """What the compiled objects of one module share: the named dims and their ranges, the
+    buckets once planned, and the call in progress (its dims and shape)."""
+
+    dims: DynamicDims
+    split: bool = True
+    buckets: list[Bucket] | None = None
+    call_dims: list = dataclasses.field(default_factory=list)  # (tensor, dim, name) of the call
+    point: dict = dataclasses.field(default_factory=dict)
+    captures: int = 0  # joint graphs captured
+    plans: int = 0  # plans made (a bucket replaying its plan makes none)
+    stop_after_plan: bool = False  # raise `PlanReady` once planned (`fxopt.optimize` with example inputs)
+
+
+def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.nn.Module):
+    """A torch.compile backend for one bucket's compiled object (or, before any plan, the first)."""
+    if options.offload not in (None, False):
+        raise ValueError("OFFLOAD is not offered with dynamic shapes (its copies take time that depends "
+                         "on the shape, so one plan is not proven for a range); pass offload=False")
+    options = dataclasses.replace(options, offload=False)
+    seen = {"names": {}, "unread": 0}
+    ranges = state.dims.ranges
+
+    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+        t0 = time.perf_counter()
+        state.captures += 1
+        fake_mode = detect_fake_mode(joint_inputs)
+        names = seen["names"]
+        if fake_mode is not None and fake_mode.shape_env is not None:
+            check_symbolic(fake_mode.shape_env, names, ranges)
+        if state.buckets is None:
+            sizes = Sizes(names, ranges.top(), ranges)
+            jg, plan = make_plan(joint, num_fwd_outputs, options, seen["unread"], sizes=sizes)
+            if jg.symbolic is None:
+                raise CaptureError("dynamic= was given but the captured step has no symbolic size: "
+                                   "every dimension it names was specialized")
+            jg.symbolic.check_monotone()
+            state.buckets = plan_buckets(jg, plan, solver=options.solver, time_limit=options.time_limit,
+                                         split=state.split)
+            state.plans += len({id(b.plan) for b in state.buckets if b.plan.solver != "save_all"})
+            schedule = state.buckets[bucket_of(state.buckets, state.point)].plan.schedule
+            if state.stop_after_plan:
+                raise PlanReady(plan)
+        else:
+            bucket = state.buckets[bucket_of(state.buckets, state.point)]
+            sizes = Sizes(names, bucket.ranges.top(), ranges)
+            jg, plan = make_plan(joint, num_fwd_outputs, dataclasses.replace(options, plan=bucket.plan),
+                                 seen["unread"], sizes=sizes)
+            schedule = plan.schedule
+        fw, bw = split_with_recompute(jg, schedule)
+        log.debug("fxopt: planned and rewrote the dynamic step in %.2f s", time.perf_counter() - t0)
+        return fw, bw
+
+    if options.compiler == "inductor":
+        from fxopt.capture.inductor import inductor_backend
+
+        compile_step = inductor_backend(partition, options.inductor_config)
+    else:
+        compile_step = eager_backend(partition)
+
+    def compile_dynamic(gm: fx.GraphModule, example_inputs):
+        seen["names"] = symbol_names(gm, state.call_dims)
+        seen["unread"] = unread_resident_bytes(resident, example_inputs)
+        return compile_step(gm, example_inputs)
+
+    return compile_dynamic
