@@ -133,7 +133,10 @@ class Sizes:
                 unknown = e.free_symbols - self.names.keys()
                 if unknown:
                     raise CaptureError(unnamed_symbols_message(x, unknown))
-                renamed = self._renamed[e] = sympy.expand(e.xreplace(self.names))
+                renamed = sympy.expand(e.xreplace(self.names))
+                if self.ranges is not None:
+                    renamed = simplify_on(renamed, self.ranges)
+                self._renamed[e] = renamed
             return renamed
         if isinstance(x, sympy.Expr):
             return int(x) if x.is_number else x
@@ -170,6 +173,33 @@ def largest(x) -> int:
     return int(value)
 
 
+def simplify_on(size: sympy.Expr, ranges: Ranges) -> sympy.Expr:
+    """``size`` with each maximum or minimum whose winner is the same over the whole of ``ranges``
+    replaced by it (Dynamo writes ``Max(1, seq)`` where ``seq`` may be 0 or 1): what is left reads
+    as the sizes it stands for, and its monotonicity can be told."""
+    from torch.utils._sympy.functions import Max, Min
+
+    vr = ranges.value_ranges()
+
+    def dominant(args, pick_max: bool):
+        for a in args:
+            if all(b is a or bound_sympy(a - b if pick_max else b - a, vr).lower >= 0 for b in args):
+                return a
+        return None
+
+    def visit(e):
+        if not e.args:
+            return e
+        e = e.func(*(visit(a) for a in e.args))
+        if isinstance(e, (Max, sympy.Max, Min, sympy.Min)) and e.free_symbols <= set(vr):
+            winner = dominant(e.args, isinstance(e, (Max, sympy.Max)))
+            if winner is not None:
+                return winner
+        return e
+
+    return sympy.expand(visit(size))
+
+
 @dataclasses.dataclass(frozen=True)
 class Monotonicity:
     """Whether a `Size` is non-decreasing in every symbol over a range, and why not."""
@@ -185,6 +215,7 @@ def monotone(size: Size, ranges: Ranges) -> Monotonicity:
     by positive constants, maxima and minima of such)."""
     if isinstance(size, int) or size.is_number:
         return Monotonicity(True)
+    size = simplify_on(size, ranges)
     vr = ranges.value_ranges()
     symbols = sorted(size.free_symbols, key=str)
     if all(s in vr for s in symbols) and size.is_polynomial(*symbols):

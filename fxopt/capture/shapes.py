@@ -30,7 +30,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils._sympy.value_ranges import bound_sympy
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from fxopt.analysis.symbolic import Ranges, symbol
 from fxopt.errors import CaptureError
@@ -200,9 +200,10 @@ def check_symbolic(shape_env, names: Mapping[sympy.Symbol, sympy.Symbol], ranges
         expr = guard.expr.xreplace(dict(names))
         if expr is sympy.true or not expr.free_symbols <= set(vr):
             continue
-        if bound_sympy(expr, vr).lower is not sympy.true and bound_sympy(expr, vr).lower is not True:
+        if not _always(expr, vr):
             raise CaptureError(f"the captured step holds only where {expr}, not for every shape in "
-                               f"{dict(ranges.bounds)}: the guard comes from {guard.sloc}. {SPECIALIZED_ADVICE}")
+                               f"{dict(ranges.bounds)}{_where_it_holds(expr, vr)}: the guard comes from "
+                               f"{guard.sloc}. {SPECIALIZED_ADVICE}")
     for s, name in names.items():
         lo, hi = ranges.bounds[name.name]
         known = shape_env.var_to_range.get(s)
@@ -211,3 +212,36 @@ def check_symbolic(shape_env, names: Mapping[sympy.Symbol, sympy.Symbol], ranges
             raise CaptureError(f"the captured step holds only for {name} in [{known.lower}, {known.upper}], "
                                f"not [{lo}, {hi}]" + (f" (from {where.lower})" if where is not None else "")
                                + f". {SPECIALIZED_ADVICE}")
+
+
+def _always(expr, vr) -> bool:
+    return bool(bound_sympy(expr, vr).lower)
+
+
+def _where_it_holds(expr, vr) -> str:
+    """For a guard on one symbol, the widest end of its range on which the guard always holds."""
+    if len(expr.free_symbols) != 1:
+        return ""
+    (s,) = expr.free_symbols
+    lo, hi = int(vr[s].lower), int(vr[s].upper)
+
+    def holds(a: int, b: int) -> bool:
+        return _always(expr, {**vr, s: ValueRanges(a, b)})
+
+    options = []
+    if holds(hi, hi):  # the smallest a from which it holds up to hi
+        a, b = lo, hi
+        while a < b:
+            mid = (a + b) // 2
+            a, b = (a, mid) if holds(mid, hi) else (mid + 1, b)
+        options.append((a, hi))
+    if holds(lo, lo):
+        a, b = lo, hi
+        while a < b:
+            mid = (a + b + 1) // 2
+            a, b = (mid, b) if holds(lo, mid) else (a, mid - 1)
+        options.append((lo, a))
+    if not options:
+        return ""
+    best = max(options, key=lambda r: r[1] - r[0])
+    return f" (it holds for {s} in {best}: a range within that one captures as one step)"
