@@ -15,9 +15,9 @@ from fxopt.analysis.codecs import Quantize
 from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
 from fxopt.buckets import Bucket, bucket_of
-from fxopt.capture.dynamic import DynamicState, make_dynamic_backend
+from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
 from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
-from fxopt.capture.shapes import DynamicDims, capture_settings, mark
+from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
 from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
 from fxopt.planner import Options
 from fxopt.solvers import DEFAULT_TIME_LIMIT
@@ -334,6 +334,35 @@ def _optimize_dynamic(model: nn.Module, budget: Budget, dims: DynamicDims, examp
         args, kwargs = _split_inputs(example_inputs)
         module._dynamic.plan_only(args, kwargs)
     return module
+
+
+def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, point: dict, **options):
+    """Capture ``model``'s step on ``example_inputs`` with the ``dims`` symbolic and analyse it at
+    ``point``, without planning or running it: (the step as captured, the step rewritten as
+    planning starts from), as `fxopt.analysis.JointGraph`s. A range the captured graph holds for
+    only in part (a size of 1 set apart) is narrowed to the part holding ``point``, once."""
+    _check_model(model)
+    args, kwargs = _split_inputs(example_inputs)
+    options = Options(budget=1, offload=False, **options)
+    for attempt in range(2):
+        state = DynamicState(dims)
+        state.analyze_at = point
+        state.call_dims = dims.dims(model, args, kwargs)
+        compiled = torch.compile(model, backend=make_dynamic_backend(options, state, model), fullgraph=True,
+                                 dynamic=None)
+        try:
+            with capture_settings():
+                mark(state.call_dims, dims.ranges)
+                _run_compiled(compiled, args, kwargs, options.compiler)
+        except Analyzed as done:
+            return done.eager, done.rewritten
+        except SpecializedError as err:
+            name, (lo, hi) = err.holds if err.holds is not None else (None, (0, -1))
+            if attempt or name not in dims.ranges.bounds or not lo <= point[name] <= hi:
+                raise
+            dims = dataclasses.replace(dims, ranges=dims.ranges.with_bound(name, lo, hi))
+    raise CaptureError("nothing to analyse: the captured step has no backward (no input or parameter requires "
+                       "grad, or it ran under torch.no_grad())")
 
 
 def plan(

@@ -26,6 +26,7 @@ from fxopt.analysis.codecs import Quantize, resolve_quantize
 from fxopt.analysis.symbolic import Sizes
 from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError, check_choice
+from fxopt.fxgraph import copy_module
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
@@ -96,12 +97,6 @@ class Options:
         return resolve_budget(self.offload)
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
-
-
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     """The bandwidths OFFLOAD is planned with, or None where it is off: a replayed plan's own (so
     a plan replays on the graph it was made for), else the device's (`fxopt.analysis.bandwidth`).
@@ -135,7 +130,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
     # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).
-    pristine = _copy(joint) if options.plan is not None and options.plan_from_examples else None
+    pristine = copy_module(joint) if options.plan is not None and options.plan_from_examples else None
     rewritten = recompute_dropout_from_mask(joint)
     relu = masks.relu_masks(joint) if options.compress else 0
     jg = before if before is not None and not (rewritten or relu) else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)

@@ -17,11 +17,15 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxopt.analysis import JointGraph, analyze
 from fxopt.analysis.symbolic import Sizes
 from fxopt.buckets import Bucket, bucket_of, plan_buckets
 from fxopt.capture.dynamo import PlanReady, eager_backend, unread_resident_bytes
 from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
 from fxopt.errors import CaptureError
+from fxopt.fxgraph import copy_module
+from fxopt.passes import masks
+from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.planner import Options, make_plan
 
@@ -41,6 +45,17 @@ class DynamicState:
     captures: int = 0  # joint graphs captured
     plans: int = 0  # plans made (a bucket replaying its plan makes none)
     stop_after_plan: bool = False  # raise `PlanReady` once planned (`fxopt.optimize` with example inputs)
+    analyze_at: dict | None = None  # only analyse, at this shape, and raise `Analyzed` (`fxopt.max_batch`)
+
+
+class Analyzed(Exception):
+    """Raised from the partitioner once a step captured with dynamic shapes is analysed:
+    ``eager``, the step as captured; ``rewritten``, after the rewrites planning starts from
+    (dropout recomputed from its mask, ReLU's backward reading a mask)."""
+
+    def __init__(self, eager: JointGraph, rewritten: JointGraph):
+        super().__init__("analysed")
+        self.eager, self.rewritten = eager, rewritten
 
 
 def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.nn.Module):
@@ -59,6 +74,8 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         names = seen["names"]
         if fake_mode is not None and fake_mode.shape_env is not None:
             check_symbolic(fake_mode.shape_env, names, ranges)
+        if state.analyze_at is not None:
+            raise _analyzed(joint, num_fwd_outputs, options, seen["unread"], Sizes(names, state.analyze_at, ranges))
         if state.buckets is None:
             sizes = Sizes(names, ranges.top(), ranges)
             jg, plan = make_plan(joint, num_fwd_outputs, options, seen["unread"], sizes=sizes)
@@ -95,3 +112,12 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         return compile_step(gm, example_inputs)
 
     return compile_dynamic
+
+
+def _analyzed(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread: int, sizes: Sizes) -> Analyzed:
+    """The step analysed as captured, and after the rewrites `fxopt.planner.make_plan` applies."""
+    codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread, sizes=sizes)
+    eager = analyze(copy_module(joint), num_fwd_outputs, options.cost_model, **codecs)
+    rewritten = recompute_dropout_from_mask(joint) + (masks.relu_masks(joint) if options.compress else 0)
+    jg = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if rewritten else eager
+    return Analyzed(eager, jg)

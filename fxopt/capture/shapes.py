@@ -177,6 +177,15 @@ def symbol_names(gm: fx.GraphModule, dims: list[tuple[torch.Tensor, int, str]]) 
     return names
 
 
+class SpecializedError(CaptureError):
+    """The captured step is one graph for part of the ranges only. ``holds``: (name, (lo, hi)),
+    the widest end of that name's range where it is, when the guard is on one name (else None)."""
+
+    def __init__(self, message: str, holds: tuple[str, tuple[int, int]] | None = None):
+        super().__init__(message)
+        self.holds = holds
+
+
 SPECIALIZED_ADVICE = ("One plan for a range needs the step to be the same graph at every size in it: "
                       "narrow the range, or make the model not branch on that size")
 
@@ -201,27 +210,36 @@ def check_symbolic(shape_env, names: Mapping[sympy.Symbol, sympy.Symbol], ranges
         if expr is sympy.true or not expr.free_symbols <= set(vr):
             continue
         if not _always(expr, vr):
-            raise CaptureError(f"the captured step holds only where {expr}, not for every shape in "
-                               f"{dict(ranges.bounds)}{_where_it_holds(expr, vr)}: the guard comes from "
-                               f"{guard.sloc}. {SPECIALIZED_ADVICE}")
+            holds = _where_it_holds(expr, vr)
+            where = "" if holds is None else f" (it holds for {holds[0]} in {holds[1]}: a range within that one captures as one step)"
+            raise SpecializedError(f"the captured step holds only where {expr}, not for every shape in "
+                                   f"{dict(ranges.bounds)}{where}: the guard comes from {guard.sloc}. "
+                                   f"{SPECIALIZED_ADVICE}", holds)
     for s, name in names.items():
         lo, hi = ranges.bounds[name.name]
         known = shape_env.var_to_range.get(s)
         if known is not None and (known.lower > lo or known.upper < hi):
-            where = shape_env.var_to_range_sloc.get(s)
-            raise CaptureError(f"the captured step holds only for {name} in [{known.lower}, {known.upper}], "
-                               f"not [{lo}, {hi}]" + (f" (from {where.lower})" if where is not None else "")
-                               + f". {SPECIALIZED_ADVICE}")
+            raise SpecializedError(f"the captured step holds only for {name} in [{known.lower}, {known.upper}], "
+                                   f"not [{lo}, {hi}]{_narrowed_by(shape_env, s, names)}. {SPECIALIZED_ADVICE}",
+                                   (name.name, (int(known.lower), int(known.upper))))
+
+
+def _narrowed_by(shape_env, s, names) -> str:
+    """Which guard narrowed symbol ``s``'s range, and where it comes from."""
+    bounds = (sympy.StrictLessThan, sympy.LessThan, sympy.StrictGreaterThan, sympy.GreaterThan)
+    lines = [f"{g.expr.xreplace(dict(names))} at {g.sloc}" for g in shape_env.guards if s in g.expr.free_symbols and isinstance(g.expr, bounds)]
+    return f": the guard {lines[0]}" if lines else ""
 
 
 def _always(expr, vr) -> bool:
     return bool(bound_sympy(expr, vr).lower)
 
 
-def _where_it_holds(expr, vr) -> str:
-    """For a guard on one symbol, the widest end of its range on which the guard always holds."""
+def _where_it_holds(expr, vr) -> tuple[str, tuple[int, int]] | None:
+    """For a guard on one symbol, the widest end of its range on which the guard always holds,
+    as (name, (lo, hi))."""
     if len(expr.free_symbols) != 1:
-        return ""
+        return None
     (s,) = expr.free_symbols
     lo, hi = int(vr[s].lower), int(vr[s].upper)
 
@@ -242,6 +260,5 @@ def _where_it_holds(expr, vr) -> str:
             a, b = (mid, b) if holds(lo, mid) else (a, mid - 1)
         options.append((lo, a))
     if not options:
-        return ""
-    best = max(options, key=lambda r: r[1] - r[0])
-    return f" (it holds for {s} in {best}: a range within that one captures as one step)"
+        return None
+    return s.name, max(options, key=lambda r: r[1] - r[0])
