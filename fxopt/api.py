@@ -207,9 +207,11 @@ class DynamicRun:
         state = self.state
         state.call_dims = state.dims.dims(self.model, args, kwargs)
         state.point = state.dims.point(state.call_dims)
-        if not state.dims.ranges.contains(state.point):
+        if not state.dims.ranges.contains(state.point) or state.buckets and not any(
+                b.ranges.contains(state.point) for b in state.buckets):
+            planned = [dict(b.ranges.bounds) for b in state.buckets or []] or dict(state.dims.ranges.bounds)
             raise ValueError(f"this call's shape {state.point} is outside the ranges fxopt planned for "
-                             f"(dynamic={dict(state.dims.ranges.bounds)}); widen them")
+                             f"({planned}); widen them")
         k = bucket_of(state.buckets, state.point) if state.buckets else None
         if k not in self.compiled:
             backend = make_dynamic_backend(self.options, state, self.model)

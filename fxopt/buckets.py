@@ -33,7 +33,10 @@ from fxopt import cache
 from fxopt.analysis.joint import JointGraph, graph_fingerprint
 from fxopt.analysis.symbolic import Ranges
 from fxopt.errors import CaptureError, InfeasibleBudgetError
-from fxopt.solvers import eager_schedule, simulate, solve
+from fxopt.solvers import eager_schedule, min_feasible_budget, simulate, solve
+from fxopt.solvers.auto import lowest_schedule
+from fxopt.solvers.instant import peak_lower_bound
+from fxopt.units import format_bytes
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.plan import Plan
 
@@ -116,12 +119,7 @@ def _largest_eager_fit(jg: JointGraph, point, lo: int, hi: int, budget: int) -> 
         graph = jg.symbolic.at(point(v))
         return simulate(graph, eager_schedule(graph)).peak_bytes <= budget
 
-    if not fits(lo):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+    return largest(lo, hi, fits)
 
 
 def _plan_at(jg: JointGraph, graph: Graph, point, budget: int, solver: str, time_limit: float) -> Plan:
@@ -155,3 +153,54 @@ def _eager_plan(jg: JointGraph, point, budget: int) -> Plan | None:
     return Plan.build(graph=graph, schedule=schedule, budget_bytes=budget, eager_peak_bytes=timeline.peak_bytes,
                       solver="save_all", status="optimal", solve_seconds=0.0, fingerprint=graph_fingerprint(graph),
                       module_paths=jg.module_paths, timeline=timeline, lower_bound_cost=0.0)
+
+
+def range_infeasible(jg: JointGraph, err: InfeasibleBudgetError, solver: str) -> InfeasibleBudgetError:
+    """The error for a budget no plan meets at the top of ``jg``'s ranges (``err``, from planning
+    there): along the widest symbol, the largest value at which the lowest-peak schedule fxopt
+    found fits (a range up to it plans), and the largest at which any schedule could (the peak
+    lower bound, scratch memory counted as zero); or, if even the smallest shape cannot fit, what
+    that shape needs."""
+    ranges, budget = jg.symbolic.ranges, err.budget
+    axis = split_axis(ranges)
+    lo, hi = ranges.bounds[axis]
+    top = ranges.top()
+    zero = [0] * len(jg.graph)
+    lowest = lowest_schedule(jg.graph, solver)
+
+    def point(v: int) -> dict[str, int]:
+        return {**top, axis: v}
+
+    def schedule_fits(v: int) -> bool:  # (scratch memory measured at v, as a plan for a range up to v counts it)
+        return simulate(jg.at(point(v)), lowest.schedule).peak_bytes <= budget
+
+    def bound_fits(v: int) -> bool:
+        return peak_lower_bound(jg.symbolic.at(point(v), zero, zero))[0] <= budget
+
+    planned = largest(lo, hi - 1, schedule_fits) if lowest is not None else None
+    possible = largest(lo, hi, bound_fits)
+    if planned is not None:
+        detail = (f"No plan fits at the largest shape ({_shape(top)}). Shapes with {axis} up to {planned} fit one plan: "
+                  f"narrow the range to ({lo}, {planned})")
+        detail += "." if possible is None or possible <= planned else f"; none with {axis} above {possible} can (proven)."
+        return InfeasibleBudgetError(budget, err.min_budget, detail, lower_bound=err.lower_bound)
+    bottom = ranges.bottom()
+    needed = min_feasible_budget(jg.at(point(lo)), solver, run_ilp=False)
+    detail = f"Even {_shape(point(lo))} does not fit: fxopt needs {format_bytes(needed)} there"
+    if bottom != point(lo):
+        detail += f", and no schedule of {_shape(bottom)} peaks below {format_bytes(peak_lower_bound(jg.at(bottom))[0])}"
+    return InfeasibleBudgetError(budget, err.min_budget, detail + ".", lower_bound=err.lower_bound)
+
+
+def _shape(point) -> str:
+    return ", ".join(f"{k}={v}" for k, v in point.items())
+
+
+def largest(lo: int, hi: int, fits) -> int | None:
+    """The largest v in [lo, hi] with ``fits(v)``, for ``fits`` true up to some v (monotone), or None."""
+    if hi < lo or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo

@@ -14,8 +14,8 @@ there), so each question is a bisection over graphs evaluated, not captured:
      under per-block ``torch.utils.checkpoint`` (its block inputs SAVEd, the rest recomputed),
      both by their simulated peaks.
 
-A peak at batch b is simulated with scratch memory measured at a larger batch (conservative:
-kernels do not allocate less for larger inputs), then confirmed with scratch measured at b.
+Every peak at a batch b is simulated with the scratch memory of its ops measured at b (once per
+op and shape: `fxopt.analysis.scratch` caches them), except the bracket's, which counts none.
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ import torch.nn as nn
 from fxopt.analysis import CostModel, JointGraph
 from fxopt.analysis.codecs import Quantize
 from fxopt.analysis.joint import graph_fingerprint
+from fxopt.api import FxoptModule, capture_symbolic
+from fxopt.buckets import Bucket, largest
 from fxopt.budget import Budget, resolve_budget
 from fxopt.capture.shapes import DynamicDims
 from fxopt.errors import BudgetError, InfeasibleBudgetError
+from fxopt.planner import Options
 from fxopt.solvers import eager_schedule, min_feasible_budget, simulate, solve
 from fxopt.solvers.auto import SolverTimeoutWarning, lowest_schedule
 from fxopt.solvers.graph import Graph
@@ -56,9 +59,11 @@ MIN_SOLVE_SECONDS = 1.0
 @dataclasses.dataclass(frozen=True)
 class MaxBatch:
     """What `max_batch` found. ``batch``: the largest batch fxopt plans within ``budget_bytes``,
-    with its ``plan`` (made at that batch on the step captured with a symbolic batch: to train,
-    `fxopt.optimize` the model at that batch). ``proven_max``: no schedule of any kind fits a
-    batch above it (the peak lower bound), so ``batch == proven_max`` is proven optimal.
+    with its ``plan`` (made at that batch on the step captured with a symbolic batch; it holds at
+    every smaller batch of the same capture too: `optimize` gives the module that runs it).
+    ``proven_max``: no schedule of any kind fits a batch above it (the peak lower bound), so
+    ``batch == proven_max`` is proven optimal. ``next_plan``: below that, the lowest-peak plan
+    fxopt found at ``batch + 1`` (its peak over the budget; None when ``batch == proven_max``).
     ``eager_batch``, ``checkpoint_batch``: the largest batch of the un-rewritten step and of
     per-block checkpointing (None where the model has no repeated blocks), by simulated peaks.
     ``limit``: the largest batch searched; ``seconds``: wall time."""
@@ -72,6 +77,10 @@ class MaxBatch:
     limit: int
     seconds: float
     blocks: int = 0  # blocks per-block checkpointing wrapped
+    next_plan: Plan | None = None
+    dim: Any = "batch"
+    captured: tuple[int, int] = (1, 2**16)  # the batches the answer's capture holds for
+    options: dict = dataclasses.field(default_factory=dict, repr=False)  # how it was analysed
 
     def summary(self) -> str:
         proof = ("proven: no schedule fits a larger batch" if self.batch == self.proven_max
@@ -80,6 +89,19 @@ class MaxBatch:
         ckpt = "-" if self.checkpoint_batch is None else str(self.checkpoint_batch)
         return (f"largest batch within {format_bytes(self.budget_bytes)}: fxopt {self.batch}{at_limit} ({proof}); "
                 f"eager {self.eager_batch}; per-block checkpointing {ckpt}; {self.seconds:.1f} s")
+
+    def optimize(self, model: nn.Module) -> FxoptModule:
+        """``model`` (the one searched) running ``plan`` at any batch from the capture's smallest to
+        ``batch``: one plan, proven within the budget for all of them (see `fxopt.buckets`)."""
+        return replay(model, self, self.plan, (self.captured[0], self.batch))
+
+
+def replay(model: nn.Module, found: MaxBatch, plan: Plan, batches: tuple[int, int]) -> FxoptModule:
+    """A module running ``plan`` (made on ``found``'s capture) for ``batches``."""
+    dims = DynamicDims.parse({found.dim: found.captured})
+    module = FxoptModule(model, Options(budget=plan.budget_bytes, offload=False, **found.options), "error", dims)
+    module._dynamic.state.buckets = [Bucket(dims.ranges.with_bound(dims.ranges.names[0], *batches), plan)]
+    return module
 
 
 def max_batch(model: nn.Module, budget: Budget, make_inputs: Callable[[int], Any], *, dim: Any = "batch",
@@ -112,15 +134,16 @@ def max_batch(model: nn.Module, budget: Budget, make_inputs: Callable[[int], Any
         raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(graph, solver, run_ilp=False),
                                     f"Even batch {first.lo} does not fit.", lower_bound=peak_lower_bound(graph)[0])
     log.info("fxopt: max_batch: no batch above %d fits (%.1f s)", proven_max, time.perf_counter() - t0)
-    batch = plan = None
+    batch = plan = answer = None
     for segment in reversed(segments):
         if segment.proven_max is not None:
             found = segment.fxopt.fxopt_batch(segment.fxopt.lo, segment.proven_max, solver, time_limit)
             if found is not None:
-                batch, plan = found
+                (batch, plan), answer = found, segment
                 break
     if batch is None:
         raise InfeasibleBudgetError(budget_bytes, proven_max, "fxopt found no plan at any batch.")
+    next_plan = answer.fxopt.lowest_plan(batch + 1, solver) if batch < min(proven_max, answer.fxopt.hi) else None
     log.info("fxopt: max_batch: fxopt plans batch %d (%.1f s)", batch, time.perf_counter() - t0)
     block_paths = _block_paths(model, blocks)
     eager_batch = _largest_of(segments, lambda s: eager_schedule(s.eager.jg.graph)) or 0
@@ -130,7 +153,8 @@ def max_batch(model: nn.Module, budget: Budget, make_inputs: Callable[[int], Any
     log.info("fxopt: max_batch: eager %d, per-block checkpointing %s (%.1f s)", eager_batch, checkpoint_batch,
              time.perf_counter() - t0)
     return MaxBatch(batch, plan, proven_max, eager_batch, checkpoint_batch, budget_bytes, limit,
-                    time.perf_counter() - t0, len(block_paths))
+                    time.perf_counter() - t0, len(block_paths), next_plan, dim, (answer.fxopt.lo, answer.fxopt.hi),
+                    options)
 
 
 @dataclasses.dataclass
@@ -145,8 +169,6 @@ class _Segment:
 
 
 def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: int, options: dict) -> list[_Segment]:
-    from fxopt.api import capture_symbolic
-
     segments: list[_Segment] = []
     start = 1
     while start <= limit:
@@ -198,37 +220,12 @@ class _Search:
         graph = self.jg.symbolic.at({self.name: b}, self.zero, self.zero)
         return peak_lower_bound(graph)[0] <= self.budget
 
-    @staticmethod
-    def largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
-        """The largest b in [lo, hi] that ``fits`` (monotone: true up to some b), or None."""
-        if hi < lo or not fits(lo):
-            return None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo
+    largest = staticmethod(largest)
 
-    def largest_with(self, schedule: Schedule, lo: int, hi: int, scratch_from: Graph | None = None) -> int | None:
-        """The largest batch in [lo, hi] at which ``schedule``'s peak fits: bisection with the
-        scratch memory measured at ``hi`` (or of ``scratch_from``, the graph at a larger batch:
-        conservative below it), then the batches above the answer confirmed with their own, while
-        they fit."""
-        if hi < lo:
-            return None
-        top = scratch_from or self.at(hi)
-        workspace = [n.workspace for n in top.nodes]
-        codec = [n.codec_workspace for n in top.nodes]
-
-        def fits(b: int) -> bool:
-            graph = top if b == hi and scratch_from is None else self.jg.symbolic.at({self.name: b}, workspace, codec)
-            return simulate(graph, schedule).peak_bytes <= self.budget
-
-        found = self.largest(lo, hi, fits)
-        while found is not None and found < hi and simulate(self.at(found + 1), schedule).peak_bytes <= self.budget:
-            found += 1
-        if found is None and simulate(self.at(lo), schedule).peak_bytes <= self.budget:
-            found = lo
-        return found
+    def largest_with(self, schedule: Schedule, lo: int, hi: int) -> int | None:
+        """The largest batch in [lo, hi] at which ``schedule``'s peak fits (bisection, each batch
+        tried with the scratch memory measured there)."""
+        return self.largest(lo, hi, lambda b: simulate(self.at(b), schedule).peak_bytes <= self.budget)
 
     def fxopt_batch(self, lo: int, hi: int, solver: str, seconds: float) -> tuple[int, Plan] | None:
         """fxopt's largest batch in [lo, hi] and its plan. At ``hi`` (the proven bracket) the
@@ -240,7 +237,7 @@ class _Search:
         found = self.solve(hi, solver, 0.0 if hi > lo else seconds)
         if isinstance(found, Plan):
             return hi, found
-        replayed = None if found is None else self.largest_with(found, lo, hi - 1, scratch_from=self.at(hi))
+        replayed = None if found is None else self.largest_with(found, lo, hi - 1)
         feasible: tuple[int, Plan | Schedule] | None = None if replayed is None else (replayed, found)
         failed, probes = hi, 0
         while True:
@@ -286,6 +283,13 @@ class _Search:
         log.info("fxopt: max_batch: a plan at batch %d (%.1f s)", b, time.perf_counter() - t0)
         return self.plan_of(b, solution.schedule, solution.solver, solution.status, solution.lower_bound_cost,
                             time.perf_counter() - t0)
+
+    def lowest_plan(self, b: int, solver: str) -> Plan:
+        """The lowest-peak plan fxopt's heuristics find at batch ``b`` (its budget: its own peak)."""
+        graph = self.at(b)
+        peak = min_feasible_budget(graph, solver, run_ilp=False)
+        plan = self.plan_of(b, lowest_schedule(graph, solver).schedule, "lowest peak", "heuristic")
+        return dataclasses.replace(plan, budget_bytes=max(peak, plan.peak_bytes))
 
     def plan_of(self, b: int, schedule: Schedule, solver: str, status: str, bound: float | None = None,
                 seconds: float = 0.0) -> Plan:

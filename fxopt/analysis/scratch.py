@@ -222,7 +222,7 @@ def _measure_cpu(todo: dict[tuple, fx.Node], at) -> set[tuple]:
     from fxopt.measure import profile_cpu_memory
 
     runs: list[tuple[tuple, fx.Node, str]] = []
-    with profile_cpu_memory() as prof:
+    with profile_cpu_memory(collect=False) as prof:  # (the cyclic collector is off while it runs)
         for idx, (k, n) in enumerate(todo.items()):
             label = f"fxopt_scratch_{idx}"
             args = kwargs = None

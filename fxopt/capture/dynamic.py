@@ -19,10 +19,10 @@ from torch._guards import detect_fake_mode
 
 from fxopt.analysis import JointGraph, analyze
 from fxopt.analysis.symbolic import Sizes
-from fxopt.buckets import Bucket, bucket_of, plan_buckets
+from fxopt.buckets import Bucket, bucket_of, plan_buckets, range_infeasible
 from fxopt.capture.dynamo import PlanReady, eager_backend, unread_resident_bytes
 from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
-from fxopt.errors import CaptureError
+from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.fxgraph import copy_module
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
@@ -78,7 +78,13 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
             raise _analyzed(joint, num_fwd_outputs, options, seen["unread"], Sizes(names, state.analyze_at, ranges))
         if state.buckets is None:
             sizes = Sizes(names, ranges.top(), ranges)
-            jg, plan = make_plan(joint, num_fwd_outputs, options, seen["unread"], sizes=sizes)
+            try:
+                jg, plan = make_plan(joint, num_fwd_outputs, options, seen["unread"], sizes=sizes)
+            except InfeasibleBudgetError as err:
+                codecs = dict(compress=options.compress, quantize=options.quantize, sizes=sizes,
+                              unread_resident_bytes=seen["unread"])
+                raise range_infeasible(analyze(joint, num_fwd_outputs, options.cost_model, **codecs), err,
+                                       options.solver) from None
             if jg.symbolic is None:
                 raise CaptureError("dynamic= was given but the captured step has no symbolic size: "
                                    "every dimension it names was specialized")

@@ -53,6 +53,10 @@ class DynamicDims:
         bounds = {}
         for key, value in dynamic.items():
             name = dim_name(key)
+            if isinstance(key, str) and key not in NAMED_DIMS:
+                raise ValueError(f"dynamic= names {key!r}: fxopt knows 'batch' (dim 0 of every tensor argument) "
+                                 "and 'seq' (dim 1); name any other dimension as (argument, dim), the argument "
+                                 "by position or by name")
             if (not isinstance(value, (tuple, list)) or len(value) != 2
                     or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
                 raise ValueError(f"dynamic[{key!r}] has no range: give the smallest and the largest size "
@@ -70,10 +74,6 @@ class DynamicDims:
         for key in self.spec:
             name = dim_name(key)
             if isinstance(key, str):
-                if key not in NAMED_DIMS:
-                    raise ValueError(f"dynamic= names {key!r}: fxopt knows 'batch' (dim 0 of every tensor "
-                                     "argument) and 'seq' (dim 1); name any other dimension as (argument, dim), "
-                                     "the argument by position or by name")
                 d = NAMED_DIMS[key]
                 found = [(t, d, name) for t in tensors if t.dim() > d]
             else:
