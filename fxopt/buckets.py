@@ -182,7 +182,8 @@ def range_infeasible(jg: JointGraph, err: InfeasibleBudgetError, solver: str) ->
     if planned is not None:
         detail = (f"No plan fits at the largest shape ({_shape(top)}). Shapes with {axis} up to {planned} fit one plan: "
                   f"narrow the range to ({lo}, {planned})")
-        detail += "." if possible is None or possible <= planned else f"; none with {axis} above {possible} can (proven)."
+        bounded = possible is not None and planned < possible < hi
+        detail += f"; none with {axis} above {possible} can (proven)." if bounded else "."
         return InfeasibleBudgetError(budget, err.min_budget, detail, lower_bound=err.lower_bound)
     bottom = ranges.bottom()
     needed = min_feasible_budget(jg.at(point(lo)), solver, run_ilp=False)

@@ -47,6 +47,21 @@ def test_sizes_evaluate_and_simplify_on_the_ranges():
         Evaluator({"batch": 8})(batch * seq)
 
 
+def test_a_size_that_is_not_monotone_is_an_error_naming_the_value():
+    from fxopt.analysis import CostModel
+    from fxopt.analysis.symbolic import NodeSizes, SymbolicGraph
+    from fxopt.solvers.graph import Graph, Node
+
+    graph = Graph((Node("x", "input", bytes=1), Node("odd", "forward", inputs=(0,), bytes=1)))
+    sizes = (NodeSizes(bytes=4 * batch), NodeSizes(bytes=batch * seq - 3 * seq))
+    symbolic = SymbolicGraph(graph, sizes, RANGES, {"batch": 32, "seq": 512}, CostModel())
+    with pytest.raises(fxopt.CaptureError, match=r"odd's bytes .* is not non-decreasing"):
+        symbolic.check_monotone()
+    SymbolicGraph(graph, (sizes[0], NodeSizes(bytes=batch * seq)), RANGES, {}, CostModel()).check_monotone()
+    at = symbolic.at({"batch": 2, "seq": 10})
+    assert [n.bytes for n in at.nodes] == [8, 2 * 10 - 30] and at.nodes[1].name == "odd"
+
+
 @pytest.mark.parametrize("dynamic, error", [
     ({"batch": None}, "has no range"),
     ({"batch": 32}, "has no range"),
@@ -114,6 +129,20 @@ def test_one_capture_per_bucket_trains_like_eager_within_the_budget():
         assert b.plan.peak_bytes <= b.plan.budget_bytes
     with pytest.raises(ValueError, match="outside the ranges"):
         optimized(torch.zeros(2, 200, dtype=torch.long), torch.zeros(2, 200, dtype=torch.long))
+
+
+def test_planned_from_example_inputs_then_run_at_other_shapes():
+    torch.manual_seed(0)
+    model = ResidualMLP(3, 32)
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(model, 0.8, dynamic={"batch": (1, 512)}, example_inputs=(torch.randn(8, 32),))
+    assert optimized.buckets and optimized.plan.budget_bytes < optimized.plan.eager_peak_bytes
+    for b in (512, 3, 200):
+        x = torch.randn(b, 32)
+        eager.zero_grad(), optimized.zero_grad()
+        assert_same_step(eager, optimized, step(eager, (x,)), step(optimized, (x,)))
+    touched = {fxopt.buckets.bucket_of(optimized.buckets, {"batch": b}) for b in (512, 3, 200)}
+    assert optimized._dynamic.state.captures == 1 + len(touched)  # the planning capture, then one per bucket
 
 
 def test_a_size_that_specializes_is_refused_with_its_line():
