@@ -141,7 +141,7 @@ class FxoptModule(nn.Module):
         self.__dict__["_backend"] = backend
         self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=graph_breaks == "error",
                                                    dynamic=False)
-        self.__dict__["_dynamic"] = None if dynamic is None else DynamicRun(model, options, dynamic)
+        self.__dict__["_dynamic"] = None if dynamic is None else DynamicRun(model, options, dynamic, self.plans)
         self.training = model.training
 
     @property
@@ -198,9 +198,9 @@ class DynamicRun:
     """The calls of a module planned for a range of shapes: each call runs the compiled graph of
     its shape's bucket (`fxopt.buckets`); the first call captures and plans them all."""
 
-    def __init__(self, model: nn.Module, options: Options, dims: DynamicDims, split: bool = True):
-        self.model, self.options = model, options
-        self.state = DynamicState(dims, split=split)
+    def __init__(self, model: nn.Module, options: Options, dims: DynamicDims, plans: list[Plan]):
+        self.model, self.options, self.plans = model, options, plans
+        self.state = DynamicState(dims)
         self.compiled: dict[int | None, Any] = {}
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -224,7 +224,12 @@ class DynamicRun:
             state.call_dims = []
         if k is None and state.buckets:  # the first call planned: its graph is its bucket's
             self.compiled[bucket_of(state.buckets, state.point)] = self.compiled.pop(None)
+        self._record_plans()
         return out
+
+    def _record_plans(self) -> None:
+        if self.state.buckets and not self.plans:
+            self.plans.extend(b.plan for b in self.state.buckets)
 
     def plan_only(self, args: tuple, kwargs: dict) -> None:
         """Capture and plan at this call's shape without running it (the model is not changed)."""
@@ -236,6 +241,7 @@ class DynamicRun:
         finally:
             self.state.stop_after_plan = False
             self.compiled.pop(None, None)
+        self._record_plans()
         if self.state.buckets is None:
             raise CaptureError("nothing to plan: the captured step has no backward (no input or parameter "
                                "requires grad, or it ran under torch.no_grad())")

@@ -71,12 +71,9 @@ def bucket_of(buckets: list[Bucket], point) -> int:
     raise ValueError(f"no bucket holds the shape {dict(point)}")
 
 
-def plan_buckets(jg: JointGraph, plan: Plan, *, solver: str, time_limit: float, split: bool = True) -> list[Bucket]:
-    """Buckets covering ``jg``'s ranges; ``plan`` was made at their top (see the module).
-    ``split=False``: one bucket, the one plan."""
+def plan_buckets(jg: JointGraph, plan: Plan, *, solver: str, time_limit: float) -> list[Bucket]:
+    """Buckets covering ``jg``'s ranges; ``plan`` was made at their top (see the module)."""
     ranges = jg.symbolic.ranges
-    if not split:
-        return [Bucket(ranges, plan)]
     axis = split_axis(ranges)
     lo, hi = ranges.bounds[axis]
     budget = plan.budget_bytes

@@ -38,7 +38,6 @@ class DynamicState:
     buckets once planned, and the call in progress (its dims and shape)."""
 
     dims: DynamicDims
-    split: bool = True
     buckets: list[Bucket] | None = None
     call_dims: list = dataclasses.field(default_factory=list)  # (tensor, dim, name) of the call
     point: dict = dataclasses.field(default_factory=dict)
@@ -89,8 +88,7 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
                 raise CaptureError("dynamic= was given but the captured step has no symbolic size: "
                                    "every dimension it names was specialized")
             jg.symbolic.check_monotone()
-            state.buckets = plan_buckets(jg, plan, solver=options.solver, time_limit=options.time_limit,
-                                         split=state.split)
+            state.buckets = plan_buckets(jg, plan, solver=options.solver, time_limit=options.time_limit)
             state.plans += len({id(b.plan) for b in state.buckets if b.plan.solver != "save_all"})
             schedule = state.buckets[bucket_of(state.buckets, state.point)].plan.schedule
             if state.stop_after_plan:
