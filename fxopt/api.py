@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,11 +20,12 @@ from fxopt.buckets import Bucket, bucket_of
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
 from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
-from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
+from fxopt.errors import CaptureError, FxoptError, GraphBreakError, InfeasibleBudgetError, check_choice
 from fxopt.planner import Options
 from fxopt.solvers import DEFAULT_TIME_LIMIT
 from fxopt.solvers.plan import Plan
-from fxopt.storage import tensors_in
+from fxopt.storage import storages, tensors_in
+from fxopt.units import format_bytes
 
 # Dynamo keeps one compiled entry per input signature (and per fxopt module of the same class);
 # past its limit it would silently run eagerly. fxopt raises instead, after this many.
@@ -111,6 +114,28 @@ def _run_compiled(compiled, args, kwargs, compiler: str = "eager"):
         raise
 
 
+class _WithTheOriginalsSignature:
+    """`FxoptModule.forward` as an instance sees it: the method, carrying the original model's
+    signature, so that code inspecting ``model.forward`` finds the model's arguments (HF's
+    ``Trainer`` drops every dataset column that ``forward`` does not name)."""
+
+    def __init__(self, method: Callable):
+        self.method = method
+        functools.update_wrapper(self, method)
+
+    def __get__(self, obj: FxoptModule | None, cls=None):
+        if obj is None:
+            return self.method
+        bound = functools.partial(self.method, obj)
+        if "_signature" not in obj.__dict__:
+            try:
+                obj.__dict__["_signature"] = inspect.signature(obj.original.forward)
+            except (TypeError, ValueError):  # a forward inspect cannot read: keep (*args, **kwargs)
+                obj.__dict__["_signature"] = inspect.signature(bound)
+        bound.__signature__ = obj.__dict__["_signature"]
+        return bound
+
+
 class FxoptModule(nn.Module):
     """A model whose training step fxopt plans and rewrites. Used like the original: it shares
     the original's parameters, buffers and submodules (and so its ``state_dict``); forward,
@@ -129,20 +154,45 @@ class FxoptModule(nn.Module):
         self.__dict__["_options"] = options
         self.__dict__["plans"] = []
 
-        def piece_backend(budget, on_plan, whole):
-            def both(plan):
-                on_plan(plan)
-                self.plans.append(plan)
-            # A whole step counts the parameters and buffers it does not read; a piece's reserve
-            # counts everything it does not take (see fxopt.capture.pieces).
-            return make_backend(dataclasses.replace(options, budget=budget), both, resident=model if whole else None)
-
-        backend = PiecewiseBackend(options.budget, piece_backend, graph_breaks)
-        self.__dict__["_backend"] = backend
-        self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=graph_breaks == "error",
-                                                   dynamic=False)
-        self.__dict__["_dynamic"] = None if dynamic is None else DynamicRun(model, options, dynamic, self.plans)
+        self.__dict__["_graph_breaks"] = graph_breaks
+        # One compiled step per amount of gradient memory held when a step starts (see `forward`).
+        self.__dict__["_steps"] = {}
+        # With ``dynamic=``: the calls, by the gradient memory held when a step starts (as `_steps`).
+        self.__dict__["_dims"] = dynamic
+        self.__dict__["_dynamic_runs"] = {} if dynamic is None else {0: DynamicRun(model, options, dynamic, self.plans)}
         self.training = model.training
+
+    def _step_for(self, held_gradient_bytes: int) -> tuple[PiecewiseBackend, Callable]:
+        """The backend and compiled model of steps that start with ``held_gradient_bytes`` of
+        gradients already there (0 normally; the accumulated gradients under gradient
+        accumulation, or zeroed ones after ``zero_grad(set_to_none=False)``). Those stay alive
+        through the whole step beside what it allocates, so such a step is captured and planned
+        on its own, counting them (`fxopt.capture.dynamo.unread_resident_bytes`): torch.compile's
+        guards do not look at ``.grad``, so one compiled step could not tell the two apart."""
+        if held_gradient_bytes not in self._steps:
+            model, options = self._model, self._options
+            if held_gradient_bytes and options.plan is not None:
+                # A given plan was made for a step without them: planned anew where it does not fit.
+                options = dataclasses.replace(options, plan_from_examples=True)
+
+            def piece_backend(budget, on_plan, whole):
+                def both(plan):
+                    on_plan(plan)
+                    self.plans.append(plan)
+                # A whole step counts the parameters, buffers and gradients it does not read; a
+                # piece's reserve counts everything it does not take (see fxopt.capture.pieces).
+                return make_backend(dataclasses.replace(options, budget=budget), both,
+                                    resident=model if whole else None)
+
+            backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks)
+            compiled = torch.compile(model, backend=backend, fullgraph=self._graph_breaks == "error", dynamic=False)
+            self._steps[held_gradient_bytes] = backend, compiled
+        return self._steps[held_gradient_bytes]
+
+    @property
+    def _dynamic(self) -> DynamicRun | None:
+        """The calls of a module planned with ``dynamic=`` that start with no gradient held."""
+        return self._dynamic_runs.get(0)
 
     @property
     def buckets(self) -> list[Bucket] | None:
@@ -161,14 +211,26 @@ class FxoptModule(nn.Module):
     def original(self) -> nn.Module:
         return self._model
 
+    @_WithTheOriginalsSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._dynamic is not None:
-            return self._dynamic(args, kwargs)
-        backend = self._backend
+        held = sum(storages([p.grad for p in self._model.parameters() if p.grad is not None]).values())
+        if self._dims is not None:
+            if held not in self._dynamic_runs:
+                self._dynamic_runs[held] = DynamicRun(self._model, self._options, self._dims, self.plans)
+            return self._dynamic_runs[held](args, kwargs)
+        backend, compiled = self._step_for(held)
         backend.step = Step.start(self._model, [args, kwargs])
         try:
-            out = _run_compiled(self._compiled, args, kwargs, self._options.compiler)
+            out = _run_compiled(compiled, args, kwargs, self._options.compiler)
             pieces = len(backend.step.pieces)
+        except InfeasibleBudgetError as err:
+            if not held:
+                raise
+            raise InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [
+                err.detail, f"This step starts with {format_bytes(held)} of gradients already there (gradient "
+                "accumulation, or zero_grad(set_to_none=False)), alive through the whole step; "
+                "optimizer.zero_grad() (set_to_none, the default) before it frees them."])),
+                err.lower_bound) from None
         finally:
             backend.step = None
         if not pieces and torch.is_grad_enabled() and any(
@@ -202,6 +264,7 @@ class DynamicRun:
         self.model, self.options, self.plans = model, options, plans
         self.state = DynamicState(dims)
         self.compiled: dict[int | None, Any] = {}
+        self.recorded = False
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         state = self.state
@@ -228,8 +291,9 @@ class DynamicRun:
         return out
 
     def _record_plans(self) -> None:
-        if self.state.buckets and not self.plans:
+        if self.state.buckets and not self.recorded:
             self.plans.extend(b.plan for b in self.state.buckets)
+            self.recorded = True
 
     def plan_only(self, args: tuple, kwargs: dict) -> None:
         """Capture and plan at this call's shape without running it (the model is not changed)."""

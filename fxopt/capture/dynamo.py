@@ -84,10 +84,12 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
 
 
 def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
-    """Bytes of ``module``'s parameters and buffers (each storage once) that are not among the
-    captured graph's inputs: the step never reads them, yet they are alive throughout it."""
+    """Bytes of ``module``'s parameters, buffers and existing gradients (each storage once) that
+    are not among the captured graph's inputs: the step never reads them, yet they are alive
+    throughout it. (A gradient already there when the step starts, under gradient accumulation,
+    stays alive while the step runs; the step's new gradient is added into it at the end.)"""
     read = storages(list(example_inputs))
-    return sum(n for key, n in storages(module).items() if key not in read)
+    return sum(n for key, n in storages(module, grads=True).items() if key not in read)
 
 
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,

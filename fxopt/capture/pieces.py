@@ -160,7 +160,9 @@ class PiecewiseBackend:
             raise BudgetError(
                 f"this training step is captured in pieces (a graph break at {where or 'an earlier piece'}), "
                 f"so fxopt plans it piece by piece and needs the budget in bytes, not {self.budget!r}: the "
-                "step's eager peak is not known until every piece has run. Pass bytes or a size such as '2GiB'."
+                "step's eager peak is not known until every piece has run. Pass bytes or a size such as '2GiB' "
+                "(for a share of the eager peak, measure one eager step: peak = fxopt.measure_peak(step, model, "
+                "batch).peak_bytes, then budget=int(0.5 * peak))."
             )
         if where is not None and where not in self.warned:
             self.warned.add(where)
