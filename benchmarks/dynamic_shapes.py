@@ -14,6 +14,9 @@ over the steps (first calls, which capture and plan, included) and the plans it 
 the dynamic module, every length again with the step's peak measured (`fxopt.measure_peak`) and
 its gradients against eager's (same seeds: the same dropout masks).
 
+Part 3, `transformers` decoders (GPT-2, Llama from `benchmarks.hf_zoo`) called with a padding
+mask and labels on five lengths: captures, plans, each length measured, gradients against eager's.
+
 Part 2, `fxopt.max_batch` on the residual MLP, a GPT-2-style transformer and a CNN: fxopt's
 largest batch, eager's and per-block checkpointing's (predicted), the proven bound and the time;
 then measured: fxopt's plan at its batch (`MaxBatch.optimize`), eager at its batch and the next,
@@ -106,6 +109,54 @@ def part_one(steps: int, max_seq: int, batch: int, time_limit: float) -> dict:
                              "max_predicted_peak_bytes": max(p.peak_bytes for p in static.plans)},
         "rows": rows,
     }
+
+
+def _hf_inputs(batch: int, length: int, vocab: int, seed: int):
+    """Token ids, a padding mask (the last sequence right-padded by a quarter) and -100 labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[-1, length - length // 4:] = 0
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def part_three(names: list[str], lengths: list[int], batch: int, time_limit: float) -> list[dict]:
+    """`transformers` decoders from `benchmarks.hf_zoo` (their "bench" configs: 2 layers, width
+    128, 128 positions), called with a padding mask and labels, on several lengths."""
+    from benchmarks.hf_zoo import HF_ZOO, TEXT
+
+    out = []
+    for name in names:
+        torch.manual_seed(0)
+        model, _ = HF_ZOO[name].build("bench", dropout=0.1)
+        vocab, top = TEXT["bench"]["vocab"], max(lengths)
+        eager_peak = fxopt.plan(copy.deepcopy(model), 1.0, _hf_inputs(batch, top, vocab, 0),
+                                time_limit=time_limit).eager_peak_bytes
+        budget = int(0.6 * eager_peak)
+        optimized = fxopt.optimize(copy.deepcopy(model), budget, dynamic={"batch": (2, batch), "seq": (2, top)},
+                                   time_limit=time_limit)
+        eager = copy.deepcopy(model)
+        rows = []
+        t0 = time.perf_counter()
+        for k, length in enumerate(lengths):
+            inputs = _hf_inputs(batch, length, vocab, k)
+            eager.zero_grad(set_to_none=True)
+            torch.manual_seed(k)
+            _step(eager, inputs)
+            ref = {n: p.grad.detach().clone() for n, p in eager.named_parameters() if p.grad is not None}
+            optimized.zero_grad(set_to_none=True)
+            torch.manual_seed(k)
+            peak = fxopt.measure_peak(_step, optimized, inputs, resident=[optimized, inputs]).peak_bytes
+            rows.append({"seq": length, "measured_peak_bytes": peak, "within_budget": peak <= budget,
+                         **compare_grads(optimized, ref)})
+        state = optimized._dynamic.state
+        out.append({"model": name, "hf_class": HF_ZOO[name].hf_class, "batch": batch, "budget_bytes": budget,
+                    "eager_peak_bytes_at_max": eager_peak, "seconds": time.perf_counter() - t0,
+                    "captures": state.captures, "plans": state.plans,
+                    "buckets": [b.to_dict() for b in optimized.buckets], "rows": rows})
+        log(f"{name}: {state.captures} captures, {state.plans} plans, all within budget: "
+            f"{all(r['within_budget'] for r in rows)}, gradients equal: {all(r['grads_equal'] for r in rows)}")
+    return out
 
 
 MAX_BATCH_MODELS = {
@@ -201,6 +252,18 @@ def write(result: dict, out: Path) -> None:
             f"{fits('eager_measured_bytes_at_batch')} / {fits('eager_measured_bytes_at_next')} | {ck} |")
     lines += ["", "✓: measured within the budget, ✗: over it. Eager's and per-block checkpointing's batches are "
               "fxopt's simulation of those methods; their measured peaks show how close that is."]
+    lines += ["", "## `transformers` decoders, with a padding mask and labels", "",
+              "From `benchmarks/hf_zoo.py` (the \"bench\" configs, dropout 0.1), called as "
+              "`model(input_ids, attention_mask, labels)` with the last sequence right-padded; "
+              "`dynamic={\"batch\": (2, B), \"seq\": (2, 128)}` (their loss sets a batch of 1 apart); budget 60% "
+              "of the eager peak at the longest length. Each length measured, gradients against eager's.", "",
+              "| model | budget (MiB) | captures | plans solved | buckets (seq) | lengths: measured peak (MiB), "
+              "within budget, gradients equal |", "|---|---:|---:|---:|---|---|"]
+    for m in result["part_three"]:
+        cells = ", ".join(f"{r['seq']}: {mib(r['measured_peak_bytes'])} {'✓' if r['within_budget'] else '✗'}"
+                          f"{'' if r['grads_equal'] else ' (gradients differ)'}" for r in m["rows"])
+        lines.append(f"| {m['model']} ({m['hf_class']}), batch {m['batch']} | {mib(m['budget_bytes'])} | "
+                     f"{m['captures']} | {m['plans']} | {[b['ranges']['seq'] for b in m['buckets']]} | {cells} |")
     (out / "dynamic_shapes.md").write_text("\n".join(lines) + "\n")
 
 
@@ -211,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--time-limit", type=float, default=10.0)
     p.add_argument("--max-batch-models", default=",".join(MAX_BATCH_MODELS))
+    p.add_argument("--hf", default="gpt2,llama", help="transformers decoders of benchmarks.hf_zoo ('' for none)")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     command = "python -m benchmarks.dynamic_shapes" + ("" if argv is None else " " + " ".join(argv))
@@ -218,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_before"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     result = {"meta": meta,
               "part_one": part_one(args.steps, args.max_seq, args.batch, args.time_limit),
-              "part_two": part_two([n for n in args.max_batch_models.split(",") if n])}
+              "part_two": part_two([n for n in args.max_batch_models.split(",") if n]),
+              "part_three": part_three([n for n in args.hf.split(",") if n], [128, 97, 64, 33, 8], 4,
+                                       args.time_limit)}
     meta["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     write(result, Path(args.out))
     return 0

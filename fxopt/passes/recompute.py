@@ -25,7 +25,6 @@ the backward takes (saved..., tangents...) and returns the gradients of the prim
 
 from __future__ import annotations
 
-import sympy
 import torch
 import torch.fx as fx
 from torch._functorch import partitioners as _p
@@ -36,6 +35,11 @@ from fxopt.errors import CaptureError
 from fxopt.fxgraph import NodeBuilder
 from fxopt.passes.offload import Reloads, offload_saved, reload_positions
 from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate
+
+
+# For each COMPRESSed value of symbolic shape: its sizes as the forward saves them, by their
+# expression (``SymInt.node.expr``).
+SavedDims = dict[str, dict[object, fx.Node]]
 
 
 def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -117,7 +121,7 @@ def _offload(fw_graph: fx.Graph, saved: list[fx.Node], encoded: dict[str, fx.Nod
 
 def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node], constants: list[fx.Node],
                     encoded: dict[str, fx.Node], reloads: Reloads | None, bwd_outputs,
-                    dims: dict[str, dict[sympy.Expr, fx.Node]]) -> fx.Graph:
+                    dims: SavedDims) -> fx.Graph:
     """The backward: the schedule's steps in order, each reading the most recent copy of each
     value; a COMPRESSed value decoded and an OFFLOADed one waited for before its first reader
     (its reload issued where ``reloads`` says; its symbolic sizes read from ``dims``)."""
@@ -187,13 +191,13 @@ def _with_bindings(graph: fx.Graph, sizes: list[fx.Node], taken: list[fx.Node]) 
 
 
 def _saved_dims(fw_graph: fx.Graph, joint: JointGraph, encoded: dict[str, fx.Node],
-                first_sym_output: int) -> dict[str, dict[sympy.Expr, fx.Node]]:
+                first_sym_output: int) -> SavedDims:
     """A decoder needs the shape of what it decodes: for each COMPRESSed value of symbolic
     shape, its sizes (``sym_size``) taken in the forward right after it is encoded and returned
     among the saved sizes (after the saved tensors), by expression."""
     by_name = {n.name: n for n in fw_graph.nodes}
     out_node = next(iter(fw_graph.find_nodes(op="output")))
-    dims: dict[str, dict[sympy.Expr, fx.Node]] = {}
+    dims: SavedDims = {}
     for name, enc in encoded.items():
         value = by_name[name]
         for d, size in enumerate(value.meta["val"].shape):
