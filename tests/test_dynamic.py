@@ -143,6 +143,24 @@ def test_planned_from_example_inputs_then_run_at_other_shapes():
         assert_same_step(eager, optimized, step(eager, (x,)), step(optimized, (x,)))
     touched = {fxopt.buckets.bucket_of(optimized.buckets, {"batch": b}) for b in (512, 3, 200)}
     assert optimized._dynamic.state.captures == 1 + len(touched)  # the planning capture, then one per bucket
+    # The argument for one plan per range, on the simulator itself: the top bucket's schedule,
+    # the eager schedule and the peak lower bound all peak no higher at a smaller batch.
+    from fxopt.api import capture_symbolic
+    from fxopt.solvers import eager_schedule, simulate
+    from fxopt.solvers.instant import peak_lower_bound
+
+    model.zero_grad(set_to_none=True)  # (as when the plans were made: held gradients would count)
+    _, jg = capture_symbolic(model, (torch.randn(8, 32),), DynamicDims.parse({"batch": (1, 512)}), {"batch": 8})
+    top = optimized.buckets[-1]
+    lo = top.ranges.bounds["batch"][0]
+    for at_batch in ([lo, lo + 1, (lo + 512) // 2, 511, 512], [1, 2, 9, 64, 511, 512]):
+        graphs = [jg.symbolic.at({"batch": b}) for b in at_batch]
+        for schedule in ([top.plan.schedule] if at_batch[0] == lo else []) + [eager_schedule(jg.graph)]:
+            peaks = [simulate(g, schedule).peak_bytes for g in graphs]
+            assert peaks == sorted(peaks)
+        bounds = [peak_lower_bound(g)[0] for g in graphs]
+        assert bounds == sorted(bounds)
+    assert simulate(jg.at({"batch": 512}), top.plan.schedule).peak_bytes <= top.plan.budget_bytes
 
 
 def test_a_size_that_specializes_is_refused_with_its_line():
