@@ -67,12 +67,20 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
     ranges = state.dims.ranges
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
-        t0 = time.perf_counter()
         state.captures += 1
         fake_mode = detect_fake_mode(joint_inputs)
+        shape_env = getattr(fake_mode, "shape_env", None)
+        if shape_env is None:
+            return plan_and_split(joint, num_fwd_outputs)
+        check_symbolic(shape_env, seen["names"], ranges)
+        # Nothing fxopt does to the step (its rewrites, analysis, plans) may add a guard: that
+        # would narrow the shapes the compiled step accepts.
+        with shape_env.error_on_new_guards():
+            return plan_and_split(joint, num_fwd_outputs)
+
+    def plan_and_split(joint: fx.GraphModule, num_fwd_outputs: int):
+        t0 = time.perf_counter()
         names = seen["names"]
-        if fake_mode is not None and fake_mode.shape_env is not None:
-            check_symbolic(fake_mode.shape_env, names, ranges)
         if state.analyze_at is not None:
             raise _analyzed(joint, num_fwd_outputs, options, seen["unread"], Sizes(names, state.analyze_at, ranges))
         if state.buckets is None:
