@@ -18,9 +18,10 @@ from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
 from fxopt.buckets import Bucket, bucket_of
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
-from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
+from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, budget_bytes as _budget_bytes
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
-from fxopt.errors import CaptureError, FxoptError, GraphBreakError, InfeasibleBudgetError, check_choice
+from fxopt.distributed import data_parallel
+from fxopt.errors import BudgetError, CaptureError, FxoptError, GraphBreakError, InfeasibleBudgetError, check_choice
 from fxopt.planner import Options
 from fxopt.solvers import DEFAULT_TIME_LIMIT
 from fxopt.solvers.plan import Plan
@@ -40,7 +41,9 @@ def _check_model(model: Any) -> None:
 @contextlib.contextmanager
 def _dynamo_settings():
     cfg = torch._dynamo.config
-    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT)}
+    # Dynamo's DDP optimizer would split the step at DDP's bucket boundaries: fxopt plans it whole
+    # (see fxopt.distributed.data_parallel).
+    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT), "optimize_ddp": False}
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         patch["fail_on_recompile_limit_hit"] = True
     with cfg.patch(**patch), logging_switches():
@@ -160,10 +163,28 @@ class FxoptModule(nn.Module):
         # With ``dynamic=``: the calls, by the gradient memory held when a step starts (as `_steps`).
         self.__dict__["_dims"] = dynamic
         self.__dict__["_dynamic_runs"] = {} if dynamic is None else {0: DynamicRun(model, options, dynamic, self.plans)}
+        if dynamic is not None and (data_parallel.is_ddp(model) or data_parallel.fsdp_units(model)):
+            raise ValueError("dynamic= plans a step captured as one graph; a DDP or FSDP2 model is captured in "
+                             "pieces: plan it without dynamic= (each shape on its own)")
+        if data_parallel.is_ddp(model):
+            data_parallel.check_ddp(model)
+        # An FSDP2 model: planned block by block; the submodules between its units compiled too.
+        units = data_parallel.fsdp_units(model)
+        if units:
+            data_parallel.check_fsdp(units, graph_breaks)
+            if _budget_bytes(options.budget) is None:
+                raise BudgetError(
+                    f"fxopt plans an FSDP2 step piece by piece (FSDP's hooks run between the pieces) and needs "
+                    f"the budget in bytes, not {options.budget!r}: the step's eager peak is not known until every "
+                    "piece has run. Pass bytes or a size such as '2GiB'.")
+        self.__dict__["_fsdp_units"] = units
+        self.__dict__["_eager_modules"] = data_parallel.eager_modules(model, units) if units else []
         self.training = model.training
 
-    def _step_for(self, held_gradient_bytes: int) -> tuple[PiecewiseBackend, Callable]:
-        """The backend and compiled model of steps that start with ``held_gradient_bytes`` of
+    def _step_for(self, held_gradient_bytes: int) -> tuple[PiecewiseBackend, Callable, list[Callable]]:
+        """The backend, the compiled model and the compiled calls of the submodules between FSDP2
+        units (`fxopt.distributed.data_parallel.eager_modules`) of steps that start with
+        ``held_gradient_bytes`` of
         gradients already there (0 normally; the accumulated gradients under gradient
         accumulation, or zeroed ones after ``zero_grad(set_to_none=False)``). Those stay alive
         through the whole step beside what it allocates, so such a step is captured and planned
@@ -179,14 +200,21 @@ class FxoptModule(nn.Module):
                 def both(plan):
                     on_plan(plan)
                     self.plans.append(plan)
-                # A whole step counts the parameters, buffers and gradients it does not read; a
-                # piece's reserve counts everything it does not take (see fxopt.capture.pieces).
+                # A whole step counts the parameters, buffers and gradients it does not read, and
+                # what DDP holds; a piece's reserve counts everything it does not take (see
+                # fxopt.capture.pieces).
+                held = backend.step.held if backend.step is not None else 0
                 return make_backend(dataclasses.replace(options, budget=budget), both,
-                                    resident=model if whole else None)
+                                    resident=model if whole else None, held_bytes=held if whole else 0)
 
             backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks)
-            compiled = torch.compile(model, backend=backend, fullgraph=self._graph_breaks == "error", dynamic=False)
-            self._steps[held_gradient_bytes] = backend, compiled
+            # fxopt.optimize(DDP(model)): DDP's forward runs as it is, its call of the model runs
+            # the compiled step (see fxopt.distributed.data_parallel).
+            target = data_parallel.module_call(model.module) if data_parallel.is_ddp(model) else model
+            compiled = torch.compile(target, backend=backend, fullgraph=self._graph_breaks == "error", dynamic=False)
+            calls = [torch.compile(data_parallel.module_call(m), backend=backend, dynamic=False)
+                     for m in self._eager_modules]
+            self._steps[held_gradient_bytes] = backend, compiled, calls
         return self._steps[held_gradient_bytes]
 
     @property
@@ -208,21 +236,47 @@ class FxoptModule(nn.Module):
         return self.plans[-1] if self.plans else self._options.plan
 
     @property
+    def peak_bound_bytes(self) -> int | None:
+        """The most the plans made so far let the step hold at once: the largest, over the plans, of
+        what the rest of the step holds beside the piece (nothing for a whole step) plus the
+        piece's predicted peak; at most the budget. None before a plan is made. (With
+        ``dynamic=``: the highest of the buckets' plans, each at the top of its bucket.)"""
+        if self._dims is not None:
+            return max((p.peak_bytes for p in self.plans), default=None)
+        return max((b for backend, _, _ in self._steps.values() for b in backend.bounds), default=None)
+
+    @property
     def original(self) -> nn.Module:
         return self._model
 
     @_WithTheOriginalsSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        held = sum(storages([p.grad for p in self._model.parameters() if p.grad is not None]).values())
+        model = self._model
+        held = sum(storages([p.grad for p in model.parameters() if p.grad is not None]).values())
         if self._dims is not None:
             if held not in self._dynamic_runs:
-                self._dynamic_runs[held] = DynamicRun(self._model, self._options, self._dims, self.plans)
+                self._dynamic_runs[held] = DynamicRun(model, self._options, self._dims, self.plans)
             return self._dynamic_runs[held](args, kwargs)
-        backend, compiled = self._step_for(held)
-        backend.step = Step.start(self._model, [args, kwargs])
+        backend, compiled, calls = self._step_for(held)
+        ddp = model if data_parallel.is_ddp(model) else data_parallel.running_ddp(self)
+        if ddp is not None:
+            data_parallel.check_ddp(ddp)
+        units = self._fsdp_units
+        # Held beside the step by no tensor of the model: DDP's buckets (those the gradients are
+        # not views of), a bound on FSDP2's buffers.
+        beside = data_parallel.held_bytes([ddp]) if ddp is not None else 0
+        if units:
+            beside += data_parallel.fsdp_held_bytes(units)
+        step = backend.step = Step.start(model, [args, kwargs], held=beside, every_graph_a_piece=bool(units),
+                                         blocks_to_come=(lambda: data_parallel.units_to_come(units)) if units else None)
         try:
-            out = _run_compiled(compiled, args, kwargs, self._options.compiler)
-            pieces = len(backend.step.pieces)
+            with data_parallel.routes(self._eager_modules, calls):
+                if ddp is model:
+                    with data_parallel.routed(model.module, compiled):
+                        out = _run_compiled(model, args, kwargs, self._options.compiler)
+                else:
+                    out = _run_compiled(compiled, args, kwargs, self._options.compiler)
+            pieces = sum(p.plan is not None for p in step.pieces)
         except InfeasibleBudgetError as err:
             if not held:
                 raise
@@ -233,6 +287,8 @@ class FxoptModule(nn.Module):
                 err.lower_bound) from None
         finally:
             backend.step = None
+        if units and torch.is_grad_enabled():
+            data_parallel.check_planned(out, step.counted())
         if not pieces and torch.is_grad_enabled() and any(
                 t.requires_grad for t in tensors_in(out)):
             raise CaptureError(
@@ -469,7 +525,15 @@ def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[
     ``.backward``."""
     _check_model(model)
     options = Options(budget=budget, **options)
-    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model)
+    if data_parallel.fsdp_units(model):
+        raise GraphBreakError(
+            "an FSDP2 model's step is not one graph (FSDP's hooks run between its blocks), so fxopt plans it "
+            "block by block as it runs: use fxopt.optimize(model, budget) and read its .plans after the first step")
+    held = 0
+    if data_parallel.is_ddp(model):  # the step DDP runs, with DDP's buckets beside it
+        data_parallel.check_ddp(model)
+        held, model = data_parallel.bucket_bytes(model), model.module
+    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:
