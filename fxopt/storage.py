@@ -52,12 +52,14 @@ def tensors_in(obj: Any, *, grads: bool = False) -> list[torch.Tensor]:
     return found
 
 
-def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage under ``t`` (all of it, not only the part ``t`` views)."""
+def storage_bytes(t: torch.Tensor) -> int | torch.SymInt:
+    """Bytes of the storage under ``t`` (all of it, not only the part ``t`` views); a ``SymInt``
+    for a fake tensor of symbolic shape (never turned into an int: that would be a guard)."""
     try:
-        return int(t.untyped_storage().nbytes())
+        nbytes = t.untyped_storage().nbytes()
     except Exception:  # noqa: BLE001 - tensors without storage (sparse, nested): use their elements
-        return t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+    return nbytes if isinstance(nbytes, torch.SymInt) else int(nbytes)
 
 
 def storage_key(t: torch.Tensor) -> StorageKey | None:
