@@ -83,9 +83,9 @@ def test_ops_known_to_allocate_only_their_outputs_do_so_when_measured():
             if scratch.known_increase(node) is None:
                 continue
             scratch._cache.clear()
-            measured = scratch._measure({scratch._signature(node): node})
+            measured = scratch._measure({scratch._signature(node, int): node}, int)
             assert measured, node
-            assert scratch._cache[scratch._signature(node)] == scratch.known_increase(node), node
+            assert scratch._cache[scratch._signature(node, int)] == scratch.known_increase(node), node
             checked += 1
     assert checked >= 10
     sliced = _graph_of(lambda x, w, b: torch.mm(x[:, ::2], w[::2]), x, w, b)
@@ -125,7 +125,7 @@ def test_scratch_measurements_are_cached_on_disk_per_machine(tmp_path, monkeypat
     bad = one_op_graph(torch.ops.fxopt_test.fails_on_real_inputs.default, (256, 64))
     runs = []
     real_measure = scratch._measure
-    monkeypatch.setattr(scratch, "_measure", lambda todo: runs.append(len(todo)) or real_measure(todo))
+    monkeypatch.setattr(scratch, "_measure", lambda todo, at: runs.append(len(todo)) or real_measure(todo, at))
 
     def fresh_process():
         scratch._cache.clear()

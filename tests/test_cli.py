@@ -191,3 +191,17 @@ def test_a_host_budget_cannot_go_with_no_offload(capsys):
         main(["inspect", MLP, "--host-budget", "1GiB", "--no-offload"])
     assert info.value.code == EXIT_USAGE
     assert "--host-budget limits offload" in capsys.readouterr().err
+
+
+def test_inspect_max_batch(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny_mlp.py").write_text(
+        "import torch\nfrom fxopt.models import ResidualMLP\n\n"
+        "def mlp():\n    torch.manual_seed(0)\n    return ResidualMLP(2, 16), (torch.randn(8, 16),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", "tiny_mlp:mlp", "--budget", "50%", "--max-batch"]) == EXIT_USAGE
+    assert "in bytes" in capsys.readouterr().err
+    assert main(["inspect", "tiny_mlp:mlp", "--budget", "96KiB", "--max-batch"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "the largest batch within 96KiB" in out
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") >= 3}
+    assert int(rows["eager"]) <= int(rows["fxopt"]) <= int(rows["no schedule above"])

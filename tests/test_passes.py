@@ -140,3 +140,47 @@ def test_value_saved_only_for_a_dead_recomputation_is_not_saved(monkeypatch):
     unused = [n.name for n in bw.graph.find_nodes(op="placeholder") if not n.users]
     assert unused == []
     assert names[pre] not in [n.name for n in bw.graph.find_nodes(op="placeholder")]
+
+
+class Embedder(nn.Module):
+    """Returns its normalised embeddings and a similarity loss on them (CLIP's shape): the
+    backward of the loss reads the returned embeddings, a forward output."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        e = self.l2(torch.relu(self.l1(x)))
+        e = e / e.norm(dim=-1, keepdim=True)
+        return e, (e @ e.T).logsumexp(-1).mean()
+
+
+def test_the_backward_reads_a_forward_output_it_does_not_save():
+    """A forward output the backward reads is passed to it like a parameter: the caller holds it,
+    and the simulator counts it available, so a plan need not SAVE it (the instant program's
+    plan for a transformers CLIP did not, and the backward could not be built)."""
+    import dataclasses
+
+    from fxopt.solvers.plan import Plan
+    from fxopt.solvers.schedule import simulate
+
+    torch.manual_seed(0)
+    model, x = Embedder(), torch.randn(256, 64)
+    base = fxopt.plan(model, 1.0, (x,))
+    outputs = base.graph.forward_outputs & base.graph.needed_by_backward
+    assert outputs  # the backward reads the returned embeddings
+    schedule = dataclasses.replace(base.schedule, saved=base.schedule.saved - outputs)
+    timeline = simulate(base.graph, schedule)  # valid: outputs are available to the backward
+    plan = Plan.build(graph=base.graph, schedule=schedule, budget_bytes=base.budget_bytes,
+                      eager_peak_bytes=base.eager_peak_bytes, solver="test", status="heuristic", solve_seconds=0.0,
+                      fingerprint=base.fingerprint, module_paths=base.module_paths)
+    eager = copy.deepcopy(model)
+    optimized = fxopt.optimize(copy.deepcopy(model), base.budget_bytes, plan=plan)
+    out_e, out_o = eager(x), optimized(x)
+    out_e[1].backward()
+    out_o[1].backward()
+    torch.testing.assert_close(out_o[0], out_e[0])
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        torch.testing.assert_close(p_o.grad, p_e.grad)
+    assert timeline.peak_bytes <= plan.budget_bytes

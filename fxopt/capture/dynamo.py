@@ -93,10 +93,12 @@ def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
 
 
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
-                 resident: torch.nn.Module | None = None):
+                 resident: torch.nn.Module | None = None, held_bytes: int = 0):
     """A torch.compile backend that plans each captured graph and runs the rewritten step.
     ``resident``: the module being compiled, when known: its parameters and buffers the step does
-    not read are counted in every peak too (a backend given to torch.compile does not see them)."""
+    not read are counted in every peak too (a backend given to torch.compile does not see them).
+    ``held_bytes``: memory alive through the step that no tensor of the module shows (DDP's
+    gradient buckets, `fxopt.distributed.data_parallel`), counted with those."""
     unread = {"bytes": 0}
     # The state of each step's OFFLOAD copies (`fxopt.ops.offload.HostCopies`), which its ops find
     # by key: kept as long as this backend (and so the steps it compiled), because Inductor does
@@ -120,18 +122,18 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
 
         compile_step = inductor_backend(partition, options.inductor_config)
     else:
-        compile_step = _eager_backend(partition)
+        compile_step = eager_backend(partition)
     if resident is None:
         return compile_step
 
     def compile_with_resident(gm: fx.GraphModule, example_inputs):
-        unread["bytes"] = unread_resident_bytes(resident, example_inputs)
+        unread["bytes"] = unread_resident_bytes(resident, example_inputs) + held_bytes
         return compile_step(gm, example_inputs)
 
     return compile_with_resident
 
 
-def _eager_backend(partition: Callable) -> Callable:
+def eager_backend(partition: Callable) -> Callable:
     compile_fn = _boxed
 
     def inference_not_planned(gm, example_inputs):
