@@ -79,3 +79,17 @@ def storages(obj: Any, *, grads: bool = False, device_type: str | None = None) -
         if key is not None and (device_type is None or t.device.type == device_type):
             out[key] = storage_bytes(t)
     return out
+
+
+def storage_refs(obj: Any) -> dict[StorageKey, Any]:
+    """A weak reference to each distinct storage reachable from ``obj`` (see `tensors_in`), by its
+    key: ``ref.expired()`` says whether the storage has been freed since (views and autograd's
+    saved tensors keep it alive, where the tensor object itself may be gone)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = {}
+    for t in tensors_in(obj):
+        key = storage_key(t)
+        if key is not None:
+            out[key] = StorageWeakRef(t.untyped_storage())
+    return out
