@@ -95,6 +95,7 @@ def one_answer(model, inputs, budget, time_limit: float) -> dict:
         except fxopt.InfeasibleBudgetError as err:
             plan, row["infeasible_min_budget"], row["floor"] = None, err.min_budget, err.lower_bound
     row["wall_s"] = time.perf_counter() - t0
+    row["load1"] = os.getloadavg()[0]  # the machine is shared: how busy it was as the answer came
     row["analysis_s"], row["solve_s"] = timers.analysis, timers.solve
     row["capture_s"] = row["wall_s"] - timers.analysis - timers.solve
     if plan is not None:
@@ -149,7 +150,9 @@ def write(rows: list[dict], out: Path, meta: dict) -> None:
     lines = [
         "# Planning time: every answer, split into capture, analysis and solve", "",
         f"`{meta['command']}` · {meta['date']} · torch {meta['torch']} · fxopt git {meta['git']} · "
-        f"{meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads", "",
+        f"{meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads · load average (1 min) "
+        f"{meta['load_start']:.1f} at the start, {min(r['load1'] for r in rows):.1f}–{max(r['load1'] for r in rows):.1f} "
+        "as the answers came (a shared machine: more than the 2 cores' worth slows every row)", "",
         "Plan cache off for every row; the scratch-memory cache starts empty per model (its first row "
         "measures every op). `infeasible`: a 1-byte budget, answered with the smallest budget fxopt "
         "finds, and the floor no schedule goes below; `min`: a plan at that budget, then run and "
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ["FXOPT_CACHE"] = "1"
     meta = run_meta("python -m benchmarks.planning_time " + " ".join(sys.argv[1:] if argv is None else argv))
+    meta["load_start"] = os.getloadavg()[0]
     rows: list[dict] = []
     only = set(args.only.split(",")) if args.only else None
     for name, build in models(args.models.split(","), only):

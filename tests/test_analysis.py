@@ -48,9 +48,48 @@ def test_an_op_that_cannot_be_measured_is_assumed_to_hold_more_than_its_tensors(
 
 
 def test_an_op_that_can_be_measured_is_measured():
-    node = one_op_graph(torch.ops.aten.mm.default, (64, 32), (32, 16))
+    node = one_op_graph(torch.ops.aten.relu.default, (64, 32))
     scratch._cache.clear()
-    assert 64 * 16 * 4 <= scratch.op_increases([node])[node] < scratch.UNMEASURED_FACTOR * (64 * 32 + 32 * 16 + 64 * 16) * 4
+    assert scratch.known_increase(node) is None
+    assert 64 * 32 * 4 <= scratch.op_increases([node])[node] < scratch.UNMEASURED_FACTOR * 2 * 64 * 32 * 4
+
+
+def _graph_of(fn, *inputs) -> list[fx.Node]:
+    """The aten nodes of ``fn`` traced on fake ``inputs`` (given as real tensors: shape, stride)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_ops_known_to_allocate_only_their_outputs_do_so_when_measured():
+    """Every op `known_increase` answers for, in each layout it accepts (contiguous, transposed),
+    allocates exactly what it says when measured; a layout it refuses (a sliced column) is
+    measured instead."""
+    x, w, b = torch.randn(48, 40), torch.randn(40, 24), torch.randn(24)
+    cases = [
+        lambda x, w, b: torch.mm(x, w), lambda x, w, b: torch.mm(x, w.t().contiguous().t()),
+        lambda x, w, b: torch.addmm(b, x, w), lambda x, w, b: torch.bmm(x.view(6, 8, 40), w.expand(6, 40, 24).contiguous()),
+        lambda x, w, b: torch.log_softmax(x, -1), lambda x, w, b: torch.softmax(x, 0),
+        lambda x, w, b: torch.ops.aten._log_softmax_backward_data(x, x.exp(), 1, torch.float32),
+        lambda x, w, b: torch.ops.aten._softmax_backward_data(x, x.exp(), 1, torch.float32),
+        lambda x, w, b: torch.nn.functional.nll_loss(x, torch.zeros(48, dtype=torch.long)),
+        lambda x, w, b: torch.autograd.grad(torch.nn.functional.nll_loss(
+            xx := x.detach().requires_grad_(), torch.zeros(48, dtype=torch.long)), xx)[0],
+    ]
+    checked = 0
+    for fn in cases:
+        for node in _graph_of(fn, x, w, b):
+            if scratch.known_increase(node) is None:
+                continue
+            scratch._cache.clear()
+            measured = scratch._measure({scratch._signature(node, int): node}, int)
+            assert measured, node
+            assert scratch._cache[scratch._signature(node, int)] == scratch.known_increase(node), node
+            checked += 1
+    assert checked >= 10
+    sliced = _graph_of(lambda x, w, b: torch.mm(x[:, ::2], w[::2]), x, w, b)
+    assert all(scratch.known_increase(n) is None for n in sliced if n.target is torch.ops.aten.mm.default)
 
 
 def test_an_op_whose_flops_cannot_be_counted_is_not_recomputed(monkeypatch):
@@ -82,7 +121,7 @@ def test_scratch_measurements_are_cached_on_disk_per_machine(tmp_path, monkeypat
     nothing; a damaged file is ignored and replaced."""
     monkeypatch.setenv("FXOPT_CACHE", "1")
     monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path))
-    mm = one_op_graph(torch.ops.aten.mm.default, (64, 32), (32, 16))
+    mm = one_op_graph(torch.ops.aten.relu.default, (64, 32))
     bad = one_op_graph(torch.ops.fxopt_test.fails_on_real_inputs.default, (256, 64))
     runs = []
     real_measure = scratch._measure

@@ -266,7 +266,7 @@ def test_solve_falls_back_on_planning_without_codecs(monkeypatch):
     import dataclasses
 
     import fxopt.solvers.auto as auto
-    from fxopt.solvers.instant import InstantResult, instant_solve
+    from fxopt.solvers.instant import InstantResult, LowestPeak, instant_solve, lowest_peak, peak_lower_bound
 
     from solver_graphs import mlp2
 
@@ -282,7 +282,13 @@ def test_solve_falls_back_on_planning_without_codecs(monkeypatch):
             return InstantResult(bound=None, plans=(), instants=(), seconds=0.0, infeasible=True)
         return instant_solve(g, budget, **kwargs)
 
+    def lowest_misses_with_codecs(g, **kwargs):  # (the same program without a budget)
+        if g.compressible:
+            return LowestPeak(peak_lower_bound(g)[0], (), (), 0.0)
+        return lowest_peak(g, **kwargs)
+
     monkeypatch.setattr(auto, "instant_solve", misses_with_codecs)
+    monkeypatch.setattr(auto, "lowest_peak", lowest_misses_with_codecs)
     messages = []
     solution = solve(graph, 70, "instant", time_limit=10, on_progress=messages.append)
     assert "no plan fits with compression; planning without it" in messages

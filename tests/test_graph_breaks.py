@@ -70,8 +70,9 @@ def test_a_step_in_pieces_stays_within_the_budget():
     assert_same_step(eager, optimized, loss_e, loss_o)
     assert len(optimized.plans) == 2  # one per piece
     assert all(p.peak_bytes <= p.budget_bytes < budget for p in optimized.plans)
-    # The two pieces' eager plans together do not fit: something is recomputed or compressed.
-    assert any(p.recompute_flops or p.compressed for p in optimized.plans)
+    # The two pieces' eager plans together do not fit: something is recomputed (an elementwise
+    # op, perhaps, which counts no FLOPs) or compressed.
+    assert any(p.recomputed or p.compressed for p in optimized.plans)
     peak = measured_peak(optimized, inputs)
     assert peak <= budget < eager_peak
 

@@ -651,7 +651,7 @@ def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
     proves the budget infeasible, none fits at all; and none peaks below `peak_lower_bound`."""
     from itertools import combinations
 
-    from fxopt.solvers.instant import instant_solve, peak_lower_bound
+    from fxopt.solvers.instant import instant_solve, lowest_peak, peak_lower_bound
     from fxopt.solvers.schedule import on_demand
 
     eager = simulate(graph, eager_schedule(graph)).peak_bytes
@@ -677,6 +677,22 @@ def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
                 if t.peak_bytes <= budget:
                     costs.append(t.recompute_cost)
     assert all(t.peak_bytes >= lowest for t in timelines), "a plan peaks below peak_lower_bound"
+    floor = lowest_peak(graph, time_limit=TIME_LIMIT).floor
+    assert all(t.peak_bytes >= floor for t in timelines), "a plan peaks below the lowest-peak program's floor"
+    # The relaxation, plan by plan: every plan within the budget is a solution of the program
+    # (at the instants modelled last, with the forward's rows), at its cost or less.
+    if res.instants and not res.infeasible:
+        from fxopt.solvers.instant import _Program
+        from fxopt.solvers.mip import byte_unit
+
+        prog = _Program(graph, budget, byte_unit(graph))
+        m, _, _ = prog.build(list(res.instants), list(range(len(prog.order))))
+        fitting = [(sch, t) for sch, t in res.plans if t.peak_bytes <= budget]
+        fitting += [c for h in HEURISTICS.values() for c in h(graph, budget) if c[1].peak_bytes <= budget]
+        for schedule, timeline in fitting:
+            x = prog.values_of(schedule)
+            assert not m.violations(x), "a plan within the budget breaks the instant program"
+            assert m.objective(x) / prog.cost_scale <= timeline.recompute_cost + 1e-9
     if res.infeasible:
         event("proven infeasible")
         assert not costs, "the instant program calls a budget infeasible that a plan meets"
@@ -733,7 +749,9 @@ def test_instant_program_on_a_head(spare, cost):
 def test_ilp_counts_all_outputs_of_a_recomputed_multi_output_op():
     """Found by hypothesis: the backward reads t5_0 early and t5_1 later, both outputs of one op
     t5. Recomputing t5 for t5_0 allocates t5_1 (4 bytes) too; the ILP once counted only what it
-    needed, and its plan peaked at 18 bytes for a budget of 17."""
+    needed, and its plan peaked at 18 bytes for a budget of 17. Counted right (conservatively),
+    the ILP finds no plan for 17; the instant program does (t5 made again for each reader, both
+    outputs taken out each time), simulated, and proves 17 the lowest peak."""
     from fxopt.solvers.graph import Node
 
     graph = Graph((
@@ -753,13 +771,12 @@ def test_ilp_counts_all_outputs_of_a_recomputed_multi_output_op():
         Node("g_x", "backward", inputs=(25,), bytes=1, flops=1, cost=0.01, output=True),
     ))
     assert simulate(graph, eager_schedule(graph)).peak_bytes == 22
-    # Counted right, the ILP finds no plan for 17, nor does any other solver; 18 plans.
     res = solve_ilp(graph, 17, mip_solver="highs", time_limit=TIME_LIMIT)
     assert (res.status, res.schedule) == ("infeasible", None)
+    assert_valid_solution(graph, 17, solve(graph, 17, "auto", time_limit=TIME_LIMIT), "auto")
     with pytest.raises(InfeasibleBudgetError) as info:
-        solve(graph, 17, "auto", time_limit=TIME_LIMIT)
-    assert info.value.min_budget == 18
-    assert_valid_solution(graph, 18, solve(graph, 18, "auto", time_limit=TIME_LIMIT), "auto")
+        solve(graph, 16, "auto", time_limit=TIME_LIMIT)
+    assert info.value.min_budget == 17 == info.value.lower_bound
 
 
 def test_ilp_never_recomputes_a_value_it_keeps_compressed():
@@ -927,3 +944,66 @@ def test_the_smallest_budget_is_searched_once_per_graph(monkeypatch):
     assert auto.min_feasible_budget(graph) == first
     assert auto.min_feasible_budget(graph, known=first + 1) == first
     assert auto.min_feasible_budget(graph, known=first - 1) == first - 1
+
+
+def _viewed_chain() -> Graph:
+    """a = f(x) (16 bytes), v = a.view() (a view, 0.25 to make), y = g(v); the backward reads v
+    twice and a once: every schedule makes v again in the backward (views are never SAVEd)."""
+    b = GraphBuilder()
+    b.input("x", 8)
+    b.input("tan", 1, tangent=True)
+    b.fwd("a", ["x"], 16, cost=1.0)
+    b.fwd("v", ["a"], view_of="a", cost=0.25)
+    b.fwd("y", ["v"], 8, cost=1.0)
+    b.fwd("loss", ["y"], 1, cost=0.5, output=True)
+    b.bwd("g_y", ["tan", "y"], 8)
+    b.bwd("g_v", ["g_y", "v"], 16)
+    b.bwd("g_a", ["g_v", "v", "a"], 16)
+    b.bwd("g_x", ["g_a", "x"], 8, output=True)
+    return b.build()
+
+
+def test_views_every_schedule_makes_again_are_in_the_bound():
+    """At the eager peak the eager schedule is proven optimal: it makes v once (read twice, from
+    the same copy of a), and the instant program's bound counts that step, which every schedule
+    pays (a 100% gap against a bound of 0 before)."""
+    graph = _viewed_chain()
+    eager = simulate(graph, eager_schedule(graph))
+    assert eager.recompute_cost == pytest.approx(0.25)
+    solution = solve(graph, eager.peak_bytes, time_limit=TIME_LIMIT)
+    assert solution.timeline.recompute_cost == pytest.approx(0.25)
+    assert solution.lower_bound_cost == pytest.approx(0.25) and solution.gap == pytest.approx(0.0, abs=1e-9)
+    assert solution.status == "optimal"
+
+
+def test_lowest_peak_floor_holds_and_is_reached_on_a_head():
+    """The instant program without a budget: its floor is no higher than any plan's peak, at least
+    `peak_lower_bound`'s, and on the chain under a head a plan reaches it (proven lowest)."""
+    from fxopt.solvers.instant import lowest_peak, peak_lower_bound
+
+    for graph in (_chain_with_a_head(), chain(8), _viewed_chain()):
+        low = lowest_peak(graph, time_limit=TIME_LIMIT)
+        assert low.floor >= peak_lower_bound(graph)[0]
+        peaks = [t.peak_bytes for h in HEURISTICS.values() for _, t in h(graph, 0)] + [t.peak_bytes for _, t in low.plans]
+        assert min(peaks) >= low.floor
+    graph = _chain_with_a_head()
+    low = lowest_peak(graph, time_limit=TIME_LIMIT)
+    assert low.proven and low.floor == peak_lower_bound(graph)[0]
+
+
+def test_save_more_saves_what_fits_and_costs_less():
+    """A plan that recomputes everything on a chain with room to spare: saving back what fits,
+    most expensive per byte first, keeps it within the budget and costs less."""
+    from fxopt.solvers.heuristics import save_more
+    from fxopt.solvers.schedule import on_demand
+
+    graph = chain(6)
+    nothing = on_demand(graph, [])
+    low = simulate(graph, nothing)
+    budget = low.peak_bytes + 8
+    done = save_more(graph, nothing, budget, seconds=TIME_LIMIT)
+    assert done is not None
+    schedule, timeline = done
+    assert timeline == simulate(graph, schedule)
+    assert timeline.peak_bytes <= budget and timeline.recompute_cost < low.recompute_cost
+    assert schedule.saved > nothing.saved

@@ -85,15 +85,53 @@ def _real_args(node: fx.Node, at):
     return torch.fx.node.map_aggregate(node.args, real), torch.fx.node.map_aggregate(node.kwargs, real)
 
 
+# Ops whose CPU kernels allocate nothing but their outputs in float32/float64 when every input is
+# dense (contiguous, or a contiguous matrix transposed, which BLAS reads as it is): the matrix
+# products copy only operands of other layouts, and the softmax kernels work in their output.
+# They are not run: the largest of a step (a language model's vocabulary projection, its
+# log-softmax) take seconds each on a CPU and would be measured only to find their outputs.
+# tests/test_analysis.py measures each to check.
+_OUTPUTS_ONLY_ON_CPU = frozenset([
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._log_softmax.default, torch.ops.aten._log_softmax_backward_data.default,
+    torch.ops.aten._softmax.default, torch.ops.aten._softmax_backward_data.default,
+    torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss_backward.default,
+])
+
+
+def known_increase(node: fx.Node) -> int | None:
+    """The bytes an op allocates while it runs, where that is known without running it (see
+    `_OUTPUTS_ONLY_ON_CPU`): its outputs'. None otherwise."""
+    if node.op != "call_function" or node.target not in _OUTPUTS_ONLY_ON_CPU:
+        return None
+    outs = _outs(node)
+    inputs = [t for a in node.all_input_nodes for t in tensors_in(a.meta.get("val"))]
+    if not all(isinstance(x, int) for t in outs + inputs for x in (*t.shape, *t.stride(), t.storage_offset())):
+        return None  # symbolic sizes: measured at the shape that stands for them
+    floats = (torch.float32, torch.float64)
+    if not outs or any(t.device.type != "cpu" for t in outs + inputs) or any(o.dtype not in floats for o in outs):
+        return None
+    if any(t.dtype not in floats + (torch.int64,) for t in inputs):  # (int64: a loss's targets)
+        return None
+    dense = lambda t: t.is_contiguous() or t.dim() >= 2 and t.transpose(-1, -2).is_contiguous()  # noqa: E731
+    if not all(o.is_contiguous() and o.storage_offset() == 0 for o in outs) or not all(dense(t) for t in inputs):
+        return None
+    return sum(o.numel() * o.element_size() for o in outs)
+
+
 def op_increases(nodes: list[fx.Node], at=int) -> dict[fx.Node, int]:
-    """For each measurable node, the peak bytes allocated while its op runs (outputs included).
+    """For each measurable node, the peak bytes allocated while its op runs (outputs included):
+    `known_increase` where it knows, else measured (or read from the cache of measurements).
     ``at``: the value of a size at the shape to measure at (a static graph's sizes are ints; see
     `fxopt.analysis.symbolic.Sizes.at`)."""
     todo: dict[tuple, fx.Node] = {}
     keys: dict[fx.Node, tuple] = {}
+    known: dict[fx.Node, int] = {}
     disk = _disk_entries()
     for n in nodes:
-        if _measurable(n, at):
+        if _measurable(n, at) and (size := known_increase(n)) is not None:
+            known[n] = size
+        elif _measurable(n, at):
             k = _signature(n, at)
             keys[n] = k
             if k not in _cache and _digest(k) in disk:
@@ -106,7 +144,7 @@ def op_increases(nodes: list[fx.Node], at=int) -> dict[fx.Node, int]:
         ):
             measured = _measure(todo, at)
         _store({_digest(k): _cache[k] for k in measured})
-    return {n: _cache[k] for n, k in keys.items() if k in _cache}
+    return known | {n: _cache[k] for n, k in keys.items() if k in _cache}
 
 
 def _digest(signature: tuple) -> str:

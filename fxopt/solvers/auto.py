@@ -14,11 +14,12 @@ from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError, check_choice
 from fxopt.solvers.graph import Graph, is_lossy_codec
-from fxopt.solvers.heuristics import HEURISTICS, Candidate, compress_to_fit, offload_all, offload_to_fit
+from fxopt.solvers.heuristics import (HEURISTICS, Candidate, compress_to_fit, greedy, offload_all, offload_to_fit,
+                                      save_more, segments)
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.chain import chain_candidates, min_peak_schedule
-from fxopt.solvers.instant import instant_solve, peak_lower_bound
+from fxopt.solvers.instant import instant_solve, lowest_peak, peak_lower_bound
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
 
@@ -26,7 +27,7 @@ log = logging.getLogger("fxopt")
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 11
+REVISION = 12
 
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
@@ -41,21 +42,32 @@ COMPRESS_TRIES = 12
 ILP_REL_GAP = 0.005
 
 # Share of the time limit "auto" gives the instant program before the ILP.
-INSTANT_TIME_SHARE = 0.4
+INSTANT_TIME_SHARE = 0.75
 
 # Seconds for the whole of one `solve` (every solver, the fallbacks and the search for the smallest
 # budget when nothing fits) unless the caller gives another limit: a user trying budgets gets each
 # answer in seconds; a longer limit may buy a proven-optimal plan on large graphs.
-DEFAULT_TIME_LIMIT = 10.0
+DEFAULT_TIME_LIMIT = 4.0
 
 # The least a time-limited phase is given, even past the deadline, so that a late phase (the
 # lowest-peak search after a long ILP) still answers: a solve may overrun its limit by about this.
-MIN_PHASE_SECONDS = 1.0
+MIN_PHASE_SECONDS = 0.5
+
+# Share of the remaining time "auto" gives to saving more in its cheapest plan, where it still fits,
+# before the ILP (a plan at a tight budget may recompute what it need not where memory is loose).
+SAVE_MORE_TIME_SHARE = 0.2
+
+# The search for the smallest budget stops once a plan is within this share of the proven floor.
+LOWEST_PEAK_SLACK = 0.002
+
+# Share of the search for the smallest budget given to the instant program's lowest peak (its
+# floor, and plans near it) before the ILP's.
+LOWEST_PEAK_TIME_SHARE = 0.4
 
 # Share of the remaining time that the search for the smallest budget (when nothing fits) may
-# spend in the ILP. Its roundings and first incumbents give the lowest peaks it finds on the zoo
-# within a second; the rest is left for planning without the codecs.
-MIN_BUDGET_TIME_SHARE = 0.2
+# spend in the instant program's and the ILP's lowest peaks (searched once per graph and
+# process); the rest is left for planning without the codecs.
+MIN_BUDGET_TIME_SHARE = 0.8
 
 
 class SolverTimeoutWarning(UserWarning):
@@ -123,9 +135,14 @@ def solve(
     check_solver(solver)
     search = _Search(graph, budget, solver, time_limit, on_progress, mip_solver)
     floor, where = peak_lower_bound(graph)
+    reached = lowest_schedule(graph, solver)
     if budget < floor:
         # Proven at once: while ``where`` runs, more than the budget is alive whatever the plan.
         search.progress(f"infeasible: at least {floor} bytes are alive at {where}")
+        search.proven_infeasible = True
+    elif reached is not None and budget < reached.floor:
+        # Proven by the lowest-peak program of an earlier search on this graph.
+        search.progress(f"infeasible: no schedule peaks below {reached.floor} bytes")
         search.proven_infeasible = True
     # "auto" runs the fast heuristics first, and the slower ones (a few seconds each on thousands
     # of nodes) only if the instant program does not prove its plan optimal.
@@ -148,7 +165,12 @@ def solve(
         log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
                     "(please report this graph)", budget)
         search.proven_infeasible = False
-    if not search.proven_infeasible and (solver == "ilp" or solver == "auto" and not search.settled()):
+    # (Past the deadline, what only improves a plan that fits is skipped; a search for one that fits
+    # still runs, each phase given `MIN_PHASE_SECONDS`.)
+    if solver == "auto" and not search.settled() and search.seconds_left() > 0:
+        search.save_more()
+    if not search.proven_infeasible and (solver == "ilp" or solver == "auto" and not search.settled()
+                                         and (search.seconds_left() > 0 or not search.fitting)):
         search.run_ilp()
     if (solver == "ilp" and not any(s.solver.startswith("ilp") for s in search.fitting)
             or solver == "instant" and not search.proven_infeasible
@@ -223,7 +245,11 @@ class _Search:
         for name in names:
             if not fallback:
                 self.progress(f"solver {name}")
-            self.heuristic_runs[name] = HEURISTICS[name](self.graph, self.budget)
+            run = HEURISTICS[name]
+            if run in (segments, greedy):  # (past the deadline they stop trying values one at a time)
+                self.heuristic_runs[name] = run(self.graph, self.budget, deadline=self.t0 + self.time_limit)
+            else:
+                self.heuristic_runs[name] = run(self.graph, self.budget)
             for schedule, timeline in self.heuristic_runs[name]:
                 self.consider(schedule, timeline, name, "heuristic")
                 if timeline.peak_bytes > self.budget and not fallback:
@@ -242,7 +268,9 @@ class _Search:
     def run_instant(self) -> None:
         share = self.phase_seconds(1.0 if self.solver == "instant" else INSTANT_TIME_SHARE)
         self.progress("solver instant")
-        inst = instant_solve(self.graph, self.budget, time_limit=share, mip_solver=self.mip_solver)
+        best = self.cheapest()
+        inst = instant_solve(self.graph, self.budget, time_limit=share, mip_solver=self.mip_solver,
+                             start=best.schedule if best is not None else None)
         self.proven_infeasible = inst.infeasible
         self.raise_bound(inst.bound, "instant")
         for schedule, timeline in inst.plans:
@@ -283,6 +311,16 @@ class _Search:
             done = offload_to_fit(self.graph, schedule, self.budget)
             if done is not None:
                 self.consider(*done, f"{name}+offload", "heuristic")
+
+    def save_more(self) -> None:
+        """The cheapest plan so far with more SAVEd, where it still fits (`save_more`)."""
+        best = self.cheapest()
+        if best is None:
+            return
+        self.progress("saving more where it fits")
+        done = save_more(self.graph, best.schedule, self.budget, seconds=self.phase_seconds(SAVE_MORE_TIME_SHARE))
+        if done is not None:
+            self.consider(*done, f"{best.solver}+save", "heuristic")
 
     def run_ilp(self) -> None:
         """The ILP: its LP relaxation (a bound, and plans rounded from it), then the exact solve,
@@ -388,15 +426,17 @@ class _Search:
             if self.fitting:
                 return self.best()
         # A budget the instant program proved infeasible is below every schedule's peak too.
-        floor = max(peak_lower_bound(graph)[0], budget + 1 if self.proven_infeasible else 0)
+        reached = lowest_schedule(graph, solver)
+        floor = max(peak_lower_bound(graph)[0], budget + 1 if self.proven_infeasible else 0,
+                    reached.floor if reached is not None else 0)
         fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
         if fewer is graph:
             raise InfeasibleBudgetError(budget, min_budget, lower_bound=floor)
-        if budget < peak_lower_bound(graph)[0]:
+        if budget < max(peak_lower_bound(graph)[0], reached.floor if reached is not None else 0):
             # Without the codecs the budget is out of reach too (they only add choices), and their
             # smallest budget is no lower: the search above tried these schedules uncompressed.
-            # (Not on the instant program's word alone: a MIP's proof is checked by planning
-            # without them.)
+            # (Not on the instant program's word alone at this budget: that proof is checked by
+            # planning without them; the floor of its lowest peak is tested against every plan.)
             raise InfeasibleBudgetError(budget, min_budget, lower_bound=floor)
         # The solvers do not always find the lowest peak of the larger problem (more choices,
         # the same time): never let the codecs make a budget infeasible that plans without them.
@@ -463,23 +503,69 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
     heuristic's `COMPRESS_TRIES` lowest-peak schedules are also tried with everything compressed
     and, on a graph that offers OFFLOAD, with everything offloaded whose copies fit in its window
     (`offload_all`; within the host budget)."""
+    t0 = time.perf_counter()
     remembered = _LOWEST.get(_lowest_key(graph, solver))
     if remembered is not None and remembered.searched:
         return remembered.peak if known is None else min(known, remembered.peak)
-    peaks = [] if known is None else [known]
-    lowest: list[tuple[int, Schedule]] = []
+    reached = _Reached(graph, solver, [] if known is None else [known])
+    exact = solver in ("auto", "ilp", "instant")
+    if exact and (chain := min_peak_schedule(graph)) is not None:
+        reached.add(chain.schedule, "chain")
+        if chain.schedule.saved & graph.compressible:
+            reached.add(compress_all(graph, chain.schedule), "chain+compress")
+        reached.offloaded([chain.schedule], "chain")
+    for name in ("checkpoint", "greedy", "segments") if exact else (solver,):
+        candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0)
+        for schedule, timeline in candidates:
+            reached.add(schedule, name, timeline)
+        lowest_first = sorted(candidates, key=lambda c: c[1].peak_bytes)
+        for schedule, _ in [c for c in lowest_first if c[0].saved & graph.compressible][:COMPRESS_TRIES]:
+            reached.add(compress_all(graph, schedule), f"{name}+compress")
+        reached.offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], name)
+    floor = peak_lower_bound(graph)[0]
+    if exact and min(reached.peaks) > floor:
+        # The instant program's lowest peak: a floor for every schedule, and plans near it.
+        low = lowest_peak(graph, time_limit=LOWEST_PEAK_TIME_SHARE * time_limit)
+        floor = max(floor, low.floor)
+        if solver != "ilp":  # (the ILP's minimum is its own; the floor holds for every schedule)
+            for schedule, timeline in low.plans:
+                reached.add(schedule, "instant", timeline)
+            reached.offloaded([s for s, _ in sorted(low.plans, key=lambda p: p[1].peak_bytes)[:COMPRESS_TRIES]],
+                              "instant")
+    if run_ilp and solver in ("ilp", "auto") and min(reached.peaks) > floor * (1 + LOWEST_PEAK_SLACK):
+        model = build_ilp(graph, None, minimize_peak=True)
+        if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
+            incumbent = min(reached.lowest, key=lambda p: p[0]) if reached.lowest else None
+            found = _lowest_peak_schedules(graph, max(MIN_PHASE_SECONDS, time_limit - (time.perf_counter() - t0)),
+                                           None, model, incumbent, target=int(floor * (1 + LOWEST_PEAK_SLACK)))
+            for schedule in found:
+                reached.add(schedule, "ilp")
+            reached.offloaded(found, "ilp")
+    if (remembered := _LOWEST.get(_lowest_key(graph, solver))) is not None:
+        remembered.searched = True
+        remembered.floor = max(remembered.floor, floor)
+    return min(reached.peaks)
 
-    def reach(schedule: Schedule, name: str, timeline: Timeline | None = None) -> None:
-        timeline = timeline or simulate(graph, schedule)
+
+class _Reached:
+    """The peaks `min_feasible_budget` has reached, each schedule simulated and remembered
+    (`_LOWEST`); a schedule over the host budget reaches nothing."""
+
+    def __init__(self, graph: Graph, solver: str, peaks: list[int]):
+        self.graph, self.solver, self.peaks = graph, solver, peaks
+        self.lowest: list[tuple[int, Schedule]] = []
+
+    def add(self, schedule: Schedule, name: str, timeline: Timeline | None = None) -> None:
+        timeline = timeline or simulate(self.graph, schedule)
         if timeline.over_host_budget:
             return
-        peak = timeline.peak_bytes
-        peaks.append(peak)
-        lowest.append((peak, schedule))
-        _remember_lowest(graph, solver, schedule, peak, name)
+        self.peaks.append(timeline.peak_bytes)
+        self.lowest.append((timeline.peak_bytes, schedule))
+        _remember_lowest(self.graph, self.solver, schedule, timeline.peak_bytes, name)
 
-    def reach_offloaded(schedules: list[Schedule], name: str) -> None:
-        # With OFFLOAD offered, each also with everything it may offload (after compressing all).
+    def offloaded(self, schedules: list[Schedule], name: str) -> None:
+        """With OFFLOAD offered, each also with everything it may offload (after compressing all)."""
+        graph = self.graph
         if not graph.offloadable:
             return
         for schedule in schedules:
@@ -488,34 +574,7 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
                 bases.append((compress_all(graph, schedule), f"{name}+compress"))
             for base, label in bases:
                 if (done := offload_all(graph, base)) is not None:
-                    reach(done, f"{label}+offload")
-
-    exact = solver in ("auto", "ilp", "instant")
-    if exact and (chain := min_peak_schedule(graph)) is not None:
-        reach(chain.schedule, "chain")
-        if chain.schedule.saved & graph.compressible:
-            reach(compress_all(graph, chain.schedule), "chain+compress")
-        reach_offloaded([chain.schedule], "chain")
-    names = ("checkpoint", "greedy", "segments") if exact else (solver,)
-    for name in names:
-        candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0)
-        for schedule, timeline in candidates:
-            reach(schedule, name, timeline)
-        lowest_first = sorted(candidates, key=lambda c: c[1].peak_bytes)
-        for schedule, _ in [c for c in lowest_first if c[0].saved & graph.compressible][:COMPRESS_TRIES]:
-            reach(compress_all(graph, schedule), f"{name}+compress")
-        reach_offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], name)
-    if run_ilp and solver in ("ilp", "auto") and min(peaks) > peak_lower_bound(graph)[0]:
-        model = build_ilp(graph, None, minimize_peak=True)
-        if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
-            incumbent = min(lowest, key=lambda p: p[0]) if lowest else None
-            found = _lowest_peak_schedules(graph, time_limit, None, model, incumbent)
-            for schedule in found:
-                reach(schedule, "ilp")
-            reach_offloaded(found, "ilp")
-    if (remembered := _LOWEST.get(_lowest_key(graph, solver))) is not None:
-        remembered.searched = True
-    return min(peaks)
+                    self.add(done, f"{label}+offload")
 
 
 @dataclasses.dataclass
@@ -526,6 +585,7 @@ class Lowest:
     schedule: Schedule
     name: str
     searched: bool = False  # `min_feasible_budget` ran on this graph: ``peak`` is its answer
+    floor: int = 0  # proven: no schedule peaks below it (`fxopt.solvers.instant.lowest_peak`)
 
 
 # The lowest-peak schedule seen so far per (graph, solver) in this process: the plan behind the
@@ -538,7 +598,25 @@ _LOWEST_KEEP = 16
 def _lowest_key(graph: Graph, solver: str) -> tuple:
     """A graph's content (its nodes, and its transfers: an offloading schedule plans only with
     them) and the solver."""
-    return graph.nodes, graph.transfers, solver
+    return _Content(graph), solver
+
+
+class _Content:
+    """A graph's nodes and transfers as a dictionary key, hashed once (a few thousand nodes take
+    milliseconds to hash, and a search looks the key up for every schedule it tries)."""
+
+    def __init__(self, graph: Graph):
+        self.nodes, self.transfers = graph.nodes, graph.transfers
+        self.hash = graph.__dict__.get("_content_hash")
+        if self.hash is None:
+            self.hash = graph.__dict__["_content_hash"] = hash((graph.nodes, graph.transfers))
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, _Content) and self.hash == other.hash
+                and (self.nodes is other.nodes or self.nodes == other.nodes) and self.transfers == other.transfers)
 
 
 def lowest_schedule(graph: Graph, solver: str = "auto") -> Lowest | None:
@@ -551,15 +629,18 @@ def _remember_lowest(graph: Graph, solver: str, schedule: Schedule, peak: int, n
     known = _LOWEST.get(key)
     if known is None or peak < known.peak:
         _LOWEST.pop(key, None)
-        _LOWEST[key] = Lowest(peak, schedule, name, searched=known is not None and known.searched)
+        _LOWEST[key] = Lowest(peak, schedule, name, searched=known is not None and known.searched,
+                              floor=known.floor if known is not None else 0)
         while len(_LOWEST) > _LOWEST_KEEP:
             del _LOWEST[next(iter(_LOWEST))]
 
 
 def _lowest_peak_schedules(graph: Graph, time_limit: float, mip_solver: str | None,
-                           model=None, incumbent: tuple[int, Schedule] | None = None) -> list[Schedule]:
+                           model=None, incumbent: tuple[int, Schedule] | None = None,
+                           target: int | None = None) -> list[Schedule]:
     """The ILP's lowest-peak schedule and the roundings of its LP relaxation (one model for both);
-    ``incumbent``: a schedule and its simulated peak for the ILP to start from."""
+    ``incumbent``: a schedule and its simulated peak for the ILP to start from; ``target``: a peak
+    that is good enough (the ILP stops once it reaches it)."""
     t0 = time.perf_counter()
     model = model or build_ilp(graph, None, minimize_peak=True)
     _, schedules = lp_bound_and_roundings(graph, None, time_limit=time_limit, mip_solver=mip_solver, model=model)
@@ -575,7 +656,7 @@ def _lowest_peak_schedules(graph: Graph, time_limit: float, mip_solver: str | No
     # (The budget only places the incumbent's peak: the model is built already.)
     res = solve_ilp(graph, incumbent[0] if incumbent else None, minimize_peak=True, mip_solver=mip_solver,
                     model=model, warm_start=incumbent[1] if incumbent else None,
-                    time_limit=max(1.0, time_limit - (time.perf_counter() - t0)))
+                    time_limit=max(MIN_PHASE_SECONDS, time_limit - (time.perf_counter() - t0)), peak_target=target)
     if res.schedule is not None:
         out.append(res.schedule)
         out.append(compress_all(graph, res.schedule))

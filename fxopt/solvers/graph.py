@@ -197,10 +197,12 @@ class Graph:
     @functools.cached_property
     def saveable(self) -> frozenset[int]:
         """Forward values that can be SAVEd: computed in the forward anyway, or backward-only values
-        whose inputs are all available in the forward."""
+        whose inputs are all available in the forward. Not `aliases`: a schedule makes a view fresh
+        from its base before each use (so every schedule pays for the views the backward reads, a
+        cost the lower bounds count)."""
         avail = self.forward_required | self.resident
-        out = {i for i in self.forward_required - self.resident if self.nodes[i].tensor}
-        for i in sorted(self.backward_only - self.resident):
+        out = {i for i in self.forward_required - self.resident - self.aliases if self.nodes[i].tensor}
+        for i in sorted(self.backward_only - self.resident - self.aliases):
             if self.nodes[i].tensor and all(j in avail for j in self.nodes[i].inputs):
                 out.add(i)
         return frozenset(out)

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import Schedule, Timeline, must_save, on_demand, save_all_set, simulate
+from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, must_save, on_demand, prune,
+                                    save_all_set, simulate)
 from fxopt.solvers.transfers import INSTANT
 
 Candidate = tuple[Schedule, Timeline]
@@ -67,7 +69,8 @@ def checkpoint(graph: Graph, budget: int) -> list[Candidate]:
     return out
 
 
-def greedy(graph: Graph, budget: int) -> list[Candidate]:
+def greedy(graph: Graph, budget: int, *, deadline: float | None = None) -> list[Candidate]:
+    """``deadline`` (a `time.perf_counter` value): stop dropping values past it."""
     saved = set(save_all_set(graph))
     schedule = on_demand(graph, saved)
     out = [(schedule, simulate(graph, schedule))]
@@ -80,6 +83,8 @@ def greedy(graph: Graph, budget: int) -> list[Candidate]:
     for i in candidates:
         if i not in saved:
             continue
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         saved.discard(i)
         schedule = on_demand(graph, saved)
         timeline = simulate(graph, schedule)
@@ -123,7 +128,8 @@ def checkpoint_cuts(graph: Graph) -> list[int]:
             if i in decidable and graph.roots[i] == i and nodes[i].bytes > 0 and not nodes[i].output]
 
 
-def segments(graph: Graph, budget: int) -> list[Candidate]:
+def segments(graph: Graph, budget: int, *, deadline: float | None = None) -> list[Candidate]:
+    """``deadline`` (a `time.perf_counter` value): stop adding values one at a time past it."""
     nodes = graph.nodes
     decidable = set(_recomputable_saves(graph))
     cuts = checkpoint_cuts(graph)
@@ -158,9 +164,42 @@ def segments(graph: Graph, budget: int) -> list[Candidate]:
         # Then the values after it that still fit, one at a time (a few dozen at most).
         saved = set(base | set(extra[:lo]))
         for i in extra[lo + 1: lo + 41]:
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             if run(saved | {i})[1].peak_bytes <= budget:
                 saved.add(i)
     return out
+
+
+def save_more(graph: Graph, schedule: Schedule, budget: int, *, seconds: float) -> Candidate | None:
+    """`schedule` with values it recomputes SAVEd instead, while its simulated peak stays within
+    ``budget`` and its cost falls: the values whose recomputation costs most per byte first, each
+    tried once (its first recomputation dropped, then all of them), within ``seconds``. None if
+    nothing more fits. (A lowest-peak plan recomputes what it need not where memory is not tight.)"""
+    deadline = time.perf_counter() + seconds
+    nodes = graph.nodes
+    best = (schedule, simulate(graph, schedule))
+    recomputed = {i for i in schedule.recomputed(graph) if i in graph.saveable and graph.roots[i] == i
+                  and nodes[i].bytes > 0 and nodes[i].cost > 0}
+    for v in sorted(recomputed, key=lambda i: (-nodes[i].cost / nodes[i].bytes, i)):
+        for first_only in (True, False):
+            if time.perf_counter() > deadline:
+                return best if best[0] is not schedule else None
+            current = best[0]
+            at = [e for e, i in enumerate(current.backward) if i == v]
+            if not at:
+                break
+            drop = set(at[:1] if first_only else at)
+            backward = tuple(i for e, i in enumerate(current.backward) if e not in drop)
+            try:
+                candidate = prune(graph, dataclasses.replace(current, saved=current.saved | {v}, backward=backward))
+                timeline = simulate(graph, candidate)
+            except InvalidScheduleError:
+                continue
+            if timeline.peak_bytes <= budget and timeline.cost < best[1].cost and not timeline.over_host_budget:
+                best = (candidate, timeline)
+                break
+    return best if best[0] is not schedule else None
 
 
 def compress_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate | None:

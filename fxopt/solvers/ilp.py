@@ -703,11 +703,13 @@ def solve_ilp(
     on_progress: Callable[[Progress], None] | None = None,
     verbose: bool = False,
     model: RematIlp | None = None,
+    peak_target: int | None = None,
 ) -> IlpResult:
     """Solve the ILP. ``mip_solver``: "highs" (default when ``highspy`` is installed) or "cbc".
     ``warm_start``: a schedule to start from (ignored by the solver if it breaks a constraint).
     ``on_progress`` receives `Progress` about once a second (HiGHS only), costs in the cost
-    model's seconds of recomputation."""
+    model's seconds of recomputation. ``peak_target`` (with ``minimize_peak``, HiGHS): stop once a
+    solution peaks at most this many bytes (known to be within reach of the lowest peak)."""
     t0 = time.perf_counter()
     ilp = model or build_ilp(graph, budget, minimize_peak=minimize_peak)
     nvars = ilp.mip.num_vars
@@ -733,8 +735,10 @@ def solve_ilp(
         bound = None if p.bound is None else max(0.0, ilp.recompute_cost(p.bound))
         on_progress(Progress(incumbent, bound, gap(incumbent, bound), p.seconds))
 
+    target = peak_target / ilp.unit if minimize_peak and peak_target is not None else None
     res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), mip_solver=mip_solver,
-                    warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose)
+                    warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose,
+                    target=target)
     seconds = time.perf_counter() - t0
     bound = None if res.bound is None or minimize_peak else max(0.0, ilp.recompute_cost(res.bound))
     if res.x is None:

@@ -152,10 +152,13 @@ def solve_mip(
     threads: int | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     verbose: bool = False,
+    target: float | None = None,
 ) -> MipResult:
     """Solve ``model`` (its LP relaxation with ``relax``) within ``time_limit`` seconds; stop early
-    once the relative gap is below ``rel_gap``. ``warm_start``: every column's value, or some
-    columns' values (a dict) for the solver to complete (HiGHS; CBC ignores a partial start)."""
+    once the relative gap is below ``rel_gap``, or (HiGHS) once a solution's objective is at most
+    ``target`` (one known to be within reach of the optimum). ``warm_start``: every column's
+    value, or some columns' values (a dict) for the solver to complete (HiGHS; CBC ignores a
+    partial start)."""
     mip_solver = mip_solver or default_mip_solver()
     if model.num_vars == 0:
         # Nothing to decide (the backward reads no forward value): HiGHS reports such a model
@@ -165,12 +168,12 @@ def solve_mip(
         return MipResult("optimal", (), 0.0, 0.0, 0.0)
     if mip_solver == "highs":
         t0 = time.perf_counter()
-        res = _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose)
+        res = _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose, target)
         if warm_start is not None and not relax and res.x is not None and not _solution_matches(model, res):
             # HiGHS (1.16) can report a better objective than the solution it returns, which is
             # then the warm start: solve again without it.
             left = time_limit - (time.perf_counter() - t0)
-            res = _solve_highs(model, max(left, 0.01), None, relax, rel_gap, threads, on_progress, verbose)
+            res = _solve_highs(model, max(left, 0.01), None, relax, rel_gap, threads, on_progress, verbose, target)
         return _checked(model, res, rel_gap)
     if mip_solver == "cbc":
         return _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose)
@@ -211,7 +214,7 @@ def _interruptible(on_interrupt: Callable[[], None]):
         signal.signal(signal.SIGINT, previous)
 
 
-def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose) -> MipResult:
+def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose, target=None) -> MipResult:
     import highspy
 
     from fxopt._quiet import silenced
@@ -230,7 +233,7 @@ def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_prog
         if warm_start is not None and not relax:
             _start_highs(h, warm_start)
         if not relax:
-            h.cbMipInterrupt.subscribe(_highs_callback(stop, on_progress, t0))
+            h.cbMipInterrupt.subscribe(_highs_callback(stop, on_progress, t0, target))
         with _interruptible(stop.set):
             h.run()
         status = h.getModelStatus()
@@ -292,12 +295,16 @@ def _start_highs(h, warm_start: list[float] | dict[int, float]) -> None:
     h.setSolution(sol)
 
 
-def _highs_callback(stop: threading.Event, on_progress: Callable[[Progress], None] | None, t0: float):
-    """HiGHS's MIP callback: stop when ``stop`` is set; `Progress` about once a second."""
+def _highs_callback(stop: threading.Event, on_progress: Callable[[Progress], None] | None, t0: float,
+                    target: float | None = None):
+    """HiGHS's MIP callback: stop when ``stop`` is set or a solution reaches ``target``; `Progress`
+    about once a second."""
     last_report = [0.0]
 
     def on_interrupt_check(event) -> None:
         if stop.is_set():
+            event.interrupt()
+        if target is not None and (inc := _finite(event.data_out.mip_primal_bound)) is not None and inc <= target:
             event.interrupt()
         if on_progress is None:
             return

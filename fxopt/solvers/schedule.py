@@ -144,6 +144,9 @@ def _check(graph: Graph, schedule: Schedule) -> None:
     its backward runs every backward node once, in order, recomputing only what may be."""
     nodes = graph.nodes
     saved = frozenset(schedule.saved)
+    bad = saved & graph.aliases
+    if bad:
+        raise InvalidScheduleError(f"cannot save {_names(graph, bad)}: a view, made fresh from its base where read")
     bad = saved - graph.saveable - graph.free
     if bad:
         raise InvalidScheduleError(f"cannot save {_names(graph, bad)}: not computed in the forward")
@@ -161,6 +164,7 @@ def _check(graph: Graph, schedule: Schedule) -> None:
     backward = [i for i in schedule.backward if nodes[i].kind == "backward"]
     if backward != list(graph.backward_nodes):
         raise InvalidScheduleError("the backward must run every backward node once, in graph order")
+    _check_tuples(graph, schedule.backward)
     fwd = forward_set(graph, saved)
     fwd_computed = set(fwd)
     seen_once: set[int] = set()
@@ -174,6 +178,18 @@ def _check(graph: Graph, schedule: Schedule) -> None:
         for j in nodes[i].inputs:
             if nodes[j].kind == "forward" and j not in fwd_computed:
                 raise InvalidScheduleError(f"{nodes[i].name} needs {nodes[j].name}, which the forward does not compute")
+
+
+def _check_tuples(graph: Graph, backward: tuple[int, ...]) -> None:
+    """A multi-output op recomputed in the backward allocates all its outputs, and the generated
+    code takes them out at once (`with_fresh_aliases`): the simulator counts them from there, so
+    it accepts no schedule that takes them out later (their memory would go uncounted meanwhile)."""
+    nodes = graph.nodes
+    for e, i in enumerate(backward):
+        if nodes[i].kind == "forward" and not nodes[i].tensor:
+            items = [u for u in graph.users[i] if nodes[u].kind == "forward"]
+            if list(backward[e + 1:e + 1 + len(items)]) != items:
+                raise InvalidScheduleError(f"{nodes[i].name} is recomputed without all its outputs taken out right after it")
 
 
 # One computation of a value in the backward: (node, its copy (node, n), the copies it reads).
@@ -518,6 +534,13 @@ def _read_events(graph: Graph, steps: list[Step]) -> list[int]:
     return [e for e in range(len(steps)) if keep[e]]
 
 
+def backward_steps(graph: Graph, schedule: Schedule) -> list[Step]:
+    """The backward's steps the generated code keeps, each with the copy it makes and the copies
+    it reads (copy 0: what the forward left, a SAVEd value's)."""
+    steps = _copies(graph, schedule.backward, None)
+    return [steps[e] for e in _read_events(graph, steps)]
+
+
 def kept_steps(graph: Graph, schedule: Schedule) -> list[int]:
     """The positions in ``schedule.backward`` that `prune` keeps."""
     return list(_read_events(graph, _copies(graph, schedule.backward, None)))
@@ -604,20 +627,32 @@ def read_before_recompute(graph: Graph, backward: Iterable[int]) -> frozenset[in
 
 def with_fresh_aliases(graph: Graph, events: Iterable[int]) -> tuple[int, ...]:
     """Finish an event list the way the generated code must run it:
-    - before each event, fresh copies of the aliases (views) it reads;
+    - before each event, a fresh copy of each alias (view) it reads, unless the latest copy of
+      that view was made from the latest copies of what it views (then it is read again: the
+      storage is the same, alive either way, and making it again would cost a step);
     - right after each multi-output op (a tuple), all its outputs: the op allocates them together,
       so they are taken out at once and each lives as long as it is used."""
     out: list[int] = []
     taken: set[int] = set()  # outputs of the latest copy of each tuple, already emitted
+    made: dict[int, int] = {}  # value -> position in `out` of its latest copy
+
+    def current(j: int) -> bool:
+        at = made.get(j)
+        return at is not None and all(made.get(x, -1) < at and (x not in graph.aliases or current(x))
+                                      for x in graph.nodes[j].inputs)
 
     def emit(i: int) -> None:
         for j in dict.fromkeys(graph.nodes[i].inputs):
-            if j in graph.aliases:
+            if j in graph.aliases and not current(j):
                 emit(j)
+        if i in graph.aliases and current(i):
+            return  # an output of the view tuple just made
+        made[i] = len(out)
         out.append(i)
         if not graph.nodes[i].tensor and graph.nodes[i].kind == "forward":
             for g in graph.users[i]:
                 if graph.nodes[g].kind == "forward":
+                    made[g] = len(out)
                     out.append(g)
                     taken.add(g)
 
