@@ -45,6 +45,7 @@ def run(rank: int, world: int, name: str, plan_path: str, out: str, init: str) -
     result: dict = {"rank": rank}
     t0 = time.perf_counter()
     try:
+        torch.set_num_threads(1)  # one process per stage on a few cores
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init}")
         model, inputs, target, loss_fn = workload(name)
         plan = fxopt.PipelinePlan.from_json(plan_path)

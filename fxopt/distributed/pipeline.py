@@ -43,7 +43,8 @@ from fxopt.errors import CaptureError, FxoptError, check_choice
 from fxopt.solvers import DEFAULT_TIME_LIMIT, Solution
 from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
 from fxopt.solvers.stages import (SCHEDULES, CutModel, InFlight, Split, StageResult, cut_and_plan, cut_model,
-                                  in_flight_count, pipeline_timing, runtime_fixed)
+                                  accumulation, in_flight_count, pipeline_timing,
+                                  runtime_fixed)
 from fxopt.storage import tensors_in
 
 SCHEDULE_CLASSES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
@@ -311,10 +312,11 @@ class _StagePlanner:
         sent = _bytes(outputs)
         grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
         extra = self.loss_reserve + (m * sent if self.return_outputs else 0) if last else 0
-        fixed = runtime_fixed(self.cut.schedule, self.cut.stages, m, s, _bytes(inputs), sent, grads, extra)
-        return InFlight(in_flight_count(self.cut.schedule, self.cut.stages, m, s), sent, fixed)
+        sched, count = self.cut.schedule, self.cut.stages
+        fixed = runtime_fixed(sched, count, m, s, _bytes(inputs), sent, extra)
+        return InFlight(in_flight_count(sched, count, m, s), sent, fixed, grads, accumulation(sched, count, m, s))
 
-    def plan_stage(self, s: int, split: Split) -> StageResult:
+    def plan_stage(self, s: int, split: Split, budget: int) -> StageResult:
         from fxopt.api import plan_and_rewrite
 
         stages, inputs = self.modules(split.cuts)
@@ -322,14 +324,14 @@ class _StagePlanner:
         with torch.no_grad():
             out = stage(*inputs[s])
         in_flight = self.in_flight(s, stage.part, inputs[s], out if isinstance(out, tuple) else (out,))
-        ready = plan_and_rewrite(stage.part, self.budget, stage.part_inputs(inputs[s]), in_flight=in_flight,
+        ready = plan_and_rewrite(stage.part, budget, stage.part_inputs(inputs[s]), in_flight=in_flight,
                                  **self.options)
         plan = ready.plan
         self.plans[(split.cuts, s)] = plan
         timeline = plan.timeline()
         graph = plan.graph
         sol = Solution(plan.schedule, timeline, plan.solver, plan.status, plan.solve_seconds)
-        return StageResult(sol, in_flight.device_peak(timeline), in_flight,
+        return StageResult(sol, in_flight.device_peak(graph, plan.schedule, timeline), in_flight,
                            sum(graph.nodes[i].cost for i in graph.forward_required),
                            sum(graph.nodes[i].cost for i in graph.backward_nodes))
 
@@ -388,8 +390,11 @@ def pipeline(
         target = torch.zeros(batch or microbatches)
     mb_args, mb_target = _microbatch(args, target, microbatches)
     options = dict(solver=solver, time_limit=time_limit, compress=compress)
-    whole = plan_and_rewrite(_WithLoss(model, loss_fn), _UNBOUNDED, (*mb_args, mb_target), solver="save_all",
-                             compress=compress).plan
+    ready = plan_and_rewrite(_WithLoss(model, loss_fn), _UNBOUNDED, (*mb_args, mb_target), solver="save_all",
+                             compress=compress)
+    whole = ready.plan
+    fx_nodes = {n.name: n for n in ready.joint.module.graph.nodes}
+    origins = [fx_nodes[name].meta.get("seq_nr") if name in fx_nodes else None for name in ready.joint.names]
     budget_bytes = resolve_budget(budget, whole.eager_peak_bytes)
     points = SplitPoints(model, whole.graph, whole.module_paths)
     with torch.no_grad():
@@ -398,7 +403,7 @@ def pipeline(
     extra[0] = (microbatches - 1) * _bytes(mb_args)
     extra[-1] = microbatches * out_bytes if return_outputs else 0
     cut = cut_model(whole.graph, stages, microbatches, schedule, allowed=points.allowed, solver=solver,
-                    time_limit=min(2.0, time_limit), extra_fixed=extra, last_held=out_bytes)
+                    time_limit=min(2.0, time_limit), extra_fixed=extra, last_held=out_bytes, origins=origins)
     planner = _StagePlanner(model, mb_args, mb_target, loss_fn, points, cut, budget_bytes, options, return_outputs)
     split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
     return _pipeline_plan(planner, whole, split, results, time.perf_counter() - t0)

@@ -63,7 +63,7 @@ from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.auto import (DEFAULT_TIME_LIMIT, Solution, SolverTimeoutWarning, eager_schedule, lowest_schedule,
                                 min_feasible_budget, solve)
 from fxopt.solvers.graph import Graph, Node
-from fxopt.solvers.schedule import Timeline, simulate
+from fxopt.solvers.schedule import Schedule, Timeline, simulate
 
 SCHEDULES = ("1F1B", "GPipe")
 
@@ -92,20 +92,47 @@ def in_flight_count(schedule: str, stages: int, microbatches: int, s: int) -> in
 class InFlight:
     """What a pipeline stage's device holds beside one microbatch's step: ``microbatches`` in
     flight at once (this one included), each of the others with its SAVEd values and
-    ``held_bytes`` (its output, kept for its backward); and ``fixed_bytes`` whatever the plan."""
+    ``held_bytes`` (its output, kept for its backward); ``fixed_bytes`` whatever the plan; and
+    ``accumulated_bytes`` of gradients from earlier microbatches once the first backward is
+    done, when ``accumulating`` microbatches are in flight at most (`accumulation`)."""
 
     microbatches: int = 1
     held_bytes: int = 0
     fixed_bytes: int = 0
+    accumulated_bytes: int = 0
+    accumulating: int = 1
 
-    def device_peak(self, timeline: Timeline) -> int:
-        return timeline.peak_bytes + (self.microbatches - 1) * (timeline.saved_bytes + self.held_bytes) + self.fixed_bytes
+    def device_peak(self, graph: Graph, schedule: Schedule, timeline: Timeline | None = None) -> int:
+        """The device's peak with ``schedule`` for each microbatch (its output counted once where
+        it is SAVEd too)."""
+        timeline = timeline or simulate(graph, schedule)
+        per = timeline.saved_bytes + self.held_bytes - _saved_outputs(graph, schedule)
+        others = max((self.microbatches - 1) * per, (self.accumulating - 1) * per + self.accumulated_bytes)
+        return timeline.peak_bytes + others + self.fixed_bytes
 
     def key(self) -> str:
-        return f"{self.microbatches}x{self.held_bytes}+{self.fixed_bytes}"
+        return f"{self.microbatches}x{self.held_bytes}+{self.fixed_bytes}+{self.accumulating}x{self.accumulated_bytes}"
 
 
-def runtime_fixed(schedule: str, stages: int, microbatches: int, s: int, received, sent, grads, extra=0):
+def _saved_outputs(graph: Graph, schedule: Schedule) -> int:
+    """Bytes of the forward's outputs that are also SAVEd on the device (counted in both)."""
+    on_device = schedule.saved - schedule.compressed - schedule.offloaded - graph.free
+    roots = {graph.roots[i] for i in on_device} & {graph.roots[i] for i in graph.forward_outputs}
+    return sum(graph.nodes[r].bytes for r in roots)
+
+
+def accumulation(schedule: str, stages: int, microbatches: int, s: int) -> int:
+    """Microbatches in flight on stage ``s`` at most once a backward has accumulated gradients:
+    on 1F1B with more microbatches than it warms up with, all of them (its second backward comes
+    after another forward); else one fewer (each backward only lowers the count); none with one
+    microbatch (nothing accumulates)."""
+    k = in_flight_count(schedule, stages, microbatches, s)
+    if microbatches == 1:
+        return 0
+    return k if schedule == "1F1B" and microbatches > k else k - 1
+
+
+def runtime_fixed(schedule: str, stages: int, microbatches: int, s: int, received, sent, extra=0):
     """What torch's runtime holds on stage ``s``'s device beside one microbatch's step, whatever
     the plan (``received``, ``sent``: bytes of one microbatch's stage input and output; ``grads``:
     of its parameters' gradients), as torch 2.13's `PipelineStage` and schedules hold it:
@@ -117,9 +144,7 @@ def runtime_fixed(schedule: str, stages: int, microbatches: int, s: int, receive
       - but on the last stage, a receive buffer per microbatch for the output gradient, and, on
         1F1B with two or more microbatches in flight, the output of the warm-up's last fired
         send, whose work object stays referenced through the steady state;
-      - from the second microbatch on, the gradients accumulated so far (the next backward makes
-        its own beside them).
-
+    (The gradients accumulated from earlier microbatches are `InFlight.accumulated_bytes`.)
     Works on numbers and on numpy arrays alike (the DP calls it on vectors)."""
     m, k = microbatches, in_flight_count(schedule, stages, microbatches, s)
     last = s == stages - 1
@@ -128,7 +153,7 @@ def runtime_fixed(schedule: str, stages: int, microbatches: int, s: int, receive
     else:
         inputs = (m - 1) * received + (m - 1 if schedule == "GPipe" else 1) * received
     outputs = 0 if last else (m - 1) * sent + (sent if schedule != "GPipe" and k >= 2 else 0)
-    return inputs + outputs + (grads if m > 1 else 0) + extra
+    return inputs + outputs + extra
 
 
 def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "auto", *,
@@ -142,8 +167,12 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
     t0 = time.perf_counter()
     k = in_flight.microbatches
     if k == 1:
-        return solve(graph, budget - in_flight.fixed_bytes, solver, time_limit=time_limit, on_progress=on_progress,
-                     mip_solver=mip_solver)
+        try:
+            return solve(graph, budget - in_flight.fixed_bytes, solver, time_limit=time_limit,
+                         on_progress=on_progress, mip_solver=mip_solver)
+        except InfeasibleBudgetError as err:
+            raise InfeasibleBudgetError(budget, err.min_budget + in_flight.fixed_bytes,
+                                        "(A pipeline stage: the budget is its device's.)") from None
     tries = 6
     target, over, found = budget - in_flight.fixed_bytes - (k - 1) * in_flight.held_bytes, None, None
     for attempt in range(tries):
@@ -155,7 +184,7 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
                             mip_solver=mip_solver, on_progress=on_progress)
         except InfeasibleBudgetError:
             break
-        excess = in_flight.device_peak(sol.timeline) - budget
+        excess = in_flight.device_peak(graph, sol.schedule, sol.timeline) - budget
         if excess <= 0:
             found = sol
             break
@@ -168,13 +197,17 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", SolverTimeoutWarning)
                     sol = solve(graph, mid, solver, time_limit=1.0, mip_solver=mip_solver)
-                if in_flight.device_peak(sol.timeline) <= budget and sol.timeline.cost <= found.timeline.cost:
+                if in_flight.device_peak(graph, sol.schedule, sol.timeline) <= budget and sol.timeline.cost <= found.timeline.cost:
                     found = sol
             except InfeasibleBudgetError:
                 pass
     if found is None:
-        raise InfeasibleBudgetError(budget, stage_min_budget(graph, in_flight, solver),
-                                    f"(A pipeline stage holding {k} microbatches.)")
+        least = stage_min_budget(graph, in_flight, solver)
+        lowest = lowest_schedule(graph, solver)
+        if lowest is None or least > budget:
+            raise InfeasibleBudgetError(budget, least, f"(A pipeline stage holding {k} microbatches.)")
+        # The lowest-peak schedule fits where the search's budgets did not reach it.
+        found = Solution(lowest.schedule, simulate(graph, lowest.schedule), lowest.name, "heuristic", 0.0)
     return dataclasses.replace(found, solve_seconds=time.perf_counter() - t0)
 
 
@@ -182,8 +215,7 @@ def stage_min_budget(graph: Graph, in_flight: InFlight, solver: str = "auto") ->
     """The device memory of the stage's lowest-peak schedule with ``in_flight``."""
     min_feasible_budget(graph, solver, time_limit=2.0)
     lowest = lowest_schedule(graph, solver)
-    timeline = simulate(graph, lowest.schedule if lowest is not None else eager_schedule(graph))
-    return in_flight.device_peak(timeline)
+    return in_flight.device_peak(graph, lowest.schedule if lowest is not None else eager_schedule(graph))
 
 
 # ---------------------------------------------------------------- cut points
@@ -206,32 +238,39 @@ def forward_order(graph: Graph) -> list[int]:
     return sorted(graph.forward_required - graph.resident)
 
 
+def input_spans(graph: Graph, order: list[int] | None = None) -> dict[int, tuple[int, int]]:
+    """For each parameter or input the forward reads, the first and last positions reading it:
+    no cut may fall in between."""
+    order = forward_order(graph) if order is None else order
+    spans: dict[int, tuple[int, int]] = {}
+    for q, i in enumerate(order):
+        for j in graph.nodes[i].inputs:
+            if j in graph.resident:
+                r = graph.roots[j]
+                spans[r] = (spans.get(r, (q, q))[0], q)
+    return spans
+
+
 def _reach(graph: Graph, order: list[int]) -> tuple[dict[int, int], list[int]]:
     """For each forward value, the last position of the forward reading it (a backward-only value
     reading it counts at its latest input); and per position, how many parameters or inputs are
     read both at or before it and after it."""
     nodes, pos = graph.nodes, {v: q for q, v in enumerate(order)}
     last: dict[int, int] = {}
-    first_in: dict[int, int] = {}
-    last_in: dict[int, int] = {}
     for q, i in enumerate(order):
         for j in nodes[i].inputs:
             if j in pos:
                 last[j] = max(last.get(j, q), q)
-            elif j in graph.resident:
-                r = graph.roots[j]
-                first_in.setdefault(r, q)
-                last_in[r] = q
     for b in sorted(graph.backward_only - graph.resident):
         ins = [pos[u] for u in nodes[b].inputs if u in pos]
         for u in nodes[b].inputs:
             if u in pos and ins:
                 last[u] = max(last.get(u, pos[u]), max(ins))
     blocked = [0] * (len(order) + 1)
-    for r, a in first_in.items():
-        if last_in[r] > a:
+    for a, b in input_spans(graph, order).values():
+        if b > a:
             blocked[a] += 1
-            blocked[last_in[r]] -= 1
+            blocked[b] -= 1
     return last, list(np.cumsum(blocked[:-1]))
 
 
@@ -286,11 +325,14 @@ def choose_points(graph: Graph, stages: int, allowed: Callable[[int], bool] | No
 
 # ---------------------------------------------------------------- stages of a split
 
-def assign_stages(graph: Graph, positions: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+def assign_stages(graph: Graph, positions: Sequence[int], origins: Sequence | None = None
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
     """The stage of every node when the forward is cut after the given forward positions (see the
     module docstring; -1 for an input no forward value reads), and the conflicts: pairs of stages
     (earlier, later) that some backward node needs values of both from, which no cut between them
-    can give it (a cut there must go)."""
+    can give it (a cut there must go). ``origins``: per node, a label shared by a forward op and
+    the backward nodes that differentiate it (AOTAutograd's ``seq_nr``); a backward node then goes
+    to the latest stage it can run in that holds its forward op, else to the latest it can run in."""
     order, nodes = forward_order(graph), graph.nodes
     count = len(positions) + 1
     stage = [-1] * len(nodes)
@@ -310,6 +352,10 @@ def assign_stages(graph: Graph, positions: Sequence[int]) -> tuple[list[int], li
         ins = [j for j in nodes[b].inputs if stage[j] >= 0 and nodes[j].kind == "forward"]
         for j in ins:
             reach[j] = max(reach[j], max(stage[u] for u in ins))
+    holds: dict = {}
+    for i in order:
+        if origins is not None and origins[i] is not None:
+            holds.setdefault(origins[i], set()).add(stage[i])
     conflicts: list[tuple[int, int]] = []
     for i, node in enumerate(nodes):
         if stage[i] >= 0 and node.kind != "backward":
@@ -323,7 +369,8 @@ def assign_stages(graph: Graph, positions: Sequence[int]) -> tuple[list[int], li
         hi = min([reach[j] for j in ahead] + behind + [count - 1])
         if hi < lo:
             conflicts.append((hi, lo))
-        stage[i] = max(lo, hi) if node.kind == "backward" else lo
+        mine = [t for t in holds.get(origins[i] if origins is not None else None, ()) if lo <= t <= hi]
+        stage[i] = (max(mine) if mine else max(lo, hi)) if node.kind == "backward" else lo
         reach[i] = hi if node.kind == "forward" else stage[i]
     return stage, conflicts
 
@@ -456,6 +503,7 @@ class CutModel:
     schedule: str = "1F1B"
     extra_fixed: tuple[int, ...] = ()
     last_held: int | None = None
+    origins: tuple | None = None  # see `assign_stages`
 
     def in_flight(self, s: int) -> int:
         return in_flight_count(self.schedule, self.stages, self.microbatches, s)
@@ -463,17 +511,19 @@ class CutModel:
 
 def cut_model(graph: Graph, stages: int, microbatches: int, schedule: str = "1F1B", *,
               allowed: Callable[[int], bool] | None = None, solver: str = "auto", time_limit: float = 2.0,
-              extra_fixed: Sequence[int] = (), last_held: int | None = None) -> CutModel:
+              extra_fixed: Sequence[int] = (), last_held: int | None = None, origins: Sequence | None = None
+              ) -> CutModel:
     """The `CutModel` of a step's graph: its cut points (`choose_points`) and their atoms
-    (`atom_of`). Raises `ValueError` when there are fewer than ``stages - 1`` cut points."""
+    (`atom_of`; ``origins`` as for `assign_stages`). Raises `ValueError` when there are fewer
+    than ``stages - 1`` cut points."""
     points = choose_points(graph, stages, allowed)
     if len(points) < stages - 1:
         raise ValueError(
             f"this step has {len(points)} place(s) to cut the forward at (where at most {MAX_CROSSING} tensors "
             f"cross and no parameter is read on both sides), so it cannot be split into {stages} stages; "
-            f"ask for at most {len(points) + 1} stages")
+            f"ask for at most {len(points) + 1} stages" + _widest_input(graph))
     while True:
-        stage, conflicts = assign_stages(graph, [p.position for p in points])
+        stage, conflicts = assign_stages(graph, [p.position for p in points], origins)
         if not conflicts:
             break
         drop = {c for lo, hi in conflicts for c in range(lo, hi)}
@@ -483,7 +533,21 @@ def cut_model(graph: Graph, stages: int, microbatches: int, schedule: str = "1F1
                          f"finds what it reads, so it cannot be split into {stages} stages; ask for at most "
                          f"{len(points) + 1} stages")
     atoms = tuple(atom_of(graph, stage, s, solver, time_limit) for s in range(len(points) + 1))
-    return CutModel(tuple(points), atoms, stages, microbatches, schedule, tuple(extra_fixed), last_held)
+    return CutModel(tuple(points), atoms, stages, microbatches, schedule, tuple(extra_fixed), last_held,
+                    None if origins is None else tuple(origins))
+
+
+def _widest_input(graph: Graph) -> str:
+    """A note naming the parameter or input read across most of the forward, if one is."""
+    order = forward_order(graph)
+    spans = input_spans(graph, order)
+    if not spans or not order:
+        return ""
+    r, (a, b) = max(spans.items(), key=lambda kv: kv[1][1] - kv[1][0])
+    if b - a < len(order) // 2:
+        return ""
+    return (f". {graph.nodes[r].name} is read from forward position {a} to {b} of {len(order)} (a weight "
+            "tied between the first and the last layers?): untie it, or keep its users in one stage")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,8 +617,10 @@ def _segments(model: CutModel, arr: _Arrays, s: int, j: int, i: np.ndarray):
     fixed = arr.params[j] - arr.params[i] + inb + outb
     saved = arr.saved[:, j][:, None] - arr.saved[:, i] + inner
     trans = np.maximum.accumulate(arr.trans[:, i[0]:j][:, ::-1], axis=1)[:, ::-1][:, i - i[0]]
-    buffers = runtime_fixed(model.schedule, model.stages, m, s, inb, outb, arr.grads[j] - arr.grads[i], extra)
-    device = fixed + saved + trans + (k - 1) * (saved + held) + buffers
+    buffers = runtime_fixed(model.schedule, model.stages, m, s, inb, outb, extra)
+    ka = accumulation(model.schedule, model.stages, m, s)
+    others = np.maximum((k - 1) * (saved + held), (ka - 1) * (saved + held) + (ka > 0) * (arr.grads[j] - arr.grads[i]))
+    device = fixed + saved + trans + others + buffers
     recompute = arr.cost[:, j][:, None] - arr.cost[:, i]
     fwd, bwd = arr.fwd[j] - arr.fwd[i], arr.bwd[j] - arr.bwd[i]
     return fwd + bwd + recompute, device, fwd, bwd, recompute
@@ -740,12 +806,13 @@ class StageResult:
         return self.solution.timeline.cost
 
 
-def cut_and_plan(model: CutModel, budget: int, plan_stage: Callable[[int, Split], StageResult], *,
+def cut_and_plan(model: CutModel, budget: int, plan_stage: Callable[[int, Split, int], StageResult], *,
                  rounds: int = FEEDBACK_ROUNDS) -> tuple[Split, list[StageResult]]:
-    """The DP's split, each stage planned exactly by ``plan_stage(s, split)`` (which raises
-    `InfeasibleBudgetError` when the stage does not fit); a stage over the budget raises its
-    margin by the excess and the DP runs again. Raises `InfeasibleBudgetError` with the smallest
-    device budget the lowest-memory split needs, planned exactly."""
+    """The DP's split, each stage planned exactly by ``plan_stage(s, split, budget)`` (which
+    raises `InfeasibleBudgetError` naming the stage's smallest device budget when it does not
+    fit); a stage over the budget raises its margin in the DP by the excess, and the DP runs
+    again. If no round fits, the split with the lowest modelled memory is planned. Raises
+    `InfeasibleBudgetError` with the smallest device budget that split needs, planned exactly."""
     margins = [0] * model.stages
     for _ in range(rounds):
         split = best_split(model, budget, margins)
@@ -754,39 +821,26 @@ def cut_and_plan(model: CutModel, budget: int, plan_stage: Callable[[int, Split]
         results, over = [], False
         for s in range(model.stages):
             try:
-                results.append(plan_stage(s, split))
+                results.append(plan_stage(s, split, budget))
             except InfeasibleBudgetError as err:
                 # The model was short by at least what the exact plan is over.
                 margins[s] += max(1, err.min_budget - budget) + max(0, budget - split.estimates[s].device_bytes)
                 over = True
         if not over:
             return split, results
-    known = _MIN_SPLITS.get(model)
-    if known is not None and budget >= known[0]:
-        # The split behind a smallest budget named before: that budget must plan.
-        split = split_at(model, known[1], budget)
-        return split, [plan_stage(s, split) for s in range(model.stages)]
-    need, cuts = split_min_budget(model, plan_stage)
-    _MIN_SPLITS[model] = (need, cuts)
-    raise InfeasibleBudgetError(budget, need, f"(Split into {model.stages} pipeline stages, {model.microbatches} "
-                                f"microbatches, {model.schedule}; the budget is per device.)")
-
-
-# The smallest device budget named for a cut model, and the split behind it (see `cut_and_plan`).
-_MIN_SPLITS: dict[CutModel, tuple[int, tuple[int, ...]]] = {}
-
-
-def split_min_budget(model: CutModel, plan_stage: Callable[[int, Split], StageResult]) -> tuple[int, tuple[int, ...]]:
-    """The largest device memory of the lowest-memory split's stages, each planned exactly (one
-    that does not fit at ``plan_stage``'s budget counts the smallest it names), and that split."""
     split = min_peak_split(model)
+    try:
+        return split, [plan_stage(s, split, budget) for s in range(model.stages)]
+    except InfeasibleBudgetError:
+        pass
     need = 0
     for s in range(model.stages):
         try:
-            need = max(need, plan_stage(s, split).device_bytes)
+            need = max(need, plan_stage(s, split, 1).device_bytes)
         except InfeasibleBudgetError as err:
             need = max(need, err.min_budget)
-    return need, split.cuts
+    raise InfeasibleBudgetError(budget, need, f"(Split into {model.stages} pipeline stages, {model.microbatches} "
+                                f"microbatches, {model.schedule}; the budget is per device.)")
 
 
 def graph_in_flight(model: CutModel, graph: Graph, sub: Graph, s: int) -> InFlight:
@@ -802,15 +856,15 @@ def graph_in_flight(model: CutModel, graph: Graph, sub: Graph, s: int) -> InFlig
     extra = model.extra_fixed[s] if s < len(model.extra_fixed) else 0
     grads = sum(n.bytes for n in sub.nodes if n.kind == "backward" and n.output
                 and graph.nodes[_original(graph, n.name)].output)
-    fixed = runtime_fixed(model.schedule, model.stages, m, s, received, sent, grads, extra)
-    return InFlight(model.in_flight(s), held, fixed)
+    fixed = runtime_fixed(model.schedule, model.stages, m, s, received, sent, extra)
+    return InFlight(model.in_flight(s), held, fixed, grads, accumulation(model.schedule, model.stages, m, s))
 
 
 def plan_split_graph(graph: Graph, model: CutModel, budget: int, split: Split, s: int, *, solver: str = "auto",
                      time_limit: float = DEFAULT_TIME_LIMIT) -> StageResult:
     """Stage ``s`` of ``split`` planned by `solve_stage` on its part of ``graph`` (the simulated
     pipeline: no stage module is captured)."""
-    stage, _ = assign_stages(graph, [model.points[c].position for c in split.cuts])
+    stage, _ = assign_stages(graph, [model.points[c].position for c in split.cuts], model.origins)
     sub = stage_graph(graph, stage, s)
     in_flight = graph_in_flight(model, graph, sub, s)
     sol = solve_stage(sub, budget, in_flight, solver, time_limit=time_limit)
@@ -820,7 +874,7 @@ def plan_split_graph(graph: Graph, model: CutModel, budget: int, split: Split, s
 def stage_result(sub: Graph, sol: Solution, in_flight: InFlight) -> StageResult:
     fwd = sum(sub.nodes[i].cost for i in sub.forward_required)
     bwd = sum(sub.nodes[i].cost for i in sub.backward_nodes)
-    return StageResult(sol, in_flight.device_peak(sol.timeline), in_flight, fwd, bwd)
+    return StageResult(sol, in_flight.device_peak(sub, sol.schedule, sol.timeline), in_flight, fwd, bwd)
 
 
 def plan_simulated(graph: Graph, stages: int, microbatches: int, budget: int, *, schedule: str = "1F1B",
@@ -831,12 +885,12 @@ def plan_simulated(graph: Graph, stages: int, microbatches: int, budget: int, *,
     DP's. Returns the model, the split, the stages' results and the predicted timing."""
     model = cut_model(graph, stages, microbatches, schedule, solver=solver, time_limit=min(2.0, time_limit))
 
-    def plan_stage(s: int, split: Split) -> StageResult:
+    def plan_stage(s: int, split: Split, budget: int) -> StageResult:
         return plan_split_graph(graph, model, budget, split, s, solver=solver, time_limit=time_limit)
 
     if cuts is not None:
         split = split_at(model, cuts, budget)
-        results = [plan_stage(s, split) for s in range(stages)]
+        results = [plan_stage(s, split, budget) for s in range(stages)]
     else:
         split, results = cut_and_plan(model, budget, plan_stage)
     return model, split, results, timing_of(results, microbatches, schedule)
