@@ -140,3 +140,43 @@ def test_value_saved_only_for_a_dead_recomputation_is_not_saved(monkeypatch):
     unused = [n.name for n in bw.graph.find_nodes(op="placeholder") if not n.users]
     assert unused == []
     assert names[pre] not in [n.name for n in bw.graph.find_nodes(op="placeholder")]
+
+
+class SkipOut(nn.Module):
+    """Returns an activation its own backward reads, as a pipeline stage sends a skip connection on."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.stem, self.body = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        skip = torch.relu(self.stem(x))
+        return self.body(skip), skip
+
+
+def test_a_returned_activation_the_backward_reads_reaches_it(monkeypatch):
+    """A schedule need not SAVE a forward output the backward reads (the caller holds it; the
+    simulator counts it available): the generated backward gets it all the same."""
+    import fxopt.capture.dynamo as capture
+    from fxopt.api import plan_and_rewrite
+    from fxopt.passes.recompute import split_with_recompute
+    from fxopt.solvers.schedule import Schedule, simulate
+
+    joints = []
+    real_split = capture.split_with_recompute
+
+    def spy(jg, schedule):
+        joints.append(jg)
+        return real_split(jg, schedule)
+
+    monkeypatch.setattr(capture, "split_with_recompute", spy)
+    torch.manual_seed(0)
+    model, x = SkipOut(), torch.randn(8, 16)
+    ready = plan_and_rewrite(model, 1.0, (x,), solver="save_all", compress=False)
+    jg, graph = joints[-1], ready.plan.graph
+    relu = [n.name for n in graph.nodes].index("relu")
+    assert relu in graph.forward_outputs and relu in ready.plan.schedule.saved
+    schedule = Schedule(ready.plan.schedule.saved - {relu}, ready.plan.schedule.backward)
+    simulate(graph, schedule)  # valid: the output is there
+    fw, bw = split_with_recompute(jg, schedule)
+    assert "relu" in [n.name for n in bw.graph.find_nodes(op="placeholder")]

@@ -54,8 +54,11 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
     # inputs) it or its recomputations use; inputs cost nothing, they are alive anyway.
     # A SAVEd value counts only if the backward reads it before recomputing it: a saved tensor
     # nothing reads would stay alive for nothing.
+    # A forward output it reads is there too (the caller holds it, and the simulator counts it
+    # available), whether or not the schedule SAVEs it: a module returning an activation its
+    # backward needs (a pipeline stage sending on a skip connection).
     read = read_before_recompute(joint.graph, schedule.backward)
-    wanted = (set(schedule.saved) & read) | {
+    wanted = (set(schedule.saved) & read) | (read & joint.graph.forward_outputs) | {
         j for j in read if nodes[j].kind == "input" and not nodes[j].tangent
     }
     # Tensor constants (``get_attr``) are read from the module by each graph that needs them.
