@@ -345,8 +345,11 @@ def _loss_reserve(loss_fn, output, target, options: dict) -> int:
     if not outputs:
         return 0
     leaf = _receivable([output])[0] if isinstance(output, torch.Tensor) else output
-    plan = plan_and_rewrite(_Loss(loss_fn), _UNBOUNDED, (leaf, target), solver="save_all",
-                            compress=options.get("compress", True)).plan
+    try:
+        plan = plan_and_rewrite(_Loss(loss_fn), _UNBOUNDED, (leaf, target), solver="save_all",
+                                compress=options.get("compress", True)).plan
+    except CaptureError:  # no backward of its own (the output is the loss): nothing beyond it
+        return 0
     return max(0, plan.eager_peak_bytes - _bytes(output) - _bytes(target))
 
 
