@@ -42,9 +42,9 @@ from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import CaptureError, FxoptError, check_choice
 from fxopt.solvers import DEFAULT_TIME_LIMIT, Solution
 from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
-from fxopt.solvers.stages import (SCHEDULES, CutModel, InFlight, Split, StageResult, cut_and_plan, cut_model,
-                                  accumulation, in_flight_count, pipeline_timing,
-                                  runtime_fixed)
+from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, accumulation,
+                                  cut_and_plan, cut_model, in_flight_count, pipeline_timing, plan_split,
+                                  runtime_fixed, split_at)
 from fxopt.storage import tensors_in
 
 SCHEDULE_CLASSES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
@@ -151,6 +151,9 @@ class SplitPoints:
 
     def allowed(self, q: int) -> bool:
         return q in self.options
+
+    def position_of(self, fqn: str, kind: str) -> int | None:
+        return next((q for q, found in self.options.items() if (fqn, kind) in found), None)
 
     def spec(self, positions: Sequence[int]) -> list[tuple[str, str]]:
         """A split point per position, no module used twice (torch's split spec is a dict)."""
@@ -289,11 +292,15 @@ class _StagePlanner:
         self.loss_reserve = _loss_reserve(loss_fn, output, mb_target, options)
         self.splits: dict[tuple[int, ...], tuple[list[StageModule], list[tuple]]] = {}
         self.plans: dict[tuple[tuple[int, ...], int], Any] = {}
+        self.given: dict[tuple[int, ...], list[tuple[str, str]]] = {}  # cuts -> the split points asked for
+
+    def spec(self, cuts: tuple[int, ...]) -> list[tuple[str, str]]:
+        return self.given.get(cuts) or self.points.spec([self.cut.points[c].position for c in cuts])
 
     def modules(self, cuts: tuple[int, ...]) -> tuple[list[StageModule], list[tuple]]:
         """The stage modules of a split and each one's inputs for the first microbatch."""
         if cuts not in self.splits:
-            spec = self.points.spec([self.cut.points[c].position for c in cuts])
+            spec = self.spec(cuts)
             stages = split_model(self.model, self.mb_args, spec, self.single_output)
             inputs, x = [], tuple(self.mb_args)
             with torch.no_grad():
@@ -367,6 +374,7 @@ def pipeline(
     time_limit: float = DEFAULT_TIME_LIMIT,
     compress: bool = True,
     return_outputs: bool = False,
+    split_points: Sequence[tuple[str, str]] | None = None,
 ) -> PipelinePlan:
     """Cut ``model``'s training step into ``stages`` pipeline stages and plan each within
     ``budget`` per device (bytes, a size such as ``"2GiB"``, or a fraction of the unsplit step's
@@ -380,7 +388,9 @@ def pipeline(
     schedule refuses, and `InfeasibleBudgetError` (with ``.min_budget``, per device) when no split
     fits. ``solver``, ``time_limit`` (per stage plan), ``compress``: as for `fxopt.plan`.
     ``return_outputs``: plan for ``schedule.step(..., return_outputs=True)`` (the last stage
-    keeps every microbatch's output).
+    keeps every microbatch's output). ``split_points``: cut there instead of where the DP would,
+    as ``(module name, "BEGINNING" or "END")`` pairs in forward order (torch's `SplitPoint`), and
+    plan each stage (e.g. ``[("h.2", "BEGINNING"), ...]``: equal layers).
     """
     from fxopt.api import plan_and_rewrite
 
@@ -408,15 +418,39 @@ def pipeline(
     cut = cut_model(whole.graph, stages, microbatches, schedule, allowed=points.allowed, solver=solver,
                     time_limit=min(2.0, time_limit), extra_fixed=extra, last_held=out_bytes, origins=origins)
     planner = _StagePlanner(model, mb_args, mb_target, loss_fn, points, cut, budget_bytes, options, return_outputs)
-    split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
+    if split_points is None:
+        split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
+    else:
+        cuts = _given_cuts(cut, points, split_points, stages)
+        planner.given[cuts] = [tuple(p) for p in split_points]
+        split = split_at(cut, cuts, budget_bytes)
+        results = plan_split(cut, split, budget_bytes, planner.plan_stage)
     return _pipeline_plan(planner, whole, split, results, time.perf_counter() - t0)
+
+
+def _given_cuts(cut: CutModel, points: SplitPoints, split_points, stages: int) -> tuple[int, ...]:
+    """The cut points the given split points fall on (indices into ``cut.points``)."""
+    if len(split_points) != stages - 1:
+        raise ValueError(f"{stages} stages need {stages - 1} split points, got {len(split_points)}")
+    at = {p.position: k for k, p in enumerate(cut.points)}
+    cuts = []
+    for fqn, kind in split_points:
+        q = points.position_of(fqn, kind)
+        if q is None or q not in at:
+            raise ValueError(f"the split point ({fqn!r}, {kind!r}) is not at a module boundary where at most "
+                             f"{MAX_CROSSING} tensors cross; the cut points are at "
+                             + ", ".join(f"{m} {k}" for c in cut.points for m, k in points.options[c.position][:1]))
+        cuts.append(at[q])
+    if cuts != sorted(set(cuts)):
+        raise ValueError("the split points must be distinct and in forward order")
+    return tuple(cuts)
 
 
 def _pipeline_plan(planner: _StagePlanner, whole, split: Split, results: list[StageResult], seconds: float
                    ) -> PipelinePlan:
     cut = planner.cut
     stages, inputs = planner.modules(split.cuts)
-    spec = planner.points.spec([cut.points[c].position for c in split.cuts])
+    spec = planner.spec(split.cuts)
     names = [n.name for n in whole.graph.nodes]
     cuts = tuple(Cut(fqn, kind, tuple(names[v] for v in cut.points[c].crossing), cut.points[c].bytes)
                  for (fqn, kind), c in zip(spec, split.cuts))
@@ -433,6 +467,7 @@ def _pipeline_plan(planner: _StagePlanner, whole, split: Split, results: list[St
             fixed_bytes=result.in_flight.fixed_bytes, model_peak_bytes=estimate.device_bytes,
             forward_seconds=result.forward_seconds, backward_seconds=result.backward_seconds,
             recompute_seconds=result.recompute_seconds, sent_bytes=_bytes(outs) if s < len(stages) - 1 else 0,
+            model_seconds=estimate.seconds,
             inputs=_specs(inputs[s], s > 0), outputs=_specs(outs, True),
             modules=(paths[0], paths[-1]) if paths else ("", "")))
     timing = pipeline_timing([r.forward_seconds for r in results],

@@ -49,8 +49,8 @@ class StagePlan:
     the microbatches whose SAVEd values it holds at once (``in_flight``), its predicted memory on
     the device (``peak_bytes``: the plan's peak, plus ``in_flight - 1`` microbatches' SAVEd values
     and ``held_bytes`` each, plus ``fixed_bytes``: receive buffers, the loss), the DP's model of
-    that (``model_peak_bytes``), its predicted seconds per microbatch, what it receives and sends,
-    and the modules it runs (first and last)."""
+    that and of its time (``model_peak_bytes``, ``model_seconds``), its predicted seconds per
+    microbatch, what it receives and sends, and the modules it runs (first and last)."""
 
     plan: Plan
     in_flight: int
@@ -62,6 +62,7 @@ class StagePlan:
     backward_seconds: float
     recompute_seconds: float
     sent_bytes: int
+    model_seconds: float = 0.0
     inputs: tuple[TensorSpec, ...] = ()
     outputs: tuple[TensorSpec, ...] = ()
     modules: tuple[str, str] = ("", "")

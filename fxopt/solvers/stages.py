@@ -62,7 +62,9 @@ import numpy as np
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.auto import (DEFAULT_TIME_LIMIT, Solution, SolverTimeoutWarning, eager_schedule, lowest_schedule,
                                 min_feasible_budget, solve)
+from fxopt.solvers.chain import chain_candidates
 from fxopt.solvers.graph import Graph, Node
+from fxopt.solvers.heuristics import HEURISTICS
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 
 SCHEDULES = ("1F1B", "GPipe")
@@ -70,14 +72,24 @@ SCHEDULES = ("1F1B", "GPipe")
 # The most tensors a cut may carry.
 MAX_CROSSING = 4
 
-# Cut points wanted per stage before a cut may carry more tensors (see `choose_points`).
+# Cut points wanted per stage before a cut may carry more tensors, and the most the DP is given
+# when fewer tensors per cut already allow a split (see `choose_points`).
 POINTS_PER_STAGE = 2
+MAX_POINTS = 256
 
 # Times the DP runs again with a stage's margin raised by what its exact plan was over.
 FEEDBACK_ROUNDS = 4
 
-# The shares of the way from an atom's eager peak to its lowest peak at which it is solved.
+# `solve_stage`: solves at most per stage, the least time each gets, and the share of the budget
+# within which the search between a budget that fits and one that does not stops.
+STAGE_SOLVES = 6
+MIN_STAGE_SECONDS = 0.5
+STAGE_TOLERANCE = 0.01
+
+# The shares of the way from an atom's eager peak to its lowest peak at which it is solved, and
+# the remat levels of the DP: shares of what eager SAVEs (see `atom_options`).
 ATOM_LEVELS = (2 / 3, 1 / 3, 0.0)
+SAVED_LEVELS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.1, 0.0)
 
 
 def in_flight_count(schedule: str, stages: int, microbatches: int, s: int) -> int:
@@ -160,55 +172,65 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
                 time_limit: float = DEFAULT_TIME_LIMIT, on_progress: Callable[[str], None] | None = None,
                 mip_solver: str | None = None) -> Solution:
     """The cheapest schedule of one microbatch's step whose memory on the device with
-    ``in_flight`` (`InFlight.device_peak`) is within ``budget``: `solve` at the budget less what
-    the other microbatches would hold if nothing were SAVEd, then lowered by each excess (and a
-    bisection back up between the last budget over and the first within). Raises
-    `InfeasibleBudgetError` naming the smallest device budget its lowest-peak schedule needs."""
+    ``in_flight`` (`InFlight.device_peak`) is within ``budget``. `solve` bounds the step's peak,
+    not what it SAVEs, so: first at the budget less what the other microbatches would hold if
+    nothing were SAVEd; if that plan's device memory is over, the step's lowest-peak schedule
+    (`min_feasible_budget`) must fit, and the step budget is bisected between its peak and the
+    first (`STAGE_SOLVES` solves in all, sharing ``time_limit``); the cheapest plan that fits wins.
+    Raises `InfeasibleBudgetError` naming the device memory of the lowest-peak schedule."""
     t0 = time.perf_counter()
-    k = in_flight.microbatches
-    if k == 1:
+    k, ka = in_flight.microbatches, in_flight.accumulating
+    if k == 1 and ka <= 1:  # the device's peak is the step's plus what is fixed: one solve
         try:
-            return solve(graph, budget - in_flight.fixed_bytes, solver, time_limit=time_limit,
-                         on_progress=on_progress, mip_solver=mip_solver)
+            return solve(graph, budget - in_flight.fixed_bytes - (in_flight.accumulated_bytes if ka else 0), solver,
+                         time_limit=time_limit, on_progress=on_progress, mip_solver=mip_solver)
         except InfeasibleBudgetError as err:
-            raise InfeasibleBudgetError(budget, err.min_budget + in_flight.fixed_bytes,
+            raise InfeasibleBudgetError(budget, stage_min_budget(graph, in_flight, solver),
                                         "(A pipeline stage: the budget is its device's.)") from None
-    tries = 6
-    target, over, found = budget - in_flight.fixed_bytes - (k - 1) * in_flight.held_bytes, None, None
-    for attempt in range(tries):
-        left = time_limit - (time.perf_counter() - t0)
-        try:
-            with warnings.catch_warnings():  # each try has a share of the time: its time-outs are expected
-                warnings.simplefilter("ignore", SolverTimeoutWarning)
-                sol = solve(graph, target, solver, time_limit=max(1.0, left / (tries - attempt)),
-                            mip_solver=mip_solver, on_progress=on_progress)
-        except InfeasibleBudgetError:
+    held = in_flight.held_bytes
+    high = budget - in_flight.fixed_bytes - max((k - 1) * held, (ka - 1) * held + in_flight.accumulated_bytes)
+
+    def attempt(target: int, share: float) -> tuple[Solution | None, bool]:
+        left = max(MIN_STAGE_SECONDS, share * (time_limit - (time.perf_counter() - t0)))
+        sol = _solve_quietly(graph, target, solver, left, mip_solver, on_progress)
+        return sol, sol is not None and in_flight.device_peak(graph, sol.schedule, sol.timeline) <= budget
+
+    found, fits = attempt(high, 1 / STAGE_SOLVES)
+    if fits:
+        return dataclasses.replace(found, solve_seconds=time.perf_counter() - t0)
+    # The step's budget bounds its peak, not what it SAVEs: search it from the lowest peak up.
+    least = stage_min_budget(graph, in_flight, solver)
+    lowest = lowest_schedule(graph, solver)
+    if lowest is None or least > budget:
+        raise InfeasibleBudgetError(budget, least, f"(A pipeline stage holding {k} microbatches.)")
+    found = Solution(lowest.schedule, simulate(graph, lowest.schedule), lowest.name, "heuristic", 0.0)
+    low = lowest.peak
+    for tries_left in range(STAGE_SOLVES - 1, 0, -1):
+        if high - low <= STAGE_TOLERANCE * budget:
             break
-        excess = in_flight.device_peak(graph, sol.schedule, sol.timeline) - budget
-        if excess <= 0:
-            found = sol
-            break
-        over, target = target, min(target - excess, sol.timeline.peak_bytes - 1)
-    if found is not None and over is not None:
-        # The correction may step past the best budget: try once halfway back up.
-        mid = (target + over) // 2
-        if mid > target:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", SolverTimeoutWarning)
-                    sol = solve(graph, mid, solver, time_limit=1.0, mip_solver=mip_solver)
-                if in_flight.device_peak(graph, sol.schedule, sol.timeline) <= budget and sol.timeline.cost <= found.timeline.cost:
-                    found = sol
-            except InfeasibleBudgetError:
-                pass
-    if found is None:
-        least = stage_min_budget(graph, in_flight, solver)
-        lowest = lowest_schedule(graph, solver)
-        if lowest is None or least > budget:
-            raise InfeasibleBudgetError(budget, least, f"(A pipeline stage holding {k} microbatches.)")
-        # The lowest-peak schedule fits where the search's budgets did not reach it.
-        found = Solution(lowest.schedule, simulate(graph, lowest.schedule), lowest.name, "heuristic", 0.0)
+        target = (low + high) // 2
+        sol, fits = attempt(target, 1 / tries_left)
+        if fits:
+            low = target
+            if sol.timeline.cost < found.timeline.cost:
+                found = sol
+        else:
+            high = target
     return dataclasses.replace(found, solve_seconds=time.perf_counter() - t0)
+
+
+def _solve_quietly(graph: Graph, budget: int, solver: str, time_limit: float, mip_solver, on_progress
+                   ) -> Solution | None:
+    """`solve`, None where nothing fits; each of `solve_stage`'s solves has a share of its time,
+    so a solve that stops at its limit is expected, not warned about."""
+    if budget <= 0:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SolverTimeoutWarning)
+            return solve(graph, budget, solver, time_limit=time_limit, mip_solver=mip_solver, on_progress=on_progress)
+    except InfeasibleBudgetError:
+        return None
 
 
 def stage_min_budget(graph: Graph, in_flight: InFlight, solver: str = "auto") -> int:
@@ -313,13 +335,17 @@ def cut_points(graph: Graph, *, max_tensors: int = MAX_CROSSING, allowed: Callab
 
 def choose_points(graph: Graph, stages: int, allowed: Callable[[int], bool] | None = None) -> list[CutPoint]:
     """The cut points carrying the fewest tensors (1, 2, ... `MAX_CROSSING`) of which there are at
-    least `POINTS_PER_STAGE` per stage, else those of `MAX_CROSSING`: the coarsest structure
-    (a transformer's residual stream, a CNN's block outputs) that leaves the DP a choice."""
+    least `POINTS_PER_STAGE` per stage: the coarsest structure (a transformer's residual stream, a
+    CNN's block outputs) that leaves the DP a choice. Where more tensors per cut would give over
+    `MAX_POINTS` points, fewer are kept as long as they are enough to cut at all."""
+    enough: list[CutPoint] | None = None
     points: list[CutPoint] = []
     for t in range(1, MAX_CROSSING + 1):
         points = cut_points(graph, max_tensors=t, allowed=allowed)
         if len(points) >= POINTS_PER_STAGE * stages:
-            break
+            return enough if enough is not None and len(points) > MAX_POINTS else points
+        if len(points) >= stages - 1:
+            enough = points
     return points
 
 
@@ -459,30 +485,34 @@ _OPTIONS: dict[tuple, tuple] = {}
 
 
 def atom_options(sub: Graph, fixed: int, solver: str = "auto", time_limit: float = 2.0) -> tuple:
-    """An atom's remat options: its eager schedule and `solve`'s at `ATOM_LEVELS` of the way down
-    to its lowest peak, each as (SAVEd bytes, transient bytes, recompute cost) where transient is
-    the peak beyond ``fixed`` (parameters, gradients, what it receives and sends) and the SAVEd
-    bytes; dominated options dropped. Cached by the atom's structure, so repeated blocks are
-    solved once."""
+    """An atom's remat options, one per `SAVED_LEVELS` share: the cheapest schedule found that
+    SAVEs at most that share of what eager SAVEs (the one SAVEing least where none does), as
+    (SAVEd bytes, transient bytes, recompute cost); transient is the peak beyond ``fixed``
+    (parameters, gradients, what it receives and sends) and the SAVEd bytes. The schedules found:
+    eager's, every heuristic's (greedy drops the cheapest values per byte one by one: a whole
+    curve), the chain solver's and `solve`'s at `ATOM_LEVELS` of the way to its lowest peak.
+    Cached by the atom's structure, so repeated blocks are solved once."""
     key = (_structure(sub), fixed, solver)
     if key in _OPTIONS:
         return _OPTIONS[key]
     timelines = [simulate(sub, eager_schedule(sub))]
     if sub.backward_nodes:
+        for name in HEURISTICS:
+            timelines.extend(t for _, t in HEURISTICS[name](sub, 0))
+        timelines.extend(t for _, t in chain_candidates(sub, 0))
         low = min_feasible_budget(sub, solver, time_limit=time_limit)
         high = timelines[0].peak_bytes
         for share in ATOM_LEVELS:
-            budget = int(low + share * (high - low))
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", SolverTimeoutWarning)
-                    timelines.append(solve(sub, budget, solver, time_limit=time_limit).timeline)
-            except InfeasibleBudgetError:
-                continue
-    points = {(t.saved_bytes, max(0, t.peak_bytes - fixed - t.saved_bytes), t.cost) for t in timelines}
-    kept = sorted((p for p in points if not any(q != p and all(a <= b for a, b in zip(q, p)) for q in points)),
-                  key=lambda p: (p[2], p[0], p[1]))
-    _OPTIONS[key] = tuple(kept)
+            sol = _solve_quietly(sub, int(low + share * (high - low)), solver, time_limit, None, None)
+            if sol is not None:
+                timelines.append(sol.timeline)
+    points = [(t.saved_bytes, max(0, t.peak_bytes - fixed - t.saved_bytes), t.cost) for t in timelines]
+    eager = points[0][0]
+    options = []
+    for share in SAVED_LEVELS:
+        within = [p for p in points if p[0] <= share * eager]
+        options.append(min(within, key=lambda p: (p[2], p[1])) if within else min(points, key=lambda p: (p[0], p[2])))
+    _OPTIONS[key] = tuple(options)
     return _OPTIONS[key]
 
 
@@ -821,7 +851,7 @@ def cut_and_plan(model: CutModel, budget: int, plan_stage: Callable[[int, Split,
         results, over = [], False
         for s in range(model.stages):
             try:
-                results.append(plan_stage(s, split, budget))
+                results.append(_within(plan_stage(s, split, budget), budget))
             except InfeasibleBudgetError as err:
                 # The model was short by at least what the exact plan is over.
                 margins[s] += max(1, err.min_budget - budget) + max(0, budget - split.estimates[s].device_bytes)
@@ -830,7 +860,7 @@ def cut_and_plan(model: CutModel, budget: int, plan_stage: Callable[[int, Split,
             return split, results
     split = min_peak_split(model)
     try:
-        return split, [plan_stage(s, split, budget) for s in range(model.stages)]
+        return split, [_within(plan_stage(s, split, budget), budget) for s in range(model.stages)]
     except InfeasibleBudgetError:
         pass
     need = 0
@@ -841,6 +871,29 @@ def cut_and_plan(model: CutModel, budget: int, plan_stage: Callable[[int, Split,
             need = max(need, err.min_budget)
     raise InfeasibleBudgetError(budget, need, f"(Split into {model.stages} pipeline stages, {model.microbatches} "
                                 f"microbatches, {model.schedule}; the budget is per device.)")
+
+
+def _within(result: StageResult, budget: int) -> StageResult:
+    """A stage's result, refused if its device memory is over the budget (never used over it)."""
+    if result.device_bytes > budget:
+        raise InfeasibleBudgetError(budget, result.device_bytes)
+    return result
+
+
+def plan_split(model: CutModel, split: Split, budget: int, plan_stage: Callable[[int, Split, int], StageResult]
+               ) -> list[StageResult]:
+    """A given split's stages planned exactly (as for `cut_and_plan`); raises
+    `InfeasibleBudgetError` with the largest smallest budget of the stages that do not fit."""
+    results, need = [], 0
+    for s in range(model.stages):
+        try:
+            results.append(_within(plan_stage(s, split, budget), budget))
+        except InfeasibleBudgetError as err:
+            need = max(need, err.min_budget)
+    if need:
+        raise InfeasibleBudgetError(budget, need, f"(These {model.stages} pipeline stages, {model.microbatches} "
+                                    f"microbatches, {model.schedule}; the budget is per device.)")
+    return results
 
 
 def graph_in_flight(model: CutModel, graph: Graph, sub: Graph, s: int) -> InFlight:
@@ -890,7 +943,7 @@ def plan_simulated(graph: Graph, stages: int, microbatches: int, budget: int, *,
 
     if cuts is not None:
         split = split_at(model, cuts, budget)
-        results = [plan_stage(s, split, budget) for s in range(stages)]
+        results = plan_split(model, split, budget, plan_stage)
     else:
         split, results = cut_and_plan(model, budget, plan_stage)
     return model, split, results, timing_of(results, microbatches, schedule)
