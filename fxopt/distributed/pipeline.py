@@ -131,7 +131,7 @@ class SplitPoints:
         from fxopt.solvers.stages import forward_order
 
         self.order = forward_order(graph)
-        paths = [module_of(module_paths[i]) if module_paths else None for i in self.order]
+        self.paths = paths = [module_of(module_paths[i]) if module_paths else None for i in self.order]
         chains = [None if p is None else _chain(p, model) for p in paths]
         spans: dict[str, list[int]] = {}
         for q, chain in enumerate(chains):

@@ -175,9 +175,10 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
     ``in_flight`` (`InFlight.device_peak`) is within ``budget``. `solve` bounds the step's peak,
     not what it SAVEs, so: first at the budget less what the other microbatches would hold if
     nothing were SAVEd; if that plan's device memory is over, the step's lowest-peak schedule
-    (`min_feasible_budget`) must fit, and the step budget is bisected between its peak and the
-    first (`STAGE_SOLVES` solves in all, sharing ``time_limit``); the cheapest plan that fits wins.
-    Raises `InfeasibleBudgetError` naming the device memory of the lowest-peak schedule."""
+    and the heuristics' schedules (`_candidates`) are checked, and the step budget is bisected
+    between the cheapest fitting one's peak and the first (`STAGE_SOLVES` solves in all, sharing
+    ``time_limit``); the cheapest plan that fits wins. Raises `InfeasibleBudgetError` naming the
+    least device memory of those schedules."""
     t0 = time.perf_counter()
     k, ka = in_flight.microbatches, in_flight.accumulating
     if k == 1 and ka <= 1:  # the device's peak is the step's plus what is fixed: one solve
@@ -198,13 +199,16 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
     found, fits = attempt(high, 1 / STAGE_SOLVES)
     if fits:
         return dataclasses.replace(found, solve_seconds=time.perf_counter() - t0)
-    # The step's budget bounds its peak, not what it SAVEs: search it from the lowest peak up.
-    least = stage_min_budget(graph, in_flight, solver)
-    lowest = lowest_schedule(graph, solver)
-    if lowest is None or least > budget:
-        raise InfeasibleBudgetError(budget, least, f"(A pipeline stage holding {k} microbatches.)")
-    found = Solution(lowest.schedule, simulate(graph, lowest.schedule), lowest.name, "heuristic", 0.0)
-    low = lowest.peak
+    # The step's budget bounds its peak, not what it SAVEs. The heuristics' schedules (greedy's
+    # whole curve of fewer SAVEd values) give a plan that fits, if one does; then the step budget
+    # is bisected between its peak and the first one's.
+    candidates = _candidates(graph, in_flight, solver)
+    fitting = [sol for sol, device in candidates if device <= budget]
+    if not fitting:
+        raise InfeasibleBudgetError(budget, min(device for _, device in candidates),
+                                    f"(A pipeline stage holding {k} microbatches.)")
+    found = min(fitting, key=lambda sol: sol.timeline.cost)
+    low = found.timeline.peak_bytes
     for tries_left in range(STAGE_SOLVES - 1, 0, -1):
         if high - low <= STAGE_TOLERANCE * budget:
             break
@@ -217,6 +221,20 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
         else:
             high = target
     return dataclasses.replace(found, solve_seconds=time.perf_counter() - t0)
+
+
+def _candidates(graph: Graph, in_flight: InFlight, solver: str) -> list[tuple[Solution, int]]:
+    """Schedules to start a stage's search from, with their device memory: every heuristic's
+    (greedy's whole curve of fewer SAVEd values among them), the chain solver's, and the lowest-
+    peak schedule `min_feasible_budget` finds."""
+    min_feasible_budget(graph, solver, time_limit=2.0)
+    found = [c for name in HEURISTICS for c in HEURISTICS[name](graph, 0)] + chain_candidates(graph, 0)
+    lowest = lowest_schedule(graph, solver)
+    if lowest is not None:
+        found.append((lowest.schedule, simulate(graph, lowest.schedule)))
+    return [(Solution(schedule, timeline, "heuristic", "heuristic", 0.0),
+             in_flight.device_peak(graph, schedule, timeline)) for schedule, timeline in found
+            if not timeline.over_host_budget]
 
 
 def _solve_quietly(graph: Graph, budget: int, solver: str, time_limit: float, mip_solver, on_progress
@@ -234,10 +252,8 @@ def _solve_quietly(graph: Graph, budget: int, solver: str, time_limit: float, mi
 
 
 def stage_min_budget(graph: Graph, in_flight: InFlight, solver: str = "auto") -> int:
-    """The device memory of the stage's lowest-peak schedule with ``in_flight``."""
-    min_feasible_budget(graph, solver, time_limit=2.0)
-    lowest = lowest_schedule(graph, solver)
-    return in_flight.device_peak(graph, lowest.schedule if lowest is not None else eager_schedule(graph))
+    """The least device memory with ``in_flight`` of the schedules `solve_stage` starts from."""
+    return min(device for _, device in _candidates(graph, in_flight, solver))
 
 
 # ---------------------------------------------------------------- cut points
