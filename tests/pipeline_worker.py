@@ -40,16 +40,19 @@ def eager_reference(model, inputs, target, loss_fn, microbatches: int):
     return losses, {n: p.grad for n, p in ref.named_parameters()}
 
 
-def run(rank: int, world: int, name: str, plan_path: str, out: str, init: str) -> None:
+def run(rank: int, world: int, name: str, plan_path: str, out: str, init: str, backend: str = "gloo") -> None:
     result: dict = {"rank": rank, "ok": False}
     t0 = time.perf_counter()
     try:
         torch.set_num_threads(1)  # a process per stage on a few cores
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init}")
+        dist.init_process_group(backend, rank=rank, world_size=world, init_method=f"file://{init}")
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         model, inputs, target, loss_fn = workload(name)
         plan = fxopt.PipelinePlan.from_json(plan_path)
         losses_ref, grads_ref = eager_reference(model, inputs, target, loss_fn, plan.microbatches)
-        schedule = build_schedule(plan, model, loss_fn)
+        model.to(device)
+        inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
+        schedule = build_schedule(plan, model, loss_fn, device=device)
         first, last = rank == 0, rank == world - 1
 
         def step():
@@ -66,7 +69,7 @@ def run(rank: int, world: int, name: str, plan_path: str, out: str, init: str) -
         params = {n: p for n, p in model.named_parameters() if any(p is q for q in schedule._stage.submod.parameters())}
         result["params"] = sorted(params)
         for n, p in params.items():
-            torch.testing.assert_close(p.grad, grads_ref[n], rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(p.grad.cpu(), grads_ref[n], rtol=1e-4, atol=1e-5,
                                        msg=lambda m, n=n: f"rank {rank}: the gradient of {n}: {m}")
         if last:
             torch.testing.assert_close(torch.tensor([v.item() for v in peak.result]), torch.tensor(losses_ref))

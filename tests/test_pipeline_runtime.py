@@ -10,6 +10,7 @@ import multiprocessing
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 import fxopt
@@ -23,14 +24,14 @@ PRELOAD = ["torch", "torch.export", "torch.distributed.pipelining", "torch._dyna
            "fxopt.distributed.pipeline", "pipeline_worker"]
 
 
-def run_ranks(name: str, plan: fxopt.PipelinePlan, tmp_path) -> list[dict]:
+def run_ranks(name: str, plan: fxopt.PipelinePlan, tmp_path, backend: str = "gloo") -> list[dict]:
     """Start one process per stage and return what each rank found."""
     path = tmp_path / "plan.json"
     plan.to_json(path)
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     ranks = len(plan.stages)
     context = mp.start_processes(pipeline_worker.run, args=(ranks, name, str(path), str(tmp_path),
-                                                            str(tmp_path / "init")),
+                                                            str(tmp_path / "init"), backend),
                                  nprocs=ranks, join=False, start_method="forkserver")
     deadline = time.monotonic() + DEADLINE
     try:
@@ -69,3 +70,14 @@ def test_skip_cnn_two_stages_gpipe_at_the_smallest_budget(tmp_path):
     assert len(plan.cuts[0].crossing) == 2  # the long skip crosses with the block output
     results = run_ranks("cnn", plan, tmp_path)
     assert all(r["peak"] <= err.value.min_budget for r in results)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one NCCL rank per stage)")
+def test_gpt2_two_stages_nccl(tmp_path):
+    """The same on two GPUs with NCCL (planned on the first GPU, so the stage plans are CUDA's)."""
+    model, inputs, target, loss_fn = pipeline_worker.workload("gpt2")
+    model.cuda()
+    plan = fxopt.pipeline(model, tuple(t.cuda() for t in inputs), target=target.cuda(), loss_fn=loss_fn, stages=2,
+                          microbatches=4, budget=0.6, time_limit=1.0)
+    run_ranks("gpt2", plan, tmp_path, backend="nccl")

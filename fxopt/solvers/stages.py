@@ -228,13 +228,13 @@ def _candidates(graph: Graph, in_flight: InFlight, solver: str) -> list[tuple[So
     (greedy's whole curve of fewer SAVEd values among them), the chain solver's, and the lowest-
     peak schedule `min_feasible_budget` finds."""
     min_feasible_budget(graph, solver, time_limit=2.0)
-    found = [c for name in HEURISTICS for c in HEURISTICS[name](graph, 0)] + chain_candidates(graph, 0)
+    found = [(name, *c) for name in HEURISTICS for c in HEURISTICS[name](graph, 0)]
+    found += [("chain", *c) for c in chain_candidates(graph, 0)]
     lowest = lowest_schedule(graph, solver)
     if lowest is not None:
-        found.append((lowest.schedule, simulate(graph, lowest.schedule)))
-    return [(Solution(schedule, timeline, "heuristic", "heuristic", 0.0),
-             in_flight.device_peak(graph, schedule, timeline)) for schedule, timeline in found
-            if not timeline.over_host_budget]
+        found.append((lowest.name, lowest.schedule, simulate(graph, lowest.schedule)))
+    return [(Solution(schedule, timeline, name, "heuristic", 0.0), in_flight.device_peak(graph, schedule, timeline))
+            for name, schedule, timeline in found if not timeline.over_host_budget]
 
 
 def _solve_quietly(graph: Graph, budget: int, solver: str, time_limit: float, mip_solver, on_progress
@@ -804,14 +804,24 @@ def schedule_order(schedule: str, stages: int, microbatches: int, s: int) -> lis
 
 def pipeline_timing(forward: Sequence[float], backward: Sequence[float], microbatches: int,
                     schedule: str = "1F1B") -> Timing:
-    """Replay the schedule with each stage's forward and backward seconds per microbatch: an
-    action starts when its stage is free and its input is there (a forward: the previous stage's
+    """The schedule replayed with each stage's forward and backward seconds per microbatch
+    (`replay`): the step's length and the share of device time idle."""
+    actions = replay(forward, backward, microbatches, schedule)
+    step = max((a[4] for a in actions), default=0.0)
+    busy = microbatches * (sum(forward) + sum(backward))
+    return Timing(step, 1.0 - busy / (len(forward) * step) if step > 0 else 0.0)
+
+
+def replay(forward: Sequence[float], backward: Sequence[float], microbatches: int, schedule: str = "1F1B"
+           ) -> list[tuple[int, str, int, float, float]]:
+    """Every action of the schedule as (stage, "F" or "B", microbatch, start, end): an action
+    starts when its stage is free and its input is there (a forward: the previous stage's
     forward of that microbatch; a backward: the next stage's backward, or on the last stage its
     own forward). Communication takes no time."""
     stages = len(forward)
     orders = [schedule_order(schedule, stages, microbatches, s) for s in range(stages)]
     done: dict[tuple[str, int, int], float] = {}
-    free, nxt = [0.0] * stages, [0] * stages
+    free, nxt, out = [0.0] * stages, [0] * stages, []
     remaining = sum(len(o) for o in orders)
     while remaining:
         moved = False
@@ -824,14 +834,13 @@ def pipeline_timing(forward: Sequence[float], backward: Sequence[float], microba
                     break
                 start = max(free[s], done[dep] if dep is not None else 0.0)
                 free[s] = done[(kind, s, b)] = start + (forward[s] if kind == "F" else backward[s])
+                out.append((s, kind, b, start, free[s]))
                 nxt[s] += 1
                 remaining -= 1
                 moved = True
         if not moved:
             raise AssertionError("the schedule's orders deadlock")
-    step = max(free)
-    busy = microbatches * (sum(forward) + sum(backward))
-    return Timing(step, 1.0 - busy / (stages * step) if step > 0 else 0.0)
+    return out
 
 
 # ---------------------------------------------------------------- from the DP to exact plans
