@@ -289,7 +289,7 @@ class _StagePlanner:
         with torch.no_grad():
             output = model(*mb_args)
         self.single_output = isinstance(output, torch.Tensor)
-        self.loss_reserve = _loss_reserve(loss_fn, output, mb_target, options)
+        self.loss_peak, self.loss_saved = _loss_memory(loss_fn, output, mb_target, options)
         self.splits: dict[tuple[int, ...], tuple[list[StageModule], list[tuple]]] = {}
         self.plans: dict[tuple[tuple[int, ...], int], Any] = {}
         self.given: dict[tuple[int, ...], list[tuple[str, str]]] = {}  # cuts -> the split points asked for
@@ -312,16 +312,18 @@ class _StagePlanner:
         return self.splits[cuts]
 
     def in_flight(self, s: int, part: nn.Module, inputs: tuple, outputs: tuple) -> InFlight:
-        """What the device of stage ``s`` holds beside one microbatch (`runtime_fixed`), and on
-        the last stage the loss, which runs outside its plan (and every microbatch's output,
-        with ``return_outputs``)."""
+        """What the device of stage ``s`` holds beside one microbatch (`runtime_fixed`); on the
+        last stage also the loss, which torch runs after its forward, outside its plan (and what
+        it SAVEs for each microbatch in flight; every microbatch's output, with
+        ``return_outputs``)."""
         m, last = self.cut.microbatches, s == self.cut.stages - 1
         sent = _bytes(outputs)
         grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
-        extra = self.loss_reserve + (m * sent if self.return_outputs else 0) if last else 0
+        extra = m * sent if last and self.return_outputs else 0
         sched, count = self.cut.schedule, self.cut.stages
         fixed = runtime_fixed(sched, count, m, s, _bytes(inputs), sent, extra)
-        return InFlight(in_flight_count(sched, count, m, s), sent, fixed, grads, accumulation(sched, count, m, s))
+        return InFlight(in_flight_count(sched, count, m, s), sent + (self.loss_saved if last else 0), fixed, grads,
+                        accumulation(sched, count, m, s), self.loss_peak if last else 0)
 
     def plan_stage(self, s: int, split: Split, budget: int) -> StageResult:
         from fxopt.api import plan_and_rewrite
@@ -343,21 +345,22 @@ class _StagePlanner:
                            sum(graph.nodes[i].cost for i in graph.backward_nodes))
 
 
-def _loss_reserve(loss_fn, output, target, options: dict) -> int:
+def _loss_memory(loss_fn, output, target, options: dict) -> tuple[int, int]:
     """The loss's eager memory beyond the output and target it reads (it runs outside the last
-    stage's plan, on its output)."""
+    stage's plan, on its output, the gradient it makes included), and what it SAVEs until its
+    backward (held per microbatch in flight on GPipe's last stage)."""
     from fxopt.api import plan_and_rewrite
 
     outputs = [t for t in tensors_in(output) if t.is_floating_point()]
     if not outputs:
-        return 0
+        return 0, 0
     leaf = _receivable([output])[0] if isinstance(output, torch.Tensor) else output
     try:
         plan = plan_and_rewrite(_Loss(loss_fn), _UNBOUNDED, (leaf, target), solver="save_all",
                                 compress=options.get("compress", True)).plan
     except CaptureError:  # no backward of its own (the output is the loss): nothing beyond it
-        return 0
-    return max(0, plan.eager_peak_bytes - _bytes(output) - _bytes(target))
+        return 0, 0
+    return max(0, plan.eager_peak_bytes - _bytes(output) - _bytes(target)), plan.timeline().saved_bytes
 
 
 def pipeline(

@@ -104,15 +104,18 @@ def in_flight_count(schedule: str, stages: int, microbatches: int, s: int) -> in
 class InFlight:
     """What a pipeline stage's device holds beside one microbatch's step: ``microbatches`` in
     flight at once (this one included), each of the others with its SAVEd values and
-    ``held_bytes`` (its output, kept for its backward); ``fixed_bytes`` whatever the plan; and
+    ``held_bytes`` (its output, kept for its backward); ``fixed_bytes`` whatever the plan;
     ``accumulated_bytes`` of gradients from earlier microbatches once the first backward is
-    done, when ``accumulating`` microbatches are in flight at most (`accumulation`)."""
+    done, when ``accumulating`` microbatches are in flight at most (`accumulation`); and
+    ``after_forward_bytes`` that run beside the state the forward ends in (the loss, which
+    torch's schedules compute outside the last stage's module, between its forward and backward)."""
 
     microbatches: int = 1
     held_bytes: int = 0
     fixed_bytes: int = 0
     accumulated_bytes: int = 0
     accumulating: int = 1
+    after_forward_bytes: int = 0
 
     def device_peak(self, graph: Graph, schedule: Schedule, timeline: Timeline | None = None) -> int:
         """The device's peak with ``schedule`` for each microbatch (its output counted once where
@@ -120,10 +123,15 @@ class InFlight:
         timeline = timeline or simulate(graph, schedule)
         per = timeline.saved_bytes + self.held_bytes - _saved_outputs(graph, schedule)
         others = max((self.microbatches - 1) * per, (self.accumulating - 1) * per + self.accumulated_bytes)
-        return timeline.peak_bytes + others + self.fixed_bytes
+        step = timeline.peak_bytes
+        if self.after_forward_bytes:
+            forward_end = next((b for phase, _, b in reversed(timeline.events) if phase == "forward"), 0)
+            step = max(step, forward_end + self.after_forward_bytes)
+        return step + others + self.fixed_bytes
 
     def key(self) -> str:
-        return f"{self.microbatches}x{self.held_bytes}+{self.fixed_bytes}+{self.accumulating}x{self.accumulated_bytes}"
+        return (f"{self.microbatches}x{self.held_bytes}+{self.fixed_bytes}+{self.accumulating}x"
+                f"{self.accumulated_bytes}+{self.after_forward_bytes}")
 
 
 def _saved_outputs(graph: Graph, schedule: Schedule) -> int:
