@@ -1,11 +1,12 @@
 """Pipeline stage cuts: fxopt's cuts and per-stage plans against equal-layer and
 parameter-balanced cuts (DeepSpeed's default), at the same per-device budget.
 
-    python -m benchmarks.pipeline [--part runs,scale] [--quick] [--out benchmarks/results]
+    python -m benchmarks.pipeline [--part runs,scale] [--vocab 256] [--quick] [--out benchmarks/results]
+                                  [--name pipeline]
 
 **runs** (CPU processes, gloo, one per stage): an 8-layer GPT-2-style model (width 64, 4 heads,
-64 tokens, vocabulary 2048: embeddings and head of about 2.7 blocks' parameters each) in 4
-stages, 8 microbatches, torch's `Schedule1F1B`. The budget is the
+64 tokens, vocabulary 256 by default, ``--vocab``) in 4 stages, 8 microbatches, torch's
+`Schedule1F1B`. The budget is the
 largest per-rank peak equal-layer cuts need at 4 sequences per microbatch, run eagerly (as people
 run torch's pipelining today), measured. For each method, the largest microbatch (sequences)
 that fits: eager methods by running at growing sizes until a rank's measured peak is over the
@@ -29,7 +30,6 @@ DP's split planned exactly by `solve_stage` on its part of the graph (its peak a
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import multiprocessing
 import statistics
@@ -45,7 +45,7 @@ from fxopt.models import gpt2_lm, lm_loss
 from fxopt.solvers import stages as st
 
 MiB = 2**20
-RUN = dict(layers=8, dim=64, heads=4, seq=64, vocab=2048)
+RUN = dict(layers=8, dim=64, heads=4, seq=64, vocab=256)
 STAGES, MICROBATCHES = 4, 8
 EQUAL = [("h.2", "BEGINNING"), ("h.4", "BEGINNING"), ("h.6", "BEGINNING")]
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
@@ -56,7 +56,8 @@ SCALE_BUDGET = 0.75
 EXACT_UP_TO = 16
 
 
-def workload(sequences: int, spec: dict = RUN, microbatches: int = MICROBATCHES):
+def workload(sequences: int, spec: dict | None = None, microbatches: int = MICROBATCHES):
+    spec = spec or RUN
     torch.manual_seed(0)
     model, (idx,) = gpt2_lm(spec["layers"], spec["dim"], spec["heads"], spec["seq"], sequences * microbatches,
                             spec["vocab"])
@@ -84,7 +85,7 @@ def _rank(rank: int, world: int, config_path: str, out: str, init: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{init}")
     try:
-        model, inputs, target = workload(config["sequences"])
+        model, inputs, target = workload(config["sequences"], config["spec"])
         if config["plan"]:
             schedule = build_schedule(fxopt.PipelinePlan.from_json(config["plan"]), model, lm_loss)
         else:
@@ -140,6 +141,7 @@ def run_ranks(sequences: int, *, plan: fxopt.PipelinePlan | None = None, split_p
         if plan is not None:
             config["plan"] = str(Path(tmp, "plan.json"))
             plan.to_json(config["plan"])
+        config["spec"] = RUN
         Path(tmp, "config.json").write_text(json.dumps(config))
         mp.start_processes(_rank, args=(STAGES, str(Path(tmp, "config.json")), tmp, str(Path(tmp, "init"))),
                            nprocs=STAGES, join=True, start_method="forkserver")
@@ -205,7 +207,7 @@ def part_runs(quick: bool, time_limit: float) -> dict:
     log(f"budget: equal layers, eager, at {BASE_SIZE} sequences per microbatch: {mib(budget)} MiB")
     rows = [_row("equal layers, eager", BASE_SIZE, base, budget, split_points=EQUAL)]
     rows += largest_eager("equal layers, eager", EQUAL, budget, BASE_SIZE + 1)
-    rows += largest_eager("parameter-balanced, eager", balanced, budget, 2 if not quick else BASE_SIZE)
+    rows += largest_eager("parameter-balanced, eager", balanced, budget, BASE_SIZE - 1 if not quick else BASE_SIZE)
     methods = [("fxopt cuts and plans", None)] if quick else [
         ("equal layers, fxopt plans", EQUAL), ("parameter-balanced, fxopt plans", balanced),
         ("fxopt cuts and plans", None)]
@@ -294,9 +296,9 @@ def _layer_weights(model: st.CutModel, points) -> list[float]:
 
 # ---------------------------------------------------------------- the report
 
-def write_report(data: dict, out: Path) -> None:
+def write_report(data: dict, out: Path, name: str = "pipeline") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps(data, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
     lines = ["# Pipeline stage cuts", "", f"`{data['meta']['command']}` at commit `{data['meta']['git']}`, "
              f"{data['meta']['date']}, load average {data['meta'].get('load', '?')} on {data['meta']['cpu_count']} cores.",
              ""]
@@ -304,11 +306,12 @@ def write_report(data: dict, out: Path) -> None:
         lines += _runs_table(data["runs"])
     if "scale" in data:
         lines += _scale_table(data["scale"])
-    (out / "pipeline.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
 def _runs_table(runs: dict) -> list[str]:
-    lines = [f"## Runs: 8-layer GPT-2-style, {runs['stages']} stages, {runs['microbatches']} microbatches, 1F1B, "
+    lines = [f"## Runs: 8-layer GPT-2-style (width {runs['workload']['dim']}, vocabulary "
+             f"{runs['workload']['vocab']}), {runs['stages']} stages, {runs['microbatches']} microbatches, 1F1B, "
              "4 CPU processes (gloo)", "",
              f"Budget per device: {mib(runs['budget'])} MiB (equal layers, eager, at {BASE_SIZE} sequences per "
              "microbatch, measured).", "",
@@ -348,8 +351,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--part", default="runs,scale")
     parser.add_argument("--quick", action="store_true", help="fewer methods and stage counts")
     parser.add_argument("--time-limit", type=float, default=2.0, help="seconds per stage plan")
+    parser.add_argument("--vocab", type=int, default=RUN["vocab"], help="the runs' vocabulary (default 256)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default="pipeline", help="results file name (default pipeline: .md, .json)")
     args = parser.parse_args(argv)
+    RUN["vocab"] = args.vocab
     os.environ.setdefault("FXOPT_CACHE", "0")
     data = {"meta": run_meta("python -m benchmarks.pipeline " + " ".join(argv if argv is not None else sys.argv[1:]))}
     data["meta"]["load"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
@@ -359,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     if "runs" in parts:
         data["runs"] = part_runs(args.quick, args.time_limit)
     data["meta"]["load_after"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    write_report(data, Path(args.out))
+    write_report(data, Path(args.out), args.name)
 
 
 if __name__ == "__main__":

@@ -9,40 +9,43 @@ This module chooses the cuts and, with fxopt's own `solve`, each stage's remater
 The model, on the solver graph of one microbatch's step (`Graph`):
 
   - **Cut points** (`cut_points`). The forward, in program order (the order torch's pipeline
-    splits in), is cut after a value at a point where a few tensors cross: values computed
-    before it and read after it (``crossing``; a backward-only value reading across counts, as for
+    splits in), is cut after a value where a few tensors cross: values computed before it and
+    read after it (``crossing``; a backward-only value reading across counts, as for
     `articulation_values`). No parameter or input may be read on both sides (a tied weight:
     torch's pipelining does not keep its copies in step). DAGs with skip connections are fine:
     a U-Net's cut carries the skips across it. `choose_points` takes the fewest tensors per cut
     (1, then 2, ...) that give enough points.
   - **Stages** (`assign_stages`, `stage_graph`). With the cuts chosen, every node gets a stage: a
     forward value the one its position falls in; a parameter the stage that first reads it; a
-    backward node the latest stage of the forward values and parameters it reads (it computes
-    their gradients), else the earliest of the backward values it reads. A stage's solver graph
-    takes what it reads from other stages as inputs (resident: received activations) or tangents
-    (the gradients it receives), and marks what other stages read as outputs (sent).
-  - **Memory of a stage on its device** (`InFlight`): one microbatch's step as planned
-    (``Timeline.peak_bytes``), plus, for each of the k_s - 1 other microbatches in flight, its
-    SAVEd values (``Timeline.saved_bytes``) and its output (held for its backward), plus what is
-    there whatever the plan (the receive buffers torch allocates per microbatch, the loss on the
-    last stage): ``peak + (k - 1) * (saved + held) + fixed``. `solve_stage` finds the cheapest
-    schedule for which that is within the budget, calling `solve` at lowered budgets.
+    backward node the latest stage that holds what it reads and, given ``origins`` (AOTAutograd's
+    ``seq_nr``), its forward op: a weight's gradient is made where the weight lives. A stage's
+    solver graph takes what it reads from other stages as inputs (resident: received
+    activations) or tangents (the gradients it receives), and marks what other stages read as
+    outputs (sent).
+  - **Memory of a stage on its device** (`InFlight.device_peak`): one microbatch's step as
+    planned (``Timeline.peak_bytes``), plus, for each of the k_s - 1 other microbatches in
+    flight, its SAVEd values (``Timeline.saved_bytes``) and its output (held for its backward),
+    plus what torch's runtime holds whatever the plan (`runtime_fixed`: receive buffers per
+    microbatch, sends in flight), the gradients accumulated from earlier microbatches, and on the
+    last stage the loss after its forward. `solve_stage` finds the cheapest schedule for which
+    that is within the budget, with `solve` at step budgets it searches.
   - **The dynamic program** (`best_split`): stage boundaries at cut points, minimizing the
     slowest stage's time (its forward and backward cost plus its recompute cost) subject to every
-    stage's memory above fitting the budget, then the largest memory per budget. It is exact over
-    the cut points for the model below; the model is the approximation.
+    stage's modelled memory fitting the budget, then the largest memory per budget. It is exact
+    over the cut points for the model below; the model is the approximation.
 
 What is approximate: inside the DP a stage's plan is not solved. The forward between consecutive
-cut points is an *atom*; each atom's solver graph is planned by `solve` at a few budgets between
-its eager peak and its lowest (`atom_options`, cached by structure, so repeated blocks are solved
-once), which gives per atom a few (SAVEd bytes, transient bytes, recompute cost) options. A stage
-at remat level λ takes option λ of each atom: SAVEd bytes add up (with the cut values between its
-atoms counted as SAVEd), transient bytes are the largest atom's, recompute costs add up. This is
-a model of a plan, not a plan: plans across atom boundaries (recomputing two atoms from the
+cut points is an *atom*; each atom's solver graph is planned once per structure (repeated blocks
+share it) by the heuristics and by `solve` at a few budgets (`atom_options`), which gives it, for
+each share of what eager SAVEs (`SAVED_LEVELS`), the cheapest schedule found that SAVEs at most
+that, as (SAVEd bytes, transient bytes, recompute cost). A stage at remat level λ takes option λ
+of each atom: SAVEd bytes add up (with the cut values between its atoms that the backward reads
+counted as SAVEd), transient bytes are the largest atom's, recompute costs add up. This is a
+model of a plan, not a plan: plans across atom boundaries (recomputing two atoms from the
 first's input) are not offered to it, and the atoms' own peaks are composed, not simulated.
-What is exact: every stage of the chosen cuts is then planned by `solve` on its own graph (the
-real stage module's, when `fxopt.pipeline` captures it) and its memory above checked; a stage
-that does not fit raises that stage's margin in the DP by its excess, and the DP runs again
+What is exact: every stage of the chosen cuts is then planned by `solve_stage` on its own graph
+(the real stage module's, when `fxopt.pipeline` captures it) and its memory checked; a stage that
+does not fit raises that stage's margin in the DP by its excess, and the DP runs again
 (`cut_and_plan`, `FEEDBACK_ROUNDS` times at most). The predicted step time and bubble
 (`pipeline_timing`) replay the schedule's order of forwards and backwards per stage with each
 stage's planned times, communication not counted.
@@ -52,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
