@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,12 +16,14 @@ from fxopt.analysis import CostModel
 from fxopt.analysis.codecs import Quantize
 from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
-from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
-from fxopt.errors import CaptureError, FxoptError, GraphBreakError, check_choice
+from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, budget_bytes as _budget_bytes
+from fxopt.distributed import data_parallel
+from fxopt.errors import BudgetError, CaptureError, FxoptError, GraphBreakError, InfeasibleBudgetError, check_choice
 from fxopt.planner import Options
 from fxopt.solvers import DEFAULT_TIME_LIMIT
 from fxopt.solvers.plan import Plan
-from fxopt.storage import tensors_in
+from fxopt.storage import storages, tensors_in
+from fxopt.units import format_bytes
 
 # Dynamo keeps one compiled entry per input signature (and per fxopt module of the same class);
 # past its limit it would silently run eagerly. fxopt raises instead, after this many.
@@ -34,7 +38,9 @@ def _check_model(model: Any) -> None:
 @contextlib.contextmanager
 def _dynamo_settings():
     cfg = torch._dynamo.config
-    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT)}
+    # Dynamo's DDP optimizer would split the step at DDP's bucket boundaries: fxopt plans it whole
+    # (see fxopt.distributed.data_parallel).
+    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT), "optimize_ddp": False}
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         patch["fail_on_recompile_limit_hit"] = True
     with cfg.patch(**patch), logging_switches():
@@ -108,6 +114,28 @@ def _run_compiled(compiled, args, kwargs, compiler: str = "eager"):
         raise
 
 
+class _WithTheOriginalsSignature:
+    """`FxoptModule.forward` as an instance sees it: the method, carrying the original model's
+    signature, so that code inspecting ``model.forward`` finds the model's arguments (HF's
+    ``Trainer`` drops every dataset column that ``forward`` does not name)."""
+
+    def __init__(self, method: Callable):
+        self.method = method
+        functools.update_wrapper(self, method)
+
+    def __get__(self, obj: FxoptModule | None, cls=None):
+        if obj is None:
+            return self.method
+        bound = functools.partial(self.method, obj)
+        if "_signature" not in obj.__dict__:
+            try:
+                obj.__dict__["_signature"] = inspect.signature(obj.original.forward)
+            except (TypeError, ValueError):  # a forward inspect cannot read: keep (*args, **kwargs)
+                obj.__dict__["_signature"] = inspect.signature(bound)
+        bound.__signature__ = obj.__dict__["_signature"]
+        return bound
+
+
 class FxoptModule(nn.Module):
     """A model whose training step fxopt plans and rewrites. Used like the original: it shares
     the original's parameters, buffers and submodules (and so its ``state_dict``); forward,
@@ -125,19 +153,59 @@ class FxoptModule(nn.Module):
         self.__dict__["_options"] = options
         self.__dict__["plans"] = []
 
-        def piece_backend(budget, on_plan, whole):
-            def both(plan):
-                on_plan(plan)
-                self.plans.append(plan)
-            # A whole step counts the parameters and buffers it does not read; a piece's reserve
-            # counts everything it does not take (see fxopt.capture.pieces).
-            return make_backend(dataclasses.replace(options, budget=budget), both, resident=model if whole else None)
-
-        backend = PiecewiseBackend(options.budget, piece_backend, graph_breaks)
-        self.__dict__["_backend"] = backend
-        self.__dict__["_compiled"] = torch.compile(model, backend=backend, fullgraph=graph_breaks == "error",
-                                                   dynamic=False)
+        self.__dict__["_graph_breaks"] = graph_breaks
+        # One compiled step per amount of gradient memory held when a step starts (see `forward`).
+        self.__dict__["_steps"] = {}
+        if data_parallel.is_ddp(model):
+            data_parallel.check_ddp(model)
+        # An FSDP2 model: planned block by block; the submodules between its units compiled too.
+        units = data_parallel.fsdp_units(model)
+        if units:
+            data_parallel.check_fsdp(units, graph_breaks)
+            if _budget_bytes(options.budget) is None:
+                raise BudgetError(
+                    f"fxopt plans an FSDP2 step piece by piece (FSDP's hooks run between the pieces) and needs "
+                    f"the budget in bytes, not {options.budget!r}: the step's eager peak is not known until every "
+                    "piece has run. Pass bytes or a size such as '2GiB'.")
+        self.__dict__["_fsdp_units"] = units
+        self.__dict__["_eager_modules"] = data_parallel.eager_modules(model, units) if units else []
         self.training = model.training
+
+    def _step_for(self, held_gradient_bytes: int) -> tuple[PiecewiseBackend, Callable, list[Callable]]:
+        """The backend, the compiled model and the compiled calls of the submodules between FSDP2
+        units (`fxopt.distributed.data_parallel.eager_modules`) of steps that start with
+        ``held_gradient_bytes`` of
+        gradients already there (0 normally; the accumulated gradients under gradient
+        accumulation, or zeroed ones after ``zero_grad(set_to_none=False)``). Those stay alive
+        through the whole step beside what it allocates, so such a step is captured and planned
+        on its own, counting them (`fxopt.capture.dynamo.unread_resident_bytes`): torch.compile's
+        guards do not look at ``.grad``, so one compiled step could not tell the two apart."""
+        if held_gradient_bytes not in self._steps:
+            model, options = self._model, self._options
+            if held_gradient_bytes and options.plan is not None:
+                # A given plan was made for a step without them: planned anew where it does not fit.
+                options = dataclasses.replace(options, plan_from_examples=True)
+
+            def piece_backend(budget, on_plan, whole):
+                def both(plan):
+                    on_plan(plan)
+                    self.plans.append(plan)
+                # A whole step counts the parameters, buffers and gradients it does not read, and
+                # what DDP holds; a piece's reserve counts everything it does not take (see
+                # fxopt.capture.pieces).
+                held = backend.step.held if backend.step is not None else 0
+                return make_backend(dataclasses.replace(options, budget=budget), both,
+                                    resident=model if whole else None, held_bytes=held if whole else 0)
+
+            backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks)
+            # fxopt.optimize(DDP(model)): DDP's forward runs as it is, its call of the model runs
+            # the compiled step (see fxopt.distributed.data_parallel).
+            target = data_parallel.module_call(model.module) if data_parallel.is_ddp(model) else model
+            compiled = torch.compile(target, backend=backend, fullgraph=self._graph_breaks == "error", dynamic=False)
+            calls = [torch.compile(data_parallel.module_call(m), backend=backend, dynamic=False)
+                     for m in self._eager_modules]
+            self._steps[held_gradient_bytes] = backend, compiled, calls
+        return self._steps[held_gradient_bytes]
 
     @property
     def plan(self) -> Plan | None:
@@ -145,17 +213,52 @@ class FxoptModule(nn.Module):
         return self.plans[-1] if self.plans else self._options.plan
 
     @property
+    def peak_bound_bytes(self) -> int | None:
+        """The most the plans made so far let the step hold at once: the largest, over the plans, of
+        what the rest of the step holds beside the piece (nothing for a whole step) plus the
+        piece's predicted peak; at most the budget. None before a plan is made."""
+        return max((b for backend, _, _ in self._steps.values() for b in backend.bounds), default=None)
+
+    @property
     def original(self) -> nn.Module:
         return self._model
 
+    @_WithTheOriginalsSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        backend = self._backend
-        backend.step = Step.start(self._model, [args, kwargs])
+        model = self._model
+        held = sum(storages([p.grad for p in model.parameters() if p.grad is not None]).values())
+        backend, compiled, calls = self._step_for(held)
+        ddp = model if data_parallel.is_ddp(model) else data_parallel.running_ddp(self)
+        if ddp is not None:
+            data_parallel.check_ddp(ddp)
+        units = self._fsdp_units
+        # Held beside the step by no tensor of the model: DDP's buckets (those the gradients are
+        # not views of), a bound on FSDP2's buffers.
+        beside = data_parallel.held_bytes([ddp]) if ddp is not None else 0
+        if units:
+            beside += data_parallel.fsdp_held_bytes(units)
+        step = backend.step = Step.start(model, [args, kwargs], held=beside, every_graph_a_piece=bool(units),
+                                         blocks_to_come=(lambda: data_parallel.units_to_come(units)) if units else None)
         try:
-            out = _run_compiled(self._compiled, args, kwargs, self._options.compiler)
-            pieces = len(backend.step.pieces)
+            with data_parallel.routes(self._eager_modules, calls):
+                if ddp is model:
+                    with data_parallel.routed(model.module, compiled):
+                        out = _run_compiled(model, args, kwargs, self._options.compiler)
+                else:
+                    out = _run_compiled(compiled, args, kwargs, self._options.compiler)
+            pieces = sum(p.plan is not None for p in step.pieces)
+        except InfeasibleBudgetError as err:
+            if not held:
+                raise
+            raise InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [
+                err.detail, f"This step starts with {format_bytes(held)} of gradients already there (gradient "
+                "accumulation, or zero_grad(set_to_none=False)), alive through the whole step; "
+                "optimizer.zero_grad() (set_to_none, the default) before it frees them."])),
+                err.lower_bound) from None
         finally:
             backend.step = None
+        if units and torch.is_grad_enabled():
+            data_parallel.check_planned(out, step.counted())
         if not pieces and torch.is_grad_enabled() and any(
                 t.requires_grad for t in tensors_in(out)):
             raise CaptureError(
@@ -279,7 +382,15 @@ def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[
     ``.backward``."""
     _check_model(model)
     options = Options(budget=budget, **options)
-    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model)
+    if data_parallel.fsdp_units(model):
+        raise GraphBreakError(
+            "an FSDP2 model's step is not one graph (FSDP's hooks run between its blocks), so fxopt plans it "
+            "block by block as it runs: use fxopt.optimize(model, budget) and read its .plans after the first step")
+    held = 0
+    if data_parallel.is_ddp(model):  # the step DDP runs, with DDP's buckets beside it
+        data_parallel.check_ddp(model)
+        held, model = data_parallel.bucket_bytes(model), model.module
+    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held)
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:

@@ -96,7 +96,11 @@ class Options:
         if not isinstance(self.offload, (int, str)):
             raise TypeError(f"offload must be None, True, False or a host memory limit (bytes or '16GiB'), "
                             f"got {self.offload!r}")
-        return resolve_budget(self.offload)
+        try:
+            return resolve_budget(self.offload)
+        except BudgetError as err:
+            raise BudgetError(f"offload={self.offload!r}: pass True, False, None or a host memory limit "
+                              f"(bytes or a size string such as '16GiB'); {err}") from None
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -10,17 +10,36 @@ import torch
 StorageKey = tuple[str, int | None, int]  # (device type, device index, data pointer)
 
 
+def _dtensor_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process holds for ``t``: its local shard for a DTensor (FSDP2's sharded
+    parameters and gradients), ``t`` itself otherwise."""
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(t, dtensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
 def tensors_in(obj: Any, *, grads: bool = False) -> list[torch.Tensor]:
     """Every tensor reachable from ``obj``: tensors, modules' parameters and buffers, optimizers'
-    parameters and state, through lists, tuples and dicts; with ``grads``, tensors' gradients too."""
+    parameters and state, through lists, tuples and dicts; with ``grads``, tensors' gradients too.
+    A DTensor stands for its local shard (what this process holds, see `local`)."""
     found: list[torch.Tensor] = []
     stack = [obj]
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
-            found.append(o)
+            found.append(local(o))
             if grads and o.grad is not None:
-                found.append(o.grad)
+                found.append(local(o.grad))
         elif isinstance(o, torch.nn.Module):
             stack.extend(reversed([*o.parameters(), *o.buffers()]))
         elif isinstance(o, torch.optim.Optimizer):

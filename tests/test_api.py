@@ -84,8 +84,10 @@ def test_plans_at_first_call_and_replans_for_new_shapes():
     assert optimized.plan is None
     step(optimized, inputs)
     assert len(optimized.plans) == 1
+    optimized.zero_grad()
     step(optimized, inputs)
     assert len(optimized.plans) == 1  # same shape: no re-plan
+    optimized.zero_grad()
     step(optimized, (torch.randn(1024, 64),))
     assert len(optimized.plans) == 2
     assert optimized.plans[1].eager_peak_bytes < optimized.plans[0].eager_peak_bytes
@@ -118,6 +120,13 @@ def test_module_contract():
     optimized.train()
     assert model.training
     assert optimized.blocks is model.blocks  # attributes of the original are reachable
+    import inspect
+
+    assert inspect.signature(optimized.forward) == inspect.signature(model.forward)  # for code that reads it
+    twin = copy.deepcopy(optimized)  # a copy runs its own model, not the original's
+    twin.zero_grad(), optimized.zero_grad()
+    step(twin, inputs)
+    assert all(p.grad is None for p in model.parameters()) and all(p.grad is not None for p in twin.parameters())
 
 
 def test_graph_break_is_refused_with_the_reason():

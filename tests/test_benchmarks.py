@@ -121,3 +121,22 @@ def test_planning_time_splits_one_answer(monkeypatch):
     row, plan = planning_time.one_answer(model, inputs, 0.9, time_limit=5)
     assert plan is not None and row["peak"] <= row["budget"]
     assert row["analysis_s"] > 0 and row["solve_s"] > 0 and row["capture_s"] > 0
+
+
+def test_hf_breadth_benchmark_runs_a_row_and_reports_errors(tmp_path, monkeypatch):
+    """One architecture the test suite does not otherwise train (RegNet) through the breadth
+    benchmark, and one whose builder fails: an ok row within its budget, an error row, and the
+    run goes on to write both."""
+    pytest.importorskip("transformers")
+    from benchmarks import hf_breadth
+
+    def broken():
+        raise RuntimeError("no such config")
+
+    monkeypatch.setitem(hf_breadth.ARCHITECTURES, "broken", broken)
+    out = tmp_path / "hf_breadth"
+    assert hf_breadth.main(["--models", "regnet,broken", "--time-limit", "2", "--out", str(out)]) == 0
+    regnet, failed = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert regnet["status"] == "ok" and regnet["measured"] <= regnet["budget"] < regnet["eager_peak"]
+    assert failed == {"model": "broken", "error": "RuntimeError: no such config"}
+    assert "**1 of 2 architectures ok**" in out.with_suffix(".md").read_text()

@@ -107,3 +107,29 @@ def test_parameters_and_buffers_the_step_never_reads_count():
     step(optimized, inputs)
     measured = measured_peak(optimized, inputs)
     assert plan.peak_bytes >= measured > 256 * 1024
+
+
+def test_gradient_accumulation_keeps_every_step_within_the_budget():
+    """Steps that start with gradients already there (accumulation: no zero_grad between
+    backwards) hold them through the whole step: each such step is planned counting them, so
+    every step measures within its budget, and the accumulated gradients are eager's. A byte
+    budget that only the first step can meet is refused with a message naming the held gradients."""
+    model, inputs = _llama()
+    eager, optimized = copy.deepcopy(model), fxopt.optimize(copy.deepcopy(model), 0.8, time_limit=TIME_LIMIT)
+    peaks = []
+    for _ in range(3):
+        step(eager, inputs)
+        resident = [optimized, inputs]
+        peaks.append(fxopt.measure_peak(step, optimized, inputs, resident=resident).peak_bytes)
+    first, accumulating = optimized.plans
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert accumulating.eager_peak_bytes >= first.eager_peak_bytes + held
+    assert peaks[0] <= first.budget_bytes
+    assert max(peaks[1:]) <= accumulating.budget_bytes and max(peaks[1:]) > first.budget_bytes - held
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        torch.testing.assert_close(p_o.grad, p_e.grad)
+
+    tight = fxopt.optimize(copy.deepcopy(model), first.peak_bytes, time_limit=TIME_LIMIT)
+    step(tight, inputs)
+    with pytest.raises(fxopt.InfeasibleBudgetError, match="gradients already there"):
+        step(tight, inputs)

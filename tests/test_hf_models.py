@@ -179,6 +179,7 @@ def test_flop_counter_counts_the_recomputation(name):
     # limit may choose another plan.
     optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan)
     step(optimized, inputs)  # captured outside the mode
+    optimized.zero_grad()  # (a step with gradients already there is planned on its own)
     with FlopCounterMode(display=False) as counted_eager:
         step(copy.deepcopy(model), inputs)
     with FlopCounterMode(display=False) as counted:
@@ -208,3 +209,32 @@ def test_bfloat16_autocast(name):
     assert optimized.plan.peak_bytes <= budget
     for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
         torch.testing.assert_close(p_o.grad, p_e.grad, rtol=1.6e-2, atol=1e-3)
+
+
+def test_hf_trainer_trains_an_fxopt_model(tmp_path):
+    """HF's ``Trainer`` with gradient accumulation, given ``fxopt.optimize(model, ...)``: it reads
+    ``forward``'s signature to keep the dataset's columns (the original's: ``input_ids``,
+    ``labels``, ...), passes ``num_items_in_batch``, and accumulates gradients over two
+    micro-batches (the second step is planned counting the held gradients). Its losses and the
+    trained weights are eager Trainer's."""
+    pytest.importorskip("accelerate")
+    import inspect
+
+    import transformers
+
+    hf = _model("gpt2")[0].hf
+    _, named = HF_ZOO["gpt2"].build_fn("test", 0.0)
+    rows = [{k: v[i % len(v)] for k, v in named.items()} for i in range(8)]
+    runs = {}
+    for name, model in (("eager", copy.deepcopy(hf)), ("fxopt", fxopt.optimize(copy.deepcopy(hf), 0.9, time_limit=TIME_LIMIT))):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=2, max_steps=2, report_to=[], use_cpu=True,
+                                              save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+        runs[name] = model, trainer.train().training_loss, [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    (eager, loss_e, logs_e), (optimized, loss_o, logs_o) = runs["eager"], runs["fxopt"]
+    assert inspect.signature(optimized.forward) == inspect.signature(hf.forward)
+    assert len(optimized.plans) == 2 and all(p.peak_bytes <= p.budget_bytes for p in optimized.plans)
+    assert logs_o == pytest.approx(logs_e) and loss_o == pytest.approx(loss_e)
+    for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
+        torch.testing.assert_close(p_o, p_e)

@@ -302,6 +302,55 @@ PROPERTY = settings(max_examples=int(os.environ.get("FXOPT_EXAMPLES", 40)), dead
 BANDWIDTHS = st.sampled_from([0.5, 4.0, 16.0, 64.0, 1e9])
 
 
+def test_the_ilp_offloads_where_the_link_hides_the_copies():
+    """expensive_chain at 80% of its eager peak (129 B): without OFFLOAD the ILP's optimum
+    recomputes one layer's activation three times (90 s); over a link that moves its 16 B values
+    in microseconds it offloads instead, costs nothing, and the plan it returns is what the
+    simulator says (within the budget, no stall). Over 1 B/s a 16 B copy takes 16 s, longer than
+    twice the whole backward (18 nodes of 0.04-0.16 s), so no value gets an OFFLOAD variable."""
+    from fxopt.solvers.ilp import build_ilp, solve_ilp
+
+    g = expensive_chain()
+    budget = int(0.8 * simulate(g, eager_schedule(g)).peak_bytes)
+    assert budget == 129
+    assert solve_ilp(g, budget, time_limit=10).objective == pytest.approx(90.0)
+    fast = g.with_transfers(Transfers(1e6, 1e6))
+    res = solve_ilp(fast, budget, time_limit=10)
+    t = simulate(fast, res.schedule)
+    assert res.status == "optimal" and res.objective == pytest.approx(0.0) and res.schedule.offloaded
+    assert t.peak_bytes <= budget and t.exposed_transfer_seconds == 0.0 and t.cost == pytest.approx(0.0)
+    assert dict(res.schedule.reload_at).keys() == res.schedule.offloaded  # the model's reload points
+    slow = g.with_transfers(Transfers(1.0, 1.0))
+    assert not build_ilp(slow, budget).O
+    assert solve_ilp(slow, budget, time_limit=10).objective == pytest.approx(90.0)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_random_ilp_plans_with_offload_fit_and_never_stall(data):
+    """The ILP's OFFLOAD model is conservative: its optimal plan fits when simulated and waits
+    for no copy (the channel rows keep every copy within its window), at any bandwidths, and its
+    lowest-peak plan peaks no higher than it says."""
+    from fxopt.solvers.ilp import solve_ilp
+
+    graph = random_training_graph(data.draw, st)
+    host_budget = data.draw(st.sampled_from([None, 0, 64]))
+    g = graph.with_transfers(Transfers(data.draw(BANDWIDTHS), data.draw(BANDWIDTHS), host_budget))
+    eager = simulate(g, eager_schedule(g)).peak_bytes
+    lowest = solve_ilp(g, None, minimize_peak=True, time_limit=5)
+    if lowest.schedule is None:
+        return
+    t = simulate(g, lowest.schedule)
+    assert t.peak_bytes <= lowest.peak_bound + 1e-6 * eager and t.exposed_transfer_seconds < 1e-9
+    assert not t.over_host_budget
+    budget = int(lowest.peak_bound + data.draw(st.floats(0.0, 1.0)) * max(0, eager - lowest.peak_bound))
+    res = solve_ilp(g, budget, time_limit=5)
+    if res.status == "optimal":
+        t = simulate(g, res.schedule)
+        assert t.peak_bytes <= budget and t.exposed_transfer_seconds < 1e-9 and not t.over_host_budget
+        assert t.cost <= res.objective * (1 + 1e-9) + 1e-12
+
+
 @PROPERTY
 @given(data=st.data())
 def test_random_offloaded_schedules_obey_the_model(data):

@@ -160,8 +160,10 @@ def test_offload_option_on_cpu():
     on = fxopt.plan(model, 1.0, inputs, offload=True)
     assert on.graph.transfers == Transfers()  # CPU: the documented defaults
     assert on.fingerprint != off.fingerprint
-    with pytest.raises(TypeError):
+    with pytest.raises(fxopt.BudgetError, match="offload='yes': pass True, False, None or a host memory limit"):
         fxopt.plan(model, 1.0, inputs, offload="yes")
+    with pytest.raises(TypeError):
+        fxopt.plan(model, 1.0, inputs, offload=[True])
 
 
 def test_offload_under_inductor_changes_no_bit():

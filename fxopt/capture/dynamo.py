@@ -87,17 +87,21 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
 
 
 def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
-    """Bytes of ``module``'s parameters and buffers (each storage once) that are not among the
-    captured graph's inputs: the step never reads them, yet they are alive throughout it."""
+    """Bytes of ``module``'s parameters, buffers and existing gradients (each storage once) that
+    are not among the captured graph's inputs: the step never reads them, yet they are alive
+    throughout it. (A gradient already there when the step starts, under gradient accumulation,
+    stays alive while the step runs; the step's new gradient is added into it at the end.)"""
     read = storages(list(example_inputs))
-    return sum(n for key, n in storages(module).items() if key not in read)
+    return sum(n for key, n in storages(module, grads=True).items() if key not in read)
 
 
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
-                 resident: torch.nn.Module | None = None):
+                 resident: torch.nn.Module | None = None, held_bytes: int = 0):
     """A torch.compile backend that plans each captured graph and runs the rewritten step.
     ``resident``: the module being compiled, when known: its parameters and buffers the step does
-    not read are counted in every peak too (a backend given to torch.compile does not see them)."""
+    not read are counted in every peak too (a backend given to torch.compile does not see them).
+    ``held_bytes``: memory alive through the step that no tensor of the module shows (DDP's
+    gradient buckets, `fxopt.distributed.data_parallel`), counted with those."""
     unread = {"bytes": 0}
     # The state of each step's OFFLOAD copies (`fxopt.ops.offload.HostCopies`), which its ops find
     # by key: kept as long as this backend (and so the steps it compiled), because Inductor does
@@ -126,7 +130,7 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
         return compile_step
 
     def compile_with_resident(gm: fx.GraphModule, example_inputs):
-        unread["bytes"] = unread_resident_bytes(resident, example_inputs)
+        unread["bytes"] = unread_resident_bytes(resident, example_inputs) + held_bytes
         return compile_step(gm, example_inputs)
 
     return compile_with_resident

@@ -10,7 +10,9 @@ also holds:
     the other pieces, the user's inputs it does not read;
   - what earlier pieces left alive after their forward: their SAVEd values (as their plans keep
     them) and the outputs they returned, unless piece k takes them as inputs;
-  - in its backward, the gradients of parameters that later pieces have already produced.
+  - in its backward, the gradients of parameters that later pieces have already produced;
+  - what holds memory through the step beside the model's tensors: DDP's gradient buckets
+    (`fxopt.distributed.data_parallel`).
 
 fxopt plans piece k against ``budget − reserve_k``, the sum of the above, so that the peak of
 every piece, counted with everything else alive, is within the budget:
@@ -30,19 +32,19 @@ must be in bytes: a fraction of the step's eager peak is not known until every p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from fxopt.budget import resolve_budget
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
 from fxopt.solvers.plan import Plan
-from fxopt.storage import StorageKey, storage_key, storages
+from fxopt.storage import StorageKey, local, storage_key, storages
 from fxopt.units import format_bytes
 
 log = logging.getLogger("fxopt")
@@ -60,7 +62,7 @@ class GraphBreakWarning(UserWarning):
 class Piece:
     """A piece whose forward ran in the current step."""
 
-    plan: Plan
+    plan: Plan | None  # None: no backward (nothing kept for one; its outputs still count)
     inputs: frozenset[StorageKey]  # storages of the real tensors it takes
     saved_bytes: int  # what its forward keeps for its backward (as the plan keeps it)
     outputs: dict[StorageKey, int]  # storage -> bytes of the tensors its forward returned in this step
@@ -73,39 +75,67 @@ class Step:
     resident: dict[StorageKey, int]  # storage -> bytes: parameters, buffers, inputs, grads
     trainable: dict[StorageKey, int]  # storage of a parameter that requires grad -> bytes of its gradient
     shared: frozenset[StorageKey]  # trainable parameters registered under several names (tied weights)
+    model: nn.Module | None = None
+    held: int = 0  # alive beside every piece, seen by no tensor of the model (DDP's buckets, FSDP2's buffers)
+    every_graph_a_piece: bool = False  # no graph is the whole step (FSDP2: its hooks run between graphs)
+    # The blocks still to run their forward, each as the storages of its parameters (FSDP2's
+    # units, sharded), or None where not known.
+    blocks_to_come: Callable[[], list[set[StorageKey]]] | None = None
     pieces: list[Piece] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def start(cls, model: nn.Module, args: Iterable[Any]) -> Step:
+    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, every_graph_a_piece: bool = False,
+              blocks_to_come: Callable[[], list[set[StorageKey]]] | None = None) -> Step:
         resident = storages([model, *args], grads=True)
-        trainable = {storage_key(p): p.numel() * p.element_size() for p in model.parameters() if p.requires_grad}
+        trainable = {storage_key(local(p)): local(p).numel() * p.element_size() for p in model.parameters()
+                     if p.requires_grad}
         names: dict[StorageKey, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
-            names[storage_key(p)] = names.get(storage_key(p), 0) + 1
-        return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1))
+            names[storage_key(local(p))] = names.get(storage_key(local(p)), 0) + 1
+        return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1), model, held,
+                   every_graph_a_piece, blocks_to_come)
+
+    def counted(self) -> set[StorageKey]:
+        """The storages every reserve from now on counts: resident, held by the model now, or
+        returned by a piece so far."""
+        out = set(self.resident) | set(storages(self.model) if self.model is not None else {})
+        for p in self.pieces:
+            out |= set(p.outputs)
+        return out
 
     def reserve(self, inputs: frozenset[StorageKey]) -> int:
         """Bytes alive beside a piece taking ``inputs``, at any time while it runs."""
         others = sum(n for ptr, n in self.resident.items() if ptr not in inputs)
+        # Parameters the model holds now and did not at the start: FSDP2's unsharded parameters of
+        # the blocks gathered so far that are not resharded yet (the root's; a block's without
+        # reshard_after_forward), which stay so through this piece's backward too.
+        now = storages(self.model) if self.model is not None else {}
+        gathered = sum(n for ptr, n in now.items() if ptr not in self.resident and ptr not in inputs)
         # What earlier pieces saved, and the outputs they returned that this piece does not take
         # (those it takes, it counts itself).
         earlier = sum(p.saved_bytes for p in self.pieces)
         outputs: dict[StorageKey, int] = {}
         for p in self.pieces:
             outputs.update(p.outputs)
-        earlier += sum(n for ptr, n in outputs.items() if ptr not in inputs and ptr not in self.resident)
+        earlier += sum(n for ptr, n in outputs.items()
+                       if ptr not in inputs and ptr not in self.resident and ptr not in now)
         seen = inputs.union(*(p.inputs for p in self.pieces)) if self.pieces else inputs
         # Gradients that later pieces' backwards produce before this piece's backward runs: those
         # of the parameters no piece so far takes, and of this piece's tied parameters, which a
-        # later piece may also use and accumulate into first.
-        later_grads = sum(n for ptr, n in self.trainable.items()
-                          if ptr not in seen or (ptr in inputs and ptr in self.shared))
-        log.debug("fxopt: reserve beside a piece: %d other resident, %d from earlier pieces, %d later gradients",
-                  others, earlier, later_grads)
-        return others + earlier + later_grads
+        # later piece may also use and accumulate into first. Blocks that take their parameters
+        # gathered (FSDP2) are known by their shards instead: those of the blocks to come.
+        if self.blocks_to_come is not None:
+            later = set().union(*self.blocks_to_come())
+            later_grads = sum(n for ptr, n in self.trainable.items() if ptr in later)
+        else:
+            later_grads = sum(n for ptr, n in self.trainable.items()
+                              if ptr not in seen or (ptr in inputs and ptr in self.shared))
+        log.debug("fxopt: reserve beside a piece: %d other resident, %d gathered parameters, %d from earlier "
+                  "pieces, %d later gradients, %d held", others, gathered, earlier, later_grads, self.held)
+        return others + gathered + earlier + later_grads + self.held
 
 
-def _bytes(budget: Any) -> int | None:
+def budget_bytes(budget: Any) -> int | None:
     """The budget in bytes, or None when it is a fraction of the eager peak."""
     try:
         return resolve_budget(budget, None)
@@ -142,12 +172,14 @@ class PiecewiseBackend:
         self.graph_breaks = graph_breaks
         self.step: Step | None = None
         self.warned: set[str] = set()
+        self.bounds: list[int] = []  # per plan made: the most the step holds while it runs
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         where = break_location(gm)
-        in_pieces = where is not None or bool(self.step and self.step.pieces)
+        in_pieces = where is not None or bool(self.step and (self.step.pieces or self.step.every_graph_a_piece))
         if not in_pieces:  # the whole step in one graph
-            return self._compile(gm, example_inputs, self.budget, reserve=0, whole=True)
+            compiled, plan = self._compile(gm, example_inputs, self.budget, reserve=0, whole=True)
+            return self._recorded(lambda args, inputs: (compiled, plan))
         if self.graph_breaks == "error":
             raise CaptureError(
                 f"torch.compile split this training step at a graph break at {where or 'an earlier piece'}; "
@@ -155,14 +187,18 @@ class PiecewiseBackend:
                 "(data-dependent Python such as .item() is the usual cause), or use graph_breaks='split' "
                 "(the default) to plan the pieces in order within the budget."
             )
-        budget = _bytes(self.budget)
+        budget = budget_bytes(self.budget)
         if budget is None:
             raise BudgetError(
                 f"this training step is captured in pieces (a graph break at {where or 'an earlier piece'}), "
                 f"so fxopt plans it piece by piece and needs the budget in bytes, not {self.budget!r}: the "
-                "step's eager peak is not known until every piece has run. Pass bytes or a size such as '2GiB'."
+                "step's eager peak is not known until every piece has run. Pass bytes or a size such as '2GiB' "
+                "(for a share of the eager peak, measure one eager step: peak = fxopt.measure_peak(step, model, "
+                "batch).peak_bytes, then budget=int(0.5 * peak))."
             )
-        if where is not None and where not in self.warned:
+        # FSDP2's hooks split its step by design (fxopt.distributed.data_parallel): no warning for those.
+        fsdp_hook = where is not None and "torch/distributed/fsdp" in where.replace("\\", "/")
+        if where is not None and where not in self.warned and not fsdp_hook:
             self.warned.add(where)
             message = (f"torch.compile split this training step at a graph break at {where}; fxopt plans "
                        "the pieces in order, each within what the budget leaves beside the others")
@@ -170,14 +206,43 @@ class PiecewiseBackend:
             warnings.warn(message, GraphBreakWarning, stacklevel=2)
         if self.step is None:
             raise CaptureError("fxopt: a piece of the step was compiled outside an fxopt module's call")
-        inputs = frozenset(storages(list(example_inputs)))
-        reserve = self.step.reserve(inputs)
-        log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
-                 format_bytes(budget - reserve), format_bytes(reserve))
-        return self._compile(gm, example_inputs, budget - reserve, reserve, inputs, whole=False)
+        return self._piece(gm, example_inputs, budget)
 
-    def _compile(self, gm, example_inputs, budget, reserve: int, inputs: frozenset[StorageKey] = frozenset(), *,
-                 whole: bool):
+    def _piece(self, gm: fx.GraphModule, example_inputs, budget: int):
+        """A piece, planned for each reserve it runs beside: Dynamo compiles a graph once, and it
+        may run several times in one step (one FSDP2 block's forward serves every block, a frame
+        split inside a loop every iteration), each time beside a different rest of the step. The
+        plan for the first reserve is made now; one for another reserve, at the first run that
+        meets it (with Dynamo off: the graph is compiled again outside Dynamo's own compile)."""
+        variants: dict[int, tuple[Callable, Plan | None]] = {}
+
+        def variant(args, inputs: frozenset[StorageKey]):
+            reserve = self.step.reserve(inputs) if self.step is not None else min(variants)
+            if reserve not in variants:
+                log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
+                         format_bytes(budget - reserve), format_bytes(reserve))
+                compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
+                variants[reserve] = compile_now(gm, args, budget - reserve, reserve)
+            return variants[reserve]
+
+        variant(example_inputs, frozenset(storages(list(example_inputs))))
+        return self._recorded(variant)
+
+    def _recorded(self, variant: Callable):
+        """Run the compiled graph ``variant(args, inputs)`` gives, and record it in the step."""
+        def run(*args):
+            inputs = frozenset(storages(list(args)))
+            compiled, plan = variant(args, inputs)
+            outputs = compiled(*args)
+            if self.step is not None:
+                saved = plan.timeline().saved_bytes if plan is not None else 0
+                self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs)))
+            return outputs
+
+        return run
+
+    def _compile(self, gm, example_inputs, budget, reserve: int, *, whole: bool = False):
+        """The compiled graph, and its plan (None without a backward)."""
         if reserve and budget <= 0:
             raise InfeasibleBudgetError(
                 budget + reserve, reserve + 1,
@@ -192,18 +257,9 @@ class PiecewiseBackend:
             raise InfeasibleBudgetError(
                 budget + reserve, err.min_budget + reserve,
                 f"The step is captured in pieces, and the rest of the step holds {format_bytes(reserve)} "
-                "while this piece runs.") from None
-        if not plans:  # no backward (inference): nothing to plan, nothing held for a backward
-            return compiled
-        plan = plans[-1]
-        saved_bytes = plan.timeline().saved_bytes
-
-        @functools.wraps(compiled)
-        def run(*args):
-            outputs = compiled(*args)
-            if self.step is not None:
-                returned = storages(outputs)
-                self.step.pieces.append(Piece(plan, inputs, saved_bytes, returned))
-            return outputs
-
-        return run
+                "while this piece runs. The pieces before it were planned first, keeping what fitted beside "
+                "them; at a larger budget they may keep more, so the budget named is what this piece needs "
+                "beside them as planned now, not a promise for the step.") from None
+        if plans:
+            self.bounds.append(reserve + plans[-1].peak_bytes)
+        return compiled, (plans[-1] if plans else None)

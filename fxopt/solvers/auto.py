@@ -26,7 +26,7 @@ log = logging.getLogger("fxopt")
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 10
+REVISION = 11
 
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
@@ -380,6 +380,13 @@ class _Search:
         min_budget = min_feasible_budget(graph, solver, time_limit=self.phase_seconds(MIN_BUDGET_TIME_SHARE),
                                          known=self.lowest_peak, run_ilp=self.model is None,
                                          runs=self.heuristic_runs)
+        reached = _LOWEST.get(_lowest_key(graph, solver))
+        if min_budget <= budget and reached is not None and reached.peak <= budget:
+            # The search for the smallest budget found a schedule within this one (the searches
+            # before it ran out of time): that is the answer, not "infeasible, try this budget".
+            self.consider(reached.schedule, simulate(graph, reached.schedule), reached.name, "heuristic")
+            if self.fitting:
+                return self.best()
         # A budget the instant program proved infeasible is below every schedule's peak too.
         floor = max(peak_lower_bound(graph)[0], budget + 1 if self.proven_infeasible else 0)
         fewer = without_codecs(graph, lossy_only=any(is_lossy_codec(n.codec) for n in graph.nodes))
@@ -406,11 +413,13 @@ class _Search:
                                    solve_seconds=time.perf_counter() - self.t0)
 
     def best(self) -> Solution:
-        """The cheapest plan that fits (then the lowest peak, then the best status), with its status
-        as proven and the bound."""
+        """The cheapest plan that fits (then the one holding the least host memory, then the lowest
+        peak, then the best status), with its status as proven and the bound. (At equal cost, a
+        plan that copies less is preferred to one that peaks lower by copying values out: its
+        copies are hidden only as far as the measured bandwidth holds, and they take host memory.)"""
         rank = {"optimal": 0, "feasible": 1, "heuristic": 2}
-        best = min(self.fitting,
-                   key=lambda s: (round(s.timeline.cost, 12), s.timeline.peak_bytes, rank[s.status]))
+        best = min(self.fitting, key=lambda s: (round(s.timeline.cost, 12), s.timeline.host_peak_bytes,
+                                                s.timeline.peak_bytes, rank[s.status]))
         if best.solver != "ilp" and self.ilp_status == "optimal":
             # The ILP's memory model over-approximates: a heuristic may beat it. Still proven optimal
             # within that model, so report what was found honestly.

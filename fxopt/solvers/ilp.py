@@ -20,6 +20,16 @@ its last forward use until its first possible backward stage (and both while bei
 decoded); until then no stage reads it or makes it again (a recomputed copy would replace the
 encoded one, at full size). Encoding plus decoding cost is added to the objective.
 
+OFFLOAD (on a graph with transfers): O[i] <= S0[i], not with Z[i], for a value whose copies fit
+in a fixed window (`_offload_windows`: out after its last forward use and done by a release step;
+back from a reload stage, done before the first stage that reads it). Between release and reload
+it counts no bytes; before its first reading stage nothing reads it or makes it again. Each
+channel serves one copy at a time in issue order, so i's copy is done by its deadline when, for
+every OFFLOADed j issued no later than i, the copies from j's to i's fit between j's issue and i's
+deadline (`add_channel_rows`; a big-M term lifts the rows of a value not offloaded). The clocks
+count every node once and nothing else, less than any plan takes, so no copy of a plan the ILP
+returns stalls, and OFFLOAD costs nothing in the objective.
+
 What keeps it small enough to solve in seconds for thousands of nodes:
   - Views are not variables: a schedule makes a fresh view from its base right before each use.
   - R[t,i] exists only where i is needed to make what stage t reads, through recomputable values
@@ -53,6 +63,7 @@ HiGHS's branch-and-bound 2.47 s after 420 s, best plan 3.74 s).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections.abc import Callable
@@ -99,6 +110,8 @@ class RematIlp:
     cost_scale: float
     cost_offset: float  # cost of backward-only values, paid once whatever the plan
     window: int = 0  # how many values back from a stage's reads recomputation may reach
+    O: dict[int, int] = dataclasses.field(default_factory=dict)  # value -> column: OFFLOADed
+    reload_stage: dict[int, int] = dataclasses.field(default_factory=dict)  # OFFLOADed value -> stage reloaded at
 
     def s(self, t: int, i: int) -> int | None:
         if i not in self.first or t > self.last[i]:
@@ -148,7 +161,18 @@ class RematIlp:
         events = with_fresh_aliases(graph, events)
         saved = (saved & read_before_recompute(graph, events)) | (graph.needed_by_backward & graph.free)
         compressed = frozenset(i for i, col in self.Z.items() if on(col)) & saved
-        return prune(graph, Schedule(frozenset(saved), events, compressed))
+        schedule = prune(graph, Schedule(frozenset(saved), events, compressed))
+        offloaded = frozenset(i for i, col in self.O.items() if on(col)) & schedule.saved
+        return dataclasses.replace(schedule, offloaded=offloaded,
+                                   reload_at=self.reload_points(schedule.backward, offloaded))
+
+    def reload_points(self, events: tuple[int, ...], offloaded) -> tuple[tuple[int, int], ...]:
+        """Where the model reloads each OFFLOADed value: as stage ``reload_stage`` begins, right
+        after the previous stage's node (the backward's start for stage 0)."""
+        bwd = self.graph.backward_nodes
+        position = {i: e for e, i in enumerate(events)}
+        return tuple(sorted((i, 0 if (p := self.reload_stage[i]) == 0 else position[bwd[self.stages[p - 1]]] + 1)
+                            for i in offloaded))
 
     def saved_fractions(self, x) -> dict[int, float]:
         return {i: x[col] for i, col in self.S0.items()}
@@ -167,7 +191,70 @@ def build_ilp(graph: Graph, budget: int | None, *, minimize_peak: bool = False,
     builder.add_residency_rows()
     builder.add_backward_memory_rows()
     builder.add_forward_memory_rows()
+    builder.add_channel_rows()
     return builder.ilp
+
+
+# How much longer than its own copy a value's window must be for the ILP to offer OFFLOAD (the
+# rest is room for the copies queued before it on the same channel).
+WINDOW_SLACK = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """When an OFFLOADed value travels, in the ILP's model: issued after its last forward use
+    (``issued``, forward seconds), off the device from forward step ``release`` (its copy done by
+    then: ``release_at`` seconds; ``release`` = the number of forward steps: by the backward's
+    start), reloaded as backward stage ``reload`` begins (``reload_issued`` backward seconds), back
+    before stage ``first`` can read it (``needed``)."""
+
+    issued: float
+    release: int
+    release_at: float
+    d2h: float  # seconds of its copy out
+    reload: int
+    reload_issued: float
+    needed: float
+    h2d: float  # seconds of its copy back
+
+
+def _first_reads(scope: _Scope, values) -> dict[int, int]:
+    """The first stage that reads each value itself (not through a recomputation)."""
+    return {i: next((t for t in range(scope.first[i], len(scope.stages)) if i in scope.reads[t]), scope.first[i])
+            for i in values}
+
+
+def _offload_windows(graph: Graph, scope: _Scope, order: list[int], lifetimes: dict[int, tuple[int, int]],
+                     values) -> dict[int, _Window]:
+    """The window of each value in ``values`` that has one: the earliest forward step by which
+    its copy out has had `WINDOW_SLACK` times its own time (by the backward's start at the
+    latest), and the latest stage whose start leaves as much before the first stage that reads
+    it (`_first_reads`) for its copy back; nothing may read it or make it again before then. The clocks count each forward node once and the backward's own nodes only: every plan
+    takes at least that long (recomputation only adds time), so copies that fit them fit."""
+    nodes, transfers = graph.nodes, graph.transfers
+    clock = [0.0]
+    for i in order:
+        clock.append(clock[-1] + nodes[i].cost)
+    bclock = [0.0]
+    for b in graph.backward_nodes:
+        bclock.append(bclock[-1] + nodes[b].cost)
+    starts = [0.0] + [bclock[k + 1] for k in scope.stages]  # stage t begins after stage t - 1's node
+    fpos = {i: k for k, i in enumerate(order)}
+    values = [i for i in values if i in fpos and i in scope.first and lifetimes[i][1] < len(order)]
+    first_read = _first_reads(scope, values)
+    out: dict[int, _Window] = {}
+    for i in values:
+        d2h, h2d = transfers.d2h_seconds(nodes[i].bytes), transfers.h2d_seconds(nodes[i].bytes)
+        issued = clock[lifetimes[i][1] + 1]
+        release = next((f for f in range(lifetimes[i][1] + 1, len(order) + 1)
+                        if clock[f] - issued >= WINDOW_SLACK * d2h), len(order))
+        first = first_read[i]
+        needed = bclock[scope.stages[first]]
+        reload = max((p for p in range(first + 1) if needed - starts[p] >= WINDOW_SLACK * h2d), default=0)
+        if clock[release] - issued < d2h or needed - starts[reload] < h2d:
+            continue  # its copies cannot hide even alone
+        out[i] = _Window(issued, release, clock[release], d2h, reload, starts[reload], needed, h2d)
+    return out
 
 
 @dataclasses.dataclass
@@ -262,6 +349,8 @@ class _Builder:
                             cost_offset=sum(nodes[i].cost for i in scope.cands if i in graph.backward_only),
                             window=scope.window)
         self.m.offset = -self.ilp.cost_offset * self.ilp.cost_scale
+        self.order = sorted(graph.forward_required)
+        self.forward = forward_profile(graph, self.order)
 
     def mem_bytes(self, i: int) -> int:
         graph, nodes = self.graph, self.nodes
@@ -306,6 +395,15 @@ class _Builder:
         for i in ilp.S0:
             if i in graph.compressible:
                 ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * ilp.cost_scale)
+        # OFFLOAD: O[i] <= S0[i], not with Z[i] (the heuristics combine them), only where the
+        # value's copies fit in its window (`_offload_windows`); no cost: the channel rows keep
+        # every copy hidden.
+        self.windows = _offload_windows(graph, sc, self.order, self.forward.lifetimes,
+                                        [i for i in ilp.S0 if i in graph.offloadable]) if graph.offloadable else {}
+        for i, window in self.windows.items():
+            ilp.O[i] = m.binary(f"O_{nodes[i].name}")
+            ilp.reload_stage[i] = window.reload
+            m.row([(ilp.O[i], 1.0), (ilp.S0[i], -1.0)] + ([(ilp.Z[i], 1.0)] if i in ilp.Z else []), upper=0.0)
         self.zb = {i: nodes[i].compressed_bytes / self.unit for i in ilp.Z}  # compressed size, in units
         self.zw = {i: nodes[i].codec_workspace / self.unit for i in ilp.Z}  # scratch while encoding or decoding
         # A compressed value is decoded for the first stage that reads it (fr); before that no
@@ -334,6 +432,19 @@ class _Builder:
             # this model counts the encoding.
             makers = {i} | {p for p in self.nodes[i].inputs if not self.nodes[p].tensor}
             for t in range(sc.first[i], self.fr[i]):
+                for u in sc.anc[t]:
+                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
+                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
+        first_read = _first_reads(sc, ilp.O)
+        for i, col in ilp.O.items():
+            # OFFLOADed: kept (on the host, then reloaded) until the first stage that reads it, and
+            # until then neither read by a recomputation nor made again (its window's copy back
+            # is timed to that stage; a recomputed copy would be where the model counts nothing).
+            for t in range(sc.first[i] + 1, first_read[i] + 1):
+                if (t, i) in ilp.S:
+                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)
+            makers = {i} | {q for q in self.nodes[i].inputs if not self.nodes[q].tensor}
+            for t in range(sc.first[i], first_read[i]):
                 for u in sc.anc[t]:
                     if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
                         m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
@@ -375,6 +486,9 @@ class _Builder:
             fresh = [(ilp.S0[i], mb[i]) for i in sc.cands if sc.first.get(i) == t and i in ilp.S0 and mb[i]]
             # Compressed until decoded for stage first[i]: smaller in every earlier total.
             fresh += [(col, zb[i] - mb[i]) for i, col in ilp.Z.items() if min(sc.first[i], fr[i] - 1) == t]
+            # OFFLOADed: off the device until the stage its reload is issued at.
+            fresh += [(col, -mb[i]) for i, col in ilp.O.items()
+                      if ilp.reload_stage[i] >= 1 and min(sc.first[i], ilp.reload_stage[i] - 1) == t and mb[i]]
             if waiting[t + 1] is not None or fresh:
                 waiting[t] = self.running_total(f"P_{t}", fresh, waiting[t + 1])
         in_window: list[list[tuple[int, float]]] = [[] for _ in range(T + 1)]
@@ -383,6 +497,8 @@ class _Builder:
                 in_window[t].append((col, mb[i]))
                 if i in ilp.Z and t < fr[i]:
                     in_window[t].append((ilp.Z[i], zb[i] - mb[i]))
+                if i in ilp.O and t < ilp.reload_stage[i]:
+                    in_window[t].append((ilp.O[i], -mb[i]))
 
         def resident(t: int) -> list[tuple[int, float]]:
             return in_window[t] + ([(waiting[t], 1.0)] if waiting[t] is not None else [])
@@ -429,10 +545,13 @@ class _Builder:
 
     def add_forward_memory_rows(self) -> None:
         """Memory in the forward: a SAVEd value stays alive from the end of its forward life (or, if
-        only the backward needs it, from when it is computed, keeping its inputs alive until then)."""
-        order = sorted(self.graph.forward_required)
-        fixed = forward_profile(self.graph, order)
+        only the backward needs it, from when it is computed, keeping its inputs alive until then);
+        an OFFLOADed one until its window's release step."""
+        order, fixed = self.order, self.forward
         from_step, spans = self.saved_in_forward(order, fixed.lifetimes)
+        for i, col in self.ilp.O.items():
+            if self.windows[i].release < len(order) and self.mb[i]:
+                from_step.setdefault(self.windows[i].release, []).append((col, -self.mb[i]))
         n_steps = len(order)
         cuts = sorted({0} | set(from_step) | {a for a, _, _, _ in spans} | {b + 1 for _, b, _, _ in spans})
         cuts = [c for c in cuts if c < n_steps] + [n_steps]
@@ -444,6 +563,45 @@ class _Builder:
                 total = self.running_total(f"E_{lo}", fresh, total)
             extra = [(c, a) for a_lo, a_hi, c, a in spans if a_lo <= lo and hi - 1 <= a_hi]
             self.within(max(fixed.during[lo:hi]), ([(total, 1.0)] if total is not None else []) + extra)
+
+    def add_channel_rows(self) -> None:
+        """Each channel serves its copies one at a time, in the order issued: the copy of OFFLOADed
+        value i completes by its window's deadline if, for every OFFLOADed j issued no later than
+        i, the copies from j's to i's fit between j's issue and i's deadline,
+
+            sum_{m from j to i} seconds_m O[m]  <=  deadline_i - issued_j + M (1 - O[i])
+
+        (only the rows that can bind are written); and, with a host budget, everything OFFLOADed
+        fits in host memory at once."""
+        ilp, windows, m = self.ilp, self.windows, self.m
+        if not windows:
+            return
+        d2h = sorted(windows, key=lambda i: (windows[i].issued, i))
+        self.queue_rows(d2h, lambda w: w.issued, lambda w: w.release_at, lambda w: w.d2h)
+        h2d = sorted(windows, key=lambda i: (windows[i].reload_issued, i))
+        self.queue_rows(h2d, lambda w: w.reload_issued, lambda w: w.needed, lambda w: w.h2d)
+        host_budget = self.graph.transfers.host_budget
+        if host_budget is not None:
+            m.row([(col, self.graph.nodes[i].bytes / self.unit) for i, col in ilp.O.items()],
+                  upper=host_budget / self.unit)
+
+    def queue_rows(self, queue: list[int], issued, deadline, seconds) -> None:
+        """The rows of one channel; ``queue`` in issue order. Copies issued at the same time may
+        be served in any order, so each row takes all of them."""
+        windows, O = self.windows, self.ilp.O
+        total = sum(seconds(windows[i]) for i in queue) or 1.0
+        times = [issued(windows[i]) for i in queue]
+        cumulative = [0.0]
+        for i in queue:
+            cumulative.append(cumulative[-1] + seconds(windows[i]))
+        starts = sorted({bisect.bisect_left(times, t) for t in times})  # first copy issued at each time
+        for i in queue:
+            last = bisect.bisect_right(times, issued(windows[i]))  # everything issued no later than i
+            for start in starts[:bisect.bisect_right(starts, last - 1)]:
+                room = deadline(windows[i]) - times[start]
+                if cumulative[last] - cumulative[start] > room:
+                    terms = [(O[q], seconds(windows[q]) / total) for q in queue[start:last]]
+                    self.m.row(terms + [(O[i], 1.0)], upper=room / total + 1.0)
 
     def saved_in_forward(self, order: list[int], interval: dict[int, tuple[int, int]]):
         """The SAVE decisions' bytes in the forward: terms alive from a step to the end

@@ -31,11 +31,14 @@ mixed-integer program
 
     OFFLOAD  o_i <= s_i at no cost; v_ik <= a_ik, v_ik <= o_i + z_i (bytes_i - compressed_i) / bytes_i
              for a value that may be OFFLOADed (v replaces w): it may count nothing where it is alive
-             and not yet read, like an encoding, and its copies take no time and free its memory at
-             once (the simulator frees it when its copy completes, reloads it before the first
-             read and counts the exposed copy time: again it allows no less)
+             and not yet read, like an encoding. At each instant, what OFFLOAD took off the device
+             was copied out by then, at the device-to-host bandwidth, within the step's clock so
+             far (its compute, recomputations, codecs and the exposed time E; `_add_d2h_row`).
+             Otherwise copies are free: the forward's rows free an offloaded value at once, and
+             reloads take no time (the simulator frees a value when its copy completes, reloads
+             it before the first read and counts the exposed copy time: it allows no less)
 
-    minimise sum_i c_i n_i + sum_i codec_i z_i
+    minimise sum_i c_i n_i + sum_i codec_i z_i + E
 
 is a relaxation of the simulator's problem: any schedule within the budget gives a solution of
 the same or lower cost (its SAVE set, what is alive at each k, what it computes before and after).
@@ -98,9 +101,17 @@ class _Program:
         self.order = sorted(graph.forward_required)
         forward_bytes = forward_profile(graph, self.order)
         self.fprofile, self.interval = forward_bytes.during, forward_bytes.lifetimes
+        # At most the forward's compute: every forward node once (a backward-only value runs in the
+        # forward when SAVEd); with the backward's, the unit of the channel rows.
+        self.forward_seconds = sum(n.cost for n in nodes if n.kind == "forward")
+        self.step_seconds = self.forward_seconds + sum(nodes[b].cost for b in bwd)
 
     def cost(self, i: int) -> float:
         return 0.0 if i in self.graph.backward_only else self.graph.nodes[i].cost
+
+    def true_cost(self, i: int) -> float:
+        """Seconds one computation of i takes (`cost` is what it adds to a plan's cost)."""
+        return self.graph.nodes[i].cost
 
     def computable(self, i: int) -> bool:
         # A value that cannot be recomputed (random, mutating) is made once, in the forward; only
@@ -135,13 +146,18 @@ class _Program:
              for i in vals if i in graph.compressible and i in s}
         for i, col in z.items():
             m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
-        n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=2.0)
-             for i in vals if self.computable(i)}
         # OFFLOAD: o_i, only for SAVEd values, at no cost (its exposed copy time is never negative).
         o = {i: m.binary(f"o_{nodes[i].name}") for i in vals if i in graph.offloadable and i in s}
         for i, col in o.items():
             m.row([(col, 1.0), (s[i], -1.0)], upper=0.0)
         self.o = o
+        # With OFFLOAD, n_i counts every computation (the channel rows read it as time); else 2
+        # bounds it, as that many already satisfy every row.
+        n = {i: m.var(f"n_{nodes[i].name}", cost=self.cost(i) * self.cost_scale, upper=float("inf") if o else 2.0)
+             for i in vals if self.computable(i)}
+        self.n = n
+        # E: the exposed transfer time, which every plan's cost counts (see `_add_d2h_row`).
+        self.exposed = m.var("exposed", cost=self.cost_scale) if o else None
         return s, z, n
 
     def _add_instant(self, m: Mip, k: int, s, z, n, alive) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
@@ -181,10 +197,11 @@ class _Program:
         decoded = graph.through_aliases(before | now)
         # The same for a value OFFLOADed (off the device until reloaded for its first read) or
         # COMPRESSed: w is the share of its bytes it does not hold at k.
+        away: dict[int, int] = {}
         for i in z.keys() | self.o.keys():
             if i in decoded:
                 continue
-            w = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
+            w = away[i] = m.var(f"w{k}_{nodes[i].name}", upper=1.0)
             m.row([(w, 1.0), (a[i], -1.0)], upper=0.0)
             m.row([(w, 1.0)] + self._away(i, z), upper=0.0)
             for u in graph.users[i]:
@@ -192,7 +209,43 @@ class _Program:
                     m.row([(w, 1.0), (p[u], 1.0)], upper=1.0)
             mem.append((w, -nodes[i].bytes / self.unit))
         m.row(mem, upper=(self.budget - self.fixed[k]) / self.unit)
+        self._add_d2h_row(m, k, away, z)
         return a, p, r
+
+    def _add_d2h_row(self, m: Mip, k: int, away: dict[int, int], z: dict[int, int]) -> None:
+        """The device-to-host channel at instant k: what is off the device at k because it was
+        OFFLOADed has been copied out by then, one copy at a time at the channel's bandwidth, so
+
+            sum_i copied_i / d2h  <=  wall_k
+            copied_i >= bytes_i w_ik - (bytes_i - compressed_i) z_i     (what OFFLOAD took away)
+            wall_k   <= base_k + sum_i cost_i n_i + sum_i codec_i z_i + E
+
+        where base_k is the compute of every forward node (once; backward-only values included,
+        wherever they run) and of the backward nodes before k, and E the exposed transfer time: the clock
+        at k can be no later than that, as every stall before k is exposed, every recomputation
+        is counted in n and every encoding and decoding in z. (The host-to-device channel is not modelled: a reload
+        may be skipped where its value is recomputed instead, and the forward's rows give each
+        value one "away" for the whole forward, so they keep copies free.)"""
+        off = [i for i in away if i in self.o]
+        if not off:
+            return
+        graph, nodes = self.graph, self.graph.nodes
+        d2h = graph.transfers.d2h_bytes_per_s
+        base = self.forward_seconds + sum(nodes[b].cost for b in graph.backward_nodes[:k])
+        scale = 1.0 / max(self.step_seconds, 1e-12)  # the row in units of the step's compute
+        copied = []
+        for i in off:
+            seconds = nodes[i].bytes / d2h * scale
+            if i in z:  # COMPRESSed and OFFLOADed: only the encoding travels
+                c = m.var(f"copied{k}_{nodes[i].name}")
+                saved_by_codec = (nodes[i].bytes - nodes[i].compressed_bytes) / d2h * scale
+                m.row([(c, 1.0), (away[i], -seconds), (z[i], saved_by_codec)], lower=0.0)
+                copied.append((c, 1.0))
+            else:
+                copied.append((away[i], seconds))
+        clock = [(col, -self.true_cost(i) * scale) for i, col in self.n.items()] + [(self.exposed, -scale)]
+        clock += [(col, -nodes[i].codec_cost * scale) for i, col in z.items()]
+        m.row(copied + clock, upper=base * scale)
 
     def _away(self, i: int, z) -> list[tuple[int, float]]:
         """Terms of -(the share of value i's bytes its decisions can take off the device): all of
@@ -383,6 +436,10 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
     worst = _tightest(graph, eager, budget)
     if worst is not None and worst[0] == "backward" and worst[1] not in instants:
         instants.append(worst[1])
+    # ... and, where OFFLOAD is offered, the backward's start, where every SAVEd value is still
+    # alive and the copies out have had the least time (the channel row binds most there).
+    if graph.offloadable and 0 not in instants:
+        instants.append(0)
     forward_steps: list[int] = []
     bound: float | None = None
     plans: list[tuple[Schedule, Timeline]] = []

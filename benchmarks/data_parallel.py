@@ -1,0 +1,367 @@
+"""fxopt under data parallelism against what those users do today: DDP and FSDP2 with per-block
+``torch.utils.checkpoint``.
+
+    python -m benchmarks.data_parallel                       # 2 gloo processes on CPU
+    python -m benchmarks.data_parallel --device cuda --backend nccl --world 1   # the GPU row
+
+Model: a `transformers` Llama causal LM from a config (random weights, loss from ``labels=``),
+each rank training on its share of one batch. For each setting (``DDP(model)``; ``fully_shard``
+per decoder layer and at the root) the rows are: eager; per-block checkpointing (each decoder
+layer's forward under ``torch.utils.checkpoint``, non-reentrant, as `benchmarks.harness`
+wraps it); fxopt with that checkpointing's measured per-rank peak as its budget, in bytes
+(``fxopt.optimize(DDP(model), budget)``; ``fxopt.optimize(sharded_model, budget)``); and, when
+fxopt cannot plan at that peak, fxopt at the smallest budget it names (tried again at most
+``--retries`` times: a step in pieces names the budget of the piece that did not fit, given what the
+pieces before it keep), and, if none fits, fxopt at eager's measured peak.
+
+Per row and rank: the measured peak (`fxopt.measure_peak` of the third step, with DDP's buckets
+counted on CPU; on CUDA ``max_memory_allocated``), the FLOPs of one step counted by
+`fxopt.measure.count_flops` (extra: above eager's), the median step time of ``--timed-steps``
+steps, and the loss and every gradient against eager's on the same rank. The table reports the
+largest peak and step time over the ranks. Writes ``<out>.json`` and ``<out>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import fxopt
+from benchmarks.harness import checkpoint_blocks, error_line, log, run_meta
+from fxopt.measure import count_flops
+
+MiB = 2**20
+SIZES = {  # layers, hidden, heads, ffn, seq, batch per rank, vocab
+    "bench": dict(layers=4, hidden=128, heads=4, ffn=512, seq=128, batch=4, vocab=1024),
+    "quick": dict(layers=2, hidden=64, heads=2, ffn=256, seq=64, batch=2, vocab=512),
+}
+SETTINGS = ("ddp", "fsdp")
+
+
+class Loss(nn.Module):
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids, labels):
+        return self.hf(input_ids=ids, labels=labels).loss
+
+
+def build(size: str, world: int, rank: int, device: torch.device):
+    """The model (same weights on every rank) and this rank's share of the batch."""
+    import transformers
+
+    c = SIZES[size]
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=c["layers"], hidden_size=c["hidden"],
+                                   num_attention_heads=c["heads"], num_key_value_heads=max(1, c["heads"] // 2),
+                                   intermediate_size=c["ffn"], vocab_size=c["vocab"],
+                                   max_position_embeddings=c["seq"], use_cache=False)
+    model = Loss(transformers.LlamaForCausalLM(cfg)).train().to(device)
+    ids = torch.randint(0, c["vocab"], (world * c["batch"], c["seq"]), generator=torch.Generator().manual_seed(1))
+    share = ids[rank * c["batch"]:(rank + 1) * c["batch"]].to(device)
+    return model, (share, share.clone())
+
+
+def _wrap(setting: str, model: nn.Module, device: torch.device) -> nn.Module:
+    if setting == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.hf.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _step(fn, inputs):
+    loss = fn(*inputs)
+    loss.backward()
+    return loss.detach()
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name.removeprefix("module.")] = g.detach().to("cpu", copy=True)
+    return out
+
+
+def measure(fn, model: nn.Module, wrapped: nn.Module, inputs, timed_steps: int, device: torch.device) -> dict[str, Any]:
+    """Three steps (the first compiles and plans, the second is where DDP rebuilds its buckets),
+    the third measured; one counted; ``timed_steps`` timed."""
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        _step(fn, inputs)
+    model.zero_grad(set_to_none=True)
+    peak = fxopt.measure_peak(_step, fn, inputs, resident=[fn, wrapped, model])
+    row = {"peak_bytes": peak.peak_bytes, "loss": float(peak.result), "grads": _grads(model)}
+    model.zero_grad(set_to_none=True)
+    row["flops"] = count_flops(_step, fn, inputs)
+    times = []
+    for _ in range(timed_steps):
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        _step(fn, inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    row["step_s"] = statistics.median(times)
+    return row
+
+
+def _plan_fields(fn) -> dict[str, Any]:
+    plans = list(getattr(fn, "plans", []))
+    return {"plans": len(plans), "peak_bound_bytes": fn.peak_bound_bytes,
+            "recomputations": sum(sum(p.recomputed.values()) for p in plans),
+            "predicted_extra_flops": sum(p.recompute_flops for p in plans),
+            "solve_s": round(sum(p.solve_seconds for p in plans), 1),
+            "statuses": sorted({f"{p.solver} {p.status}" for p in plans})}
+
+
+def run_setting(setting: str, args, rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
+    """Every row of one setting on this rank (the fxopt rows' budgets agreed over the ranks)."""
+    rows: list[dict[str, Any]] = []
+
+    def attempt(method: str, budget: int | None = None) -> dict[str, Any]:
+        model, inputs = build(args.size, world, rank, device)
+        blocks = list(model.hf.model.layers)
+        wrapped = _wrap(setting, model, device)
+        row: dict[str, Any] = {"setting": setting, "method": method, "budget_bytes": budget}
+        t0 = time.perf_counter()
+        try:
+            if method == "eager":
+                fn = wrapped
+            elif method == "checkpoint":
+                fn = checkpoint_blocks(wrapped, blocks)
+            else:
+                fn = fxopt.optimize(wrapped, budget, time_limit=args.time_limit)
+            row.update(measure(fn, model, wrapped, inputs, args.timed_steps, device))
+            if method.startswith("fxopt"):
+                row.update(_plan_fields(fn))
+        except fxopt.InfeasibleBudgetError as err:
+            row["error"] = error_line(err)
+            row["min_budget"] = err.min_budget
+        except Exception as err:  # noqa: BLE001 - the row records it; the run goes on
+            row["error"] = error_line(err)
+            log(traceback.format_exc())
+        row["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        del model, wrapped
+        torch._dynamo.reset()
+        rows.append(row)
+        return row
+
+    eager = attempt("eager")
+    ckpt = attempt("checkpoint")
+    budget = _agreed_max(ckpt.get("peak_bytes", 0), device)
+    row = attempt("fxopt@checkpoint", budget)
+    for _ in range(args.retries):
+        # Every rank plans the same pieces; the largest budget any rank names is tried by all.
+        need = _agreed_max(row.get("min_budget", 0), device)
+        if not need:
+            break
+        row = attempt("fxopt@min", need)
+    if "peak_bytes" not in row and eager.get("peak_bytes"):
+        # No budget down there could be planned: fxopt at eager's peak, to show what it does there.
+        attempt("fxopt@eager", _agreed_max(eager["peak_bytes"], device))
+    ref = eager.get("grads")
+    for r in rows:
+        _compare(r, eager, ref)
+    return rows
+
+
+def _agreed_max(value: int, device: torch.device) -> int:
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _compare(row: dict[str, Any], eager: dict[str, Any], ref: dict[str, torch.Tensor] | None) -> None:
+    grads = row.pop("grads", None)
+    if grads is None or ref is None:
+        return
+    row["loss_diff"] = abs(row["loss"] - eager["loss"])
+    try:
+        assert grads.keys() == ref.keys()
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref[name])
+        row["grads_equal"] = True
+    except AssertionError as err:
+        row["grads_equal"] = False
+        row["grads_error"] = str(err).splitlines()[0]
+    row["extra_flops"] = row["flops"] - eager["flops"]
+
+
+def _worker(rank: int, world: int, port: int, args, out_dir: str) -> None:
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("FXOPT_CACHE", "0")  # a cached plan would report another run's planning time
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = []
+    try:
+        for setting in args.settings.split(","):
+            rows += run_setting(setting, args, rank, world, device)
+    finally:
+        dist.destroy_process_group()
+    for r in rows:
+        r.pop("grads", None)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(rows))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per (setting, method): the largest peak and step time over the ranks."""
+    merged = []
+    for rows in zip(*per_rank):
+        row = dict(rows[0])
+        for key in ("peak_bytes", "step_s", "loss_diff"):
+            values = [r[key] for r in rows if r.get(key) is not None]
+            row[key] = max(values) if values else None
+        row["grads_equal"] = all(r.get("grads_equal", True) for r in rows) if "grads_equal" in row else None
+        row["errors"] = sorted({r["error"] for r in rows if r.get("error")})
+        row.pop("error", None)
+        merged.append(row)
+    return merged
+
+
+def _mib(n) -> str:
+    return "–" if n is None else f"{n / MiB:.2f}"
+
+
+def _gflop(n) -> str:
+    return "–" if n is None else f"+{n / 1e9:.3f}"
+
+
+def report(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    out = [
+        "# fxopt under DDP and FSDP2 against per-block checkpointing",
+        "",
+        f"`{meta['command']}` · {meta['date']} · commit {meta['git']} · torch {meta['torch']} · transformers "
+        f"{meta.get('transformers')} · {meta['world']} processes, {meta['backend']} on {meta['device']} · "
+        f"size {meta['size']!r} ({meta['model']}) · fxopt time limit {meta['time_limit']} s · "
+        f"{meta['timed_steps']} timed steps · load before: `{meta['load_before']}`, after: `{meta.get('load_after')}`"
+        f" · {'complete' if meta.get('complete') else 'incomplete'}, {meta.get('elapsed_s')} s",
+        "",
+        "Per-rank peak: the largest over the ranks, in MiB, measured by `fxopt.measure_peak` over the third step "
+        "(parameters, gradients, inputs, DDP's buckets and FSDP2's shards and buffers included). Extra GFLOP: "
+        "counted over one step, above eager's. Step: the median step time, the largest over the ranks (CPU "
+        "timings on a shared machine are noisy: see the load). Checkpointing: each decoder layer's forward under "
+        "`torch.utils.checkpoint` (non-reentrant). fxopt@checkpoint: that row's measured peak as fxopt's budget, in "
+        "bytes; fxopt@min: the smallest budget fxopt named when that one did not fit; fxopt@eager: eager's measured "
+        "peak as the budget, when no smaller one fitted. Ratio: fxopt's extra FLOPs / "
+        "checkpointing's (target ≤ 0.5).",
+        "",
+        "| setting | method | budget MiB | per-rank peak MiB | extra GFLOP | ratio | step s | plans | grads equal | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:---:|---|",
+    ]
+    ckpt_extra = {}
+    for r in data["rows"]:
+        if r["method"] == "checkpoint":
+            ckpt_extra[r["setting"]] = r.get("extra_flops")
+    for r in data["rows"]:
+        ratio = "–"
+        ref = ckpt_extra.get(r["setting"])
+        if r["method"].startswith("fxopt") and r.get("extra_flops") is not None and ref:
+            ratio = f"{r['extra_flops'] / ref:.2f}"
+        within = ""
+        if r["method"].startswith("fxopt") and r.get("peak_bytes") is not None:
+            within = "within budget" if r["peak_bytes"] <= r["budget_bytes"] else "**over budget**"
+        note = "; ".join([*([within] if within else []), *r.get("errors", [])])
+        step = "–" if r.get("step_s") is None else f"{r['step_s']:.3f}"
+        grads = {True: "yes", False: "**no**", None: "–"}[r.get("grads_equal")]
+        out.append(f"| {r['setting']} | {r['method']} | {_mib(r.get('budget_bytes'))} | {_mib(r.get('peak_bytes'))} | "
+                   f"{_gflop(r.get('extra_flops'))} | {ratio} | {step} | {r.get('plans', '–')} | {grads} | {note} |")
+    out += ["", "## GPU", "", meta.get("gpu_note", ""), ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.data_parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="bench")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--time-limit", type=float, default=5.0)
+    parser.add_argument("--timed-steps", type=int, default=3)
+    parser.add_argument("--retries", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--out", default="benchmarks/results/data_parallel")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.data_parallel", *(shlex.quote(a) for a in argv)])
+    meta = run_meta(command)
+    import transformers
+
+    meta.update({"transformers": transformers.__version__, "world": args.world, "backend": args.backend,
+                 "device": args.device, "size": args.size, "model": "LlamaForCausalLM " + json.dumps(SIZES[args.size]),
+                 "time_limit": args.time_limit, "timed_steps": args.timed_steps, "load_before": _load()})
+    gpu = ("python -m benchmarks.data_parallel --device cuda --backend nccl --world 1 "
+           "--out benchmarks/results/data_parallel_gpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        meta["gpu_note"] = f"Not run: no CUDA device on this machine. The GPU row's command: `{gpu}`."
+        meta["complete"] = False
+        data = {"meta": meta, "rows": []}
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        out.with_suffix(".md").write_text(report(data))
+        log(meta["gpu_note"])
+        return
+    meta["gpu_note"] = ("This run is on CUDA." if args.device == "cuda" else
+                        f"Not run here (no CUDA device on this machine); with one GPU: `{gpu}` (world size 1 on "
+                        "NCCL still runs DDP's reducer and FSDP2's collectives).")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(args.world, _free_port(), args, tmp), nprocs=args.world, join=True,
+                           start_method="spawn")
+        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
+    meta.update({"elapsed_s": round(time.perf_counter() - t0, 1), "load_after": _load(), "complete": True})
+    data = {"meta": meta, "rows": merge(per_rank), "per_rank": per_rank}
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+    out.with_suffix(".md").write_text(report(data))
+    log(report(data))
+
+
+if __name__ == "__main__":
+    main()

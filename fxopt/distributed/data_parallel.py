@@ -1,0 +1,316 @@
+"""Data parallel steps through fxopt: what DDP adds to each rank's peak, and how fxopt's one-graph
+step runs under it.
+
+DDP (``torch.nn.parallel.DistributedDataParallel``) in either order:
+
+    DDP(fxopt.optimize(model, budget))      fxopt.optimize(DDP(model), budget)
+
+Both run DDP's own forward (its pre- and post-forward work: buffer broadcast, the reducer's
+bookkeeping) eagerly, and the wrapped module's step as one fxopt graph. In the second order fxopt
+compiles ``ddp.module`` and routes DDP's call of it to the compiled step (`routed`), as
+``nn.Module.compile`` would. Dynamo's DDP optimizer, which would split the graph at bucket
+boundaries so that each bucket's all-reduce overlaps the rest of the backward, is off while fxopt
+compiles (``torch._dynamo.config.optimize_ddp=False``): fxopt plans the whole step.
+
+Gradients are reduced by DDP's own reducer: its hooks on the parameters' gradient accumulators
+fire as autograd accumulates each gradient the compiled backward returns. So the all-reduces start
+only after the whole backward has run: communication does not overlap the backward's compute
+(it overlaps only the accumulation of later gradients). That is the cost of one plan for the whole
+step: the all-reduce time eager DDP would have hidden behind the backward.
+
+What DDP adds to the peak: its gradient buckets, one flat tensor per bucket, together as large as
+the gradients of the parameters it reduces, allocated when the DDP is built and alive through
+every step (also with ``gradient_as_bucket_view=True``, where the gradients are views of the
+buckets between steps, while the backward's fresh gradients are still allocated and copied in).
+fxopt counts them (`held_bytes`: those the gradients are not views of, which the step's resident
+tensors show already) as resident memory the step does not read; a step captured in pieces counts
+them in every piece's reserve (`fxopt.capture.pieces`).
+
+FSDP2 (``fully_shard`` per block): see the functions below (`fsdp_units` onwards) and
+docs/multi-device.md: every graph of its step is a piece of `fxopt.capture.pieces`, planned beside
+the reserve that counts FSDP's shards, gathered parameters and buffers.
+
+Refused, with the reason: a DDP built for compiled autograd (``optimize_ddp="python_reducer"``),
+communication hooks (``register_comm_hook``: they allocate what fxopt cannot see), DDP's
+``mixed_precision`` and delayed all-reduce parameters (buffers fxopt does not count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxopt.errors import CaptureError
+from fxopt.storage import local, storage_bytes, storage_key, tensors_in
+
+
+def _ddp_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def is_ddp(module: Any) -> bool:
+    cls = _ddp_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def running_ddp(module: nn.Module) -> nn.Module | None:
+    """The DDP whose forward is calling ``module`` now (``DDP(fxopt.optimize(model))``), or None."""
+    cls = _ddp_class()
+    if cls is None:
+        return None
+    ddp = cls._get_active_ddp_module()
+    return ddp if ddp is not None and ddp.module is module else None
+
+
+def check_ddp(ddp: nn.Module) -> None:
+    """Refuse what fxopt cannot bound or run under DDP (see the module docstring)."""
+    fix = "; use DDP's defaults there, or run fxopt without DDP"
+    if getattr(ddp, "_use_python_reducer", False):
+        raise CaptureError(
+            "this DDP was built with torch._dynamo.config.optimize_ddp='python_reducer', whose reducer "
+            "all-reduces only under compiled autograd, which fxopt does not use: build the DDP with "
+            "the default optimize_ddp setting")
+    if getattr(ddp, "_comm_hooks", None):
+        raise CaptureError(
+            "this DDP has a communication hook (register_comm_hook): it allocates buffers of its own "
+            f"while gradients are reduced, which fxopt cannot count in the budget{fix}")
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise CaptureError(
+            "this DDP casts parameters for mixed_precision=, copies fxopt does not count in the budget"
+            f"{fix} (torch.autocast inside the model is supported)")
+    if getattr(ddp, "_delay_all_reduce_params", None):
+        raise CaptureError(
+            "this DDP delays the all-reduce of some parameters (delay_all_reduce_named_params=), into a "
+            f"buffer fxopt does not count in the budget{fix}")
+
+
+def bucket_bytes(ddp: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets, as its reducer reports them (alive through every step)."""
+    sizes = ddp._get_ddp_logging_data().get("bucket_sizes")
+    if sizes is None:
+        raise CaptureError("this DDP does not report its gradient buckets' sizes, so fxopt cannot count "
+                           "them in the budget")
+    return sum(int(s) for s in str(sizes).replace(",", " ").split())
+
+
+def held_bytes(objs: Any) -> int:
+    """Bytes that the DDPs among ``objs`` (a DDP, or an fxopt module of one) hold and no reachable
+    tensor shows: their gradient buckets, less those the parameters' gradients are views of
+    (``gradient_as_bucket_view=True``), which a walk of the model's tensors already finds."""
+    found = {}
+    for o in objs if isinstance(objs, (list, tuple)) else [objs]:
+        for candidate in (o, getattr(o, "__dict__", {}).get("_model")):
+            if is_ddp(candidate):
+                found[id(candidate)] = candidate
+    total = 0
+    for ddp in found.values():
+        seen = {}
+        if ddp.gradient_as_bucket_view:
+            for p in ddp.module.parameters():
+                if p.grad is not None and storage_key(p.grad) is not None:
+                    seen[storage_key(p.grad)] = storage_bytes(p.grad)
+        total += max(0, bucket_bytes(ddp) - sum(seen.values()))
+    return total
+
+
+def module_call(module: nn.Module):
+    """A function that calls ``module`` as ``module(...)`` does (hooks, then forward), for
+    torch.compile to capture. It enters at ``_call_impl``, past the check for a compiled call that
+    `routed` installs, so that tracing it does not meet the compiled call itself."""
+    def call(*args, **kwargs):
+        return module._call_impl(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def routed(module: nn.Module, compiled_call):
+    """While inside, calling ``module`` runs ``compiled_call`` instead (what ``nn.Module.compile``
+    installs for good): DDP's forward, calling its wrapped module, runs fxopt's step."""
+    previous = module._compiled_call_impl
+    module._compiled_call_impl = compiled_call
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = previous
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+
+
+def _fsdp_module_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` made FSDP2 units, in module order."""
+    cls = _fsdp_module_class()
+    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
+
+
+def _managed(unit: nn.Module, units: list[nn.Module]) -> list[torch.Tensor]:
+    """The parameters FSDP2 shards for ``unit``: its own, not those of units inside it."""
+    inner = {id(p) for u in units if u is not unit and any(u is m for m in unit.modules()) for p in u.parameters()}
+    return [p for p in unit.parameters() if id(p) not in inner]
+
+
+def unsharded_bytes(unit: nn.Module, units: list[nn.Module]) -> int:
+    """Bytes of ``unit``'s parameters gathered whole, as FSDP2 all-gathers them (each padded to
+    a multiple of the world size along the dimension it shards)."""
+    total = 0
+    for p in _managed(unit, units):
+        world = p.device_mesh.size() if hasattr(p, "device_mesh") else 1
+        rows = math.ceil(p.shape[0] / world) * world if p.dim() else 1
+        total += rows * (p.numel() // max(1, p.shape[0] if p.dim() else 1)) * p.element_size()
+    return total
+
+
+def check_fsdp(units: list[nn.Module], graph_breaks: str) -> None:
+    """Refuse FSDP2 settings whose memory fxopt does not count (see the module docstring)."""
+    if graph_breaks == "error":
+        raise CaptureError(
+            "an FSDP2 model's step is always captured in pieces (FSDP's hooks run between them, outside "
+            "any graph), and graph_breaks='error' refuses pieces: use graph_breaks='split' (the default)")
+    for unit in units:
+        state = unit._get_fsdp_state()
+        mp = state._mp_policy
+        if mp.param_dtype is not None or mp.reduce_dtype is not None:
+            raise CaptureError(
+                "an FSDP2 unit has a MixedPrecisionPolicy with param_dtype/reduce_dtype: the casts it "
+                "allocates are not counted by fxopt yet; shard without it (torch.autocast inside the "
+                "model is supported)")
+        for group in state._fsdp_param_groups:
+            if type(group.offload_policy).__name__ != "OffloadPolicy":
+                raise CaptureError(
+                    "an FSDP2 unit offloads its parameters (CPUOffloadPolicy): fxopt does not count the "
+                    "host copies; shard without offload_policy")
+        for p in _managed(unit, units):
+            if getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim != 1:
+                raise CaptureError(
+                    "an FSDP2 unit shards over a mesh of several dimensions (HSDP); fxopt counts "
+                    "one-dimensional sharding only")
+
+
+def fsdp_held_bytes(units: list[nn.Module]) -> int:
+    """A bound on what FSDP2 holds beside a piece of the step, or between two pieces, that no
+    parameter shows when the piece is planned (U: a unit's parameters gathered whole; blocks: the
+    units inside the outermost):
+
+      - in the forward, the all-gather output of the unit that runs, kept for the next unit's
+        copy-in (U), with the next one's beside it in that unit's pre-forward hook, and those of
+        the units ``set_modules_to_forward_prefetch`` names (U each);
+      - in the backward, the all-gather output of the block it prefetches (one by default, or as
+        many as ``set_modules_to_backward_prefetch`` names), the reduce-scatter input it keeps
+        until the next reduce-scatter, and, in a block's post-backward hook, the one being filled
+        with a shard beside it (a reduce-scatter output);
+      - the gradients of the outermost units' parameters, whole: such a unit's forward takes no
+        input that requires grad (token ids), so FSDP reduce-scatters them only when the whole
+        backward is done, and they accumulate beside every later piece's backward.
+
+    The largest block (or unit) stands for every block (a bound, not an estimate)."""
+    outermost = [u for u in units if not any(v is not u and any(u is m for m in v.modules()) for v in units)]
+    blocks = [u for u in units if not any(u is v for v in outermost)]
+    largest_unit = max((unsharded_bytes(u, units) for u in units), default=0)
+    largest = max((unsharded_bytes(u, units) for u in blocks), default=0)
+    forward = max((len(u._get_fsdp_state()._states_to_forward_prefetch) for u in units), default=0)
+    backward = max((len(u._get_fsdp_state()._states_to_backward_prefetch) for u in units), default=0)
+    world = max((p.device_mesh.size() for u in units for p in _managed(u, units) if hasattr(p, "device_mesh")),
+                default=1)
+    in_forward = (2 + forward) * largest_unit
+    in_backward = (max(1, backward) + 2) * largest + math.ceil(largest / world)
+    root_grads = sum(unsharded_bytes(u, units) for u in outermost if any(p.requires_grad for p in _managed(u, units)))
+    return max(in_forward, in_backward) + root_grads
+
+
+def units_to_come(units: list[nn.Module]) -> list[set]:
+    """The FSDP2 units that have not started their forward yet in this step (each will keep
+    activations for its backward beside what runs now, and its sharded gradients will exist
+    during the backward of what runs now), each as the storages of its sharded parameters."""
+    out = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        group = state._fsdp_param_group
+        if group is None or state._training_state.name == "FORWARD":
+            continue
+        if not any(g is group for g in group.comm_ctx.post_forward_order):
+            out.append({storage_key(local(p)) for p in _managed(unit, units)})
+    return out
+
+
+def eager_modules(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The largest submodules of ``model`` that hold no FSDP2 unit, below those that do. A
+    forward that calls FSDP2 units in a loop is not compiled (Dynamo skips a frame with a graph
+    break inside a loop, and FSDP's hooks are graph breaks), so the submodules it calls would run
+    eagerly, outside any plan; fxopt compiles each of them (`routed`)."""
+    holding = {id(m) for u in units for m in model.modules() if any(u is x for x in m.modules())}
+    found, stack = [], [model]
+    while stack:
+        m = stack.pop()
+        for child in m.children():
+            (stack if id(child) in holding else found).append(child)
+    return found
+
+
+def routes(modules: list[nn.Module], calls: list[Callable]):
+    """`routed` for each module and its compiled call, together."""
+    stack = contextlib.ExitStack()
+    for module, call in zip(modules, calls):
+        stack.enter_context(routed(module, call))
+    return stack
+
+
+# Autograd nodes of a step whose every computation fxopt planned: its pieces, gradient
+# accumulation, FSDP's own hooks.
+_PLANNED_NODES = ("CompiledFunctionBackward", "AccumulateGrad", "RegisterPostBackwardFunctionBackward",
+                  "BackwardHookFunctionBackward")
+
+
+def _kept_tensors(node) -> list[torch.Tensor]:
+    """The tensors autograd keeps for ``node``'s backward."""
+    kept = []
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            value = getattr(node, name)
+            kept.extend(v for v in (value if isinstance(value, (list, tuple)) else [value])
+                        if isinstance(v, torch.Tensor))
+    return kept
+
+
+def check_planned(output: Any, counted: set) -> None:
+    """Refuse a step in which an operation ran outside fxopt's pieces and keeps, for its
+    backward, a tensor no plan or reserve counts (``counted``: the storages that are, resident or
+    returned by a piece). An operation that keeps nothing of its own (an add, a view: glue between
+    blocks that Dynamo left to run eagerly) costs only its output, which the pieces that take it
+    count."""
+    unplanned: dict[str, int] = {}
+    seen, stack = set(), [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if not name.startswith(_PLANNED_NODES) and any(storage_key(t) not in counted for t in _kept_tensors(node)):
+            unplanned[name] = unplanned.get(name, 0) + 1
+        stack.extend(n for n, _ in node.next_functions)
+    if unplanned:
+        ops = ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in sorted(unplanned.items()))
+        raise CaptureError(
+            f"part of this FSDP2 step ran eagerly, outside fxopt's plans, and keeps tensors for its backward "
+            f"that no plan counts: {ops}. It is code a module runs itself between FSDP units, in a forward "
+            "that Dynamo skips (FSDP's hooks are graph breaks, and a graph break inside a loop skips the "
+            "frame; fxopt compiles the submodules such a forward calls, not its own operations): move those "
+            "operations into a submodule, or into the FSDP unit they feed.")

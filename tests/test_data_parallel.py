@@ -1,0 +1,129 @@
+"""fxopt under data parallelism (issue 16), on CPU with gloo: DDP in both orders and FSDP2 per
+block, on a `transformers` GPT-2 and ConvNeXt (DDP: both orders on GPT-2, the second on
+ConvNeXt). Each configuration spawns two processes once (`data_parallel_steps.run`), which check, on every rank, the loss and every gradient against
+single-process eager on the whole batch and measure the third step's peak; here, every rank's
+measured peak is within the budget and the plans' bound. Refusals run in this process, on a
+one-process gloo group."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fxopt
+from fxopt.distributed import data_parallel
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+from data_parallel_steps import run  # noqa: E402
+
+
+def _check(results: list[dict], *, recompute: bool = True) -> None:
+    assert len(results) == 2
+    for rank, cases in enumerate(results):
+        for case, r in cases.items():
+            where = f"rank {rank}, {case}: measured {r['measured']}, bound {r['predicted']}, budget {r['budget']}"
+            assert r["measured"] <= r["predicted"] <= r["budget"], where
+            assert not recompute or r["recomputations"] > 0, f"{where}: the budget asked for nothing"
+
+
+def test_ddp_both_orders():
+    """DDP(fxopt.optimize(model)) and fxopt.optimize(DDP(model)) on GPT-2, the second order on
+    ConvNeXt: one plan for the whole step, with DDP's gradient buckets counted; on GPT-2 the
+    second order captures the same graph (its plan is the first's, read from the rank's plan
+    cache) and measures the same peak."""
+    results = run("ddp")
+    _check(results)
+    for cases in results:
+        assert set(cases) == {"gpt2/inner", "gpt2/outer", "convnext/outer"}
+        inner, outer = cases["gpt2/inner"], cases["gpt2/outer"]
+        assert inner["buckets"] > 0 and cases["convnext/outer"]["buckets"] > 0
+        assert (inner["measured"], inner["predicted"]) == (outer["measured"], outer["predicted"])
+
+
+def test_fsdp2_per_block():
+    """fully_shard per block and at the root: every piece planned beside what the rest of the step
+    and FSDP hold; each rank within the budget in bytes."""
+    results = run("fsdp")
+    _check(results)
+    for cases in results:
+        for r in cases.values():
+            assert r["plans"] >= 3  # the blocks, and the code around them
+
+
+@pytest.fixture
+def one_process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def test_ddp_refusals_and_buckets(one_process_group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _mlp()
+    ddp = DDP(model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert data_parallel.bucket_bytes(ddp) == params
+    # fxopt.measure_peak counts the buckets as resident: no tensor of the model shows them.
+    x = torch.randn(8, 16)
+    peak = fxopt.measure_peak(lambda: None, resident=[ddp, x])
+    assert peak.start_bytes == 2 * params + x.numel() * 4
+
+    ddp.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+    with pytest.raises(fxopt.CaptureError, match="communication hook"):
+        fxopt.optimize(ddp, 0.8)
+    inner = DDP(fxopt.optimize(_mlp(), 0.8))
+    inner.register_comm_hook(None, lambda state, bucket: torch.futures.Future())
+    with pytest.raises(fxopt.CaptureError, match="communication hook"):
+        inner(x)
+
+
+def test_fsdp2_refusals(one_process_group):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _mlp()
+    fully_shard(model[0])
+    fully_shard(model)
+    with pytest.raises(fxopt.BudgetError, match="in bytes"):
+        fxopt.optimize(model, 0.5)
+    with pytest.raises(fxopt.CaptureError, match="graph_breaks='split'"):
+        fxopt.optimize(model, "1MiB", graph_breaks="error")
+    with pytest.raises(fxopt.CaptureError, match="block by block"):
+        fxopt.plan(model, "1MiB", (torch.randn(4, 16),))
+    mixed = _mlp()
+    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(fxopt.CaptureError, match="MixedPrecisionPolicy"):
+        fxopt.optimize(mixed, "1MiB")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_on_nccl(tmp_path):
+    """The benchmark's GPU row: world size 1 on NCCL runs DDP's reducer and FSDP2's collectives on
+    the device; every fxopt row that plans is within its budget, with eager's gradients."""
+    import json
+
+    from benchmarks import data_parallel as bench
+
+    out = tmp_path / "gpu"
+    bench.main(["--size", "quick", "--device", "cuda", "--backend", "nccl", "--world", "1", "--time-limit", "2",
+                "--timed-steps", "1", "--retries", "1", "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    planned = [r for r in rows if r["method"].startswith("fxopt") and r.get("peak_bytes") is not None]
+    assert planned, rows
+    for r in planned:
+        assert r["peak_bytes"] <= r["budget_bytes"] and r["grads_equal"], r
