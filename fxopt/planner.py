@@ -69,6 +69,9 @@ class Options:
     quantize: Quantize | None = None
     offload: bool | int | str | None = None
     in_flight: InFlight | None = None
+    # Plans to replay beside ``plan``, each on the graph it was made for (a pipeline stage's
+    # steps that start with the gradients of earlier microbatches held: `fxopt.distributed.pipeline`).
+    alternatives: tuple[Plan, ...] = ()
     # ``plan`` was made here from ``example_inputs``: a graph it does not fit (another input
     # shape, autocast on) is planned anew, as without example inputs, instead of refused.
     plan_from_examples: bool = False
@@ -150,23 +153,25 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
 
     eager_graph = before.graph if before is not None else None
     if options.plan is not None:
-        if options.plan.fingerprint != jg.fingerprint and relu:
+        given = _given_plan(options, jg)
+        if given is None and relu:
             jg = without_relu_masks()
-        if options.plan.fingerprint != jg.fingerprint and options.plan_from_examples:
+            given = _given_plan(options, jg)
+        if given is None and options.plan_from_examples:
             if relu:
                 masks.relu_masks(joint)
                 jg = analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
             before = analyze(pristine, num_fwd_outputs, options.cost_model, **codecs)
             eager_graph = before.graph
             options = dataclasses.replace(options, plan=None, plan_from_examples=False)
-        elif options.plan.fingerprint != jg.fingerprint:
+        elif given is None:
             raise CaptureError(
                 "the given plan was made for a different graph (another model, input shape, dtype, "
                 "compress= or quantize= setting "
                 "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
             )
         else:
-            return jg, options.plan
+            return jg, given
     eager = simulate(eager_graph, eager_schedule(eager_graph))
     budget = resolve_budget(options.budget, eager.peak_bytes)
     cache_key = cache.key(jg.graph, budget, _cache_solver(options), options.time_limit)
@@ -194,6 +199,11 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     log.info("%s", plan.summary())
     cache.store(cache_key, plan)
     return jg, plan
+
+
+def _given_plan(options: Options, jg) -> Plan | None:
+    """The given plan (or one of its ``alternatives``) made for this graph, if any."""
+    return next((p for p in (options.plan, *options.alternatives) if p.fingerprint == jg.fingerprint), None)
 
 
 def _cache_solver(options: Options) -> str:

@@ -73,6 +73,12 @@ def run(rank: int, world: int, name: str, plan_path: str, out: str, init: str, b
                                        msg=lambda m, n=n: f"rank {rank}: the gradient of {n}: {m}")
         if last:
             torch.testing.assert_close(torch.tensor([v.item() for v in peak.result]), torch.tensor(losses_ref))
+        # Nothing was planned on the rank: every compiled step replayed the stage's plan (or its
+        # variant for steps that start with gradients held).
+        part = schedule._stage.submod.part
+        given = {id(part._options.plan), *map(id, part._options.alternatives)}
+        result["replayed"] = [id(p) in given for p in part.plans]
+        assert part.plans and all(result["replayed"]), f"rank {rank} planned anew: {result['replayed']}"
         assert peak.peak_bytes <= plan.budget_bytes, f"rank {rank}: measured {peak.peak_bytes} > {plan.budget_bytes}"
         result["ok"] = True
     except BaseException:  # noqa: BLE001 - the parent reads the failure from the file

@@ -498,7 +498,6 @@ def build_schedule(plan: PipelinePlan, model: nn.Module, loss_fn: Callable | Non
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    from fxopt.api import optimize
 
     count = len(plan.stages)
     rank = dist.get_rank(group) if rank is None else rank
@@ -517,12 +516,48 @@ def build_schedule(plan: PipelinePlan, model: nn.Module, loss_fn: Callable | Non
 
         _modify_graph_op_device(stage.part, device)
     stage.to(device)
-    stage.part = optimize(stage.part, plan.budget_bytes, plan=stage_plan.plan)
+    stage.part = optimized_stage(stage.part, plan.budget_bytes, stage_plan.plan)
     inputs = tuple(_example(t, "meta").requires_grad_(t.requires_grad) for t in stage_plan.inputs)
     outputs = tuple(_example(t, "meta").requires_grad_(t.requires_grad) for t in stage_plan.outputs)
     runner = pipelining.PipelineStage(stage, rank, count, device, input_args=inputs, output_args=outputs, group=group)
     schedule_class = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
     return schedule_class(runner, plan.microbatches, loss_fn=loss_fn or sum_loss)
+
+
+def optimized_stage(part: nn.Module, budget: int, plan) -> nn.Module:
+    """A stage's part wrapped with its plan. From its first backward on, a microbatch's step
+    starts with the gradients of earlier ones held, which `fxopt.FxoptModule` captures as a step
+    of its own (those gradients resident in its graph): it replays the same schedule there, made
+    for that graph (`with_resident`). The stage's plan already counts them (`InFlight`)."""
+    from fxopt.api import FxoptModule
+    from fxopt.planner import Options
+
+    grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
+    alternatives = (with_resident(plan, grads),) if grads else ()
+    return FxoptModule(part, Options(budget=budget, plan=plan, alternatives=alternatives))
+
+
+def with_resident(plan, extra_bytes: int):
+    """``plan`` for the same step captured with ``extra_bytes`` more memory resident that it does
+    not read (the analysis counts those in one last input node: `fxopt.analysis.UNREAD_RESIDENT`):
+    the same schedule, its graph, peak and fingerprint as that capture gives them."""
+    import dataclasses
+
+    from fxopt.analysis import UNREAD_RESIDENT, graph_fingerprint
+    from fxopt.solvers import Graph, Node
+    from fxopt.solvers.plan import Plan
+
+    nodes, paths = list(plan.graph.nodes), list(plan.module_paths)
+    if nodes and nodes[-1].name == UNREAD_RESIDENT:
+        nodes[-1] = dataclasses.replace(nodes[-1], bytes=nodes[-1].bytes + extra_bytes)
+    else:
+        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=extra_bytes, recomputable=False))
+        paths.append("")
+    graph = Graph(tuple(nodes), plan.graph.transfers)
+    return Plan.build(graph=graph, schedule=plan.schedule, budget_bytes=plan.budget_bytes,
+                      eager_peak_bytes=plan.eager_peak_bytes + extra_bytes, solver=plan.solver, status=plan.status,
+                      solve_seconds=plan.solve_seconds, fingerprint=graph_fingerprint(graph),
+                      module_paths=tuple(paths) if plan.module_paths else (), lower_bound_cost=plan.lower_bound_cost)
 
 
 def resident(schedule) -> list:
