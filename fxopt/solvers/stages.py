@@ -191,13 +191,6 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
     least device memory of those schedules."""
     t0 = time.perf_counter()
     k, ka = in_flight.microbatches, in_flight.accumulating
-    if k == 1 and ka <= 1:  # the device's peak is the step's plus what is fixed: one solve
-        try:
-            return solve(graph, budget - in_flight.fixed_bytes - (in_flight.accumulated_bytes if ka else 0), solver,
-                         time_limit=time_limit, on_progress=on_progress, mip_solver=mip_solver)
-        except InfeasibleBudgetError as err:
-            raise InfeasibleBudgetError(budget, stage_min_budget(graph, in_flight, solver),
-                                        "(A pipeline stage: the budget is its device's.)") from None
     held = in_flight.held_bytes
     high = budget - in_flight.fixed_bytes - max((k - 1) * held, (ka - 1) * held + in_flight.accumulated_bytes)
 
@@ -206,7 +199,7 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
         sol = _solve_quietly(graph, target, solver, left, mip_solver, on_progress)
         return sol, sol is not None and in_flight.device_peak(graph, sol.schedule, sol.timeline) <= budget
 
-    found, fits = attempt(high, 1 / STAGE_SOLVES)
+    found, fits = attempt(high, 0.5)  # most often it fits: half the time for it
     if fits:
         return dataclasses.replace(found, solve_seconds=time.perf_counter() - t0)
     # The step's budget bounds its peak, not what it SAVEs. The heuristics' schedules (greedy's
