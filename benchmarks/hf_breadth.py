@@ -9,9 +9,12 @@ Per architecture (random weights, nothing downloaded, dropout off so gradients c
 
 - the eager step's measured peak (`fxopt.measure_peak`, parameters, inputs and gradients counted);
 - the budget: ``resident + (eager - resident) / 2`` (resident: parameters, buffers, inputs), in
-  bytes; where no plan fits it, the error's ``min_budget``, planned again;
-- fxopt's plan (solver, predicted peak, recompute FLOPs, graph size, pieces when Dynamo splits the
-  step at a graph break), the measured peak of a second step, loss and every gradient against
+  bytes; where no plan fits it, the error's ``min_budget``, planned again (up to `TRIES` budgets:
+  `attempts` says how many it took);
+- fxopt's plans (solver, predicted peak, recompute FLOPs, graph size; more than one plan where
+  Dynamo splits the step at a graph break, or captures it again at the second call because the
+  model changed what its guards read: HF's classifiers set ``config.problem_type`` at the first
+  call), the measured peak of a second step, loss and every gradient against
   eager's (``torch.testing.assert_close``), and the wall time of the first call (capture + plan).
 
 A row is ``ok`` when the measured peak is within the budget and loss and gradients equal eager's;
@@ -39,6 +42,7 @@ import fxopt
 from benchmarks.harness import error_line, log, mib, run_meta
 
 BATCH, SEQ, VOCAB, HIDDEN = 4, 64, 256, 64
+TRIES = 3  # budgets tried: half the activations, then what each error names
 
 Batch = dict[str, Any]
 
@@ -187,7 +191,7 @@ ARCHITECTURES: dict[str, Callable[[], tuple[torch.nn.Module, Batch]]] = {
     "longformer": classifier("LongformerConfig", "LongformerForSequenceClassification",
                              **dict(TEXT, max_position_embeddings=2 * SEQ + 2), **NO_DROPOUT, attention_window=16),
     "squeezebert": classifier("SqueezeBertConfig", "SqueezeBertForSequenceClassification", **TEXT, **NO_DROPOUT,
-                              q_groups=2, k_groups=2, v_groups=2, post_attention_groups=1, intermediate_groups=2,
+                              embedding_size=HIDDEN, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=1, intermediate_groups=2,
                               output_groups=2),
     "convbert": classifier("ConvBertConfig", "ConvBertForSequenceClassification", **TEXT, **NO_DROPOUT),
     # encoder-decoders
@@ -219,7 +223,7 @@ ARCHITECTURES: dict[str, Callable[[], tuple[torch.nn.Module, Batch]]] = {
                                      depth_multiplier=0.25, classifier_dropout_prob=0.0),
     "levit": image_classifier("LevitConfig", "LevitForImageClassification", image=64, image_size=64,
                               hidden_sizes=[16, 32, 48], num_attention_heads=[1, 2, 3], depths=[1, 1, 1],
-                              key_dim=[8, 8, 8], drop_path_rate=0.0),
+                              key_dim=[8, 8, 8], drop_path_rate=0),
     "vit_mae": vit_mae,
     "clip": clip,
     "wav2vec2_ctc": wav2vec2_ctc,
@@ -266,19 +270,25 @@ def bench(name: str, time_limit: float) -> dict[str, Any]:
     budget = _resident(model, batch) + (eager_peak - _resident(model, batch)) // 2
     row: dict[str, Any] = {"model": name, "class": type(model).__name__, "eager_peak": eager_peak, "half_budget": budget}
     t0 = time.perf_counter()
-    try:
-        optimized = fxopt.optimize(copy.deepcopy(model), budget, time_limit=time_limit)
-        _measured(optimized, batch)
-    except fxopt.InfeasibleBudgetError as err:
-        row["half"] = "infeasible"
-        budget = err.min_budget
-        optimized = fxopt.optimize(copy.deepcopy(model), budget, time_limit=time_limit)
-        _measured(optimized, batch)
+    # As a user would: the budget the error names, again while it names a larger one (a step in
+    # pieces names what the piece that failed needs beside the earlier ones as planned, which a
+    # larger budget changes).
+    for attempt in range(1, TRIES + 1):
+        try:
+            optimized = fxopt.optimize(copy.deepcopy(model), budget, time_limit=time_limit)
+            _measured(optimized, batch)
+            break
+        except fxopt.InfeasibleBudgetError as err:
+            if attempt == TRIES:
+                raise
+            row["half"] = "infeasible"
+            budget = err.min_budget
+    row["attempts"] = attempt
     row["first_call_s"] = time.perf_counter() - t0
     measured, loss_o = _measured(optimized, batch)
     _, loss_e = _measured(eager, batch)
     plans = optimized.plans
-    row.update(budget=budget, measured=measured, pieces=len(plans),
+    row.update(budget=budget, measured=measured, plans=len(plans),
                nodes=sum(len(p.graph.nodes) for p in plans), predicted=max(p.peak_bytes for p in plans),
                recompute_flops=sum(p.recompute_flops for p in plans), solver="+".join(sorted({p.solver for p in plans})))
     problems = [] if measured <= budget else [f"measured {measured} B over the budget {budget} B"]
@@ -299,7 +309,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
              f"**{ok} of {len(rows)} architectures ok** (measured peak within the budget, loss and every gradient "
              "equal to eager's). Budget: half the activations (`half`), or fxopt's smallest where that is "
              "infeasible (`min`). Peaks in MiB, measured.", "",
-             "| model | class | eager | budget | measured | predicted | nodes | pieces | extra GFLOP | solver | first call s | status |",
+             "| model | class | eager | budget | measured | predicted | nodes | plans | extra GFLOP | solver | first call s | status |",
              "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
         if "error" in r:
@@ -307,7 +317,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
             continue
         which = "min" if r.get("half") == "infeasible" else "half"
         lines.append(f"| {r['model']} | {r['class']} | {mib(r['eager_peak'])} | {mib(r['budget'])} ({which}) | "
-                     f"{mib(r['measured'])} | {mib(r['predicted'])} | {r['nodes']} | {r['pieces']} | "
+                     f"{mib(r['measured'])} | {mib(r['predicted'])} | {r['nodes']} | {r['plans']} | "
                      f"{r['recompute_flops'] / 1e9:.3f} | {r['solver']} | {r['first_call_s']:.1f} | {r['status']} |")
     path.write_text("\n".join(lines) + "\n")
 

@@ -18,6 +18,8 @@ from fxopt._version import __version__
 _EXPORTS = {
     "optimize": "fxopt.api",
     "plan": "fxopt.api",
+    "max_batch": "fxopt.maxbatch",
+    "MaxBatch": "fxopt.maxbatch",
     "FxoptModule": "fxopt.api",
     "backend": "fxopt.capture.backend",
     "Plan": "fxopt.solvers.plan",

@@ -16,7 +16,10 @@ from fxopt.analysis import CostModel
 from fxopt.analysis.codecs import Quantize
 from fxopt.budget import Budget
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
+from fxopt.buckets import Bucket, bucket_of
+from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
 from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, budget_bytes as _budget_bytes
+from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
 from fxopt.distributed import data_parallel
 from fxopt.errors import BudgetError, CaptureError, FxoptError, GraphBreakError, InfeasibleBudgetError, check_choice
 from fxopt.planner import Options
@@ -142,7 +145,8 @@ class FxoptModule(nn.Module):
     ``loss.backward()`` and ``optimizer.step()`` work as before. Each new input signature is
     captured and planned at its first call; ``plans`` holds every plan, ``plan`` the latest."""
 
-    def __init__(self, model: nn.Module, options: Options, graph_breaks: str = "split"):
+    def __init__(self, model: nn.Module, options: Options, graph_breaks: str = "split",
+                 dynamic: DynamicDims | None = None):
         super().__init__()
         check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
         # Share the original's state, so parameters(), state_dict() and .to() are the original's.
@@ -156,6 +160,12 @@ class FxoptModule(nn.Module):
         self.__dict__["_graph_breaks"] = graph_breaks
         # One compiled step per amount of gradient memory held when a step starts (see `forward`).
         self.__dict__["_steps"] = {}
+        # With ``dynamic=``: the calls, by the gradient memory held when a step starts (as `_steps`).
+        self.__dict__["_dims"] = dynamic
+        self.__dict__["_dynamic_runs"] = {} if dynamic is None else {0: DynamicRun(model, options, dynamic, self.plans)}
+        if dynamic is not None and (data_parallel.is_ddp(model) or data_parallel.fsdp_units(model)):
+            raise ValueError("dynamic= plans a step captured as one graph; a DDP or FSDP2 model is captured in "
+                             "pieces: plan it without dynamic= (each shape on its own)")
         if data_parallel.is_ddp(model):
             data_parallel.check_ddp(model)
         # An FSDP2 model: planned block by block; the submodules between its units compiled too.
@@ -208,15 +218,31 @@ class FxoptModule(nn.Module):
         return self._steps[held_gradient_bytes]
 
     @property
+    def _dynamic(self) -> DynamicRun | None:
+        """The calls of a module planned with ``dynamic=`` that start with no gradient held."""
+        return self._dynamic_runs.get(0)
+
+    @property
+    def buckets(self) -> list[Bucket] | None:
+        """With ``dynamic=``: the shapes each plan is for, once planned (see `fxopt.buckets`)."""
+        return None if self._dynamic is None else self._dynamic.state.buckets
+
+    @property
     def plan(self) -> Plan | None:
-        """The latest plan: the one given or made at construction, then the latest made."""
+        """The latest plan: the one given or made at construction, then the latest made (with
+        ``dynamic=``: the plan for the largest shapes)."""
+        if self._dynamic is not None:
+            return self.buckets[-1].plan if self.buckets else None
         return self.plans[-1] if self.plans else self._options.plan
 
     @property
     def peak_bound_bytes(self) -> int | None:
         """The most the plans made so far let the step hold at once: the largest, over the plans, of
         what the rest of the step holds beside the piece (nothing for a whole step) plus the
-        piece's predicted peak; at most the budget. None before a plan is made."""
+        piece's predicted peak; at most the budget. None before a plan is made. (With
+        ``dynamic=``: the highest of the buckets' plans, each at the top of its bucket.)"""
+        if self._dims is not None:
+            return max((p.peak_bytes for p in self.plans), default=None)
         return max((b for backend, _, _ in self._steps.values() for b in backend.bounds), default=None)
 
     @property
@@ -227,6 +253,10 @@ class FxoptModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._model
         held = sum(storages([p.grad for p in model.parameters() if p.grad is not None]).values())
+        if self._dims is not None:
+            if held not in self._dynamic_runs:
+                self._dynamic_runs[held] = DynamicRun(model, self._options, self._dims, self.plans)
+            return self._dynamic_runs[held](args, kwargs)
         backend, compiled, calls = self._step_for(held)
         ddp = model if data_parallel.is_ddp(model) else data_parallel.running_ddp(self)
         if ddp is not None:
@@ -282,6 +312,61 @@ class FxoptModule(nn.Module):
         return f"budget={self._options.budget!r}, solver={self._options.solver!r}"
 
 
+class DynamicRun:
+    """The calls of a module planned for a range of shapes: each call runs the compiled graph of
+    its shape's bucket (`fxopt.buckets`); the first call captures and plans them all."""
+
+    def __init__(self, model: nn.Module, options: Options, dims: DynamicDims, plans: list[Plan]):
+        self.model, self.options, self.plans = model, options, plans
+        self.state = DynamicState(dims)
+        self.compiled: dict[int | None, Any] = {}
+        self.recorded = False
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        state = self.state
+        state.call_dims = state.dims.dims(self.model, args, kwargs)
+        state.point = state.dims.point(state.call_dims)
+        if not state.dims.ranges.contains(state.point) or state.buckets and not any(
+                b.ranges.contains(state.point) for b in state.buckets):
+            planned = [dict(b.ranges.bounds) for b in state.buckets or []] or dict(state.dims.ranges.bounds)
+            raise ValueError(f"this call's shape {state.point} is outside the ranges fxopt planned for "
+                             f"({planned}); widen them")
+        k = bucket_of(state.buckets, state.point) if state.buckets else None
+        if k not in self.compiled:
+            backend = make_dynamic_backend(self.options, state, self.model)
+            self.compiled[k] = torch.compile(self.model, backend=backend, fullgraph=True, dynamic=None)
+        try:
+            with capture_settings():
+                mark(state.call_dims, state.dims.ranges)
+                out = _run_compiled(self.compiled[k], args, kwargs, self.options.compiler)
+        finally:
+            state.call_dims = []
+        if k is None and state.buckets:  # the first call planned: its graph is its bucket's
+            self.compiled[bucket_of(state.buckets, state.point)] = self.compiled.pop(None)
+        self._record_plans()
+        return out
+
+    def _record_plans(self) -> None:
+        if self.state.buckets and not self.recorded:
+            self.plans.extend(b.plan for b in self.state.buckets)
+            self.recorded = True
+
+    def plan_only(self, args: tuple, kwargs: dict) -> None:
+        """Capture and plan at this call's shape without running it (the model is not changed)."""
+        self.state.stop_after_plan = True
+        try:
+            self(args, kwargs)
+        except PlanReady:
+            pass
+        finally:
+            self.state.stop_after_plan = False
+            self.compiled.pop(None, None)
+        self._record_plans()
+        if self.state.buckets is None:
+            raise CaptureError("nothing to plan: the captured step has no backward (no input or parameter "
+                               "requires grad, or it ran under torch.no_grad())")
+
+
 def optimize(
     model: nn.Module,
     budget: Budget,
@@ -296,6 +381,7 @@ def optimize(
     quantize: str | Quantize | None = None,
     offload: bool | int | str | None = None,
     graph_breaks: str = "split",
+    dynamic: dict | None = None,
 ) -> FxoptModule:
     """Return ``model`` rewritten so that its training step (forward + backward) peaks within
     ``budget``, recomputing as little as possible.
@@ -332,8 +418,21 @@ def optimize(
     break). ``"error"``: raise `CaptureError`. Logging and printing inside forward() are not
     breaks: ``print`` and ``warnings.warn`` run after the captured graph, ``logging.Logger``
     calls are skipped while the optimized step runs.
+
+    ``dynamic``: plan once for a range of input shapes instead of once per shape, e.g.
+    ``{"batch": (1, 32), "seq": (2, 512)}`` (``"batch"``: dim 0 of every tensor argument;
+    ``"seq"``: dim 1 of those with two or more; ``(argument, dim)``: one dimension of one
+    argument, by position or name). The step is captured once with those dimensions symbolic,
+    planned at the largest shape and proven within the budget at every smaller one, or split into
+    a few buckets of shapes, each with its own plan and graph (see docs/dynamic-shapes.md). A
+    fraction budget is of the eager peak at the largest shape. The step must be one graph; a call
+    outside the ranges raises.
     """
     _check_model(model)
+    if dynamic is not None:
+        return _optimize_dynamic(model, budget, DynamicDims.parse(dynamic), example_inputs, plan, graph_breaks,
+                                 solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel(),
+                                 compiler=compiler, compress=compress, quantize=quantize, offload=offload)
     options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
                       cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
                       quantize=quantize, offload=offload)
@@ -348,6 +447,50 @@ def optimize(
                 raise
             # A step in pieces is planned piece by piece at its first call.
     return FxoptModule(model, options, graph_breaks)
+
+
+def _optimize_dynamic(model: nn.Module, budget: Budget, dims: DynamicDims, example_inputs, plan: Plan | None,
+                      graph_breaks: str, **options) -> FxoptModule:
+    if plan is not None:
+        raise ValueError("dynamic= plans for a range of shapes; plan= replays one plan for one shape")
+    if graph_breaks != "split":
+        check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
+    module = FxoptModule(model, Options(budget=budget, **options), "error", dims)
+    if example_inputs is not None:
+        # Plan now (errors surface here): capture and plan at the examples' shape, without the
+        # backward (no gradient is accumulated).
+        args, kwargs = _split_inputs(example_inputs)
+        module._dynamic.plan_only(args, kwargs)
+    return module
+
+
+def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, point: dict, **options):
+    """Capture ``model``'s step on ``example_inputs`` with the ``dims`` symbolic and analyse it at
+    ``point``, without planning or running it: (the step as captured, the step rewritten as
+    planning starts from), as `fxopt.analysis.JointGraph`s. A range the captured graph holds for
+    only in part (a size of 1 set apart) is narrowed to the part holding ``point``, once."""
+    _check_model(model)
+    args, kwargs = _split_inputs(example_inputs)
+    options = Options(budget=1, offload=False, **options)
+    for attempt in range(2):
+        state = DynamicState(dims)
+        state.analyze_at = point
+        state.call_dims = dims.dims(model, args, kwargs)
+        compiled = torch.compile(model, backend=make_dynamic_backend(options, state, model), fullgraph=True,
+                                 dynamic=None)
+        try:
+            with capture_settings():
+                mark(state.call_dims, dims.ranges)
+                _run_compiled(compiled, args, kwargs, options.compiler)
+        except Analyzed as done:
+            return done.eager, done.rewritten
+        except SpecializedError as err:
+            name, (lo, hi) = err.holds if err.holds is not None else (None, (0, -1))
+            if attempt or name not in dims.ranges.bounds or not lo <= point[name] <= hi:
+                raise
+            dims = dataclasses.replace(dims, ranges=dims.ranges.with_bound(name, lo, hi))
+    raise CaptureError("nothing to analyse: the captured step has no backward (no input or parameter requires "
+                       "grad, or it ran under torch.no_grad())")
 
 
 def plan(

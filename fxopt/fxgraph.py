@@ -39,6 +39,14 @@ class NodeBuilder:
         return node
 
 
+def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with its own graph (nodes and their metadata copied), to rewrite one and
+    keep the other."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
 def tangent_dependents(graph: fx.Graph) -> set[fx.Node]:
     """The incoming gradients (``tangents_*`` placeholders) and every node that depends on one."""
     out: set[fx.Node] = set()

@@ -98,9 +98,11 @@ def measure_timeline(step: Callable[..., Any], *args: Any, resident: Iterable[An
 
 
 @contextlib.contextmanager
-def profile_cpu_memory():
+def profile_cpu_memory(collect: bool = True):
     """``torch.profiler`` recording CPU allocation events, without the lines the profiler prints
-    on stderr as it starts and stops. Yields the profiler; read its events after the block."""
+    on stderr as it starts and stops. Yields the profiler; read its events after the block.
+    ``collect=False``: skip the garbage collection before it (where only events inside labelled
+    ranges are read, as `fxopt.analysis.scratch` reads them, old garbage freed later is outside)."""
     from torch.profiler import ProfilerActivity, profile
 
     from fxopt._quiet import silenced
@@ -108,7 +110,8 @@ def profile_cpu_memory():
     # Frees of blocks allocated before profiling start show up without their allocation and would
     # pull the running total down: collect old garbage first, and keep the cyclic collector from
     # freeing it in the middle of the measurement.
-    gc.collect()
+    if collect:
+        gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)

@@ -23,8 +23,10 @@ from fxopt.analysis import CostModel
 from fxopt.analysis import analyze as analyze_step
 from fxopt.analysis.bandwidth import device_transfers
 from fxopt.analysis.codecs import Quantize, resolve_quantize
+from fxopt.analysis.symbolic import Sizes
 from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError, check_choice
+from fxopt.fxgraph import copy_module
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
@@ -106,12 +108,6 @@ class Options:
                               f"(bytes or a size string such as '16GiB'); {err}") from None
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
-
-
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     """The bandwidths OFFLOAD is planned with, or None where it is off: a replayed plan's own (so
     a plan replays on the graph it was made for), else the device's (`fxopt.analysis.bandwidth`).
@@ -128,11 +124,14 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     return dataclasses.replace(device_transfers(device), host_budget=options.host_budget)
 
 
-def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0):
-    """``unread_resident_bytes``: see `fxopt.analysis.analyze`."""
+def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
+              sizes: Sizes | None = None):
+    """``unread_resident_bytes``, ``sizes`` (a step captured with dynamic shapes, planned at
+    ``sizes.point``): see `fxopt.analysis.analyze`."""
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
-    codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes)
+    codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
+                  sizes=sizes)
     copies = transfers(joint, options)
 
     def analyze(gm, num_fwd_outputs, cost_model, **codecs):  # every analysis below carries the bandwidths
@@ -142,7 +141,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
     # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).
-    pristine = _copy(joint) if options.plan is not None and options.plan_from_examples else None
+    pristine = copy_module(joint) if options.plan is not None and options.plan_from_examples else None
     rewritten = recompute_dropout_from_mask(joint)
     relu = masks.relu_masks(joint) if options.compress else 0
     jg = before if before is not None and not (rewritten or relu) else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)

@@ -52,12 +52,14 @@ def tensors_in(obj: Any, *, grads: bool = False) -> list[torch.Tensor]:
     return found
 
 
-def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage under ``t`` (all of it, not only the part ``t`` views)."""
+def storage_bytes(t: torch.Tensor) -> int | torch.SymInt:
+    """Bytes of the storage under ``t`` (all of it, not only the part ``t`` views); a ``SymInt``
+    for a fake tensor of symbolic shape (never turned into an int: that would be a guard)."""
     try:
-        return int(t.untyped_storage().nbytes())
+        nbytes = t.untyped_storage().nbytes()
     except Exception:  # noqa: BLE001 - tensors without storage (sparse, nested): use their elements
-        return t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+    return nbytes if isinstance(nbytes, torch.SymInt) else int(nbytes)
 
 
 def storage_key(t: torch.Tensor) -> StorageKey | None:
@@ -76,4 +78,18 @@ def storages(obj: Any, *, grads: bool = False, device_type: str | None = None) -
         key = storage_key(t)
         if key is not None and (device_type is None or t.device.type == device_type):
             out[key] = storage_bytes(t)
+    return out
+
+
+def storage_refs(obj: Any) -> dict[StorageKey, Any]:
+    """A weak reference to each distinct storage reachable from ``obj`` (see `tensors_in`), by its
+    key: ``ref.expired()`` says whether the storage has been freed since (views and autograd's
+    saved tensors keep it alive, where the tensor object itself may be gone)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = {}
+    for t in tensors_in(obj):
+        key = storage_key(t)
+        if key is not None:
+            out[key] = StorageWeakRef(t.untyped_storage())
     return out

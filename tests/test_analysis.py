@@ -86,7 +86,7 @@ def test_scratch_measurements_are_cached_on_disk_per_machine(tmp_path, monkeypat
     bad = one_op_graph(torch.ops.fxopt_test.fails_on_real_inputs.default, (256, 64))
     runs = []
     real_measure = scratch._measure
-    monkeypatch.setattr(scratch, "_measure", lambda todo: runs.append(len(todo)) or real_measure(todo))
+    monkeypatch.setattr(scratch, "_measure", lambda todo, at: runs.append(len(todo)) or real_measure(todo, at))
 
     def fresh_process():
         scratch._cache.clear()

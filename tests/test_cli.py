@@ -227,3 +227,15 @@ def test_inspect_stages_refuses_one_step_flags_and_names_the_minimum(monkeypatch
     monkeypatch.setattr(fxopt, "pipeline", pipeline)
     assert main(["inspect", MLP, "--stages", "3", "--microbatches", "6"]) == EXIT_INFEASIBLE
     assert "--stages 3 --microbatches 6 --budget 2000" in capsys.readouterr().out
+def test_inspect_max_batch(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny_mlp.py").write_text(
+        "import torch\nfrom fxopt.models import ResidualMLP\n\n"
+        "def mlp():\n    torch.manual_seed(0)\n    return ResidualMLP(2, 16), (torch.randn(8, 16),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", "tiny_mlp:mlp", "--budget", "50%", "--max-batch"]) == EXIT_USAGE
+    assert "in bytes" in capsys.readouterr().err
+    assert main(["inspect", "tiny_mlp:mlp", "--budget", "96KiB", "--max-batch"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "the largest batch within 96KiB" in out
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") >= 3}
+    assert int(rows["eager"]) <= int(rows["fxopt"]) <= int(rows["no schedule above"])

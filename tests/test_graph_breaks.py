@@ -111,3 +111,20 @@ def test_logging_and_printing_do_not_break_the_step(capsys):
     assert_same_step(eager, optimized, loss_e, loss_o)
     assert len(optimized.plans) == 1
     assert capsys.readouterr().out.count("inside forward") == 2  # printed by both runs
+
+
+def test_a_piece_counts_only_the_earlier_outputs_still_alive():
+    """The reserve counts an earlier piece's output while its storage lives (a later piece keeps
+    it, or the caller does), not once it has been freed. (On a transformers Longformer, which
+    breaks several times a layer, counting every output to the end of the step made even its
+    eager peak infeasible: `benchmarks/hf_breadth.py`.)"""
+    from fxopt.capture.pieces import Piece, Step
+    from fxopt.storage import storage_refs, storages
+
+    held = torch.randn(256, 256)
+    step_ = Step.start(nn.Linear(1, 1), [])
+    step_.pieces.append(Piece(None, frozenset(), 0, storages(held), storage_refs(held)))
+    with_it = step_.reserve(frozenset())
+    del held
+    assert step_.reserve(frozenset()) == with_it - 256 * 256 * 4
+

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers the codecs' custom ops
 from fxopt.analysis.scratch import SCRATCH_MARGIN, op_increases
+from fxopt.analysis.symbolic import largest
 from fxopt.storage import storage_bytes
 from fxopt.ops.quantize import FORMAT_CODE, layout
 from fxopt.fxgraph import NodeBuilder, aliases_input
@@ -105,13 +106,13 @@ class Codec:
 
     name: str
     lossless: bool
-    compressed_bytes: int
+    compressed_bytes: int | torch.SymInt
     compress_op: object
     compress_args: tuple
     decompress_op: object
     decompress_args: tuple  # after the buffer
 
-    def elementwise_flops(self, numel: int) -> int:
+    def elementwise_flops(self, numel):
         """Rough FLOPs of encoding plus decoding (a few per element; for the cost model)."""
         return (2 if self.lossless else 12) * numel
 
@@ -120,8 +121,7 @@ def codec_for(val, *, lossless: bool, quantize: Quantize | None, indices_of_pool
     """The codec fxopt offers for a SAVEd value with fake value ``val``, or None."""
     if not isinstance(val, torch.Tensor) or val.is_sparse or not val.is_contiguous():
         return None
-    nbytes = val.numel() * val.element_size()
-    if nbytes < MIN_BYTES:
+    if largest(val.numel() * val.element_size()) < MIN_BYTES:
         return None
     shape = list(val.shape)
     if lossless and val.dtype == torch.bool:
@@ -151,23 +151,26 @@ def offered_codec(n: fx.Node, *, compress: bool, quantize: Quantize | None) -> C
     return codec_for(n.meta.get("val"), lossless=compress, quantize=lossy, indices_of_pool=_is_pool_indices(n))
 
 
-def codec_workspace(todo: dict[int, tuple[fx.Node, Codec]]) -> dict[int, int]:
+def codec_workspace(todo: dict[int, tuple[fx.Node, Codec]], at=int) -> dict[int, int]:
     """Measured scratch bytes of encoding and decoding each value (the larger), beyond the value
-    and its encoding: the codec ops run on made-up tensors like any op (`fxopt.analysis.scratch`)."""
+    and its encoding: the codec ops run on made-up tensors like any op (`fxopt.analysis.scratch`),
+    at the shape ``at`` evaluates sizes at (see `fxopt.analysis.symbolic.Sizes.at`)."""
     graph = fx.Graph()
     pairs = {}
     for i, (node, codec) in todo.items():
         value = graph.placeholder(f"v{i}")
         value.meta["val"] = node.meta["val"]
         add = NodeBuilder(graph, value, value)
-        enc = add(codec.compress_op, value, *codec.compress_args)
-        dec = add(codec.decompress_op, enc, *codec.decompress_args)
+        concrete = fx.node.map_aggregate((codec.compress_args, codec.decompress_args),
+                                         lambda x: at(x) if isinstance(x, torch.SymInt) else x)
+        enc = add(codec.compress_op, value, *concrete[0])
+        dec = add(codec.decompress_op, enc, *concrete[1])
         pairs[i] = (enc, dec, codec)
-    increases = op_increases(list(graph.nodes))
+    increases = op_increases(list(graph.nodes), at)
     out = {}
     for i, (enc, dec, codec) in pairs.items():
-        value_bytes = storage_bytes(todo[i][0].meta["val"])
-        extra = max(increases.get(enc, 0) - codec.compressed_bytes, increases.get(dec, 0) - value_bytes, 0)
+        value_bytes = at(storage_bytes(todo[i][0].meta["val"]))
+        extra = max(increases.get(enc, 0) - at(codec.compressed_bytes), increases.get(dec, 0) - value_bytes, 0)
         out[i] = extra + SCRATCH_MARGIN if extra else 0
     return out
 

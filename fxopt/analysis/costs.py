@@ -26,10 +26,11 @@ class CostModel:
         return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + self.op_overhead
 
 
-def flops_of(node: fx.Node) -> int | None:
+def flops_of(node: fx.Node) -> int | torch.SymInt | None:
     """FLOPs of ``node`` as ``torch.utils.flop_counter`` counts them (0 for ops it has no formula
-    for, as FlopCounterMode counts them), or None when its formula does not fit the arguments:
-    then the cost is unknown, and the node is not offered for recomputation."""
+    for, as FlopCounterMode counts them; a ``SymInt`` on symbolic shapes), or None when its
+    formula does not fit the arguments: then the cost is unknown, and the node is not offered for
+    recomputation."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return 0
@@ -43,6 +44,7 @@ def flops_of(node: fx.Node) -> int | None:
     args = torch.fx.node.map_aggregate(node.args, val)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
     try:
-        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+        flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
     except Exception:  # noqa: BLE001 - a formula that does not fit these arguments: cost unknown
         return None
+    return flops if isinstance(flops, torch.SymInt) else int(flops)

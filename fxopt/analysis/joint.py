@@ -10,6 +10,7 @@ match eager's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
 from fxopt.analysis.costs import CostModel, flops_of
 from fxopt.analysis.scratch import op_increases, scratch_beyond_output
+from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import tangent_dependents
@@ -39,10 +41,29 @@ class JointGraph:
     num_fwd_outputs: int
     module_paths: tuple[str, ...]  # nn.Module path each node comes from ("" when unknown)
     codecs: dict = dataclasses.field(default_factory=dict)  # node index -> `fxopt.analysis.codecs.Codec`
+    # With dynamic shapes: the same graph with its sizes as expressions (``graph`` is it at one
+    # shape); None for a static step.
+    symbolic: SymbolicGraph | None = None
 
     @property
     def fingerprint(self) -> str:
         return graph_fingerprint(self.graph)
+
+    def at(self, point: Point) -> Graph:
+        """The solver graph at another shape of a step captured with dynamic shapes, with the
+        scratch memory of its ops measured at that shape."""
+        symbolic = self.symbolic
+        if symbolic is None:
+            raise ValueError("a static step has one shape")
+        sizes = Sizes(symbolic.names, point, symbolic.ranges)
+        fx_nodes = [n for n in self.module.graph.nodes if n.op != "output"]
+        with no_new_guards(fx_nodes):
+            increases = op_increases(fx_nodes, sizes.at)
+            workspace = [scratch_beyond_output(increases.get(n, 0), sizes.at_point(s.bytes))
+                         for n, s in zip(fx_nodes, symbolic.sizes)]
+            codec = codec_workspace({i: (fx_nodes[i], c) for i, c in self.codecs.items()}, sizes.at) if self.codecs else {}
+        extra = len(symbolic.sizes) - len(fx_nodes)  # the unread resident memory, last
+        return symbolic.at(point, workspace + [0] * extra, [codec.get(i, 0) for i in range(len(symbolic.sizes))])
 
 
 def graph_fingerprint(graph: Graph) -> str:
@@ -98,81 +119,106 @@ UNREAD_RESIDENT = "<resident, not read by the step>"
 
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,
             compress: bool = True, quantize: Quantize | None = None,
-            unread_resident_bytes: int = 0) -> JointGraph:
+            unread_resident_bytes: int = 0, sizes: Sizes | None = None) -> JointGraph:
     """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
     tensors, int32 for max-pooling indices); ``quantize``: offer this lossy codec for floating-point
     activations (see `fxopt.analysis.codecs`). ``unread_resident_bytes``: memory alive through the
     step that no graph input shows (a module's parameters and buffers the step never reads, such
     as Llama's ``original_inv_freq``); the graph gets one more input node of that size, last, so
-    that every peak counts it as the measured peak does."""
+    that every peak counts it as the measured peak does. ``sizes``: how to read the sizes of a
+    step captured with dynamic shapes (`fxopt.analysis.symbolic.Sizes`): the graph is the step at
+    ``sizes.point``, and `JointGraph.symbolic` keeps every size as an expression."""
     cost_model = cost_model or CostModel()
+    sizes = sizes or Sizes()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
-    _check_inputs(joint, fx_nodes)
-    outs = list(next(iter(joint.graph.find_nodes(op="output"))).args[0])
-    fwd_outs = {o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
-    bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
-    backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
+    with no_new_guards(fx_nodes):
+        _check_inputs(joint, fx_nodes)
+        outs = list(next(iter(joint.graph.find_nodes(op="output"))).args[0])
+        fwd_outs = {o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
+        bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
+        backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
+        nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize)
+        increases = op_increases(fx_nodes, sizes.at)
+        at = sizes.at_point
+        nodes = [dataclasses.replace(node, workspace=scratch_beyond_output(increases.get(n, 0), at(s.bytes)))
+                 for node, n, s in zip(nodes, fx_nodes, node_sizes)]
+        if codecs:
+            workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()}, sizes.at)
+            nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
+    names = [n.name for n in fx_nodes]
+    module_paths = [_module_path(n) for n in fx_nodes]
+    if unread_resident_bytes > 0:
+        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=unread_resident_bytes, recomputable=False))
+        node_sizes.append(NodeSizes(bytes=unread_resident_bytes))
+        names.append(UNREAD_RESIDENT)
+        module_paths.append("")
+    symbolic = SymbolicGraph(Graph(tuple(nodes)), tuple(node_sizes), sizes.ranges, sizes.point, cost_model, sizes.names)
+    return JointGraph(module=joint, graph=symbolic.at(sizes.point), names=tuple(names),
+                      num_fwd_outputs=num_fwd_outputs, module_paths=tuple(module_paths), codecs=codecs,
+                      symbolic=symbolic if sizes.symbolic else None)
 
+
+def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Node], sizes: Sizes,
+            compress: bool, quantize: Quantize | None) -> tuple[list[Node], list[NodeSizes], dict[int, Codec]]:
+    """One solver node per fx node (its sizes filled in later, at a shape), its sizes as
+    expressions, and the codec offered to each value that has one."""
     index = {n: i for i, n in enumerate(fx_nodes)}
-    increases = op_increases(fx_nodes)
     storage_owner: dict[StorageWeakRef, int] = {}
     nodes: list[Node] = []
+    node_sizes: list[NodeSizes] = []
     codecs: dict[int, Codec] = {}
     for i, n in enumerate(fx_nodes):
-        storage, own_bytes = _storage_of(n, i, storage_owner)
-        if n.op in ("placeholder", "get_attr"):
+        storage, own_bytes = _storage_of(n, i, storage_owner, sizes)
+        val = n.meta.get("val")
+        # A size (a SymInt the forward computes) is known wherever the step runs: an input.
+        is_size = isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat)) and n not in backward
+        if n.op in ("placeholder", "get_attr") or is_size:
             kind = "input"
         elif n in backward:
             kind = "backward"
         else:
             kind = "forward"
-        recomputable = n.op == "call_function" and _is_recomputable(n)
+        recomputable = n.op == "call_function" and not is_size and _is_recomputable(n)
         if n.target is operator.getitem and not nodes[index[n.args[0]]].recomputable:
             recomputable = False  # an output taken out of a tuple is recomputed with the op that made it
-        flops = (flops_of(n) or 0) if n.op == "call_function" else 0
+        flops = sizes.expr(flops_of(n) or 0) if n.op == "call_function" else 0
         moved = own_bytes + sum(
-            storage_bytes(t) for a in n.all_input_nodes for t in tensors_in(a.meta.get("val"))
+            sizes.expr(storage_bytes(t)) for a in n.all_input_nodes for t in tensors_in(a.meta.get("val"))
         ) if n.op == "call_function" and storage is None else 0
-        val = n.meta.get("val")
         codec = offered_codec(n, compress=compress, quantize=quantize) if kind == "forward" and storage is None else None
-        codec_flops, codec_cost = 0, 0.0
         if codec is not None:
             codecs[i] = codec
-            codec_flops = codec.elementwise_flops(val.numel())
-            codec_cost = 2 * cost_model.seconds(codec_flops // 2, own_bytes + codec.compressed_bytes, False)
+        node_sizes.append(NodeSizes(
+            bytes=own_bytes, moved=moved, flops=flops,
+            compressed_bytes=0 if codec is None else sizes.expr(codec.compressed_bytes),
+            codec_flops=0 if codec is None else sizes.expr(codec.elementwise_flops(val.numel()))))
         nodes.append(Node(
             name=n.name,
             kind=kind,
-            inputs=tuple(index[a] for a in n.all_input_nodes),
-            bytes=own_bytes,
-            workspace=scratch_beyond_output(increases.get(n, 0), own_bytes),
-            flops=flops,
-            cost=0.0 if n.op in ("placeholder", "get_attr") else cost_model.seconds(flops, moved, storage is not None),
+            inputs=() if is_size else tuple(index[a] for a in n.all_input_nodes),
             storage=storage,
             recomputable=recomputable,
-            output=n in fwd_outs or n in bwd_outs,
+            output=n in outputs,
             tangent=n.op == "placeholder" and n.name.startswith("tangents"),
             tensor=isinstance(val, torch.Tensor),
             codec=None if codec is None else codec.name,
-            compressed_bytes=0 if codec is None else codec.compressed_bytes,
-            codec_cost=codec_cost,
-            codec_flops=codec_flops,
         ))
-    if codecs:
-        workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()})
-        nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
-    names = [n.name for n in fx_nodes]
-    module_paths = [_module_path(n) for n in fx_nodes]
-    if unread_resident_bytes > 0:
-        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=unread_resident_bytes, recomputable=False))
-        names.append(UNREAD_RESIDENT)
-        module_paths.append("")
-    return JointGraph(module=joint, graph=Graph(tuple(nodes)), names=tuple(names), num_fwd_outputs=num_fwd_outputs,
-                      module_paths=tuple(module_paths), codecs=codecs)
+    return nodes, node_sizes, codecs
+
+
+def no_new_guards(fx_nodes: list[fx.Node]):
+    """While fxopt reads a symbolic step, no decision of its own may depend on a size: a guard it
+    made would narrow the shapes the compiled step accepts. Dynamo raises if one is attempted."""
+    for n in fx_nodes:
+        for t in tensors_in(n.meta.get("val")):
+            shape_env = getattr(getattr(t, "fake_mode", None), "shape_env", None)
+            if shape_env is not None and any(isinstance(s, torch.SymInt) for s in t.shape):
+                return shape_env.error_on_new_guards()
+    return contextlib.nullcontext()
 
 
 def _check_inputs(joint: fx.GraphModule, fx_nodes: list[fx.Node]) -> None:
-    """Refuse what fxopt cannot plan: unknown graph inputs, non-tensor constants, symbolic shapes."""
+    """Refuse what fxopt cannot plan: unknown graph inputs, non-tensor constants."""
     for n in fx_nodes:
         if n.op == "placeholder" and not (n.name.startswith("primals") or n.name.startswith("tangents")):
             raise CaptureError(
@@ -182,12 +228,6 @@ def _check_inputs(joint: fx.GraphModule, fx_nodes: list[fx.Node]) -> None:
             )
         if n.op == "get_attr":
             _check_constant(joint, n)
-        for t in tensors_in(n.meta.get("val")):
-            if any(not isinstance(s, int) for s in t.shape):
-                raise CaptureError(
-                    f"{n.name} has a symbolic shape {tuple(t.shape)}; fxopt plans for static shapes "
-                    "(it re-plans when shapes change)"
-                )
 
 
 def _backward_nodes(graph: fx.Graph, fx_nodes: list[fx.Node], fwd_outs: set[fx.Node],
@@ -211,7 +251,7 @@ def _backward_nodes(graph: fx.Graph, fx_nodes: list[fx.Node], fwd_outs: set[fx.N
     return backward
 
 
-def _storage_of(n: fx.Node, i: int, storage_owner: dict[StorageWeakRef, int]) -> tuple[int | None, int]:
+def _storage_of(n: fx.Node, i: int, storage_owner: dict[StorageWeakRef, int], sizes: Sizes) -> tuple[int | None, Size]:
     """(the node owning the storage ``n``'s value aliases, or None; the bytes ``n`` owns), with
     ``storage_owner`` (storage -> owning node index) updated for a new storage."""
     val = n.meta.get("val")
@@ -221,7 +261,7 @@ def _storage_of(n: fx.Node, i: int, storage_owner: dict[StorageWeakRef, int]) ->
         if ref in storage_owner:
             return storage_owner[ref], 0
         storage_owner[ref] = i
-        return None, storage_bytes(val)
+        return None, sizes.expr(storage_bytes(val))
     owners = {storage_owner.get(StorageWeakRef(t.untyped_storage())) for t in tensors}
     if tensors and None not in owners and len(owners) == 1:
         # A tuple of views (split, unbind, chunk): while the tuple lives, so does their base.
@@ -229,6 +269,6 @@ def _storage_of(n: fx.Node, i: int, storage_owner: dict[StorageWeakRef, int]) ->
     # Outputs taken out by getitem are owned by the getitem; the rest die with the tuple.
     taken = {u.args[1] for u in n.users if u.target is operator.getitem}
     items = val if isinstance(val, (list, tuple)) else []
-    own = sum(storage_bytes(t) for k, t in enumerate(items)
+    own = sum(sizes.expr(storage_bytes(t)) for k, t in enumerate(items)
               if isinstance(t, torch.Tensor) and k not in taken and StorageWeakRef(t.untyped_storage()) not in storage_owner)
     return None, own

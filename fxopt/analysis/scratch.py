@@ -39,13 +39,13 @@ _cache: dict[tuple, int] = {}  # signature -> measured bytes, this process
 _on_disk: dict[Path, dict[str, int]] = {}  # disk cache file -> its entries, as read
 
 
-def _signature(node: fx.Node) -> tuple:
+def _signature(node: fx.Node, at) -> tuple:
     def sig(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                return ("T", tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device))
-            return ("N", repr(v))
+                return ("T", tuple(map(at, v.shape)), tuple(map(at, v.stride())), str(v.dtype), str(v.device))
+            return ("N", repr(at(v) if isinstance(v, torch.SymInt) else v))
         if isinstance(a, (list, tuple)):
             return tuple(sig(x) for x in a)
         return repr(a)
@@ -53,45 +53,48 @@ def _signature(node: fx.Node) -> tuple:
     return (str(node.target), sig(tuple(node.args)), tuple(sorted((k, sig(v)) for k, v in node.kwargs.items())))
 
 
-def _measurable(node: fx.Node) -> bool:
+def _measurable(node: fx.Node, at) -> bool:
     if node.op != "call_function" or node.target is operator.getitem:
         return False
     if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
         return False
     val = node.meta.get("val")
     outs = _outs(node)
-    if not outs or any(o.numel() == 0 for o in outs):
+    if not outs or any(at(o.numel()) == 0 for o in outs):
         return False
     # Views allocate nothing: their output shares an input's storage.
     return not (isinstance(val, torch.Tensor) and aliases_input(node.target))
 
 
-def _real_args(node: fx.Node):
+def _real_args(node: fx.Node, at):
     def real(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                size = sum((s - 1) * st for s, st in zip(v.shape, v.stride())) + 1 if v.numel() else 0
-                base = torch.empty(size + v.storage_offset(), dtype=v.dtype, device=v.device)
+                shape, stride, offset = tuple(map(at, v.shape)), tuple(map(at, v.stride())), at(v.storage_offset())
+                size = sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
+                base = torch.empty(size + offset, dtype=v.dtype, device=v.device)
                 # Positive floats are safe for log, sqrt and division; zeros are valid indices,
                 # targets and masks. A constant fill is ten times faster than random numbers
                 # (logits-sized tensors are hundreds of MB) and allocates the same.
                 base.fill_(0.5 if base.is_floating_point() or base.is_complex() else 0)
-                return base.as_strided(tuple(v.shape), tuple(v.stride()), v.storage_offset())
-            return v
-        return a
+                return base.as_strided(shape, stride, offset)
+            return at(v) if isinstance(v, torch.SymInt) else v
+        return at(a) if isinstance(a, torch.SymInt) else a
 
     return torch.fx.node.map_aggregate(node.args, real), torch.fx.node.map_aggregate(node.kwargs, real)
 
 
-def op_increases(nodes: list[fx.Node]) -> dict[fx.Node, int]:
-    """For each measurable node, the peak bytes allocated while its op runs (outputs included)."""
+def op_increases(nodes: list[fx.Node], at=int) -> dict[fx.Node, int]:
+    """For each measurable node, the peak bytes allocated while its op runs (outputs included).
+    ``at``: the value of a size at the shape to measure at (a static graph's sizes are ints; see
+    `fxopt.analysis.symbolic.Sizes.at`)."""
     todo: dict[tuple, fx.Node] = {}
     keys: dict[fx.Node, tuple] = {}
     disk = _disk_entries()
     for n in nodes:
-        if _measurable(n):
-            k = _signature(n)
+        if _measurable(n, at):
+            k = _signature(n, at)
             keys[n] = k
             if k not in _cache and _digest(k) in disk:
                 _cache[k] = disk[_digest(k)]
@@ -101,7 +104,7 @@ def op_increases(nodes: list[fx.Node]) -> dict[fx.Node, int]:
         with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(
             devices=sorted({v.device.index or 0 for n in todo.values() for v in _outs(n) if v.device.type == "cuda"}),
         ):
-            measured = _measure(todo)
+            measured = _measure(todo, at)
         _store({_digest(k): _cache[k] for k in measured})
     return {n: _cache[k] for n, k in keys.items() if k in _cache}
 
@@ -173,31 +176,31 @@ def _outs(node: fx.Node) -> list[torch.Tensor]:
 UNMEASURED_FACTOR = 2
 
 
-def _unmeasured(node: fx.Node, why) -> int:
+def _unmeasured(node: fx.Node, why, at) -> int:
     """The allocation assumed for an op that could not be measured: a conservative estimate."""
     tensors = [*_outs(node), *(t for a in node.all_input_nodes for t in tensors_in(a.meta.get("val")))]
-    assumed = UNMEASURED_FACTOR * sum(t.numel() * t.element_size() for t in tensors)
+    assumed = UNMEASURED_FACTOR * sum(at(t.numel()) * t.element_size() for t in tensors)
     log.warning("fxopt: could not measure the scratch memory of %s (%s); assuming %d bytes, %d times its inputs "
                 "and outputs", node.target, why, assumed, UNMEASURED_FACTOR)
     return assumed
 
 
-def _measure(todo: dict[tuple, fx.Node]) -> set[tuple]:
+def _measure(todo: dict[tuple, fx.Node], at) -> set[tuple]:
     """Measure each op of ``todo`` into ``_cache``; the signatures measured (not estimated)."""
     cpu = {k: n for k, n in todo.items() if all(o.device.type == "cpu" for o in _outs(n))}
     others = {k: n for k, n in todo.items() if k not in cpu}
-    return _measure_cuda(others) | (_measure_cpu(cpu) if cpu else set())
+    return _measure_cuda(others, at) | (_measure_cpu(cpu, at) if cpu else set())
 
 
-def _measure_cuda(todo: dict[tuple, fx.Node]) -> set[tuple]:
+def _measure_cuda(todo: dict[tuple, fx.Node], at) -> set[tuple]:
     measured = set()
     for k, n in todo.items():
         device = _outs(n)[0].device
         if device.type != "cuda":
-            _cache[k] = _unmeasured(n, f"no allocator statistics on {device.type}")
+            _cache[k] = _unmeasured(n, f"no allocator statistics on {device.type}", at)
             continue
         try:
-            args, kwargs = _real_args(n)
+            args, kwargs = _real_args(n, at)
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             start = torch.cuda.memory_allocated(device)
@@ -207,11 +210,11 @@ def _measure_cuda(todo: dict[tuple, fx.Node]) -> set[tuple]:
             measured.add(k)
             del out
         except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
-            _cache[k] = _unmeasured(n, err)
+            _cache[k] = _unmeasured(n, err, at)
     return measured
 
 
-def _measure_cpu(todo: dict[tuple, fx.Node]) -> set[tuple]:
+def _measure_cpu(todo: dict[tuple, fx.Node], at) -> set[tuple]:
     """All ops in one profiling session, each inside a labelled range; an op's peak is the highest
     running sum of the memory events inside its range."""
     from torch.profiler import record_function
@@ -219,18 +222,18 @@ def _measure_cpu(todo: dict[tuple, fx.Node]) -> set[tuple]:
     from fxopt.measure import profile_cpu_memory
 
     runs: list[tuple[tuple, fx.Node, str]] = []
-    with profile_cpu_memory() as prof:
+    with profile_cpu_memory(collect=False) as prof:  # (the cyclic collector is off while it runs)
         for idx, (k, n) in enumerate(todo.items()):
             label = f"fxopt_scratch_{idx}"
             args = kwargs = None
             try:
-                args, kwargs = _real_args(n)
+                args, kwargs = _real_args(n, at)
                 with record_function(label):
                     out = n.target(*args, **kwargs)
                     del out
                 runs.append((k, n, label))
             except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
-                _cache[k] = _unmeasured(n, err)
+                _cache[k] = _unmeasured(n, err, at)
             del args, kwargs
     events = list(prof.profiler.kineto_results.events())
     memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
@@ -238,7 +241,7 @@ def _measure_cpu(todo: dict[tuple, fx.Node]) -> set[tuple]:
     measured = set()
     for k, n, label in runs:
         if label not in windows:
-            _cache[k] = _unmeasured(n, "the profiler recorded no range for it")
+            _cache[k] = _unmeasured(n, "the profiler recorded no range for it", at)
             continue
         lo, hi = windows[label]
         live = top = 0

@@ -141,7 +141,9 @@ def _refuse_dynamic_shapes(example_inputs) -> None:
             isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
         ):
             raise CaptureError(
-                "fxopt plans for static shapes, and Dynamo is compiling this step with dynamic ones "
-                "(it does when it sees a second shape). Compile with torch.compile(model, "
-                "backend='fxopt', dynamic=False, ...): each new shape is then planned on its own."
+                "the fxopt backend plans static shapes, and Dynamo is compiling this step with dynamic "
+                "ones (it does when it sees a second shape). Compile with torch.compile(model, "
+                "backend='fxopt', dynamic=False, ...): each new shape is then planned on its own; or "
+                "use fxopt.optimize(model, budget, dynamic={'batch': (lo, hi), ...}) for one plan over "
+                "a range of shapes."
             )

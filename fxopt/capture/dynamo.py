@@ -125,7 +125,7 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
 
         compile_step = inductor_backend(partition, options.inductor_config)
     else:
-        compile_step = _eager_backend(partition)
+        compile_step = eager_backend(partition)
     if resident is None:
         return compile_step
 
@@ -136,7 +136,7 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
     return compile_with_resident
 
 
-def _eager_backend(partition: Callable) -> Callable:
+def eager_backend(partition: Callable) -> Callable:
     compile_fn = _boxed
 
     def inference_not_planned(gm, example_inputs):

@@ -21,7 +21,8 @@ every piece, counted with everything else alive, is within the budget:
                      piece 1 [blocks]      reserve 55 (piece 0's weights and what it saved...)
 
 The reserve is a bound, not an estimate: an earlier piece's outputs count as alive until the step
-ends, and a tied parameter (registered under several names, as tied embeddings are), whose
+ends unless their storage has been freed by the time the piece starts (a hidden state one piece
+returns and the next reads without saving), and a tied parameter (registered under several names, as tied embeddings are), whose
 gradient a later piece may accumulate before this piece's backward adds its own, has that
 gradient counted twice. What fxopt cannot see: tensors that the Python between pieces allocates
 and keeps (ops run eagerly there), and a parameter shared across pieces without being registered
@@ -44,7 +45,7 @@ import torch.nn as nn
 from fxopt.budget import resolve_budget
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
 from fxopt.solvers.plan import Plan
-from fxopt.storage import StorageKey, local, storage_key, storages
+from fxopt.storage import StorageKey, local, storage_key, storage_refs, storages
 from fxopt.units import format_bytes
 
 log = logging.getLogger("fxopt")
@@ -66,6 +67,11 @@ class Piece:
     inputs: frozenset[StorageKey]  # storages of the real tensors it takes
     saved_bytes: int  # what its forward keeps for its backward (as the plan keeps it)
     outputs: dict[StorageKey, int]  # storage -> bytes of the tensors its forward returned in this step
+    refs: dict[StorageKey, Any] = dataclasses.field(default_factory=dict)  # weak references to them
+
+    def outputs_alive(self) -> dict[StorageKey, int]:
+        """Its outputs whose storage is still alive (one freed since never comes back)."""
+        return {k: n for k, n in self.outputs.items() if k not in self.refs or not self.refs[k].expired()}
 
 
 @dataclasses.dataclass
@@ -116,7 +122,7 @@ class Step:
         earlier = sum(p.saved_bytes for p in self.pieces)
         outputs: dict[StorageKey, int] = {}
         for p in self.pieces:
-            outputs.update(p.outputs)
+            outputs.update(p.outputs_alive())
         earlier += sum(n for ptr, n in outputs.items()
                        if ptr not in inputs and ptr not in self.resident and ptr not in now)
         seen = inputs.union(*(p.inputs for p in self.pieces)) if self.pieces else inputs
@@ -236,7 +242,7 @@ class PiecewiseBackend:
             outputs = compiled(*args)
             if self.step is not None:
                 saved = plan.timeline().saved_bytes if plan is not None else 0
-                self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs)))
+                self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs), storage_refs(outputs)))
             return outputs
 
         return run

@@ -3,6 +3,7 @@
     fxopt demo [--budget 50%] [--solver auto]     eager vs fxopt on the built-in residual MLP
     fxopt inspect MODEL [--budget 50%] [--code] [--dot FILE] [--json FILE] [--plot FILE.png] [--run]
     fxopt inspect MODEL --stages 4 --microbatches 8 [--schedule 1F1B] [--json FILE] [--plot FILE.png]
+    fxopt inspect MODEL --budget 24GiB --max-batch  the largest batch that fits
 
 MODEL is ``path/to/file.py:factory`` or ``package.module:factory``; ``factory()`` returns
 ``(model, example_inputs)`` (see `load_model`). Exit codes: 0 ok, 1 error (or, with ``--run``, the
@@ -298,6 +299,8 @@ def inspect(args: argparse.Namespace) -> int:
     out.print(f"[bold]fxopt inspect[/] {args.model}: {type(model).__name__}, {n_params / 1e6:.2f} M parameters "
               f"({format_bytes(param_bytes)}), inputs {_describe_inputs(inputs)}; budget {args.budget}, "
               f"solver {args.solver}, compiler {args.compiler}, torch {torch.__version__}")
+    if args.max_batch:
+        return _max_batch(model, inputs, args, out, err)
     t0 = time.perf_counter()
     try:
         with _progress(err, "capturing and planning the training step"):
@@ -331,9 +334,9 @@ def inspect_pipeline(args: argparse.Namespace, model, inputs, out, err) -> int:
     plan, the bubble (`fxopt.pipeline`, the loss the sum of the outputs as for one step)."""
     import fxopt
 
-    if args.run or args.code or args.dot:
-        print("fxopt inspect: error: --run, --code and --dot are for one step; a pipeline runs on one process per "
-              "stage (docs/pipeline.md)", file=sys.stderr)
+    if args.run or args.code or args.dot or args.max_batch:
+        print("fxopt inspect: error: --run, --code, --dot and --max-batch are for one step; a pipeline runs on one "
+              "process per stage (docs/pipeline.md)", file=sys.stderr)
         return EXIT_USAGE
     if isinstance(inputs, dict):
         print("fxopt inspect: error: a pipeline takes positional inputs (torch's schedules split them into "
@@ -368,6 +371,59 @@ def inspect_pipeline(args: argparse.Namespace, model, inputs, out, err) -> int:
                 plot_pipeline(plan, path, title=f"{args.model}: {args.stages} stages")
             out.print(f"wrote {path} (--{flag})")
     return EXIT_OK
+
+
+def _max_batch(model, inputs, args: argparse.Namespace, out, err) -> int:
+    """``--max-batch``: the largest batch that fits the budget (`fxopt.max_batch`), the factory's
+    inputs repeated or cut along dim 0 to each batch tried."""
+    import fxopt
+    from fxopt.budget import resolve_budget
+    from fxopt.errors import BudgetError
+
+    try:
+        resolve_budget(args.budget, None)
+    except BudgetError:
+        print(f"fxopt inspect: error: --max-batch needs the budget in bytes or as a size ('24GiB'), not "
+              f"{args.budget!r}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with _progress(err, "finding the largest batch that fits"):
+            found = fxopt.max_batch(model, args.budget, lambda b: _at_batch(inputs, b), solver=args.solver,
+                                    compress=not args.no_compress, quantize=args.quantize)
+    except fxopt.InfeasibleBudgetError as e:
+        out.print(f"[red]infeasible budget:[/] {e}")
+        return EXIT_INFEASIBLE
+    from rich.table import Table
+
+    table = Table(title=f"the largest batch within {args.budget}")
+    table.add_column("")
+    table.add_column("batch", justify="right")
+    table.add_column("how", justify="left")
+    table.add_row("fxopt", str(found.batch), f"plan: {found.plan.solver} ({found.plan.status}), "
+                  f"+{found.plan.recompute_flops / 1e9:.3f} GFLOP")
+    table.add_row("eager", str(found.eager_batch), "nothing recomputed")
+    table.add_row("per-block checkpointing", "-" if found.checkpoint_batch is None else str(found.checkpoint_batch),
+                  f"{found.blocks} blocks" if found.blocks else "no repeated blocks")
+    table.add_row("no schedule above", str(found.proven_max), "proven (peak lower bound)")
+    out.print(table)
+    out.print(f"found in {found.seconds:.1f} s (one capture with the batch symbolic); predicted peaks, "
+              f"fxopt's plan at {found.batch}: {fxopt.units.format_bytes(found.plan.peak_bytes)}")
+    return EXIT_OK
+
+
+def _at_batch(inputs, b: int):
+    """``inputs`` with every tensor of the same dim 0 as the first one repeated or cut to ``b``."""
+    import torch
+
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+    n = next(v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim())
+
+    def resize(v):
+        if not (isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n):
+            return v
+        return v.repeat(-(-b // n), *[1] * (v.dim() - 1))[:b].clone()
+
+    return {k: resize(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(map(resize, values))
 
 
 def _measured_peak(timeline) -> int:
@@ -545,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", metavar="FILE", help="write the plan as JSON (replay with fxopt.Plan.from_json)")
     i.add_argument("--plot", metavar="FILE.png", help="draw the memory timeline, eager vs planned (needs matplotlib)")
     i.add_argument("--run", action="store_true", help="also run one step eagerly and one with the plan, measured")
+    i.add_argument("--max-batch", action="store_true",
+                   help="find the largest batch whose step fits the budget (in bytes), against eager's and "
+                        "per-block checkpointing's")
     i.add_argument("--top", type=int, default=20, help="rows of the tensor table (default 20)")
     i.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory and each run")
     i.add_argument("--stages", type=int, metavar="N",

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers torch.ops.fxopt.*
 from fxopt.analysis.codecs import MIN_BYTES
+from fxopt.analysis.symbolic import largest
 from fxopt.fxgraph import ALIAS_OPS, NodeBuilder, aliases_input, replace_node, tangent_dependents
 
 aten = torch.ops.aten
@@ -40,7 +41,7 @@ def relu_masks(gm: fx.GraphModule) -> int:
         while isinstance(out, fx.Node) and out.target in ALIAS_OPS:
             out = out.args[0]  # AOTAutograd hands the backward a detached alias of ReLU's output
         val = out.meta.get("val") if isinstance(out, fx.Node) else None
-        if not isinstance(val, torch.Tensor) or out in backward or val.numel() < MIN_BYTES:
+        if not isinstance(val, torch.Tensor) or out in backward or largest(val.numel()) < MIN_BYTES:
             continue
         if _read_by_backward(out, backward, besides=node):
             continue  # the backward reads `out` anyway (a weight gradient, say): nothing to gain

@@ -25,14 +25,21 @@ the backward takes (saved..., tangents...) and returns the gradients of the prim
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch._functorch import partitioners as _p
+from torch.fx.experimental.symbolic_shapes import find_symbol_binding_fx_nodes, free_symbols
 
 from fxopt.analysis import JointGraph
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import NodeBuilder
 from fxopt.passes.offload import Reloads, offload_saved, reload_positions
 from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate
+
+
+# For each COMPRESSed value of symbolic shape: its sizes as the forward saves them, by their
+# expression (``SymInt.node.expr``).
+SavedDims = dict[str, dict[object, fx.Node]]
 
 
 def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -51,12 +58,11 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
         raise CaptureError(f"unsupported inputs of the captured step: {other}")
 
     # What the backward reads from the forward: SAVEd values, and the inputs (parameters, user
-    # inputs) it or its recomputations use; inputs cost nothing, they are alive anyway.
+    # inputs) and forward outputs it or its recomputations use; those cost nothing, they are
+    # alive anyway (the caller holds the outputs, as the simulator counts them: a model that
+    # returns normalised embeddings, CLIP's, has its backward read them).
     # A SAVEd value counts only if the backward reads it before recomputing it: a saved tensor
     # nothing reads would stay alive for nothing.
-    # A forward output it reads is there too (the caller holds it, and the simulator counts it
-    # available), whether or not the schedule SAVEs it: a module returning an activation its
-    # backward needs (a pipeline stage sending on a skip connection).
     read = read_before_recompute(joint.graph, schedule.backward)
     wanted = (set(schedule.saved) & read) | (read & joint.graph.forward_outputs) | {
         j for j in read if nodes[j].kind == "input" and not nodes[j].tangent
@@ -65,15 +71,18 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
     constants = [by_name[joint.names[i]] for i in sorted(wanted) if by_name[joint.names[i]].op == "get_attr"]
     saved = [by_name[joint.names[i]] for i in sorted(wanted)
              if nodes[i].tensor and by_name[joint.names[i]].op != "get_attr"]
+    # Sizes (SymInts, with dynamic shapes) the backward reads, and the symbols of what it takes.
+    sizes = [by_name[joint.names[i]] for i in sorted(wanted) if nodes[i].kind == "input" and not nodes[i].tensor]
 
     fwd_outputs, bwd_outputs, fwd_descs, bwd_descs = _p._extract_fwd_bwd_outputs(
         module, num_fwd_outputs=joint.num_fwd_outputs
     )
+    sizes = _with_bindings(module.graph, sizes, saved + tangents)
     fw_graph = _p._extract_graph_with_inputs_outputs(
         module.graph,
         primals,
-        fwd_outputs + saved,
-        fwd_descs + [_p.SavedForBackwardsAOTOutput(k) for k in range(len(saved))],
+        fwd_outputs + saved + sizes,
+        fwd_descs + [_p.SavedForBackwardsAOTOutput(k) for k in range(len(saved) + len(sizes))],
         "forward",
     )
     index = {name: i for i, name in enumerate(joint.names)}
@@ -81,6 +90,7 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
     offloaded = {joint.names[i] for i in schedule.offloaded if i in wanted}
     last = _last_readers(fw_graph, joint, compressed | offloaded, index)
     encoded = _encode(fw_graph, joint, compressed, last) if compressed else {}
+    dims = _saved_dims(fw_graph, joint, encoded, len(fwd_outputs) + len(saved)) if compressed else {}
     reloads = None
     if offloaded:
         # A plan pins its reload points (`Plan.build`); a bare schedule reloads where the simulator
@@ -89,7 +99,7 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
         at = reload_positions(len(planned.backward), kept_steps(joint.graph, planned), reload_at, joint.names)
         reloads = _offload(fw_graph, saved, encoded, offloaded, last, at)
 
-    graph = _backward_graph(joint, schedule, saved + tangents, constants, encoded, reloads, bwd_outputs)
+    graph = _backward_graph(joint, schedule, sizes + saved + tangents, constants, encoded, reloads, bwd_outputs, dims)
     next(iter(graph.find_nodes(op="output"))).meta["desc"] = bwd_descs  # AOTAutograd's descriptors
     graph.eliminate_dead_code()
     fw = fx._lazy_graph_module._make_graph_module(module, fw_graph)
@@ -112,10 +122,11 @@ def _offload(fw_graph: fx.Graph, saved: list[fx.Node], encoded: dict[str, fx.Nod
 
 
 def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node], constants: list[fx.Node],
-                    encoded: dict[str, fx.Node], reloads: Reloads | None, bwd_outputs) -> fx.Graph:
+                    encoded: dict[str, fx.Node], reloads: Reloads | None, bwd_outputs,
+                    dims: SavedDims) -> fx.Graph:
     """The backward: the schedule's steps in order, each reading the most recent copy of each
     value; a COMPRESSed value decoded and an OFFLOADed one waited for before its first reader
-    (its reload issued where ``reloads`` says)."""
+    (its reload issued where ``reloads`` says; its symbolic sizes read from ``dims``)."""
     module = joint.module
     by_name = {n.name: n for n in module.graph.nodes}
     index = {name: i for i, name in enumerate(joint.names)}
@@ -124,6 +135,11 @@ def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node]
         reloads.begin(graph)
     current: dict[str, fx.Node] = {}
     packed: dict[str, fx.Node] = {}  # compressed value -> its encoding, until decoded
+    dim_inputs = {}  # (compressed value, size expression) -> the size; first, as the forward returns them
+    for name, by_expr in dims.items():
+        for expr, fw_node in by_expr.items():
+            dim_inputs[name, expr] = new = graph.placeholder(fw_node.name)
+            new.meta = dict(fw_node.meta)
     for n in inputs:
         travels = encoded.get(n.name, n)
         new = graph.placeholder(travels.name)
@@ -145,7 +161,9 @@ def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node]
                 (packed if a.name in encoded else current)[a.name] = reloads.arrive(a.name)
             if a.name in packed:
                 codec = joint.codecs[index[a.name]]
-                new = graph.call_function(codec.decompress_op, (packed.pop(a.name), *codec.decompress_args))
+                args = fx.node.map_aggregate(codec.decompress_args, lambda x: dim_inputs[a.name, x.node.expr]
+                                             if isinstance(x, torch.SymInt) else x)
+                new = graph.call_function(codec.decompress_op, (packed.pop(a.name), *args))
                 new.meta = {"val": a.meta["val"], "autograd_backward": True}
                 current[a.name] = new
         missing = [a.name for a in original.all_input_nodes if a.name not in current]
@@ -157,6 +175,47 @@ def _backward_graph(joint: JointGraph, schedule: Schedule, inputs: list[fx.Node]
     graph.output(tuple(fx.node.map_arg(o, lambda a: current[a.name]) if o is not None else None
                        for o in bwd_outputs))
     return graph
+
+
+def _with_bindings(graph: fx.Graph, sizes: list[fx.Node], taken: list[fx.Node]) -> list[fx.Node]:
+    """``sizes`` the backward reads, after the nodes binding every symbol in them and in the
+    values it ``taken`` (AOTAutograd's convention: a graph receives each symbol it uses)."""
+    bindings = find_symbol_binding_fx_nodes(graph)
+    bound = {b for s, b in bindings.items()}
+    out = [n for n in sizes if n in bound]
+    symbols = {s for s, b in bindings.items() if b in out}
+    for n in [*sizes, *taken]:
+        for s in sorted(free_symbols(n.meta.get("val")) - symbols, key=lambda s: s.name):
+            if s in bindings:
+                out.append(bindings[s])
+                symbols.add(s)
+    return list(dict.fromkeys(out + [n for n in sizes if n not in bound]))
+
+
+def _saved_dims(fw_graph: fx.Graph, joint: JointGraph, encoded: dict[str, fx.Node],
+                first_sym_output: int) -> SavedDims:
+    """A decoder needs the shape of what it decodes: for each COMPRESSed value of symbolic
+    shape, its sizes (``sym_size``) taken in the forward right after it is encoded and returned
+    among the saved sizes (after the saved tensors), by expression."""
+    by_name = {n.name: n for n in fw_graph.nodes}
+    out_node = next(iter(fw_graph.find_nodes(op="output")))
+    dims: SavedDims = {}
+    for name, enc in encoded.items():
+        value = by_name[name]
+        for d, size in enumerate(value.meta["val"].shape):
+            if isinstance(size, torch.SymInt) and size.node.expr not in dims.get(name, {}):
+                with fw_graph.inserting_after(enc):
+                    node = fw_graph.call_function(torch.ops.aten.sym_size.int, (value, d))
+                node.meta["val"] = size
+                dims.setdefault(name, {})[size.node.expr] = node
+    if dims:
+        outs = list(out_node.args[0])
+        new = [n for by_expr in dims.values() for n in by_expr.values()]
+        out_node.args = (tuple(outs[:first_sym_output] + new + outs[first_sym_output:]),)
+        descs = out_node.meta.get("desc")
+        if descs is not None:
+            out_node.meta["desc"] = list(descs) + [_p.SavedForBackwardsAOTOutput(len(descs) + k) for k in range(len(new))]
+    return dims
 
 
 def _last_readers(fw_graph: fx.Graph, joint: JointGraph, names: set[str], index: dict[str, int]) -> dict[str, fx.Node]:

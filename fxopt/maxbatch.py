@@ -1,0 +1,341 @@
+"""The largest batch whose training step fits a budget: `max_batch`.
+
+One capture with the batch dimension symbolic (`fxopt.capture.shapes`) gives the solver graph at
+every batch size (`fxopt.analysis.symbolic`); every peak below is monotone in the batch (see
+there), so each question is a bisection over graphs evaluated, not captured:
+
+  1. an upper bracket, proven: the largest batch whose `peak_lower_bound` (scratch memory
+     counted as zero, so a bound on every schedule) fits. No batch above it can fit.
+  2. fxopt's answer: at that batch, the lowest peak fxopt's solvers reach
+     (`fxopt.solvers.min_feasible_budget`); if it is over the budget, that lowest-peak schedule,
+     replayed at smaller batches, finds the largest at which it fits, and the batch above that
+     is tried once more. Then one plan is made at the answer.
+  3. beside it, the largest batch of the step as eager autograd runs it, and with each block
+     under per-block ``torch.utils.checkpoint`` (its block inputs SAVEd, the rest recomputed),
+     both by their simulated peaks.
+
+Every peak at a batch b is simulated with the scratch memory of its ops measured at b (once per
+op and shape: `fxopt.analysis.scratch` caches them), except the bracket's, which counts none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.nn as nn
+
+from fxopt.analysis import CostModel, JointGraph
+from fxopt.analysis.codecs import Quantize
+from fxopt.analysis.joint import graph_fingerprint
+from fxopt.api import FxoptModule, capture_symbolic
+from fxopt.buckets import Bucket, largest
+from fxopt.budget import Budget, resolve_budget
+from fxopt.capture.shapes import DynamicDims
+from fxopt.errors import BudgetError, InfeasibleBudgetError
+from fxopt.planner import Options
+from fxopt.solvers import eager_schedule, min_feasible_budget, simulate, solve
+from fxopt.solvers.auto import SolverTimeoutWarning, lowest_schedule
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.instant import peak_lower_bound
+from fxopt.solvers.plan import Plan
+from fxopt.solvers.schedule import Schedule, on_demand
+from fxopt.units import format_bytes
+
+log = logging.getLogger("fxopt")
+
+# The batch `max_batch` captures the step at (its graph is evaluated at every other batch).
+PROBE_BATCH = 4
+# Seconds `max_batch`'s solves may take in all (one or a few, each at least `MIN_SOLVE_SECONDS`).
+SOLVE_SECONDS = 6.0
+PROBE_SECONDS = 2.0  # one try at a batch (a `solve` that finds nothing can take about twice that)
+MIN_SOLVE_SECONDS = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxBatch:
+    """What `max_batch` found. ``batch``: the largest batch fxopt plans within ``budget_bytes``,
+    with its ``plan`` (made at that batch on the step captured with a symbolic batch; it holds at
+    every smaller batch of the same capture too: `optimize` gives the module that runs it).
+    ``proven_max``: no schedule of any kind fits a batch above it (the peak lower bound), so
+    ``batch == proven_max`` is proven optimal. ``next_plan``: below that, the lowest-peak plan
+    fxopt found at ``batch + 1`` (its peak over the budget; None when ``batch == proven_max``).
+    ``eager_batch``, ``checkpoint_batch``: the largest batch of the un-rewritten step and of
+    per-block checkpointing (None where the model has no repeated blocks), by simulated peaks.
+    ``limit``: the largest batch searched; ``seconds``: wall time."""
+
+    batch: int
+    plan: Plan
+    proven_max: int
+    eager_batch: int
+    checkpoint_batch: int | None
+    budget_bytes: int
+    limit: int
+    seconds: float
+    blocks: int = 0  # blocks per-block checkpointing wrapped
+    next_plan: Plan | None = None
+    dim: Any = "batch"
+    captured: tuple[int, int] = (1, 2**16)  # the batches the answer's capture holds for
+    options: dict = dataclasses.field(default_factory=dict, repr=False)  # how it was analysed
+
+    def summary(self) -> str:
+        proof = ("proven: no schedule fits a larger batch" if self.batch == self.proven_max
+                 else f"no schedule fits above {self.proven_max} (proven)")
+        at_limit = " (the search limit)" if self.batch == self.limit else ""
+        ckpt = "-" if self.checkpoint_batch is None else str(self.checkpoint_batch)
+        return (f"largest batch within {format_bytes(self.budget_bytes)}: fxopt {self.batch}{at_limit} ({proof}); "
+                f"eager {self.eager_batch}; per-block checkpointing {ckpt}; {self.seconds:.1f} s")
+
+    def optimize(self, model: nn.Module) -> FxoptModule:
+        """``model`` (the one searched) running ``plan`` at any batch from the capture's smallest to
+        ``batch``: one plan, proven within the budget for all of them (see `fxopt.buckets`)."""
+        return replay(model, self, self.plan, (self.captured[0], self.batch))
+
+
+def replay(model: nn.Module, found: MaxBatch, plan: Plan, batches: tuple[int, int]) -> FxoptModule:
+    """A module running ``plan`` (made on ``found``'s capture) for ``batches``."""
+    dims = DynamicDims.parse({found.dim: found.captured})
+    module = FxoptModule(model, Options(budget=plan.budget_bytes, offload=False, **found.options), "error", dims)
+    module._dynamic.state.buckets = [Bucket(dims.ranges.with_bound(dims.ranges.names[0], *batches), plan)]
+    return module
+
+
+def max_batch(model: nn.Module, budget: Budget, make_inputs: Callable[[int], Any], *, dim: Any = "batch",
+              limit: int = 2**16, blocks: Sequence[nn.Module] | None = None, solver: str = "auto",
+              time_limit: float = SOLVE_SECONDS,
+              compress: bool = True, quantize: str | Quantize | None = None,
+              cost_model: CostModel | None = None) -> MaxBatch:
+    """The largest batch size whose training step fxopt plans within ``budget`` (bytes or a size
+    such as ``"24GiB"``), with its plan, and beside it the largest of eager autograd and of
+    per-block checkpointing.
+
+    ``make_inputs(b)``: the example inputs of ``model(...)`` at batch ``b`` (a tuple, or a dict
+    of keyword arguments). ``dim``: which dimension is the batch, as for `fxopt.optimize`'s
+    ``dynamic=`` (``"batch"``: dim 0 of every tensor argument; or ``(argument, dim)``). ``limit``:
+    the largest batch considered. ``blocks``: the modules per-block checkpointing wraps (by
+    default the longest run of same-class children of an ``nn.Sequential`` or ``nn.ModuleList``).
+    ``time_limit``: seconds for the solves (at least one, of `MIN_SOLVE_SECONDS`). The step is
+    captured once; see `fxopt.maxbatch` for how the answer is found and proven."""
+    t0 = time.perf_counter()
+    budget_bytes = _bytes(budget)
+    name = DynamicDims.parse({dim: (1, limit)}).ranges.names[0]
+    options = dict(solver=solver, compress=compress, quantize=quantize, cost_model=cost_model or CostModel())
+    segments = _capture_segments(model, make_inputs, dim, name, limit, budget_bytes, options)
+    log.info("fxopt: max_batch: captured and analysed in %.1f s", time.perf_counter() - t0)
+    # The answers lie in the last segment, or, where nothing fits there, in the one before.
+    proven_max = next((s.proven_max for s in reversed(segments) if s.proven_max is not None), None)
+    if proven_max is None:
+        first = segments[0].fxopt
+        graph = first.at(first.lo)
+        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(graph, solver, run_ilp=False),
+                                    f"Even batch {first.lo} does not fit.", lower_bound=peak_lower_bound(graph)[0])
+    log.info("fxopt: max_batch: no batch above %d fits (%.1f s)", proven_max, time.perf_counter() - t0)
+    batch = plan = answer = None
+    for segment in reversed(segments):
+        if segment.proven_max is not None:
+            found = segment.fxopt.fxopt_batch(segment.fxopt.lo, segment.proven_max, solver, time_limit)
+            if found is not None:
+                (batch, plan), answer = found, segment
+                break
+    if batch is None:
+        raise InfeasibleBudgetError(budget_bytes, proven_max, "fxopt found no plan at any batch.")
+    next_plan = answer.fxopt.lowest_plan(batch + 1, solver) if batch < min(proven_max, answer.fxopt.hi) else None
+    log.info("fxopt: max_batch: fxopt plans batch %d (%.1f s)", batch, time.perf_counter() - t0)
+    block_paths = _block_paths(model, blocks)
+    eager_batch = _largest_of(segments, lambda s: eager_schedule(s.eager.jg.graph)) or 0
+    checkpoint_batch = None
+    if block_paths:
+        checkpoint_batch = _largest_of(segments, lambda s: per_block_schedule(s.eager.jg, block_paths)) or 0
+    log.info("fxopt: max_batch: eager %d, per-block checkpointing %s (%.1f s)", eager_batch, checkpoint_batch,
+             time.perf_counter() - t0)
+    return MaxBatch(batch, plan, proven_max, eager_batch, checkpoint_batch, budget_bytes, limit,
+                    time.perf_counter() - t0, len(block_paths), next_plan, dim, (answer.fxopt.lo, answer.fxopt.hi),
+                    options)
+
+
+@dataclasses.dataclass
+class _Segment:
+    """A range of batches captured as one step (a model may specialize a batch size: then the
+    range is captured in segments): searches on the step as captured (``eager``) and as planned
+    (``fxopt``), and the largest batch the peak lower bound allows in it."""
+
+    eager: _Search
+    fxopt: _Search
+    proven_max: int | None
+
+
+def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: int, options: dict) -> list[_Segment]:
+    segments: list[_Segment] = []
+    start = 1
+    while start <= limit:
+        probe = min(max(start, PROBE_BATCH), limit)
+        dims = DynamicDims.parse({dim: (start, limit)})
+        eager_jg, jg = capture_symbolic(model, make_inputs(probe), dims, {name: probe}, **options)
+        lo, hi = jg.symbolic.ranges.bounds[name]  # (narrowed where the model specializes a size)
+        search = _Search(jg, name, budget, lo, hi)
+        top = search.largest(lo, hi, search.lower_bound_fits)
+        segments.append(_Segment(_Search(eager_jg, name, budget, lo, hi), search, top))
+        if top is None or top < hi or hi >= limit:
+            break
+        start = hi + 1
+    return segments
+
+
+def _largest_of(segments: list[_Segment], schedule_of) -> int | None:
+    for segment in reversed(segments):
+        top = segment.proven_max if segment.proven_max is not None else segment.eager.lo - 1
+        found = segment.eager.largest_with(schedule_of(segment), segment.eager.lo, top)
+        if found is not None:
+            return found
+    return None
+
+
+def _bytes(budget: Budget) -> int:
+    try:
+        return resolve_budget(budget, None)
+    except BudgetError:
+        raise BudgetError(f"max_batch needs the budget in bytes or as a size ('24GiB'), not {budget!r}: "
+                          "a share of the eager peak depends on the batch") from None
+
+
+class _Search:
+    """Bisections over the batch of one symbolic step (see the module)."""
+
+    def __init__(self, jg: JointGraph, name: str, budget: int, lo: int, hi: int):
+        self.jg, self.name, self.budget, self.lo, self.hi = jg, name, budget, lo, hi
+        self.zero = [0] * len(jg.graph)
+        self.measured: dict[int, Graph] = {}
+
+    def at(self, b: int) -> Graph:
+        """The graph at batch ``b``, scratch memory measured there (once)."""
+        if b not in self.measured:
+            self.measured[b] = self.jg.at({self.name: b})
+        return self.measured[b]
+
+    def lower_bound_fits(self, b: int) -> bool:
+        graph = self.jg.symbolic.at({self.name: b}, self.zero, self.zero)
+        return peak_lower_bound(graph)[0] <= self.budget
+
+    largest = staticmethod(largest)
+
+    def largest_with(self, schedule: Schedule, lo: int, hi: int) -> int | None:
+        """The largest batch in [lo, hi] at which ``schedule``'s peak fits (bisection, each batch
+        tried with the scratch memory measured there)."""
+        return self.largest(lo, hi, lambda b: simulate(self.at(b), schedule).peak_bytes <= self.budget)
+
+    def fxopt_batch(self, lo: int, hi: int, solver: str, seconds: float) -> tuple[int, Plan] | None:
+        """fxopt's largest batch in [lo, hi] and its plan. At ``hi`` (the proven bracket) the
+        heuristics' lowest peak; where it is over the budget, that lowest-peak schedule replayed
+        at smaller batches gives the largest at which it fits, and `solve` tries the batch above
+        that, then bisects between the largest batch planned and the smallest not, within
+        ``seconds`` (one or two solves, mostly)."""
+        deadline = time.perf_counter() + seconds
+        found = self.solve(hi, solver, 0.0 if hi > lo else seconds)
+        if isinstance(found, Plan):
+            return hi, found
+        replayed = None if found is None else self.largest_with(found, lo, hi - 1)
+        feasible: tuple[int, Plan | Schedule] | None = None if replayed is None else (replayed, found)
+        failed, probes = hi, 0
+        while True:
+            low = feasible[0] if feasible is not None else lo - 1
+            if failed - low <= 1 or time.perf_counter() > deadline:
+                break
+            candidate = low + 1 if probes == 0 else (low + failed + 1) // 2
+            probes += 1
+            found = self.solve(candidate, solver, min(PROBE_SECONDS, deadline - time.perf_counter()))
+            if isinstance(found, Plan):
+                feasible = (candidate, found)
+            else:
+                failed = candidate
+        if feasible is None:
+            return None
+        batch, found = feasible
+        if not isinstance(found, Plan):  # a replayed schedule: plan the batch itself, cheaper if it can
+            plan = self.solve(batch, solver, MIN_SOLVE_SECONDS)
+            plan = plan if isinstance(plan, Plan) and plan.peak_bytes <= self.budget else None
+            found = plan or self.plan_of(batch, found, "lowest peak", "heuristic")
+        return batch, found
+
+    def solve(self, b: int, solver: str, seconds: float) -> Plan | Schedule | None:
+        """The plan fxopt finds at batch ``b`` within the budget, or, where it finds none, the
+        lowest-peak schedule it reached (None if it has none). Cheapest first: the peak lower
+        bound, then the lowest peaks of the heuristics (`min_feasible_budget` without the ILP),
+        then `solve` within ``seconds``."""
+        graph = self.at(b)
+        t0 = time.perf_counter()
+        lowest_peak = min_feasible_budget(graph, solver, run_ilp=False)
+        if lowest_peak > self.budget and (seconds <= 0 or peak_lower_bound(graph)[0] > self.budget):
+            log.info("fxopt: max_batch: no plan at batch %d (lowest peak %d, %.1f s)", b, lowest_peak,
+                     time.perf_counter() - t0)
+            return lowest_schedule(graph, solver).schedule
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SolverTimeoutWarning)  # a time-limited answer is expected here
+            try:
+                solution = solve(graph, self.budget, solver, time_limit=max(MIN_SOLVE_SECONDS, seconds))
+            except InfeasibleBudgetError:
+                lowest = lowest_schedule(graph, solver)
+                log.info("fxopt: max_batch: no plan at batch %d (%.1f s)", b, time.perf_counter() - t0)
+                return None if lowest is None else lowest.schedule
+        log.info("fxopt: max_batch: a plan at batch %d (%.1f s)", b, time.perf_counter() - t0)
+        return self.plan_of(b, solution.schedule, solution.solver, solution.status, solution.lower_bound_cost,
+                            time.perf_counter() - t0)
+
+    def lowest_plan(self, b: int, solver: str) -> Plan:
+        """The lowest-peak plan fxopt's heuristics find at batch ``b`` (its budget: its own peak)."""
+        graph = self.at(b)
+        peak = min_feasible_budget(graph, solver, run_ilp=False)
+        plan = self.plan_of(b, lowest_schedule(graph, solver).schedule, "lowest peak", "heuristic")
+        return dataclasses.replace(plan, budget_bytes=max(peak, plan.peak_bytes))
+
+    def plan_of(self, b: int, schedule: Schedule, solver: str, status: str, bound: float | None = None,
+                seconds: float = 0.0) -> Plan:
+        graph = self.at(b)
+        eager = simulate(graph, eager_schedule(graph)).peak_bytes
+        return Plan.build(graph=graph, schedule=schedule, budget_bytes=self.budget, eager_peak_bytes=eager,
+                          solver=solver, status=status, solve_seconds=seconds, fingerprint=graph_fingerprint(graph),
+                          module_paths=self.jg.module_paths, lower_bound_cost=bound)
+
+
+def _block_paths(model: nn.Module, blocks: Sequence[nn.Module] | None) -> list[str]:
+    """The module paths of the blocks per-block checkpointing wraps."""
+    names = {id(m): n for n, m in model.named_modules()}
+    if blocks is not None:
+        return [names[id(b)] for b in blocks if id(b) in names]
+    best: list[str] = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.Sequential, nn.ModuleList)):
+            children = list(m.named_children())
+            run: list[str] = []
+            for k, (child_name, child) in enumerate(children):
+                if run and type(child) is not type(children[k - 1][1]):
+                    run = []
+                run.append(f"{path}.{child_name}" if path else child_name)
+                if len(run) > len(best):
+                    best = list(run)
+    return best if len(best) >= 2 else []
+
+
+def per_block_schedule(jg: JointGraph, block_paths: Sequence[str]) -> Schedule:
+    """Per-block ``torch.utils.checkpoint`` as a schedule: every value outside the blocks and every
+    value a block hands to what follows it SAVEd, everything else inside a block recomputed in the
+    backward, on demand."""
+    graph = jg.graph
+
+    def block(i: int) -> int | None:
+        path = jg.module_paths[i].removeprefix("L['self'].")
+        for k, p in enumerate(block_paths):
+            if path == p or path.startswith(p + "."):
+                return k
+        return None
+
+    where = [block(i) for i in range(len(graph))]
+    saved = set()
+    for i in graph.saveable:
+        k = where[i]
+        if k is None or any(graph.nodes[u].kind == "forward" and where[u] != k for u in graph.users[i]):
+            saved.add(i)
+    return on_demand(graph, saved)
