@@ -23,6 +23,8 @@ _EXPORTS = {
     "FxoptModule": "fxopt.api",
     "backend": "fxopt.capture.backend",
     "Plan": "fxopt.solvers.plan",
+    "pipeline": "fxopt.distributed.pipeline",
+    "PipelinePlan": "fxopt.solvers.stage_plan",
     "Quantize": "fxopt.analysis.codecs",
     "gradient_sqnr": "fxopt.measure",
     "measure_peak": "fxopt.measure",

@@ -225,6 +225,78 @@ def gpt2(layers: int = 12, dim: int = 768, heads: int = 12, seq: int = 512, batc
     return GPT(layers, dim, heads, vocab, max_seq=max(seq, 1024)), (idx, torch.roll(idx, -1, dims=1))
 
 
+# ---------------------------------------------------------------- models to cut into pipeline stages
+class GPTLM(nn.Module):
+    """GPT-2's blocks with untied input and output embeddings, returning the logits (the loss is
+    the pipeline schedule's ``loss_fn``, `lm_loss`): what `fxopt.pipeline` splits."""
+
+    def __init__(self, layers: int = 8, dim: int = 64, heads: int = 4, vocab: int = 256, max_seq: int = 128):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(max_seq, dim)
+        self.h = nn.ModuleList(GPTBlock(dim, heads, 0.0) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits, targets):
+    """Next-token cross entropy, the mean over tokens."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def gpt2_lm(layers: int = 8, dim: int = 64, heads: int = 4, seq: int = 64, batch: int = 8, vocab: int = 256):
+    """A GPT-2-style `GPTLM` and a batch of token ids; the targets are the ids shifted by one
+    (``torch.roll(idx, -1, 1)``)."""
+    return GPTLM(layers, dim, heads, vocab, max_seq=max(seq, 128)), (torch.randint(0, vocab, (batch, seq)),)
+
+
+class SkipCNN(nn.Module):
+    """Residual conv blocks (conv-ReLU-conv plus the block's input) at two resolutions, with a
+    long skip from the stem to the head: a cut between blocks carries one tensor, a cut inside
+    the long skip two. Returns the logits."""
+
+    def __init__(self, channels: int = 16, blocks: int = 2, classes: int = 10):
+        super().__init__()
+        c = channels
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.ModuleList(_ConvBlock(c) for _ in range(blocks))
+        self.down = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.deep = nn.ModuleList(_ConvBlock(2 * c) for _ in range(blocks))
+        self.up = nn.Conv2d(2 * c, c, 1)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x):
+        skip = x = torch.relu(self.stem(x))
+        for block in self.blocks:
+            x = block(x)
+        x = self.down(x)
+        for block in self.deep:
+            x = block(x)
+        x = F.interpolate(self.up(x), scale_factor=2.0) + skip
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv2(torch.relu(self.conv1(x))) + x)
+
+
+def skip_cnn(batch: int = 8, size: int = 32, channels: int = 16, blocks: int = 2):
+    """A `SkipCNN` and a batch of images; targets are class ids (``torch.randint(0, 10, (batch,))``)."""
+    return SkipCNN(channels, blocks), (torch.randn(batch, 3, size, size),)
+
+
 # The test zoo: sizes where activations, not parameters, dominate the step, so budgets well
 # below the eager peak are reachable, and each step takes milliseconds on a CPU.
 ZOO = {

@@ -33,6 +33,7 @@ from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
 from fxopt.solvers import check_solver, eager_schedule, min_feasible_budget, simulate, solve
 from fxopt.solvers.instant import peak_lower_bound
+from fxopt.solvers.stages import InFlight, solve_stage, stage_min_budget
 from fxopt.solvers.auto import DEFAULT_TIME_LIMIT, MIN_PHASE_SECONDS, lowest_schedule
 
 log = logging.getLogger("fxopt")
@@ -55,7 +56,9 @@ class Options:
     saved values to host memory (see `transfers`): None (default) where the step runs on a CUDA
     device, True or False to force it (True on CPU plans with the default bandwidths and saves
     no memory: host and device are the same memory there), or the most host memory it may hold
-    at once (bytes or a size string, ``"16GiB"``: on, within that)."""
+    at once (bytes or a size string, ``"16GiB"``: on, within that). ``in_flight``: the step is
+    one microbatch of a pipeline stage, whose device also holds what this says (the budget is
+    the device's; see `fxopt.solvers.stages.solve_stage`)."""
 
     budget: Budget
     solver: str = "auto"
@@ -67,6 +70,10 @@ class Options:
     compress: bool = True
     quantize: Quantize | None = None
     offload: bool | int | str | None = None
+    in_flight: InFlight | None = None
+    # Plans to replay beside ``plan``, each on the graph it was made for (a pipeline stage's
+    # steps that start with the gradients of earlier microbatches held: `fxopt.distributed.pipeline`).
+    alternatives: tuple[Plan, ...] = ()
     # ``plan`` was made here from ``example_inputs``: a graph it does not fit (another input
     # shape, autocast on) is planned anew, as without example inputs, instead of refused.
     plan_from_examples: bool = False
@@ -145,26 +152,28 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
 
     eager_graph = before.graph if before is not None else None
     if options.plan is not None:
-        if options.plan.fingerprint != jg.fingerprint and relu:
+        given = _given_plan(options, jg)
+        if given is None and relu:
             jg = without_relu_masks()
-        if options.plan.fingerprint != jg.fingerprint and options.plan_from_examples:
+            given = _given_plan(options, jg)
+        if given is None and options.plan_from_examples:
             if relu:
                 masks.relu_masks(joint)
                 jg = analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
             before = analyze(pristine, num_fwd_outputs, options.cost_model, **codecs)
             eager_graph = before.graph
             options = dataclasses.replace(options, plan=None, plan_from_examples=False)
-        elif options.plan.fingerprint != jg.fingerprint:
+        elif given is None:
             raise CaptureError(
                 "the given plan was made for a different graph (another model, input shape, dtype, "
                 "compress= or quantize= setting "
                 "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
             )
         else:
-            return jg, options.plan
+            return jg, given
     eager = simulate(eager_graph, eager_schedule(eager_graph))
     budget = resolve_budget(options.budget, eager.peak_bytes)
-    cache_key = cache.key(jg.graph, budget, options.solver, options.time_limit)
+    cache_key = cache.key(jg.graph, budget, _cache_solver(options), options.time_limit)
     cached = cache.load(cache_key)
     if cached is not None:
         if cached.fingerprint != jg.fingerprint and relu:  # it was planned without the ReLU masks
@@ -191,6 +200,22 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     return jg, plan
 
 
+def _given_plan(options: Options, jg) -> Plan | None:
+    """The given plan (or one of its ``alternatives``) made for this graph, if any."""
+    return next((p for p in (options.plan, *options.alternatives) if p.fingerprint == jg.fingerprint), None)
+
+
+def _cache_solver(options: Options) -> str:
+    """The solver as the plan cache keys it: a pipeline stage's with what it holds beside."""
+    return options.solver if options.in_flight is None else f"{options.solver}|{options.in_flight.key()}"
+
+
+def _solve_one(graph, budget: int, options: Options, time_limit: float, report):
+    if options.in_flight is not None:
+        return solve_stage(graph, budget, options.in_flight, options.solver, time_limit=time_limit, on_progress=report)
+    return solve(graph, budget, options.solver, time_limit=time_limit, on_progress=report)
+
+
 def _solve(jg, options: Options, planned: dict, without_relu_masks):
     """The analyzed step ``jg`` solved within ``planned["budget_bytes"]``, as (the step planned,
     the solution); with the ReLU masks (``without_relu_masks`` undoes them), a budget they make
@@ -198,7 +223,7 @@ def _solve(jg, options: Options, planned: dict, without_relu_masks):
     budget, t0 = planned["budget_bytes"], time.perf_counter()
     with progress_display() as report:
         try:
-            return jg, solve(jg.graph, budget, options.solver, time_limit=options.time_limit, on_progress=report)
+            return jg, _solve_one(jg.graph, budget, options, options.time_limit, report)
         except InfeasibleBudgetError as err:
             if without_relu_masks is None:
                 _remember_minimum(err, [jg], options, planned)
@@ -212,10 +237,10 @@ def _solve(jg, options: Options, planned: dict, without_relu_masks):
             try:
                 if budget < floor:
                     # Out of reach without them too: only the smallest budget there is of interest.
-                    raise InfeasibleBudgetError(budget, min_feasible_budget(jg.graph, options.solver, run_ilp=False),
-                                                lower_bound=floor)
-                return jg, solve(jg.graph, budget, options.solver, time_limit=max(MIN_PHASE_SECONDS, left),
-                                 on_progress=report)
+                    least = (min_feasible_budget(jg.graph, options.solver, run_ilp=False) if options.in_flight is None
+                             else stage_min_budget(jg.graph, options.in_flight, options.solver))
+                    raise InfeasibleBudgetError(budget, least, lower_bound=floor)
+                return jg, _solve_one(jg.graph, budget, options, max(MIN_PHASE_SECONDS, left), report)
             except InfeasibleBudgetError as err2:
                 # The step runs either way: a peak neither can go below bounds it.
                 floors = [e.lower_bound for e in (err, err2)]
@@ -238,7 +263,7 @@ def _remember_minimum(err: InfeasibleBudgetError, analyzed: list, options: Optio
         plan = Plan.build(graph=jg.graph, schedule=lowest.schedule, **dict(planned, budget_bytes=err.min_budget),
                           solver=lowest.name, status="heuristic", solve_seconds=0.0, fingerprint=jg.fingerprint,
                           module_paths=jg.module_paths, timeline=timeline, lower_bound_cost=None)
-        cache.store(cache.key(analyzed[0].graph, err.min_budget, options.solver, options.time_limit), plan)
+        cache.store(cache.key(analyzed[0].graph, err.min_budget, _cache_solver(options), options.time_limit), plan)
         return
 
 

@@ -193,6 +193,40 @@ def test_a_host_budget_cannot_go_with_no_offload(capsys):
     assert "--host-budget limits offload" in capsys.readouterr().err
 
 
+TINY = """
+import torch, torch.nn as nn
+def tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), (torch.randn(8, 16),)
+"""
+
+
+def test_inspect_stages_prints_the_cuts_and_writes_the_plan(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "tiny.py").write_text(TINY)
+    plot, plan = tmp_path / "stages.png", tmp_path / "stages.json"
+    assert main(["inspect", f"{tmp_path / 'tiny.py'}:tiny", "--stages", "2", "--microbatches", "2", "--budget", "90%",
+                 "--time-limit", "1", "--json", str(plan), "--plot", str(plot)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "fxopt pipeline (2 stages, 2 microbatches, 1F1B" in out and "in flight" in out
+    import fxopt
+
+    pipeline = fxopt.PipelinePlan.from_json(plan)
+    assert len(pipeline.stages) == 2 and plot.stat().st_size > 0
+    assert all(s.peak_bytes <= pipeline.budget_bytes for s in pipeline.stages)
+
+
+def test_inspect_stages_refuses_one_step_flags_and_names_the_minimum(monkeypatch, capsys):
+    assert main(["inspect", MLP, "--stages", "2", "--run"]) == EXIT_USAGE
+    assert "a pipeline runs on one process per stage" in capsys.readouterr().err
+    import fxopt
+
+    def pipeline(*args, **kwargs):
+        raise fxopt.InfeasibleBudgetError(1000, 2000)
+
+    monkeypatch.setattr(fxopt, "pipeline", pipeline)
+    assert main(["inspect", MLP, "--stages", "3", "--microbatches", "6"]) == EXIT_INFEASIBLE
+    assert "--stages 3 --microbatches 6 --budget 2000" in capsys.readouterr().out
 def test_inspect_max_batch(tmp_path, monkeypatch, capsys):
     (tmp_path / "tiny_mlp.py").write_text(
         "import torch\nfrom fxopt.models import ResidualMLP\n\n"

@@ -56,13 +56,16 @@ def logging_switches():
 
 class PlanReady(Exception):
     """Raised from the partitioner to stop after planning (`fxopt.plan` does not run the model).
-    ``forward`` and ``backward``: the rewritten modules, before any compiler."""
+    ``forward`` and ``backward``: the rewritten modules, before any compiler; ``joint``: the
+    analysed joint graph (`fxopt.analysis.JointGraph`) the plan was made on."""
 
-    def __init__(self, plan: Plan, forward: fx.GraphModule | None = None, backward: fx.GraphModule | None = None):
+    def __init__(self, plan: Plan, forward: fx.GraphModule | None = None, backward: fx.GraphModule | None = None,
+                 joint=None):
         super().__init__("plan ready")
         self.plan = plan
         self.forward = forward
         self.backward = backward
+        self.joint = joint
 
 
 def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
@@ -114,7 +117,7 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
             host_copies.append(fw._fxopt_host_copies)
         log.debug("fxopt: planned and rewrote the step in %.2f s", time.perf_counter() - t0)
         if stop_after_plan:
-            raise PlanReady(plan, fw, bw)
+            raise PlanReady(plan, fw, bw, jg)
         return fw, bw
 
     if options.compiler == "inductor":

@@ -2,6 +2,7 @@
 
     fxopt demo [--budget 50%] [--solver auto]     eager vs fxopt on the built-in residual MLP
     fxopt inspect MODEL [--budget 50%] [--code] [--dot FILE] [--json FILE] [--plot FILE.png] [--run]
+    fxopt inspect MODEL --stages 4 --microbatches 8 [--schedule 1F1B] [--json FILE] [--plot FILE.png]
     fxopt inspect MODEL --budget 24GiB --max-batch  the largest batch that fits
 
 MODEL is ``path/to/file.py:factory`` or ``package.module:factory``; ``factory()`` returns
@@ -291,6 +292,8 @@ def inspect(args: argparse.Namespace) -> int:
     except ModelSpecError as e:
         print(f"fxopt inspect: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if args.stages is not None:
+        return inspect_pipeline(args, model, inputs, out, err)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     out.print(f"[bold]fxopt inspect[/] {args.model}: {type(model).__name__}, {n_params / 1e6:.2f} M parameters "
@@ -323,6 +326,50 @@ def inspect(args: argparse.Namespace) -> int:
             out.print(f"wrote {path} (--{flag})")
     if measured and not (_measured_peak(measured["fxopt"]) <= plan.budget_bytes and grads_equal):
         return EXIT_ERROR
+    return EXIT_OK
+
+
+def inspect_pipeline(args: argparse.Namespace, model, inputs, out, err) -> int:
+    """``fxopt inspect MODEL --stages N``: the cuts fxopt chooses, each stage's time, memory and
+    plan, the bubble (`fxopt.pipeline`, the loss the sum of the outputs as for one step)."""
+    import fxopt
+
+    if args.run or args.code or args.dot or args.max_batch:
+        print("fxopt inspect: error: --run, --code, --dot and --max-batch are for one step; a pipeline runs on one "
+              "process per stage (docs/pipeline.md)", file=sys.stderr)
+        return EXIT_USAGE
+    if isinstance(inputs, dict):
+        print("fxopt inspect: error: a pipeline takes positional inputs (torch's schedules split them into "
+              "microbatches); the factory returned keyword inputs", file=sys.stderr)
+        return EXIT_USAGE
+    microbatches = args.microbatches or args.stages
+    try:
+        with _progress(err, f"cutting the step into {args.stages} stages and planning each"):
+            plan = fxopt.pipeline(model, inputs, stages=args.stages, microbatches=microbatches,
+                                  schedule=args.schedule, budget=args.budget, solver=args.solver,
+                                  time_limit=args.time_limit, compress=not args.no_compress)
+    except fxopt.InfeasibleBudgetError as e:
+        out.print(f"[red]infeasible budget:[/] {e}")
+        out.print(f"try: fxopt inspect {args.model} --stages {args.stages} --microbatches {microbatches} "
+                  f"--budget {e.min_budget}")
+        return EXIT_INFEASIBLE
+    except ValueError as e:
+        print(f"fxopt inspect: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    from fxopt.cli.report import pipeline_table
+
+    out.print(f"[bold]fxopt inspect[/] {args.model}: {type(model).__name__}, inputs {_describe_inputs(inputs)}")
+    out.print(plan.summary().splitlines()[0])
+    out.print(pipeline_table(plan))
+    for flag, path in (("json", args.json), ("plot", args.plot)):
+        if path:
+            if flag == "json":
+                plan.to_json(path)
+            else:
+                from fxopt.cli.report import plot_pipeline
+
+                plot_pipeline(plan, path, title=f"{args.model}: {args.stages} stages")
+            out.print(f"wrote {path} (--{flag})")
     return EXIT_OK
 
 
@@ -559,6 +606,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "per-block checkpointing's")
     i.add_argument("--top", type=int, default=20, help="rows of the tensor table (default 20)")
     i.add_argument("--seed", type=int, default=0, help="torch.manual_seed before the factory and each run")
+    i.add_argument("--stages", type=int, metavar="N",
+                   help="cut the step into N pipeline stages instead: the cuts, each stage's plan, the bubble")
+    i.add_argument("--microbatches", type=int, metavar="M", help="with --stages: microbatches (default N)")
+    i.add_argument("--schedule", choices=("1F1B", "GPipe"), default="1F1B", help="with --stages (default 1F1B)")
     _add_common(i)
     i.set_defaults(func=inspect)
     return parser

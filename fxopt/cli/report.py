@@ -174,3 +174,64 @@ def _plot_copies(ax, copies: list) -> None:
     ax.set_title("OFFLOAD copies on the two channels (predicted)")
     ax.grid(alpha=0.3, axis="x")
     ax.legend(loc="upper left", fontsize="small")
+
+
+def pipeline_table(plan):
+    """A `PipelinePlan` per stage: the modules it runs, where its cut falls and what crosses it,
+    its time per microbatch (recomputation in it), microbatches in flight, predicted memory on
+    its device against the budget, and its plan."""
+    from rich.table import Table
+
+    from fxopt.units import format_bytes
+
+    table = Table(title="pipeline stages (predicted per microbatch; peak on the stage's device)")
+    for col, justify in (("", "right"), ("modules", "left"), ("received", "left"), ("ms (recompute)", "right"),
+                         ("in flight", "right"), ("peak", "right"), ("saved/recomputed", "right")):
+        table.add_column(col, justify=justify)
+    for k, (stage, cut) in enumerate(zip(plan.stages, [None, *plan.cuts])):
+        p = stage.plan
+        table.add_row(str(k), f"{stage.modules[0]} .. {stage.modules[1]}",
+                      "" if cut is None else f"{format_bytes(cut.bytes)} ({len(cut.crossing)})",
+                      f"{stage.seconds * 1e3:.2f} ({stage.recompute_seconds * 1e3:.2f})", str(stage.in_flight),
+                      f"{format_bytes(stage.peak_bytes)} {100 * stage.peak_bytes / plan.budget_bytes:.0f}%",
+                      f"{len(p.saved)}/{sum(p.recomputed.values())}")
+    return table
+
+
+def plot_pipeline(plan, path: str | Path, title: str = "") -> None:
+    """Draw each stage's predicted memory on its device (its microbatch's step, the other
+    microbatches in flight, what torch's runtime holds) against the budget, and the schedule
+    replayed with the stages' predicted times. Needs matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise FxoptError("plotting needs matplotlib: pip install 'fxopt[plot]' (or pip install matplotlib)") from err
+    from fxopt.solvers.stages import replay
+
+    fig = Figure(figsize=(10, 7.5), layout="constrained")
+    mem, gantt = fig.subplots(2, 1)
+    stages = range(len(plan.stages))
+    step = [s.plan.peak_bytes / MiB for s in plan.stages]
+    others = [(s.peak_bytes - s.plan.peak_bytes - s.fixed_bytes) / MiB for s in plan.stages]
+    fixed = [s.fixed_bytes / MiB for s in plan.stages]
+    mem.bar(stages, step, label="one microbatch's step (its plan's peak)", color="tab:green")
+    mem.bar(stages, others, bottom=step, label="the other microbatches in flight, gradients so far", color="tab:olive")
+    mem.bar(stages, fixed, bottom=[a + b for a, b in zip(step, others)], label="receive buffers, loss",
+            color="tab:gray")
+    mem.axhline(plan.budget_bytes / MiB, color="tab:red", linestyle="--", label=f"budget {_size(plan.budget_bytes)}")
+    mem.set_xticks(list(stages), [f"stage {k}\n{s.in_flight} in flight" for k, s in enumerate(plan.stages)])
+    mem.set_ylabel("MiB")
+    mem.set_title(title or "memory per stage (predicted)")
+    mem.legend(loc="lower right", fontsize="small")
+    actions = replay([s.forward_seconds for s in plan.stages],
+                     [s.backward_seconds + s.recompute_seconds for s in plan.stages], plan.microbatches, plan.schedule)
+    for s, kind, b, start, end in actions:
+        gantt.broken_barh([(start * 1e3, (end - start) * 1e3)], (s - 0.4, 0.8),
+                          facecolors="tab:blue" if kind == "F" else "tab:orange", edgecolor="black", linewidth=0.3)
+        gantt.text((start + end) / 2 * 1e3, s, f"{kind}{b}", ha="center", va="center", fontsize=6)
+    gantt.set_yticks(list(stages), [f"stage {k}" for k in stages])
+    gantt.invert_yaxis()
+    gantt.set_xlabel("predicted time (ms)")
+    gantt.set_title(f"{plan.schedule}, {plan.microbatches} microbatches: forwards (blue), backwards (orange); "
+                    f"bubble {100 * plan.bubble:.0f}%")
+    fig.savefig(str(path), dpi=110)

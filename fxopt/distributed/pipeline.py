@@ -1,0 +1,569 @@
+"""Pipeline parallelism: fxopt chooses the cuts and plans each stage; torch runs it.
+
+    plan = fxopt.pipeline(model, (x,), target=y, loss_fn=F.cross_entropy, stages=4, microbatches=8,
+                          budget="2GiB")                     # once, before any process starts
+    schedule = build_schedule(plan, model, F.cross_entropy)  # on every rank
+    schedule.step(x, target=y, losses=losses)                # torch's Schedule1F1B (or ScheduleGPipe)
+
+`pipeline` captures one microbatch's step (the model and the loss) as the planner does, gives its
+solver graph to the cut solver (`fxopt.solvers.stages`: cut points, the DP, the memory of a stage
+on its device under the schedule), builds the stage modules of the DP's cuts with
+`torch.distributed.pipelining.pipeline` (a `SplitPoint` at the module boundary each cut falls on),
+captures each stage module and plans it with `solve_stage` within the per-device budget: its own
+microbatch planned, the other microbatches in flight reserved. A stage that does not fit sends the
+DP back with a margin. The result, a `PipelinePlan`, is JSON: plan once, replay on every rank.
+
+`build_schedule` splits the model the same way on each rank, wraps its stage's module with
+`fxopt.optimize(..., plan=stage_plan)` (the plan replays, no solve), and returns torch's schedule
+over a `PipelineStage`, ready for ``schedule.step(...)``. torch.distributed does all communication
+(gloo on CPU, NCCL on GPU: whatever process group the caller made); fxopt has no process-group code.
+
+What runs where: torch's pipe splits the traced forward at the split points; a stage module here
+(`StageModule`) takes everything that crosses the cut before it and returns everything that
+crosses the cut after it, passing on what later stages read (a skip connection across stages),
+because torch's schedules send only between neighbouring stages. The loss runs as torch's
+schedules run it, eagerly on the last stage's output; the last stage's plan reserves its eager
+memory. Call ``schedule.step(..., return_outputs=False)`` unless the plan was made with
+``return_outputs=True`` (then the last stage holds every microbatch's output until the step ends).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxopt.budget import Budget, resolve_budget
+from fxopt.errors import CaptureError, FxoptError, check_choice
+from fxopt.solvers import DEFAULT_TIME_LIMIT, Solution
+from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
+from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, accumulation,
+                                  cut_and_plan, cut_model, in_flight_count, pipeline_timing, plan_split,
+                                  runtime_fixed, split_at)
+from fxopt.storage import tensors_in
+
+SCHEDULE_CLASSES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
+
+# A budget no plan reaches: the capture for the cut solver SAVEs everything.
+_UNBOUNDED = 2 ** 62
+
+
+def check_pipeline(stages: int, microbatches: int, schedule: str, batch: int | None) -> None:
+    """Refuse what torch's schedules would refuse, before anything is captured or started."""
+    check_choice("schedule", schedule, SCHEDULES)
+    if not isinstance(stages, int) or stages < 2:
+        raise ValueError(f"stages must be an int of at least 2, got {stages!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    if schedule == "1F1B" and microbatches < stages:
+        raise ValueError(f"torch's Schedule1F1B needs at least as many microbatches as stages: {microbatches} "
+                         f"microbatches < {stages} stages; use microbatches >= {stages}, or schedule='GPipe'")
+    if batch is not None and batch % microbatches:
+        raise ValueError(f"the batch of {batch} does not split into {microbatches} equal microbatches; "
+                         "use a batch size divisible by the number of microbatches")
+
+
+def _bytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_in(obj))
+
+
+def sum_loss(output, target=None) -> torch.Tensor:
+    """The loss when none is given: the model's output summed (`fxopt.models.loss_of`)."""
+    from fxopt.models import loss_of
+
+    return loss_of(output)
+
+
+class _WithLoss(nn.Module):
+    """The step the cut solver sees: the model, then the loss on its output and the target."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, *inputs):
+        return self.loss_fn(self.model(*inputs[:-1]), inputs[-1])
+
+
+class _Loss(nn.Module):
+    def __init__(self, loss_fn: Callable):
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, output, target):
+        return self.loss_fn(output, target)
+
+
+def _microbatch(args: tuple, target: Any, microbatches: int) -> tuple[tuple, Any]:
+    """The first microbatch, as torch's schedules split a batch."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    chunks, _ = split_args_kwargs_into_chunks((*args, target), None, microbatches)
+    return tuple(chunks[0][:-1]), chunks[0][-1]
+
+
+# ---------------------------------------------------------------- cut points at module boundaries
+
+def module_of(path: str, within: str | None = "model") -> str | None:
+    """A captured node's module path (Dynamo's, ``L['self'].model.h[3].attn``) relative to the
+    module ``within`` names (``"h.3.attn"``; ``""``: that module's own forward), or None outside
+    it (the loss, outside the model). ``within`` None: relative to the captured module itself."""
+    while "getattr(" in path:  # getattr(L.self.h, '3') -> L.self.h.3
+        path = re.sub(r"getattr\(([^(),]+), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path, count=1)
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    path = re.sub(r"^(L\.self|L__self__|L\.\w+)\.?", "", path).replace("..", ".").strip(".")
+    if within is None or path == within:
+        return path if within is None else ""
+    return path[len(within) + 1:] if path.startswith(within + ".") else None
+
+
+class SplitPoints:
+    """Where torch can split the captured step's forward: between two forward values whose module
+    paths show a module call starting (`SplitPoint.BEGINNING` of the outermost module entered) or
+    ending (``END`` of the outermost left), the module called once, in one contiguous run."""
+
+    def __init__(self, model: nn.Module, graph, module_paths: Sequence[str]):
+        from fxopt.solvers.stages import forward_order
+
+        self.order = forward_order(graph)
+        self.paths = paths = [module_of(module_paths[i]) if module_paths else None for i in self.order]
+        chains = [None if p is None else _chain(p, model) for p in paths]
+        spans: dict[str, list[int]] = {}
+        for q, chain in enumerate(chains):
+            for fqn in chain or ():
+                spans.setdefault(fqn, []).append(q)
+        contiguous = {m for m, qs in spans.items() if qs[-1] - qs[0] + 1 == len(qs)}
+        self.options: dict[int, list[tuple[str, str]]] = {}
+        for q in range(len(self.order) - 1):
+            a, b = chains[q], chains[q + 1]
+            if a is None or b is None:
+                continue
+            common = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            found = [(m, "BEGINNING") for m in b[common:common + 1] if m in contiguous and spans[m][0] == q + 1]
+            found += [(m, "END") for m in a[common:common + 1] if m in contiguous and spans[m][-1] == q]
+            if found:
+                self.options[q] = found
+
+    def allowed(self, q: int) -> bool:
+        return q in self.options
+
+    def position_of(self, fqn: str, kind: str) -> int | None:
+        return next((q for q, found in self.options.items() if (fqn, kind) in found), None)
+
+    def spec(self, positions: Sequence[int]) -> list[tuple[str, str]]:
+        """A split point per position, no module used twice (torch's split spec is a dict)."""
+        used: set[str] = set()
+        out = []
+        for q in positions:
+            choice = next((o for o in self.options[q] if o[0] not in used), None)
+            if choice is None:
+                raise FxoptError(f"two cuts fall on the same module boundary ({self.options[q][0][0]}); "
+                                 "ask for fewer stages")
+            used.add(choice[0])
+            out.append(choice)
+        return out
+
+
+def _chain(path: str, model: nn.Module) -> list[str]:
+    """The modules a path runs inside, outermost first, without containers that are never called
+    (``nn.ModuleList``, ``nn.ModuleDict``)."""
+    parts = path.split(".") if path else []
+    chain = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+    keep = []
+    for fqn in chain:
+        try:
+            module = model.get_submodule(fqn)
+        except AttributeError:
+            continue
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            keep.append(fqn)
+    return keep
+
+
+# ---------------------------------------------------------------- the stage modules
+
+class StageModule(nn.Module):
+    """Stage k of a split model as torch's schedules run it: takes what crosses the cut before it
+    (the model's inputs on the first stage), runs its part of the model (``part``, torch's
+    stage submodule, or fxopt's optimized copy of it) on what that reads, and returns what crosses
+    the cut after it: its part's outputs and the values it passes on to later stages (the
+    model's output on the last stage)."""
+
+    def __init__(self, part: nn.Module, reads: Sequence[int], returns: Sequence[tuple[str, int]], single: bool):
+        super().__init__()
+        self.part = part
+        self.reads = tuple(reads)  # per argument of ``part``: the index of the input it is
+        self.returns = tuple(returns)  # per output: ("part", index into part's outputs) or ("input", index)
+        self.single = single
+
+    def part_inputs(self, inputs: Sequence[Any]) -> tuple:
+        return tuple(inputs[i] for i in self.reads)
+
+    def forward(self, *inputs):
+        out = self.part(*self.part_inputs(inputs))
+        outs = out if isinstance(out, tuple) else (out,)
+        result = tuple(outs[i] if kind == "part" else inputs[i] for kind, i in self.returns)
+        return result[0] if self.single else result
+
+
+def split_model(model: nn.Module, mb_args: tuple, spec: Sequence[tuple[str, str]], single_output: bool
+                ) -> list[StageModule]:
+    """The model split by torch's ``pipeline()`` at the split points (module name, ``"BEGINNING"``
+    or ``"END"``), as `StageModule`\\ s sharing the model's parameters. The model is left as it was."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    split_spec = {fqn: SplitPoint[kind] for fqn, kind in spec}
+    try:
+        pipe = pipeline(model, mb_args, split_spec=split_spec)
+    except RuntimeError as err:
+        raise CaptureError(f"torch.distributed.pipelining could not trace this model: {err}") from err
+    finally:
+        for fqn in split_spec:  # undo the forward wrappers `pipeline` installs
+            module = model.get_submodule(fqn)
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("_orig_forward", None)
+    if pipe.num_stages != len(spec) + 1:
+        raise FxoptError(f"torch split the model into {pipe.num_stages} stages, not {len(spec) + 1}: a module at a "
+                         f"cut ({', '.join(f for f, _ in spec)}) is called more than once")
+    return _stage_modules(pipe, single_output)
+
+
+def _stage_modules(pipe, single_output: bool) -> list[StageModule]:
+    """Read the pipe's root graph: which values each stage reads, and which cross each cut."""
+    graph = pipe.split_gm.graph
+    if any(n.op == "get_attr" for n in graph.nodes):
+        raise FxoptError("a parameter or buffer is used by more than one stage (tied weights?); torch's pipelining "
+                         "would give each stage its own copy and their gradients would not be summed")
+    calls = [n for n in graph.nodes if n.op == "call_module"]
+    stage_of: dict[Any, int] = {n: -1 for n in graph.nodes if n.op == "placeholder"}
+    for k, n in enumerate(calls):
+        stage_of[n] = k
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in stage_of:
+            stage_of[n] = stage_of[n.args[0]]
+    output = next(n for n in graph.nodes if n.op == "output")
+    finals = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    values = [n for n in graph.nodes if n in stage_of and n not in calls or (n in calls and not any(
+        u.target is operator.getitem for u in n.users))]
+    live = [[v for v in values if stage_of[v] == -1]]
+    for k in range(len(calls)):
+        later = {a for c in calls[k + 1:] for a in c.args} | (set(finals) if k == len(calls) - 1 else set())
+        live.append([v for v in values if stage_of[v] <= k and v in later] if k < len(calls) - 1 else finals)
+    stages = []
+    for k, call in enumerate(calls):
+        before, after = live[k], live[k + 1]
+        reads = [before.index(a) for a in call.args]
+        returns = [("input", before.index(v)) if stage_of[v] < k else
+                   ("part", v.args[1] if v.op == "call_function" else 0) for v in after]
+        part = getattr(pipe.split_gm, call.target)
+        stages.append(StageModule(part, reads, returns, single_output and k == len(calls) - 1 and len(after) == 1))
+    return stages
+
+
+# ---------------------------------------------------------------- planning
+
+def _specs(values: Sequence[Any], grads: bool) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."), grads and t.is_floating_point())
+                 for t in values)
+
+
+def _receivable(values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Values as a stage receives them: leaves, floating ones requiring grad."""
+    return tuple(v.detach().requires_grad_(v.is_floating_point()) for v in values)
+
+
+class _StagePlanner:
+    """Plans the stages of the DP's splits exactly: builds the stage modules of a split (once per
+    split), captures each stage's part and plans it with what its device holds beside."""
+
+    def __init__(self, model, mb_args, mb_target, loss_fn, points: SplitPoints, cut: CutModel, budget: int,
+                 options: dict, return_outputs: bool):
+        self.model, self.mb_args, self.mb_target, self.loss_fn = model, mb_args, mb_target, loss_fn
+        self.points, self.cut, self.budget, self.options = points, cut, budget, options
+        self.return_outputs = return_outputs
+        with torch.no_grad():
+            output = model(*mb_args)
+        self.single_output = isinstance(output, torch.Tensor)
+        self.loss_peak, self.loss_saved = _loss_memory(loss_fn, output, mb_target, options)
+        self.splits: dict[tuple[int, ...], tuple[list[StageModule], list[tuple]]] = {}
+        self.plans: dict[tuple[tuple[int, ...], int], Any] = {}
+        self.given: dict[tuple[int, ...], list[tuple[str, str]]] = {}  # cuts -> the split points asked for
+
+    def spec(self, cuts: tuple[int, ...]) -> list[tuple[str, str]]:
+        return self.given.get(cuts) or self.points.spec([self.cut.points[c].position for c in cuts])
+
+    def modules(self, cuts: tuple[int, ...]) -> tuple[list[StageModule], list[tuple]]:
+        """The stage modules of a split and each one's inputs for the first microbatch."""
+        if cuts not in self.splits:
+            spec = self.spec(cuts)
+            stages = split_model(self.model, self.mb_args, spec, self.single_output)
+            inputs, x = [], tuple(self.mb_args)
+            with torch.no_grad():
+                for k, stage in enumerate(stages):
+                    inputs.append(x if k == 0 else _receivable(x))
+                    out = stage(*inputs[-1])
+                    x = out if isinstance(out, tuple) else (out,)
+            self.splits[cuts] = (stages, inputs)
+        return self.splits[cuts]
+
+    def in_flight(self, s: int, part: nn.Module, inputs: tuple, outputs: tuple) -> InFlight:
+        """What the device of stage ``s`` holds beside one microbatch (`runtime_fixed`); on the
+        last stage also the loss, which torch runs after its forward, outside its plan (and what
+        it SAVEs for each microbatch in flight; every microbatch's output, with
+        ``return_outputs``)."""
+        m, last = self.cut.microbatches, s == self.cut.stages - 1
+        sent = _bytes(outputs)
+        grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
+        extra = m * sent if last and self.return_outputs else 0
+        sched, count = self.cut.schedule, self.cut.stages
+        fixed = runtime_fixed(sched, count, m, s, _bytes(inputs), sent, extra)
+        return InFlight(in_flight_count(sched, count, m, s), sent + (self.loss_saved if last else 0), fixed, grads,
+                        accumulation(sched, count, m, s), self.loss_peak if last else 0)
+
+    def plan_stage(self, s: int, split: Split, budget: int) -> StageResult:
+        from fxopt.api import plan_and_rewrite
+
+        stages, inputs = self.modules(split.cuts)
+        stage = stages[s]
+        with torch.no_grad():
+            out = stage(*inputs[s])
+        in_flight = self.in_flight(s, stage.part, inputs[s], out if isinstance(out, tuple) else (out,))
+        ready = plan_and_rewrite(stage.part, budget, stage.part_inputs(inputs[s]), in_flight=in_flight,
+                                 **self.options)
+        plan = ready.plan
+        self.plans[(split.cuts, s)] = plan
+        timeline = plan.timeline()
+        graph = plan.graph
+        sol = Solution(plan.schedule, timeline, plan.solver, plan.status, plan.solve_seconds)
+        return StageResult(sol, in_flight.device_peak(graph, plan.schedule, timeline), in_flight,
+                           sum(graph.nodes[i].cost for i in graph.forward_required),
+                           sum(graph.nodes[i].cost for i in graph.backward_nodes))
+
+
+def _loss_memory(loss_fn, output, target, options: dict) -> tuple[int, int]:
+    """The loss's eager memory beyond the output and target it reads (it runs outside the last
+    stage's plan, on its output, the gradient it makes included), and what it SAVEs until its
+    backward (held per microbatch in flight on GPipe's last stage)."""
+    from fxopt.api import plan_and_rewrite
+
+    outputs = [t for t in tensors_in(output) if t.is_floating_point()]
+    if not outputs:
+        return 0, 0
+    leaf = _receivable([output])[0] if isinstance(output, torch.Tensor) else output
+    try:
+        plan = plan_and_rewrite(_Loss(loss_fn), _UNBOUNDED, (leaf, target), solver="save_all",
+                                compress=options.get("compress", True)).plan
+    except CaptureError:  # no backward of its own (the output is the loss): nothing beyond it
+        return 0, 0
+    return max(0, plan.eager_peak_bytes - _bytes(output) - _bytes(target)), plan.timeline().saved_bytes
+
+
+def pipeline(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1F1B",
+    budget: Budget,
+    loss_fn: Callable | None = None,
+    target: Any = None,
+    solver: str = "auto",
+    time_limit: float = DEFAULT_TIME_LIMIT,
+    compress: bool = True,
+    return_outputs: bool = False,
+    split_points: Sequence[tuple[str, str]] | None = None,
+) -> PipelinePlan:
+    """Cut ``model``'s training step into ``stages`` pipeline stages and plan each within
+    ``budget`` per device (bytes, a size such as ``"2GiB"``, or a fraction of the unsplit step's
+    eager peak on one microbatch), for torch's ``schedule`` (``"1F1B"`` or ``"GPipe"``) over
+    ``microbatches`` microbatches.
+
+    ``example_inputs``: the model's positional inputs for the whole batch (as ``schedule.step``
+    gets them; split along dimension 0). ``loss_fn(output, target)``: the loss the schedule
+    computes on the last stage (None: the output summed, and ``target`` may be None). Raises
+    `ValueError` for more stages than the step has places to cut or a microbatch count torch's
+    schedule refuses, and `InfeasibleBudgetError` (with ``.min_budget``, per device) when no split
+    fits. ``solver``, ``time_limit`` (per stage plan), ``compress``: as for `fxopt.plan`.
+    ``return_outputs``: plan for ``schedule.step(..., return_outputs=True)`` (the last stage
+    keeps every microbatch's output). ``split_points``: cut there instead of where the DP would,
+    as ``(module name, "BEGINNING" or "END")`` pairs in forward order (torch's `SplitPoint`), and
+    plan each stage (e.g. ``[("h.2", "BEGINNING"), ...]``: equal layers).
+    """
+    from fxopt.api import plan_and_rewrite
+
+    t0 = time.perf_counter()
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    batch = next((t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.dim()), None)
+    check_pipeline(stages, microbatches, schedule, batch)
+    loss_fn = loss_fn or sum_loss
+    if target is None:
+        target = torch.zeros(batch or microbatches)
+    mb_args, mb_target = _microbatch(args, target, microbatches)
+    options = dict(solver=solver, time_limit=time_limit, compress=compress)
+    ready = plan_and_rewrite(_WithLoss(model, loss_fn), _UNBOUNDED, (*mb_args, mb_target), solver="save_all",
+                             compress=compress)
+    whole = ready.plan
+    fx_nodes = {n.name: n for n in ready.joint.module.graph.nodes}
+    origins = [fx_nodes[name].meta.get("seq_nr") if name in fx_nodes else None for name in ready.joint.names]
+    budget_bytes = resolve_budget(budget, whole.eager_peak_bytes)
+    points = SplitPoints(model, whole.graph, whole.module_paths)
+    with torch.no_grad():
+        out_bytes = _bytes(model(*mb_args))
+    extra = [0] * stages
+    extra[0] = (microbatches - 1) * _bytes(mb_args)
+    extra[-1] = microbatches * out_bytes if return_outputs else 0
+    cut = cut_model(whole.graph, stages, microbatches, schedule, allowed=points.allowed, solver=solver,
+                    time_limit=min(2.0, time_limit), extra_fixed=extra, last_held=out_bytes, origins=origins)
+    planner = _StagePlanner(model, mb_args, mb_target, loss_fn, points, cut, budget_bytes, options, return_outputs)
+    if split_points is None:
+        split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
+    else:
+        cuts = _given_cuts(cut, points, split_points, stages)
+        planner.given[cuts] = [tuple(p) for p in split_points]
+        split = split_at(cut, cuts, budget_bytes)
+        results = plan_split(cut, split, budget_bytes, planner.plan_stage)
+    return _pipeline_plan(planner, whole, split, results, time.perf_counter() - t0)
+
+
+def _given_cuts(cut: CutModel, points: SplitPoints, split_points, stages: int) -> tuple[int, ...]:
+    """The cut points the given split points fall on (indices into ``cut.points``)."""
+    if len(split_points) != stages - 1:
+        raise ValueError(f"{stages} stages need {stages - 1} split points, got {len(split_points)}")
+    at = {p.position: k for k, p in enumerate(cut.points)}
+    cuts = []
+    for fqn, kind in split_points:
+        q = points.position_of(fqn, kind)
+        if q is None or q not in at:
+            raise ValueError(f"the split point ({fqn!r}, {kind!r}) is not at a module boundary where at most "
+                             f"{MAX_CROSSING} tensors cross; the cut points are at "
+                             + ", ".join(f"{m} {k}" for c in cut.points for m, k in points.options[c.position][:1]))
+        cuts.append(at[q])
+    if cuts != sorted(set(cuts)):
+        raise ValueError("the split points must be distinct and in forward order")
+    return tuple(cuts)
+
+
+def _pipeline_plan(planner: _StagePlanner, whole, split: Split, results: list[StageResult], seconds: float
+                   ) -> PipelinePlan:
+    cut = planner.cut
+    stages, inputs = planner.modules(split.cuts)
+    spec = planner.spec(split.cuts)
+    names = [n.name for n in whole.graph.nodes]
+    cuts = tuple(Cut(fqn, kind, tuple(names[v] for v in cut.points[c].crossing), cut.points[c].bytes)
+                 for (fqn, kind), c in zip(spec, split.cuts))
+    stage_plans = []
+    for s, (stage, result, estimate) in enumerate(zip(stages, results, split.estimates)):
+        with torch.no_grad():
+            out = stage(*inputs[s])
+        outs = out if isinstance(out, tuple) else (out,)
+        paths = [module_of(p, None) for p in planner.plans[(split.cuts, s)].module_paths if p]
+        paths = [p for p in paths if p]
+        stage_plans.append(StagePlan(
+            plan=planner.plans[(split.cuts, s)], in_flight=result.in_flight.microbatches,
+            peak_bytes=result.device_bytes, held_bytes=result.in_flight.held_bytes,
+            fixed_bytes=result.in_flight.fixed_bytes, model_peak_bytes=estimate.device_bytes,
+            forward_seconds=result.forward_seconds, backward_seconds=result.backward_seconds,
+            recompute_seconds=result.recompute_seconds, sent_bytes=_bytes(outs) if s < len(stages) - 1 else 0,
+            model_seconds=estimate.seconds,
+            inputs=_specs(inputs[s], s > 0), outputs=_specs(outs, True),
+            modules=(paths[0], paths[-1]) if paths else ("", "")))
+    timing = pipeline_timing([r.forward_seconds for r in results],
+                             [r.backward_seconds + r.recompute_seconds for r in results], cut.microbatches,
+                             cut.schedule)
+    return PipelinePlan(cut.schedule, cut.microbatches, planner.budget, whole.eager_peak_bytes, cuts,
+                        tuple(stage_plans), timing.step_seconds, timing.bubble, seconds, planner.return_outputs)
+
+
+# ---------------------------------------------------------------- running it
+
+def _example(spec: TensorSpec, device) -> torch.Tensor:
+    return torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
+
+
+def build_schedule(plan: PipelinePlan, model: nn.Module, loss_fn: Callable | None = None, *, rank: int | None = None,
+                   device: str | torch.device | None = None, group=None):
+    """This rank's part of ``plan``: ``model`` split as the plan says, this rank's stage (stage
+    ``rank``; by default the rank in ``group``) wrapped with its fxopt plan on ``device`` (by
+    default ``cuda:<rank>`` when CUDA is available, else CPU), and torch's schedule over it
+    (`torch.distributed.pipelining.Schedule1F1B` or ``ScheduleGPipe``), ready for
+    ``schedule.step(x)`` on the first rank, ``schedule.step(target=y, losses=losses)`` on the last,
+    ``schedule.step()`` between. The process group must exist (`torch.distributed.init_process_group`,
+    one rank per stage)."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+
+    count = len(plan.stages)
+    rank = dist.get_rank(group) if rank is None else rank
+    if dist.is_initialized() and dist.get_world_size(group) != count:
+        raise FxoptError(f"the plan has {count} stages but the process group has {dist.get_world_size(group)} ranks; "
+                         "run one rank per stage")
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu"))
+    mb_args = tuple(_example(t, "cpu") for t in plan.stages[0].inputs)
+    with torch.no_grad():
+        single = isinstance(model(*mb_args), torch.Tensor)
+    stages = split_model(model, mb_args, [(c.module, c.split_point) for c in plan.cuts], single)
+    stage, stage_plan = stages[rank], plan.stages[rank]
+    if device.type != "cpu":
+        from torch.distributed.pipelining._IR import _modify_graph_op_device
+
+        _modify_graph_op_device(stage.part, device)
+    stage.to(device)
+    stage.part = optimized_stage(stage.part, plan.budget_bytes, stage_plan.plan)
+    inputs = tuple(_example(t, "meta").requires_grad_(t.requires_grad) for t in stage_plan.inputs)
+    outputs = tuple(_example(t, "meta").requires_grad_(t.requires_grad) for t in stage_plan.outputs)
+    runner = pipelining.PipelineStage(stage, rank, count, device, input_args=inputs, output_args=outputs, group=group)
+    schedule_class = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
+    return schedule_class(runner, plan.microbatches, loss_fn=loss_fn or sum_loss)
+
+
+def optimized_stage(part: nn.Module, budget: int, plan) -> nn.Module:
+    """A stage's part wrapped with its plan. From its first backward on, a microbatch's step
+    starts with the gradients of earlier ones held, which `fxopt.FxoptModule` captures as a step
+    of its own (those gradients resident in its graph): it replays the same schedule there, made
+    for that graph (`with_resident`). The stage's plan already counts them (`InFlight`)."""
+    from fxopt.api import FxoptModule
+    from fxopt.planner import Options
+
+    grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
+    alternatives = (with_resident(plan, grads),) if grads else ()
+    return FxoptModule(part, Options(budget=budget, plan=plan, alternatives=alternatives))
+
+
+def with_resident(plan, extra_bytes: int):
+    """``plan`` for the same step captured with ``extra_bytes`` more memory resident that it does
+    not read (the analysis counts those in one last input node: `fxopt.analysis.UNREAD_RESIDENT`):
+    the same schedule, its graph, peak and fingerprint as that capture gives them."""
+    import dataclasses
+
+    from fxopt.analysis import UNREAD_RESIDENT, graph_fingerprint
+    from fxopt.solvers import Graph, Node
+    from fxopt.solvers.plan import Plan
+
+    nodes, paths = list(plan.graph.nodes), list(plan.module_paths)
+    if nodes and nodes[-1].name == UNREAD_RESIDENT:
+        nodes[-1] = dataclasses.replace(nodes[-1], bytes=nodes[-1].bytes + extra_bytes)
+    else:
+        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=extra_bytes, recomputable=False))
+        paths.append("")
+    graph = Graph(tuple(nodes), plan.graph.transfers)
+    return Plan.build(graph=graph, schedule=plan.schedule, budget_bytes=plan.budget_bytes,
+                      eager_peak_bytes=plan.eager_peak_bytes + extra_bytes, solver=plan.solver, status=plan.status,
+                      solve_seconds=plan.solve_seconds, fingerprint=graph_fingerprint(graph),
+                      module_paths=tuple(paths) if plan.module_paths else (), lower_bound_cost=plan.lower_bound_cost)
+
+
+def resident(schedule) -> list:
+    """What this rank's stage holds between steps, for `fxopt.measure_peak`'s ``resident``: its
+    module, and the receive buffers torch's stage allocates per microbatch at its first step."""
+    stage = schedule._stage
+    buffers = [info.buffer for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+               for info in infos if getattr(info, "buffer", None) is not None]
+    return [stage.submod, buffers]

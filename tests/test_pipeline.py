@@ -1,0 +1,58 @@
+"""`fxopt.pipeline` without processes: bad input refused before anything is captured or started,
+module boundaries read from capture paths, and the plan's JSON. (Running plans on processes:
+tests/test_pipeline_runtime.py; the cut solver itself: tests/test_stages.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxopt
+from fxopt.distributed.pipeline import module_of
+from fxopt.models import GPT, gpt2_lm, lm_loss
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stages=4, microbatches=2), "Schedule1F1B needs at least as many microbatches as stages: 2 microbatches < 4"),
+    (dict(stages=2, microbatches=3), "batch of 8 does not split into 3 equal microbatches"),
+    (dict(stages=1, microbatches=2), "stages must be an int of at least 2"),
+    (dict(stages=2, microbatches=2, schedule="ZeroBubble"), "unknown schedule 'ZeroBubble'"),
+])
+def test_refused_before_capture(kwargs, message, monkeypatch):
+    import fxopt.api
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured")
+
+    monkeypatch.setattr(fxopt.api, "plan_and_rewrite", no_capture)
+    model, (idx,) = gpt2_lm(layers=2, dim=16, heads=2, seq=8, batch=8, vocab=32)
+    with pytest.raises(ValueError, match=message):
+        fxopt.pipeline(model, (idx,), target=idx, loss_fn=lm_loss, budget=0.5, **kwargs)
+
+
+def test_more_stages_than_cut_points():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match=r"cannot be split into 8 stages; ask for at most [2-4] stages"):
+        fxopt.pipeline(model, (torch.randn(8, 8),), stages=8, microbatches=8, budget=0.9)
+
+
+def test_tied_embeddings_leave_nowhere_to_cut():
+    torch.manual_seed(0)
+    model = GPT(layers=2, dim=16, heads=2, vocab=32, max_seq=8, dropout=0.0)  # lm_head shares wte's weight
+    idx = torch.randint(0, 32, (4, 8))
+    # (Its one cut point is past the tied weight's last use, between the logits and the loss.)
+    with pytest.raises(ValueError, match="1 place.*cannot be split into 3 stages.*tied"):
+        fxopt.pipeline(model, (idx, idx), stages=3, microbatches=4, budget=0.9)
+
+
+@pytest.mark.parametrize("path, within, expected", [
+    ("L['self'].model.h.0.ln_1", "model", "h.0.ln_1"),
+    ("L['self'].model", "model", ""),
+    ("", "model", None),  # the loss, outside the model
+    ("L['self'].model.h[3].attn", "model", "h.3.attn"),
+    ("getattr(L.self.h, '3').ln_2", None, "h.3.ln_2"),
+    ("L['self'].loss_fn", "model", None),
+])
+def test_module_of(path, within, expected):
+    assert module_of(path, within) == expected
