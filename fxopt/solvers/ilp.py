@@ -14,7 +14,8 @@ Constraints (i, j forward values; t a stage; D_t the forward values stage t read
     R[t,i] <= S[t+1,i] + sum_u R[t,u]           a recomputation is read (u: users of i) or kept
     mem(t) = C_t + sum_i bytes_i (S[t,i] + R[t,i]) <= budget
     forward: F_k + sum_{i saved, no longer needed by the forward at step k} bytes_i <= budget
-    Z[i] <= S0[i]                               COMPRESS only what is SAVEd
+    Z[i] <= S0[i]                               COMPRESS only what is SAVEd (and no value a
+                                                backward-only value reads: see add_variables)
 A compressed value (Z[i] = 1) counts its compressed size instead of its own from the step after
 its last forward use until its first possible backward stage (and both while being encoded or
 decoded); until then no stage reads it or makes it again (a recomputed copy would replace the
@@ -392,8 +393,11 @@ class _Builder:
             for i in sorted(sc.anc[t]):
                 if nodes[i].recomputable and (self.rank[i] >= sc.lowest[t] or i in sc.reads[t]):
                     ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * ilp.cost_scale)
+        # COMPRESS, where the model knows when the value is encoded: after its last forward use
+        # among the nodes every forward runs. A value a backward-only one reads is read later in
+        # the forward when that one is SAVEd, and encoded only then (the simulator's order).
         for i in ilp.S0:
-            if i in graph.compressible:
+            if i in graph.compressible and not any(u in graph.backward_only for u in graph.users[i]):
                 ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * ilp.cost_scale)
         # OFFLOAD: O[i] <= S0[i], not with Z[i] (the heuristics combine them), only where the
         # value's copies fit in its window (`_offload_windows`); no cost: the channel rows keep
