@@ -15,8 +15,27 @@ from fxopt.solvers.schedule import Schedule, Timeline, simulate
 FORMAT_VERSION = 3  # 3: OFFLOAD (offloaded, host_bytes, exposed_transfer_seconds; transfers on the graph)
 
 
+class JsonRecord:
+    """``to_json`` and ``from_json`` on top of a class's ``to_dict`` and ``from_dict``: a plan
+    written to a file or a string, and read back (`Plan`, `fxopt.PipelinePlan`)."""
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path):
+        """From JSON text, or the path of a file holding it."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text).read_text()
+        return cls.from_dict(json.loads(text))
+
+
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(JsonRecord):
     """A plan for one captured training step.
 
     Memory figures are predicted by the simulator for the generated code, in bytes, and count
@@ -152,12 +171,6 @@ class Plan:
         d["format_version"] = FORMAT_VERSION
         return d
 
-    def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
         if d.get("format_version") != FORMAT_VERSION:
@@ -169,10 +182,3 @@ class Plan:
         d["module_paths"] = tuple(d["module_paths"])
         d["offloaded"] = tuple(d["offloaded"])
         return cls(**d)
-
-    @classmethod
-    def from_json(cls, text_or_path: str | Path) -> Plan:
-        text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
-            text = Path(text).read_text()
-        return cls.from_dict(json.loads(text))

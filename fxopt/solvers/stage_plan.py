@@ -5,10 +5,8 @@ JSON-serializable so that one process plans and every rank replays
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
-from fxopt.solvers.plan import Plan
+from fxopt.solvers.plan import JsonRecord, Plan
 from fxopt.units import format_bytes
 
 FORMAT_VERSION = 1
@@ -86,7 +84,7 @@ class StagePlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelinePlan:
+class PipelinePlan(JsonRecord):
     """A training step cut into pipeline stages: the cuts, each stage's plan and memory, and the
     schedule's predicted step time and bubble (the share of device time idle). The budget is per
     device; ``eager_peak_bytes`` is the unsplit step's on one microbatch (what a fractional
@@ -136,12 +134,6 @@ class PipelinePlan:
         d["format_version"] = FORMAT_VERSION
         return d
 
-    def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
     @classmethod
     def from_dict(cls, d: dict) -> PipelinePlan:
         if d.get("format_version") != FORMAT_VERSION:
@@ -151,10 +143,3 @@ class PipelinePlan:
         d["cuts"] = tuple(Cut(**{**c, "crossing": tuple(c["crossing"])}) for c in d["cuts"])
         d["stages"] = tuple(StagePlan.from_dict(s) for s in d["stages"])
         return cls(**d)
-
-    @classmethod
-    def from_json(cls, text_or_path: str | Path) -> PipelinePlan:
-        text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
-            text = Path(text).read_text()
-        return cls.from_dict(json.loads(text))
