@@ -22,7 +22,7 @@ from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, budget_by
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
 from fxopt.distributed import data_parallel
 from fxopt.errors import BudgetError, CaptureError, FxoptError, GraphBreakError, InfeasibleBudgetError, check_choice
-from fxopt.planner import Options
+from fxopt.planner import Options, capture_clock
 from fxopt.solvers import DEFAULT_TIME_LIMIT
 from fxopt.solvers.plan import Plan
 from fxopt.storage import storages, tensors_in
@@ -100,7 +100,7 @@ def _dispatch_modes_see_the_step(compiler: str):
 
 def _run_compiled(compiled, args, kwargs, compiler: str = "eager"):
     try:
-        with _dynamo_settings(), _dispatch_modes_see_the_step(compiler):
+        with _dynamo_settings(), _dispatch_modes_see_the_step(compiler), capture_clock():
             return compiled(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - translate what Dynamo wraps into fxopt's errors
         inner = unwrap_compile_error(err)

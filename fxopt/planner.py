@@ -9,6 +9,7 @@ without it. A plan made from example inputs that does not fit a later graph is p
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -38,6 +39,34 @@ from fxopt.solvers.auto import DEFAULT_TIME_LIMIT, MIN_PHASE_SECONDS, lowest_sch
 
 log = logging.getLogger("fxopt")
 
+# When the wait for the plan now being made began: the call that captures the step
+# (`capture_clock`), or the end of the previous plan in it (a step in pieces). The solvers get what
+# capture left of the time limit, so that an answer takes about ``time_limit`` seconds end to end.
+_CAPTURE_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar("fxopt_capture_started",
+                                                                               default=None)
+
+# The least share of the time limit the solvers get, however long capture took (a large step's
+# capture alone may take longer than the limit).
+MIN_SOLVE_SHARE = 0.5
+
+
+@contextlib.contextmanager
+def capture_clock():
+    """Around a call that may capture and plan a step: planning's time limit counts from here."""
+    token = _CAPTURE_STARTED.set(time.perf_counter())
+    try:
+        yield
+    finally:
+        _CAPTURE_STARTED.reset(token)
+
+
+def solve_seconds(options: Options) -> float:
+    """The solvers' share of ``options.time_limit``: what capture left of it (`capture_clock`),
+    at least `MIN_SOLVE_SHARE` of it."""
+    started = _CAPTURE_STARTED.get()
+    spent = 0.0 if started is None else time.perf_counter() - started
+    return max(MIN_SOLVE_SHARE * options.time_limit, options.time_limit - spent)
+
 COMPILERS = ("eager", "inductor")
 
 
@@ -45,8 +74,9 @@ COMPILERS = ("eager", "inductor")
 class Options:
     """How to plan. ``budget``: see `fxopt.budget.resolve_budget`. ``solver``: see
     `fxopt.solvers.solve`. ``plan``: reuse this plan instead of solving (it must have been made
-    for the same graph). ``time_limit``: seconds the solvers may spend on one plan or on the answer "infeasible"
-    (`fxopt.solvers.DEFAULT_TIME_LIMIT` by default). ``compiler``: what runs the
+    for the same graph). ``time_limit``: seconds for one plan or the answer "infeasible"
+    (`fxopt.solvers.DEFAULT_TIME_LIMIT` by default), capture included where a `capture_clock`
+    runs (`solve_seconds`). ``compiler``: what runs the
     rewritten forward and backward: ``"eager"`` (FX code, op by op) or ``"inductor"`` (see
     `fxopt.capture.inductor`). ``inductor_config``: extra Inductor settings for ``"inductor"``.
     ``compress``: let the solver COMPRESS saved values losslessly (bool masks as packed bits,
@@ -182,7 +212,11 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
     planned = dict(budget_bytes=budget, eager_peak_bytes=eager.peak_bytes)
-    jg, solution = _solve(jg, options, planned, without_relu_masks if relu else None)
+    try:
+        jg, solution = _solve(jg, options, planned, without_relu_masks if relu else None, solve_seconds(options))
+    finally:
+        if _CAPTURE_STARTED.get() is not None:
+            _CAPTURE_STARTED.set(time.perf_counter())  # the next piece's wait starts now
     plan = Plan.build(
         graph=jg.graph,
         schedule=solution.schedule,
@@ -216,28 +250,37 @@ def _solve_one(graph, budget: int, options: Options, time_limit: float, report):
     return solve(graph, budget, options.solver, time_limit=time_limit, on_progress=report)
 
 
-def _solve(jg, options: Options, planned: dict, without_relu_masks):
-    """The analyzed step ``jg`` solved within ``planned["budget_bytes"]``, as (the step planned,
-    the solution); with the ReLU masks (``without_relu_masks`` undoes them), a budget they make
-    infeasible is planned without them, in what is left of the time limit."""
+def _solve(jg, options: Options, planned: dict, without_relu_masks, time_limit: float):
+    """The analyzed step ``jg`` solved within ``planned["budget_bytes"]`` in ``time_limit``
+    seconds, as (the step planned, the solution); with the ReLU masks (``without_relu_masks``
+    undoes them), a budget they make infeasible is planned without them, in what is left of the
+    time limit (not searched where the smallest budget named is already below its floor)."""
     budget, t0 = planned["budget_bytes"], time.perf_counter()
     with progress_display() as report:
         try:
-            return jg, _solve_one(jg.graph, budget, options, options.time_limit, report)
+            return jg, _solve_one(jg.graph, budget, options, time_limit, report)
         except InfeasibleBudgetError as err:
             if without_relu_masks is None:
                 _remember_minimum(err, [jg], options, planned)
                 raise
             # The solvers do not always find the rewritten step's lowest peak (its memory model
             # differs a little): never let the ReLU masks make a budget infeasible.
-            report("no plan fits with ReLU masks; planning without them")
             tried, jg = jg, without_relu_masks()
-            left = options.time_limit - (time.perf_counter() - t0)
+            left = time_limit - (time.perf_counter() - t0)
             floor = peak_lower_bound(jg.graph)[0]
+            if budget < floor and err.min_budget <= floor:
+                # No schedule of the step without them peaks below ``floor``: the smallest budget
+                # named with them is the answer (the lower of the two floors bounds the step).
+                both = InfeasibleBudgetError(budget, err.min_budget, lower_bound=None if err.lower_bound is None
+                                             else min(err.lower_bound, floor))
+                _remember_minimum(both, [tried], options, planned)
+                raise both from None
+            report("no plan fits with ReLU masks; planning without them")
             try:
                 if budget < floor:
                     # Out of reach without them too: only the smallest budget there is of interest.
-                    least = (min_feasible_budget(jg.graph, options.solver, run_ilp=False) if options.in_flight is None
+                    least = (min_feasible_budget(jg.graph, options.solver, time_limit=max(MIN_PHASE_SECONDS, left),
+                                                 run_ilp=False) if options.in_flight is None
                              else stage_min_budget(jg.graph, options.in_flight, options.solver))
                     raise InfeasibleBudgetError(budget, least, lower_bound=floor)
                 return jg, _solve_one(jg.graph, budget, options, max(MIN_PHASE_SECONDS, left), report)

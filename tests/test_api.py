@@ -307,6 +307,50 @@ def test_relu_masks_never_make_a_budget_infeasible(monkeypatch):
     assert info.value.min_budget == 5 * 10**6
 
 
+def test_relu_masks_below_the_floor_without_them_are_not_searched_again(monkeypatch):
+    """A budget out of reach with the ReLU masks, whose smallest budget with them is below the
+    step's floor without them, is answered at once: nothing is solved or searched without them."""
+    import fxopt.planner as planner
+
+    real_solve, calls = planner.solve, []
+
+    def with_masks_only(graph, budget, *args, **kwargs):
+        calls.append(_has_relu_masks(graph))
+        if _has_relu_masks(graph):
+            raise fxopt.InfeasibleBudgetError(budget, 1000, lower_bound=900)
+        return real_solve(graph, budget, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "solve", with_masks_only)
+    monkeypatch.setattr(planner, "min_feasible_budget", lambda *a, **k: calls.append("searched") or 10**12)
+    model, inputs = small()
+    with pytest.raises(fxopt.InfeasibleBudgetError) as info:
+        fxopt.plan(model, 1, inputs, solver="greedy")
+    assert calls == [True]
+    assert (info.value.min_budget, info.value.lower_bound) == (1000, 900)
+
+
+def test_the_time_limit_counts_capture(monkeypatch):
+    """`time_limit` bounds the answer with capture included: the solvers get what capture left of
+    it, and at least half of it however long capture took."""
+    import time
+
+    import fxopt.planner as planner
+
+    limits = []
+    real_solve = planner.solve
+    monkeypatch.setattr(planner, "solve", lambda *a, **k: limits.append(k["time_limit"]) or real_solve(*a, **k))
+    model, inputs = small()
+    started = time.perf_counter()
+    fxopt.plan(model, 0.7, inputs, solver="greedy", time_limit=30.0)
+    captured = time.perf_counter() - started
+    assert limits and all(30.0 - captured <= t < 30.0 for t in limits), (limits, captured)
+    options = planner.Options(budget=0.5, time_limit=4.0)
+    assert planner.solve_seconds(options) == 4.0  # no call capturing: the limit is the solvers'
+    with planner.capture_clock():
+        planner._CAPTURE_STARTED.set(time.perf_counter() - 60)  # a capture of a minute
+        assert planner.solve_seconds(options) == 4.0 * planner.MIN_SOLVE_SHARE
+
+
 def test_cost_model_prices_every_node():
     """A node costs FLOPs / flops_per_second + bytes moved / bytes_per_second + op_overhead (a
     tenth of it for an alias): a machine half as fast in every respect doubles every cost and

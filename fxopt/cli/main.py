@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--budget", type=_parse_budget, default="50%", help=budget_help)
     d.add_argument("--solver", choices=SOLVERS, default="auto")
     d.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
-                   help=f"seconds the solvers may spend (default {DEFAULT_TIME_LIMIT:g})")
+                   help=f"seconds for the plan, capture included (default {DEFAULT_TIME_LIMIT:g})")
     d.add_argument("--blocks", type=int, default=8)
     d.add_argument("--width", type=int, default=512)
     d.add_argument("--batch", type=int, default=4096)
@@ -586,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--budget", type=_parse_budget, default="50%", help=budget_help)
     i.add_argument("--solver", choices=SOLVERS, default="auto")
     i.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
-                   help=f"seconds the solvers may spend (default {DEFAULT_TIME_LIMIT:g})")
+                   help=f"seconds for the plan, capture included (default {DEFAULT_TIME_LIMIT:g})")
     i.add_argument("--compiler", choices=COMPILERS, default="eager",
                    help="what runs the rewritten step with --run (default eager)")
     i.add_argument("--no-compress", action="store_true", help="recompute only: no lossless compression of saved values")
