@@ -147,3 +147,28 @@ def test_scratch_measurements_are_cached_on_disk_per_machine(tmp_path, monkeypat
     fresh_process()
     scratch.op_increases([mm])
     assert runs[-1] == 1
+
+
+def test_a_backward_tagged_constant_that_a_forward_value_reads_is_a_forward_value():
+    """AOTAutograd tags constants the backward uses as backward (`partitioner_tag`); one read by
+    a forward value (a view of it the backward needs) is made in the forward, so that
+    recomputing that view never waits for a value the backward has not made (a transformers
+    Longformer's ``arange`` did: `InvalidScheduleError`). One only backward values read stays
+    in the backward."""
+    from fxopt.analysis.joint import _backward_nodes
+
+    g = fx.Graph()
+    primal, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
+    read_by_forward = g.call_function(torch.ops.aten.arange.default, (4,))
+    read_by_backward = g.call_function(torch.ops.aten.ones.default, ([4],))
+    for const in (read_by_forward, read_by_backward):
+        const.meta["partitioner_tag"] = "is_backward"
+    view = g.call_function(torch.ops.aten.view.default, (read_by_forward, [2, 2]))
+    out = g.call_function(torch.ops.aten.sin.default, (primal,))
+    grad = g.call_function(torch.ops.aten.mul.Tensor, (tangent, view))
+    grad = g.call_function(torch.ops.aten.add.Tensor, (grad, read_by_backward))
+    g.output((out, grad))
+    nodes = list(g.nodes)
+    backward = _backward_nodes(g, nodes, {out}, {grad})
+    assert read_by_forward not in backward and view not in backward
+    assert read_by_backward in backward and grad in backward and out not in backward

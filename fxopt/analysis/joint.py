@@ -233,7 +233,9 @@ def _check_inputs(joint: fx.GraphModule, fx_nodes: list[fx.Node]) -> None:
 def _backward_nodes(graph: fx.Graph, fx_nodes: list[fx.Node], fwd_outs: set[fx.Node],
                     bwd_outs: set[fx.Node]) -> set[fx.Node]:
     """Backward values: those that depend on a tangent, gradients the forward does not need, and
-    constants AOTAutograd tagged as backward."""
+    constants AOTAutograd tagged as backward that only backward values read (one that a forward
+    value reads, a view the backward needs, is made in the forward: else recomputing what reads
+    it would need a value the backward has not made yet)."""
     depends_on_tangent = tangent_dependents(graph)
     forward_needed: set[fx.Node] = set()
     stack = list(fwd_outs)
@@ -247,6 +249,7 @@ def _backward_nodes(graph: fx.Graph, fx_nodes: list[fx.Node], fwd_outs: set[fx.N
     backward |= {
         n for n in fx_nodes
         if n.op == "call_function" and not n.all_input_nodes and n.meta.get("partitioner_tag") == "is_backward"
+        and all(u in backward or u.op == "output" for u in n.users)
     }
     return backward
 

@@ -380,7 +380,7 @@ class _Search:
     def warn_timeout(self, *, found_plan: bool) -> None:
         best = self.cheapest()
         warnings.warn(
-            f"the ILP stopped at its {self.time_limit:.0f} s time limit "
+            f"the ILP stopped at the solvers' {self.time_limit:.1f} s time limit "
             + ("with a feasible plan" if found_plan else "without a plan; using the best heuristic")
             + ("" if self.lower_bound is None or best is None else
                f" (its recompute cost is at most {100 * gap(best.timeline.recompute_cost, self.lower_bound):.0f}% "
