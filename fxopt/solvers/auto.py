@@ -531,8 +531,11 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
             incumbent = min(reached.lowest, key=lambda p: p[0]) if reached.lowest else None
-            seconds = max(MIN_PHASE_SECONDS, (1 - LOWEST_PEAK_TIME_SHARE) * time_limit)
-            found = _lowest_peak_schedules(graph, seconds, None, model, incumbent,
+            # (For the ILP alone its search is the answer: the instant program's after it gives
+            # only the floor.)
+            seconds = (time_limit - (time.perf_counter() - t0) if solver == "ilp"
+                       else (1 - LOWEST_PEAK_TIME_SHARE) * time_limit)
+            found = _lowest_peak_schedules(graph, max(MIN_PHASE_SECONDS, seconds), None, model, incumbent,
                                            target=int(floor * (1 + LOWEST_PEAK_SLACK)))
             for schedule in found:
                 reached.add(schedule, "ilp")
