@@ -244,10 +244,11 @@ def _cache_solver(options: Options) -> str:
     return options.solver if options.in_flight is None else f"{options.solver}|{options.in_flight.key()}"
 
 
-def _solve_one(graph, budget: int, options: Options, time_limit: float, report):
+def _solve_one(graph, budget: int, options: Options, time_limit: float, report, retry: bool = False):
     if options.in_flight is not None:
-        return solve_stage(graph, budget, options.in_flight, options.solver, time_limit=time_limit, on_progress=report)
-    return solve(graph, budget, options.solver, time_limit=time_limit, on_progress=report)
+        return solve_stage(graph, budget, options.in_flight, options.solver, time_limit=max(MIN_PHASE_SECONDS, time_limit),
+                           on_progress=report)
+    return solve(graph, budget, options.solver, time_limit=time_limit, on_progress=report, retry=retry)
 
 
 def _solve(jg, options: Options, planned: dict, without_relu_masks, time_limit: float):
@@ -283,7 +284,7 @@ def _solve(jg, options: Options, planned: dict, without_relu_masks, time_limit: 
                                                  run_ilp=False) if options.in_flight is None
                              else stage_min_budget(jg.graph, options.in_flight, options.solver))
                     raise InfeasibleBudgetError(budget, least, lower_bound=floor)
-                return jg, _solve_one(jg.graph, budget, options, max(MIN_PHASE_SECONDS, left), report)
+                return jg, _solve_one(jg.graph, budget, options, left, report, retry=True)
             except InfeasibleBudgetError as err2:
                 # The step runs either way: a peak neither can go below bounds it.
                 floors = [e.lower_bound for e in (err, err2)]

@@ -22,7 +22,7 @@ from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers import ILP_REL_GAP, SOLVERS, Solution, SolverTimeoutWarning, eager_schedule, simulate, solve
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS, articulation_values
-from fxopt.solvers.ilp import solve_ilp
+from fxopt.solvers.ilp import build_ilp, solve_ilp
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline
 from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, ids, mlp2, random_training_graph, with_random_lossy_codecs
@@ -961,6 +961,27 @@ def test_the_time_limit_bounds_the_whole_answer(monkeypatch):
     # The largest limit any one phase got is within the whole; none exceeds what was left by more
     # than the floor a late phase gets.
     assert max(given) <= limit + auto.MIN_PHASE_SECONDS
+
+
+def test_a_retry_past_its_time_limit_skips_the_lowest_peak_search(monkeypatch):
+    """A second try (`solve`'s ``retry``: the graph without its codecs, or the step without its
+    ReLU masks) with no time left does not search for a lowest-peak plan that fits once more, as
+    the first try did; with time left, or as a first try past its limit, it does."""
+    import fxopt.solvers.auto as auto
+    from fxopt.solvers.instant import peak_lower_bound
+
+    calls = []
+    monkeypatch.setattr(auto, "_lowest_peak_schedules", lambda *a, **k: calls.append(1) or [])
+    graph = chain(8)
+    budget = peak_lower_bound(graph)[0] - 1
+    searched = {}
+    for retry, limit in ((True, -1.0), (False, -1.0), (True, 3.0)):
+        search = auto._Search(graph, budget, "auto", limit, None, None, retry)
+        search.model = build_ilp(graph, budget)  # the ILP ran, and nothing fits
+        calls.clear()
+        search.rescue()
+        searched[retry, limit] = bool(calls)
+    assert searched == {(True, -1.0): False, (False, -1.0): True, (True, 3.0): True}
 
 
 def test_the_smallest_budget_is_searched_once_per_graph(monkeypatch):

@@ -117,6 +117,7 @@ def solve(
     time_limit: float = DEFAULT_TIME_LIMIT,
     on_progress: Callable[[str], None] | None = None,
     mip_solver: str | None = None,
+    retry: bool = False,
 ) -> Solution:
     """The cheapest schedule whose simulated peak is within ``budget`` bytes.
 
@@ -131,11 +132,14 @@ def solve(
     still gets `MIN_PHASE_SECONDS`); at the limit the best plan found so far is used, with its
     proven gap. ``on_progress`` receives one-line progress messages (by default they go to the
     ``fxopt`` logger). Ctrl-C during the ILP stops it and keeps the best plan found so far.
+    ``retry``: this solve is another's second try (the graph without its codecs or its ReLU masks),
+    in what is left of that one's time limit: past it, the lowest-peak search for a plan that
+    fits is skipped (the first try ran it), so that a fallback does not add its own half seconds.
     Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does and the
     peak no schedule goes below.
     """
     check_solver(solver)
-    search = _Search(graph, budget, solver, time_limit, on_progress, mip_solver)
+    search = _Search(graph, budget, solver, time_limit, on_progress, mip_solver, retry)
     floor, where = peak_lower_bound(graph)
     reached = lowest_schedule(graph, solver)
     if budget < floor:
@@ -194,8 +198,9 @@ class _Search:
     it, which compression may bring within), the best lower bound proven, and its phases."""
 
     def __init__(self, graph: Graph, budget: int, solver: str, time_limit: float,
-                 on_progress: Callable[[str], None] | None, mip_solver: str | None):
+                 on_progress: Callable[[str], None] | None, mip_solver: str | None, retry: bool = False):
         self.t0 = time.perf_counter()
+        self.retry = retry
         self.graph, self.budget, self.solver = graph, budget, solver
         self.time_limit, self.mip_solver = time_limit, mip_solver
         self.on_progress = on_progress
@@ -249,7 +254,8 @@ class _Search:
                 self.progress(f"solver {name}")
             run = HEURISTICS[name]
             if run in (segments, greedy):  # (past the deadline they stop trying values one at a time)
-                self.heuristic_runs[name] = run(self.graph, self.budget, deadline=self.t0 + self.time_limit)
+                self.heuristic_runs[name] = run(self.graph, self.budget,
+                                                deadline=self.t0 + max(self.time_limit, MIN_PHASE_SECONDS))
             else:
                 self.heuristic_runs[name] = run(self.graph, self.budget)
             for schedule, timeline in self.heuristic_runs[name]:
@@ -404,7 +410,8 @@ class _Search:
             # The schedule behind a smallest budget named earlier in this process: a time-limited
             # search need not find it again, and the budget it named must plan.
             self.consider(reached.schedule, simulate(graph, reached.schedule), reached.name, "heuristic")
-        if not self.fitting and self.model is not None and not self.proven_infeasible:
+        if (not self.fitting and self.model is not None and not self.proven_infeasible
+                and not (self.retry and self.seconds_left() <= 0)):
             # The lowest-peak ILP schedule, simulated, may fit where the ILP's conservative model
             # said nothing does: it is also what `min_feasible_budget` names, so that budget plans.
             self.progress("no plan fits; solving for the lowest peak")
@@ -445,8 +452,8 @@ class _Search:
         self.progress("no plan fits with " + ("quantization" if fewer.compressible else "compression")
                       + "; planning without it")
         try:
-            found = solve(fewer, budget, solver, time_limit=self.phase_seconds(), on_progress=self.on_progress,
-                          mip_solver=self.mip_solver)
+            found = solve(fewer, budget, solver, time_limit=self.seconds_left(), on_progress=self.on_progress,
+                          mip_solver=self.mip_solver, retry=True)
         except InfeasibleBudgetError as err:
             # (The codecs only add choices: the graph's own floor holds for both.)
             raise InfeasibleBudgetError(budget, min(min_budget, err.min_budget), lower_bound=floor) from None
