@@ -132,12 +132,10 @@ def solve(
     still gets `MIN_PHASE_SECONDS`); at the limit the best plan found so far is used, with its
     proven gap. ``on_progress`` receives one-line progress messages (by default they go to the
     ``fxopt`` logger). Ctrl-C during the ILP stops it and keeps the best plan found so far.
-    ``retry``: this solve is another's second try (the graph without its codecs or its ReLU masks),
-    in what is left of that one's time limit: past it, the lowest-peak search for a plan that
-    fits is skipped (the first try ran it), so that a fallback does not add its own half seconds.
-    Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does and the
-    peak no schedule goes below.
-    """
+    ``retry``: a second try (the graph without codecs or ReLU masks) in what is left of the
+    first's limit: past it, the lowest-peak search for a plan that fits is skipped (the first ran
+    it). Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does
+    and the peak no schedule goes below."""
     check_solver(solver)
     search = _Search(graph, budget, solver, time_limit, on_progress, mip_solver, retry)
     floor, where = peak_lower_bound(graph)
