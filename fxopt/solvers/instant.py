@@ -559,6 +559,17 @@ def _next_spots(graph: Graph, new, budget: int, instants: list[int], forward_ste
     return out
 
 
+def _with_spots(prog: _Program, instants: list[int], forward_steps: list[int],
+                 spots: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    """The instants and forward steps to model next: with the backward ``spots`` (`_next_spots`)
+    added, and, for a forward one, every forward step (the forward's rows are over the SAVE
+    decisions only and cheap: all of them, once)."""
+    instants = instants + [k for phase, k in spots if phase == "backward"]
+    if any(phase == "forward" for phase, _ in spots):
+        forward_steps = list(range(len(prog.order)))
+    return instants, forward_steps
+
+
 def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple], budget: int | None = None
                      ) -> list[tuple[Schedule, Timeline]]:
     """The plans a solution ``x`` suggests, simulated (those in ``tried`` skipped, the others added
@@ -669,10 +680,7 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
         spots = _next_spots(graph, new, budget, instants, forward_steps, SPOTS_PER_ROUND)
         if not spots:
             break
-        instants += [k for phase, k in spots if phase == "backward"]
-        if any(phase == "forward" for phase, _ in spots):
-            # The forward's rows are over the SAVE decisions only and cheap: add every step once.
-            forward_steps = list(range(len(prog.order)))
+        instants, forward_steps = _with_spots(prog, instants, forward_steps, spots)
     return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
 
 
@@ -728,9 +736,7 @@ def lowest_peak(graph: Graph, *, time_limit: float = 10.0, mip_solver: str | Non
         spots = _next_spots(graph, new, target, instants, forward_steps, SPOTS_PER_ROUND)
         if not spots:
             break
-        instants += [k for phase, k in spots if phase == "backward"]
-        if any(phase == "forward" for phase, _ in spots):
-            forward_steps = list(range(len(prog.order)))
+        instants, forward_steps = _with_spots(prog, instants, forward_steps, spots)
     return LowestPeak(floor, tuple(plans), tuple(instants), time.perf_counter() - t0)
 
 
