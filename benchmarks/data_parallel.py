@@ -28,7 +28,6 @@ import json
 import os
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import fxopt
-from benchmarks.harness import checkpoint_blocks, error_line, log, run_meta
+from benchmarks.harness import checkpoint_blocks, error_line, log, median_step_seconds, run_meta
 from fxopt.measure import count_flops
 
 MiB = 2**20
@@ -118,17 +117,7 @@ def measure(fn, model: nn.Module, wrapped: nn.Module, inputs, timed_steps: int, 
     row = {"peak_bytes": peak.peak_bytes, "loss": float(peak.result), "grads": _grads(model)}
     model.zero_grad(set_to_none=True)
     row["flops"] = count_flops(_step, fn, inputs)
-    times = []
-    for _ in range(timed_steps):
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        _step(fn, inputs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    row["step_s"] = statistics.median(times)
+    row["step_s"] = median_step_seconds(lambda: _step(fn, inputs), model, timed_steps, device)
     return row
 
 

@@ -91,6 +91,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_step_seconds(step: Callable[[], Any], model: nn.Module, steps: int, device: torch.device) -> float:
+    """Median seconds of ``steps`` calls of ``step`` (after the caller's warm-up), ``model``'s
+    gradients cleared before each and the device synchronized around it."""
+    times = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def plan_fields(plan: Any) -> dict[str, Any]:
     """What a row records of an fxopt plan."""
     return {

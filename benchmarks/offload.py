@@ -41,7 +41,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import statistics
 import subprocess
 import time
 import warnings
@@ -50,6 +49,7 @@ from pathlib import Path
 import torch
 
 import fxopt
+from benchmarks.harness import median_step_seconds
 from fxopt.models import gpt2, loss_of
 from fxopt.solvers import SolverTimeoutWarning
 from fxopt.solvers.plan import Plan
@@ -130,20 +130,6 @@ def without_copies(plan: Plan) -> Plan:
                       module_paths=plan.module_paths)
 
 
-def timed(model, inputs, steps: int, device) -> float:
-    """Median seconds of ``steps`` training steps (after the caller's warm-up)."""
-    times = []
-    for _ in range(steps):
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        train_step(model, inputs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
 
 def measure(row: dict, model, inputs, reference: list, args, device) -> dict:
     """Fill ``row`` for ``model`` (built, not yet run): warm-up, peak, gradients, step time."""
@@ -165,7 +151,7 @@ def measure(row: dict, model, inputs, reference: list, args, device) -> dict:
         row["grads_equal"] = len(grads) == len(reference) and all(
             (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-4, atol=1e-5))
             for a, b in zip(grads, reference))
-    row["step_s"] = timed(model, inputs, args.timed_steps, device)
+    row["step_s"] = median_step_seconds(lambda: train_step(model, inputs), model, args.timed_steps, device)
     return row
 
 
