@@ -428,15 +428,16 @@ def _optimize_dynamic(model: nn.Module, options: Options, dims: DynamicDims, exa
     return module
 
 
-def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, point: dict, options: Options):
+def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, point: dict,
+                     options: Options | None = None):
     """Capture ``model``'s step on ``example_inputs`` with the ``dims`` symbolic and analyse it at
     ``point``, without planning or running it: (the step as captured, the step rewritten as
-    planning starts from), as `fxopt.analysis.JointGraph`s; ``options``: how it is analysed (its
-    budget is not read). A range the captured graph holds for only in part (a size of 1 set
+    planning starts from), as `fxopt.analysis.JointGraph`s; ``options``: how it is analysed (the
+    defaults if None; the budget is not read). A range the captured graph holds for only in part (a size of 1 set
     apart) is narrowed to the part holding ``point``, once."""
     _check_model(model)
     args, kwargs = _split_inputs(example_inputs)
-    options = dataclasses.replace(options, offload=False)
+    options = dataclasses.replace(options or Options(budget=1), offload=False)
     for attempt in range(2):
         state = DynamicState(dims)
         state.analyze_at = point

@@ -193,10 +193,7 @@ class Options:
         """The options a call gives: ``budget`` may itself be an `Options` (then ``fields`` replace
         some of it); ``defaults``: the entry point's own defaults where they differ from the
         fields' (for fields not given). An unknown name is refused, naming the options."""
-        unknown = sorted(set(fields) - {f.name for f in public_fields()})
-        if unknown:
-            raise ValueError(f"unknown fxopt option(s) {', '.join(map(repr, unknown))}; the options are "
-                             f"{', '.join(f.name for f in public_fields())} (see fxopt.Options)")
+        check_names(fields)
         if isinstance(budget, Options):
             return dataclasses.replace(budget, **fields) if fields else budget
         return cls(budget=budget, **{**(defaults or {}), **fields})
@@ -210,3 +207,13 @@ class Options:
 def public_fields() -> Iterator[dataclasses.Field]:
     """The fields users set, in order (not those fxopt's entry points set themselves)."""
     return (f for f in dataclasses.fields(Options) if not f.metadata["internal"])
+
+
+def check_names(given, besides: tuple[str, ...] = ()) -> None:
+    """Refuse a name in ``given`` that is no option (nor one of ``besides``, an entry point's own
+    arguments), naming the options."""
+    names = [f.name for f in public_fields()] + list(besides)
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"unknown fxopt option(s) {', '.join(map(repr, unknown))}; the options are "
+                         f"{', '.join(names)} (see fxopt.Options)")

@@ -84,12 +84,18 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
               sizes: Sizes | None = None):
-    """``unread_resident_bytes``, ``sizes`` (a step captured with dynamic shapes, planned at
-    ``sizes.point``): see `fxopt.analysis.analyze`. A budget of ``"min"``: `smallest_budget`."""
+    """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
+    captured with dynamic shapes, planned at ``sizes.point``): see `fxopt.analysis.analyze`. A
+    budget of ``"min"``: `smallest_budget`, then planned at it."""
     refuse_meta_tensors(joint)
     if options.budget.minimum and options.plan is None:
         least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
         options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
+    return _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+
+
+def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
+               sizes: Sizes | None):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,

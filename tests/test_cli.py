@@ -279,3 +279,58 @@ def test_inspect_max_batch(tmp_path, monkeypatch, capsys):
     assert "the largest batch within 96KiB" in out
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") >= 3}
     assert int(rows["eager"]) <= int(rows["fxopt"]) <= int(rows["no schedule above"])
+
+
+WRAPPED = """
+import functools
+import torch, torch.nn as nn
+
+def returns_tuple(forward):  # a decorator taking *args, as transformers' are: Dynamo names self L['args'][0]
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return (forward(*args, **kwargs),)
+    return wrapper
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(32, 32)
+    def forward(self, x):
+        return torch.tanh(self.gate_proj(x)) + x
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(Block(), Block())
+    @returns_tuple
+    def forward(self, x):
+        return self.model(x).sum()
+
+def wrapped():
+    torch.manual_seed(0)
+    return Wrapper(), (torch.randn(64, 32),)
+"""
+
+
+def test_inspect_names_modules_as_the_model_does(tmp_path, capsys):
+    """Issue 24, item 12: the module column showed Dynamo's names (``L.args[0].model.layers.0...``)."""
+    (tmp_path / "wrapped.py").write_text(WRAPPED)
+    assert main(["inspect", f"{tmp_path / 'wrapped.py'}:wrapped", "--budget", "1.0", *FAST]) == EXIT_OK
+    out = capsys.readouterr().out
+    modules = {line.split("│")[4].strip() for line in out.splitlines() if line.count("│") >= 5}
+    assert modules & {"model.0.gate_proj", "model.1.gate_proj", "model.0", "model.1"}, modules
+    assert not any("L." in m or "L[" in m or m.startswith("args") for m in modules), modules
+
+
+@pytest.mark.parametrize("path, name", [
+    ("L['args'][0].model.layers.0.mlp.gate_proj", "model.layers.0.mlp.gate_proj"),
+    ("L['self'].blocks._modules['0'].l1", "blocks.0.l1"),
+    ("L['s'].model.0.l", "model.0.l"),
+    ("getattr(L.self.h, '3').ln_2", "h.3.ln_2"),
+    ("L['self']", ""),
+    ("", ""),
+])
+def test_module_names_are_relative_to_the_model(path, name):
+    from fxopt.cli.report import module_name
+
+    assert module_name(path) == name

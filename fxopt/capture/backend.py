@@ -31,7 +31,7 @@ from fxopt.budget import BudgetLike
 from fxopt.capture.dynamo import make_backend
 from fxopt.capture.pieces import GraphBreakWarning, break_location
 from fxopt.errors import CaptureError, check_choice
-from fxopt.options import Options
+from fxopt.options import Options, check_names
 from fxopt.solvers.plan import Plan
 
 log = logging.getLogger("fxopt")
@@ -96,6 +96,7 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any]
         raise ValueError(f"the fxopt backend takes no mode (got {mode!r}); pass Inductor settings "
                          "as options={'budget': ..., 'inductor': {...}}")
     options = dict(options or {})
+    check_names(options, besides=("graph_breaks", "inductor"))
     if "budget" not in options:
         raise ValueError("the fxopt backend needs a budget: torch.compile(model, backend='fxopt', "
                          "options={'budget': '2GiB'}) (bytes, '3GiB', '500MB', '50%', 0.5 or 'min')")
