@@ -74,6 +74,12 @@ def test_min_plans_the_smallest_budget_fxopt_meets_in_one_call():
     eager, optimized, loss_e, loss_o = run_pair(model, inputs, "min", time_limit=10)
     assert_same_step(eager, optimized, loss_e, loss_o)
     assert optimized.plan.budget_bytes == plan.budget_bytes
+    # Another input shape is planned at its own minimum (the plan made from the examples does not fit).
+    optimized.zero_grad(set_to_none=True)
+    step(optimized, (inputs[0][:512],))
+    smaller = optimized.plans[-1]
+    assert smaller.peak_bytes <= smaller.budget_bytes < plan.budget_bytes
+    assert smaller.budget_bytes == fxopt.plan(model, "min", (inputs[0][:512],), time_limit=10).budget_bytes
 
 
 def test_one_options_value_is_taken_by_every_entry_point():

@@ -3,8 +3,8 @@
 - docs/api.md shows every public name with its signature exactly as ``inspect.signature`` prints
   it (a block may be wrapped after ", "), and names every argument under it; `fxopt.Options`, the
   schema every entry point takes, as a table of its fields with their defaults;
-- docs/cli.md shows each command's usage exactly as argparse prints it (up to line wrapping), and
-  names every option;
+- docs/cli.md shows each command's usage exactly as argparse prints it (up to line wrapping; the
+  flags made from `fxopt.Options` as one ``[OPTIONS]``), and names every other option;
 - every ``fxopt.*`` module and attribute, and every file under fxopt/, tests/, examples/ and
   benchmarks/, that the docs and the front page mention exists, and every link between pages
   resolves (anchors included);
@@ -160,17 +160,43 @@ def commands() -> dict[str, argparse.ArgumentParser]:
     return found
 
 
+def option_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags made from `fxopt.Options` (documented by the option table of docs/api.md)."""
+    from fxopt.options import public_fields
+
+    flagged = {f.name for f in public_fields() if f.metadata["flag"] is not None}
+    return [a for a in parser._actions if a.dest in flagged and a.option_strings]
+
+
+def usage_as_documented(parser: argparse.ArgumentParser) -> str:
+    """argparse's usage, the flags made from `fxopt.Options` shown as one ``[OPTIONS]`` (so a new
+    option changes no usage block)."""
+    usage = one_line(parser.format_usage())
+    flags = option_flags(parser)
+    for k, action in enumerate(flags):
+        part = f"[{action.option_strings[0]}" + (f" {action.metavar or action.dest.upper()}]" if action.nargs != 0 else "]")
+        assert part in usage, (part, usage)
+        usage = usage.replace(part, "[OPTIONS]" if k == 0 else "").replace("  ", " ")
+    return usage
+
+
 def test_cli_usage_blocks_are_argparses():
     documented = {one_line(u) for u in USAGE.findall(CLI)}
-    real = {name: one_line(p.format_usage()) for name, p in commands().items()}
+    real = {name: usage_as_documented(p) for name, p in commands().items()}
     for name, usage in real.items():
         assert usage in documented, f"docs/cli.md lacks the usage of `{name}` as argparse prints it:\n{usage}"
     assert documented <= set(real.values()), f"docs/cli.md shows usage argparse no longer prints: {documented - set(real.values())}"
 
 
 def test_every_cli_option_is_described():
+    """In docs/cli.md; a flag made from `fxopt.Options` by its option's row in docs/api.md."""
+    rows = option_table()
     for name, parser in commands().items():
+        made = {id(a) for a in option_flags(parser)}
         for action in parser._actions:
+            if id(action) in made:
+                assert action.dest in rows, f"`{name} {action.option_strings[0]}`: docs/api.md has no row for {action.dest}"
+                continue
             for option in action.option_strings:
                 if option.startswith("--") and option != "--help":
                     assert re.search(rf"`{option}(?![\w-])", CLI), f"docs/cli.md does not describe `{name} {option}`"
