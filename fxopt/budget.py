@@ -31,7 +31,7 @@ _NUMBER = r"[-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
 _FORMS = "bytes (1000000), a size ('3GiB', '500MB'), a share of the eager peak (0.5 or '50%') or 'min'"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Budget:
     """A parsed budget: exactly one of ``bytes`` (a size), ``fraction`` (a share of the step's
     eager peak, in (0, 1]) and ``minimum`` (the smallest budget fxopt can meet, found when the
@@ -41,6 +41,14 @@ class Budget:
     fraction: float | None = None
     minimum: bool = False
     text: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self):
+        if (self.bytes is not None) + (self.fraction is not None) + self.minimum != 1:
+            raise BudgetError(f"a Budget is exactly one of bytes=, fraction= or minimum=True; got bytes={self.bytes!r}, "
+                              f"fraction={self.fraction!r}, minimum={self.minimum!r}")
+        if not self.text:
+            text = "min" if self.minimum else str(self.bytes) if self.bytes is not None else f"{self.fraction:.4g}"
+            object.__setattr__(self, "text", text)
 
     @classmethod
     def parse(cls, value: BudgetLike) -> Budget:
@@ -70,6 +78,9 @@ class Budget:
 
     def __str__(self) -> str:
         return self.text
+
+    def __repr__(self) -> str:
+        return f"Budget({self.text!r})"
 
 
 BudgetLike = Union[Budget, int, float, str]

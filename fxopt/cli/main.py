@@ -41,7 +41,8 @@ def _options(args: argparse.Namespace):
     """The `fxopt.Options` the command line gave."""
     from fxopt.options import Options
 
-    return Options(**_given_options(args))
+    given = _given_options(args)
+    return Options.of(given.pop("budget"), **given)
 
 
 def _step(model, inputs):
