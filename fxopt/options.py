@@ -103,7 +103,7 @@ def _offload(value: bool | int | str | None) -> bool | int | None:
                           f"such as '16GiB'); {err}") from None
     if limit.bytes is None:
         raise BudgetError(f"offload={value!r}: a host memory limit is bytes or a size string ('16GiB'), not a "
-                          "share or 'min'; or pass True, False or None")
+                          "fraction or 'min'; or pass True, False or None")
     return limit.bytes
 
 

@@ -107,7 +107,7 @@ def test_one_options_value_is_taken_by_every_entry_point():
     ("time_limit", 0, ValueError, "time_limit must be a positive number"),
     ("compress", "yes", TypeError, "compress must be a bool"),
     ("quantize", "int3", ValueError, "unknown quantize format"),
-    ("offload", "50%", fxopt.BudgetError, "not a share"),
+    ("offload", "50%", fxopt.BudgetError, "not a fraction"),
     ("offload", 1.5, TypeError, "offload must be"),
     ("cost_model", 1e9, TypeError, "cost_model must be a CostModel"),
     ("plan", "no/such/plan.json", FileNotFoundError, "plan.json"),

@@ -198,7 +198,7 @@ def test_every_option_with_a_flag_is_on_the_command_line_and_reads_as_the_api():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--offload", "50%"], "not a share"),
+    (["--offload", "50%"], "not a fraction"),
     (["--time-limit", "0"], "time_limit must be a positive number"),
     (["--budget=-1GiB"], "must be positive"),
     (["--solver", "fastest"], "invalid choice"),
