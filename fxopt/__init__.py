@@ -2,6 +2,8 @@
 
     model = fxopt.optimize(model, "2GiB")        # the budget you give is the peak you get
     plan = fxopt.plan(model, 0.5, (x,))          # inspect before running
+    model = fxopt.optimize(model, "min")         # the smallest budget fxopt can meet
+    options = fxopt.Options(budget="2GiB", solver="ilp")   # how to plan, for every entry point
     torch.compile(model, backend="fxopt", options={"budget": "2GiB"})   # or fxopt.backend(...)
 
 The names below are imported on first use (PEP 562), so that ``import fxopt.solvers`` and
@@ -18,6 +20,7 @@ from fxopt._version import __version__
 _EXPORTS = {
     "optimize": "fxopt.api",
     "plan": "fxopt.api",
+    "Options": "fxopt.options",
     "max_batch": "fxopt.maxbatch",
     "MaxBatch": "fxopt.maxbatch",
     "FxoptModule": "fxopt.api",

@@ -12,18 +12,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxopt.analysis import CostModel
-from fxopt.analysis.codecs import Quantize
-from fxopt.budget import Budget
+from fxopt.budget import BudgetLike
 from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
 from fxopt.buckets import Bucket, bucket_of
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
-from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step, budget_bytes as _budget_bytes
+from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
 from fxopt.distributed import data_parallel
 from fxopt.errors import BudgetError, CaptureError, FxoptError, GraphBreakError, InfeasibleBudgetError, check_choice
-from fxopt.planner import Options, capture_clock
-from fxopt.solvers import DEFAULT_TIME_LIMIT
+from fxopt.options import Options
+from fxopt.planner import capture_clock, meta_device_message
 from fxopt.solvers.plan import Plan
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
@@ -36,6 +34,10 @@ RECOMPILE_LIMIT = 64
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
+    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if on_meta:
+        raise CaptureError(meta_device_message(f"{len(on_meta)} of the model's parameters and buffers "
+                                               f"({', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}) are"))
 
 
 @contextlib.contextmanager
@@ -172,11 +174,11 @@ class FxoptModule(nn.Module):
         units = data_parallel.fsdp_units(model)
         if units:
             data_parallel.check_fsdp(units, graph_breaks)
-            if _budget_bytes(options.budget) is None:
+            if options.budget.bytes is None:
                 raise BudgetError(
                     f"fxopt plans an FSDP2 step piece by piece (FSDP's hooks run between the pieces) and needs "
-                    f"the budget in bytes, not {options.budget!r}: the step's eager peak is not known until every "
-                    "piece has run. Pass bytes or a size such as '2GiB'.")
+                    f"the budget in bytes, not {str(options.budget)!r}: the step's eager peak and its smallest "
+                    "budget are not known until every piece has run. Pass bytes or a size such as '2GiB'.")
         self.__dict__["_fsdp_units"] = units
         self.__dict__["_eager_modules"] = data_parallel.eager_modules(model, units) if units else []
         self.training = model.training
@@ -367,49 +369,19 @@ class DynamicRun:
                                "requires grad, or it ran under torch.no_grad())")
 
 
-def optimize(
-    model: nn.Module,
-    budget: Budget,
-    *,
-    example_inputs: Sequence[Any] | None = None,
-    solver: str = "auto",
-    plan: Plan | None = None,
-    time_limit: float = DEFAULT_TIME_LIMIT,
-    cost_model: CostModel | None = None,
-    compiler: str = "eager",
-    compress: bool = True,
-    quantize: str | Quantize | None = None,
-    offload: bool | int | str | None = None,
-    graph_breaks: str = "split",
-    dynamic: dict | None = None,
-) -> FxoptModule:
+def optimize(model: nn.Module, budget: BudgetLike | Options, *, example_inputs: Sequence[Any] | None = None,
+             graph_breaks: str = "split", dynamic: dict | None = None, **options: Any) -> FxoptModule:
     """Return ``model`` rewritten so that its training step (forward + backward) peaks within
     ``budget``, recomputing as little as possible.
 
-    ``budget``: bytes (int), a size string (``"3GiB"``, ``"500MB"``), or a fraction of the
-    un-rewritten step's predicted peak (a float in (0, 1], or ``"50%"``). The peak counts all
-    tensor memory live during forward and backward: parameters, buffers, inputs, gradients,
-    activations and temporaries.
+    ``budget``: the peak (see `fxopt.Options.budget`: bytes, a size such as ``"3GiB"``, a share
+    of the eager peak, or ``"min"``), or a whole `fxopt.Options`. ``options``: the other fields
+    of `fxopt.Options` by name (``solver=``, ``time_limit=``, ``compiler=``, ``compress=``,
+    ``quantize=``, ``offload=``, ``plan=`` to replay a plan, ...).
 
     Without ``example_inputs`` the step is planned at the first call (and again for each new
     input shape); with them it is planned now, so errors such as `InfeasibleBudgetError` surface
-    here. ``plan`` replays a plan from `fxopt.plan` or `Plan.from_json`. ``compiler``:
-    ``"eager"`` runs the rewritten graphs op by op, ``"inductor"`` compiles them with Inductor
-    (see `fxopt.capture.inductor`).
-
-    ``compress`` (default True): the solver may also keep saved values COMPRESSed losslessly
-    (masks as packed bits; gradients bit-identical). ``quantize``: ``"int8"``, ``"fp8"``,
-    ``"int4"`` or a `fxopt.Quantize` lets it also quantize saved floating-point activations
-    (lossy: gradients change; see `fxopt.gradient_sqnr`). Either way the solver compresses a
-    value only where that is cheaper than recomputing within the budget; `Plan.compressed`
-    lists what it chose.
-
-    ``offload``: let the solver OFFLOAD saved values to host memory, copied back before the
-    backward reads them (see docs/offload.md). None (default): on for a step on a CUDA device
-    (bandwidths measured once per device), off on CPU. True on CPU plans with the default
-    bandwidths but saves no memory (host and device are the same memory there). A size (bytes,
-    or a string such as ``"16GiB"``): on, holding at most that much host memory at once.
-    `Plan.offloaded` lists what it chose, `Plan.host_bytes` the host memory it holds.
+    here.
 
     ``graph_breaks``: what to do when torch.compile cannot capture the forward in one graph
     (``.item()`` steering control flow, an unsupported call). ``"split"`` (default): plan the
@@ -429,19 +401,14 @@ def optimize(
     outside the ranges raises.
     """
     _check_model(model)
+    options = Options.of(budget, **options)
+    check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
     if dynamic is not None:
-        return _optimize_dynamic(model, budget, DynamicDims.parse(dynamic), example_inputs, plan, graph_breaks,
-                                 solver=solver, time_limit=time_limit, cost_model=cost_model or CostModel(),
-                                 compiler=compiler, compress=compress, quantize=quantize, offload=offload)
-    options = Options(budget=budget, solver=solver, plan=plan, time_limit=time_limit,
-                      cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
-                      quantize=quantize, offload=offload)
-    if example_inputs is not None and plan is None:
+        return _optimize_dynamic(model, options, DynamicDims.parse(dynamic), example_inputs)
+    if example_inputs is not None and options.plan is None:
         try:
-            options = dataclasses.replace(options, plan_from_examples=True, plan=_plan_now(
-                model, budget, example_inputs, solver=solver, time_limit=time_limit,
-                cost_model=options.cost_model, compiler=compiler, compress=compress, quantize=quantize,
-                offload=offload))
+            options = dataclasses.replace(options, plan_from_examples=True,
+                                          plan=plan(model, options, example_inputs))
         except GraphBreakError:
             if graph_breaks != "split":
                 raise
@@ -449,13 +416,10 @@ def optimize(
     return FxoptModule(model, options, graph_breaks)
 
 
-def _optimize_dynamic(model: nn.Module, budget: Budget, dims: DynamicDims, example_inputs, plan: Plan | None,
-                      graph_breaks: str, **options) -> FxoptModule:
-    if plan is not None:
+def _optimize_dynamic(model: nn.Module, options: Options, dims: DynamicDims, example_inputs) -> FxoptModule:
+    if options.plan is not None:
         raise ValueError("dynamic= plans for a range of shapes; plan= replays one plan for one shape")
-    if graph_breaks != "split":
-        check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
-    module = FxoptModule(model, Options(budget=budget, **options), "error", dims)
+    module = FxoptModule(model, options, "error", dims)
     if example_inputs is not None:
         # Plan now (errors surface here): capture and plan at the examples' shape, without the
         # backward (no gradient is accumulated).
@@ -464,14 +428,16 @@ def _optimize_dynamic(model: nn.Module, budget: Budget, dims: DynamicDims, examp
     return module
 
 
-def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, point: dict, **options):
+def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, point: dict,
+                     options: Options | None = None):
     """Capture ``model``'s step on ``example_inputs`` with the ``dims`` symbolic and analyse it at
     ``point``, without planning or running it: (the step as captured, the step rewritten as
-    planning starts from), as `fxopt.analysis.JointGraph`s. A range the captured graph holds for
-    only in part (a size of 1 set apart) is narrowed to the part holding ``point``, once."""
+    planning starts from), as `fxopt.analysis.JointGraph`s; ``options``: how it is analysed (the
+    defaults if None; the budget is not read). A range the captured graph holds for only in part (a size of 1 set
+    apart) is narrowed to the part holding ``point``, once."""
     _check_model(model)
     args, kwargs = _split_inputs(example_inputs)
-    options = Options(budget=1, offload=False, **options)
+    options = dataclasses.replace(options or Options(budget=1), offload=False)
     for attempt in range(2):
         state = DynamicState(dims)
         state.analyze_at = point
@@ -493,38 +459,24 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
                        "grad, or it ran under torch.no_grad())")
 
 
-def plan(
-    model: nn.Module,
-    budget: Budget,
-    example_inputs: Sequence[Any],
-    *,
-    solver: str = "auto",
-    time_limit: float = DEFAULT_TIME_LIMIT,
-    cost_model: CostModel | None = None,
-    compiler: str = "eager",
-    compress: bool = True,
-    quantize: str | Quantize | None = None,
-    offload: bool | int | str | None = None,
-) -> Plan:
+def plan(model: nn.Module, budget: BudgetLike | Options, example_inputs: Sequence[Any], **options: Any) -> Plan:
     """Capture and plan the training step of ``model`` on ``example_inputs`` without running it.
 
-    ``example_inputs``: the positional arguments of ``model(...)`` (a tuple or list; a dict is
-    passed as keyword arguments). Returns a `Plan`; raises `InfeasibleBudgetError` (with
-    ``.min_budget``) when no schedule fits. ``compiler``: the one the plan is for (Inductor's
-    graph passes may change the captured graph a little, so a plan replays on its own compiler).
-    ``compress``, ``quantize``, ``offload``: as for `optimize`.
+    ``budget``, ``options``: as for `optimize` (the fields of `fxopt.Options`). ``example_inputs``:
+    the positional arguments of ``model(...)`` (a tuple or list; a dict is passed as keyword
+    arguments). Returns a `Plan`; raises `InfeasibleBudgetError` (with ``.min_budget``) when no
+    schedule fits. ``compiler``: the one the plan is for (Inductor's graph passes may change the
+    captured graph a little, so a plan replays on its own compiler).
     """
-    return plan_and_rewrite(model, budget, example_inputs, solver=solver, time_limit=time_limit,
-                            cost_model=cost_model or CostModel(), compiler=compiler, compress=compress,
-                            quantize=quantize, offload=offload).plan
+    return plan_and_rewrite(model, budget, example_inputs, **options).plan
 
 
-def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[Any], **options) -> PlanReady:
-    """Like `plan` (``options``: its keyword arguments, see `fxopt.planner.Options`), and also the
-    rewritten forward and backward modules (before any compiler): ``.plan``, ``.forward``,
-    ``.backward``."""
+def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inputs: Sequence[Any],
+                     **options: Any) -> PlanReady:
+    """Like `plan`, and also the rewritten forward and backward modules (before any compiler):
+    ``.plan``, ``.forward``, ``.backward``."""
     _check_model(model)
-    options = Options(budget=budget, **options)
+    options = Options.of(budget, **options)
     if data_parallel.fsdp_units(model):
         raise GraphBreakError(
             "an FSDP2 model's step is not one graph (FSDP's hooks run between its blocks), so fxopt plans it "
@@ -546,12 +498,13 @@ def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[
     )
 
 
-_plan_now = plan  # `optimize` takes a `plan` argument that hides this function there
-
-
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    return tuple(example_inputs), {}
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, torch.Tensor):
+        args, kwargs = (example_inputs,), {}
+    else:
+        args, kwargs = tuple(example_inputs), {}
+    if any(t.device.type == "meta" for t in tensors_in([args, kwargs])):
+        raise CaptureError(meta_device_message("example inputs are"))
+    return args, kwargs

@@ -3,6 +3,8 @@ which nodes belong to the backward, inserting nodes with their fake values and s
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -83,3 +85,16 @@ def replace_value(old: fx.Node, new: fx.Node) -> None:
         with fake_mode:
             node.meta["val"] = target(*vals[0], **vals[1])
         stack.extend(node.users)
+
+
+def module_name(path: str) -> str:
+    """A node's module path as Dynamo spells it (its ``nn_module_stack``), relative to the module
+    compiled: ``L['self'].blocks._modules['0'].l1`` → ``blocks.0.l1``. The root is the frame's first
+    argument, whatever its name: ``L['self']``, ``L['args'][0]`` (a forward wrapped by a decorator
+    taking ``*args``, as transformers' are), ``L['s']``, ``L__self__``."""
+    while "getattr(" in path:  # getattr(L.self.h, '3') -> L.self.h.3
+        path = re.sub(r"getattr\(([^(),]+), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path, count=1)
+    path = re.sub(r"\._modules\[['\"]([^'\"]*)['\"]\]", r".\1", path)
+    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
+    path = re.sub(r"^(L\.args\.0|L__self__|L\.\w+)(\.|$)", "", path)
+    return path.replace("..", ".").strip(".")

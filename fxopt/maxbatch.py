@@ -29,15 +29,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from fxopt.analysis import CostModel, JointGraph
-from fxopt.analysis.codecs import Quantize
+from fxopt.analysis import JointGraph
 from fxopt.analysis.joint import graph_fingerprint
 from fxopt.api import FxoptModule, capture_symbolic
 from fxopt.buckets import Bucket, largest
-from fxopt.budget import Budget, resolve_budget
+from fxopt.budget import Budget, BudgetLike
 from fxopt.capture.shapes import DynamicDims
 from fxopt.errors import BudgetError, InfeasibleBudgetError
-from fxopt.planner import Options
+from fxopt.options import Options
 from fxopt.solvers import eager_schedule, min_feasible_budget, simulate, solve
 from fxopt.solvers.auto import SolverTimeoutWarning, lowest_schedule
 from fxopt.solvers.graph import Graph
@@ -80,7 +79,7 @@ class MaxBatch:
     next_plan: Plan | None = None
     dim: Any = "batch"
     captured: tuple[int, int] = (1, 2**16)  # the batches the answer's capture holds for
-    options: dict = dataclasses.field(default_factory=dict, repr=False)  # how it was analysed
+    options: Options | None = dataclasses.field(default=None, repr=False)  # how it was analysed
 
     def summary(self) -> str:
         proof = ("proven: no schedule fits a larger batch" if self.batch == self.proven_max
@@ -99,31 +98,40 @@ class MaxBatch:
 def replay(model: nn.Module, found: MaxBatch, plan: Plan, batches: tuple[int, int]) -> FxoptModule:
     """A module running ``plan`` (made on ``found``'s capture) for ``batches``."""
     dims = DynamicDims.parse({found.dim: found.captured})
-    module = FxoptModule(model, Options(budget=plan.budget_bytes, offload=False, **found.options), "error", dims)
+    options = dataclasses.replace(found.options, budget=Budget(bytes=plan.budget_bytes), offload=False)
+    module = FxoptModule(model, options, "error", dims)
     module._dynamic.state.buckets = [Bucket(dims.ranges.with_bound(dims.ranges.names[0], *batches), plan)]
     return module
 
 
-def max_batch(model: nn.Module, budget: Budget, make_inputs: Callable[[int], Any], *, dim: Any = "batch",
-              limit: int = 2**16, blocks: Sequence[nn.Module] | None = None, solver: str = "auto",
-              time_limit: float = SOLVE_SECONDS,
-              compress: bool = True, quantize: str | Quantize | None = None,
-              cost_model: CostModel | None = None) -> MaxBatch:
+def max_batch(model: nn.Module, budget: BudgetLike | Options, make_inputs: Callable[[int], Any], *,
+              dim: Any = "batch", limit: int = 2**16, blocks: Sequence[nn.Module] | None = None,
+              **options: Any) -> MaxBatch:
     """The largest batch size whose training step fxopt plans within ``budget`` (bytes or a size
     such as ``"24GiB"``), with its plan, and beside it the largest of eager autograd and of
-    per-block checkpointing.
+    per-block checkpointing. ``options``: the fields of `fxopt.Options`, as for `fxopt.optimize`
+    (``budget`` may be an `Options`); the solver, ``compress``, ``quantize`` and the cost model
+    are read (OFFLOAD is not offered: its copies' time depends on the batch).
 
     ``make_inputs(b)``: the example inputs of ``model(...)`` at batch ``b`` (a tuple, or a dict
     of keyword arguments). ``dim``: which dimension is the batch, as for `fxopt.optimize`'s
     ``dynamic=`` (``"batch"``: dim 0 of every tensor argument; or ``(argument, dim)``). ``limit``:
     the largest batch considered. ``blocks``: the modules per-block checkpointing wraps (by
     default the longest run of same-class children of an ``nn.Sequential`` or ``nn.ModuleList``).
-    ``time_limit``: seconds for the solves (at least one, of `MIN_SOLVE_SECONDS`). The step is
-    captured once; see `fxopt.maxbatch` for how the answer is found and proven."""
+    ``time_limit`` (`SOLVE_SECONDS` unless given): seconds for the solves (at least one, of
+    `MIN_SOLVE_SECONDS`). The step is captured once; see `fxopt.maxbatch` for how the answer is
+    found and proven."""
     t0 = time.perf_counter()
-    budget_bytes = _bytes(budget)
+    options = Options.of(budget, defaults={"time_limit": SOLVE_SECONDS}, **options)
+    solver, time_limit = options.solver, options.time_limit
+    budget_bytes = options.budget.bytes
+    if budget_bytes is None:
+        raise BudgetError(f"max_batch needs the budget in bytes or as a size ('24GiB'), not {str(options.budget)!r}: "
+                          "a share of the eager peak, or the smallest budget, depends on the batch")
+    if options.offload not in (None, False):
+        raise ValueError("max_batch does not offer OFFLOAD (its copies' time depends on the batch, so one plan is "
+                         "not proven for every batch); pass offload=False or leave it out")
     name = DynamicDims.parse({dim: (1, limit)}).ranges.names[0]
-    options = dict(solver=solver, compress=compress, quantize=quantize, cost_model=cost_model or CostModel())
     segments = _capture_segments(model, make_inputs, dim, name, limit, budget_bytes, options)
     log.info("fxopt: max_batch: captured and analysed in %.1f s", time.perf_counter() - t0)
     # The answers lie in the last segment, or, where nothing fits there, in the one before.
@@ -168,13 +176,14 @@ class _Segment:
     proven_max: int | None
 
 
-def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: int, options: dict) -> list[_Segment]:
+def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: int, options: Options
+                      ) -> list[_Segment]:
     segments: list[_Segment] = []
     start = 1
     while start <= limit:
         probe = min(max(start, PROBE_BATCH), limit)
         dims = DynamicDims.parse({dim: (start, limit)})
-        eager_jg, jg = capture_symbolic(model, make_inputs(probe), dims, {name: probe}, **options)
+        eager_jg, jg = capture_symbolic(model, make_inputs(probe), dims, {name: probe}, options)
         lo, hi = jg.symbolic.ranges.bounds[name]  # (narrowed where the model specializes a size)
         search = _Search(jg, name, budget, lo, hi)
         top = search.largest(lo, hi, search.lower_bound_fits)
@@ -192,14 +201,6 @@ def _largest_of(segments: list[_Segment], schedule_of) -> int | None:
         if found is not None:
             return found
     return None
-
-
-def _bytes(budget: Budget) -> int:
-    try:
-        return resolve_budget(budget, None)
-    except BudgetError:
-        raise BudgetError(f"max_batch needs the budget in bytes or as a size ('24GiB'), not {budget!r}: "
-                          "a share of the eager peak depends on the batch") from None
 
 
 class _Search:

@@ -20,21 +20,20 @@ import torch
 import torch.fx as fx
 
 from fxopt import cache
-from fxopt.analysis import CostModel
 from fxopt.analysis import analyze as analyze_step
 from fxopt.analysis.bandwidth import device_transfers
-from fxopt.analysis.codecs import Quantize, resolve_quantize
 from fxopt.analysis.symbolic import Sizes
-from fxopt.budget import Budget, resolve_budget
-from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError, check_choice
+from fxopt.budget import Budget
+from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.fxgraph import copy_module
+from fxopt.options import Options
 from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
 from fxopt.solvers import check_solver, eager_schedule, min_feasible_budget, simulate, solve
 from fxopt.solvers.instant import peak_lower_bound
-from fxopt.solvers.stages import InFlight, solve_stage, stage_min_budget
+from fxopt.solvers.stages import solve_stage, stage_min_budget
 from fxopt.solvers.auto import DEFAULT_TIME_LIMIT, MIN_PHASE_SECONDS, lowest_schedule
 
 log = logging.getLogger("fxopt")
@@ -67,77 +66,6 @@ def solve_seconds(options: Options) -> float:
     spent = 0.0 if started is None else time.perf_counter() - started
     return max(MIN_SOLVE_SHARE * options.time_limit, options.time_limit - spent)
 
-COMPILERS = ("eager", "inductor")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """How to plan. ``budget``: see `fxopt.budget.resolve_budget`. ``solver``: see
-    `fxopt.solvers.solve`. ``plan``: reuse this plan instead of solving (it must have been made
-    for the same graph). ``time_limit``: seconds for one plan or the answer "infeasible"
-    (`fxopt.solvers.DEFAULT_TIME_LIMIT` by default), capture included where a `capture_clock`
-    runs (`solve_seconds`). ``compiler``: what runs the
-    rewritten forward and backward: ``"eager"`` (FX code, op by op) or ``"inductor"`` (see
-    `fxopt.capture.inductor`). ``inductor_config``: extra Inductor settings for ``"inductor"``.
-    ``compress``: let the solver COMPRESS saved values losslessly (bool masks as packed bits,
-    ReLU's backward reading a bool mask, max-pooling indices as int32); gradients stay
-    bit-identical. ``quantize``: a `fxopt.Quantize` (or its format name) to also let it quantize
-    saved floating-point activations (lossy; off by default). ``offload``: let the solver OFFLOAD
-    saved values to host memory (see `transfers`): None (default) where the step runs on a CUDA
-    device, True or False to force it (True on CPU plans with the default bandwidths and saves
-    no memory: host and device are the same memory there), or the most host memory it may hold
-    at once (bytes or a size string, ``"16GiB"``: on, within that). ``in_flight``: the step is
-    one microbatch of a pipeline stage, whose device also holds what this says (the budget is
-    the device's; see `fxopt.solvers.stages.solve_stage`)."""
-
-    budget: Budget
-    solver: str = "auto"
-    plan: Plan | None = None
-    time_limit: float = DEFAULT_TIME_LIMIT
-    cost_model: CostModel = dataclasses.field(default_factory=CostModel)
-    compiler: str = "eager"
-    inductor_config: dict | None = None
-    compress: bool = True
-    quantize: Quantize | None = None
-    offload: bool | int | str | None = None
-    in_flight: InFlight | None = None
-    # Plans to replay beside ``plan``, each on the graph it was made for (a pipeline stage's
-    # steps that start with the gradients of earlier microbatches held: `fxopt.distributed.pipeline`).
-    alternatives: tuple[Plan, ...] = ()
-    # ``plan`` was made here from ``example_inputs``: a graph it does not fit (another input
-    # shape, autocast on) is planned anew, as without example inputs, instead of refused.
-    plan_from_examples: bool = False
-
-    def __post_init__(self):
-        object.__setattr__(self, "quantize", resolve_quantize(self.quantize))
-        if not isinstance(self.compress, bool):
-            raise TypeError(f"compress must be True or False, got {self.compress!r}")
-        self.host_budget  # an unreadable host memory limit fails now
-        check_choice("compiler", self.compiler, COMPILERS)
-        check_solver(self.solver)
-        resolve_budget(self.budget, 1)  # an unreadable budget fails now, not at the first call
-        if not self.time_limit > 0:
-            raise ValueError(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
-
-
-    @property
-    def host_budget(self) -> int | None:
-        """The host memory OFFLOAD may hold at once, when ``offload`` gives one (else None)."""
-        if self.offload is None or isinstance(self.offload, bool):
-            return None
-        if isinstance(self.offload, float) or isinstance(self.offload, str) and self.offload.strip().endswith("%"):
-            raise BudgetError(f"offload={self.offload!r}: a host memory limit is bytes or a size string "
-                              "('16GiB'), not a fraction; or pass True, False or None")
-        if not isinstance(self.offload, (int, str)):
-            raise TypeError(f"offload must be None, True, False or a host memory limit (bytes or '16GiB'), "
-                            f"got {self.offload!r}")
-        try:
-            return resolve_budget(self.offload)
-        except BudgetError as err:
-            raise BudgetError(f"offload={self.offload!r}: pass True, False, None or a host memory limit "
-                              f"(bytes or a size string such as '16GiB'); {err}") from None
-
-
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     """The bandwidths OFFLOAD is planned with, or None where it is off: a replayed plan's own (so
     a plan replays on the graph it was made for), else the device's (`fxopt.analysis.bandwidth`).
@@ -156,8 +84,18 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
               sizes: Sizes | None = None):
-    """``unread_resident_bytes``, ``sizes`` (a step captured with dynamic shapes, planned at
-    ``sizes.point``): see `fxopt.analysis.analyze`."""
+    """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
+    captured with dynamic shapes, planned at ``sizes.point``): see `fxopt.analysis.analyze`. A
+    budget of ``"min"``: `smallest_budget`, then planned at it."""
+    refuse_meta_tensors(joint)
+    if options.budget.minimum and options.plan is None:
+        least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+        options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
+    return _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+
+
+def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
+               sizes: Sizes | None):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
@@ -193,6 +131,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
             before = analyze(pristine, num_fwd_outputs, options.cost_model, **codecs)
             eager_graph = before.graph
             options = dataclasses.replace(options, plan=None, plan_from_examples=False)
+            if options.budget.minimum:  # this graph's own minimum, planned from the graph as captured
+                return make_plan(pristine, num_fwd_outputs, options, unread_resident_bytes, sizes)
         elif given is None:
             raise CaptureError(
                 "the given plan was made for a different graph (another model, input shape, dtype, "
@@ -202,7 +142,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
         else:
             return jg, given
     eager = simulate(eager_graph, eager_schedule(eager_graph))
-    budget = resolve_budget(options.budget, eager.peak_bytes)
+    budget = options.budget.resolve(eager.peak_bytes)
     cache_key = cache.key(jg.graph, budget, _cache_solver(options), options.time_limit)
     cached = cache.load(cache_key)
     if cached is not None:
@@ -232,6 +172,39 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     log.info("%s", plan.summary())
     cache.store(cache_key, plan)
     return jg, plan
+
+
+def smallest_budget(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
+                    sizes: Sizes | None = None) -> int:
+    """``budget="min"``: the smallest budget the solvers meet for this step, asked as a user
+    would: a plan within one byte is infeasible, and the error names the smallest budget they
+    reached (`InfeasibleBudgetError.min_budget`; its plan is kept in the plan cache, so planning
+    at it next does not search again). Asked of a copy of ``joint``: the planner's rewrites
+    change the graph they plan."""
+    one_byte = dataclasses.replace(options, budget=Budget(bytes=1, text="1"))
+    try:
+        make_plan(copy_module(joint), num_fwd_outputs, one_byte, unread_resident_bytes, sizes)
+    except InfeasibleBudgetError as err:
+        return err.min_budget
+    return 1  # a step that holds nothing
+
+
+def refuse_meta_tensors(joint: fx.GraphModule) -> None:
+    """A step whose parameters, buffers or inputs are on the meta device has no memory to measure
+    (its ops' scratch memory, what they allocate): refuse it rather than plan it wrong."""
+    on_meta = [n.name for n in joint.graph.find_nodes(op="placeholder")
+               if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "meta"]
+    if on_meta:
+        raise CaptureError(meta_device_message(f"{len(on_meta)} of the captured step's inputs ({', '.join(on_meta[:3])}"
+                                               f"{', ...' if len(on_meta) > 3 else ''}) are"))
+
+
+def meta_device_message(what: str) -> str:
+    return (f"{what} on the meta device (a model built under torch.device('meta'), or inputs made there): fxopt "
+            "plans a step by measuring what its ops allocate, and meta tensors allocate nothing, so the plan "
+            "would be wrong. Build the model and its inputs on a real device before planning (for a model built "
+            "on meta: model.to_empty(device='cpu'), then initialize its weights). Planning a model too large "
+            "to build is not supported yet.")
 
 
 def _given_plan(options: Options, jg) -> Plan | None:

@@ -1,6 +1,7 @@
 """The public API: budgets, errors, plans, re-planning and the module contract."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch.nn as nn
 
 import fxopt
 from fxopt.analysis import CostModel
-from fxopt.budget import resolve_budget
+from fxopt.budget import Budget
 from fxopt.models import residual_mlp
 from fxopt.solvers import SOLVERS
 from helpers import assert_same_step, run_pair, step
@@ -25,10 +26,19 @@ def small():
      (0.5, 500), ("50%", 500), (1.0, 1000)],
 )
 def test_budget_forms(budget, expected):
-    assert resolve_budget(budget, eager_peak_bytes=1000) == expected
+    assert Budget.parse(budget).resolve(eager_peak_bytes=1000) == expected
 
 
-@pytest.mark.parametrize("budget", [0, -5, "3 potatoes", "", 1.5, 0.0, float("nan"), True, None, "-3GiB", [1]])
+def test_a_budget_is_parsed_once_into_the_options():
+    options = fxopt.Options(budget="50%")
+    assert options.budget == Budget(fraction=0.5) and str(options.budget) == "50%"
+    assert fxopt.Options(budget=" min ").budget == Budget(minimum=True)
+    assert fxopt.Options(budget="3GiB").budget.bytes == 3 * 2**30
+    assert fxopt.Options(budget=options.budget).budget is options.budget
+
+
+@pytest.mark.parametrize("budget", [0, -5, "3 potatoes", "", 1.5, 0.0, float("nan"), True, None, "-3GiB", [1],
+                                    "150%", "0%", "1e400GiB"])
 def test_bad_budgets_are_refused_early(budget):
     model, inputs = small()
     with pytest.raises(fxopt.BudgetError) as info:
@@ -36,6 +46,113 @@ def test_bad_budgets_are_refused_early(budget):
     assert "budget" in str(info.value)
     with pytest.raises(fxopt.BudgetError):
         fxopt.plan(model, budget, inputs)
+
+
+@pytest.mark.parametrize("budget, says, not_says", [
+    ("-1GiB", "must be positive", "cannot read"),
+    (-5, "must be positive", "cannot read"),
+    ("0%", "must be positive", "cannot read"),
+    ("150%", "'150%' is more than the eager peak", "1.5"),
+    ("3 potatoes", "cannot read budget '3 potatoes'", "positive"),
+])
+def test_budget_errors_say_what_is_wrong_in_the_users_words(budget, says, not_says):
+    """Issue 24, item 12: "-1GiB" said "cannot read budget", "150%" spoke of a float 1.5."""
+    with pytest.raises(fxopt.BudgetError) as info:
+        Budget.parse(budget)
+    assert says in str(info.value) and not_says not in str(info.value)
+
+
+def test_min_plans_the_smallest_budget_fxopt_meets_in_one_call():
+    """``"min"``: what a user asks for after an `InfeasibleBudgetError`, in one call: the plan is
+    within the budget fxopt names as the smallest, and a budget just below it is infeasible."""
+    model, inputs = small()
+    plan = fxopt.plan(model, "min", inputs, time_limit=10)
+    assert plan.peak_bytes <= plan.budget_bytes < plan.eager_peak_bytes
+    with pytest.raises(fxopt.InfeasibleBudgetError) as info:
+        fxopt.plan(model, plan.budget_bytes - 1, inputs, time_limit=10)
+    assert info.value.min_budget == plan.budget_bytes
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, "min", time_limit=10)
+    assert_same_step(eager, optimized, loss_e, loss_o)
+    assert optimized.plan.budget_bytes == plan.budget_bytes
+    # Another input shape is planned at its own minimum (the plan made from the examples does not fit).
+    optimized.zero_grad(set_to_none=True)
+    step(optimized, (inputs[0][:512],))
+    smaller = optimized.plans[-1]
+    assert smaller.peak_bytes <= smaller.budget_bytes < plan.budget_bytes
+    assert smaller.budget_bytes == fxopt.plan(model, "min", (inputs[0][:512],), time_limit=10).budget_bytes
+
+
+def test_one_options_value_is_taken_by_every_entry_point():
+    """`fxopt.Options` as is, or its fields by keyword (issue 25, "one option schema")."""
+    model, inputs = small()
+    options = fxopt.Options(budget=0.8, solver="greedy", time_limit=10)
+    plan = fxopt.plan(model, options, inputs)
+    assert plan.solver == "greedy" and plan.budget_bytes == int(0.8 * plan.eager_peak_bytes)
+    assert fxopt.plan(model, options, inputs, solver="checkpoint").solver == "checkpoint"
+    module = fxopt.optimize(model, options)
+    assert module._options is options
+    assert fxopt.backend(options).options is options
+    assert fxopt.backend(0.8).options.compiler == "inductor"  # the backend's own default
+    with pytest.raises(ValueError, match="unknown fxopt option.*'sovler'.*the options are budget, solver"):
+        fxopt.plan(model, 0.8, inputs, sovler="greedy")
+    with pytest.raises(ValueError, match="unknown fxopt option.*'in_flight'"):
+        fxopt.optimize(model, 0.8, in_flight=None)  # set by fxopt's own entry points only
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.solver = "ilp"
+
+
+@pytest.mark.parametrize("field, value, error, message", [
+    ("solver", "magic", ValueError, "unknown solver 'magic'"),
+    ("compiler", "tvm", ValueError, "unknown compiler 'tvm'"),
+    ("time_limit", 0, ValueError, "time_limit must be a positive number"),
+    ("compress", "yes", TypeError, "compress must be a bool"),
+    ("quantize", "int3", ValueError, "unknown quantize format"),
+    ("offload", "50%", fxopt.BudgetError, "not a fraction"),
+    ("offload", 1.5, TypeError, "offload must be"),
+    ("cost_model", 1e9, TypeError, "cost_model must be a CostModel"),
+    ("plan", "no/such/plan.json", FileNotFoundError, "plan.json"),
+])
+def test_each_option_is_checked_when_the_options_are_made(field, value, error, message):
+    with pytest.raises(error, match=message):
+        fxopt.Options(budget="1GiB", **{field: value})
+
+
+def test_the_options_normalise_what_they_are_given(tmp_path):
+    model, inputs = small()
+    plan = fxopt.plan(model, 0.9, inputs, solver="greedy")
+    plan.to_json(tmp_path / "plan.json")
+    options = fxopt.Options(budget="1GiB", offload="2GiB", quantize="int8", plan=str(tmp_path / "plan.json"),
+                            time_limit=3)
+    assert options.offload == options.host_budget == 2 * 2**30
+    assert options.quantize == fxopt.Quantize("int8") and options.plan.schedule == plan.schedule
+    assert options.time_limit == 3.0 and isinstance(options.time_limit, float)
+
+
+def meta_llama_like():
+    with torch.device("meta"):
+        return residual_mlp(blocks=2, width=64, batch=16)[0]
+
+
+def test_a_model_on_the_meta_device_is_refused_with_what_to_do():
+    """Issue 24, item 5: a model built under ``torch.device("meta")`` was planned silently wrong
+    (scratch memory unmeasured, a smallest budget below its own parameters)."""
+    model = meta_llama_like()
+    x = torch.randn(16, 64, device="meta")
+    for call in (lambda: fxopt.plan(model, 0.5, (x,)), lambda: fxopt.optimize(model, 0.5, example_inputs=(x,)),
+                 lambda: fxopt.optimize(model, "1MiB")(x)):
+        with pytest.raises(fxopt.CaptureError, match=r"meta device.*to_empty\(device='cpu'\)"):
+            call()
+    real, inputs = small()
+    with pytest.raises(fxopt.CaptureError, match="example inputs are on the meta device"):
+        fxopt.plan(real, 0.5, (inputs[0].to("meta"),))
+
+
+def test_a_step_with_meta_inputs_is_refused_by_the_planner():
+    """The backend sees no model, only the captured graph: the planner refuses its meta inputs
+    (parameters included)."""
+    compiled = torch.compile(meta_llama_like(), backend=fxopt.backend(0.5, compiler="eager"))
+    with pytest.raises(Exception, match="captured step's inputs .* are on the meta device"):  # (as Dynamo wraps it)
+        compiled(torch.randn(16, 64, device="meta"))
 
 
 def test_infeasible_budget_names_the_minimum():

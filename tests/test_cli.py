@@ -36,8 +36,11 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import argparse  # noqa: E402
+
 import fxopt  # noqa: E402
-from fxopt.cli.main import EXIT_ERROR  # noqa: E402
+from fxopt.budget import Budget  # noqa: E402
+from fxopt.cli.main import EXIT_ERROR, build_parser  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models.py"
 MLP = f"{EXAMPLES}:mlp"
@@ -88,7 +91,7 @@ def test_inspect_offload_shows_the_rows_and_draws_the_channels(tmp_path, capsys)
     cannot meet: OFFLOAD rows, the host line, a DOT graph and a plot with the copy channels, and
     the step run with the plan measured within the budget with eager's gradients."""
     paths = {k: tmp_path / f"plan.{k}" for k in ("dot", "png")}
-    code = main(["inspect", MLP, "--budget", "40%", *FAST, "--offload", "--run", "--top", "50",
+    code = main(["inspect", MLP, "--budget", "40%", *FAST, "--offload", "on", "--run", "--top", "50",
                  "--dot", str(paths["dot"]), "--plot", str(paths["png"])])
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
@@ -145,29 +148,73 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("flags, planned", [
-    ([], dict(compiler="eager", compress=True, quantize=None, offload=None)),
+    ([], dict(compiler="eager", compress=True, quantize=None, offload=None, solver="auto", time_limit=4.0)),
     (["--compiler", "inductor"], dict(compiler="inductor", compress=True, quantize=None)),
     (["--no-compress"], dict(compiler="eager", compress=False, quantize=None)),
-    (["--quantize", "int8"], dict(compiler="eager", compress=True, quantize="int8")),
-    (["--offload"], dict(offload=True)),
-    (["--no-offload"], dict(offload=False)),
+    (["--quantize", "int8"], dict(compiler="eager", compress=True, quantize=fxopt.Quantize("int8"))),
+    (["--offload", "on"], dict(offload=True)),
+    (["--offload", "off"], dict(offload=False)),
+    (["--offload", "1GiB"], dict(offload=2**30)),
+    (["--solver", "greedy", "--time-limit", "2.5"], dict(solver="greedy", time_limit=2.5)),
+    (["--budget", "min"], dict(budget=Budget(minimum=True))),
 ])
 def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, capsys):
     """What --compiler, --no-compress and --quantize do once they reach the planner is tested
-    with the API (test_backend, test_compression); here, that they reach it."""
+    with the API (test_backend, test_compression); here, that they reach it, as one
+    `fxopt.Options`."""
     import fxopt.api
 
     calls = []
 
-    def plan_and_rewrite(model, budget, inputs, **kwargs):
-        calls.append(kwargs)
+    def plan_and_rewrite(model, options, inputs):
+        calls.append(options)
         raise fxopt.InfeasibleBudgetError(1000, 2000)  # stop here: planning is not what is tested
 
     monkeypatch.setattr(fxopt.api, "plan_and_rewrite", plan_and_rewrite)
     assert main(["inspect", MLP, "--budget", "50%", *flags]) == EXIT_INFEASIBLE
-    (kwargs,) = calls
-    assert {k: kwargs[k] for k in planned} == planned
+    (options,) = calls
+    assert isinstance(options, fxopt.Options)
+    assert {k: getattr(options, k) for k in planned} == planned
     assert f"compiler {planned.get('compiler', 'eager')}," in capsys.readouterr().out
+
+
+def commands() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return {f"fxopt {name}": parser for name, parser in sub.choices.items()}
+
+
+def test_every_option_with_a_flag_is_on_the_command_line_and_reads_as_the_api():
+    """The flags are made from `fxopt.Options` (`fxopt.options.Flag`): each field with a flag is
+    one, on both commands, and no option of the API has a second flag elsewhere."""
+    from fxopt.options import public_fields
+
+    flagged = {f.name for f in public_fields() if f.metadata["flag"] is not None}
+    assert {"budget", "solver", "time_limit", "compiler", "compress", "quantize", "offload"} <= flagged
+    for name in ("fxopt demo", "fxopt inspect"):
+        dests = {a.dest for a in commands()[name]._actions}
+        assert flagged <= dests, f"{name} lacks {flagged - dests}"
+        fields = {f.name for f in public_fields()}
+        assert not {d for d in dests if d in fields} - flagged
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--offload", "50%"], "not a fraction"),
+    (["--time-limit", "0"], "time_limit must be a positive number"),
+    (["--budget=-1GiB"], "must be positive"),
+    (["--solver", "fastest"], "invalid choice"),
+])
+def test_bad_option_values_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", MLP, *flags])
+    assert info.value.code == EXIT_USAGE
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["demo", "inspect"])
+def test_every_flag_has_help(command):
+    """`--solver` and demo's flags had none (issue 24, item 12)."""
+    for action in commands()[f"fxopt {command}"]._actions:
+        assert action.help, f"fxopt {command} {'/'.join(action.option_strings) or action.dest} has no help"
 
 
 def test_verbose_logs_and_quiet_prints_nothing(capsys):
@@ -184,13 +231,6 @@ def test_python_dash_m_fxopt():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == EXIT_USAGE
     assert "has no 'nope'" in done.stderr
-
-
-def test_a_host_budget_cannot_go_with_no_offload(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["inspect", MLP, "--host-budget", "1GiB", "--no-offload"])
-    assert info.value.code == EXIT_USAGE
-    assert "--host-budget limits offload" in capsys.readouterr().err
 
 
 TINY = """
@@ -239,3 +279,58 @@ def test_inspect_max_batch(tmp_path, monkeypatch, capsys):
     assert "the largest batch within 96KiB" in out
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") >= 3}
     assert int(rows["eager"]) <= int(rows["fxopt"]) <= int(rows["no schedule above"])
+
+
+WRAPPED = """
+import functools
+import torch, torch.nn as nn
+
+def returns_tuple(forward):  # a decorator taking *args, as transformers' are: Dynamo names self L['args'][0]
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return (forward(*args, **kwargs),)
+    return wrapper
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(32, 32)
+    def forward(self, x):
+        return torch.tanh(self.gate_proj(x)) + x
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Sequential(Block(), Block())
+    @returns_tuple
+    def forward(self, x):
+        return self.model(x).sum()
+
+def wrapped():
+    torch.manual_seed(0)
+    return Wrapper(), (torch.randn(64, 32),)
+"""
+
+
+def test_inspect_names_modules_as_the_model_does(tmp_path, capsys):
+    """Issue 24, item 12: the module column showed Dynamo's names (``L.args[0].model.layers.0...``)."""
+    (tmp_path / "wrapped.py").write_text(WRAPPED)
+    assert main(["inspect", f"{tmp_path / 'wrapped.py'}:wrapped", "--budget", "1.0", *FAST]) == EXIT_OK
+    out = capsys.readouterr().out
+    modules = {line.split("│")[4].strip() for line in out.splitlines() if line.count("│") >= 5}
+    assert modules & {"model.0.gate_proj", "model.1.gate_proj", "model.0", "model.1"}, modules
+    assert not any("L." in m or "L[" in m or m.startswith("args") for m in modules), modules
+
+
+@pytest.mark.parametrize("path, name", [
+    ("L['args'][0].model.layers.0.mlp.gate_proj", "model.layers.0.mlp.gate_proj"),
+    ("L['self'].blocks._modules['0'].l1", "blocks.0.l1"),
+    ("L['s'].model.0.l", "model.0.l"),
+    ("getattr(L.self.h, '3').ln_2", "h.3.ln_2"),
+    ("L['self']", ""),
+    ("", ""),
+])
+def test_module_names_are_relative_to_the_model(path, name):
+    from fxopt.cli.report import module_name
+
+    assert module_name(path) == name

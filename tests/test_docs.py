@@ -1,18 +1,20 @@
 """The docs follow the code.
 
 - docs/api.md shows every public name with its signature exactly as ``inspect.signature`` prints
-  it (a block may be wrapped after ", "), and names every argument under it;
-- docs/cli.md shows each command's usage exactly as argparse prints it (up to line wrapping), and
-  names every option;
+  it (a block may be wrapped after ", "), and names every argument under it; `fxopt.Options`, the
+  schema every entry point takes, as a table of its fields with their defaults;
+- docs/cli.md shows each command's usage exactly as argparse prints it (up to line wrapping; the
+  flags made from `fxopt.Options` as one ``[OPTIONS]``), and names every other option;
 - every ``fxopt.*`` module and attribute, and every file under fxopt/, tests/, examples/ and
   benchmarks/, that the docs and the front page mention exists, and every link between pages
   resolves (anchors included);
-- the front page stays a front page.
+- the front page stays a front page, and its commands do not surprise a CPU-only machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import re
@@ -65,12 +67,17 @@ def has_signature(obj) -> bool:
     return True
 
 
+# Documented as a table of their fields (`test_the_option_table_is_the_schema`), not a signature:
+# a new option is one field and one row.
+TABLED = {"Options"}
+
+
 @pytest.mark.parametrize("name", fxopt.__all__)
 def test_every_public_name_has_a_signature_block(name):
     obj = getattr(fxopt, name)
     if isinstance(obj, type) and issubclass(obj, BaseException):
         assert f"fxopt.{name}" in CLASSES, f"docs/api.md has no ```python class fxopt.{name}(...)``` block"
-    if has_signature(obj):
+    if has_signature(obj) and name not in TABLED:
         assert f"fxopt.{name}" in CALLS, f"docs/api.md has no ```python fxopt.{name}(...)``` block"
 
 
@@ -98,6 +105,47 @@ def test_every_argument_is_described_under_its_signature(path):
         assert re.search(rf"`{stars}{name}\b", described), f"{path}: argument {name} is not described under it"
 
 
+# --- docs/api.md: the options -------------------------------------------------------------------
+
+OPTION_ROW = re.compile(r"^\| `(\w+)` \| (.+?) \| (.+) \|$", re.M)
+
+
+def option_table() -> dict[str, tuple[str, str]]:
+    """The rows of the table under ``## Options``: option -> (default, what it sets)."""
+    start = API.index("\n## Options\n")
+    section = API[start:API.index("\n## ", start + 1)]
+    return {m[1]: (m[2], m[3]) for m in OPTION_ROW.finditer(section)}
+
+
+def documented_default(field) -> str:
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+        return f'`"{value}"`' if isinstance(value, str) else f"`{value!r}`"
+    if field.default_factory is not dataclasses.MISSING:
+        return f"`{field.default_factory.__name__}()`"
+    return "required"
+
+
+def test_the_option_table_is_the_schema():
+    """One row per option users set, in the schema's order, with its default, and a line saying
+    what it sets; an option the table lacks (or one it shows that is gone) fails here."""
+    from fxopt.options import public_fields
+
+    rows = option_table()
+    fields = list(public_fields())
+    assert list(rows) == [f.name for f in fields], "docs/api.md's table of options is not fxopt.Options' fields"
+    for field in fields:
+        assert rows[field.name][0] == documented_default(field), f"option {field.name}: the default is {documented_default(field)}"
+        assert len(rows[field.name][1]) > 20, f"option {field.name}: say what it sets"
+
+
+def test_every_option_is_documented_in_the_schema():
+    from fxopt.options import Options
+
+    for field in dataclasses.fields(Options):
+        assert len(field.metadata.get("doc", "")) > 20, f"fxopt.Options.{field.name} has no doc"
+
+
 # --- docs/cli.md: usage -------------------------------------------------------------------------
 
 USAGE = re.compile(r"^```text\n(usage: fxopt\b.*?)\n```$", re.M | re.S)
@@ -112,17 +160,43 @@ def commands() -> dict[str, argparse.ArgumentParser]:
     return found
 
 
+def option_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags made from `fxopt.Options` (documented by the option table of docs/api.md)."""
+    from fxopt.options import public_fields
+
+    flagged = {f.name for f in public_fields() if f.metadata["flag"] is not None}
+    return [a for a in parser._actions if a.dest in flagged and a.option_strings]
+
+
+def usage_as_documented(parser: argparse.ArgumentParser) -> str:
+    """argparse's usage, the flags made from `fxopt.Options` shown as one ``[OPTIONS]`` (so a new
+    option changes no usage block)."""
+    usage = one_line(parser.format_usage())
+    flags = option_flags(parser)
+    for k, action in enumerate(flags):
+        part = f"[{action.option_strings[0]}" + (f" {action.metavar or action.dest.upper()}]" if action.nargs != 0 else "]")
+        assert part in usage, (part, usage)
+        usage = usage.replace(part, "[OPTIONS]" if k == 0 else "").replace("  ", " ")
+    return usage
+
+
 def test_cli_usage_blocks_are_argparses():
     documented = {one_line(u) for u in USAGE.findall(CLI)}
-    real = {name: one_line(p.format_usage()) for name, p in commands().items()}
+    real = {name: usage_as_documented(p) for name, p in commands().items()}
     for name, usage in real.items():
         assert usage in documented, f"docs/cli.md lacks the usage of `{name}` as argparse prints it:\n{usage}"
     assert documented <= set(real.values()), f"docs/cli.md shows usage argparse no longer prints: {documented - set(real.values())}"
 
 
 def test_every_cli_option_is_described():
+    """In docs/cli.md; a flag made from `fxopt.Options` by its option's row in docs/api.md."""
+    rows = option_table()
     for name, parser in commands().items():
+        made = {id(a) for a in option_flags(parser)}
         for action in parser._actions:
+            if id(action) in made:
+                assert action.dest in rows, f"`{name} {action.option_strings[0]}`: docs/api.md has no row for {action.dest}"
+                continue
             for option in action.option_strings:
                 if option.startswith("--") and option != "--help":
                     assert re.search(rf"`{option}(?![\w-])", CLI), f"docs/cli.md does not describe `{name} {option}`"
@@ -174,6 +248,27 @@ def test_front_page_stays_short_and_points_to_the_docs():
     assert len(readme.splitlines()) < 120
     for page in ("docs/design.md", "docs/api.md"):
         assert f"]({page}" in readme, f"README.md does not link to {page}"
+
+
+def _shell_commands(text: str) -> list[str]:
+    """The commands of the ```bash blocks of ``text``, one per line, comments dropped."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)
+    return [c for block in blocks for line in block.splitlines() for c in [line.split("#")[0].strip()] if c]
+
+
+def test_the_front_pages_install_does_not_surprise_a_cpu_only_machine():
+    """Issue 24, item 10: a bare ``pip install .`` pulls torch with CUDA (about 5 GB) on a machine
+    without it, and the hint came after the command. The CPU build is installed first, in the
+    commands as written (a CUDA machine skips that line); .ci/run runs the front page's test
+    command."""
+    commands = _shell_commands(PAGES["README.md"])
+    installs = [k for k, c in enumerate(commands) if re.match(r"pip install (-e )?[.\"']", c)]
+    cpu = [k for k, c in enumerate(commands) if "pip install" in c and "download.pytorch.org/whl/cpu" in c]
+    assert installs and cpu and cpu[0] < installs[0], "README.md: install the CPU build of torch before fxopt"
+    tests = [c for c in commands if "pytest" in c]
+    assert len(tests) == 1
+    test_command = tests[0].split("&&")[-1].strip()
+    assert test_command in (ROOT / ".ci" / "run").read_text(), f".ci/run does not run the README's {test_command!r}"
 
 
 @pytest.mark.parametrize("page", sorted(p for p in PAGES if p.startswith("docs/")))

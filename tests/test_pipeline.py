@@ -56,3 +56,27 @@ def test_tied_embeddings_leave_nowhere_to_cut():
 ])
 def test_module_of(path, within, expected):
     assert module_of(path, within) == expected
+
+
+def test_every_stage_is_planned_with_the_options_given(monkeypatch):
+    """The options reach every stage's plan (issue 25: a plain dict of three of them before, so
+    quantize, offload and the compiler could not be set); unknown ones and 'min' are refused."""
+    import fxopt.api
+    from fxopt.analysis.codecs import Quantize
+
+    seen = []
+    real = fxopt.api.plan_and_rewrite
+    monkeypatch.setattr(fxopt.api, "plan_and_rewrite", lambda m, o, x: seen.append(o) or real(m, o, x))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    inputs = (torch.randn(8, 8),)
+    plan = fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget=0.95, quantize="int8", compress=False,
+                          solver="greedy", time_limit=2)
+    stages = [o for o in seen if o.in_flight is not None]
+    assert len(stages) >= 2 and len(plan.stages) == 2
+    assert all(o.quantize == Quantize("int8") and o.compress is False and o.solver == "greedy" for o in stages)
+    assert all(o.budget.bytes == plan.budget_bytes for o in stages)
+    with pytest.raises(ValueError, match="unknown fxopt option.*'sovler'"):
+        fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget=0.9, sovler="greedy")
+    with pytest.raises(fxopt.BudgetError, match="not 'min'"):
+        fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget="min")

@@ -22,27 +22,21 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from fxopt.analysis import CostModel
-from fxopt.analysis.codecs import Quantize
-from fxopt.budget import Budget
+from fxopt.budget import BudgetLike
 from fxopt.capture.dynamo import make_backend
 from fxopt.capture.pieces import GraphBreakWarning, break_location
 from fxopt.errors import CaptureError, check_choice
-from fxopt.planner import Options
-from fxopt.solvers import DEFAULT_TIME_LIMIT
+from fxopt.options import Options, check_names
 from fxopt.solvers.plan import Plan
 
 log = logging.getLogger("fxopt")
 
 GRAPH_BREAKS = ("error", "warn")
-OPTIONS = ("budget", "compiler", "solver", "time_limit", "graph_breaks", "plan", "inductor", "compress", "quantize",
-           "offload")
 
 
 class FxoptBackend:
@@ -82,36 +76,15 @@ class FxoptBackend:
         warnings.warn(message, GraphBreakWarning, stacklevel=2)
 
 
-def backend(
-    budget: Budget,
-    *,
-    compiler: str = "inductor",
-    solver: str = "auto",
-    time_limit: float = DEFAULT_TIME_LIMIT,
-    graph_breaks: str = "error",
-    plan: Plan | str | Path | None = None,
-    cost_model: CostModel | None = None,
-    inductor_config: dict[str, Any] | None = None,
-    compress: bool = True,
-    quantize: str | Quantize | None = None,
-    offload: bool | int | str | None = None,
-) -> FxoptBackend:
+def backend(budget: BudgetLike | Options, *, graph_breaks: str = "error", **options: Any) -> FxoptBackend:
     """A backend for ``torch.compile(model, backend=fxopt.backend(...))``.
 
-    ``budget``: as for `fxopt.optimize` (a fraction is of the captured step's eager peak).
-    ``compiler``: ``"inductor"`` (default; fused kernels, see `fxopt.capture.inductor`) or ``"eager"``
-    (the rewritten graphs run op by op). ``graph_breaks``: ``"error"`` (default) or ``"warn"``,
-    see the module docstring. ``plan``: replay a `Plan` (or the path of its JSON) instead of
-    solving. ``inductor_config``: extra Inductor settings. ``compress``, ``quantize``, ``offload``:
-    as for `fxopt.optimize` (lossless compression on by default; quantization opt-in; offload on
-    for CUDA steps by default).
+    ``budget``, ``options``: as for `fxopt.optimize` (the fields of `fxopt.Options`; a share
+    budget is of the captured step's eager peak), except that ``compiler`` is ``"inductor"``
+    unless given (fused kernels, see `fxopt.capture.inductor`). ``graph_breaks``: ``"error"``
+    (default) or ``"warn"``, see the module docstring.
     """
-    if isinstance(plan, (str, Path)):
-        plan = Plan.from_json(plan)
-    options = Options(budget=budget, solver=solver, plan=plan, time_limit=float(time_limit),
-                      cost_model=cost_model or CostModel(), compiler=compiler,
-                      inductor_config=inductor_config, compress=compress, quantize=quantize, offload=offload)
-    return FxoptBackend(options, graph_breaks)
+    return FxoptBackend(Options.of(budget, defaults={"compiler": "inductor"}, **options), graph_breaks)
 
 
 def fxopt_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any] | None = None,
@@ -123,13 +96,10 @@ def fxopt_backend(gm: fx.GraphModule, example_inputs, *, options: dict[str, Any]
         raise ValueError(f"the fxopt backend takes no mode (got {mode!r}); pass Inductor settings "
                          "as options={'budget': ..., 'inductor': {...}}")
     options = dict(options or {})
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown fxopt option(s) {', '.join(map(repr, unknown))}; "
-                         f"the fxopt backend takes {', '.join(OPTIONS)}")
+    check_names(options, besides=("graph_breaks", "inductor"))
     if "budget" not in options:
         raise ValueError("the fxopt backend needs a budget: torch.compile(model, backend='fxopt', "
-                         "options={'budget': '2GiB'}) (bytes, '3GiB', '500MB', '50%' or 0.5)")
+                         "options={'budget': '2GiB'}) (bytes, '3GiB', '500MB', '50%', 0.5 or 'min')")
     if "inductor" in options:
         options["inductor_config"] = options.pop("inductor")
     return backend(**options)(gm, example_inputs)

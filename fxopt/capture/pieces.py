@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from fxopt.budget import resolve_budget
+from fxopt.budget import Budget
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
 from fxopt.solvers.plan import Plan
 from fxopt.storage import StorageKey, local, storage_key, storage_refs, storages
@@ -141,14 +141,6 @@ class Step:
         return others + gathered + earlier + later_grads + self.held
 
 
-def budget_bytes(budget: Any) -> int | None:
-    """The budget in bytes, or None when it is a fraction of the eager peak."""
-    try:
-        return resolve_budget(budget, None)
-    except BudgetError:
-        return None
-
-
 def break_location(gm: fx.GraphModule) -> str | None:
     """``file:line (reason)`` of the graph break that ends this piece, or None if none does."""
     reason = getattr(gm, "compile_subgraph_reason", None)
@@ -171,7 +163,7 @@ class PiecewiseBackend:
     ``make_piece_backend(budget, on_plan, whole)`` builds the planning backend of one piece
     (``whole``: the piece is the whole step)."""
 
-    def __init__(self, budget: Any, make_piece_backend: Callable[[Any, Callable[[Plan], None], bool], Callable],
+    def __init__(self, budget: Budget, make_piece_backend: Callable[[Any, Callable[[Plan], None], bool], Callable],
                  graph_breaks: str):
         self.budget = budget
         self.make_piece_backend = make_piece_backend
@@ -193,12 +185,13 @@ class PiecewiseBackend:
                 "(data-dependent Python such as .item() is the usual cause), or use graph_breaks='split' "
                 "(the default) to plan the pieces in order within the budget."
             )
-        budget = budget_bytes(self.budget)
+        budget = self.budget.bytes
         if budget is None:
             raise BudgetError(
                 f"this training step is captured in pieces (a graph break at {where or 'an earlier piece'}), "
-                f"so fxopt plans it piece by piece and needs the budget in bytes, not {self.budget!r}: the "
-                "step's eager peak is not known until every piece has run. Pass bytes or a size such as '2GiB' "
+                f"so fxopt plans it piece by piece and needs the budget in bytes, not {str(self.budget)!r}: the "
+                "step's eager peak and its smallest budget are not known until every piece has run. Pass bytes "
+                "or a size such as '2GiB' "
                 "(for a share of the eager peak, measure one eager step: peak = fxopt.measure_peak(step, model, "
                 "batch).peak_bytes, then budget=int(0.5 * peak))."
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -28,24 +29,20 @@ from pathlib import Path
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INFEASIBLE = 0, 1, 2, 3
 
 
-def _offload(args) -> bool | str | None:
-    """``offload=`` from --offload/--no-offload and --host-budget."""
-    host_budget = getattr(args, "host_budget", None)
-    return args.offload if host_budget is None else host_budget
+def _given_options(args: argparse.Namespace) -> dict:
+    """The fields of `fxopt.Options` the command line gave (the budget always: it has a default
+    there), by name."""
+    from fxopt.options import public_fields
+
+    return {f.name: getattr(args, f.name) for f in public_fields() if hasattr(args, f.name)}
 
 
-def _parse_budget(text: str):
-    """"50%", "0.5" (a fraction), "3GiB", "500MB" or plain bytes."""
-    from fxopt.budget import resolve_budget
+def _options(args: argparse.Namespace):
+    """The `fxopt.Options` the command line gave."""
+    from fxopt.options import Options
 
-    try:
-        value: int | float | str = float(text) if "." in text and text.replace(".", "", 1).isdigit() else text
-        if isinstance(value, str) and value.isdigit():
-            value = int(value)
-        resolve_budget(value, 1)
-        return value
-    except Exception as err:  # noqa: BLE001 - argparse turns this into a usage error
-        raise argparse.ArgumentTypeError(str(err)) from None
+    given = _given_options(args)
+    return Options.of(given.pop("budget"), **given)
 
 
 def _step(model, inputs):
@@ -78,17 +75,17 @@ def demo(args: argparse.Namespace) -> int:
     console = Console(quiet=args.quiet)
     torch.manual_seed(0)
     model, inputs = residual_mlp(args.blocks, args.width, args.batch)
+    options = _options(args)
     console.print(
         f"[bold]fxopt demo[/]: residual MLP, {args.blocks} blocks, width {args.width}, batch {args.batch}, "
-        f"fp32, torch {torch.__version__}, budget {args.budget}"
+        f"fp32, torch {torch.__version__}, budget {options.budget}"
     )
     eager = model
     optimized_src = copy.deepcopy(model)
     t0 = time.perf_counter()
     with console.status("capturing and planning the training step…"):
         try:
-            optimized = fxopt.optimize(optimized_src, args.budget, example_inputs=inputs,
-                                       solver=args.solver, time_limit=args.time_limit)
+            optimized = fxopt.optimize(optimized_src, options, example_inputs=inputs)
         except fxopt.InfeasibleBudgetError as err:
             console.print(f"[red]infeasible budget:[/] {err}")
             return EXIT_INFEASIBLE
@@ -137,7 +134,7 @@ def demo(args: argparse.Namespace) -> int:
         f"{len(plan.saved)} values saved, {sum(plan.recomputed.values())} recomputations"
     )
     if args.json:
-        result = {"budget": args.budget, "plan": {k: getattr(plan, k) for k in (
+        result = {"budget": str(options.budget), "plan": {k: getattr(plan, k) for k in (
             "budget_bytes", "peak_bytes", "eager_peak_bytes", "recompute_flops", "solver", "status", "solve_seconds")},
             "planning_seconds": planning, "grads_equal": grads_equal, **rows}
         with open(args.json, "w") as fh:
@@ -296,31 +293,29 @@ def inspect(args: argparse.Namespace) -> int:
         return inspect_pipeline(args, model, inputs, out, err)
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    options = _options(args)
     out.print(f"[bold]fxopt inspect[/] {args.model}: {type(model).__name__}, {n_params / 1e6:.2f} M parameters "
-              f"({format_bytes(param_bytes)}), inputs {_describe_inputs(inputs)}; budget {args.budget}, "
-              f"solver {args.solver}, compiler {args.compiler}, torch {torch.__version__}")
+              f"({format_bytes(param_bytes)}), inputs {_describe_inputs(inputs)}; budget {options.budget}, "
+              f"solver {options.solver}, compiler {options.compiler}, torch {torch.__version__}")
     if args.max_batch:
         return _max_batch(model, inputs, args, out, err)
     t0 = time.perf_counter()
     try:
         with _progress(err, "capturing and planning the training step"):
-            ready = plan_and_rewrite(model, args.budget, inputs, solver=args.solver,
-                                     time_limit=args.time_limit, compiler=args.compiler,
-                                     compress=not args.no_compress, quantize=args.quantize,
-                                     offload=_offload(args))
+            ready = plan_and_rewrite(model, options, inputs)
     except fxopt.InfeasibleBudgetError as e:
         out.print(f"[red]infeasible budget:[/] {e}")
-        out.print(f"try: fxopt inspect {args.model} --budget {e.min_budget}")
+        out.print(f"try: fxopt inspect {args.model} --budget {e.min_budget} (or --budget min)")
         return EXIT_INFEASIBLE
     plan = ready.plan
     planning = time.perf_counter() - t0
 
-    measured, grads_equal = _measure(model, inputs, plan, args, err) if args.run else ({}, None)
+    measured, grads_equal = _measure(model, inputs, plan, options, args, err) if args.run else ({}, None)
     _write_files(plan, args, measured)
     _print_summary(out, plan, args, planning, measured, grads_equal)
     _print_tensors(out, plan, args.top)
     if args.code:
-        _print_code(out, ready, args.compiler)
+        _print_code(out, ready, options.compiler)
     for flag, path in (("json", args.json), ("dot", args.dot), ("plot", args.plot)):
         if path:
             out.print(f"wrote {path} (--{flag})")
@@ -346,8 +341,7 @@ def inspect_pipeline(args: argparse.Namespace, model, inputs, out, err) -> int:
     try:
         with _progress(err, f"cutting the step into {args.stages} stages and planning each"):
             plan = fxopt.pipeline(model, inputs, stages=args.stages, microbatches=microbatches,
-                                  schedule=args.schedule, budget=args.budget, solver=args.solver,
-                                  time_limit=args.time_limit, compress=not args.no_compress)
+                                  schedule=args.schedule, budget=_options(args))
     except fxopt.InfeasibleBudgetError as e:
         out.print(f"[red]infeasible budget:[/] {e}")
         out.print(f"try: fxopt inspect {args.model} --stages {args.stages} --microbatches {microbatches} "
@@ -377,25 +371,22 @@ def _max_batch(model, inputs, args: argparse.Namespace, out, err) -> int:
     """``--max-batch``: the largest batch that fits the budget (`fxopt.max_batch`), the factory's
     inputs repeated or cut along dim 0 to each batch tried."""
     import fxopt
-    from fxopt.budget import resolve_budget
-    from fxopt.errors import BudgetError
 
-    try:
-        resolve_budget(args.budget, None)
-    except BudgetError:
+    given = _given_options(args)
+    budget = given.pop("budget")
+    if budget.bytes is None:
         print(f"fxopt inspect: error: --max-batch needs the budget in bytes or as a size ('24GiB'), not "
-              f"{args.budget!r}", file=sys.stderr)
+              f"{str(budget)!r}", file=sys.stderr)
         return EXIT_USAGE
     try:
         with _progress(err, "finding the largest batch that fits"):
-            found = fxopt.max_batch(model, args.budget, lambda b: _at_batch(inputs, b), solver=args.solver,
-                                    compress=not args.no_compress, quantize=args.quantize)
+            found = fxopt.max_batch(model, budget, lambda b: _at_batch(inputs, b), **given)
     except fxopt.InfeasibleBudgetError as e:
         out.print(f"[red]infeasible budget:[/] {e}")
         return EXIT_INFEASIBLE
     from rich.table import Table
 
-    table = Table(title=f"the largest batch within {args.budget}")
+    table = Table(title=f"the largest batch within {budget}")
     table.add_column("")
     table.add_column("batch", justify="right")
     table.add_column("how", justify="left")
@@ -464,7 +455,7 @@ def _print_summary(out, plan, args: argparse.Namespace, planning: float, measure
             cells.append(format_bytes(_measured_peak(real)))
         summary.add_row(*cells, note)
     budget_cells = ["budget", format_bytes(plan.budget_bytes)] + ([""] if measured else [])
-    summary.add_row(*budget_cells, f"{args.budget}")
+    summary.add_row(*budget_cells, str(args.budget))
     out.print(summary)
     total_flops = sum(n.flops for n in plan.graph.nodes)
     extra = plan.recompute_flops
@@ -521,7 +512,7 @@ def _print_code(out, ready, compiler: str) -> None:
             out.print(code, markup=False)
 
 
-def _measure(model, inputs, plan, args, err):
+def _measure(model, inputs, plan, options, args, err):
     """Run one step eagerly and one through fxopt (the plan replayed with ``args.compiler``),
     each from no gradients and the same seed; their measured timelines and whether the
     gradients agree."""
@@ -531,8 +522,7 @@ def _measure(model, inputs, plan, args, err):
     from fxopt.measure import measure_timeline
 
     eager = copy.deepcopy(model)
-    optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan, compiler=args.compiler,
-                               compress=not args.no_compress, quantize=args.quantize, offload=_offload(args))
+    optimized = fxopt.optimize(copy.deepcopy(model), dataclasses.replace(options, budget=plan.budget_bytes, plan=plan))
     timelines = {}
     for name, m in (("eager", eager), ("fxopt", optimized)):
         text = "compiling and measuring fxopt's step" if name == "fxopt" else "measuring eager's step"
@@ -542,7 +532,7 @@ def _measure(model, inputs, plan, args, err):
             m.zero_grad(set_to_none=True)
             torch.manual_seed(args.seed)
             timelines[name] = measure_timeline(_train_step, m, inputs, resident=[m, inputs])
-    tol = {"rtol": 1e-4, "atol": 1e-5} if args.compiler == "inductor" else {"rtol": 1e-5, "atol": 1e-6}
+    tol = {"rtol": 1e-4, "atol": 1e-5} if options.compiler == "inductor" else {"rtol": 1e-5, "atol": 1e-6}
     grads_equal = all(
         (a.grad is None) == (b.grad is None) and (a.grad is None or torch.allclose(a.grad, b.grad, **tol))
         for a, b in zip(eager.parameters(), optimized.parameters())
@@ -556,23 +546,64 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="log what fxopt does (-vv: more)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from fxopt.planner import COMPILERS
-    from fxopt.solvers import DEFAULT_TIME_LIMIT, SOLVERS
+def _add_options(p: argparse.ArgumentParser) -> None:
+    """A flag for each field of `fxopt.Options` that has one (`fxopt.options.Flag`), its help
+    the first sentence of the field's doc; a value is read and checked as the field reads it (a
+    bad one is a usage error). A flag not given leaves the field's default."""
+    from fxopt.options import public_fields
 
-    budget_help = "bytes, '3GiB', '500MB', or a share of the eager peak: '50%%' or 0.5 (default 50%%)"
+    for field in public_fields():
+        flag = field.metadata["flag"]
+        if flag is None:
+            continue
+        name = field.name.replace("_", "-")
+        text = flag.help or _first_sentence(field.metadata["doc"])
+        if flag.negate:
+            p.add_argument(f"--no-{name}", dest=field.name, action="store_false", default=argparse.SUPPRESS,
+                           help=text.replace("%", "%%"))
+            continue
+        default = flag.default if flag.default is not None else field.default
+        if flag.help is None and default is not None:
+            text += f" (default {default})"
+        metavar = flag.metavar or (f"{{{','.join(flag.choices)}}}" if flag.choices else None)
+        p.add_argument(f"--{name}", dest=field.name, type=_reader(field, flag), metavar=metavar,
+                       default=argparse.SUPPRESS if flag.default is None else flag.default,
+                       help=text.replace("%", "%%"))
+
+
+def _first_sentence(doc: str) -> str:
+    text = doc.replace("`", "").split(". ")[0].removesuffix(".")
+    return text[0].lower() + text[1:]
+
+
+def _reader(field, flag):
+    """The field's value from a flag's text: one of ``flag.choices``, read by ``flag.parse``, then
+    the field's check (argparse would check choices against the value read)."""
+    check = field.metadata["check"] or (lambda value: value)
+    parse = flag.parse or (lambda text: text)
+
+    def read(text: str):
+        if flag.choices and text not in flag.choices:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(flag.choices)})")
+        try:
+            return check(parse(text))
+        except Exception as err:  # noqa: BLE001 - argparse turns this into a usage error
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    read.__name__ = field.name  # argparse names the type in its "invalid value" message
+    return read
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxopt", description="Budgeted rematerialization of PyTorch training steps.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log what fxopt does (-vv: more)")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="eager vs fxopt on a built-in residual MLP, measured")
-    d.add_argument("--budget", type=_parse_budget, default="50%", help=budget_help)
-    d.add_argument("--solver", choices=SOLVERS, default="auto")
-    d.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
-                   help=f"seconds for the plan, capture included (default {DEFAULT_TIME_LIMIT:g})")
-    d.add_argument("--blocks", type=int, default=8)
-    d.add_argument("--width", type=int, default=512)
-    d.add_argument("--batch", type=int, default=4096)
-    d.add_argument("--repeats", type=int, default=3, help="timed steps per method (median)")
+    _add_options(d)
+    d.add_argument("--blocks", type=int, default=8, help="residual blocks of the MLP (default 8)")
+    d.add_argument("--width", type=int, default=512, help="its hidden width (default 512)")
+    d.add_argument("--batch", type=int, default=4096, help="rows of its input batch (default 4096)")
+    d.add_argument("--repeats", type=int, default=3, help="timed steps per method (median; default 3)")
     d.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     _add_common(d)
     d.set_defaults(func=demo)
@@ -583,19 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
         "which tensors are saved or recomputed. MODEL is 'path/to/file.py:factory' or "
         "'package.module:factory'; factory() returns (model, example_inputs).")
     i.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
-    i.add_argument("--budget", type=_parse_budget, default="50%", help=budget_help)
-    i.add_argument("--solver", choices=SOLVERS, default="auto")
-    i.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
-                   help=f"seconds for the plan, capture included (default {DEFAULT_TIME_LIMIT:g})")
-    i.add_argument("--compiler", choices=COMPILERS, default="eager",
-                   help="what runs the rewritten step with --run (default eager)")
-    i.add_argument("--no-compress", action="store_true", help="recompute only: no lossless compression of saved values")
-    i.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
-                   help="let the solver keep saved values in host memory (default: on for a CUDA model)")
-    i.add_argument("--host-budget", metavar="SIZE",
-                   help="with offload: the most host memory it may hold at once ('16GiB'); turns offload on")
-    i.add_argument("--quantize", choices=("int8", "fp8", "int4"),
-                   help="also let the solver quantize saved activations (lossy; off by default)")
+    _add_options(i)
     i.add_argument("--code", action="store_true", help="print the rewritten forward and backward graphs")
     i.add_argument("--dot", metavar="FILE", help="write the step's graph with the decisions as graphviz DOT")
     i.add_argument("--json", metavar="FILE", help="write the plan as JSON (replay with fxopt.Plan.from_json)")
@@ -641,8 +660,6 @@ def _logging(verbosity: int, quiet: bool):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "host_budget", None) is not None and args.offload is False:
-        parser.error("--host-budget limits offload: it cannot go with --no-offload")
     verbosity = args.verbose + getattr(args, "sub_verbose", 0)
     from fxopt.solvers import SolverTimeoutWarning
 

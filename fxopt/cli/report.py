@@ -4,10 +4,10 @@ the step, and the memory timeline of eager vs planned (and measured) steps."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 from fxopt.errors import FxoptError
+from fxopt.fxgraph import module_name
 from fxopt.solvers.plan import Plan
 from fxopt.solvers import eager_schedule, simulate
 
@@ -22,13 +22,6 @@ class TensorRow:
     bytes: int  # bytes of the storage it holds (its base's, for a view)
     module: str  # the nn.Module it comes from ("" when unknown)
     flops: int  # extra FLOPs of its recomputations
-
-
-def module_name(path: str) -> str:
-    """``"L['self'].blocks._modules['0'].l1"`` (Dynamo's spelling) → ``"blocks.0.l1"``."""
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    return re.sub(r"\['([^']*)'\]", r".\1", path)
 
 
 def tensor_rows(plan: Plan) -> list[TensorRow]:

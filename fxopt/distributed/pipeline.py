@@ -29,8 +29,8 @@ memory. Call ``schedule.step(..., return_outputs=False)`` unless the plan was ma
 
 from __future__ import annotations
 
+import dataclasses
 import operator
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,9 +38,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxopt.budget import Budget, resolve_budget
-from fxopt.errors import CaptureError, FxoptError, check_choice
-from fxopt.solvers import DEFAULT_TIME_LIMIT, Solution
+from fxopt.budget import Budget, BudgetLike
+from fxopt.errors import BudgetError, CaptureError, FxoptError, check_choice
+from fxopt.fxgraph import module_name
+from fxopt.options import Options
+from fxopt.solvers import Solution
 from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
 from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, accumulation,
                                   cut_and_plan, cut_model, in_flight_count, pipeline_timing, plan_split,
@@ -113,10 +115,7 @@ def module_of(path: str, within: str | None = "model") -> str | None:
     """A captured node's module path (Dynamo's, ``L['self'].model.h[3].attn``) relative to the
     module ``within`` names (``"h.3.attn"``; ``""``: that module's own forward), or None outside
     it (the loss, outside the model). ``within`` None: relative to the captured module itself."""
-    while "getattr(" in path:  # getattr(L.self.h, '3') -> L.self.h.3
-        path = re.sub(r"getattr\(([^(),]+), ['\"]([^'\"]+)['\"]\)", r"\1.\2", path, count=1)
-    path = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", path)
-    path = re.sub(r"^(L\.self|L__self__|L\.\w+)\.?", "", path).replace("..", ".").strip(".")
+    path = module_name(path)
     if within is None or path == within:
         return path if within is None else ""
     return path[len(within) + 1:] if path.startswith(within + ".") else None
@@ -282,7 +281,7 @@ class _StagePlanner:
     split), captures each stage's part and plans it with what its device holds beside."""
 
     def __init__(self, model, mb_args, mb_target, loss_fn, points: SplitPoints, cut: CutModel, budget: int,
-                 options: dict, return_outputs: bool):
+                 options: Options, return_outputs: bool):
         self.model, self.mb_args, self.mb_target, self.loss_fn = model, mb_args, mb_target, loss_fn
         self.points, self.cut, self.budget, self.options = points, cut, budget, options
         self.return_outputs = return_outputs
@@ -333,8 +332,8 @@ class _StagePlanner:
         with torch.no_grad():
             out = stage(*inputs[s])
         in_flight = self.in_flight(s, stage.part, inputs[s], out if isinstance(out, tuple) else (out,))
-        ready = plan_and_rewrite(stage.part, budget, stage.part_inputs(inputs[s]), in_flight=in_flight,
-                                 **self.options)
+        options = dataclasses.replace(self.options, budget=Budget(bytes=budget), in_flight=in_flight)
+        ready = plan_and_rewrite(stage.part, options, stage.part_inputs(inputs[s]))
         plan = ready.plan
         self.plans[(split.cuts, s)] = plan
         timeline = plan.timeline()
@@ -345,7 +344,7 @@ class _StagePlanner:
                            sum(graph.nodes[i].cost for i in graph.backward_nodes))
 
 
-def _loss_memory(loss_fn, output, target, options: dict) -> tuple[int, int]:
+def _loss_memory(loss_fn, output, target, options: Options) -> tuple[int, int]:
     """The loss's eager memory beyond the output and target it reads (it runs outside the last
     stage's plan, on its output, the gradient it makes included), and what it SAVEs until its
     backward (held per microbatch in flight on GPipe's last stage)."""
@@ -356,8 +355,7 @@ def _loss_memory(loss_fn, output, target, options: dict) -> tuple[int, int]:
         return 0, 0
     leaf = _receivable([output])[0] if isinstance(output, torch.Tensor) else output
     try:
-        plan = plan_and_rewrite(_Loss(loss_fn), _UNBOUNDED, (leaf, target), solver="save_all",
-                                compress=options.get("compress", True)).plan
+        plan = plan_and_rewrite(_Loss(loss_fn), _unbounded(options), (leaf, target)).plan
     except CaptureError:  # no backward of its own (the output is the loss): nothing beyond it
         return 0, 0
     return max(0, plan.eager_peak_bytes - _bytes(output) - _bytes(target)), plan.timeline().saved_bytes
@@ -370,14 +368,12 @@ def pipeline(
     stages: int,
     microbatches: int,
     schedule: str = "1F1B",
-    budget: Budget,
+    budget: BudgetLike | Options,
     loss_fn: Callable | None = None,
     target: Any = None,
-    solver: str = "auto",
-    time_limit: float = DEFAULT_TIME_LIMIT,
-    compress: bool = True,
     return_outputs: bool = False,
     split_points: Sequence[tuple[str, str]] | None = None,
+    **options: Any,
 ) -> PipelinePlan:
     """Cut ``model``'s training step into ``stages`` pipeline stages and plan each within
     ``budget`` per device (bytes, a size such as ``"2GiB"``, or a fraction of the unsplit step's
@@ -389,7 +385,8 @@ def pipeline(
     computes on the last stage (None: the output summed, and ``target`` may be None). Raises
     `ValueError` for more stages than the step has places to cut or a microbatch count torch's
     schedule refuses, and `InfeasibleBudgetError` (with ``.min_budget``, per device) when no split
-    fits. ``solver``, ``time_limit`` (per stage plan), ``compress``: as for `fxopt.plan`.
+    fits. ``budget`` may be a whole `fxopt.Options`; ``options``: its other fields by name, as for
+    `fxopt.plan` (``time_limit`` is per stage plan).
     ``return_outputs``: plan for ``schedule.step(..., return_outputs=True)`` (the last stage
     keeps every microbatch's output). ``split_points``: cut there instead of where the DP would,
     as ``(module name, "BEGINNING" or "END")`` pairs in forward order (torch's `SplitPoint`), and
@@ -398,6 +395,10 @@ def pipeline(
     from fxopt.api import plan_and_rewrite
 
     t0 = time.perf_counter()
+    options = Options.of(budget, **options)
+    if options.budget.minimum:
+        raise BudgetError("fxopt.pipeline takes the per-device budget in bytes, a size or a share, not 'min'; "
+                          "a budget no split fits raises InfeasibleBudgetError naming the smallest one fxopt found")
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     batch = next((t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.dim()), None)
     check_pipeline(stages, microbatches, schedule, batch)
@@ -405,21 +406,19 @@ def pipeline(
     if target is None:
         target = torch.zeros(batch or microbatches)
     mb_args, mb_target = _microbatch(args, target, microbatches)
-    options = dict(solver=solver, time_limit=time_limit, compress=compress)
-    ready = plan_and_rewrite(_WithLoss(model, loss_fn), _UNBOUNDED, (*mb_args, mb_target), solver="save_all",
-                             compress=compress)
+    ready = plan_and_rewrite(_WithLoss(model, loss_fn), _unbounded(options), (*mb_args, mb_target))
     whole = ready.plan
     fx_nodes = {n.name: n for n in ready.joint.module.graph.nodes}
     origins = [fx_nodes[name].meta.get("seq_nr") if name in fx_nodes else None for name in ready.joint.names]
-    budget_bytes = resolve_budget(budget, whole.eager_peak_bytes)
+    budget_bytes = options.budget.resolve(whole.eager_peak_bytes)
     points = SplitPoints(model, whole.graph, whole.module_paths)
     with torch.no_grad():
         out_bytes = _bytes(model(*mb_args))
     extra = [0] * stages
     extra[0] = (microbatches - 1) * _bytes(mb_args)
     extra[-1] = microbatches * out_bytes if return_outputs else 0
-    cut = cut_model(whole.graph, stages, microbatches, schedule, allowed=points.allowed, solver=solver,
-                    time_limit=min(2.0, time_limit), extra_fixed=extra, last_held=out_bytes, origins=origins)
+    cut = cut_model(whole.graph, stages, microbatches, schedule, allowed=points.allowed, solver=options.solver,
+                    time_limit=min(2.0, options.time_limit), extra_fixed=extra, last_held=out_bytes, origins=origins)
     planner = _StagePlanner(model, mb_args, mb_target, loss_fn, points, cut, budget_bytes, options, return_outputs)
     if split_points is None:
         split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
@@ -429,6 +428,11 @@ def pipeline(
         split = split_at(cut, cuts, budget_bytes)
         results = plan_split(cut, split, budget_bytes, planner.plan_stage)
     return _pipeline_plan(planner, whole, split, results, time.perf_counter() - t0)
+
+
+def _unbounded(options: Options) -> Options:
+    """``options`` for a capture that SAVEs everything (the cut solver's, the loss's)."""
+    return dataclasses.replace(options, budget=Budget(bytes=_UNBOUNDED), solver="save_all", plan=None)
 
 
 def _given_cuts(cut: CutModel, points: SplitPoints, split_points, stages: int) -> tuple[int, ...]:
@@ -487,14 +491,15 @@ def _example(spec: TensorSpec, device) -> torch.Tensor:
 
 
 def build_schedule(plan: PipelinePlan, model: nn.Module, loss_fn: Callable | None = None, *, rank: int | None = None,
-                   device: str | torch.device | None = None, group=None):
+                   device: str | torch.device | None = None, group=None, **options: Any):
     """This rank's part of ``plan``: ``model`` split as the plan says, this rank's stage (stage
     ``rank``; by default the rank in ``group``) wrapped with its fxopt plan on ``device`` (by
     default ``cuda:<rank>`` when CUDA is available, else CPU), and torch's schedule over it
     (`torch.distributed.pipelining.Schedule1F1B` or ``ScheduleGPipe``), ready for
     ``schedule.step(x)`` on the first rank, ``schedule.step(target=y, losses=losses)`` on the last,
     ``schedule.step()`` between. The process group must exist (`torch.distributed.init_process_group`,
-    one rank per stage)."""
+    one rank per stage). ``options``: fields of `fxopt.Options` for the stage's module (``compiler``,
+    ``inductor_config``; the budget and the plan are the plan's)."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
@@ -516,7 +521,7 @@ def build_schedule(plan: PipelinePlan, model: nn.Module, loss_fn: Callable | Non
 
         _modify_graph_op_device(stage.part, device)
     stage.to(device)
-    stage.part = optimized_stage(stage.part, plan.budget_bytes, stage_plan.plan)
+    stage.part = optimized_stage(stage.part, Options.of(plan.budget_bytes, **options), stage_plan.plan)
     inputs = tuple(_example(t, "meta").requires_grad_(t.requires_grad) for t in stage_plan.inputs)
     outputs = tuple(_example(t, "meta").requires_grad_(t.requires_grad) for t in stage_plan.outputs)
     runner = pipelining.PipelineStage(stage, rank, count, device, input_args=inputs, output_args=outputs, group=group)
@@ -524,25 +529,22 @@ def build_schedule(plan: PipelinePlan, model: nn.Module, loss_fn: Callable | Non
     return schedule_class(runner, plan.microbatches, loss_fn=loss_fn or sum_loss)
 
 
-def optimized_stage(part: nn.Module, budget: int, plan) -> nn.Module:
+def optimized_stage(part: nn.Module, options: Options, plan) -> nn.Module:
     """A stage's part wrapped with its plan. From its first backward on, a microbatch's step
     starts with the gradients of earlier ones held, which `fxopt.FxoptModule` captures as a step
     of its own (those gradients resident in its graph): it replays the same schedule there, made
     for that graph (`with_resident`). The stage's plan already counts them (`InFlight`)."""
     from fxopt.api import FxoptModule
-    from fxopt.planner import Options
 
     grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
     alternatives = (with_resident(plan, grads),) if grads else ()
-    return FxoptModule(part, Options(budget=budget, plan=plan, alternatives=alternatives))
+    return FxoptModule(part, dataclasses.replace(options, plan=plan, alternatives=alternatives))
 
 
 def with_resident(plan, extra_bytes: int):
     """``plan`` for the same step captured with ``extra_bytes`` more memory resident that it does
     not read (the analysis counts those in one last input node: `fxopt.analysis.UNREAD_RESIDENT`):
     the same schedule, its graph, peak and fingerprint as that capture gives them."""
-    import dataclasses
-
     from fxopt.analysis import UNREAD_RESIDENT, graph_fingerprint
     from fxopt.solvers import Graph, Node
     from fxopt.solvers.plan import Plan
