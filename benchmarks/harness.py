@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import os
 import statistics
 import subprocess
@@ -260,28 +261,36 @@ def compare_grads(model: nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, A
             "grad_error": first_error}
 
 
-# ---- the run's context ------------------------------------------------------------------------
+# ---- the run's context and its files ---------------------------------------------------------
+# Every script writes its results through `write_results`, with `run_meta` as the "meta" of its
+# JSON: one format, one key per fact. Files written before this (whose commit key was "git", or
+# which had no "meta") stay readable through `commit_of`.
 
 
-def run_meta(command: str) -> dict[str, Any]:
-    """Where and when a benchmark ran: command, date, versions, commit, machine."""
+def run_meta(command: str, **extra: Any) -> dict[str, Any]:
+    """Where and when a benchmark ran: command, date, commit (`commit`), versions, machine and
+    its load average as the run starts (a shared machine: timings need it beside them). ``extra``:
+    the script's own settings, added as they are."""
     meta = {
         "command": command,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": commit(),
         "torch": torch.__version__,
         "fxopt": fxopt.__version__,
-        "git": git_state(),
         "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "load": load_average(),
     }
     if torch.cuda.is_available():
         meta["cuda_device"] = torch.cuda.get_device_name()
+    meta.update(extra)
     return meta
 
 
-def git_state() -> str:
-    """The commit fxopt was loaded from, and whether fxopt/ or benchmarks/ had uncommitted changes."""
+def commit() -> str:
+    """The commit fxopt was loaded from, and whether fxopt/ or benchmarks/ had uncommitted
+    changes: the one place a benchmark asks git."""
     root = Path(fxopt.__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
@@ -291,6 +300,44 @@ def git_state() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + (" + uncommitted changes in fxopt/ or benchmarks/" if dirty else "")
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as ``uptime`` prints them."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def commit_of(meta: dict[str, Any]) -> str:
+    """The commit a results file names, under either key it was written with ("git" before)."""
+    return meta.get("commit") or meta.get("git") or "unknown"
+
+
+def meta_line(meta: dict[str, Any]) -> str:
+    """The line under a report's title: command, date, commit, torch, load."""
+    load = f" · load {meta['load']}" if meta.get("load") else ""
+    return f"`{meta['command']}` · {meta['date']} · commit {commit_of(meta)} · torch {meta['torch']}{load}"
+
+
+def write_results(path: Path | str, data: dict[str, Any], markdown: str) -> Path:
+    """``<path>.json`` (``data``, with its "meta" from `run_meta`) and ``<path>.md`` (``markdown``),
+    folders made; returns the Markdown's path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+    path.with_suffix(".md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    return path.with_suffix(".md")
+
+
+def choose(text: str | None, known: Sequence[str], what: str = "") -> tuple[str, ...]:
+    """The comma-separated names in ``text`` (all of ``known`` when empty); an unknown name
+    stops the run with the list to choose from."""
+    if not text:
+        return tuple(known)
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what + ' ' if what else ''}{', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
 
 
 def mib(n: int | float | None) -> str:

@@ -51,8 +51,10 @@ import torch._dynamo
 import torch._functorch.config
 
 import fxopt
-from benchmarks.harness import Measurer, error_line, log, mib, plan_fields, run_meta, train_step
-from benchmarks.hf_zoo import HF_ZOO, SIZES
+from benchmarks.harness import (Measurer, choose, error_line, log, meta_line, mib, plan_fields, run_meta, train_step,
+                                write_results)
+from benchmarks.hf_zoo import HF_NAMES, SIZES
+from fxopt.models import MODELS
 
 METHODS = ("eager", "hf-checkpointing", "compile-amb", "fxopt")
 FXOPT_HALF = "half-act"  # resident bytes + half of the activations (eager's measured peak)
@@ -80,12 +82,12 @@ class ModelBench:
         self.rows: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
         torch.manual_seed(0)
-        entry = HF_ZOO[name]
-        self.model, self.inputs = entry.build(run.size)
+        entry = MODELS[f"hf-{name}"]
+        self.model, self.inputs = entry(run.size)
         self.hf = self.model.hf
         self.m = Measurer(self.model, self.inputs, timed_steps=run.timed_steps)
         self.info: dict[str, Any] = {
-            "name": name, "hf_class": entry.hf_class, "description": entry.description,
+            "name": name, "hf_class": entry.source.removeprefix("transformers."), "description": entry.description,
             "config": {k: v for k, v in self.hf.config.to_diff_dict().items()
                        if isinstance(v, (int, float, str, bool, list)) and k not in ("architectures", "id2label", "label2id")},
             "input_shapes": {n: list(x.shape) for n, x in zip(self.model.names, self.inputs)},
@@ -322,9 +324,9 @@ class Run:
         self.size = args.size
         self.time_limit = args.time_limit
         self.timed_steps = args.timed_steps
-        self.models = _csv(args.models, HF_ZOO)
-        self.methods = ("eager", *(m for m in _csv(args.methods, METHODS) if m != "eager"))
-        self.fxopt_budgets = _csv(args.fxopt_budgets, FXOPT_BUDGETS)
+        self.models = choose(args.models, HF_NAMES)
+        self.methods = ("eager", *(m for m in choose(args.methods, METHODS) if m != "eager"))
+        self.fxopt_budgets = choose(args.fxopt_budgets, FXOPT_BUDGETS)
         self.out = Path(args.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self._restore = (torch.get_num_threads(), os.environ.get("FXOPT_CACHE"))
@@ -381,8 +383,7 @@ class Run:
         if self.model_errors:
             self.meta["model_errors"] = self.model_errors
         data = {"meta": self.meta, "models": [{"info": b.info, "rows": b.rows} for b in self.benches]}
-        self.out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-        self.out.with_suffix(".md").write_text(report(data))
+        write_results(self.out, data, report(data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,7 +420,7 @@ def report(data: dict[str, Any]) -> str:
     lines = [
         "# fxopt against Hugging Face gradient checkpointing and torch.compile's activation budget",
         "",
-        f"`{meta['command']}` · {meta['date']} · commit {meta['git']} · torch {meta['torch']} · transformers "
+        f"{meta_line(meta)} · transformers "
         f"{meta.get('transformers')} · Python {meta['python']} · {meta['cpu_count']} CPUs ({meta['torch_threads']} "
         f"torch thread{'s' if meta['torch_threads'] != 1 else ''}) · size \"{meta['size']}\", fp32 · fxopt ILP time "
         f"limit {meta['ilp_time_limit_s']:g} s · {meta['timed_steps']} timed steps per row · "
@@ -551,19 +552,9 @@ def _short_error(error: str) -> str:
     return error.replace("|", "/")[:90] + ("…" if len(error) > 90 else "")
 
 
-def _csv(text: str | None, known) -> tuple[str, ...]:
-    if not text:
-        return tuple(known)
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> Run | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", help=f"comma-separated, from {', '.join(HF_ZOO)} (default: all)")
+    parser.add_argument("--models", help=f"comma-separated, from {', '.join(HF_NAMES)} (default: all)")
     parser.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: all; eager always)")
     parser.add_argument("--fxopt-budgets", help=f"comma-separated, from {', '.join(FXOPT_BUDGETS)} (default: all)")
     parser.add_argument("--size", choices=SIZES, default="bench", help="model sizes (default: bench)")

@@ -62,9 +62,12 @@ import torch._dynamo
 import torch._functorch.config
 
 import fxopt
-from benchmarks.harness import Measurer, checkpoint_blocks, error_line, log, mib, plan_fields, run_meta
-from benchmarks.models import MODELS, SIZES, Workload
+from benchmarks.harness import Measurer, checkpoint_blocks, choose, error_line, log, mib, plan_fields, run_meta
+from fxopt.models import Workload, zoo
 from fxopt.solvers import SOLVERS
+
+MODELS = zoo("benchmark")  # the zoo's benchmark models (`fxopt.models.MODELS`)
+SIZES = ("tiny", "quick", "full")
 
 METHODS = ("eager", "checkpoint", "compile", "inductor", "fxopt", "fxopt-inductor")
 COMPILE_SOLVERS = ("dp", "greedy", "ilp")
@@ -367,9 +370,9 @@ class Run:
             if getattr(args, key):
                 self.cfg = dataclasses.replace(self.cfg, **{key: _floats(getattr(args, key))})
         self.time_limit = args.time_limit if args.time_limit is not None else self.cfg.time_limit
-        self.models = _csv(args.models, MODELS)
-        self.methods = _csv(args.methods, METHODS)
-        self.fxopt_solvers = _csv(args.fxopt_solvers, SOLVERS)
+        self.models = choose(args.models, tuple(MODELS))
+        self.methods = choose(args.methods, METHODS)
+        self.fxopt_solvers = choose(args.fxopt_solvers, SOLVERS)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Process-wide settings for the run, restored at its end (the harness also runs inside tests).
         self._restore = (torch.get_num_threads(), os.environ.get("FXOPT_CACHE"))
@@ -408,7 +411,7 @@ class Run:
             for name in self.models:
                 torch.manual_seed(0)
                 try:
-                    workload = MODELS[name](self.cfg.size).to(self.device)
+                    workload = MODELS[name].workload(self.cfg.size).to(self.device)
                 except Exception as err:  # noqa: BLE001 - e.g. no such device: go on with the next model
                     self.meta.setdefault("model_errors", {})[name] = error_line(err)
                     log(f"=== {name}: could not be built on {self.device}: {error_line(err)}")
@@ -460,16 +463,6 @@ def _floats(text: str) -> tuple[float, ...]:
     if not values or any(not 0.0 <= v <= 1.0 for v in values):
         raise SystemExit(f"budgets must be comma-separated numbers in [0, 1], got {text!r}")
     return values
-
-
-def _csv(text: str | None, known) -> tuple[str, ...]:
-    if not text:
-        return tuple(known)
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    return names
 
 
 def main(argv: list[str] | None = None) -> Run:

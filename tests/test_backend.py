@@ -231,10 +231,11 @@ def test_inductor_keeps_a_vision_transformer_within_its_smallest_budget():
     """Inductor's layout optimization made channels-last copies of the patch embedding's input and
     weight and saved them for the backward: +69632 B over the prediction on this ViT (issue 11)."""
     pytest.importorskip("transformers")
-    from benchmarks.hf_zoo import HF_ZOO
+    import benchmarks.hf_zoo  # noqa: F401  (registers the HF models)
+    from fxopt.models import MODELS as ZOO_MODELS
 
     torch.manual_seed(0)
-    model, inputs = HF_ZOO["vit"].build("test")
+    model, inputs = ZOO_MODELS["hf-vit"]("test")
     with pytest.raises(fxopt.InfeasibleBudgetError) as err:
         fxopt.plan(model, 1, inputs, solver="instant", compiler="inductor")
     optimized = fxopt.optimize(copy.deepcopy(model), err.value.min_budget, example_inputs=inputs,

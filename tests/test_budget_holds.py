@@ -53,9 +53,10 @@ def _deit():
 def _llama():
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    from benchmarks.hf_zoo import HF_ZOO
+    import benchmarks.hf_zoo  # noqa: F401  (registers the HF models)
+    from fxopt.models import MODELS as ZOO_MODELS
 
-    return HF_ZOO["llama"].build("test")  # padding mask, -100 labels; a buffer the step never reads
+    return ZOO_MODELS["hf-llama"]("test")  # padding mask, -100 labels; a buffer the step never reads
 
 
 MODELS = {"residual_mlp": _mlp, "deit": _deit, "llama": _llama}

@@ -31,7 +31,8 @@ import torch
 pytest.importorskip("transformers")
 
 import fxopt  # noqa: E402
-from benchmarks.hf_zoo import HF_ZOO  # noqa: E402
+import benchmarks.hf_zoo  # noqa: E402,F401  (registers the HF models in fxopt.models.MODELS)
+from fxopt.models import MODELS  # noqa: E402
 from helpers import assert_same_step, measured_peak, run_pair, step  # noqa: E402
 
 TIME_LIMIT = 2.0  # seconds per solve: the plans here need not be optimal, only valid
@@ -51,7 +52,7 @@ def _release_shared_steps():
 def _model(name: str, dropout: float = 0.0):
     """The model (same weights every time: seeded) and its inputs; callers copy the model."""
     torch.manual_seed(0)
-    return HF_ZOO[name].build("test", dropout=dropout)
+    return MODELS[f"hf-{name}"]("test", dropout=dropout)
 
 
 def resident_bytes(model, inputs) -> int:
@@ -225,7 +226,8 @@ def test_hf_trainer_trains_an_fxopt_model(tmp_path):
     import transformers
 
     hf = _model("gpt2")[0].hf
-    _, named = HF_ZOO["gpt2"].build_fn("test", 0.0)
+    wrapped, inputs = MODELS["hf-gpt2"]("test")
+    named = dict(zip(wrapped.names, inputs))
     rows = [{k: v[i % len(v)] for k, v in named.items()} for i in range(8)]
     runs = {}
     for name, model in (("eager", copy.deepcopy(hf)), ("fxopt", fxopt.optimize(copy.deepcopy(hf), 0.9, time_limit=TIME_LIMIT))):
