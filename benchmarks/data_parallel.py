@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import fxopt
-from benchmarks.harness import (checkpoint_blocks, error_line, load_average, log, median_step_seconds, meta_line,
+from benchmarks.harness import (checkpoint_blocks, error_line, load_average, log, median_step_seconds, report_head,
                                 run_meta, write_results)
 from fxopt.measure import count_flops
 
@@ -255,15 +255,13 @@ def _gflop(n) -> str:
 
 def report(data: dict[str, Any]) -> str:
     meta = data["meta"]
-    out = [
-        "# fxopt under DDP and FSDP2 against per-block checkpointing",
-        "",
-        f"{meta_line(meta)} · transformers "
-        f"{meta.get('transformers')} · {meta['world']} processes, {meta['backend']} on {meta['device']} · "
-        f"size {meta['size']!r} ({meta['model']}) · fxopt time limit {meta['time_limit']} s · "
-        f"{meta['timed_steps']} timed steps · load before: `{meta['load_before']}`, after: `{meta.get('load_after')}`"
-        f" · {'complete' if meta.get('complete') else 'incomplete'}, {meta.get('elapsed_s')} s",
-        "",
+    out = report_head(
+        "fxopt under DDP and FSDP2 against per-block checkpointing", meta,
+        f"transformers {meta.get('transformers')} · {meta['world']} processes, {meta['backend']} on {meta['device']}",
+        f"size {meta['size']!r} ({meta['model']}) · fxopt time limit {meta['time_limit']} s",
+        f"{meta['timed_steps']} timed steps · load before: `{meta.get('load_before', meta.get('load'))}`, after: "
+        f"`{meta.get('load_after')}` · {'complete' if meta.get('complete') else 'incomplete'}, {meta.get('elapsed_s')} s"
+    ) + [
         "Per-rank peak: the largest over the ranks, in MiB, measured by `fxopt.measure_peak` over the third step "
         "(parameters, gradients, inputs, DDP's buckets and FSDP2's shards and buffers included). Extra GFLOP: "
         "counted over one step, above eager's. Step: the median step time, the largest over the ranks (CPU "

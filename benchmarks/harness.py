@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -225,6 +226,24 @@ class Measurer:
         gc.collect()
         return row
 
+    def attempt(self, row: dict[str, Any], build: Callable[[], Any], *, ctx: Callable[[], Any] | None = None,
+                after_warmup: Callable[[Any, dict], None] | None = None) -> dict[str, Any]:
+        """`measure` inside ``ctx()`` (when given), recording what stops the row instead of raising:
+        ``infeasible`` (with the budget and fxopt's ``min_budget_bytes``) or the ``error``; and
+        ``row_s``, the seconds the row took. One failing row does not stop a benchmark."""
+        t0 = time.perf_counter()
+        try:
+            with (ctx() if ctx is not None else contextlib.nullcontext()):
+                self.measure(row, build, after_warmup=after_warmup)
+        except fxopt.InfeasibleBudgetError as err:
+            row.update({"infeasible": True, "budget_bytes": err.budget, "min_budget_bytes": err.min_budget})
+        except Exception as err:  # noqa: BLE001 - one failing row must not stop the others
+            row["error"] = error_line(err)
+            log(traceback.format_exc(limit=4))
+        torch._dynamo.reset()
+        row["row_s"] = round(time.perf_counter() - t0, 2)
+        return row
+
     def time_steps(self, fn: Callable[..., Any]) -> tuple[list[float], list[float]]:
         """Seconds of ``fn``'s steps and of eager's, interleaved (eager then fn, n times)."""
         t_eager: list[float] = []
@@ -316,6 +335,37 @@ def meta_line(meta: dict[str, Any]) -> str:
     """The line under a report's title: command, date, commit, torch, load."""
     load = f" · load {meta['load']}" if meta.get("load") else ""
     return f"`{meta['command']}` · {meta['date']} · commit {commit_of(meta)} · torch {meta['torch']}{load}"
+
+
+def saved_settings() -> tuple[int, str | None]:
+    """The process-wide settings a run changes (torch's CPU threads, ``FXOPT_CACHE``), to give
+    back to `restore_settings` when it ends: the benchmarks also run inside tests."""
+    return torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
+
+
+def restore_settings(saved: tuple[int, str | None]) -> None:
+    threads, cache = saved
+    torch.set_num_threads(threads)
+    if cache is None:
+        os.environ.pop("FXOPT_CACHE", None)
+    else:
+        os.environ["FXOPT_CACHE"] = cache
+
+
+def report_head(title: str, meta: dict[str, Any], *details: str) -> list[str]:
+    """A report's first lines: its title, then `meta_line` and the script's ``details``."""
+    return [f"# {title}", "", " · ".join((meta_line(meta), *details)), ""]
+
+
+def run_to_end(run_class: Callable[[Any], Any], args: Any, argv: Sequence[str] | None, wrote: str) -> Any:
+    """A benchmark's `Run` built from ``args`` (``args.argv``: the command line it was given) and
+    executed, torch's UserWarnings off; logs how long it took and ``wrote``."""
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    run = run_class(args)
+    run.execute()
+    log(f"done in {time.perf_counter() - run.t0:.0f} s; wrote {wrote}")
+    return run
 
 
 def write_results(path: Path | str, data: dict[str, Any], markdown: str) -> Path:

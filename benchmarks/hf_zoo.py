@@ -153,39 +153,39 @@ def bert(size: str, dropout: float = 0.0):
 
 
 # ---------------------------------------------------------------- encoder-decoders
+def _halves(c: dict, dropout: float) -> dict:
+    """BART's and Whisper's config: half the layers in the encoder, half in the decoder."""
+    half = c["layers"] // 2 or 1
+    return dict(encoder_layers=half, decoder_layers=half, d_model=c["hidden"], encoder_attention_heads=c["heads"],
+                decoder_attention_heads=c["heads"], encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"],
+                vocab_size=c["vocab"], dropout=dropout, attention_dropout=dropout, activation_dropout=dropout,
+                use_cache=False)
+
+
+def _text_to_text(model: nn.Module, c: dict):
+    return model, {**_text_inputs(c), "labels": _seq2seq_labels(c)}
+
+
 def t5(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
     cfg = t.T5Config(num_layers=c["layers"] // 2 or 1, num_decoder_layers=c["layers"] // 2 or 1, d_model=c["hidden"],
                      d_kv=c["hidden"] // c["heads"], num_heads=c["heads"], d_ff=c["ffn"], vocab_size=c["vocab"],
                      dropout_rate=dropout, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
-    inputs = _text_inputs(c)
-    labels = _seq2seq_labels(c)
-    return t.T5ForConditionalGeneration(cfg), {**inputs, "labels": labels}
+    return _text_to_text(t.T5ForConditionalGeneration(cfg), c)
 
 
 def bart(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
-    half = c["layers"] // 2 or 1
-    cfg = t.BartConfig(encoder_layers=half, decoder_layers=half, d_model=c["hidden"],
-                       encoder_attention_heads=c["heads"], decoder_attention_heads=c["heads"],
-                       encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"], vocab_size=c["vocab"],
-                       max_position_embeddings=c["seq"], dropout=dropout, attention_dropout=dropout, activation_dropout=dropout,
-                       use_cache=False)
-    inputs = _text_inputs(c)
-    labels = _seq2seq_labels(c)
-    return t.BartForConditionalGeneration(cfg), {**inputs, "labels": labels}
+    cfg = t.BartConfig(**_halves(c, dropout), max_position_embeddings=c["seq"])
+    return _text_to_text(t.BartForConditionalGeneration(cfg), c)
 
 
 def whisper(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
-    half = c["layers"] // 2 or 1
     frames = c["seq"]  # mel frames; the encoder's two convolutions halve them
-    cfg = t.WhisperConfig(encoder_layers=half, decoder_layers=half, d_model=c["hidden"],
-                          encoder_attention_heads=c["heads"], decoder_attention_heads=c["heads"],
-                          encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"], vocab_size=c["vocab"],
-                          num_mel_bins=16, max_source_positions=frames // 2, max_target_positions=c["seq"],
-                          dropout=dropout, attention_dropout=dropout, activation_dropout=dropout, use_cache=False,
-                          pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    cfg = t.WhisperConfig(**_halves(c, dropout), num_mel_bins=16, max_source_positions=frames // 2,
+                          max_target_positions=c["seq"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          decoder_start_token_id=1)
     g = torch.Generator().manual_seed(0)
     features = torch.randn(c["batch"], 16, frames, generator=g)
     labels = torch.randint(3, c["vocab"], (c["batch"], c["seq"] // 4), generator=g)

@@ -391,11 +391,9 @@ class BertLayer(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.out = nn.Linear(dim, dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.ln1 = nn.LayerNorm(dim)
-        self.ffn_in = nn.Linear(dim, 4 * dim)
-        self.ffn_out = nn.Linear(4 * dim, dim)
+        self.ffn_in, self.ffn_out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
         self.ln2 = nn.LayerNorm(dim)
 
     def forward(self, x, mask_bias):
