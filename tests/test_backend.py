@@ -82,14 +82,14 @@ class _Step(nn.Module):
         return self.compiled(*args)
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_residual_mlp_at_half_the_eager_peak(compiler):
     plan = check_step("residual_mlp", compiler, 0.5)
     assert plan.budget_bytes == int(0.5 * plan.eager_peak_bytes)
     assert plan.recomputed
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_transformer_block(compiler):
     """Half its eager peak is below what any schedule reaches (the attention matrix, its softmax
     and their gradients are alive together in one op's backward): the error names the smallest

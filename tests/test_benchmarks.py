@@ -17,6 +17,7 @@ from fxopt.models import MODELS, ZOO, zoo
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+@pytest.mark.slow
 def test_pareto_harness_tiny(tmp_path):
     pytest.importorskip("matplotlib")
     threads, cache = torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
@@ -87,6 +88,7 @@ def test_one_model_zoo():
         MODELS["resnet"]("huge")
 
 
+@pytest.mark.slow
 def test_hf_models_benchmark_tiny(tmp_path):
     """One tiny HF model through the benchmark: eager, HF checkpointing, fxopt at HF's peak."""
     pytest.importorskip("transformers")
@@ -115,6 +117,7 @@ def test_hf_models_benchmark_tiny(tmp_path):
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
 
 
+@pytest.mark.slow
 def test_offload_benchmark_dry_run(tmp_path):
     """The GPU OFFLOAD benchmark's code paths, on CPU with a tiny GPT-2: every method writes a row
     with eager's gradients, and fxopt's plans keep their budget."""
@@ -148,6 +151,7 @@ def test_planning_time_splits_one_answer(monkeypatch):
     assert row["analysis_s"] > 0 and row["solve_s"] > 0 and row["capture_s"] > 0
 
 
+@pytest.mark.slow
 def test_hf_breadth_benchmark_runs_a_row_and_reports_errors(tmp_path, monkeypatch):
     """One architecture the test suite does not otherwise train (RegNet) through the breadth
     benchmark, and one whose builder fails: an ok row within its budget, an error row, and the

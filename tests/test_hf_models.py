@@ -29,6 +29,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # real models, each captured and planned at two budgets
 
 import fxopt  # noqa: E402
 import benchmarks.hf_zoo  # noqa: E402,F401  (registers the HF models in fxopt.models.MODELS)
