@@ -103,7 +103,7 @@ def rooms() -> dict[str, tuple[int, str]]:
     text = DESIGN.read_text()
     section = text.split("## The order of the rooms", 1)[1].split("\n## ", 1)[0]
     found: dict[str, tuple[int, str]] = {}
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| room")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith(("| room", "| ---"))]
     for rank, row in enumerate(rows):
         room, modules = [cell.strip() for cell in row.strip("|").split("|")[:2]]
         for path in re.findall(r"`([^`]+\.py)`", modules):
