@@ -373,9 +373,10 @@ def write_results(path: Path | str, data: dict[str, Any], markdown: str) -> Path
     folders made; returns the Markdown's path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-    path.with_suffix(".md").write_text(markdown if markdown.endswith("\n") else markdown + "\n")
-    return path.with_suffix(".md")
+    (path.parent / f"{path.name}.json").write_text(json.dumps(data, indent=1, default=str))
+    md = path.parent / f"{path.name}.md"
+    md.write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    return md
 
 
 def choose(text: str | None, known: Sequence[str], what: str = "") -> tuple[str, ...]:

@@ -285,11 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         reference = [q.grad for q in eager.parameters()]
         _, eager_peak, base = activation_budget(model, inputs, 1.0, device)
         transfers = fxopt.plan(model, 1.0, inputs, offload=True, solver="save_all").graph.transfers
-        meta = run_meta("python -m benchmarks.offload " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
-                        size=size, model=SIZES[size], device=device.type, device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
-                    else "CPU", eager_peak_bytes=eager_peak, base_bytes=base, eager_step_s=eager_row["step_s"],
-                    eager_measured_peak_bytes=eager_row["measured_peak_bytes"],
-                    transfers=f"{transfers.d2h_bytes_per_s / 1e9:.1f} GB/s to host, {transfers.h2d_bytes_per_s / 1e9:.1f} GB/s to device")
+        meta = run_meta(
+            "python -m benchmarks.offload " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+            size=size, model=SIZES[size], device=device.type,
+            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+            eager_peak_bytes=eager_peak, base_bytes=base, eager_step_s=eager_row["step_s"],
+            eager_measured_peak_bytes=eager_row["measured_peak_bytes"],
+            transfers=f"{transfers.d2h_bytes_per_s / 1e9:.1f} GB/s to host, {transfers.h2d_bytes_per_s / 1e9:.1f} GB/s to device")
         results = Results(Path(args.out), "dry_run_cpu" if args.dry_run else device.type, meta)
         results.write(eager_row)
         for fraction in (float(f) for f in args.fractions.split(",")):
