@@ -2,7 +2,6 @@
 writes through the harness, in one metadata format; and the one model zoo serves them and the
 tests."""
 
-import ast
 import json
 import os
 from pathlib import Path

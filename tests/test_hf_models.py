@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow  # real models, each captured and planned at two b
 
 import fxopt  # noqa: E402
 import benchmarks.hf_zoo  # noqa: E402,F401  (registers the HF models in fxopt.models.MODELS)
-from fxopt.models import MODELS  # noqa: E402
+from fxopt.models import MODELS as ZOO_MODELS  # noqa: E402
 from helpers import assert_same_step, measured_peak, run_pair, step  # noqa: E402
 
 TIME_LIMIT = 2.0  # seconds per solve: the plans here need not be optimal, only valid
@@ -53,7 +53,7 @@ def _release_shared_steps():
 def _model(name: str, dropout: float = 0.0):
     """The model (same weights every time: seeded) and its inputs; callers copy the model."""
     torch.manual_seed(0)
-    return MODELS[f"hf-{name}"]("test", dropout=dropout)
+    return ZOO_MODELS[f"hf-{name}"]("test", dropout=dropout)
 
 
 def resident_bytes(model, inputs) -> int:
@@ -227,7 +227,7 @@ def test_hf_trainer_trains_an_fxopt_model(tmp_path):
     import transformers
 
     hf = _model("gpt2")[0].hf
-    wrapped, inputs = MODELS["hf-gpt2"]("test")
+    wrapped, inputs = ZOO_MODELS["hf-gpt2"]("test")
     named = dict(zip(wrapped.names, inputs))
     rows = [{k: v[i % len(v)] for k, v in named.items()} for i in range(8)]
     runs = {}
