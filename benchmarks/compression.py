@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import subprocess
+import shlex
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 
 import fxopt
+from benchmarks.harness import meta_line, run_meta, write_results
 from fxopt.models import ZOO, loss_of
 from fxopt.solvers import SolverTimeoutWarning
 
@@ -85,15 +86,11 @@ def run_model(name: str, time_limit: float) -> dict:
     return row
 
 
-def write(rows: list[dict], out: Path, args) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    (out / "compression.json").write_text(json.dumps({"commit": commit, "torch": torch.__version__, "rows": rows}, indent=1))
+def write(rows: list[dict], out: Path, meta: dict) -> None:
     lines = [
         "# Lossless compression (default) against recompute alone",
         "",
-        f"`python -m benchmarks.compression --time-limit {args.time_limit:g}` — "
-        f"{datetime.datetime.now().isoformat(timespec='minutes')}, commit {commit}, torch {torch.__version__}.",
+        meta_line(meta) + ".",
         "",
         "Smallest budget: the lowest peak fxopt reaches (`InfeasibleBudgetError.min_budget`). At the common "
         "budget both plans run the same model; measured: one real step of the compress plan.",
@@ -110,7 +107,7 @@ def write(rows: list[dict], out: Path, args) -> None:
             f"{r['min_budget_True'] / MiB:.2f} | {r['budget'] / MiB:.2f} | {r['flops_False'] / 1e9:.3f} | "
             f"{r['flops_True'] / 1e9:.3f} | {r['measured_peak'] / MiB:.2f} | {'yes' if r['bit_identical'] else 'NO'} | "
             + (", ".join(f"{n}× {c}" for c, n in sorted(codecs.items())) or "none") + " |")
-    (out / "compression.md").write_text("\n".join(lines) + "\n")
+    write_results(out / "compression", {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 def main() -> None:
@@ -120,8 +117,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    meta = run_meta(shlex.join(["python -m benchmarks.compression", *sys.argv[1:]]), time_limit=args.time_limit)
     rows = [run_model(name, args.time_limit) for name in args.models]
-    write(rows, args.out, args)
+    write(rows, args.out, meta)
 
 
 if __name__ == "__main__":

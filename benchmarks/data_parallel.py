@@ -28,7 +28,6 @@ import json
 import os
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import fxopt
-from benchmarks.harness import checkpoint_blocks, error_line, log, median_step_seconds, run_meta
+from benchmarks.harness import (checkpoint_blocks, error_line, load_average, log, median_step_seconds, report_head,
+                                run_meta, write_results)
 from fxopt.measure import count_flops
 
 MiB = 2**20
@@ -227,13 +227,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 # ------------------------------------------------------------------------------------------ report
 
 
@@ -262,15 +255,13 @@ def _gflop(n) -> str:
 
 def report(data: dict[str, Any]) -> str:
     meta = data["meta"]
-    out = [
-        "# fxopt under DDP and FSDP2 against per-block checkpointing",
-        "",
-        f"`{meta['command']}` · {meta['date']} · commit {meta['git']} · torch {meta['torch']} · transformers "
-        f"{meta.get('transformers')} · {meta['world']} processes, {meta['backend']} on {meta['device']} · "
-        f"size {meta['size']!r} ({meta['model']}) · fxopt time limit {meta['time_limit']} s · "
-        f"{meta['timed_steps']} timed steps · load before: `{meta['load_before']}`, after: `{meta.get('load_after')}`"
-        f" · {'complete' if meta.get('complete') else 'incomplete'}, {meta.get('elapsed_s')} s",
-        "",
+    out = report_head(
+        "fxopt under DDP and FSDP2 against per-block checkpointing", meta,
+        f"transformers {meta.get('transformers')} · {meta['world']} processes, {meta['backend']} on {meta['device']}",
+        f"size {meta['size']!r} ({meta['model']}) · fxopt time limit {meta['time_limit']} s",
+        f"{meta['timed_steps']} timed steps · load before: `{meta.get('load_before', meta.get('load'))}`, after: "
+        f"`{meta.get('load_after')}` · {'complete' if meta.get('complete') else 'incomplete'}, {meta.get('elapsed_s')} s"
+    ) + [
         "Per-rank peak: the largest over the ranks, in MiB, measured by `fxopt.measure_peak` over the third step "
         "(parameters, gradients, inputs, DDP's buckets and FSDP2's shards and buffers included). Extra GFLOP: "
         "counted over one step, above eager's. Step: the median step time, the largest over the ranks (CPU "
@@ -326,15 +317,14 @@ def main(argv: list[str] | None = None) -> None:
 
     meta.update({"transformers": transformers.__version__, "world": args.world, "backend": args.backend,
                  "device": args.device, "size": args.size, "model": "LlamaForCausalLM " + json.dumps(SIZES[args.size]),
-                 "time_limit": args.time_limit, "timed_steps": args.timed_steps, "load_before": _load()})
+                 "time_limit": args.time_limit, "timed_steps": args.timed_steps})
     gpu = ("python -m benchmarks.data_parallel --device cuda --backend nccl --world 1 "
            "--out benchmarks/results/data_parallel_gpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         meta["gpu_note"] = f"Not run: no CUDA device on this machine. The GPU row's command: `{gpu}`."
         meta["complete"] = False
         data = {"meta": meta, "rows": []}
-        out.with_suffix(".json").write_text(json.dumps(data, indent=1))
-        out.with_suffix(".md").write_text(report(data))
+        write_results(out, data, report(data))
         log(meta["gpu_note"])
         return
     meta["gpu_note"] = ("This run is on CUDA." if args.device == "cuda" else
@@ -345,10 +335,9 @@ def main(argv: list[str] | None = None) -> None:
         mp.start_processes(_worker, args=(args.world, _free_port(), args, tmp), nprocs=args.world, join=True,
                            start_method="spawn")
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.world)]
-    meta.update({"elapsed_s": round(time.perf_counter() - t0, 1), "load_after": _load(), "complete": True})
+    meta.update({"elapsed_s": round(time.perf_counter() - t0, 1), "load_after": load_average(), "complete": True})
     data = {"meta": meta, "rows": merge(per_rank), "per_rank": per_rank}
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-    out.with_suffix(".md").write_text(report(data))
+    write_results(out, data, report(data))
     log(report(data))
 
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import random
 import time
 from pathlib import Path
@@ -37,7 +35,8 @@ from pathlib import Path
 import torch
 
 import fxopt
-from benchmarks.harness import checkpoint_blocks, compare_grads, log, mib, run_meta
+from benchmarks.harness import (checkpoint_blocks, commit_of, compare_grads, load_average, log, mib, run_meta,
+                                write_results)
 from fxopt.models import GPT, ResidualMLP, SmallCNN, loss_of
 
 
@@ -124,12 +123,13 @@ def _hf_inputs(batch: int, length: int, vocab: int, seed: int):
 def part_three(names: list[str], lengths: list[int], batch: int, time_limit: float) -> list[dict]:
     """`transformers` decoders from `benchmarks.hf_zoo` (their "bench" configs: 2 layers, width
     128, 128 positions), called with a padding mask and labels, on several lengths."""
-    from benchmarks.hf_zoo import HF_ZOO, TEXT
+    from benchmarks.hf_zoo import TEXT
+    from fxopt.models import MODELS
 
     out = []
     for name in names:
         torch.manual_seed(0)
-        model, _ = HF_ZOO[name].build("bench", dropout=0.1)
+        model, _ = MODELS[f"hf-{name}"]("bench", dropout=0.1)
         vocab, top = TEXT["bench"]["vocab"], max(lengths)
         eager_peak = fxopt.plan(copy.deepcopy(model), 1.0, _hf_inputs(batch, top, vocab, 0),
                                 time_limit=time_limit).eager_peak_bytes
@@ -154,7 +154,7 @@ def part_three(names: list[str], lengths: list[int], batch: int, time_limit: flo
             rows.append({"seq": length, "measured_peak_bytes": peak, "within_budget": peak <= budget,
                          **compare_grads(optimized, ref)})
         state = optimized._dynamic.state
-        out.append({"model": name, "hf_class": HF_ZOO[name].hf_class, "batch": batch, "budget_bytes": budget,
+        out.append({"model": name, "hf_class": MODELS[f"hf-{name}"].source.removeprefix("transformers."), "batch": batch, "budget_bytes": budget,
                     "eager_peak_bytes_at_max": eager_peak, "seconds": time.perf_counter() - t0,
                     "captures": state.captures, "plans": state.plans,
                     "buckets": [b.to_dict() for b in optimized.buckets], "rows": rows})
@@ -208,13 +208,12 @@ def part_two(names: list[str]) -> list[dict]:
 
 
 def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dynamic_shapes.json").write_text(json.dumps(result, indent=2))
     p1, meta = result["part_one"], result["meta"]
     lines = [
         "# Dynamic shapes: one plan per bucket vs re-planning every shape; the largest batch that fits", "",
-        f"`{meta['command']}` at commit `{meta['git']}`, {meta['date']}, torch {meta['torch']}, "
-        f"{meta['cpu_count']} CPUs; load average before/after: {meta['load_before']} / {meta['load_after']} "
+        f"`{meta['command']}` at commit `{commit_of(meta)}`, {meta['date']}, torch {meta['torch']}, "
+        f"{meta['cpu_count']} CPUs; load average before/after: {meta.get('load', meta.get('load_before'))} / "
+        f"{meta['load_after']} "
         "(the machine is shared: times are noisy, counts are not).", "",
         f"## Training on {len(p1['lengths'])} sequence lengths", "",
         f"{p1['model']}, batch {p1['batch']}, lengths {sorted(p1['lengths'])}, in the order "
@@ -268,7 +267,7 @@ def write(result: dict, out: Path) -> None:
                           f"{'' if r['grads_equal'] else ' (gradients differ)'}" for r in m["rows"])
         lines.append(f"| {m['model']} ({m['hf_class']}), batch {m['batch']} | {mib(m['budget_bytes'])} | "
                      f"{m['captures']} | {m['plans']} | {[b['ranges']['seq'] for b in m['buckets']]} | {cells} |")
-    (out / "dynamic_shapes.md").write_text("\n".join(lines) + "\n")
+    write_results(out / "dynamic_shapes", result, "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,13 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     command = "python -m benchmarks.dynamic_shapes" + ("" if argv is None else " " + " ".join(argv))
     meta = run_meta(command)
-    meta["load_before"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     result = {"meta": meta,
               "part_one": part_one(args.steps, args.max_seq, args.batch, args.time_limit),
               "part_two": part_two([n for n in args.max_batch_models.split(",") if n]),
               "part_three": part_three([n for n in args.hf.split(",") if n], [128, 97, 64, 33, 8], 4,
                                        args.time_limit)}
-    meta["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    meta["load_after"] = load_average()
     write(result, Path(args.out))
     return 0
 

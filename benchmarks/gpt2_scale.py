@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -36,6 +34,7 @@ from pathlib import Path
 import torch
 
 import fxopt
+from benchmarks.harness import meta_line, run_meta, write_results
 from fxopt.models import gpt2, loss_of
 from fxopt.solvers import SolverTimeoutWarning
 from fxopt.solvers.instant import instant_solve, peak_lower_bound
@@ -111,15 +110,10 @@ def run_for_real(row: dict, plan: fxopt.Plan, model, inputs) -> None:
           flush=True)
 
 
-def write(rows: list[dict], out: Path, command: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"command": command, "date": datetime.datetime.now().isoformat(timespec="minutes"), "commit": commit,
-            "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
-    (out / "gpt2_scale.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+def write(rows: list[dict], out: Path, meta: dict) -> None:
     g = lambda b: f"{b / GiB:.2f}"  # noqa: E731
     lines = ["# GPT-2 small shapes (width 768, 12 heads, seq 512, batch 8) at half the eager peak", "",
-             f"`{command}` — {meta['date']}, commit {commit}, torch {meta['torch']}, {meta['cpu_threads']} CPU threads.",
+             f"{meta_line(meta)} · {meta['torch_threads']} CPU threads.",
              "Lower bound: proven, on the recompute cost of any plan within the budget (instant: valid for every "
              "schedule the simulator accepts; ilp: within the ILP's model). No schedule peaks below the proven "
              "minimum peak (`peak_lower_bound`).",
@@ -138,7 +132,7 @@ def write(rows: list[dict], out: Path, command: str) -> None:
             f"{g(r['min_budget']) if r.get('infeasible_at_half') else '≤ 50%'} | {g(r['budget'])} | "
             f"{g(r['predicted_peak'])} | {measured} | {r['plan_seconds']:.0f} | {r['solver']} ({r['status']}) | "
             f"{r['recompute_flops'] / 1e9:.0f} | {r['recompute_cost']:.3f} | {lb} | {gap} |")
-    (out / "gpt2_scale.md").write_text("\n".join(lines) + "\n")
+    write_results(out / "gpt2_scale", {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     os.environ["FXOPT_CACHE"] = "0"  # time a fresh plan, never one from the disk cache
-    command = "python -m benchmarks.gpt2_scale " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = run_meta(" ".join(["python -m benchmarks.gpt2_scale", *(argv if argv is not None else sys.argv[1:])]))
     rows = []
     for layers in args.layers:
         row, plan, (model, inputs) = plan_at_half(layers, args.time_limit)
         rows.append(row)
-        write(rows, args.out, command.strip())
+        write(rows, args.out, meta)
         if layers == args.run_layers:
             run_for_real(row, plan, model, inputs)
-            write(rows, args.out, command.strip())
+            write(rows, args.out, meta)
         del plan, model, inputs
     return 0
 

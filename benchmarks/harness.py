@@ -29,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -224,6 +226,24 @@ class Measurer:
         gc.collect()
         return row
 
+    def attempt(self, row: dict[str, Any], build: Callable[[], Any], *, ctx: Callable[[], Any] | None = None,
+                after_warmup: Callable[[Any, dict], None] | None = None) -> dict[str, Any]:
+        """`measure` inside ``ctx()`` (when given), recording what stops the row instead of raising:
+        ``infeasible`` (with the budget and fxopt's ``min_budget_bytes``) or the ``error``; and
+        ``row_s``, the seconds the row took. One failing row does not stop a benchmark."""
+        t0 = time.perf_counter()
+        try:
+            with (ctx() if ctx is not None else contextlib.nullcontext()):
+                self.measure(row, build, after_warmup=after_warmup)
+        except fxopt.InfeasibleBudgetError as err:
+            row.update({"infeasible": True, "budget_bytes": err.budget, "min_budget_bytes": err.min_budget})
+        except Exception as err:  # noqa: BLE001 - one failing row must not stop the others
+            row["error"] = error_line(err)
+            log(traceback.format_exc(limit=4))
+        torch._dynamo.reset()
+        row["row_s"] = round(time.perf_counter() - t0, 2)
+        return row
+
     def time_steps(self, fn: Callable[..., Any]) -> tuple[list[float], list[float]]:
         """Seconds of ``fn``'s steps and of eager's, interleaved (eager then fn, n times)."""
         t_eager: list[float] = []
@@ -260,28 +280,36 @@ def compare_grads(model: nn.Module, ref: dict[str, torch.Tensor]) -> dict[str, A
             "grad_error": first_error}
 
 
-# ---- the run's context ------------------------------------------------------------------------
+# ---- the run's context and its files ---------------------------------------------------------
+# Every script writes its results through `write_results`, with `run_meta` as the "meta" of its
+# JSON: one format, one key per fact. Files written before this (whose commit key was "git", or
+# which had no "meta") stay readable through `commit_of`.
 
 
-def run_meta(command: str) -> dict[str, Any]:
-    """Where and when a benchmark ran: command, date, versions, commit, machine."""
+def run_meta(command: str, **extra: Any) -> dict[str, Any]:
+    """Where and when a benchmark ran: command, date, commit (`commit`), versions, machine and
+    its load average as the run starts (a shared machine: timings need it beside them). ``extra``:
+    the script's own settings, added as they are."""
     meta = {
         "command": command,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": commit(),
         "torch": torch.__version__,
         "fxopt": fxopt.__version__,
-        "git": git_state(),
         "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "load": load_average(),
     }
     if torch.cuda.is_available():
         meta["cuda_device"] = torch.cuda.get_device_name()
+    meta.update(extra)
     return meta
 
 
-def git_state() -> str:
-    """The commit fxopt was loaded from, and whether fxopt/ or benchmarks/ had uncommitted changes."""
+def commit() -> str:
+    """The commit fxopt was loaded from, and whether fxopt/ or benchmarks/ had uncommitted
+    changes: the one place a benchmark asks git."""
     root = Path(fxopt.__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
@@ -291,6 +319,76 @@ def git_state() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + (" + uncommitted changes in fxopt/ or benchmarks/" if dirty else "")
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as ``uptime`` prints them."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def commit_of(meta: dict[str, Any]) -> str:
+    """The commit a results file names, under either key it was written with ("git" before)."""
+    return meta.get("commit") or meta.get("git") or "unknown"
+
+
+def meta_line(meta: dict[str, Any]) -> str:
+    """The line under a report's title: command, date, commit, torch, load."""
+    load = f" · load {meta['load']}" if meta.get("load") else ""
+    return f"`{meta['command']}` · {meta['date']} · commit {commit_of(meta)} · torch {meta['torch']}{load}"
+
+
+def saved_settings() -> tuple[int, str | None]:
+    """The process-wide settings a run changes (torch's CPU threads, ``FXOPT_CACHE``), to give
+    back to `restore_settings` when it ends: the benchmarks also run inside tests."""
+    return torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
+
+
+def restore_settings(saved: tuple[int, str | None]) -> None:
+    threads, cache = saved
+    torch.set_num_threads(threads)
+    if cache is None:
+        os.environ.pop("FXOPT_CACHE", None)
+    else:
+        os.environ["FXOPT_CACHE"] = cache
+
+
+def report_head(title: str, meta: dict[str, Any], *details: str) -> list[str]:
+    """A report's first lines: its title, then `meta_line` and the script's ``details``."""
+    return [f"# {title}", "", " · ".join((meta_line(meta), *details)), ""]
+
+
+def run_to_end(run_class: Callable[[Any], Any], args: Any, argv: Sequence[str] | None, wrote: str) -> Any:
+    """A benchmark's `Run` built from ``args`` (``args.argv``: the command line it was given) and
+    executed, torch's UserWarnings off; logs how long it took and ``wrote``."""
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    run = run_class(args)
+    run.execute()
+    log(f"done in {time.perf_counter() - run.t0:.0f} s; wrote {wrote}")
+    return run
+
+
+def write_results(path: Path | str, data: dict[str, Any], markdown: str) -> Path:
+    """``<path>.json`` (``data``, with its "meta" from `run_meta`) and ``<path>.md`` (``markdown``),
+    folders made; returns the Markdown's path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.parent / f"{path.name}.json").write_text(json.dumps(data, indent=1, default=str))
+    md = path.parent / f"{path.name}.md"
+    md.write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    return md
+
+
+def choose(text: str | None, known: Sequence[str], what: str = "") -> tuple[str, ...]:
+    """The comma-separated names in ``text`` (all of ``known`` when empty); an unknown name
+    stops the run with the list to choose from."""
+    if not text:
+        return tuple(known)
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what + ' ' if what else ''}{', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
 
 
 def mib(n: int | float | None) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import shlex
 import sys
 import time
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 
 import fxopt
-from benchmarks.harness import error_line, log, mib, run_meta
+from benchmarks.harness import error_line, log, meta_line, mib, run_meta, write_results
 
 BATCH, SEQ, VOCAB, HIDDEN = 4, 64, 256, 64
 TRIES = 3  # budgets tried: half the activations, then what each error names
@@ -300,12 +299,11 @@ def bench(name: str, time_limit: float) -> dict[str, Any]:
     return row
 
 
-def write_markdown(result: dict[str, Any], path: Path) -> None:
+def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     ok = sum(r.get("status") == "ok" for r in rows)
     lines = ["# Breadth: transformers architectures through fxopt.optimize", "",
-             f"`{result['meta']['command']}` · {result['meta']['date']} · torch {result['meta']['torch']} · "
-             f"fxopt git {result['meta']['git']}", "",
+             meta_line(result["meta"]), "",
              f"**{ok} of {len(rows)} architectures ok** (measured peak within the budget, loss and every gradient "
              "equal to eager's). Budget: half the activations (`half`), or fxopt's smallest where that is "
              "infeasible (`min`). Peaks in MiB, measured.", "",
@@ -319,7 +317,7 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         lines.append(f"| {r['model']} | {r['class']} | {mib(r['eager_peak'])} | {mib(r['budget'])} ({which}) | "
                      f"{mib(r['measured'])} | {mib(r['predicted'])} | {r['nodes']} | {r['plans']} | "
                      f"{r['recompute_flops'] / 1e9:.3f} | {r['solver']} | {r['first_call_s']:.1f} | {r['status']} |")
-    path.write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(ARCHITECTURES)}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": run_meta("python -m benchmarks.hf_breadth " + shlex.join(argv or sys.argv[1:])), "rows": []}
     for name in names:
         log(f"hf_breadth: {name}")
@@ -344,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"model": name, "error": error_line(err)}
         log(f"  {row.get('status', row.get('error'))}")
         result["rows"].append(row)
-        Path(f"{out}.json").write_text(json.dumps(result, indent=1))
-        write_markdown(result, Path(f"{out}.md"))
+        write_results(out, result, markdown(result))
     return 0
 
 

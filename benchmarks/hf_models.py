@@ -34,11 +34,9 @@ top). On CPU the run uses 1 torch thread and turns fxopt's plan cache off (``FXO
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
-import sys
 import time
 import traceback
 import warnings
@@ -51,8 +49,10 @@ import torch._dynamo
 import torch._functorch.config
 
 import fxopt
-from benchmarks.harness import Measurer, error_line, log, mib, plan_fields, run_meta, train_step
-from benchmarks.hf_zoo import HF_ZOO, SIZES
+from benchmarks.harness import (Measurer, choose, error_line, log, mib, plan_fields, report_head, run_meta,
+                                restore_settings, run_to_end, saved_settings, train_step, write_results)
+from benchmarks.hf_zoo import HF_NAMES, SIZES
+from fxopt.models import MODELS
 
 METHODS = ("eager", "hf-checkpointing", "compile-amb", "fxopt")
 FXOPT_HALF = "half-act"  # resident bytes + half of the activations (eager's measured peak)
@@ -80,12 +80,12 @@ class ModelBench:
         self.rows: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
         torch.manual_seed(0)
-        entry = HF_ZOO[name]
-        self.model, self.inputs = entry.build(run.size)
+        entry = MODELS[f"hf-{name}"]
+        self.model, self.inputs = entry(run.size)
         self.hf = self.model.hf
         self.m = Measurer(self.model, self.inputs, timed_steps=run.timed_steps)
         self.info: dict[str, Any] = {
-            "name": name, "hf_class": entry.hf_class, "description": entry.description,
+            "name": name, "hf_class": entry.source.removeprefix("transformers."), "description": entry.description,
             "config": {k: v for k, v in self.hf.config.to_diff_dict().items()
                        if isinstance(v, (int, float, str, bool, list)) and k not in ("architectures", "id2label", "label2id")},
             "input_shapes": {n: list(x.shape) for n, x in zip(self.model.names, self.inputs)},
@@ -116,7 +116,6 @@ class ModelBench:
                 cleanup: Callable[[], None] | None = None) -> dict[str, Any]:
         """Measure one row; record an error instead of raising."""
         log(f"--- {self.name}: {row['method']} @ {row['budget']}")
-        t0 = time.perf_counter()
 
         def warmed(fn: Any, row: dict[str, Any]) -> None:
             if after_warmup is not None:
@@ -125,18 +124,10 @@ class ModelBench:
                 self.count_with_flop_counter_mode(fn, row)
 
         try:
-            with (ctx() if ctx is not None else contextlib.nullcontext()):
-                self.m.measure(row, build, after_warmup=warmed)
-        except fxopt.InfeasibleBudgetError as err:
-            row.update({"infeasible": True, "budget_bytes": err.budget, "min_budget_bytes": err.min_budget})
-        except Exception as err:  # noqa: BLE001 - one failing row must not stop the others
-            row["error"] = error_line(err)
-            log(traceback.format_exc(limit=3))
+            self.m.attempt(row, build, ctx=ctx, after_warmup=warmed)
         finally:
             if cleanup is not None:
                 cleanup()
-        torch._dynamo.reset()
-        row["row_s"] = round(time.perf_counter() - t0, 2)
         if row.get("measured_peak_bytes") is not None:
             row["loss_equal"] = _loss_equal(row.get("loss"), self.m.ref_loss)
         self.add(row)
@@ -322,12 +313,12 @@ class Run:
         self.size = args.size
         self.time_limit = args.time_limit
         self.timed_steps = args.timed_steps
-        self.models = _csv(args.models, HF_ZOO)
-        self.methods = ("eager", *(m for m in _csv(args.methods, METHODS) if m != "eager"))
-        self.fxopt_budgets = _csv(args.fxopt_budgets, FXOPT_BUDGETS)
+        self.models = choose(args.models, HF_NAMES)
+        self.methods = ("eager", *(m for m in choose(args.methods, METHODS) if m != "eager"))
+        self.fxopt_budgets = choose(args.fxopt_budgets, FXOPT_BUDGETS)
         self.out = Path(args.out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._restore = (torch.get_num_threads(), os.environ.get("FXOPT_CACHE"))
+        self._restore = saved_settings()
         torch.set_num_threads(args.threads)
         # A cached plan would report another run's planning time.
         os.environ.setdefault("FXOPT_CACHE", "0")
@@ -368,12 +359,7 @@ class Run:
             self.complete = True
         finally:
             self.write()
-            threads, cache = self._restore
-            torch.set_num_threads(threads)
-            if cache is None:
-                os.environ.pop("FXOPT_CACHE", None)
-            else:
-                os.environ["FXOPT_CACHE"] = cache
+            restore_settings(self._restore)
 
     def write(self) -> None:
         self.meta["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
@@ -381,8 +367,7 @@ class Run:
         if self.model_errors:
             self.meta["model_errors"] = self.model_errors
         data = {"meta": self.meta, "models": [{"info": b.info, "rows": b.rows} for b in self.benches]}
-        self.out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-        self.out.with_suffix(".md").write_text(report(data))
+        write_results(self.out, data, report(data))
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,15 +401,12 @@ def extra_flops_of(row: dict[str, Any]) -> tuple[int | None, str]:
 
 def report(data: dict[str, Any]) -> str:
     meta = data["meta"]
-    lines = [
-        "# fxopt against Hugging Face gradient checkpointing and torch.compile's activation budget",
-        "",
-        f"`{meta['command']}` · {meta['date']} · commit {meta['git']} · torch {meta['torch']} · transformers "
-        f"{meta.get('transformers')} · Python {meta['python']} · {meta['cpu_count']} CPUs ({meta['torch_threads']} "
+    lines = report_head(
+        "fxopt against Hugging Face gradient checkpointing and torch.compile's activation budget", meta,
+        f"transformers {meta.get('transformers')} · Python {meta['python']} · {meta['cpu_count']} CPUs ({meta['torch_threads']} "
         f"torch thread{'s' if meta['torch_threads'] != 1 else ''}) · size \"{meta['size']}\", fp32 · fxopt ILP time "
         f"limit {meta['ilp_time_limit_s']:g} s · {meta['timed_steps']} timed steps per row · "
-        f"{'complete' if meta.get('complete') else 'INCOMPLETE'}, {meta.get('elapsed_s', 0):.0f} s",
-        "",
+        f"{'complete' if meta.get('complete') else 'INCOMPLETE'}, {meta.get('elapsed_s', 0):.0f} s") + [
         "Models from `benchmarks/hf_zoo.py` (transformers classes, random weights, dropout 0, loss from `labels=`). "
         "Peaks in MiB, measured by `fxopt.measure_peak` over one forward+backward with parameters, inputs and "
         "gradients resident. HF ckpt: `activation_checkpointing_enable()` (= `gradient_checkpointing_enable()`), "
@@ -551,19 +533,9 @@ def _short_error(error: str) -> str:
     return error.replace("|", "/")[:90] + ("…" if len(error) > 90 else "")
 
 
-def _csv(text: str | None, known) -> tuple[str, ...]:
-    if not text:
-        return tuple(known)
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> Run | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", help=f"comma-separated, from {', '.join(HF_ZOO)} (default: all)")
+    parser.add_argument("--models", help=f"comma-separated, from {', '.join(HF_NAMES)} (default: all)")
     parser.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: all; eager always)")
     parser.add_argument("--fxopt-budgets", help=f"comma-separated, from {', '.join(FXOPT_BUDGETS)} (default: all)")
     parser.add_argument("--size", choices=SIZES, default="bench", help="model sizes (default: bench)")
@@ -576,17 +548,12 @@ def main(argv: list[str] | None = None) -> Run | None:
     parser.add_argument("--report", "--replot", dest="report", action="store_true",
                         help="only rewrite <out>.md from <out>.json")
     args = parser.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
     out = Path(args.out)
     if args.report:
         out.with_suffix(".md").write_text(report(json.loads(out.with_suffix(".json").read_text())))
         log(f"wrote {out.with_suffix('.md')}")
         return None
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-    run = Run(args)
-    run.execute()
-    log(f"done in {time.perf_counter() - run.t0:.0f} s; wrote {out.with_suffix('.md')}")
-    return run
+    return run_to_end(Run, args, argv, str(out.with_suffix(".md")))
 
 
 if __name__ == "__main__":

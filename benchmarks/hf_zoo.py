@@ -1,20 +1,23 @@
 """Hugging Face models as users train them: small configs, random weights, no downloads.
 
-Each entry of `HF_ZOO` builds a transformers model from a config (no pretrained weights, nothing
-fetched) and its inputs, wrapped in `HFLoss` so that ``model(*inputs)`` returns the scalar loss
-the HF model computes itself (``labels=`` → ``output.loss``), the way a training loop calls it.
+Importing this module registers them in the one model zoo, `fxopt.models.MODELS`, as
+``"hf-<name>"`` (fxopt itself does not import transformers). Each builds a transformers model
+from a config (no pretrained weights, nothing fetched) and its inputs, wrapped in `HFLoss` so
+that ``model(*inputs)`` returns the scalar loss the HF model computes itself (``labels=`` →
+``output.loss``), the way a training loop calls it.
 
-    from benchmarks.hf_zoo import HF_ZOO
-    model, inputs = HF_ZOO["bert"].build("test")
+    import benchmarks.hf_zoo
+    from fxopt.models import MODELS
+    model, inputs = MODELS["hf-bert"]("test")
     model(*inputs).backward()
-    model.hf.activation_checkpointing_enable()   # HF's own gradient checkpointing
+    model.hf.gradient_checkpointing_enable()   # HF's own gradient checkpointing
 
 Sizes: ``"test"`` is tiny (each step well under a second on a 2-core CPU, for the test suite);
 ``"bench"`` is what `benchmarks.hf_models` runs (2 layers (T5, BART, Whisper: 1 + 1), hidden 128, sequences of 128 tokens
 or 64-pixel images), chosen so activations, not parameters, dominate the step.
 
 Every model has dropout 0 (including attention dropout) unless built with
-``build(size, dropout=p)``, so the step is deterministic and gradient parity against eager is
+``MODELS["hf-<name>"](size, dropout=p)``, so the step is deterministic and gradient parity against eager is
 exact (with dropout, exact under the same seed: fxopt keeps eager's masks; ResNet and ConvNeXt
 have no dropout to set); ``use_cache=False`` on decoders (training builds no KV
 cache). Attention is HF's default implementation (``sdpa``). Decoders get a padding mask (the
@@ -23,11 +26,12 @@ last quarter of the second sequence padded, its labels -100), as batched trainin
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+
+from fxopt.models import MODELS, Workload, register, zoo
 
 SIZES = ("test", "bench")
 
@@ -45,22 +49,15 @@ class HFLoss(nn.Module):
         return self.hf(**dict(zip(self.names, inputs))).loss
 
 
-@dataclasses.dataclass(frozen=True)
-class HFModel:
-    name: str
-    hf_class: str  # the transformers class
-    # size, dropout -> (HF model, inputs by name)
-    build_fn: Callable[[str, float], tuple[nn.Module, dict[str, torch.Tensor]]]
-    description: str
-
-    def build(self, size: str = "test", dropout: float = 0.0) -> tuple[HFLoss, tuple[torch.Tensor, ...]]:
-        """The wrapped model (in training mode) and its positional inputs. ``dropout``: the
-        probability of every dropout the config has (hidden, attention, activation)."""
-        if size not in SIZES:
-            raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-        hf, named = self.build_fn(size, dropout)
-        model = HFLoss(hf, tuple(named)).train()
-        return model, tuple(named.values())
+def _hf_build(name: str, build_fn: Callable[[str, float], tuple[nn.Module, dict[str, torch.Tensor]]],
+              description: str) -> Callable[..., Workload]:
+    """The zoo's build of one HF model: ``(size, dropout=0.0)`` -> its `Workload`, the model wrapped
+    in `HFLoss` in training mode. ``dropout``: the probability of every dropout the config has
+    (hidden, attention, activation)."""
+    def build(size: str, dropout: float = 0.0) -> Workload:
+        hf, named = build_fn(size, dropout)
+        return Workload(name, HFLoss(hf, tuple(named)).train(), tuple(named.values()), [], description)
+    return build
 
 
 def _transformers():
@@ -156,39 +153,39 @@ def bert(size: str, dropout: float = 0.0):
 
 
 # ---------------------------------------------------------------- encoder-decoders
+def _halves(c: dict, dropout: float) -> dict:
+    """BART's and Whisper's config: half the layers in the encoder, half in the decoder."""
+    half = c["layers"] // 2 or 1
+    return dict(encoder_layers=half, decoder_layers=half, d_model=c["hidden"], encoder_attention_heads=c["heads"],
+                decoder_attention_heads=c["heads"], encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"],
+                vocab_size=c["vocab"], dropout=dropout, attention_dropout=dropout, activation_dropout=dropout,
+                use_cache=False)
+
+
+def _text_to_text(model: nn.Module, c: dict):
+    return model, {**_text_inputs(c), "labels": _seq2seq_labels(c)}
+
+
 def t5(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
     cfg = t.T5Config(num_layers=c["layers"] // 2 or 1, num_decoder_layers=c["layers"] // 2 or 1, d_model=c["hidden"],
                      d_kv=c["hidden"] // c["heads"], num_heads=c["heads"], d_ff=c["ffn"], vocab_size=c["vocab"],
                      dropout_rate=dropout, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
-    inputs = _text_inputs(c)
-    labels = _seq2seq_labels(c)
-    return t.T5ForConditionalGeneration(cfg), {**inputs, "labels": labels}
+    return _text_to_text(t.T5ForConditionalGeneration(cfg), c)
 
 
 def bart(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
-    half = c["layers"] // 2 or 1
-    cfg = t.BartConfig(encoder_layers=half, decoder_layers=half, d_model=c["hidden"],
-                       encoder_attention_heads=c["heads"], decoder_attention_heads=c["heads"],
-                       encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"], vocab_size=c["vocab"],
-                       max_position_embeddings=c["seq"], dropout=dropout, attention_dropout=dropout, activation_dropout=dropout,
-                       use_cache=False)
-    inputs = _text_inputs(c)
-    labels = _seq2seq_labels(c)
-    return t.BartForConditionalGeneration(cfg), {**inputs, "labels": labels}
+    cfg = t.BartConfig(**_halves(c, dropout), max_position_embeddings=c["seq"])
+    return _text_to_text(t.BartForConditionalGeneration(cfg), c)
 
 
 def whisper(size: str, dropout: float = 0.0):
     t, c = _transformers(), TEXT[size]
-    half = c["layers"] // 2 or 1
     frames = c["seq"]  # mel frames; the encoder's two convolutions halve them
-    cfg = t.WhisperConfig(encoder_layers=half, decoder_layers=half, d_model=c["hidden"],
-                          encoder_attention_heads=c["heads"], decoder_attention_heads=c["heads"],
-                          encoder_ffn_dim=c["ffn"], decoder_ffn_dim=c["ffn"], vocab_size=c["vocab"],
-                          num_mel_bins=16, max_source_positions=frames // 2, max_target_positions=c["seq"],
-                          dropout=dropout, attention_dropout=dropout, activation_dropout=dropout, use_cache=False,
-                          pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    cfg = t.WhisperConfig(**_halves(c, dropout), num_mel_bins=16, max_source_positions=frames // 2,
+                          max_target_positions=c["seq"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          decoder_start_token_id=1)
     g = torch.Generator().manual_seed(0)
     features = torch.randn(c["batch"], 16, frames, generator=g)
     labels = torch.randint(3, c["vocab"], (c["batch"], c["seq"] // 4), generator=g)
@@ -237,18 +234,25 @@ def convnext(size: str, dropout: float = 0.0):  # no dropout (drop_path stays 0:
     return t.ConvNextForImageClassification(cfg), _pixels(c)
 
 
-HF_ZOO: dict[str, HFModel] = {m.name: m for m in (
-    HFModel("gpt2", "GPT2LMHeadModel", gpt2, "GPT-2 LM, labels=input_ids, padding mask"),
-    HFModel("llama", "LlamaForCausalLM", llama, "Llama causal LM (GQA, RoPE, RMSNorm, SwiGLU), padding mask"),
-    HFModel("mistral", "MistralForCausalLM", mistral, "Mistral causal LM, padding mask"),
-    HFModel("qwen2", "Qwen2ForCausalLM", qwen2, "Qwen2 causal LM, padding mask"),
-    HFModel("bert", "BertForMaskedLM", bert, "BERT masked LM (loss on 1 token in 7), padding mask"),
-    HFModel("t5", "T5ForConditionalGeneration", t5, "T5 encoder-decoder, labels half the source length"),
-    HFModel("bart", "BartForConditionalGeneration", bart, "BART encoder-decoder, labels half the source length"),
-    HFModel("whisper", "WhisperForConditionalGeneration", whisper, "Whisper encoder-decoder on random mel features"),
-    HFModel("vit", "ViTForImageClassification", vit, "ViT image classifier"),
-    HFModel("deit", "DeiTForImageClassification", deit, "DeiT image classifier"),
-    HFModel("swin", "SwinForImageClassification", swin, "Swin image classifier (window attention)"),
-    HFModel("resnet", "ResNetForImageClassification", resnet, "ResNet (basic blocks, BatchNorm)"),
-    HFModel("convnext", "ConvNextForImageClassification", convnext, "ConvNeXt (depthwise conv, LayerNorm)"),
-)}
+# name, transformers class, builder, description; registered in `fxopt.models.MODELS` as "hf-<name>"
+for _name, _class, _build, _description in (
+    ("gpt2", "GPT2LMHeadModel", gpt2, "GPT-2 LM, labels=input_ids, padding mask"),
+    ("llama", "LlamaForCausalLM", llama, "Llama causal LM (GQA, RoPE, RMSNorm, SwiGLU), padding mask"),
+    ("mistral", "MistralForCausalLM", mistral, "Mistral causal LM, padding mask"),
+    ("qwen2", "Qwen2ForCausalLM", qwen2, "Qwen2 causal LM, padding mask"),
+    ("bert", "BertForMaskedLM", bert, "BERT masked LM (loss on 1 token in 7), padding mask"),
+    ("t5", "T5ForConditionalGeneration", t5, "T5 encoder-decoder, labels half the source length"),
+    ("bart", "BartForConditionalGeneration", bart, "BART encoder-decoder, labels half the source length"),
+    ("whisper", "WhisperForConditionalGeneration", whisper, "Whisper encoder-decoder on random mel features"),
+    ("vit", "ViTForImageClassification", vit, "ViT image classifier"),
+    ("deit", "DeiTForImageClassification", deit, "DeiT image classifier"),
+    ("swin", "SwinForImageClassification", swin, "Swin image classifier (window attention)"),
+    ("resnet", "ResNetForImageClassification", resnet, "ResNet (basic blocks, BatchNorm)"),
+    ("convnext", "ConvNextForImageClassification", convnext, "ConvNeXt (depthwise conv, LayerNorm)"),
+):
+    if f"hf-{_name}" not in MODELS:  # (registered once, however often this module is imported)
+        register(f"hf-{_name}", _hf_build(_name, _build, _description), SIZES, ("hf",), _description,
+                 source=f"transformers.{_class}")
+
+# The Hugging Face models' short names (``"bert"`` for ``MODELS["hf-bert"]``), in the zoo's order.
+HF_NAMES = tuple(n.removeprefix("hf-") for n in zoo("hf"))

@@ -21,7 +21,6 @@ row, so an interrupted run leaves what it has measured.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -36,8 +35,9 @@ import torch._dynamo
 import torch._functorch.config
 
 import fxopt
-from benchmarks.harness import Measurer, checkpoint_blocks, error_line, log, mib, plan_fields, run_meta
-from benchmarks.models import mlp
+from benchmarks.harness import (Measurer, checkpoint_blocks, error_line, log, meta_line, mib, plan_fields, run_meta,
+                                write_results)
+from fxopt.models import mlp_workload as mlp
 
 DEPTH = 8
 TIMED_STEPS = 5
@@ -203,15 +203,14 @@ class Bench:
         pred_eager = next((r["predicted_eager_peak_bytes"] for r in self.rows if "predicted_eager_peak_bytes" in r), None)
         self.meta["fxopt_predicted_eager_peak_bytes"] = pred_eager
         rows = [{k: v for k, v in r.items()} for r in self.rows]
-        (self.out / "mlp_compare.json").write_text(json.dumps({"meta": self.meta, "rows": rows}, indent=1, default=str))
-        (self.out / "mlp_compare.md").write_text(self.markdown())
+        write_results(self.out / "mlp_compare", {"meta": self.meta, "rows": rows}, self.markdown())
 
     def markdown(self) -> str:
         m = self.meta
         lines = [
             "# fxopt vs eager / checkpoint / torch.compile on the residual MLP",
             "",
-            f"`{m['command']}` · {m['date']} · torch {m['torch']} · fxopt {m['fxopt']} (git {m['git']}) · Python {m['python']} · "
+            f"{meta_line(m)} · fxopt {m['fxopt']} · Python {m['python']} · "
             f"{m['cpu_count']} CPUs ({m['torch_threads']} torch threads) · "
             f"{'complete' if m['complete'] else 'INCOMPLETE (partial results)'}, {m['elapsed_s']:.0f} s",
             "",

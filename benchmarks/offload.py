@@ -38,10 +38,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import datetime
 import gc
-import json
-import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -49,7 +46,7 @@ from pathlib import Path
 import torch
 
 import fxopt
-from benchmarks.harness import median_step_seconds
+from benchmarks.harness import commit_of, median_step_seconds, run_meta, write_results
 from fxopt.models import gpt2, loss_of
 from fxopt.solvers import SolverTimeoutWarning
 from fxopt.solvers.plan import Plan
@@ -220,15 +217,13 @@ class Results:
     """The rows so far, written to ``<out>/offload_<name>.json`` and ``.md`` after each row."""
 
     def __init__(self, out: Path, name: str, meta: dict):
-        self.json, self.md = out / f"offload_{name}.json", out / f"offload_{name}.md"
+        self.path = out / f"offload_{name}"
         self.meta, self.rows = meta, []
-        out.mkdir(parents=True, exist_ok=True)
 
     def write(self, row: dict, replace: bool = False) -> dict:
         if not replace:
             self.rows.append(row)
-        self.json.write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1, default=str))
-        self.md.write_text(report(self.meta, self.rows))
+        self.md = write_results(self.path, {"meta": self.meta, "rows": self.rows}, report(self.meta, self.rows))
         return row
 
 
@@ -253,7 +248,7 @@ def report(meta: dict, rows: list[dict]) -> str:
                ("note", lambda r: r.get("error", "") or (f"planned at {r['plan_budget_bytes'] / MiB:.1f} MiB"
                                                          if r.get("plan_budget_bytes", r.get("budget_bytes")) != r.get("budget_bytes") else ""))]
     lines = [f"# OFFLOAD on GPT-2 ({meta['size']}), {meta['device']}", "",
-             f"`{meta['command']}` — {meta['date']}, commit {meta['commit']}, torch {meta['torch']}, {meta['device_name']}.",
+             f"`{meta['command']}` — {meta['date']}, commit {commit_of(meta)}, torch {meta['torch']}, {meta['device_name']}.",
              f"Model {meta['model']}; eager peak (predicted) {meta['eager_peak_bytes'] / MiB:.1f} MiB, of which "
              f"{meta['base_bytes'] / MiB:.1f} MiB parameters, inputs and gradients; eager step {meta['eager_step_s'] * 1e3:.2f} ms "
              f"(measured peak {meta['eager_measured_peak_bytes'] / MiB:.1f} MiB). Bandwidths planned with: {meta['transfers']}.",
@@ -263,13 +258,6 @@ def report(meta: dict, rows: list[dict]) -> str:
         lines += ["", "CPU dry run: host and device are the same memory, so these peaks and times say nothing "
                       "about OFFLOAD; the run checks that every method runs and writes its row."]
     return "\n".join(lines) + "\n"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,13 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         reference = [q.grad for q in eager.parameters()]
         _, eager_peak, base = activation_budget(model, inputs, 1.0, device)
         transfers = fxopt.plan(model, 1.0, inputs, offload=True, solver="save_all").graph.transfers
-        meta = dict(size=size, model=SIZES[size], device=device.type, command="python -m benchmarks.offload "
-                    + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
-                    date=datetime.datetime.now().isoformat(timespec="minutes"), commit=_commit(),
-                    torch=torch.__version__, device_name=torch.cuda.get_device_name(device) if device.type == "cuda"
-                    else "CPU", eager_peak_bytes=eager_peak, base_bytes=base, eager_step_s=eager_row["step_s"],
-                    eager_measured_peak_bytes=eager_row["measured_peak_bytes"],
-                    transfers=f"{transfers.d2h_bytes_per_s / 1e9:.1f} GB/s to host, {transfers.h2d_bytes_per_s / 1e9:.1f} GB/s to device")
+        meta = run_meta(
+            "python -m benchmarks.offload " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+            size=size, model=SIZES[size], device=device.type,
+            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+            eager_peak_bytes=eager_peak, base_bytes=base, eager_step_s=eager_row["step_s"],
+            eager_measured_peak_bytes=eager_row["measured_peak_bytes"],
+            transfers=f"{transfers.d2h_bytes_per_s / 1e9:.1f} GB/s to host, {transfers.h2d_bytes_per_s / 1e9:.1f} GB/s to device")
         results = Results(Path(args.out), "dry_run_cpu" if args.dry_run else device.type, meta)
         results.write(eager_row)
         for fraction in (float(f) for f in args.fractions.split(",")):

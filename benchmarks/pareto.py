@@ -44,12 +44,10 @@ after every row, so an interrupted run leaves what it has measured (marked incom
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import inspect
 import os
 import shlex
-import sys
 import time
 import traceback
 import warnings
@@ -62,9 +60,13 @@ import torch._dynamo
 import torch._functorch.config
 
 import fxopt
-from benchmarks.harness import Measurer, checkpoint_blocks, error_line, log, mib, plan_fields, run_meta
-from benchmarks.models import MODELS, SIZES, Workload
+from benchmarks.harness import (Measurer, checkpoint_blocks, choose, error_line, log, mib, plan_fields, run_meta,
+                                restore_settings, run_to_end, saved_settings)
+from fxopt.models import Workload, zoo
 from fxopt.solvers import SOLVERS
+
+MODELS = zoo("benchmark")  # the zoo's benchmark models (`fxopt.models.MODELS`)
+SIZES = ("tiny", "quick", "full")
 
 METHODS = ("eager", "checkpoint", "compile", "inductor", "fxopt", "fxopt-inductor")
 COMPILE_SOLVERS = ("dp", "greedy", "ilp")
@@ -142,18 +144,7 @@ class ModelBench:
         """Measure one row; record an error instead of raising (except a deadline)."""
         self.run.check_deadline()
         log(f"--- {self.w.name}: {row['line']} @ {row['budget']}")
-        t0 = time.perf_counter()
-        try:
-            with (ctx() if ctx is not None else contextlib.nullcontext()):
-                self.m.measure(row, build, after_warmup=after_warmup)
-        except fxopt.InfeasibleBudgetError as err:
-            row.update({"infeasible": True, "budget_bytes": err.budget, "min_budget_bytes": err.min_budget})
-        except Exception as err:  # noqa: BLE001 - one failing row must not stop the others
-            row["error"] = error_line(err)
-            log(traceback.format_exc(limit=4))
-        torch._dynamo.reset()
-        row["row_s"] = round(time.perf_counter() - t0, 2)
-        self.add(row)
+        self.add(self.m.attempt(row, build, ctx=ctx, after_warmup=after_warmup))
         return row
 
     # ---- methods --------------------------------------------------------------------------
@@ -367,12 +358,12 @@ class Run:
             if getattr(args, key):
                 self.cfg = dataclasses.replace(self.cfg, **{key: _floats(getattr(args, key))})
         self.time_limit = args.time_limit if args.time_limit is not None else self.cfg.time_limit
-        self.models = _csv(args.models, MODELS)
-        self.methods = _csv(args.methods, METHODS)
-        self.fxopt_solvers = _csv(args.fxopt_solvers, SOLVERS)
+        self.models = choose(args.models, tuple(MODELS))
+        self.methods = choose(args.methods, METHODS)
+        self.fxopt_solvers = choose(args.fxopt_solvers, SOLVERS)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         # Process-wide settings for the run, restored at its end (the harness also runs inside tests).
-        self._restore = (torch.get_num_threads(), os.environ.get("FXOPT_CACHE"))
+        self._restore = saved_settings()
         if self.device.type == "cpu":
             # On a CPU shared with other jobs, 2 threads wait on each other's stragglers: steps
             # measured 2-8x slower and far noisier than with 1 thread.
@@ -408,7 +399,7 @@ class Run:
             for name in self.models:
                 torch.manual_seed(0)
                 try:
-                    workload = MODELS[name](self.cfg.size).to(self.device)
+                    workload = MODELS[name].workload(self.cfg.size).to(self.device)
                 except Exception as err:  # noqa: BLE001 - e.g. no such device: go on with the next model
                     self.meta.setdefault("model_errors", {})[name] = error_line(err)
                     log(f"=== {name}: could not be built on {self.device}: {error_line(err)}")
@@ -433,12 +424,7 @@ class Run:
             log(f"deadline of {self.deadline} s reached: stopping, results so far are written")
         finally:
             self.write(final=True)
-            threads, cache = self._restore
-            torch.set_num_threads(threads)
-            if cache is None:
-                os.environ.pop("FXOPT_CACHE", None)
-            else:
-                os.environ["FXOPT_CACHE"] = cache
+            restore_settings(self._restore)
 
     # ---- output -------------------------------------------------------------------------------
 
@@ -462,16 +448,6 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
-def _csv(text: str | None, known) -> tuple[str, ...]:
-    if not text:
-        return tuple(known)
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown {', '.join(unknown)}; choose from {', '.join(known)}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> Run:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -493,12 +469,7 @@ def main(argv: list[str] | None = None) -> Run:
     parser.add_argument("--deadline", type=float, help="seconds after which no new row starts; partial results are kept")
     parser.add_argument("--out", default="benchmarks/results/pareto", help="output folder")
     args = parser.parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-    run = Run(args)
-    run.execute()
-    log(f"done in {time.perf_counter() - run.t0:.0f} s; wrote {run.out}/summary.md")
-    return run
+    return run_to_end(Run, args, argv, f"{args.out}/summary.md")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ or lower (within 0.2% of eager's peak) with no more extra FLOPs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import mib
+from benchmarks.harness import meta_line, mib, write_results
 
 HALF_SHARE = 0.52
 # Peaks within this share of eager's peak count as equal: the same schedule can measure a few
@@ -117,15 +116,12 @@ def write_all(out: Path, meta: dict, models: list[tuple[dict, list[dict]]], *,
     (default: all) and the summary of all ``models``."""
     for info, rows in (models if current is None else current):
         name = info["name"]
-        (out / f"{name}.json").write_text(json.dumps({"meta": meta, "model": info, "rows": rows}, indent=1, default=str))
-        (out / f"{name}.md").write_text(model_markdown(meta, info, rows))
+        write_results(out / name, {"meta": meta, "model": info, "rows": rows}, model_markdown(meta, info, rows))
         if plots and measured(rows):
             plot(out / f"{name}.png", info, rows)
     summary = [(info, summarize(info, rows), dominance(rows)) for info, rows in models]
-    (out / "summary.json").write_text(json.dumps(
-        {"meta": meta, "models": [{"model": i, "summary": s, "dominance": d} for i, s, d in summary]},
-        indent=1, default=str))
-    (out / "summary.md").write_text(summary_markdown(meta, summary))
+    write_results(out / "summary", {"meta": meta, "models": [{"model": i, "summary": s, "dominance": d}
+                                                             for i, s, d in summary]}, summary_markdown(meta, summary))
 
 
 def _gflop(n: int | None) -> str:
@@ -144,7 +140,7 @@ def header(meta: dict) -> str:
     state = "complete" if meta.get("complete") else "INCOMPLETE (partial results)"
     where = meta.get("cuda_device") if meta.get("device", "").startswith("cuda") else \
         f"{meta['cpu_count']} CPUs ({meta['torch_threads']} torch threads)"
-    return (f"`{meta['command']}` · {meta['date']} · torch {meta['torch']} · fxopt {meta['fxopt']} (git {meta['git']}) · "
+    return (f"{meta_line(meta)} · fxopt {meta['fxopt']} · "
             f"Python {meta['python']} · {meta['device']}: {where} · {state}, {meta.get('elapsed_s', 0):.0f} s · "
             f"sizes \"{meta['size']}\", fp32 · fxopt ILP time limit {meta['ilp_time_limit_s']:g} s · "
             f"{meta['timed_steps']} timed steps per point")

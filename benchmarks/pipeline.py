@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import fxopt
-from benchmarks.harness import log, mib, run_meta
+from benchmarks.harness import commit_of, load_average, log, mib, run_meta, write_results
 from fxopt.models import gpt2_lm, lm_loss
 from fxopt.solvers import stages as st
 
@@ -297,16 +297,14 @@ def _layer_weights(model: st.CutModel, points) -> list[float]:
 # ---------------------------------------------------------------- the report
 
 def write_report(data: dict, out: Path, name: str = "pipeline") -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
-    lines = ["# Pipeline stage cuts", "", f"`{data['meta']['command']}` at commit `{data['meta']['git']}`, "
+    lines = ["# Pipeline stage cuts", "", f"`{data['meta']['command']}` at commit `{commit_of(data['meta'])}`, "
              f"{data['meta']['date']}, load average {data['meta'].get('load', '?')} on {data['meta']['cpu_count']} cores.",
              ""]
     if "runs" in data:
         lines += _runs_table(data["runs"])
     if "scale" in data:
         lines += _scale_table(data["scale"])
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    write_results(out / name, data, "\n".join(lines))
 
 
 def _runs_table(runs: dict) -> list[str]:
@@ -358,13 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     RUN["vocab"] = args.vocab
     os.environ.setdefault("FXOPT_CACHE", "0")
     data = {"meta": run_meta("python -m benchmarks.pipeline " + " ".join(argv if argv is not None else sys.argv[1:]))}
-    data["meta"]["load"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
     parts = args.part.split(",")
     if "scale" in parts:
         data["scale"] = part_scale(args.quick, args.time_limit)
     if "runs" in parts:
         data["runs"] = part_runs(args.quick, args.time_limit)
-    data["meta"]["load_after"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
+    data["meta"]["load_after"] = load_average()
     write_report(data, Path(args.out), args.name)
 
 

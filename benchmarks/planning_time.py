@@ -33,8 +33,8 @@ import torch
 
 import fxopt
 import fxopt.planner as planner
-from benchmarks.harness import log, mib, run_meta
-from fxopt.models import ZOO, loss_of
+from benchmarks.harness import log, meta_line, mib, run_meta, write_results
+from fxopt.models import MODELS, ZOO, loss_of
 from fxopt.solvers import DEFAULT_TIME_LIMIT, SolverTimeoutWarning
 
 TARGET_SECONDS = {"small": 5.0, "gpt2-12": 15.0}  # issue 13: <= 1,000 nodes / the 12-layer GPT-2 at 50%
@@ -77,9 +77,9 @@ def models(which: list[str], only: set[str] | None):
     if "zoo" in which:
         out += [(name, build) for name, build in sorted(ZOO.items())]
     if "hf" in which:
-        from benchmarks.hf_zoo import HF_ZOO
+        from benchmarks.hf_zoo import HF_NAMES
 
-        out += [(f"hf-{name}", lambda m=m: m.build("bench")) for name, m in HF_ZOO.items()]
+        out += [(f"hf-{name}", lambda m=MODELS[f"hf-{name}"]: m("bench")) for name in HF_NAMES]
     if "gpt2-12" in which:
         from benchmarks.gpt2_scale import gpt2
 
@@ -147,14 +147,12 @@ def run_model(name: str, build, time_limit: float) -> list[dict]:
 
 
 def write(rows: list[dict], out: Path, meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "planning_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     s = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
     lines = [
         "# Planning time: every answer, split into capture, analysis and solve", "",
-        f"`{meta['command']}` · {meta['date']} · torch {meta['torch']} · fxopt git {meta['git']} · "
+        f"{meta_line(meta)} · "
         f"{meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads · load average (1 min) "
-        f"{meta['load_start']:.1f} at the start, {min(r['load1'] for r in rows):.1f}–{max(r['load1'] for r in rows):.1f} "
+        f"{min(r['load1'] for r in rows):.1f}–{max(r['load1'] for r in rows):.1f} "
         "as the answers came (a shared machine: more than the 2 cores' worth slows every row)", "",
         "Plan cache off for every row; the scratch-memory cache starts empty per model (its first row "
         "measures every op). `infeasible`: a 1-byte budget, answered with the smallest budget fxopt "
@@ -177,7 +175,7 @@ def write(rows: list[dict], out: Path, meta: dict) -> None:
         lines.append(f"| {r['model']} | {r['row']} | {r.get('nodes', '–')} | {s(r['wall_s'])} | {s(r['capture_s'])} | "
                      f"{s(r['analysis_s'])} | {s(r['solve_s'])} | {note} | {mib(r.get('peak'))} | "
                      f"{mib(r.get('measured_peak'))} | {solver} | {cost} | {bound} | {gap} |")
-    (out / "planning_time.md").write_text("\n".join(lines) + "\n")
+    write_results(out / "planning_time", {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ["FXOPT_CACHE"] = "1"
     meta = run_meta("python -m benchmarks.planning_time " + " ".join(sys.argv[1:] if argv is None else argv))
-    meta["load_start"] = os.getloadavg()[0]
     rows: list[dict] = []
     only = set(args.only.split(",")) if args.only else None
     for name, build in models(args.models.split(","), only):

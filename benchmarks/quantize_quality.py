@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import logging
 import math
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -39,6 +37,7 @@ from pathlib import Path
 import torch
 
 import fxopt
+from benchmarks.harness import meta_line, run_meta, write_results
 from fxopt.models import ZOO, gpt2, loss_of
 from fxopt.solvers import SolverTimeoutWarning
 
@@ -350,10 +349,7 @@ def markdown(rows: list[dict], conv: dict, meta: dict) -> str:
     lines = [
         "# Lossy activation compression: gradient SQNR and convergence",
         "",
-        f"`{meta['command']}` — {meta['date']}, commit {meta['commit']}, torch {meta['torch']}, "
-        f"1 thread, {meta['seconds']:.0f} s in all"
-        + (f"; uncommitted changes to {', '.join(meta['fxopt_uncommitted'])}" if meta["fxopt_uncommitted"] else "")
-        + ".",
+        f"{meta_line(meta)} · 1 thread, {meta['seconds']:.0f} s in all.",
         "",
         "## Gradient SQNR against fp32 eager",
         "",
@@ -472,10 +468,8 @@ def main(argv=None) -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit per plan, seconds")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    # Uncommitted changes to fxopt itself change what runs: name them.
-    dirty = subprocess.run(["git", "status", "--short", "--untracked-files=no", "--", "fxopt"], capture_output=True,
-                           text=True).stdout.split("\n")
+    meta = run_meta(" ".join(["python -m benchmarks.quantize_quality", *(sys.argv[1:] if argv is None else argv)]),
+                    sqnr_steps=args.sqnr_steps)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     logging.getLogger("fxopt").addHandler(SOLVER_LOG)
@@ -488,14 +482,10 @@ def main(argv=None) -> None:
         logging.getLogger("fxopt").removeHandler(SOLVER_LOG)
     for label, run in conv["runs"].items():
         print(label, {k: v for k, v in run.items() if k not in ("losses", "lossy")}, flush=True)
-    meta = {"fxopt_uncommitted": [line[3:] for line in dirty if line.strip()], "solver_log": SOLVER_LOG.records,
-            "command": " ".join(["python -m benchmarks.quantize_quality", *(sys.argv[1:] if argv is None else argv)]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "commit": commit,
-            "torch": torch.__version__, "sqnr_steps": args.sqnr_steps, "seconds": time.perf_counter() - t0}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quantize_quality.json").write_text(json.dumps(_strict({**meta, "sqnr": rows, "convergence": conv}), indent=1))
+    meta.update(solver_log=SOLVER_LOG.records, seconds=time.perf_counter() - t0)
+    write_results(args.out / "quantize_quality", _strict({"meta": meta, "sqnr": rows, "convergence": conv}),
+                  markdown(rows, conv, meta))
     plot(conv, args.out / "quantize_quality.png")
-    (args.out / "quantize_quality.md").write_text(markdown(rows, conv, meta))
 
 
 if __name__ == "__main__":

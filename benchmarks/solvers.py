@@ -22,10 +22,8 @@ size), rewritten after every graph.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import shlex
-import subprocess
 import sys
 import time
 import warnings
@@ -34,6 +32,7 @@ from pathlib import Path
 import torch
 
 import fxopt
+from benchmarks.harness import commit_of, meta_line, run_meta, write_results
 from fxopt import models
 from fxopt.solvers import SolverTimeoutWarning, solve
 from fxopt.solvers.heuristics import HEURISTICS
@@ -124,16 +123,12 @@ def run_graph(name: str, graph, time_limit: float) -> dict:
 SOLVER_ORDER = ("checkpoint", "greedy", "segments", "instant", "ilp-highs", "ilp-cbc", "auto")
 
 
-def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"command": command, "date": datetime.datetime.now().isoformat(timespec="minutes"), "commit": commit,
-            "torch": torch.__version__, "time_limit": time_limit, "cpu_threads": torch.get_num_threads()}
-    (out / "solvers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+def write(rows: list[dict], out: Path, meta: dict) -> None:
+    time_limit = meta["time_limit"]
     lines = [
         "# Solver time and optimality gap vs graph size",
         "",
-        f"`{command}` — {meta['date']}, commit {commit}, torch {meta['torch']}, {meta['cpu_threads']} CPU threads, "
+        f"{meta_line(meta)} · {meta['torch_threads']} CPU threads, "
         f"ILP time limit {time_limit:.0f} s. Budget: 50% of the eager peak, or the lowest peak the heuristics "
         "reach when 50% is out of reach. Cost: estimated seconds of recomputation (fxopt's cost model). "
         "Gap: (cost − best lower bound) / cost. Bounds: the instant program's (valid for every schedule the "
@@ -160,13 +155,13 @@ def write(rows: list[dict], out: Path, command: str, time_limit: float) -> None:
                      f"{row['budget'] / 2**20:.0f} MiB ({100 * row['budget'] / row['eager_peak']:.0f}%) | "
                      f"{ms(row['lp_bound'])} | {ms(row.get('instant_bound'))} | {best} | "
                      + " | ".join(cells) + " |")
-    (out / "solvers.md").write_text("\n".join(lines) + "\n")
+    write_results(out / "solvers", {"meta": meta, "rows": rows}, "\n".join(lines))
     plot(rows, out, meta)
 
 
 def plot(rows: list[dict], out: Path, meta: dict) -> None:
     """``<out>/solvers.png``: solve time and gap against graph size, one line per solver."""
-    commit, time_limit = meta["commit"], meta["time_limit"]
+    commit, time_limit = commit_of(meta), meta["time_limit"]
     try:
         import matplotlib
 
@@ -211,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads((args.out / "solvers.json").read_text())
         plot(saved["rows"], args.out, saved["meta"])
         return 0
-    command = "python -m benchmarks.solvers " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    meta = run_meta("python -m benchmarks.solvers " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+                    time_limit=args.time_limit)
     names = args.graphs or [n for n, (_, quick) in GRAPHS.items() if quick or not args.quick]
     rows = []
     for name in names:
@@ -219,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         graph = capture_graph(GRAPHS[name][0])
         print(f"{name}: {len(graph)} nodes; solving", flush=True)
         rows.append(run_graph(name, graph, args.time_limit))
-        write(rows, args.out, command.strip(), args.time_limit)
+        write(rows, args.out, meta)
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "results"}), flush=True)
     return 0
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import pathlib
 import platform
 import time
@@ -18,6 +16,7 @@ import warnings
 import torch
 
 import fxopt
+from benchmarks.harness import meta_line, run_meta, write_results
 from fxopt.models import ZOO, loss_of
 
 
@@ -69,16 +68,13 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    meta = run_meta("python -m benchmarks.zoo_accuracy", machine=platform.machine())
     rows = [run(name, f) for name in sorted(ZOO) for f in (1.0, 0.6, 0.4)]
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "zoo_accuracy.json").write_text(json.dumps(rows, indent=1))
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     lines = [
         "# Predicted vs measured peak, zoo models",
         "",
-        f"`python -m benchmarks.zoo_accuracy` · {datetime.datetime.now().isoformat(timespec='seconds')} · "
-        f"torch {torch.__version__} · {platform.machine()} · CPU",
+        f"{meta_line(meta)} · {meta['machine']} · CPU",
         "",
         "Peaks in MiB, everything live during one forward+backward (parameters, inputs, gradients "
         "included). 'error' is (predicted − measured) / measured; 'error w/o tangents' leaves out the "
@@ -97,7 +93,7 @@ def main() -> None:
             f"{'yes' if r['within_budget'] else '**NO**'} | {err:+.1%} | {err_t:+.1%} | {'yes' if r['grads_equal'] else '**NO**'} | "
             f"{r['recompute_flops'] / 1e9:.3f} | {r['solver']} ({r['status']}) | {r['nodes']} | {r['planning_seconds']:.1f} |"
         )
-    (out / "zoo_accuracy.md").write_text("\n".join(lines) + "\n")
+    write_results(pathlib.Path(args.out) / "zoo_accuracy", {"meta": meta, "rows": rows}, "\n".join(lines))
     print("\n".join(lines))
 
 

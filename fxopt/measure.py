@@ -16,15 +16,14 @@ allocations made during it, the way ``torch.cuda.max_memory_allocated()`` counts
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from fxopt.cpu_memory import profile_cpu_memory
 from fxopt.distributed.data_parallel import held_bytes
 from fxopt.storage import storages, tensors_in
 
@@ -95,35 +94,6 @@ def measure_timeline(step: Callable[..., Any], *args: Any, resident: Iterable[An
         seconds.append((e.start_ns() - t0) / 1e9)
         live_bytes.append(live)
     return MemoryTimeline(tuple(seconds), tuple(live_bytes), start, result)
-
-
-@contextlib.contextmanager
-def profile_cpu_memory(collect: bool = True):
-    """``torch.profiler`` recording CPU allocation events, without the lines the profiler prints
-    on stderr as it starts and stops. Yields the profiler; read its events after the block.
-    ``collect=False``: skip the garbage collection before it (where only events inside labelled
-    ranges are read, as `fxopt.analysis.scratch` reads them, old garbage freed later is outside)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from fxopt._quiet import silenced
-
-    # Frees of blocks allocated before profiling start show up without their allocation and would
-    # pull the running total down: collect old garbage first, and keep the cyclic collector from
-    # freeing it in the middle of the measurement.
-    if collect:
-        gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-    with silenced(2):
-        prof.__enter__()
-    try:
-        yield prof
-    finally:
-        with silenced(2):
-            prof.__exit__(None, None, None)
-        if was_enabled:
-            gc.enable()
 
 
 def _guess_device(*objs: Any) -> torch.device:

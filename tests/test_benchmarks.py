@@ -1,17 +1,22 @@
-"""The Pareto benchmark harness runs end to end on a tiny model and writes sane rows."""
+"""The benchmarks: the harness runs end to end on tiny models and writes sane rows; every script
+writes through the harness, in one metadata format; and the one model zoo serves them and the
+tests."""
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import hf_models, pareto
+from benchmarks import harness, hf_models, hf_zoo, pareto
 from benchmarks.harness import checkpoint_blocks
-from benchmarks.hf_zoo import HF_ZOO
-from benchmarks.models import MODELS
+from fxopt.models import MODELS, ZOO, zoo
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+@pytest.mark.slow
 def test_pareto_harness_tiny(tmp_path):
     pytest.importorskip("matplotlib")
     threads, cache = torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
@@ -36,10 +41,10 @@ def test_pareto_harness_tiny(tmp_path):
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(zoo("benchmark")))
 def test_benchmark_models_return_a_loss_and_checkpoint_equally(name):
     torch.manual_seed(0)
-    w = MODELS[name]("tiny")
+    w = MODELS[name].workload("tiny")
     loss = w.model(*w.inputs)
     assert loss.dim() == 0
     loss.backward()
@@ -51,17 +56,38 @@ def test_benchmark_models_return_a_loss_and_checkpoint_equally(name):
     assert all("forward" not in vars(b) for b in w.blocks)  # the wrapper leaves the model as it was
 
 
-@pytest.mark.parametrize("name", sorted(HF_ZOO))
-def test_hf_zoo_models_build_and_return_a_loss(name):
+@pytest.mark.parametrize("name", hf_zoo.HF_NAMES)
+def test_hf_zoo_models_build_and_train_every_parameter(name):
+    """Each HF model returns its own loss, and the backward reaches every parameter with a finite
+    gradient that is not all zeros: a builder whose loss ignored the labels or a part of the model
+    (a head left out, an input not passed) fails."""
     pytest.importorskip("transformers")
-    model, inputs = HF_ZOO[name].build("test")
-    assert model.training
+    torch.manual_seed(0)
+    model, inputs = MODELS[f"hf-{name}"]("test")
+    assert model.training and MODELS[f"hf-{name}"].source.startswith("transformers.")
     loss = model(*inputs)
     assert loss.dim() == 0 and torch.isfinite(loss)
     loss.backward()
-    assert any(p.grad is not None for p in model.parameters())
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # (Whisper's positions are frozen)
+    assert len(trained) > len(list(model.parameters())) // 2
+    for n, p in trained:
+        assert p.grad is not None, f"{n}: no gradient"
+        assert torch.isfinite(p.grad).all() and p.grad.any(), f"{n}: gradient {p.grad.abs().max()}"
 
 
+def test_one_model_zoo():
+    """Tests and benchmarks build from one registry, `fxopt.models.MODELS`: the test zoo is its
+    "test" set (the same entries), the Pareto benchmark's models its "benchmark" set, and the
+    Hugging Face models register in it from benchmarks/hf_zoo.py; no other zoo is left."""
+    assert ZOO == zoo("test") and all(ZOO[n] is MODELS[n] for n in ZOO)
+    assert tuple(pareto.MODELS) == ("residual_mlp", "resnet", "unet", "gpt2", "bert")
+    assert all(MODELS[f"hf-{n}"].sets == {"hf"} for n in hf_zoo.HF_NAMES) and len(hf_zoo.HF_NAMES) == 13
+    assert not (BENCHMARKS / "models.py").exists() and not hasattr(hf_zoo, "HF_ZOO")
+    with pytest.raises(ValueError, match="sizes tiny, quick, full"):
+        MODELS["resnet"]("huge")
+
+
+@pytest.mark.slow
 def test_hf_models_benchmark_tiny(tmp_path):
     """One tiny HF model through the benchmark: eager, HF checkpointing, fxopt at HF's peak."""
     pytest.importorskip("transformers")
@@ -90,6 +116,7 @@ def test_hf_models_benchmark_tiny(tmp_path):
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
 
 
+@pytest.mark.slow
 def test_offload_benchmark_dry_run(tmp_path):
     """The GPU OFFLOAD benchmark's code paths, on CPU with a tiny GPT-2: every method writes a row
     with eager's gradients, and fxopt's plans keep their budget."""
@@ -123,6 +150,7 @@ def test_planning_time_splits_one_answer(monkeypatch):
     assert row["analysis_s"] > 0 and row["solve_s"] > 0 and row["capture_s"] > 0
 
 
+@pytest.mark.slow
 def test_hf_breadth_benchmark_runs_a_row_and_reports_errors(tmp_path, monkeypatch):
     """One architecture the test suite does not otherwise train (RegNet) through the breadth
     benchmark, and one whose builder fails: an ok row within its budget, an error row, and the
@@ -140,3 +168,35 @@ def test_hf_breadth_benchmark_runs_a_row_and_reports_errors(tmp_path, monkeypatc
     assert regnet["status"] == "ok" and regnet["measured"] <= regnet["budget"] < regnet["eager_peak"]
     assert failed == {"model": "broken", "error": "RuntimeError: no such config"}
     assert "**1 of 2 architectures ok**" in out.with_suffix(".md").read_text()
+
+
+def _scripts() -> list[Path]:
+    return sorted(p for p in BENCHMARKS.glob("*.py") if p.name not in ("__init__.py", "harness.py"))
+
+
+def test_every_script_writes_through_the_harness():
+    """One writer and one metadata format: no script asks git itself or names the commit under
+    another key, and no script writes a file itself but the hand-offs between its processes
+    (``rank<r>.json``, ``config.json``) and a report re-rendered from its own JSON."""
+    hand_offs = ("rank{rank}.json", '"config.json"', 'with_suffix(".md").write_text(report(json.loads(')
+    for path in _scripts():
+        text = path.read_text()
+        assert "rev-parse" not in text, f"{path.name} asks git itself: use harness.run_meta"
+        assert "['git']" not in text and '"git"' not in text, f"{path.name}: the commit key is \"commit\""
+        for line in text.splitlines():
+            if "write_text(" in line or "json.dump(" in line:
+                assert any(h in line for h in hand_offs), f"{path.name} writes itself: {line.strip()}"
+        if "write_results" in text:
+            assert "run_meta(" in text or path.name == "pareto_report.py", f"{path.name}: meta not from run_meta"
+
+
+def test_old_results_files_stay_readable(tmp_path):
+    """Reports re-rendered from results written before the one format (commit under "git")."""
+    old = json.loads((BENCHMARKS / "results" / "hf_models.json").read_text())
+    assert "git" in old["meta"] and "commit" not in old["meta"]
+    (tmp_path / "hf_models.json").write_text(json.dumps(old))
+    hf_models.main(["--report", "--out", str(tmp_path / "hf_models")])
+    assert f"commit {old['meta']['git']}" in (tmp_path / "hf_models.md").read_text()
+    meta = harness.run_meta("python -m benchmarks.x", size="tiny")
+    assert {"command", "date", "commit", "torch", "load", "size"} <= set(meta) and "git" not in meta
+    assert harness.commit_of({"git": "abc"}) == "abc" == harness.commit_of({"commit": "abc"})

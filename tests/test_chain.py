@@ -127,6 +127,13 @@ def test_not_a_chain_gets_nothing_or_a_valid_schedule():
     diamond = b.build()
     g = chain([10, 10, 10], across=True)
     assert not chain_of(g).exact
-    for graph, budget in ((diamond, 12), (diamond, 100), (g, 40), (g, 25)):
-        for schedule, timeline in chain_candidates(graph, budget):
+    # (graph, budget, candidates): the lowest-peak schedule always; beside it the cheapest within
+    # the budget where one fits (none within 12 on the diamond: its lowest peak is 15)
+    for graph, budget, count in ((diamond, 12, 1), (diamond, 100, 2), (g, 40, 2), (g, 25, 2)):
+        candidates = chain_candidates(graph, budget)
+        assert len(candidates) == count, (budget, len(candidates))
+        for schedule, timeline in candidates:
             assert simulate(graph, schedule) == timeline
+        assert candidates[0][0] == min_peak_schedule(graph).schedule
+        if count == 2:
+            assert candidates[-1][1].peak_bytes <= budget

@@ -155,6 +155,7 @@ def test_compress_false_never_compresses_and_replays_only_with_the_same_setting(
         fxopt.optimize(copy.deepcopy(model), 0.9, plan=plan)(*inputs)
 
 
+@pytest.mark.slow
 def test_int8_on_the_transformer_block():
     from fxopt.models import ZOO
 
@@ -178,6 +179,7 @@ def test_quantize_is_not_used_where_saving_fits():
     assert_same_step(eager, optimized, loss_e, loss_o)
 
 
+@pytest.mark.slow
 def test_compression_under_inductor():
     """The codecs are custom ops: Inductor runs them as fallback kernels, keeping the plan."""
     torch.manual_seed(0)

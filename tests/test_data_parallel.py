@@ -18,7 +18,8 @@ import fxopt
 from fxopt.distributed import data_parallel
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+              pytest.mark.slow]  # several processes per test
 
 from data_parallel_steps import run  # noqa: E402
 

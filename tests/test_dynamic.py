@@ -95,6 +95,7 @@ def _gpt():
     return GPT(layers=2, dim=32, heads=2, vocab=128, max_seq=128, dropout=0.1).train()
 
 
+@pytest.mark.slow
 def test_one_capture_per_bucket_trains_like_eager_within_the_budget():
     """A GPT-2-style model with dropout, trained on batches of distinct sequence lengths: one
     capture and one plan per bucket, every step's gradients equal to eager's (same dropout masks)
@@ -201,6 +202,7 @@ MAX_BATCH_MODELS = {  # (model, inputs at batch b, budget, the largest batch sea
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MAX_BATCH_MODELS)
 def test_max_batch_fits_and_the_next_does_not(name):
     """The batch found runs within the budget, measured (its plan, at that batch and a smaller

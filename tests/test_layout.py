@@ -1,9 +1,11 @@
-"""The package's shape: the solvers import without torch, modules import each other without
-cycles, and no function grows past a screen without saying why."""
+"""The package's shape: the solvers import without torch; every module sits in a room of
+docs/design.md and imports only from its own room or those below (inside functions too), without
+cycles; and no function grows past a screen without saying why."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,30 +13,24 @@ from pathlib import Path
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fxopt"
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+
+TORCH_FREE = ("fxopt.errors", "fxopt.budget", "fxopt.units", "fxopt.cache", "fxopt._quiet", "fxopt")
 
 BLOCK_TORCH = """
-import builtins, sys
+import builtins, importlib, sys
 real = builtins.__import__
 def guarded(name, *args, **kwargs):
     if name == "torch" or name.startswith("torch."):
         raise ImportError(f"torch is blocked (import of {name})")
     return real(name, *args, **kwargs)
 builtins.__import__ = guarded
-import fxopt.solvers, fxopt.solvers.graph, fxopt.solvers.schedule, fxopt.solvers.heuristics
-import fxopt.solvers.instant, fxopt.solvers.ilp, fxopt.solvers.mip, fxopt.solvers.plan
-import fxopt.errors, fxopt.budget, fxopt.units, fxopt.cache
+for name in sys.argv[1:]:
+    importlib.import_module(name)
 import fxopt
 assert fxopt.__version__
 assert not [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
 """
-
-
-def test_solvers_import_without_torch():
-    """The solvers take plain numbers: importing them (and fxopt itself, whose public names load
-    on first use) must not import torch."""
-    done = subprocess.run([sys.executable, "-c", BLOCK_TORCH], capture_output=True, text=True,
-                          cwd=PACKAGE.parent, timeout=120)
-    assert done.returncode == 0, done.stderr
 
 
 def _module_name(path: Path) -> str:
@@ -42,51 +38,119 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports_at_import_time(path: Path) -> set[str]:
-    """fxopt modules ``path`` imports when it is imported (module level; imports inside
-    functions run later and cannot form an import cycle)."""
-    tree = ast.parse(path.read_text())
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
-    found = set()
-    for node in tree.body:
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_solvers_import_without_torch():
+    """The solvers take plain numbers: importing every module of fxopt/solvers/ (found on disk,
+    so a new or split module is covered) and the basics they use, and fxopt itself (whose
+    public names load on first use), must not import torch."""
+    solvers = [m for m in MODULES if m == "fxopt.solvers" or m.startswith("fxopt.solvers.")]
+    assert {"fxopt.solvers.stages", "fxopt.solvers.stage_plan"} <= set(solvers)
+    done = subprocess.run([sys.executable, "-c", BLOCK_TORCH, *solvers, *TORCH_FREE], capture_output=True,
+                          text=True, cwd=PACKAGE.parent, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def imports_in(source: str, name: str, is_package: bool = False) -> dict[str, int]:
+    """The fxopt modules that the module ``name`` (its ``source``) imports, each with the line of
+    its first import: at module level and inside functions, ``from a import b`` as the module
+    ``a.b`` where that is one, and ``importlib.import_module("...")`` with a literal name."""
+    package = name if is_package else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+
+    def add(target: str, line: int) -> None:
+        if target == "fxopt" or target.startswith("fxopt."):
+            found.setdefault(target, line)
+
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            for alias in node.names:
+                add(alias.name, node.lineno)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            found.add(base)
-            found |= {f"{base}.{a.name}" for a in node.names}
-    return {m for m in found if m == "fxopt" or m.startswith("fxopt.")}
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                add(submodule if submodule in MODULES else base, node.lineno)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
+            add(node.args[0].value, node.lineno)
+    return found
 
 
 def import_graph() -> nx.DiGraph:
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    """fxopt's modules and who imports whom (edge attribute ``line``: where). Importing
+    ``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__`` (except a module's own packages)."""
     graph = nx.DiGraph()
-    graph.add_nodes_from(modules)
-    for name, path in modules.items():
-        for target in _imports_at_import_time(path):
-            if target in modules and target != name:
-                graph.add_edge(name, target)
-                # importing a.b.c runs a/__init__ and a/b/__init__ first
-                parts = target.split(".")
-                for k in range(1, len(parts)):
-                    parent = ".".join(parts[:k])
-                    if parent in modules and parent != name and not name.startswith(parent + "."):
-                        graph.add_edge(name, parent)
+    graph.add_nodes_from(MODULES)
+    for name, path in MODULES.items():
+        for target, line in imports_in(path.read_text(), name, path.name == "__init__.py").items():
+            parts = target.split(".")
+            for k in range(1, len(parts) + 1):
+                module = ".".join(parts[:k])
+                if module in MODULES and module != name and not name.startswith(module + "."):
+                    graph.add_edge(name, module, line=line)
     return graph
 
 
+def rooms() -> dict[str, tuple[int, str]]:
+    """Each module's room, from the table under "The order of the rooms" in docs/design.md:
+    ``module -> (rank, room)``, rank 0 the top room."""
+    text = DESIGN.read_text()
+    section = text.split("## The order of the rooms", 1)[1].split("\n## ", 1)[0]
+    found: dict[str, tuple[int, str]] = {}
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith(("| room", "| ---"))]
+    for rank, row in enumerate(rows):
+        room, modules = [cell.strip() for cell in row.strip("|").split("|")[:2]]
+        for path in re.findall(r"`([^`]+\.py)`", modules):
+            assert path not in found, f"{path} is in two rooms of docs/design.md"
+            found[_module_name(PACKAGE / path)] = (rank, room.strip("*"))
+    return found
+
+
+def test_every_module_is_in_a_room_of_the_design():
+    """docs/design.md names every module under fxopt/ in the order of the rooms, and nothing else."""
+    placed = rooms()
+    assert not set(MODULES) - set(placed), f"not in docs/design.md's rooms: {sorted(set(MODULES) - set(placed))}"
+    assert not set(placed) - set(MODULES), f"in docs/design.md but not in fxopt/: {sorted(set(placed) - set(MODULES))}"
+
+
+def upward_imports(graph: nx.DiGraph, placed: dict[str, tuple[int, str]]) -> list[str]:
+    return [f"{MODULES[a].relative_to(PACKAGE.parent)}:{graph.edges[a, b]['line']} imports {b}: "
+            f"{placed[a][1]} -> {placed[b][1]}"
+            for a, b in sorted(graph.edges) if a in placed and b in placed and placed[b][0] < placed[a][0]]
+
+
+def test_imports_point_down():
+    """Every import, inside a function too, goes to the importer's own room or one below it."""
+    found = upward_imports(import_graph(), rooms())
+    assert not found, "imports that point up (move what they need down):\n" + "\n".join(found)
+
+
 def test_no_import_cycles():
+    """No module reaches itself through imports, inside functions included (within a room too)."""
     cycles = list(nx.simple_cycles(import_graph()))
     assert not cycles, f"import cycles: {cycles}"
 
 
-def test_the_cycle_check_sees_a_cycle():
-    """The check above would fail on a cycle (so it is not vacuous)."""
-    graph = import_graph()
+def test_the_checks_see_function_level_imports_cycles_and_upward_arrows():
+    """The checks above are not vacuous: they read imports inside functions and literal
+    ``import_module`` names, and they would fail on an upward import and on a cycle."""
+    source = ("import fxopt.units\nfrom . import errors\ndef f():\n    from fxopt import cache, solvers\n"
+              "    importlib.import_module('fxopt.api')\n")
+    assert set(imports_in(source, "fxopt.budget")) == {"fxopt.units", "fxopt.errors", "fxopt.cache",
+                                                       "fxopt.solvers", "fxopt.api"}
+    graph, placed = import_graph(), rooms()
     assert graph.has_edge("fxopt.budget", "fxopt.errors")
-    graph.add_edge("fxopt.errors", "fxopt.budget")
+    assert not upward_imports(graph, placed)
+    graph.add_edge("fxopt.solvers.graph", "fxopt.api", line=1)
+    assert upward_imports(graph, placed) == [
+        f"fxopt/solvers/graph.py:1 imports fxopt.api: {placed['fxopt.solvers.graph'][1]} -> {placed['fxopt.api'][1]}"]
+    graph.add_edge("fxopt.errors", "fxopt.budget", line=1)
     assert list(nx.simple_cycles(graph))
 
 

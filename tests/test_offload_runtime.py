@@ -166,6 +166,7 @@ def test_offload_option_on_cpu():
         fxopt.plan(model, 1.0, inputs, offload=[True])
 
 
+@pytest.mark.slow
 def test_offload_under_inductor_changes_no_bit():
     """Inductor's numerics differ from eager's (fused reductions), so the reference is the same
     plan without OFFLOAD, compiled by Inductor too."""

@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 import fxopt
 import pipeline_worker
 
+pytestmark = pytest.mark.slow  # several processes per test
+
 # Seconds all ranks of one configuration may take, compile included.
 DEADLINE = 300
 

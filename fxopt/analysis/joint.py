@@ -28,6 +28,7 @@ from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import tangent_dependents
 from fxopt.solvers.graph import Graph, Node
+from fxopt.solvers.plan import Plan
 aten = torch.ops.aten
 
 
@@ -117,6 +118,28 @@ def _check_constant(joint: fx.GraphModule, node: fx.Node) -> None:
 UNREAD_RESIDENT = "<resident, not read by the step>"
 
 
+def unread_resident(nbytes: int) -> Node:
+    """The input node, last in the graph, that counts ``nbytes`` of resident memory no graph
+    input shows (`analyze`'s ``unread_resident_bytes``)."""
+    return Node(name=UNREAD_RESIDENT, kind="input", bytes=nbytes, recomputable=False)
+
+
+def with_unread_resident(plan: Plan, extra_bytes: int) -> Plan:
+    """``plan`` for the same step captured with ``extra_bytes`` more memory resident that it does
+    not read: the same schedule, with the graph, eager peak and fingerprint that capture gives."""
+    nodes, paths = list(plan.graph.nodes), list(plan.module_paths)
+    if nodes and nodes[-1].name == UNREAD_RESIDENT:
+        nodes[-1] = dataclasses.replace(nodes[-1], bytes=nodes[-1].bytes + extra_bytes)
+    else:
+        nodes.append(unread_resident(extra_bytes))
+        paths.append("")
+    graph = Graph(tuple(nodes), plan.graph.transfers)
+    return Plan.build(graph=graph, schedule=plan.schedule, budget_bytes=plan.budget_bytes,
+                      eager_peak_bytes=plan.eager_peak_bytes + extra_bytes, solver=plan.solver, status=plan.status,
+                      solve_seconds=plan.solve_seconds, fingerprint=graph_fingerprint(graph),
+                      module_paths=tuple(paths) if plan.module_paths else (), lower_bound_cost=plan.lower_bound_cost)
+
+
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,
             compress: bool = True, quantize: Quantize | None = None,
             unread_resident_bytes: int = 0, sizes: Sizes | None = None) -> JointGraph:
@@ -148,7 +171,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     names = [n.name for n in fx_nodes]
     module_paths = [_module_path(n) for n in fx_nodes]
     if unread_resident_bytes > 0:
-        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=unread_resident_bytes, recomputable=False))
+        nodes.append(unread_resident(unread_resident_bytes))
         node_sizes.append(NodeSizes(bytes=unread_resident_bytes))
         names.append(UNREAD_RESIDENT)
         module_paths.append("")

@@ -257,7 +257,7 @@ def _measure_cpu(todo: dict[tuple, fx.Node], at) -> set[tuple]:
     running sum of the memory events inside its range."""
     from torch.profiler import record_function
 
-    from fxopt.measure import profile_cpu_memory
+    from fxopt.cpu_memory import profile_cpu_memory
 
     runs: list[tuple[tuple, fx.Node, str]] = []
     with profile_cpu_memory(collect=False) as prof:  # (the cyclic collector is off while it runs)

@@ -533,33 +533,14 @@ def optimized_stage(part: nn.Module, options: Options, plan) -> nn.Module:
     """A stage's part wrapped with its plan. From its first backward on, a microbatch's step
     starts with the gradients of earlier ones held, which `fxopt.FxoptModule` captures as a step
     of its own (those gradients resident in its graph): it replays the same schedule there, made
-    for that graph (`with_resident`). The stage's plan already counts them (`InFlight`)."""
+    for that graph (`fxopt.analysis.joint.with_unread_resident`). The stage's plan already counts
+    them (`InFlight`)."""
+    from fxopt.analysis.joint import with_unread_resident
     from fxopt.api import FxoptModule
 
     grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
-    alternatives = (with_resident(plan, grads),) if grads else ()
+    alternatives = (with_unread_resident(plan, grads),) if grads else ()
     return FxoptModule(part, dataclasses.replace(options, plan=plan, alternatives=alternatives))
-
-
-def with_resident(plan, extra_bytes: int):
-    """``plan`` for the same step captured with ``extra_bytes`` more memory resident that it does
-    not read (the analysis counts those in one last input node: `fxopt.analysis.UNREAD_RESIDENT`):
-    the same schedule, its graph, peak and fingerprint as that capture gives them."""
-    from fxopt.analysis import UNREAD_RESIDENT, graph_fingerprint
-    from fxopt.solvers import Graph, Node
-    from fxopt.solvers.plan import Plan
-
-    nodes, paths = list(plan.graph.nodes), list(plan.module_paths)
-    if nodes and nodes[-1].name == UNREAD_RESIDENT:
-        nodes[-1] = dataclasses.replace(nodes[-1], bytes=nodes[-1].bytes + extra_bytes)
-    else:
-        nodes.append(Node(name=UNREAD_RESIDENT, kind="input", bytes=extra_bytes, recomputable=False))
-        paths.append("")
-    graph = Graph(tuple(nodes), plan.graph.transfers)
-    return Plan.build(graph=graph, schedule=plan.schedule, budget_bytes=plan.budget_bytes,
-                      eager_peak_bytes=plan.eager_peak_bytes + extra_bytes, solver=plan.solver, status=plan.status,
-                      solve_seconds=plan.solve_seconds, fingerprint=graph_fingerprint(graph),
-                      module_paths=tuple(paths) if plan.module_paths else (), lower_bound_cost=plan.lower_bound_cost)
 
 
 def resident(schedule) -> list:
