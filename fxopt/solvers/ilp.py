@@ -69,6 +69,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.gap import gap
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Profile, backward_profile, forward_profile
@@ -81,13 +82,14 @@ __all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_mip_solve
 @dataclasses.dataclass(frozen=True)
 class IlpResult:
     schedule: Schedule | None
-    status: str  # "optimal", "feasible", "infeasible", "timeout"
+    status: str  # "optimal", "feasible", "infeasible", "stopped" (no solution within the limits)
     objective: float | None  # recompute cost of the solution in the ILP's model
     peak_bound: float | None  # with minimize_peak: the smallest budget found
     seconds: float
     variables: int
     lower_bound: float | None = None  # proven lower bound on the recompute cost (this model)
     interrupted: bool = False
+    limit: str | None = None  # what stopped it short of its gap: "work" or "time" (`MipResult.limit`)
 
 
 @dataclasses.dataclass
@@ -174,9 +176,6 @@ class RematIlp:
         position = {i: e for e, i in enumerate(events)}
         return tuple(sorted((i, 0 if (p := self.reload_stage[i]) == 0 else position[bwd[self.stages[p - 1]]] + 1)
                             for i in offloaded))
-
-    def saved_fractions(self, x) -> dict[int, float]:
-        return {i: x[col] for i, col in self.S0.items()}
 
 
 # Recomputation variables the ILP may have before its window narrows (see `build_ilp`).
@@ -698,9 +697,9 @@ def solve_ilp(
     graph: Graph,
     budget: int | None,
     *,
-    time_limit: float = 60.0,
+    effort: Effort | float | None = None,
+    time_limit: Deadline | float | None = None,
     minimize_peak: bool = False,
-    threads: int | None = None,
     mip_solver: str | None = None,
     warm_start: Schedule | None = None,
     rel_gap: float = 1e-4,
@@ -709,11 +708,14 @@ def solve_ilp(
     model: RematIlp | None = None,
     peak_target: int | None = None,
 ) -> IlpResult:
-    """Solve the ILP. ``mip_solver``: "highs" (default when ``highspy`` is installed) or "cbc".
-    ``warm_start``: a schedule to start from (ignored by the solver if it breaks a constraint).
-    ``on_progress`` receives `Progress` about once a second (HiGHS only), costs in the cost
-    model's seconds of recomputation. ``peak_target`` (with ``minimize_peak``, HiGHS): stop once a
-    solution peaks at most this many bytes (known to be within reach of the lowest peak)."""
+    """Solve the ILP within the effort's `ilp_work` and `mip_nodes` nodes
+    (``time_limit``: the safety stop, seconds or a `Deadline`). ``mip_solver``: "highs" (default
+    when ``highspy`` is installed) or "cbc". ``warm_start``: a schedule to start from (ignored by
+    the solver if it breaks a constraint). ``on_progress`` receives `Progress` about once a second
+    (HiGHS only), costs in the cost model's seconds of recomputation. ``peak_target`` (with
+    ``minimize_peak``, HiGHS): stop once a solution peaks at most this many bytes (known to be
+    within reach of the lowest peak)."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
     t0 = time.perf_counter()
     ilp = model or build_ilp(graph, budget, minimize_peak=minimize_peak)
     nvars = ilp.mip.num_vars
@@ -724,12 +726,11 @@ def solve_ilp(
             # The schedule does something this model cannot say (recomputing beyond the window, or
             # keeping a tuple): fix its SAVE set, complete the rest in a short solve of its own,
             # and start from that. (Handing HiGHS the partial solution instead lets it complete it
-            # past the time limit: 16 s for a limit of 8 on a 4-layer GPT-2.)
+            # with a sub-MIP of its own, unbounded: 16 s on a 4-layer GPT-2.)
             saved = warm_start.saved
             fixed = {col: 1.0 if i in saved else 0.0 for i, col in ilp.S0.items()}
-            share = max(0.0, time_limit - (time.perf_counter() - t0)) / 4
-            sub = solve_mip(_with_fixed(ilp.mip, fixed), time_limit=share, mip_solver=mip_solver, rel_gap=0.05,
-                            threads=threads)
+            sub = solve_mip(_with_fixed(ilp.mip, fixed), mip_solver=mip_solver, rel_gap=0.05,
+                            limits=effort.mip(deadline, effort.ilp_work // 4, ilp.mip.num_integer, sub_mips=False))
             start = list(sub.x) if sub.x is not None else None
 
     def report(p: Progress) -> None:
@@ -740,29 +741,35 @@ def solve_ilp(
         on_progress(Progress(incumbent, bound, gap(incumbent, bound), p.seconds))
 
     target = peak_target / ilp.unit if minimize_peak and peak_target is not None else None
-    res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), mip_solver=mip_solver,
-                    warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose,
-                    target=target)
+    res = solve_mip(ilp.mip, limits=effort.mip(deadline, effort.ilp_work, ilp.mip.num_integer, sub_mips=False),
+                    mip_solver=mip_solver,
+                    warm_start=start, rel_gap=rel_gap, on_progress=report, verbose=verbose, target=target)
+    if res.limit == "time":
+        deadline.stop("ILP")
     seconds = time.perf_counter() - t0
     bound = None if res.bound is None or minimize_peak else max(0.0, ilp.recompute_cost(res.bound))
     if res.x is None:
         return IlpResult(None, res.status, None, None, seconds, nvars, lower_bound=bound,
-                         interrupted=res.interrupted)
+                         interrupted=res.interrupted, limit=res.limit)
     peak = res.x[ilp.peak] * ilp.unit if minimize_peak else None
     objective = ilp.recompute_cost(res.objective - (res.x[ilp.peak] if minimize_peak else 0.0))
     return IlpResult(ilp.schedule_of(res.x), res.status, objective, peak, seconds, nvars,
-                     lower_bound=bound, interrupted=res.interrupted)
+                     lower_bound=bound, interrupted=res.interrupted, limit=res.limit)
 
 
-def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: float, mip_solver: str | None = None,
+def lp_bound_and_roundings(graph: Graph, budget: int | None, *, effort: Effort | float | None = None,
+                           time_limit: Deadline | float | None = None, mip_solver: str | None = None,
                            model: RematIlp | None = None) -> tuple[float | None, list[Schedule]]:
     """The LP relaxation's lower bound on the recompute cost (None with ``budget=None``, which
     relaxes the lowest-peak problem instead), and schedules rounded from its solution (Checkmate's
     two-phase rounding, with the relaxation's residency as a guide): SAVE what the relaxation
     saves at least a threshold of; before each backward node recompute what is missing; after
     each stage, forget recomputed values the relaxation keeps less than the threshold of."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
     ilp = model or build_ilp(graph, budget, minimize_peak=budget is None)
-    res = solve_mip(ilp.mip, time_limit=time_limit, mip_solver=mip_solver, relax=True)
+    res = solve_mip(ilp.mip, limits=effort.lp(deadline), mip_solver=mip_solver, relax=True)
+    if res.limit == "time":
+        deadline.stop("LP relaxation")
     if res.x is None:
         return None, []
     bound = None

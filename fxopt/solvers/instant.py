@@ -67,6 +67,7 @@ import dataclasses
 import math
 import time
 
+from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.gap import proven
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import compress_to_fit, offload_to_fit
@@ -616,17 +617,18 @@ def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple], budget: int
     return new
 
 
-def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_solver: str | None = None,
-                  max_rounds: int = 6, rel_gap: float = 1e-4, target_gap: float = 0.005,
-                  start: Schedule | None = None) -> InstantResult:
+def instant_solve(graph: Graph, budget: int, *, effort: Effort | float | None = None,
+                  time_limit: Deadline | float | None = None, mip_solver: str | None = None, rel_gap: float = 1e-4,
+                  target_gap: float = 0.005, start: Schedule | None = None) -> InstantResult:
     """Solve the program for the instant with the most fixed memory (and the one where the eager
     schedule is worst), simulate the plan it suggests, add the instant where that plan is worst
     (its first event above the budget, in the backward or the forward; if it fits, its highest
     backward event), and so on, until a plan is proven within ``target_gap`` of the bound, an
-    instant repeats, or ``max_rounds`` solves or ``time_limit`` seconds are spent. Returns the
-    best proven bound and every plan tried, simulated. Each round starts from the cheapest plan
-    within the budget so far (``start``, a schedule found elsewhere, to begin with): it is the
-    MIP's first incumbent."""
+    instant repeats, or the effort's `instant_rounds` solves or its `instant_work` are spent (``time_limit``: the safety stop, seconds or a `Deadline`). Returns the best proven
+    bound and every plan tried, simulated. Each round starts from the cheapest plan within the
+    budget so far (``start``, a schedule found elsewhere, to begin with): it is the MIP's first
+    incumbent."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
     t0 = time.perf_counter()
     if not graph.backward_nodes:
         return InstantResult(None, (), (), 0.0)
@@ -651,15 +653,18 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
     plans: list[tuple[Schedule, Timeline]] = []
     tried: set[tuple] = set()
     infeasible = False
-    for _ in range(max_rounds):
-        left = time_limit - (time.perf_counter() - t0)
-        if left <= 0.5:
+    work = effort.instant_work
+    for _ in range(effort.instant_rounds):
+        if work <= 0 or deadline.check("instant"):
             break
         m, s, alive = prog.build(instants, forward_steps)
         fits = [(t.cost, sch) for sch, t in plans if t.peak_bytes <= budget and not t.over_host_budget]
         incumbent = min(fits, key=lambda f: f[0])[1] if fits else start
-        res = solve_mip(m, time_limit=left, mip_solver=mip_solver, rel_gap=rel_gap,
-                        warm_start=prog.values_of(incumbent) if incumbent is not None else None)
+        res = solve_mip(m, limits=effort.mip(deadline, min(work, effort.mip_work), m.num_integer), mip_solver=mip_solver,
+                        rel_gap=rel_gap, warm_start=prog.values_of(incumbent) if incumbent is not None else None)
+        work -= max(1, res.checks) * m.num_integer
+        if res.limit == "time":
+            deadline.stop("instant")
         if res.status == "infeasible":
             infeasible = True
             break
@@ -697,14 +702,15 @@ class LowestPeak:
         return any(t.peak_bytes <= self.floor for _, t in self.plans)
 
 
-def lowest_peak(graph: Graph, *, time_limit: float = 10.0, mip_solver: str | None = None, max_rounds: int = 6,
-                rel_gap: float = 1e-6) -> LowestPeak:
+def lowest_peak(graph: Graph, *, effort: Effort | float | None = None, time_limit: Deadline | float | None = None,
+                mip_solver: str | None = None, rel_gap: float = 1e-6) -> LowestPeak:
     """The program without a budget: the least peak P over the modelled instants (and forward
     steps), then the least recomputation. It is a relaxation, so its proven bound on P is a floor
     for every schedule (at least `peak_lower_bound`'s). Rounds as in `instant_solve`: the plans a
     solution suggests are simulated, the instant where the lowest-peak one is worst is added, until
-    a plan reaches the floor (proven the lowest), an instant repeats, or ``max_rounds`` solves or
-    ``time_limit`` seconds are spent."""
+    a plan reaches the floor (proven the lowest), an instant repeats, or the effort's
+    `instant_rounds` solves or its `lowest_peak_work` are spent."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
     t0 = time.perf_counter()
     floor, _ = peak_lower_bound(graph)
     if not graph.backward_nodes:
@@ -715,12 +721,16 @@ def lowest_peak(graph: Graph, *, time_limit: float = 10.0, mip_solver: str | Non
     forward_steps: list[int] = []
     plans: list[tuple[Schedule, Timeline]] = []
     tried: set[tuple] = set()
-    for _ in range(max_rounds):
-        left = time_limit - (time.perf_counter() - t0)
-        if left <= 0.1:
+    work = effort.lowest_peak_work
+    for _ in range(effort.instant_rounds):
+        if work <= 0 or deadline.check("lowest peak"):
             break
         m, s, alive = prog.build(instants, forward_steps)
-        res = solve_mip(m, time_limit=left, mip_solver=mip_solver, rel_gap=rel_gap)
+        res = solve_mip(m, limits=effort.mip(deadline, min(work, effort.mip_work), m.num_integer), mip_solver=mip_solver,
+                        rel_gap=rel_gap)
+        work -= max(1, res.checks) * m.num_integer
+        if res.limit == "time":
+            deadline.stop("lowest peak")
         if res.bound is not None:
             # P = objective - recomputation's share (at most PEAK_COST_WEIGHT), less the solver's
             # tolerance on the rows.
