@@ -128,5 +128,7 @@ def test_not_a_chain_gets_nothing_or_a_valid_schedule():
     g = chain([10, 10, 10], across=True)
     assert not chain_of(g).exact
     for graph, budget in ((diamond, 12), (diamond, 100), (g, 40), (g, 25)):
-        for schedule, timeline in chain_candidates(graph, budget):
+        found = chain_candidates(graph, budget)
+        assert found, "a chain with a cut gets its lowest-peak schedule at least"
+        for schedule, timeline in found:
             assert simulate(graph, schedule) == timeline

@@ -6,7 +6,7 @@ Every phase of `fxopt.solvers.solve` is bounded by work it counts, never by the 
     branch-and-bound nodes (its ``mip_max_nodes``) and its progress checks, the calls of its
     interrupt callback (HiGHS calls it after each node, each round of root cuts, each heuristic:
     the root's work is counted too, where a node limit alone would let it run for minutes),
-    each weighted by the model's integer columns (`Effort`);
+    each weighted by the model's size (`Effort`);
     CBC, the fallback solver, counts nodes only;
   - an LP relaxation: simplex iterations;
   - a search of fxopt's own: the rounds it runs, the schedules it simulates.
@@ -34,24 +34,23 @@ from fxopt.solvers.mip import Limits
 DEFAULT_TIME_LIMIT = 60.0
 
 
-# The least a MIP solve is given, in progress checks, however large its model: the root's LP
-# and first heuristics.
-MIN_CHECKS = 5
+# A MIP's progress check is weighted by its integer columns plus this many (a small model's
+# check costs more per column: the solver's own work per check does not shrink with it).
+CHECK_COLUMNS = 500
 
 
 @dataclasses.dataclass(frozen=True)
 class Effort:
     """The work one `solve` may do. `scaled` multiplies every count (the ``effort`` option).
 
-    MIP work is counted in progress checks times the model's integer columns: a check on a larger
-    model re-solves larger LPs, so that a budget of work takes about as long on a small model as
-    on a large one (on 2 cores, about 20 µs per check and column for the instant program, 50 for
-    the ILP's)."""
+    MIP work is counted in progress checks, each weighted by the model's integer columns (plus
+    `CHECK_COLUMNS`): a check on a larger model re-solves larger LPs, so that a budget of work
+    takes about as long on a small model as on a large one. The defaults give each phase about
+    what a 4-second time limit gave it on a quiet 2-core machine before effort was counted."""
 
-    mip_work: int = 150_000  # one MIP solve of the instant program
-    instant_work: int = 300_000  # all its rounds together
+    instant_work: int = 300_000  # the instant program's rounds together
     lowest_peak_work: int = 200_000  # all rounds of its lowest-peak search
-    ilp_work: int = 50_000  # the ILP's exact solve (and its lowest-peak solve)
+    ilp_work: int = 40_000  # the ILP's exact solve (and its lowest-peak solve)
     mip_nodes: int = 500  # branch-and-bound nodes of one MIP solve (HiGHS and CBC)
     lp_iterations: int = 200_000  # simplex iterations of one LP relaxation
     instant_rounds: int = 6  # rounds of the instant program (`fxopt.solvers.instant`)
@@ -66,11 +65,11 @@ class Effort:
 
     def mip(self, deadline: Deadline, work: int, columns: int, *, sub_mips: bool = True) -> Limits:
         """The limits of one MIP solve of ``columns`` integer columns given ``work``: `mip_nodes`,
-        as many progress checks as the work buys (at least `MIN_CHECKS`), what is left of
-        ``deadline``. ``sub_mips`` False: without HiGHS's RINS and RENS, whose sub-MIPs run for
-        seconds between two checks."""
-        checks = max(MIN_CHECKS, work // max(1, columns))
-        return Limits(deadline.left(), nodes=self.mip_nodes, checks=checks, sub_mips=sub_mips)
+        as many progress checks as the work buys (at least one), what is left of ``deadline``.
+        ``sub_mips`` False: without HiGHS's RINS and RENS, whose sub-MIPs run for seconds between
+        two checks."""
+        return Limits(deadline.left(), nodes=self.mip_nodes, checks=max(1, work // check_weight(columns)),
+                      sub_mips=sub_mips)
 
     def lp(self, deadline: Deadline) -> Limits:
         """The limits of one LP relaxation."""
@@ -82,6 +81,11 @@ class Effort:
 
 
 DEFAULT_EFFORT = Effort()
+
+
+def check_weight(columns: int) -> int:
+    """The work one progress check of a MIP of ``columns`` integer columns counts for."""
+    return columns + CHECK_COLUMNS
 
 
 def effort_of(effort: Effort | float | None) -> Effort:

@@ -91,21 +91,6 @@ class Graph:
         return i if s is None or s == i else self.root(s)
 
     @functools.cached_property
-    def content_hash(self) -> int:
-        """A hash of the nodes and transfers (two graphs of equal content hash alike: a memo's key,
-        `fxopt.solvers.minimum.Memo`)."""
-        return hash((self.nodes, self.transfers))
-
-    def same_content(self, other: Graph) -> bool:
-        return self is other or (self.content_hash == other.content_hash and self.nodes == other.nodes
-                                 and self.transfers == other.transfers)
-
-    @functools.cached_property
-    def index_of(self) -> dict[str, int]:
-        """Each node's index by its name."""
-        return {n.name: i for i, n in enumerate(self.nodes)}
-
-    @functools.cached_property
     def users(self) -> tuple[tuple[int, ...], ...]:
         users: list[list[int]] = [[] for _ in self.nodes]
         for i, node in enumerate(self.nodes):

@@ -116,7 +116,9 @@ class RematIlp:
     O: dict[int, int] = dataclasses.field(default_factory=dict)  # value -> column: OFFLOADed
     reload_stage: dict[int, int] = dataclasses.field(default_factory=dict)  # OFFLOADed value -> stage reloaded at
 
-    def s(self, t: int, i: int) -> int | None:
+    def resident(self, t: int, i: int) -> int | None:
+        """The column of "i is resident entering stage t" (S0 up to its first stage; None where
+        it cannot be)."""
         if i not in self.first or t > self.last[i]:
             return None
         if t <= self.first[i]:
@@ -329,146 +331,9 @@ class _Scope:
         return cls(cands, deps, stages, reads, anc, lowest, window, first, last)
 
 
-class _Builder:
-    """`build_ilp`'s phases: the variables, then the rows (residency and recomputation, memory in
-    the backward, memory in the forward). Memory is in units of `byte_unit` bytes."""
-
-    def __init__(self, graph: Graph, scope: _Scope, budget: int | None, minimize_peak: bool):
-        nodes = graph.nodes
-        self.graph, self.nodes, self.scope = graph, nodes, scope
-        self.cset = set(scope.cands)
-        self.rank = {i: k for k, i in enumerate(scope.cands)}
-        self.T = len(scope.stages)
-        self.unit = unit = byte_unit(graph)
-        self.mb = {i: self.mem_bytes(i) / unit for i in scope.cands}
-        self.minimize_peak = minimize_peak
-        self.cap = float("inf") if minimize_peak else budget / unit
-        self.m = Mip()
-        self.ilp = RematIlp(graph, self.m, scope.cands, scope.stages, scope.anc, scope.first, scope.last,
-                            {}, {}, {}, {}, [], None, unit, cost_scale_for(nodes[i].cost for i in scope.cands),
-                            cost_offset=sum(nodes[i].cost for i in scope.cands if i in graph.backward_only),
-                            window=scope.window)
-        self.m.offset = -self.ilp.cost_offset * self.ilp.cost_scale
-        self.order = sorted(graph.forward_required)
-        self.forward = forward_profile(graph, self.order)
-
-    def mem_bytes(self, i: int) -> int:
-        graph, nodes = self.graph, self.nodes
-        if graph.roots[i] != i:
-            return 0
-        if not nodes[i].tensor:  # its outputs nobody needs are allocated too
-            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in self.cset)
-        return nodes[i].bytes
-
-    def s(self, t: int, i: int) -> int | None:
-        return self.ilp.s(t, i)
-
-    def r(self, t: int, i: int) -> int | None:
-        return self.ilp.R.get((t, i))
-
-    def within(self, fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
-        """sum(var_terms) + fixed <= budget (or <= peak)."""
-        fixed = fixed_bytes / self.unit
-        if self.ilp.peak is not None:
-            self.m.row(var_terms + [(self.ilp.peak, -1.0)], upper=-fixed)
-        else:
-            self.m.row(var_terms, upper=self.cap - fixed)
-
-    def add_variables(self) -> None:
-        """S0 (SAVE), S (kept into a stage), R (recomputed in a stage), Z (COMPRESS); the peak."""
-        graph, nodes, m, ilp, sc = self.graph, self.nodes, self.m, self.ilp, self.scope
-        for i in sc.cands:
-            if i not in sc.first:
-                continue  # needed only through values that are saved anyway
-            if i in graph.saveable and nodes[i].tensor:
-                cost = nodes[i].cost * ilp.cost_scale if i in graph.backward_only else 0.0
-                # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
-                # the constraints below see to that, as it has no R variables.
-                ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
-            if nodes[i].tensor:
-                for t in range(sc.first[i] + 1, sc.last[i] + 1):
-                    ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
-        for t in range(self.T):
-            for i in sorted(sc.anc[t]):
-                if nodes[i].recomputable and (self.rank[i] >= sc.lowest[t] or i in sc.reads[t]):
-                    ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * ilp.cost_scale)
-        # COMPRESS, where the model knows when the value is encoded: after its last forward use
-        # among the nodes every forward runs. A value a backward-only one reads is read later in
-        # the forward when that one is SAVEd, and encoded only then (the simulator's order).
-        for i in ilp.S0:
-            if i in graph.compressible and not any(u in graph.backward_only for u in graph.users[i]):
-                ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * ilp.cost_scale)
-        # OFFLOAD: O[i] <= S0[i], not with Z[i] (the heuristics combine them), only where the
-        # value's copies fit in its window (`_offload_windows`); no cost: the channel rows keep
-        # every copy hidden.
-        self.windows = _offload_windows(graph, sc, self.order, self.forward.lifetimes,
-                                        [i for i in ilp.S0 if i in graph.offloadable]) if graph.offloadable else {}
-        for i, window in self.windows.items():
-            ilp.O[i] = m.binary(f"O_{nodes[i].name}")
-            ilp.reload_stage[i] = window.reload
-            m.row([(ilp.O[i], 1.0), (ilp.S0[i], -1.0)] + ([(ilp.Z[i], 1.0)] if i in ilp.Z else []), upper=0.0)
-        self.zb = {i: nodes[i].compressed_bytes / self.unit for i in ilp.Z}  # compressed size, in units
-        self.zw = {i: nodes[i].codec_workspace / self.unit for i in ilp.Z}  # scratch while encoding or decoding
-        # A compressed value is decoded for the first stage that reads it (fr); before that no
-        # recomputation may read it (it is still encoded), and it counts its compressed size.
-        self.fr = {i: next((t for t in range(sc.first[i], self.T) if i in sc.reads[t]), sc.first[i]) for i in ilp.Z}
-        if self.minimize_peak:
-            # The peak first; among the lowest-peak plans the cheapest: all recomputation together
-            # weighs less than a hundredth of a memory unit.
-            total = sum(m.cost) or 1.0
-            m.cost = [c * 0.01 / total for c in m.cost]
-            ilp.cost_scale *= 0.01 / total
-            ilp.peak = m.var("peak", cost=1.0)
-
-    def add_residency_rows(self) -> None:
-        """What is resident was kept or just computed; what a stage reads is there; a recomputation
-        has its inputs and is read or kept; COMPRESS only what is SAVEd, encoded until first read."""
-        m, ilp, sc, s, r = self.m, self.ilp, self.scope, self.s, self.r
-        for i, col in ilp.Z.items():
-            m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
-            for t in range(sc.first[i] + 1, self.fr[i] + 1):
-                if (t, i) in ilp.S:
-                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
-            # Until it is decoded, nothing reads it (it is encoded), and it is not made again: a
-            # schedule uses the latest copy of a value, so a recomputed one (or one a recomputed
-            # multi-output op takes out with its other outputs) would live uncompressed, where
-            # this model counts the encoding.
-            makers = {i} | {p for p in self.nodes[i].inputs if not self.nodes[p].tensor}
-            for t in range(sc.first[i], self.fr[i]):
-                for u in sc.anc[t]:
-                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
-                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
-        first_read = _first_reads(sc, ilp.O)
-        for i, col in ilp.O.items():
-            # OFFLOADed: kept (on the host, then reloaded) until the first stage that reads it, and
-            # until then neither read by a recomputation nor made again (its window's copy back
-            # is timed to that stage; a recomputed copy would be where the model counts nothing).
-            for t in range(sc.first[i] + 1, first_read[i] + 1):
-                if (t, i) in ilp.S:
-                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)
-            makers = {i} | {q for q in self.nodes[i].inputs if not self.nodes[q].tensor}
-            for t in range(sc.first[i], first_read[i]):
-                for u in sc.anc[t]:
-                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
-                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
-        for (t, i), col in ilp.S.items():
-            m.row(_terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
-        users: dict[int, list[int]] = {i: [] for i in sc.cands}
-        for i in sc.cands:
-            for j in sc.deps[i]:
-                users[j].append(i)
-        for t in range(self.T):
-            for i in sc.reads[t]:
-                m.row(_terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
-            for i in sc.anc[t]:
-                col = r(t, i)
-                if col is None:
-                    continue
-                for j in sc.deps[i]:
-                    m.row(_terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
-                if i not in sc.reads[t]:
-                    m.row(_terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in sc.anc[t]]),
-                          upper=0.0)
+class _MemoryRows:
+    """`_Builder`'s memory rows: between stages, while each stage recomputes and while its node
+    runs, as the backward starts, and in the forward (running totals share their terms)."""
 
     def running_total(self, name: str, parts: list[tuple[int, float]], previous: int | None) -> int:
         """A continuous column equal to sum(parts) + previous (shared terms for later rows)."""
@@ -541,7 +406,8 @@ class _Builder:
         for i in sc.reads[t]:
             if not mb[i]:
                 continue
-            running += [(c, a) for c, a in ((self.s(t, i), mb[i]), (self.r(t, i), mb[i])) if c is not None]
+            running += [(c, a) for c, a in ((self.resident(t, i), mb[i]), (self.recomputed(t, i), mb[i]))
+                        if c is not None]
             if (t + 1, i) in ilp.S:  # read here and kept: counted once
                 running.append((ilp.S[t + 1, i], -mb[i]))
         self.within(fixed.during[k], running)
@@ -566,6 +432,43 @@ class _Builder:
                 total = self.running_total(f"E_{lo}", fresh, total)
             extra = [(c, a) for a_lo, a_hi, c, a in spans if a_lo <= lo and hi - 1 <= a_hi]
             self.within(max(fixed.during[lo:hi]), ([(total, 1.0)] if total is not None else []) + extra)
+
+    def saved_in_forward(self, order: list[int], interval: dict[int, tuple[int, int]]):
+        """The SAVE decisions' bytes in the forward: terms alive from a step to the end
+        (``from_step``), and terms alive over a span of steps (first, last, column, units)."""
+        graph, nodes, ilp, mb, zb, zw = self.graph, self.nodes, self.ilp, self.mb, self.zb, self.zw
+        fpos = {i: k for k, i in enumerate(order)}
+        n_steps = len(order)
+        from_step: dict[int, list[tuple[int, float]]] = {}
+        spans: list[tuple[int, int, int, float]] = []
+        for i, col in ilp.S0.items():
+            if not mb[i]:
+                continue
+            if i in fpos:
+                start = interval[i][1] + 1
+                if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
+                    from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
+                    spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
+                    if start < n_steps:
+                        from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
+            else:  # backward-only: computed in the forward after every forward_required node before it
+                start = sum(1 for j in order if j < i)
+                if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
+                    at = min(start, n_steps - 1)
+                    spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
+                    if start < n_steps:
+                        from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
+                for j in graph.through_aliases(nodes[i].inputs):
+                    rj = graph.roots[j]
+                    if rj in interval and interval[rj][1] < start and rj not in graph.resident:
+                        spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / self.unit))
+            if start < n_steps:
+                from_step.setdefault(start, []).append((col, mb[i]))
+        return from_step, spans
+
+
+class _ChannelRows:
+    """`_Builder`'s rows for OFFLOAD's copy channels, and the host memory they fill."""
 
     def add_channel_rows(self) -> None:
         """Each channel serves its copies one at a time, in the order issued: the copy of OFFLOADed
@@ -606,38 +509,148 @@ class _Builder:
                     terms = [(O[q], seconds(windows[q]) / total) for q in queue[start:last]]
                     self.m.row(terms + [(O[i], 1.0)], upper=room / total + 1.0)
 
-    def saved_in_forward(self, order: list[int], interval: dict[int, tuple[int, int]]):
-        """The SAVE decisions' bytes in the forward: terms alive from a step to the end
-        (``from_step``), and terms alive over a span of steps (first, last, column, units)."""
-        graph, nodes, ilp, mb, zb, zw = self.graph, self.nodes, self.ilp, self.mb, self.zb, self.zw
-        fpos = {i: k for k, i in enumerate(order)}
-        n_steps = len(order)
-        from_step: dict[int, list[tuple[int, float]]] = {}
-        spans: list[tuple[int, int, int, float]] = []
-        for i, col in ilp.S0.items():
-            if not mb[i]:
-                continue
-            if i in fpos:
-                start = interval[i][1] + 1
-                if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
-                    from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
-                    spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
-                    if start < n_steps:
-                        from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
-            else:  # backward-only: computed in the forward after every forward_required node before it
-                start = sum(1 for j in order if j < i)
-                if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
-                    at = min(start, n_steps - 1)
-                    spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
-                    if start < n_steps:
-                        from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
-                for j in graph.through_aliases(nodes[i].inputs):
-                    rj = graph.roots[j]
-                    if rj in interval and interval[rj][1] < start and rj not in graph.resident:
-                        spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / self.unit))
-            if start < n_steps:
-                from_step.setdefault(start, []).append((col, mb[i]))
-        return from_step, spans
+
+class _Builder(_MemoryRows, _ChannelRows):
+    """`build_ilp`'s phases: the variables, then the rows (residency and recomputation, memory in
+    the backward, memory in the forward). Memory is in units of `byte_unit` bytes."""
+
+    def __init__(self, graph: Graph, scope: _Scope, budget: int | None, minimize_peak: bool):
+        nodes = graph.nodes
+        self.graph, self.nodes, self.scope = graph, nodes, scope
+        self.cset = set(scope.cands)
+        self.rank = {i: k for k, i in enumerate(scope.cands)}
+        self.T = len(scope.stages)
+        self.unit = unit = byte_unit(graph)
+        self.mb = {i: self.mem_bytes(i) / unit for i in scope.cands}
+        self.minimize_peak = minimize_peak
+        self.cap = float("inf") if minimize_peak else budget / unit
+        self.m = Mip()
+        self.ilp = RematIlp(graph, self.m, scope.cands, scope.stages, scope.anc, scope.first, scope.last,
+                            {}, {}, {}, {}, [], None, unit, cost_scale_for(nodes[i].cost for i in scope.cands),
+                            cost_offset=sum(nodes[i].cost for i in scope.cands if i in graph.backward_only),
+                            window=scope.window)
+        self.m.offset = -self.ilp.cost_offset * self.ilp.cost_scale
+        self.order = sorted(graph.forward_required)
+        self.forward = forward_profile(graph, self.order)
+
+    def mem_bytes(self, i: int) -> int:
+        graph, nodes = self.graph, self.nodes
+        if graph.roots[i] != i:
+            return 0
+        if not nodes[i].tensor:  # its outputs nobody needs are allocated too
+            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in self.cset)
+        return nodes[i].bytes
+
+    def resident(self, t: int, i: int) -> int | None:
+        return self.ilp.resident(t, i)
+
+    def recomputed(self, t: int, i: int) -> int | None:
+        """The column of "i is recomputed in stage t" (None where it cannot be)."""
+        return self.ilp.R.get((t, i))
+
+    def within(self, fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
+        """sum(var_terms) + fixed <= budget (or <= peak)."""
+        fixed = fixed_bytes / self.unit
+        if self.ilp.peak is not None:
+            self.m.row(var_terms + [(self.ilp.peak, -1.0)], upper=-fixed)
+        else:
+            self.m.row(var_terms, upper=self.cap - fixed)
+
+    def add_variables(self) -> None:
+        """S0 (SAVE), S (kept into a stage), R (recomputed in a stage), Z (COMPRESS); the peak."""
+        graph, nodes, m, ilp, sc = self.graph, self.nodes, self.m, self.ilp, self.scope
+        for i in sc.cands:
+            if i not in sc.first:
+                continue  # needed only through values that are saved anyway
+            if i in graph.saveable and nodes[i].tensor:
+                cost = nodes[i].cost * ilp.cost_scale if i in graph.backward_only else 0.0
+                # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
+                # the constraints below see to that, as it has no R variables.
+                ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
+            if nodes[i].tensor:
+                for t in range(sc.first[i] + 1, sc.last[i] + 1):
+                    ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
+        for t in range(self.T):
+            for i in sorted(sc.anc[t]):
+                if nodes[i].recomputable and (self.rank[i] >= sc.lowest[t] or i in sc.reads[t]):
+                    ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * ilp.cost_scale)
+        # COMPRESS, where the model knows when the value is encoded: after its last forward use
+        # among the nodes every forward runs. A value a backward-only one reads is read later in
+        # the forward when that one is SAVEd, and encoded only then (the simulator's order).
+        for i in ilp.S0:
+            if i in graph.compressible and not any(u in graph.backward_only for u in graph.users[i]):
+                ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * ilp.cost_scale)
+        # OFFLOAD: O[i] <= S0[i], not with Z[i] (the heuristics combine them), only where the
+        # value's copies fit in its window (`_offload_windows`); no cost: the channel rows keep
+        # every copy hidden.
+        self.windows = _offload_windows(graph, sc, self.order, self.forward.lifetimes,
+                                        [i for i in ilp.S0 if i in graph.offloadable]) if graph.offloadable else {}
+        for i, window in self.windows.items():
+            ilp.O[i] = m.binary(f"O_{nodes[i].name}")
+            ilp.reload_stage[i] = window.reload
+            m.row([(ilp.O[i], 1.0), (ilp.S0[i], -1.0)] + ([(ilp.Z[i], 1.0)] if i in ilp.Z else []), upper=0.0)
+        self.zb = {i: nodes[i].compressed_bytes / self.unit for i in ilp.Z}  # compressed size, in units
+        self.zw = {i: nodes[i].codec_workspace / self.unit for i in ilp.Z}  # scratch while encoding or decoding
+        # A compressed value is decoded for the first stage that reads it (fr); before that no
+        # recomputation may read it (it is still encoded), and it counts its compressed size.
+        self.fr = {i: next((t for t in range(sc.first[i], self.T) if i in sc.reads[t]), sc.first[i]) for i in ilp.Z}
+        if self.minimize_peak:
+            # The peak first; among the lowest-peak plans the cheapest: all recomputation together
+            # weighs less than a hundredth of a memory unit.
+            total = sum(m.cost) or 1.0
+            m.cost = [c * 0.01 / total for c in m.cost]
+            ilp.cost_scale *= 0.01 / total
+            ilp.peak = m.var("peak", cost=1.0)
+
+    def add_residency_rows(self) -> None:
+        """What is resident was kept or just computed; what a stage reads is there; a recomputation
+        has its inputs and is read or kept; COMPRESS only what is SAVEd, encoded until first read."""
+        m, ilp, sc, s, r = self.m, self.ilp, self.scope, self.resident, self.recomputed
+        for i, col in ilp.Z.items():
+            m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
+            for t in range(sc.first[i] + 1, self.fr[i] + 1):
+                if (t, i) in ilp.S:
+                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
+            # Until it is decoded, nothing reads it (it is encoded), and it is not made again: a
+            # schedule uses the latest copy of a value, so a recomputed one (or one a recomputed
+            # multi-output op takes out with its other outputs) would live uncompressed, where
+            # this model counts the encoding.
+            makers = {i} | {p for p in self.nodes[i].inputs if not self.nodes[p].tensor}
+            for t in range(sc.first[i], self.fr[i]):
+                for u in sc.anc[t]:
+                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
+                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
+        first_read = _first_reads(sc, ilp.O)
+        for i, col in ilp.O.items():
+            # OFFLOADed: kept (on the host, then reloaded) until the first stage that reads it, and
+            # until then neither read by a recomputation nor made again (its window's copy back
+            # is timed to that stage; a recomputed copy would be where the model counts nothing).
+            for t in range(sc.first[i] + 1, first_read[i] + 1):
+                if (t, i) in ilp.S:
+                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)
+            makers = {i} | {q for q in self.nodes[i].inputs if not self.nodes[q].tensor}
+            for t in range(sc.first[i], first_read[i]):
+                for u in sc.anc[t]:
+                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
+                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
+        for (t, i), col in ilp.S.items():
+            m.row(_terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
+        users: dict[int, list[int]] = {i: [] for i in sc.cands}
+        for i in sc.cands:
+            for j in sc.deps[i]:
+                users[j].append(i)
+        for t in range(self.T):
+            for i in sc.reads[t]:
+                m.row(_terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
+            for i in sc.anc[t]:
+                col = r(t, i)
+                if col is None:
+                    continue
+                for j in sc.deps[i]:
+                    m.row(_terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
+                if i not in sc.reads[t]:
+                    m.row(_terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in sc.anc[t]]),
+                          upper=0.0)
 
 
 def _terms(*pairs):

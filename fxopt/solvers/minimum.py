@@ -11,8 +11,9 @@ budget an `InfeasibleBudgetError` names plans, in this process or another, whate
 between (`infeasible` is where every such error of the solvers is made).
 
 `Memo` keeps the answers, so that asking again costs nothing. It is a cache, not a state: a hit
-is what the search would find again. The planner owns one (`fxopt.cache.lowest_peaks`) and passes
-it to `solve`; without one, every call searches afresh.
+is what the search would find again (unless the time limit, a safety stop, cut the search short:
+the solve then says so). The planner owns one (`fxopt.cache.lowest_peaks`) and passes it to
+`solve`; without one, every call searches afresh.
 """
 
 from __future__ import annotations
@@ -63,15 +64,15 @@ class Memo:
         self._entries: list[tuple[tuple, Graph, Lowest]] = []
 
     def get(self, graph: Graph, key: tuple) -> Lowest | None:
-        for k, g, lowest in self._entries:
-            if k == (graph.content_hash, *key) and g.same_content(graph):
-                return lowest
-        return None
+        """The answer for ``graph`` (or one of equal content) under ``key`` (solver, effort,
+        whether the ILP ran), if kept."""
+        full = (_content_hash(graph), *key)
+        return next((lowest for k, g, lowest in self._entries if k == full and _same(g, graph)), None)
 
     def put(self, graph: Graph, key: tuple, lowest: Lowest) -> None:
-        self._entries = [e for e in self._entries if not (e[0] == (graph.content_hash, *key)
-                                                          and e[1].same_content(graph))]
-        self._entries.append(((graph.content_hash, *key), graph, lowest))
+        full = (_content_hash(graph), *key)
+        self._entries = [e for e in self._entries if not (e[0] == full and _same(e[1], graph))]
+        self._entries.append((full, graph, lowest))
         del self._entries[:-self.KEEP]
 
     def clear(self) -> None:
@@ -79,6 +80,14 @@ class Memo:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _content_hash(graph: Graph) -> int:
+    return hash((graph.nodes, graph.transfers))  # (milliseconds for thousands of nodes: a few per solve)
+
+
+def _same(a: Graph, b: Graph) -> bool:
+    return a is b or (a.nodes == b.nodes and a.transfers == b.transfers)
 
 
 def infeasible(budget: int, lowest: Lowest | int | None, floor: int | None, detail: str = "",
@@ -115,7 +124,6 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     key = (solver, effort, run_ilp)
     if memo is not None and (known := memo.get(graph, key)) is not None:
         return known
-    stops = len(deadline.stopped)
     reached = _Reached(graph)
     exact = solver in EXACT_SOLVERS
     if exact and (chain := min_peak_schedule(graph)) is not None:
@@ -153,7 +161,9 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     if schedule is None:
         raise ValueError("no schedule of this graph stays within its host memory budget")
     found = Lowest(peak, schedule, name, min(floor, peak))
-    if memo is not None and len(deadline.stopped) == stops:  # (a search the time limit cut short is not kept)
+    if memo is not None:
+        # (Also where the time limit cut the search short, which the solve says: the budget an
+        # error names from it must plan in this process too.)
         memo.put(graph, key, found)
     return found
 

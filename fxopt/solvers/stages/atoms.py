@@ -51,7 +51,7 @@ def atom_of(graph: Graph, stage: list[int], s: int, solver: str, effort: Effort,
     """Atom ``s`` of a split at every cut point (``stage`` from `assign_stages`); ``known``: the
     options of the atoms planned so far, by structure (`atom_options`)."""
     sub = stage_graph(graph, stage, s)
-    sub_nodes, index = sub.nodes, graph.index_of
+    sub_nodes, index = sub.nodes, {n.name: i for i, n in enumerate(graph.nodes)}
     fwd = sum(n.cost for n in sub_nodes if n.kind == "forward")
     bwd = sum(n.cost for n in sub_nodes if n.kind == "backward")
     params = sum(n.bytes for n in sub_nodes if n.kind == "input" and not n.tangent

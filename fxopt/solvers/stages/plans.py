@@ -170,7 +170,7 @@ def graph_in_flight(model: CutModel, graph: Graph, sub: Graph, s: int) -> InFlig
     """What stage ``s`` (its graph ``sub``, part of ``graph``) holds beside one microbatch: the
     other in-flight microbatches' SAVEd values and outputs, what torch's runtime holds
     (`runtime_fixed`), and ``extra_fixed`` (`stage_in_flight`)."""
-    index = graph.index_of
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
     received = sum(n.bytes for n in sub.nodes if n.kind == "input" and not n.tangent
                    and graph.nodes[index[n.name]].kind == "forward")
     sent = sum(sub.nodes[r].bytes for r in {sub.roots[i] for i in sub.forward_outputs})
