@@ -251,7 +251,9 @@ def strategies() -> dict[str, tuple[Phase, ...]]:
                 Phase("fallback", fallback, _without_plan_of("ilp")), *_LAST),
         "instant": (_SAVE_ALL, _INSTANT, *_COMPLETE, Phase("fallback", fallback, _without_plan_of("instant")), *_LAST),
     }
-    for name, source in SOURCES.items():
-        if source.solver:
-            out[name] = (Phase(name, lambda s, name=name: run_sources(s, [name])), *_COMPLETE, *_LAST)
+    # (The heuristics in the order the solvers were always listed in; a new source after them.)
+    listed = ("segments", "greedy", "checkpoint", "save_all")
+    for name in sorted((n for n, source in SOURCES.items() if source.solver),
+                       key=lambda n: listed.index(n) if n in listed else len(listed)):
+        out[name] = (Phase(name, lambda s, name=name: run_sources(s, [name])), *_COMPLETE, *_LAST)
     return out
