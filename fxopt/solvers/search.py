@@ -27,6 +27,9 @@ ILP_REL_GAP = 0.005
 
 @dataclasses.dataclass(frozen=True)
 class Solution:
+    """`solve`'s answer: the schedule, its simulated timeline, which solver found it and what is
+    proven about it."""
+
     schedule: Schedule
     timeline: Timeline
     solver: str
