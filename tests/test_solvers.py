@@ -24,7 +24,7 @@ from fxopt.solvers import (DEFAULT_EFFORT, DEFAULT_TIME_LIMIT, ILP_REL_GAP, SOLV
                            SolverTimeoutWarning, eager_schedule, lowest_plan, simulate, solve)
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS, articulation_values
-from fxopt.solvers.ilp import build_ilp, solve_ilp
+from fxopt.solvers.ilp import solve_ilp
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline
 from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, ids, mlp2, random_training_graph, with_random_lossy_codecs
