@@ -48,10 +48,9 @@ class Timers:
 
     @contextlib.contextmanager
     def installed(self):
-        # the names `fxopt.planner` calls them by
-        # (`min_feasible_budget` is the planner's own search for the smallest budget, when the
-        # step without its ReLU masks is out of reach too: solving.)
-        real = {name: getattr(planner, name) for name in ("analyze_step", "solve", "min_feasible_budget")}
+        # the names `fxopt.planner` calls them by (its fallbacks, and their searches for the
+        # smallest budget, are solves too)
+        real = {name: getattr(planner, name) for name in ("analyze_step", "solve")}
         for name, fn in real.items():
             setattr(planner, name, self._timed(fn, "analysis" if name == "analyze_step" else "solve"))
         try:

@@ -122,7 +122,7 @@ def _largest_eager_fit(jg: JointGraph, point, lo: int, hi: int, budget: int) -> 
 def _plan_at(jg: JointGraph, graph: Graph, point, budget: int, solver: str, time_limit: float) -> Plan:
     """The plan for ``graph`` (``jg`` at ``point``), through the plan cache."""
     eager_peak = simulate(graph, eager_schedule(graph)).peak_bytes
-    key = cache.key(graph, budget, solver, time_limit)
+    key = cache.key(graph, budget, solver)
     cached = cache.load(key)
     if cached is not None:
         return cached

@@ -3,9 +3,15 @@
 A plan is stored under a key made of everything its solve depends on: the whole solver graph
 (nodes, sizes, measured scratch memory, costs: so a plan made on another machine or torch
 version, whose kernels allocate differently, is not reused), the budget in bytes, the solver,
-its time limit, fxopt's version and the solvers' revision (`fxopt.solvers.REVISION`). Directory: ``$FXOPT_CACHE_DIR``, else
-``$XDG_CACHE_HOME/fxopt/plans`` (``~/.cache/fxopt/plans``). ``FXOPT_CACHE=0`` turns it off.
-A cache entry that cannot be read is ignored and replaced.
+its effort (`fxopt.solvers.Effort`: counted work decides the plan, not the time limit, and a plan
+the time limit cut short is not stored), fxopt's version and the solvers' revision
+(`fxopt.solvers.REVISION`). Directory: ``$FXOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxopt/plans``
+(``~/.cache/fxopt/plans``). ``FXOPT_CACHE=0`` turns it off. A cache entry that cannot be read is
+ignored and replaced.
+
+Beside the plans, in memory, `lowest_peaks`: the lowest-peak schedules the solvers found for the
+graphs planned in this process (`fxopt.solvers.minimum.Memo`), which the planner passes to every
+solve. It only saves time: a hit is what the search would find again.
 """
 
 from __future__ import annotations
@@ -17,11 +23,15 @@ import os
 from pathlib import Path
 
 from fxopt._version import __version__
-from fxopt.solvers.plan import Plan
 from fxopt.solvers import REVISION
+from fxopt.solvers.effort import DEFAULT_EFFORT, Effort
 from fxopt.solvers.graph import Graph
+from fxopt.solvers.minimum import Memo
+from fxopt.solvers.plan import Plan
 
 log = logging.getLogger("fxopt")
+
+lowest_peaks = Memo()
 
 
 def enabled() -> bool:
@@ -35,8 +45,8 @@ def directory() -> Path:
     return Path(base) / "fxopt" / "plans"
 
 
-def key(graph: Graph, budget: int, solver: str, time_limit: float) -> str:
-    payload = json.dumps([graph.to_dict(), budget, solver, time_limit, __version__, REVISION], sort_keys=True)
+def key(graph: Graph, budget: int, solver: str, effort: Effort = DEFAULT_EFFORT) -> str:
+    payload = json.dumps([graph.to_dict(), budget, solver, effort.key(), __version__, REVISION], sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 

@@ -11,19 +11,23 @@ class FxoptError(Exception):
 
 class InfeasibleBudgetError(FxoptError, ValueError):
     """No schedule fxopt can build stays within the budget. ``min_budget`` (bytes) is the smallest
-    peak that fxopt found achievable for this step; a budget at or above it can be planned.
+    peak that fxopt found achievable for this step: planning at it succeeds (unless ``exact`` is
+    False: then it is only a bound fxopt knows the step needs, and the message says "at least").
     ``lower_bound`` (bytes, or None): a peak no schedule of this step can go below (proven), so
-    that a budget under it is out of reach whatever the solver; between it and ``min_budget`` a
-    longer ``time_limit`` may find a plan."""
+    that a budget under it is out of reach whatever the solver; between it and ``min_budget`` more
+    solver effort may find a plan."""
 
-    def __init__(self, budget: int, min_budget: int, detail: str = "", lower_bound: int | None = None):
+    def __init__(self, budget: int, min_budget: int, detail: str = "", lower_bound: int | None = None,
+                 exact: bool = True):
         self.budget = budget
         self.min_budget = min_budget
         self.lower_bound = lower_bound
-        msg = (
-            f"no schedule of this training step fits in {format_bytes(budget)}; the smallest feasible "
-            f"budget fxopt found is {format_bytes(min_budget)} ({min_budget} bytes)"
-        )
+        self.exact = exact
+        msg = f"no schedule of this training step fits in {format_bytes(budget)}; "
+        if exact:
+            msg += f"the smallest feasible budget fxopt found is {format_bytes(min_budget)} ({min_budget} bytes)"
+        else:
+            msg += f"fxopt needs at least {format_bytes(min_budget)} ({min_budget} bytes)"
         if lower_bound is not None and lower_bound >= min_budget:
             msg += ", the least any schedule of this step can peak at"
         elif lower_bound is not None:
@@ -33,7 +37,7 @@ class InfeasibleBudgetError(FxoptError, ValueError):
         super().__init__(msg + (f" {detail}" if detail else ""))
 
     def __reduce__(self):
-        return (type(self), (self.budget, self.min_budget, self.detail, self.lower_bound))
+        return (type(self), (self.budget, self.min_budget, self.detail, self.lower_bound, self.exact))
 
 
 class CaptureError(FxoptError, RuntimeError):

@@ -82,6 +82,12 @@ def _time_limit(value: float) -> float:
     return float(value)
 
 
+def _effort(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"effort must be a positive number (a multiple of the default solver effort), got {value!r}")
+    return float(value)
+
+
 def _instance(name: str, cls: type, optional: bool = False) -> Callable[[Any], Any]:
     def check(value):
         if not isinstance(value, cls) and not (optional and value is None):
@@ -147,8 +153,13 @@ class Options:
         Replay this plan instead of solving: a `fxopt.Plan`, or the path of its JSON. It must have
         been made for the same graph.""")
     time_limit: float = option(DEFAULT_TIME_LIMIT, check=_time_limit, flag=Flag(parse=float, metavar="SECONDS"), doc="""
-        Seconds one answer (a plan, or "infeasible") may take, capture included. At the limit the
-        best plan found is used.""")
+        A safety stop: seconds one answer (a plan, or "infeasible") may take, capture included.
+        The solvers' counted work (``effort``) decides the plan; a plan the limit cuts short says
+        so (a `SolverTimeoutWarning`) and is not cached.""")
+    effort: float = option(1.0, check=_effort, flag=Flag(parse=float, metavar="X"), doc="""
+        How much counted work the solvers may do (branch-and-bound nodes, rounds, tries), as a
+        multiple of the default (`fxopt.solvers.Effort`): the same effort gives the same plan on
+        a quiet machine and a busy one; more may find a cheaper plan on a large step.""")
     cost_model: CostModel = option(factory=CostModel, check=_instance("cost_model", CostModel), doc="""
         How ops are priced: the estimated seconds the solvers minimise
         (`fxopt.analysis.CostModel`).""")

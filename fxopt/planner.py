@@ -2,8 +2,9 @@
 
 analyze (`fxopt.analysis`) → the mask passes (`fxopt.passes.dropout`, `fxopt.passes.masks`) →
 resolve the budget against the simulated eager peak → the plan cache (`fxopt.cache`) → solve
-(`fxopt.solvers`), with one fallback: a budget the ReLU-mask rewrite makes infeasible is planned
-without it. A plan made from example inputs that does not fit a later graph is planned anew.
+(`fxopt.solvers`), with the planner's fallbacks (`_solve`, the only place they live): a budget the
+codecs or the ReLU-mask rewrite make infeasible is planned without them. A plan made from example
+inputs that does not fit a later graph is planned anew.
 """
 
 from __future__ import annotations
@@ -31,16 +32,19 @@ from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
-from fxopt.solvers import check_solver, eager_schedule, min_feasible_budget, simulate, solve
+from fxopt.solvers import eager_schedule, simulate, solve
+from fxopt.solvers.effort import Deadline, effort_of
+from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.instant import peak_lower_bound
-from fxopt.solvers.stages import solve_stage, stage_min_budget
-from fxopt.solvers.auto import DEFAULT_TIME_LIMIT, MIN_PHASE_SECONDS, lowest_schedule
+from fxopt.solvers.minimum import infeasible
+from fxopt.solvers.stages import solve_stage
 
 log = logging.getLogger("fxopt")
 
 # When the wait for the plan now being made began: the call that captures the step
 # (`capture_clock`), or the end of the previous plan in it (a step in pieces). The solvers get what
-# capture left of the time limit, so that an answer takes about ``time_limit`` seconds end to end.
+# capture left of the time limit (a safety stop: the solvers' effort is counted, not timed), so
+# that no answer takes much longer than ``time_limit`` seconds end to end.
 _CAPTURE_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar("fxopt_capture_started",
                                                                                default=None)
 
@@ -143,7 +147,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
             return jg, given
     eager = simulate(eager_graph, eager_schedule(eager_graph))
     budget = options.budget.resolve(eager.peak_bytes)
-    cache_key = cache.key(jg.graph, budget, _cache_solver(options), options.time_limit)
+    cache_key = cache.key(jg.graph, budget, _cache_solver(options), effort_of(options.effort))
     cached = cache.load(cache_key)
     if cached is not None:
         if cached.fingerprint != jg.fingerprint and relu:  # it was planned without the ReLU masks
@@ -170,7 +174,8 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
         lower_bound_cost=solution.lower_bound_cost,
     )
     log.info("%s", plan.summary())
-    cache.store(cache_key, plan)
+    if not solution.stopped:  # (a plan the time limit cut short may differ next time: not replayed)
+        cache.store(cache_key, plan)
     return jg, plan
 
 
@@ -217,71 +222,100 @@ def _cache_solver(options: Options) -> str:
     return options.solver if options.in_flight is None else f"{options.solver}|{options.in_flight.key()}"
 
 
-def _solve_one(graph, budget: int, options: Options, time_limit: float, report, retry: bool = False):
+def _solve_one(graph: Graph, budget: int, options: Options, deadline: Deadline, report):
+    effort = effort_of(options.effort)
     if options.in_flight is not None:
-        return solve_stage(graph, budget, options.in_flight, options.solver, time_limit=max(MIN_PHASE_SECONDS, time_limit),
+        return solve_stage(graph, budget, options.in_flight, options.solver, effort=effort, time_limit=deadline,
                            on_progress=report)
-    return solve(graph, budget, options.solver, time_limit=time_limit, on_progress=report, retry=retry)
+    return solve(graph, budget, options.solver, effort=effort, time_limit=deadline, memo=cache.lowest_peaks,
+                 on_progress=report)
+
+
+def solve_graph(graph: Graph, budget: int, options: Options):
+    """A solver graph alone solved as the planner solves a step's (the codecs' fallbacks, the
+    planner's memo of lowest peaks): the `Solution`, or `InfeasibleBudgetError`."""
+    return _solve(_Analyzed(graph), options, {"budget_bytes": budget}, None, options.time_limit)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Analyzed:
+    """A solver graph standing in for an analyzed step (`solve_graph`)."""
+
+    graph: Graph
 
 
 def _solve(jg, options: Options, planned: dict, without_relu_masks, time_limit: float):
-    """The analyzed step ``jg`` solved within ``planned["budget_bytes"]`` in ``time_limit``
-    seconds, as (the step planned, the solution); with the ReLU masks (``without_relu_masks``
-    undoes them), a budget they make infeasible is planned without them, in what is left of the
-    time limit (not searched where the smallest budget named is already below its floor)."""
-    budget, t0 = planned["budget_bytes"], time.perf_counter()
+    """The analyzed step ``jg`` solved within ``planned["budget_bytes"]``, as (the step planned,
+    the solution). The fallbacks, in turn, where nothing fits (`_tries`): the step without its
+    lossy codecs, then without any (the solvers do not always find the lowest peak of the larger
+    problem they make, with the same effort: never let a codec make a budget infeasible that plans
+    without it); with the ReLU masks (``without_relu_masks`` undoes them), the step without them,
+    with the same fallbacks. All share ``time_limit``, the safety stop. Where none fits, the error
+    names the least of the budgets the tries named (each plans: at it, the tries before fail and
+    that one plans) and the lowest of their floors (the step runs either way)."""
+    budget, deadline = planned["budget_bytes"], Deadline(time_limit)
+    errors: list[InfeasibleBudgetError] = []
     with progress_display() as report:
-        try:
-            return jg, _solve_one(jg.graph, budget, options, time_limit, report)
-        except InfeasibleBudgetError as err:
-            if without_relu_masks is None:
-                _remember_minimum(err, [jg], options, planned)
-                raise
-            # The solvers do not always find the rewritten step's lowest peak (its memory model
-            # differs a little): never let the ReLU masks make a budget infeasible.
-            tried, jg = jg, without_relu_masks()
-            left = time_limit - (time.perf_counter() - t0)
-            floor = peak_lower_bound(jg.graph)[0]
-            if budget < floor and err.min_budget <= floor:
-                # No schedule of the step without them peaks below ``floor``: the smallest budget
-                # named with them is the answer (the lower of the two floors bounds the step).
-                both = InfeasibleBudgetError(budget, err.min_budget, lower_bound=None if err.lower_bound is None
-                                             else min(err.lower_bound, floor))
-                _remember_minimum(both, [tried], options, planned)
-                raise both from None
-            report("no plan fits with ReLU masks; planning without them")
+        for tried, graph in _tries(jg, without_relu_masks, budget, options, errors, report):
             try:
-                if budget < floor:
-                    # Out of reach without them too: only the smallest budget there is of interest.
-                    least = (min_feasible_budget(jg.graph, options.solver, time_limit=max(MIN_PHASE_SECONDS, left),
-                                                 run_ilp=False) if options.in_flight is None
-                             else stage_min_budget(jg.graph, options.in_flight, options.solver))
-                    raise InfeasibleBudgetError(budget, least, lower_bound=floor)
-                return jg, _solve_one(jg.graph, budget, options, left, report, retry=True)
-            except InfeasibleBudgetError as err2:
-                # The step runs either way: a peak neither can go below bounds it.
-                floors = [e.lower_bound for e in (err, err2)]
-                both = InfeasibleBudgetError(budget, min(err.min_budget, err2.min_budget),
-                                             lower_bound=None if None in floors else min(floors))
-                _remember_minimum(both, [tried, jg], options, planned)
-                raise both from None
+                solution = _solve_one(graph, budget, options, deadline, report)
+            except InfeasibleBudgetError as err:
+                errors.append(err)
+                continue
+            if graph is not tried.graph:  # its schedule is one of the step's (fewer codecs, the same values)
+                solution = dataclasses.replace(solution, timeline=simulate(tried.graph, solution.schedule))
+            return tried, solution
+    floors = [err.lower_bound for err in errors]
+    raise infeasible(budget, min(err.min_budget for err in errors), None if None in floors else min(floors)) from None
 
 
-def _remember_minimum(err: InfeasibleBudgetError, analyzed: list, options: Options, planned: dict) -> None:
-    """Store, in the plan cache, the plan behind the smallest budget ``err`` names (the schedule
-    the solvers reached it with, among the graphs ``analyzed``), under the key a call with that
-    budget looks up: asking for the minimum fxopt named plans at once, in this process or the
-    next, and is not left to a time-limited search finding the same schedule again."""
-    for jg in analyzed:
-        lowest = lowest_schedule(jg.graph, options.solver)
-        if lowest is None or lowest.peak != err.min_budget:
-            continue
-        timeline = simulate(jg.graph, lowest.schedule)
-        plan = Plan.build(graph=jg.graph, schedule=lowest.schedule, **dict(planned, budget_bytes=err.min_budget),
-                          solver=lowest.name, status="heuristic", solve_seconds=0.0, fingerprint=jg.fingerprint,
-                          module_paths=jg.module_paths, timeline=timeline, lower_bound_cost=None)
-        cache.store(cache.key(analyzed[0].graph, err.min_budget, _cache_solver(options), options.time_limit), plan)
+def _tries(jg, without_relu_masks, budget: int, options: Options, errors: list, report):
+    """(the analyzed step, the graph to solve) for `_solve`, in turn, each after the previous
+    failed (its error in ``errors``): the codecs' fallbacks (`_without_codecs`) of the step, then
+    of the step without its ReLU masks, unless it cannot fit and names no smaller budget."""
+    yield from _without_codecs(jg, budget, options, report)
+    if without_relu_masks is None:
         return
+    undone = without_relu_masks()
+    floor = peak_lower_bound(undone.graph)[0]
+    if budget < floor and min(err.min_budget for err in errors) <= floor:
+        return  # out of reach without them too, and its smallest budget is no lower
+    report("no plan fits with ReLU masks; planning without them")
+    yield from _without_codecs(undone, budget, options, report)
+
+
+def _without_codecs(jg, budget: int, options: Options, report):
+    """The step's graph, then without its lossy codecs, then without any; not where the budget is
+    below the step's proven floor (the codecs only add choices: without them it is out of reach
+    too, and the lowest-peak search tried their schedules uncompressed). (The floor is the lowest-
+    peak search's, not the instant program's word alone at this budget: that proof is checked by
+    planning without them; the floor of its lowest peak is tested against every plan.)"""
+    graph = jg.graph
+    yield jg, graph
+    for lossy_only in (True, False):
+        fewer = without_codecs(graph, lossy_only=lossy_only)
+        if fewer is graph:
+            continue
+        searched = cache.lowest_peaks.get(graph, (options.solver, effort_of(options.effort), True))
+        if budget < max(peak_lower_bound(graph)[0], searched.floor if searched is not None else 0):
+            return
+        report("no plan fits with " + ("quantization" if fewer.compressible else "compression")
+               + "; planning without it")
+        yield jg, fewer
+        graph = fewer
+
+
+def without_codecs(graph: Graph, *, lossy_only: bool) -> Graph:
+    """`graph` with no codec on its values (only the lossy ones dropped with ``lossy_only``); the
+    graph itself when there is nothing to drop."""
+    drop = [i for i, n in enumerate(graph.nodes) if n.codec is not None and (is_lossy_codec(n.codec) or not lossy_only)]
+    if not drop:
+        return graph
+    nodes = list(graph.nodes)
+    for i in drop:
+        nodes[i] = dataclasses.replace(nodes[i], codec=None, compressed_bytes=0, codec_cost=0.0, codec_flops=0,
+                                       codec_workspace=0)
+    return Graph(tuple(nodes), graph.transfers)
 
 
 @contextlib.contextmanager

@@ -25,3 +25,15 @@ def _quiet_timeouts():
 def _no_plan_cache(monkeypatch):
     """Tests solve every time; the one test of the cache turns it on in a temporary directory."""
     monkeypatch.setenv("FXOPT_CACHE", "0")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lowest_peaks():
+    """The planner's memo of lowest-peak schedules (`fxopt.cache.lowest_peaks`) starts empty in
+    every test: it only saves time (a hit is what the search finds again), so no test may pass
+    because of what another solved before it."""
+    from fxopt import cache
+
+    cache.lowest_peaks.clear()
+    yield
+    cache.lowest_peaks.clear()

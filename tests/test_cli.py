@@ -148,7 +148,7 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("flags, planned", [
-    ([], dict(compiler="eager", compress=True, quantize=None, offload=None, solver="auto", time_limit=4.0)),
+    ([], dict(compiler="eager", compress=True, quantize=None, offload=None, solver="auto", time_limit=60.0, effort=1.0)),
     (["--compiler", "inductor"], dict(compiler="inductor", compress=True, quantize=None)),
     (["--no-compress"], dict(compiler="eager", compress=False, quantize=None)),
     (["--quantize", "int8"], dict(compiler="eager", compress=True, quantize=fxopt.Quantize("int8"))),
@@ -156,6 +156,7 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
     (["--offload", "off"], dict(offload=False)),
     (["--offload", "1GiB"], dict(offload=2**30)),
     (["--solver", "greedy", "--time-limit", "2.5"], dict(solver="greedy", time_limit=2.5)),
+    (["--effort", "2"], dict(effort=2.0)),
     (["--budget", "min"], dict(budget=Budget(minimum=True))),
 ])
 def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, capsys):

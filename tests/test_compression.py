@@ -260,14 +260,17 @@ def test_instant_program_counts_a_value_decoded_once_the_backward_has_read_it():
     assert (best.status, best.timeline.recompute_cost) == ("optimal", pytest.approx(2.0))
 
 
-def test_solve_falls_back_on_planning_without_codecs(monkeypatch):
+def test_the_planner_falls_back_on_planning_without_codecs(monkeypatch):
     """The solvers do not always find the lowest peak of the larger problem that codecs make; a
     budget that plans without them must plan with them. Here the instant program misses on the
     graph with a codec (it calls the budget infeasible) and compressing alone does not fit (a
-    16-byte value that compresses to 15): solve plans the graph without its codec instead."""
+    16-byte value that compresses to 15): the planner plans the graph without its codec instead
+    (`fxopt.planner.solve_graph`, the planner's fallbacks on a solver graph alone)."""
     import dataclasses
 
-    import fxopt.solvers.auto as auto
+    import fxopt.solvers.minimum as minimum
+    import fxopt.solvers.phases as phases
+    from fxopt.planner import Options, solve_graph
     from fxopt.solvers.instant import InstantResult, LowestPeak, instant_solve, lowest_peak, peak_lower_bound
 
     from solver_graphs import mlp2
@@ -289,15 +292,33 @@ def test_solve_falls_back_on_planning_without_codecs(monkeypatch):
             return LowestPeak(peak_lower_bound(g)[0], (), (), 0.0)
         return lowest_peak(g, **kwargs)
 
-    monkeypatch.setattr(auto, "instant_solve", misses_with_codecs)
-    monkeypatch.setattr(auto, "lowest_peak", lowest_misses_with_codecs)
+    monkeypatch.setattr(phases, "instant_solve", misses_with_codecs)
+    monkeypatch.setattr(minimum, "lowest_peak", lowest_misses_with_codecs)
+    with pytest.raises(fxopt.InfeasibleBudgetError):
+        solve(graph, 70, "instant")  # (the solvers alone: no fallback)
     messages = []
-    solution = solve(graph, 70, "instant", time_limit=10, on_progress=messages.append)
+    import fxopt.planner as planner
+
+    monkeypatch.setattr(planner, "progress_display", lambda: _Reporting(messages))
+    solution = solve_graph(graph, 70, Options(budget=70, solver="instant"))
     assert "no plan fits with compression; planning without it" in messages
     assert not solution.schedule.compressed
     assert solution.timeline == simulate(graph, solution.schedule)
     assert solution.timeline.peak_bytes <= 70
     assert solution.timeline.recompute_cost == pytest.approx(3.0)  # mlp2's optimum at 70 bytes
+
+
+class _Reporting:
+    """A progress display that collects the messages."""
+
+    def __init__(self, messages: list):
+        self.messages = messages
+
+    def __enter__(self):
+        return self.messages.append
+
+    def __exit__(self, *exc):
+        return False
 
 
 class PoolNet(nn.Module):

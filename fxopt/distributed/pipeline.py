@@ -44,9 +44,8 @@ from fxopt.fxgraph import module_name
 from fxopt.options import Options
 from fxopt.solvers import Solution
 from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
-from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, accumulation,
-                                  cut_and_plan, cut_model, in_flight_count, pipeline_timing, plan_split,
-                                  runtime_fixed, split_at)
+from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, cut_and_plan,
+                                  cut_model, pipeline_timing, plan_split, split_at, stage_in_flight)
 from fxopt.storage import tensors_in
 
 SCHEDULE_CLASSES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
@@ -318,11 +317,10 @@ class _StagePlanner:
         m, last = self.cut.microbatches, s == self.cut.stages - 1
         sent = _bytes(outputs)
         grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
-        extra = m * sent if last and self.return_outputs else 0
-        sched, count = self.cut.schedule, self.cut.stages
-        fixed = runtime_fixed(sched, count, m, s, _bytes(inputs), sent, extra)
-        return InFlight(in_flight_count(sched, count, m, s), sent + (self.loss_saved if last else 0), fixed, grads,
-                        accumulation(sched, count, m, s), self.loss_peak if last else 0)
+        return stage_in_flight(self.cut.schedule, self.cut.stages, m, s, _bytes(inputs), sent, grads,
+                               held=sent + (self.loss_saved if last else 0),
+                               extra=m * sent if last and self.return_outputs else 0,
+                               after_forward=self.loss_peak if last else 0)
 
     def plan_stage(self, s: int, split: Split, budget: int) -> StageResult:
         from fxopt.api import plan_and_rewrite
@@ -418,7 +416,8 @@ def pipeline(
     extra[0] = (microbatches - 1) * _bytes(mb_args)
     extra[-1] = microbatches * out_bytes if return_outputs else 0
     cut = cut_model(whole.graph, stages, microbatches, schedule, allowed=points.allowed, solver=options.solver,
-                    time_limit=min(2.0, options.time_limit), extra_fixed=extra, last_held=out_bytes, origins=origins)
+                    time_limit=options.time_limit, effort=options.effort, extra_fixed=extra, last_held=out_bytes,
+                    origins=origins)
     planner = _StagePlanner(model, mb_args, mb_target, loss_fn, points, cut, budget_bytes, options, return_outputs)
     if split_points is None:
         split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)

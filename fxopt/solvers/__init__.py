@@ -11,17 +11,24 @@ The whole package imports without torch (a test blocks ``import torch`` and impo
     replays it op by op and gives its `Timeline` (the peak the generated code will have, and the
     time the backward waits for offloaded values), and `OnDemand`, the backward that recomputes
     what is missing before each node.
-  - `heuristics`, `instant`, `ilp` (on `mip`): the solvers; `gap`: how far a plan may be from
-    optimal, one definition for all of them.
-  - `auto`: `solve`, the one entry point, and the ``"auto"`` strategy.
+  - `heuristics`, `chain`, `instant`, `ilp` (on `mip`): the solvers; `gap`: how far a plan may be
+    from optimal, one definition for all of them.
+  - `effort`: the counted work a solve may do (`Effort`), and the time limit, a safety stop.
+  - `auto`: `solve`, the one entry point; `phases`: the strategies it runs, as tables of phases
+    over one `search.Search`; `minimum`: the smallest budget that plans (`lowest_plan`, its
+    `Memo`) and the answer "infeasible".
   - `plan`: `Plan`, a solution as the user sees it (decisions, peak, costs; JSON).
+  - `stages`: pipeline stage cuts and each stage's plan; `stage_plan`: `PipelinePlan`.
 """
 
 from fxopt.solvers.auto import (DEFAULT_TIME_LIMIT, ILP_REL_GAP, REVISION, SOLVERS, Solution, SolverTimeoutWarning,
-                                check_solver, eager_schedule, min_feasible_budget, solve)
+                                check_solver, eager_schedule, solve)
+from fxopt.solvers.effort import DEFAULT_EFFORT, Effort
 from fxopt.solvers.graph import Graph, Node
+from fxopt.solvers.minimum import Memo, lowest_plan, lowest_schedule, min_feasible_budget
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 from fxopt.solvers.transfers import Transfers
 
 __all__ = ["Graph", "Node", "Transfers", "Schedule", "Timeline", "Solution", "SolverTimeoutWarning", "SOLVERS", "REVISION",
-           "DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "check_solver", "solve", "min_feasible_budget", "simulate", "eager_schedule"]
+           "DEFAULT_TIME_LIMIT", "DEFAULT_EFFORT", "Effort", "ILP_REL_GAP", "Memo", "check_solver", "solve",
+           "min_feasible_budget", "lowest_plan", "lowest_schedule", "simulate", "eager_schedule"]

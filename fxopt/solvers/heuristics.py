@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
+from fxopt.solvers.effort import DEFAULT_EFFORT, Effort
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, must_save, on_demand, prune,
                                     save_all_set, simulate)
@@ -33,7 +33,7 @@ from fxopt.solvers.transfers import INSTANT
 Candidate = tuple[Schedule, Timeline]
 
 
-def save_all(graph: Graph, budget: int) -> list[Candidate]:
+def save_all(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) -> list[Candidate]:
     schedule = on_demand(graph, save_all_set(graph))
     return [(schedule, simulate(graph, schedule))]
 
@@ -43,7 +43,7 @@ def _recomputable_saves(graph: Graph) -> list[int]:
     return sorted((graph.needed_by_backward & graph.saveable) - graph.free - must_save(graph))
 
 
-def checkpoint(graph: Graph, budget: int) -> list[Candidate]:
+def checkpoint(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) -> list[Candidate]:
     order = [i for i in _recomputable_saves(graph) if i in graph.forward_required and graph.roots[i] == i]
     total = sum(graph.nodes[i].bytes for i in order)
     if not order or total == 0:
@@ -69,28 +69,40 @@ def checkpoint(graph: Graph, budget: int) -> list[Candidate]:
     return out
 
 
-def greedy(graph: Graph, budget: int, *, deadline: float | None = None) -> list[Candidate]:
-    """``deadline`` (a `time.perf_counter` value): stop dropping values past it."""
+def greedy(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) -> list[Candidate]:
+    """Drop SAVEd values one at a time, the cheapest to recompute per byte first, until the
+    simulated peak fits; after the effort's `greedy_steps` drops, the shortest longer
+    run of drops that fits is bisected instead (the peak falls as values are dropped, mostly), so
+    that a deep model costs a few dozen simulations, not one per value. Every schedule tried is
+    returned; the last ones drop everything (the lowest peak) where nothing fits."""
     saved = set(save_all_set(graph))
-    schedule = on_demand(graph, saved)
-    out = [(schedule, simulate(graph, schedule))]
-    if out[0][1].peak_bytes <= budget:
+    out: list[Candidate] = []
+
+    def run(drop) -> bool:
+        schedule = on_demand(graph, saved - set(drop))
+        out.append((schedule, simulate(graph, schedule)))
+        return out[-1][1].peak_bytes <= budget
+
+    if run(()):
         return out
     # Values the backward derives itself (backward-only) are recomputed from the forward values
     # they depend on; include those so the greedy can drop them too.
-    candidates = [i for i in _recomputable_saves(graph) if graph.roots[i] == i and graph.nodes[i].bytes > 0]
+    candidates = [i for i in _recomputable_saves(graph) if graph.roots[i] == i and graph.nodes[i].bytes > 0
+                  and i in saved]
     candidates.sort(key=lambda i: (graph.nodes[i].cost / graph.nodes[i].bytes, i))
-    for i in candidates:
-        if i not in saved:
-            continue
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        saved.discard(i)
-        schedule = on_demand(graph, saved)
-        timeline = simulate(graph, schedule)
-        out.append((schedule, timeline))
-        if timeline.peak_bytes <= budget:
-            break
+    steps = effort.greedy_steps
+    for k in range(1, min(steps, len(candidates)) + 1):
+        if run(candidates[:k]):
+            return out
+    lo, hi = steps, len(candidates)  # dropping ``lo`` does not fit; ``hi``, perhaps
+    if hi <= lo or not run(candidates):
+        return out
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run(candidates[:mid]):
+            hi = mid
+        else:
+            lo = mid
     return out
 
 
@@ -128,8 +140,7 @@ def checkpoint_cuts(graph: Graph) -> list[int]:
             if i in decidable and graph.roots[i] == i and nodes[i].bytes > 0 and not nodes[i].output]
 
 
-def segments(graph: Graph, budget: int, *, deadline: float | None = None) -> list[Candidate]:
-    """``deadline`` (a `time.perf_counter` value): stop adding values one at a time past it."""
+def segments(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) -> list[Candidate]:
     nodes = graph.nodes
     decidable = set(_recomputable_saves(graph))
     cuts = checkpoint_cuts(graph)
@@ -164,26 +175,25 @@ def segments(graph: Graph, budget: int, *, deadline: float | None = None) -> lis
         # Then the values after it that still fit, one at a time (a few dozen at most).
         saved = set(base | set(extra[:lo]))
         for i in extra[lo + 1: lo + 41]:
-            if deadline is not None and time.perf_counter() > deadline:
-                break
             if run(saved | {i})[1].peak_bytes <= budget:
                 saved.add(i)
     return out
 
 
-def save_more(graph: Graph, schedule: Schedule, budget: int, *, seconds: float) -> Candidate | None:
+def save_more(graph: Graph, schedule: Schedule, budget: int, *,
+              tries: int = DEFAULT_EFFORT.save_more_tries) -> Candidate | None:
     """`schedule` with values it recomputes SAVEd instead, while its simulated peak stays within
     ``budget`` and its cost falls: the values whose recomputation costs most per byte first, each
-    tried once (its first recomputation dropped, then all of them), within ``seconds``. None if
-    nothing more fits. (A lowest-peak plan recomputes what it need not where memory is not tight.)"""
-    deadline = time.perf_counter() + seconds
+    tried once (its first recomputation dropped, then all of them), ``tries`` schedules simulated
+    at most. None if nothing more fits. (A lowest-peak plan recomputes what it need not where
+    memory is not tight.)"""
     nodes = graph.nodes
     best = (schedule, simulate(graph, schedule))
     recomputed = {i for i in schedule.recomputed(graph) if i in graph.saveable and graph.roots[i] == i
                   and nodes[i].bytes > 0 and nodes[i].cost > 0}
     for v in sorted(recomputed, key=lambda i: (-nodes[i].cost / nodes[i].bytes, i)):
         for first_only in (True, False):
-            if time.perf_counter() > deadline:
+            if tries <= 0:
                 return best if best[0] is not schedule else None
             current = best[0]
             at = [e for e, i in enumerate(current.backward) if i == v]
@@ -191,6 +201,7 @@ def save_more(graph: Graph, schedule: Schedule, budget: int, *, seconds: float) 
                 break
             drop = set(at[:1] if first_only else at)
             backward = tuple(i for e, i in enumerate(current.backward) if e not in drop)
+            tries -= 1
             try:
                 candidate = prune(graph, dataclasses.replace(current, saved=current.saved | {v}, backward=backward))
                 timeline = simulate(graph, candidate)
@@ -298,4 +309,5 @@ def offload_windows(graph: Graph, schedule: Schedule, values) -> dict[int, tuple
             for c in timeline.copies if c.channel == "h2d" and c.needed is not None}
 
 
+# Each takes (graph, budget, effort=...) and returns its schedules, simulated, fitting or not.
 HEURISTICS = {"save_all": save_all, "checkpoint": checkpoint, "greedy": greedy, "segments": segments}

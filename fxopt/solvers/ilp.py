@@ -69,6 +69,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.gap import gap
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Profile, backward_profile, forward_profile
@@ -81,13 +82,14 @@ __all__ = ["IlpResult", "RematIlp", "build_ilp", "solve_ilp", "default_mip_solve
 @dataclasses.dataclass(frozen=True)
 class IlpResult:
     schedule: Schedule | None
-    status: str  # "optimal", "feasible", "infeasible", "timeout"
+    status: str  # "optimal", "feasible", "infeasible", "stopped" (no solution within the limits)
     objective: float | None  # recompute cost of the solution in the ILP's model
     peak_bound: float | None  # with minimize_peak: the smallest budget found
     seconds: float
     variables: int
     lower_bound: float | None = None  # proven lower bound on the recompute cost (this model)
     interrupted: bool = False
+    limit: str | None = None  # what stopped it short of its gap: "work" or "time" (`MipResult.limit`)
 
 
 @dataclasses.dataclass
@@ -114,7 +116,9 @@ class RematIlp:
     O: dict[int, int] = dataclasses.field(default_factory=dict)  # value -> column: OFFLOADed
     reload_stage: dict[int, int] = dataclasses.field(default_factory=dict)  # OFFLOADed value -> stage reloaded at
 
-    def s(self, t: int, i: int) -> int | None:
+    def resident(self, t: int, i: int) -> int | None:
+        """The column of "i is resident entering stage t" (S0 up to its first stage; None where
+        it cannot be)."""
         if i not in self.first or t > self.last[i]:
             return None
         if t <= self.first[i]:
@@ -174,9 +178,6 @@ class RematIlp:
         position = {i: e for e, i in enumerate(events)}
         return tuple(sorted((i, 0 if (p := self.reload_stage[i]) == 0 else position[bwd[self.stages[p - 1]]] + 1)
                             for i in offloaded))
-
-    def saved_fractions(self, x) -> dict[int, float]:
-        return {i: x[col] for i, col in self.S0.items()}
 
 
 # Recomputation variables the ILP may have before its window narrows (see `build_ilp`).
@@ -330,146 +331,9 @@ class _Scope:
         return cls(cands, deps, stages, reads, anc, lowest, window, first, last)
 
 
-class _Builder:
-    """`build_ilp`'s phases: the variables, then the rows (residency and recomputation, memory in
-    the backward, memory in the forward). Memory is in units of `byte_unit` bytes."""
-
-    def __init__(self, graph: Graph, scope: _Scope, budget: int | None, minimize_peak: bool):
-        nodes = graph.nodes
-        self.graph, self.nodes, self.scope = graph, nodes, scope
-        self.cset = set(scope.cands)
-        self.rank = {i: k for k, i in enumerate(scope.cands)}
-        self.T = len(scope.stages)
-        self.unit = unit = byte_unit(graph)
-        self.mb = {i: self.mem_bytes(i) / unit for i in scope.cands}
-        self.minimize_peak = minimize_peak
-        self.cap = float("inf") if minimize_peak else budget / unit
-        self.m = Mip()
-        self.ilp = RematIlp(graph, self.m, scope.cands, scope.stages, scope.anc, scope.first, scope.last,
-                            {}, {}, {}, {}, [], None, unit, cost_scale_for(nodes[i].cost for i in scope.cands),
-                            cost_offset=sum(nodes[i].cost for i in scope.cands if i in graph.backward_only),
-                            window=scope.window)
-        self.m.offset = -self.ilp.cost_offset * self.ilp.cost_scale
-        self.order = sorted(graph.forward_required)
-        self.forward = forward_profile(graph, self.order)
-
-    def mem_bytes(self, i: int) -> int:
-        graph, nodes = self.graph, self.nodes
-        if graph.roots[i] != i:
-            return 0
-        if not nodes[i].tensor:  # its outputs nobody needs are allocated too
-            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in self.cset)
-        return nodes[i].bytes
-
-    def s(self, t: int, i: int) -> int | None:
-        return self.ilp.s(t, i)
-
-    def r(self, t: int, i: int) -> int | None:
-        return self.ilp.R.get((t, i))
-
-    def within(self, fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
-        """sum(var_terms) + fixed <= budget (or <= peak)."""
-        fixed = fixed_bytes / self.unit
-        if self.ilp.peak is not None:
-            self.m.row(var_terms + [(self.ilp.peak, -1.0)], upper=-fixed)
-        else:
-            self.m.row(var_terms, upper=self.cap - fixed)
-
-    def add_variables(self) -> None:
-        """S0 (SAVE), S (kept into a stage), R (recomputed in a stage), Z (COMPRESS); the peak."""
-        graph, nodes, m, ilp, sc = self.graph, self.nodes, self.m, self.ilp, self.scope
-        for i in sc.cands:
-            if i not in sc.first:
-                continue  # needed only through values that are saved anyway
-            if i in graph.saveable and nodes[i].tensor:
-                cost = nodes[i].cost * ilp.cost_scale if i in graph.backward_only else 0.0
-                # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
-                # the constraints below see to that, as it has no R variables.
-                ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
-            if nodes[i].tensor:
-                for t in range(sc.first[i] + 1, sc.last[i] + 1):
-                    ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
-        for t in range(self.T):
-            for i in sorted(sc.anc[t]):
-                if nodes[i].recomputable and (self.rank[i] >= sc.lowest[t] or i in sc.reads[t]):
-                    ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * ilp.cost_scale)
-        # COMPRESS, where the model knows when the value is encoded: after its last forward use
-        # among the nodes every forward runs. A value a backward-only one reads is read later in
-        # the forward when that one is SAVEd, and encoded only then (the simulator's order).
-        for i in ilp.S0:
-            if i in graph.compressible and not any(u in graph.backward_only for u in graph.users[i]):
-                ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * ilp.cost_scale)
-        # OFFLOAD: O[i] <= S0[i], not with Z[i] (the heuristics combine them), only where the
-        # value's copies fit in its window (`_offload_windows`); no cost: the channel rows keep
-        # every copy hidden.
-        self.windows = _offload_windows(graph, sc, self.order, self.forward.lifetimes,
-                                        [i for i in ilp.S0 if i in graph.offloadable]) if graph.offloadable else {}
-        for i, window in self.windows.items():
-            ilp.O[i] = m.binary(f"O_{nodes[i].name}")
-            ilp.reload_stage[i] = window.reload
-            m.row([(ilp.O[i], 1.0), (ilp.S0[i], -1.0)] + ([(ilp.Z[i], 1.0)] if i in ilp.Z else []), upper=0.0)
-        self.zb = {i: nodes[i].compressed_bytes / self.unit for i in ilp.Z}  # compressed size, in units
-        self.zw = {i: nodes[i].codec_workspace / self.unit for i in ilp.Z}  # scratch while encoding or decoding
-        # A compressed value is decoded for the first stage that reads it (fr); before that no
-        # recomputation may read it (it is still encoded), and it counts its compressed size.
-        self.fr = {i: next((t for t in range(sc.first[i], self.T) if i in sc.reads[t]), sc.first[i]) for i in ilp.Z}
-        if self.minimize_peak:
-            # The peak first; among the lowest-peak plans the cheapest: all recomputation together
-            # weighs less than a hundredth of a memory unit.
-            total = sum(m.cost) or 1.0
-            m.cost = [c * 0.01 / total for c in m.cost]
-            ilp.cost_scale *= 0.01 / total
-            ilp.peak = m.var("peak", cost=1.0)
-
-    def add_residency_rows(self) -> None:
-        """What is resident was kept or just computed; what a stage reads is there; a recomputation
-        has its inputs and is read or kept; COMPRESS only what is SAVEd, encoded until first read."""
-        m, ilp, sc, s, r = self.m, self.ilp, self.scope, self.s, self.r
-        for i, col in ilp.Z.items():
-            m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
-            for t in range(sc.first[i] + 1, self.fr[i] + 1):
-                if (t, i) in ilp.S:
-                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
-            # Until it is decoded, nothing reads it (it is encoded), and it is not made again: a
-            # schedule uses the latest copy of a value, so a recomputed one (or one a recomputed
-            # multi-output op takes out with its other outputs) would live uncompressed, where
-            # this model counts the encoding.
-            makers = {i} | {p for p in self.nodes[i].inputs if not self.nodes[p].tensor}
-            for t in range(sc.first[i], self.fr[i]):
-                for u in sc.anc[t]:
-                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
-                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
-        first_read = _first_reads(sc, ilp.O)
-        for i, col in ilp.O.items():
-            # OFFLOADed: kept (on the host, then reloaded) until the first stage that reads it, and
-            # until then neither read by a recomputation nor made again (its window's copy back
-            # is timed to that stage; a recomputed copy would be where the model counts nothing).
-            for t in range(sc.first[i] + 1, first_read[i] + 1):
-                if (t, i) in ilp.S:
-                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)
-            makers = {i} | {q for q in self.nodes[i].inputs if not self.nodes[q].tensor}
-            for t in range(sc.first[i], first_read[i]):
-                for u in sc.anc[t]:
-                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
-                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
-        for (t, i), col in ilp.S.items():
-            m.row(_terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
-        users: dict[int, list[int]] = {i: [] for i in sc.cands}
-        for i in sc.cands:
-            for j in sc.deps[i]:
-                users[j].append(i)
-        for t in range(self.T):
-            for i in sc.reads[t]:
-                m.row(_terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
-            for i in sc.anc[t]:
-                col = r(t, i)
-                if col is None:
-                    continue
-                for j in sc.deps[i]:
-                    m.row(_terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
-                if i not in sc.reads[t]:
-                    m.row(_terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in sc.anc[t]]),
-                          upper=0.0)
+class _MemoryRows:
+    """`_Builder`'s memory rows: between stages, while each stage recomputes and while its node
+    runs, as the backward starts, and in the forward (running totals share their terms)."""
 
     def running_total(self, name: str, parts: list[tuple[int, float]], previous: int | None) -> int:
         """A continuous column equal to sum(parts) + previous (shared terms for later rows)."""
@@ -542,7 +406,8 @@ class _Builder:
         for i in sc.reads[t]:
             if not mb[i]:
                 continue
-            running += [(c, a) for c, a in ((self.s(t, i), mb[i]), (self.r(t, i), mb[i])) if c is not None]
+            running += [(c, a) for c, a in ((self.resident(t, i), mb[i]), (self.recomputed(t, i), mb[i]))
+                        if c is not None]
             if (t + 1, i) in ilp.S:  # read here and kept: counted once
                 running.append((ilp.S[t + 1, i], -mb[i]))
         self.within(fixed.during[k], running)
@@ -567,6 +432,43 @@ class _Builder:
                 total = self.running_total(f"E_{lo}", fresh, total)
             extra = [(c, a) for a_lo, a_hi, c, a in spans if a_lo <= lo and hi - 1 <= a_hi]
             self.within(max(fixed.during[lo:hi]), ([(total, 1.0)] if total is not None else []) + extra)
+
+    def saved_in_forward(self, order: list[int], interval: dict[int, tuple[int, int]]):
+        """The SAVE decisions' bytes in the forward: terms alive from a step to the end
+        (``from_step``), and terms alive over a span of steps (first, last, column, units)."""
+        graph, nodes, ilp, mb, zb, zw = self.graph, self.nodes, self.ilp, self.mb, self.zb, self.zw
+        fpos = {i: k for k, i in enumerate(order)}
+        n_steps = len(order)
+        from_step: dict[int, list[tuple[int, float]]] = {}
+        spans: list[tuple[int, int, int, float]] = []
+        for i, col in ilp.S0.items():
+            if not mb[i]:
+                continue
+            if i in fpos:
+                start = interval[i][1] + 1
+                if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
+                    from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
+                    spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
+                    if start < n_steps:
+                        from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
+            else:  # backward-only: computed in the forward after every forward_required node before it
+                start = sum(1 for j in order if j < i)
+                if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
+                    at = min(start, n_steps - 1)
+                    spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
+                    if start < n_steps:
+                        from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
+                for j in graph.through_aliases(nodes[i].inputs):
+                    rj = graph.roots[j]
+                    if rj in interval and interval[rj][1] < start and rj not in graph.resident:
+                        spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / self.unit))
+            if start < n_steps:
+                from_step.setdefault(start, []).append((col, mb[i]))
+        return from_step, spans
+
+
+class _ChannelRows:
+    """`_Builder`'s rows for OFFLOAD's copy channels, and the host memory they fill."""
 
     def add_channel_rows(self) -> None:
         """Each channel serves its copies one at a time, in the order issued: the copy of OFFLOADed
@@ -607,38 +509,148 @@ class _Builder:
                     terms = [(O[q], seconds(windows[q]) / total) for q in queue[start:last]]
                     self.m.row(terms + [(O[i], 1.0)], upper=room / total + 1.0)
 
-    def saved_in_forward(self, order: list[int], interval: dict[int, tuple[int, int]]):
-        """The SAVE decisions' bytes in the forward: terms alive from a step to the end
-        (``from_step``), and terms alive over a span of steps (first, last, column, units)."""
-        graph, nodes, ilp, mb, zb, zw = self.graph, self.nodes, self.ilp, self.mb, self.zb, self.zw
-        fpos = {i: k for k, i in enumerate(order)}
-        n_steps = len(order)
-        from_step: dict[int, list[tuple[int, float]]] = {}
-        spans: list[tuple[int, int, int, float]] = []
-        for i, col in ilp.S0.items():
-            if not mb[i]:
-                continue
-            if i in fpos:
-                start = interval[i][1] + 1
-                if i in ilp.Z:  # encoded at its last forward step: from then on, compressed instead
-                    from_step.setdefault(interval[i][1], []).append((ilp.Z[i], zb[i]))
-                    spans.append((interval[i][1], interval[i][1], ilp.Z[i], zw[i]))
-                    if start < n_steps:
-                        from_step.setdefault(start, []).append((ilp.Z[i], -mb[i]))
-            else:  # backward-only: computed in the forward after every forward_required node before it
-                start = sum(1 for j in order if j < i)
-                if i in ilp.Z:  # encoded as soon as it is made (both alive for that step)
-                    at = min(start, n_steps - 1)
-                    spans.append((at, at, ilp.Z[i], mb[i] + zw[i]))
-                    if start < n_steps:
-                        from_step.setdefault(start, []).append((ilp.Z[i], zb[i] - mb[i]))
-                for j in graph.through_aliases(nodes[i].inputs):
-                    rj = graph.roots[j]
-                    if rj in interval and interval[rj][1] < start and rj not in graph.resident:
-                        spans.append((interval[rj][1] + 1, min(start, n_steps - 1), col, nodes[rj].bytes / self.unit))
-            if start < n_steps:
-                from_step.setdefault(start, []).append((col, mb[i]))
-        return from_step, spans
+
+class _Builder(_MemoryRows, _ChannelRows):
+    """`build_ilp`'s phases: the variables, then the rows (residency and recomputation, memory in
+    the backward, memory in the forward). Memory is in units of `byte_unit` bytes."""
+
+    def __init__(self, graph: Graph, scope: _Scope, budget: int | None, minimize_peak: bool):
+        nodes = graph.nodes
+        self.graph, self.nodes, self.scope = graph, nodes, scope
+        self.cset = set(scope.cands)
+        self.rank = {i: k for k, i in enumerate(scope.cands)}
+        self.T = len(scope.stages)
+        self.unit = unit = byte_unit(graph)
+        self.mb = {i: self.mem_bytes(i) / unit for i in scope.cands}
+        self.minimize_peak = minimize_peak
+        self.cap = float("inf") if minimize_peak else budget / unit
+        self.m = Mip()
+        self.ilp = RematIlp(graph, self.m, scope.cands, scope.stages, scope.anc, scope.first, scope.last,
+                            {}, {}, {}, {}, [], None, unit, cost_scale_for(nodes[i].cost for i in scope.cands),
+                            cost_offset=sum(nodes[i].cost for i in scope.cands if i in graph.backward_only),
+                            window=scope.window)
+        self.m.offset = -self.ilp.cost_offset * self.ilp.cost_scale
+        self.order = sorted(graph.forward_required)
+        self.forward = forward_profile(graph, self.order)
+
+    def mem_bytes(self, i: int) -> int:
+        graph, nodes = self.graph, self.nodes
+        if graph.roots[i] != i:
+            return 0
+        if not nodes[i].tensor:  # its outputs nobody needs are allocated too
+            return nodes[i].bytes + sum(nodes[g].bytes for g in graph.users[i] if g not in self.cset)
+        return nodes[i].bytes
+
+    def resident(self, t: int, i: int) -> int | None:
+        return self.ilp.resident(t, i)
+
+    def recomputed(self, t: int, i: int) -> int | None:
+        """The column of "i is recomputed in stage t" (None where it cannot be)."""
+        return self.ilp.R.get((t, i))
+
+    def within(self, fixed_bytes: float, var_terms: list[tuple[int, float]]) -> None:
+        """sum(var_terms) + fixed <= budget (or <= peak)."""
+        fixed = fixed_bytes / self.unit
+        if self.ilp.peak is not None:
+            self.m.row(var_terms + [(self.ilp.peak, -1.0)], upper=-fixed)
+        else:
+            self.m.row(var_terms, upper=self.cap - fixed)
+
+    def add_variables(self) -> None:
+        """S0 (SAVE), S (kept into a stage), R (recomputed in a stage), Z (COMPRESS); the peak."""
+        graph, nodes, m, ilp, sc = self.graph, self.nodes, self.m, self.ilp, self.scope
+        for i in sc.cands:
+            if i not in sc.first:
+                continue  # needed only through values that are saved anyway
+            if i in graph.saveable and nodes[i].tensor:
+                cost = nodes[i].cost * ilp.cost_scale if i in graph.backward_only else 0.0
+                # A value that cannot be recomputed (random) is SAVEd exactly when something needs it:
+                # the constraints below see to that, as it has no R variables.
+                ilp.S0[i] = m.binary(f"S0_{nodes[i].name}", cost=cost)
+            if nodes[i].tensor:
+                for t in range(sc.first[i] + 1, sc.last[i] + 1):
+                    ilp.S[t, i] = m.binary(f"S_{t}_{nodes[i].name}")
+        for t in range(self.T):
+            for i in sorted(sc.anc[t]):
+                if nodes[i].recomputable and (self.rank[i] >= sc.lowest[t] or i in sc.reads[t]):
+                    ilp.R[t, i] = m.binary(f"R_{t}_{nodes[i].name}", cost=nodes[i].cost * ilp.cost_scale)
+        # COMPRESS, where the model knows when the value is encoded: after its last forward use
+        # among the nodes every forward runs. A value a backward-only one reads is read later in
+        # the forward when that one is SAVEd, and encoded only then (the simulator's order).
+        for i in ilp.S0:
+            if i in graph.compressible and not any(u in graph.backward_only for u in graph.users[i]):
+                ilp.Z[i] = m.binary(f"Z_{nodes[i].name}", cost=nodes[i].codec_cost * ilp.cost_scale)
+        # OFFLOAD: O[i] <= S0[i], not with Z[i] (the heuristics combine them), only where the
+        # value's copies fit in its window (`_offload_windows`); no cost: the channel rows keep
+        # every copy hidden.
+        self.windows = _offload_windows(graph, sc, self.order, self.forward.lifetimes,
+                                        [i for i in ilp.S0 if i in graph.offloadable]) if graph.offloadable else {}
+        for i, window in self.windows.items():
+            ilp.O[i] = m.binary(f"O_{nodes[i].name}")
+            ilp.reload_stage[i] = window.reload
+            m.row([(ilp.O[i], 1.0), (ilp.S0[i], -1.0)] + ([(ilp.Z[i], 1.0)] if i in ilp.Z else []), upper=0.0)
+        self.zb = {i: nodes[i].compressed_bytes / self.unit for i in ilp.Z}  # compressed size, in units
+        self.zw = {i: nodes[i].codec_workspace / self.unit for i in ilp.Z}  # scratch while encoding or decoding
+        # A compressed value is decoded for the first stage that reads it (fr); before that no
+        # recomputation may read it (it is still encoded), and it counts its compressed size.
+        self.fr = {i: next((t for t in range(sc.first[i], self.T) if i in sc.reads[t]), sc.first[i]) for i in ilp.Z}
+        if self.minimize_peak:
+            # The peak first; among the lowest-peak plans the cheapest: all recomputation together
+            # weighs less than a hundredth of a memory unit.
+            total = sum(m.cost) or 1.0
+            m.cost = [c * 0.01 / total for c in m.cost]
+            ilp.cost_scale *= 0.01 / total
+            ilp.peak = m.var("peak", cost=1.0)
+
+    def add_residency_rows(self) -> None:
+        """What is resident was kept or just computed; what a stage reads is there; a recomputation
+        has its inputs and is read or kept; COMPRESS only what is SAVEd, encoded until first read."""
+        m, ilp, sc, s, r = self.m, self.ilp, self.scope, self.resident, self.recomputed
+        for i, col in ilp.Z.items():
+            m.row([(col, 1.0), (ilp.S0[i], -1.0)], upper=0.0)
+            for t in range(sc.first[i] + 1, self.fr[i] + 1):
+                if (t, i) in ilp.S:
+                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)  # kept, encoded, until read
+            # Until it is decoded, nothing reads it (it is encoded), and it is not made again: a
+            # schedule uses the latest copy of a value, so a recomputed one (or one a recomputed
+            # multi-output op takes out with its other outputs) would live uncompressed, where
+            # this model counts the encoding.
+            makers = {i} | {p for p in self.nodes[i].inputs if not self.nodes[p].tensor}
+            for t in range(sc.first[i], self.fr[i]):
+                for u in sc.anc[t]:
+                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
+                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
+        first_read = _first_reads(sc, ilp.O)
+        for i, col in ilp.O.items():
+            # OFFLOADed: kept (on the host, then reloaded) until the first stage that reads it, and
+            # until then neither read by a recomputation nor made again (its window's copy back
+            # is timed to that stage; a recomputed copy would be where the model counts nothing).
+            for t in range(sc.first[i] + 1, first_read[i] + 1):
+                if (t, i) in ilp.S:
+                    m.row([(col, 1.0), (ilp.S[t, i], -1.0)], upper=0.0)
+            makers = {i} | {q for q in self.nodes[i].inputs if not self.nodes[q].tensor}
+            for t in range(sc.first[i], first_read[i]):
+                for u in sc.anc[t]:
+                    if (t, u) in ilp.R and (i in sc.deps[u] or u in makers):
+                        m.row([(col, 1.0), (ilp.R[t, u], 1.0)], upper=1.0)
+        for (t, i), col in ilp.S.items():
+            m.row(_terms((col, 1.0), (s(t - 1, i), -1.0), (r(t - 1, i), -1.0)), upper=0.0)
+        users: dict[int, list[int]] = {i: [] for i in sc.cands}
+        for i in sc.cands:
+            for j in sc.deps[i]:
+                users[j].append(i)
+        for t in range(self.T):
+            for i in sc.reads[t]:
+                m.row(_terms((s(t, i), 1.0), (r(t, i), 1.0)), lower=1.0)
+            for i in sc.anc[t]:
+                col = r(t, i)
+                if col is None:
+                    continue
+                for j in sc.deps[i]:
+                    m.row(_terms((col, 1.0), (s(t, j), -1.0), (r(t, j), -1.0)), upper=0.0)
+                if i not in sc.reads[t]:
+                    m.row(_terms((col, 1.0), (s(t + 1, i), -1.0), *[(r(t, u), -1.0) for u in users[i] if u in sc.anc[t]]),
+                          upper=0.0)
 
 
 def _terms(*pairs):
@@ -698,9 +710,9 @@ def solve_ilp(
     graph: Graph,
     budget: int | None,
     *,
-    time_limit: float = 60.0,
+    effort: Effort | float | None = None,
+    time_limit: Deadline | float | None = None,
     minimize_peak: bool = False,
-    threads: int | None = None,
     mip_solver: str | None = None,
     warm_start: Schedule | None = None,
     rel_gap: float = 1e-4,
@@ -709,11 +721,14 @@ def solve_ilp(
     model: RematIlp | None = None,
     peak_target: int | None = None,
 ) -> IlpResult:
-    """Solve the ILP. ``mip_solver``: "highs" (default when ``highspy`` is installed) or "cbc".
-    ``warm_start``: a schedule to start from (ignored by the solver if it breaks a constraint).
-    ``on_progress`` receives `Progress` about once a second (HiGHS only), costs in the cost
-    model's seconds of recomputation. ``peak_target`` (with ``minimize_peak``, HiGHS): stop once a
-    solution peaks at most this many bytes (known to be within reach of the lowest peak)."""
+    """Solve the ILP within the effort's `ilp_work` and `mip_nodes` nodes
+    (``time_limit``: the safety stop, seconds or a `Deadline`). ``mip_solver``: "highs" (default
+    when ``highspy`` is installed) or "cbc". ``warm_start``: a schedule to start from (ignored by
+    the solver if it breaks a constraint). ``on_progress`` receives `Progress` about once a second
+    (HiGHS only), costs in the cost model's seconds of recomputation. ``peak_target`` (with
+    ``minimize_peak``, HiGHS): stop once a solution peaks at most this many bytes (known to be
+    within reach of the lowest peak)."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
     t0 = time.perf_counter()
     ilp = model or build_ilp(graph, budget, minimize_peak=minimize_peak)
     nvars = ilp.mip.num_vars
@@ -724,12 +739,11 @@ def solve_ilp(
             # The schedule does something this model cannot say (recomputing beyond the window, or
             # keeping a tuple): fix its SAVE set, complete the rest in a short solve of its own,
             # and start from that. (Handing HiGHS the partial solution instead lets it complete it
-            # past the time limit: 16 s for a limit of 8 on a 4-layer GPT-2.)
+            # with a sub-MIP of its own, unbounded: 16 s on a 4-layer GPT-2.)
             saved = warm_start.saved
             fixed = {col: 1.0 if i in saved else 0.0 for i, col in ilp.S0.items()}
-            share = max(0.0, time_limit - (time.perf_counter() - t0)) / 4
-            sub = solve_mip(_with_fixed(ilp.mip, fixed), time_limit=share, mip_solver=mip_solver, rel_gap=0.05,
-                            threads=threads)
+            sub = solve_mip(_with_fixed(ilp.mip, fixed), mip_solver=mip_solver, rel_gap=0.05,
+                            limits=effort.mip(deadline, effort.ilp_work // 4, ilp.mip.num_integer, sub_mips=False))
             start = list(sub.x) if sub.x is not None else None
 
     def report(p: Progress) -> None:
@@ -740,29 +754,35 @@ def solve_ilp(
         on_progress(Progress(incumbent, bound, gap(incumbent, bound), p.seconds))
 
     target = peak_target / ilp.unit if minimize_peak and peak_target is not None else None
-    res = solve_mip(ilp.mip, time_limit=max(0.0, time_limit - (time.perf_counter() - t0)), mip_solver=mip_solver,
-                    warm_start=start, rel_gap=rel_gap, threads=threads, on_progress=report, verbose=verbose,
-                    target=target)
+    res = solve_mip(ilp.mip, limits=effort.mip(deadline, effort.ilp_work, ilp.mip.num_integer, sub_mips=False),
+                    mip_solver=mip_solver,
+                    warm_start=start, rel_gap=rel_gap, on_progress=report, verbose=verbose, target=target)
+    if res.limit == "time":
+        deadline.stop("ILP")
     seconds = time.perf_counter() - t0
     bound = None if res.bound is None or minimize_peak else max(0.0, ilp.recompute_cost(res.bound))
     if res.x is None:
         return IlpResult(None, res.status, None, None, seconds, nvars, lower_bound=bound,
-                         interrupted=res.interrupted)
+                         interrupted=res.interrupted, limit=res.limit)
     peak = res.x[ilp.peak] * ilp.unit if minimize_peak else None
     objective = ilp.recompute_cost(res.objective - (res.x[ilp.peak] if minimize_peak else 0.0))
     return IlpResult(ilp.schedule_of(res.x), res.status, objective, peak, seconds, nvars,
-                     lower_bound=bound, interrupted=res.interrupted)
+                     lower_bound=bound, interrupted=res.interrupted, limit=res.limit)
 
 
-def lp_bound_and_roundings(graph: Graph, budget: int | None, *, time_limit: float, mip_solver: str | None = None,
+def lp_bound_and_roundings(graph: Graph, budget: int | None, *, effort: Effort | float | None = None,
+                           time_limit: Deadline | float | None = None, mip_solver: str | None = None,
                            model: RematIlp | None = None) -> tuple[float | None, list[Schedule]]:
     """The LP relaxation's lower bound on the recompute cost (None with ``budget=None``, which
     relaxes the lowest-peak problem instead), and schedules rounded from its solution (Checkmate's
     two-phase rounding, with the relaxation's residency as a guide): SAVE what the relaxation
     saves at least a threshold of; before each backward node recompute what is missing; after
     each stage, forget recomputed values the relaxation keeps less than the threshold of."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
     ilp = model or build_ilp(graph, budget, minimize_peak=budget is None)
-    res = solve_mip(ilp.mip, time_limit=time_limit, mip_solver=mip_solver, relax=True)
+    res = solve_mip(ilp.mip, limits=effort.lp(deadline), mip_solver=mip_solver, relax=True)
+    if res.limit == "time":
+        deadline.stop("LP relaxation")
     if res.x is None:
         return None, []
     bound = None

@@ -67,6 +67,7 @@ import dataclasses
 import math
 import time
 
+from fxopt.solvers.effort import Deadline, Effort, check_weight, effort_of
 from fxopt.solvers.gap import proven
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import compress_to_fit, offload_to_fit
@@ -92,8 +93,199 @@ class InstantResult:
 PEAK_COST_WEIGHT = 0.001
 
 
-class _Program:
-    """The program above for a growing set of instants."""
+class _MemoryRows:
+    """The rows of `_Program` over memory in the forward and the device-to-host channel."""
+
+    def _add_d2h_row(self, m: Mip, k: int, away: dict[int, int], z: dict[int, int]) -> None:
+        """The device-to-host channel at instant k: what is off the device at k because it was
+        OFFLOADed has been copied out by then, one copy at a time at the channel's bandwidth, so
+
+            sum_i copied_i / d2h  <=  wall_k
+            copied_i >= bytes_i w_ik - (bytes_i - compressed_i) z_i     (what OFFLOAD took away)
+            wall_k   <= base_k + sum_i cost_i n_i + sum_i codec_i z_i + E
+
+        where base_k is the compute of every forward node (once; backward-only values included,
+        wherever they run) and of the backward nodes before k, and E the exposed transfer time: the clock
+        at k can be no later than that, as every stall before k is exposed, every recomputation
+        is counted in n and every encoding and decoding in z. (The host-to-device channel is not modelled: a reload
+        may be skipped where its value is recomputed instead, and the forward's rows give each
+        value one "away" for the whole forward, so they keep copies free.)"""
+        off = [i for i in away if i in self.o]
+        if not off:
+            return
+        graph, nodes = self.graph, self.graph.nodes
+        d2h = graph.transfers.d2h_bytes_per_s
+        base = self.forward_seconds + sum(nodes[b].cost for b in graph.backward_nodes[:k])
+        scale = 1.0 / max(self.step_seconds, 1e-12)  # the row in units of the step's compute
+        copied = []
+        for i in off:
+            seconds = nodes[i].bytes / d2h * scale
+            if i in z:  # COMPRESSed and OFFLOADed: only the encoding travels
+                c = m.var(f"copied{k}_{nodes[i].name}")
+                saved_by_codec = (nodes[i].bytes - nodes[i].compressed_bytes) / d2h * scale
+                self.copied[k, i] = (c, seconds, saved_by_codec)
+                m.row([(c, 1.0), (away[i], -seconds), (z[i], saved_by_codec)], lower=0.0)
+                copied.append((c, 1.0))
+            else:
+                copied.append((away[i], seconds))
+        clock = [(col, -self.true_cost(i) * scale) for i, col in self.n.items()] + [(self.exposed, -scale)]
+        clock += [(col, -nodes[i].codec_cost * scale) for i, col in z.items()]
+        m.row(copied + clock, upper=base * scale)
+
+    def _away(self, i: int, z) -> list[tuple[int, float]]:
+        """Terms of -(the share of value i's bytes its decisions can take off the device): all of
+        them if OFFLOADed, all but its encoding's if COMPRESSed."""
+        nodes = self.graph.nodes
+        terms = [(self.o[i], -1.0)] if i in self.o else []
+        if i in z:
+            terms.append((z[i], -(nodes[i].bytes - nodes[i].compressed_bytes) / nodes[i].bytes))
+        return terms
+
+    def _add_forward_rows(self, m: Mip, s, z, forward_steps: list[int]) -> None:
+        """In the forward, a SAVEd value outlives its last forward use: at step f, the storage of
+        every saved value whose forward life ended before f is alive on top of what the forward
+        holds anyway (`forward_profile`, a lower bound whatever else it computes)."""
+        graph, nodes = self.graph, self.graph.nodes
+        kept: dict[int, int] = {}
+        for i, col in s.items():
+            r = graph.roots[i]
+            if r not in self.interval or r in graph.resident or not nodes[r].bytes:
+                continue
+            if r not in kept:
+                kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
+            m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
+        # A kept value COMPRESSed or OFFLOADed holds less: the share `away` of its bytes.
+        away: dict[int, int] = {}
+        for r in kept:
+            if r in z or r in self.o:
+                away[r] = m.var(f"away_{nodes[r].name}", upper=1.0)
+                m.row([(away[r], 1.0), (kept[r], -1.0)], upper=0.0)
+                m.row([(away[r], 1.0)] + self._away(r, z), upper=0.0)
+        # A SAVEd backward-only value is computed in the forward, after the forward's nodes that
+        # precede it, and held from there on.
+        made_at: dict[int, int] = {}
+        for i, col in s.items():
+            r = graph.roots[i]
+            if i not in graph.backward_only or r in self.interval or r in graph.resident or not nodes[r].bytes:
+                continue
+            if r not in kept:
+                kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
+            m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
+            made_at[r] = min(made_at.get(r, len(self.order)), bisect.bisect_left(self.order, i))
+        self.kept = kept
+        for f in forward_steps:
+            terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items()
+                     if (self.interval[r][1] < f if r in self.interval else made_at[r] <= f)]
+            terms += [(away[r], -nodes[r].bytes / self.unit) for r in away
+                      if (self.interval[r][1] < f if r in self.interval else made_at[r] <= f)]
+            self._within(m, terms, self.fprofile[f])
+
+
+class _Reading:
+    """Reading a solution of `_Program`'s latest `build` (its SAVE set, what it keeps alive at each
+    instant, what it compresses and offloads), and a schedule as a solution (a warm start)."""
+
+    def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x, *, used: bool = False) -> frozenset[int]:
+        """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last
+        read): what is saved and alive at the earliest instant, and what is saved and read only
+        before it. (A saved value that is not alive at an instant was dropped before it; a saved
+        value that only served to compute others before the instant is not worth saving.) With
+        ``used``, also what is saved and read before that instant by the backward or by what the
+        solution computes there (through views), even if read again later (then made again: the
+        saved copy dies first)."""
+        k0 = min(self.instants)
+        early = {j for kk in range(k0) for j in self.reads[kk]}
+        if used:
+            made = [i for i, col in self.c[0].items() if x[col] > 0.5]
+            early = self.graph.through_aliases(early | {j for i in made for j in self.graph.nodes[i].inputs})
+        else:
+            early -= self._after[k0]
+        return frozenset(i for i, col in s.items()
+                         if x[col] > 0.5 and (x[alive[k0, i]] > 0.5 or i in early))
+
+    def compressed(self, x) -> frozenset[int]:
+        """The values a solution COMPRESSes (columns of the latest `build`)."""
+        return frozenset(i for i, col in self.z.items() if x[col] > 0.5)
+
+    def offloaded(self, x) -> frozenset[int]:
+        """The values a solution OFFLOADs (columns of the latest `build`)."""
+        return frozenset(i for i, col in self.o.items() if x[col] > 0.5)
+
+    def values_of(self, schedule: Schedule) -> list[float]:
+        """Column values (of the latest `build`) describing ``schedule``, a warm start: what it
+        SAVEs, COMPRESSes and OFFLOADs, what it keeps alive at each modelled instant (a view's
+        base with it) and computes in each interval. (Compressed values count full size here.) A
+        schedule that fits the budget gives a solution of the program, which is a relaxation."""
+        graph, nodes = self.graph, self.graph.nodes
+        x = [0.0] * self.mip.num_vars
+        saved = schedule.saved
+        steps = backward_steps(graph, schedule)
+        last = last_uses(args for _, _, args in steps)
+        bwd_step = [e for e, (i, _, _) in enumerate(steps) if nodes[i].kind == "backward"]
+        born = {copy: e for e, (_, copy, _) in enumerate(steps)}
+        at = [bwd_step[k] for k in self.instants]
+        interval = {}
+        for e, (i, _, _) in enumerate(steps):
+            if nodes[i].kind == "forward" and i in self.n:
+                t = bisect.bisect_left(at, e)
+                interval[i, t] = 1.0
+        for i, col in self.s.items():
+            x[col] = float(i in saved)
+        for (i, t), v in interval.items():
+            x[self.c[t][i]] = v
+        for i, col in self.n.items():
+            x[col] = sum(interval.get((i, t), 0.0) for t in range(len(self.c)))
+        for i, col in self.extra.items():
+            x[col] = max(0.0, x[self.n[i]] + (x[self.s[i]] if i in self.s else 0.0) - 1.0)
+        for i, col in self.z.items():
+            x[col] = float(i in schedule.compressed)
+        for i, col in self.o.items():
+            x[col] = float(i in schedule.offloaded)
+        for k, e in zip(self.instants, at):
+            held = {copy[0] for copy, end in last.items() if end >= e and born.get(copy, -1) < e
+                    and (copy in born or copy[0] in saved)}
+            held |= {graph.roots[i] for i in held}
+            for i in self.values:
+                x[self.alive[k, i]] = float(i in held)
+        for (k, i), col in self.w.items():
+            # As little of it as the rows allow: off the device if it may be, until a computation
+            # in an interval before k reads it.
+            t = self.instants.index(k)
+            read = any(x[ct[u]] > 0.5 for u in graph.users[i] for ct in self.c[:t + 1] if u in ct)
+            away = x[self.o[i]] if i in self.o else 0.0
+            if i in self.z:
+                away += x[self.z[i]] * (nodes[i].bytes - nodes[i].compressed_bytes) / nodes[i].bytes
+            x[col] = 0.0 if read else min(x[self.alive[k, i]], away, 1.0)
+        for r, col in self.kept.items():
+            x[col] = float(any(graph.roots[i] == r for i in saved))
+        for (k, i), (col, seconds, saved_by_codec) in self.copied.items():
+            x[col] = max(0.0, seconds * x[self.w[k, i]] - saved_by_codec * x[self.z[i]])
+        timeline = simulate(graph, schedule) if self.peak is not None or self.exposed is not None else None
+        if self.exposed is not None:
+            x[self.exposed] = timeline.exposed_transfer_seconds
+        if self.peak is not None:
+            x[self.peak] = timeline.peak_bytes / self.unit
+        return x
+
+    def made_sets(self, x) -> dict[int, frozenset[int]]:
+        """For each modelled instant, the forward values the solution computes in the interval
+        that ends there (columns of the latest `build`)."""
+        return {k: frozenset(i for i, col in self.c[t].items() if x[col] > 0.5) for t, k in enumerate(self.instants)}
+
+    def alive_sets(self, alive: dict[tuple[int, int], int], x) -> dict[int, frozenset[int]]:
+        """For each modelled instant, the forward values the solution keeps alive there."""
+        out: dict[int, set[int]] = {k: set() for k in self.instants}
+        for (k, i), col in alive.items():
+            if x[col] > 0.5:
+                out[k].add(i)
+        return {k: frozenset(v) for k, v in out.items()}
+
+
+class _Program(_MemoryRows, _Reading):
+    """The program above for a growing set of instants: what every round shares (the values it
+    decides on, what each backward node reads, the fixed memory), and `build`, one round's MIP
+    (its decisions, intervals and instants; the memory rows of the forward and of the OFFLOAD
+    channel are `_MemoryRows`'; reading a solution, and writing a warm start, `_Reading`'s)."""
 
     def __init__(self, graph: Graph, budget: int | None, unit: int):
         """``budget`` None: the lowest peak instead (see `lowest_peak`)."""
@@ -289,185 +481,6 @@ class _Program:
         else:
             m.row(terms + [(self.peak, -1.0)], upper=-fixed_bytes / self.unit)
 
-    def _add_d2h_row(self, m: Mip, k: int, away: dict[int, int], z: dict[int, int]) -> None:
-        """The device-to-host channel at instant k: what is off the device at k because it was
-        OFFLOADed has been copied out by then, one copy at a time at the channel's bandwidth, so
-
-            sum_i copied_i / d2h  <=  wall_k
-            copied_i >= bytes_i w_ik - (bytes_i - compressed_i) z_i     (what OFFLOAD took away)
-            wall_k   <= base_k + sum_i cost_i n_i + sum_i codec_i z_i + E
-
-        where base_k is the compute of every forward node (once; backward-only values included,
-        wherever they run) and of the backward nodes before k, and E the exposed transfer time: the clock
-        at k can be no later than that, as every stall before k is exposed, every recomputation
-        is counted in n and every encoding and decoding in z. (The host-to-device channel is not modelled: a reload
-        may be skipped where its value is recomputed instead, and the forward's rows give each
-        value one "away" for the whole forward, so they keep copies free.)"""
-        off = [i for i in away if i in self.o]
-        if not off:
-            return
-        graph, nodes = self.graph, self.graph.nodes
-        d2h = graph.transfers.d2h_bytes_per_s
-        base = self.forward_seconds + sum(nodes[b].cost for b in graph.backward_nodes[:k])
-        scale = 1.0 / max(self.step_seconds, 1e-12)  # the row in units of the step's compute
-        copied = []
-        for i in off:
-            seconds = nodes[i].bytes / d2h * scale
-            if i in z:  # COMPRESSed and OFFLOADed: only the encoding travels
-                c = m.var(f"copied{k}_{nodes[i].name}")
-                saved_by_codec = (nodes[i].bytes - nodes[i].compressed_bytes) / d2h * scale
-                self.copied[k, i] = (c, seconds, saved_by_codec)
-                m.row([(c, 1.0), (away[i], -seconds), (z[i], saved_by_codec)], lower=0.0)
-                copied.append((c, 1.0))
-            else:
-                copied.append((away[i], seconds))
-        clock = [(col, -self.true_cost(i) * scale) for i, col in self.n.items()] + [(self.exposed, -scale)]
-        clock += [(col, -nodes[i].codec_cost * scale) for i, col in z.items()]
-        m.row(copied + clock, upper=base * scale)
-
-    def _away(self, i: int, z) -> list[tuple[int, float]]:
-        """Terms of -(the share of value i's bytes its decisions can take off the device): all of
-        them if OFFLOADed, all but its encoding's if COMPRESSed."""
-        nodes = self.graph.nodes
-        terms = [(self.o[i], -1.0)] if i in self.o else []
-        if i in z:
-            terms.append((z[i], -(nodes[i].bytes - nodes[i].compressed_bytes) / nodes[i].bytes))
-        return terms
-
-    def _add_forward_rows(self, m: Mip, s, z, forward_steps: list[int]) -> None:
-        """In the forward, a SAVEd value outlives its last forward use: at step f, the storage of
-        every saved value whose forward life ended before f is alive on top of what the forward
-        holds anyway (`forward_profile`, a lower bound whatever else it computes)."""
-        graph, nodes = self.graph, self.graph.nodes
-        kept: dict[int, int] = {}
-        for i, col in s.items():
-            r = graph.roots[i]
-            if r not in self.interval or r in graph.resident or not nodes[r].bytes:
-                continue
-            if r not in kept:
-                kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
-            m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
-        # A kept value COMPRESSed or OFFLOADed holds less: the share `away` of its bytes.
-        away: dict[int, int] = {}
-        for r in kept:
-            if r in z or r in self.o:
-                away[r] = m.var(f"away_{nodes[r].name}", upper=1.0)
-                m.row([(away[r], 1.0), (kept[r], -1.0)], upper=0.0)
-                m.row([(away[r], 1.0)] + self._away(r, z), upper=0.0)
-        # A SAVEd backward-only value is computed in the forward, after the forward's nodes that
-        # precede it, and held from there on.
-        made_at: dict[int, int] = {}
-        for i, col in s.items():
-            r = graph.roots[i]
-            if i not in graph.backward_only or r in self.interval or r in graph.resident or not nodes[r].bytes:
-                continue
-            if r not in kept:
-                kept[r] = m.var(f"kept_{nodes[r].name}", upper=1.0)
-            m.row([(kept[r], 1.0), (col, -1.0)], lower=0.0)
-            made_at[r] = min(made_at.get(r, len(self.order)), bisect.bisect_left(self.order, i))
-        self.kept = kept
-        for f in forward_steps:
-            terms = [(col, nodes[r].bytes / self.unit) for r, col in kept.items()
-                     if (self.interval[r][1] < f if r in self.interval else made_at[r] <= f)]
-            terms += [(away[r], -nodes[r].bytes / self.unit) for r in away
-                      if (self.interval[r][1] < f if r in self.interval else made_at[r] <= f)]
-            self._within(m, terms, self.fprofile[f])
-
-    def saved(self, s: dict[int, int], alive: dict[tuple[int, int], int], x, *, used: bool = False) -> frozenset[int]:
-        """The SAVE set of a solution, for `on_demand` (which keeps what it saves until its last
-        read): what is saved and alive at the earliest instant, and what is saved and read only
-        before it. (A saved value that is not alive at an instant was dropped before it; a saved
-        value that only served to compute others before the instant is not worth saving.) With
-        ``used``, also what is saved and read before that instant by the backward or by what the
-        solution computes there (through views), even if read again later (then made again: the
-        saved copy dies first)."""
-        k0 = min(self.instants)
-        early = {j for kk in range(k0) for j in self.reads[kk]}
-        if used:
-            made = [i for i, col in self.c[0].items() if x[col] > 0.5]
-            early = self.graph.through_aliases(early | {j for i in made for j in self.graph.nodes[i].inputs})
-        else:
-            early -= self._after[k0]
-        return frozenset(i for i, col in s.items()
-                         if x[col] > 0.5 and (x[alive[k0, i]] > 0.5 or i in early))
-
-    def compressed(self, x) -> frozenset[int]:
-        """The values a solution COMPRESSes (columns of the latest `build`)."""
-        return frozenset(i for i, col in self.z.items() if x[col] > 0.5)
-
-    def offloaded(self, x) -> frozenset[int]:
-        """The values a solution OFFLOADs (columns of the latest `build`)."""
-        return frozenset(i for i, col in self.o.items() if x[col] > 0.5)
-
-    def values_of(self, schedule: Schedule) -> list[float]:
-        """Column values (of the latest `build`) describing ``schedule``, a warm start: what it
-        SAVEs, COMPRESSes and OFFLOADs, what it keeps alive at each modelled instant (a view's
-        base with it) and computes in each interval. (Compressed values count full size here.) A
-        schedule that fits the budget gives a solution of the program, which is a relaxation."""
-        graph, nodes = self.graph, self.graph.nodes
-        x = [0.0] * self.mip.num_vars
-        saved = schedule.saved
-        steps = backward_steps(graph, schedule)
-        last = last_uses(args for _, _, args in steps)
-        bwd_step = [e for e, (i, _, _) in enumerate(steps) if nodes[i].kind == "backward"]
-        born = {copy: e for e, (_, copy, _) in enumerate(steps)}
-        at = [bwd_step[k] for k in self.instants]
-        interval = {}
-        for e, (i, _, _) in enumerate(steps):
-            if nodes[i].kind == "forward" and i in self.n:
-                t = bisect.bisect_left(at, e)
-                interval[i, t] = 1.0
-        for i, col in self.s.items():
-            x[col] = float(i in saved)
-        for (i, t), v in interval.items():
-            x[self.c[t][i]] = v
-        for i, col in self.n.items():
-            x[col] = sum(interval.get((i, t), 0.0) for t in range(len(self.c)))
-        for i, col in self.extra.items():
-            x[col] = max(0.0, x[self.n[i]] + (x[self.s[i]] if i in self.s else 0.0) - 1.0)
-        for i, col in self.z.items():
-            x[col] = float(i in schedule.compressed)
-        for i, col in self.o.items():
-            x[col] = float(i in schedule.offloaded)
-        for k, e in zip(self.instants, at):
-            held = {copy[0] for copy, end in last.items() if end >= e and born.get(copy, -1) < e
-                    and (copy in born or copy[0] in saved)}
-            held |= {graph.roots[i] for i in held}
-            for i in self.values:
-                x[self.alive[k, i]] = float(i in held)
-        for (k, i), col in self.w.items():
-            # As little of it as the rows allow: off the device if it may be, until a computation
-            # in an interval before k reads it.
-            t = self.instants.index(k)
-            read = any(x[ct[u]] > 0.5 for u in graph.users[i] for ct in self.c[:t + 1] if u in ct)
-            away = x[self.o[i]] if i in self.o else 0.0
-            if i in self.z:
-                away += x[self.z[i]] * (nodes[i].bytes - nodes[i].compressed_bytes) / nodes[i].bytes
-            x[col] = 0.0 if read else min(x[self.alive[k, i]], away, 1.0)
-        for r, col in self.kept.items():
-            x[col] = float(any(graph.roots[i] == r for i in saved))
-        for (k, i), (col, seconds, saved_by_codec) in self.copied.items():
-            x[col] = max(0.0, seconds * x[self.w[k, i]] - saved_by_codec * x[self.z[i]])
-        timeline = simulate(graph, schedule) if self.peak is not None or self.exposed is not None else None
-        if self.exposed is not None:
-            x[self.exposed] = timeline.exposed_transfer_seconds
-        if self.peak is not None:
-            x[self.peak] = timeline.peak_bytes / self.unit
-        return x
-
-    def made_sets(self, x) -> dict[int, frozenset[int]]:
-        """For each modelled instant, the forward values the solution computes in the interval
-        that ends there (columns of the latest `build`)."""
-        return {k: frozenset(i for i, col in self.c[t].items() if x[col] > 0.5) for t, k in enumerate(self.instants)}
-
-    def alive_sets(self, alive: dict[tuple[int, int], int], x) -> dict[int, frozenset[int]]:
-        """For each modelled instant, the forward values the solution keeps alive there."""
-        out: dict[int, set[int]] = {k: set() for k in self.instants}
-        for (k, i), col in alive.items():
-            if x[col] > 0.5:
-                out[k].add(i)
-        return {k: frozenset(v) for k, v in out.items()}
-
 
 def schedule_for(graph: Graph, saved, alive_at: dict[int, frozenset[int]],
                  made_before: dict[int, frozenset[int]] | None = None) -> Schedule:
@@ -616,17 +629,18 @@ def _suggested_plans(prog: _Program, s, alive, x, tried: set[tuple], budget: int
     return new
 
 
-def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_solver: str | None = None,
-                  max_rounds: int = 6, rel_gap: float = 1e-4, target_gap: float = 0.005,
-                  start: Schedule | None = None) -> InstantResult:
+def instant_solve(graph: Graph, budget: int, *, effort: Effort | float | None = None,
+                  time_limit: Deadline | float | None = None, mip_solver: str | None = None, rel_gap: float = 1e-4,
+                  target_gap: float = 0.005, start: Schedule | None = None) -> InstantResult:
     """Solve the program for the instant with the most fixed memory (and the one where the eager
     schedule is worst), simulate the plan it suggests, add the instant where that plan is worst
     (its first event above the budget, in the backward or the forward; if it fits, its highest
     backward event), and so on, until a plan is proven within ``target_gap`` of the bound, an
-    instant repeats, or ``max_rounds`` solves or ``time_limit`` seconds are spent. Returns the
-    best proven bound and every plan tried, simulated. Each round starts from the cheapest plan
-    within the budget so far (``start``, a schedule found elsewhere, to begin with): it is the
-    MIP's first incumbent."""
+    instant repeats, or the effort's `instant_rounds` solves or its `instant_work` are spent (``time_limit``: the safety stop, seconds or a `Deadline`). Returns the best proven
+    bound and every plan tried, simulated. Each round starts from the cheapest plan within the
+    budget so far (``start``, a schedule found elsewhere, to begin with): it is the MIP's first
+    incumbent."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
     t0 = time.perf_counter()
     if not graph.backward_nodes:
         return InstantResult(None, (), (), 0.0)
@@ -651,15 +665,18 @@ def instant_solve(graph: Graph, budget: int, *, time_limit: float = 30.0, mip_so
     plans: list[tuple[Schedule, Timeline]] = []
     tried: set[tuple] = set()
     infeasible = False
-    for _ in range(max_rounds):
-        left = time_limit - (time.perf_counter() - t0)
-        if left <= 0.5:
+    work = effort.instant_work
+    for _ in range(effort.instant_rounds):
+        if work <= 0 or deadline.check("instant"):
             break
         m, s, alive = prog.build(instants, forward_steps)
         fits = [(t.cost, sch) for sch, t in plans if t.peak_bytes <= budget and not t.over_host_budget]
         incumbent = min(fits, key=lambda f: f[0])[1] if fits else start
-        res = solve_mip(m, time_limit=left, mip_solver=mip_solver, rel_gap=rel_gap,
+        res = solve_mip(m, limits=effort.mip(deadline, work, m.num_integer), mip_solver=mip_solver, rel_gap=rel_gap,
                         warm_start=prog.values_of(incumbent) if incumbent is not None else None)
+        work -= max(1, res.checks) * check_weight(m.num_integer)
+        if res.limit == "time":
+            deadline.stop("instant")
         if res.status == "infeasible":
             infeasible = True
             break
@@ -697,14 +714,15 @@ class LowestPeak:
         return any(t.peak_bytes <= self.floor for _, t in self.plans)
 
 
-def lowest_peak(graph: Graph, *, time_limit: float = 10.0, mip_solver: str | None = None, max_rounds: int = 6,
-                rel_gap: float = 1e-6) -> LowestPeak:
+def lowest_peak(graph: Graph, *, effort: Effort | float | None = None, time_limit: Deadline | float | None = None,
+                mip_solver: str | None = None, rel_gap: float = 1e-6) -> LowestPeak:
     """The program without a budget: the least peak P over the modelled instants (and forward
     steps), then the least recomputation. It is a relaxation, so its proven bound on P is a floor
     for every schedule (at least `peak_lower_bound`'s). Rounds as in `instant_solve`: the plans a
     solution suggests are simulated, the instant where the lowest-peak one is worst is added, until
-    a plan reaches the floor (proven the lowest), an instant repeats, or ``max_rounds`` solves or
-    ``time_limit`` seconds are spent."""
+    a plan reaches the floor (proven the lowest), an instant repeats, or the effort's
+    `instant_rounds` solves or its `lowest_peak_work` are spent."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
     t0 = time.perf_counter()
     floor, _ = peak_lower_bound(graph)
     if not graph.backward_nodes:
@@ -715,12 +733,15 @@ def lowest_peak(graph: Graph, *, time_limit: float = 10.0, mip_solver: str | Non
     forward_steps: list[int] = []
     plans: list[tuple[Schedule, Timeline]] = []
     tried: set[tuple] = set()
-    for _ in range(max_rounds):
-        left = time_limit - (time.perf_counter() - t0)
-        if left <= 0.1:
+    work = effort.lowest_peak_work
+    for _ in range(effort.instant_rounds):
+        if work <= 0 or deadline.check("lowest peak"):
             break
         m, s, alive = prog.build(instants, forward_steps)
-        res = solve_mip(m, time_limit=left, mip_solver=mip_solver, rel_gap=rel_gap)
+        res = solve_mip(m, limits=effort.mip(deadline, work, m.num_integer), mip_solver=mip_solver, rel_gap=rel_gap)
+        work -= max(1, res.checks) * check_weight(m.num_integer)
+        if res.limit == "time":
+            deadline.stop("lowest peak")
         if res.bound is not None:
             # P = objective - recomputation's share (at most PEAK_COST_WEIGHT), less the solver's
             # tolerance on the rows.

@@ -10,8 +10,11 @@ solver:
   - ``cbc``: CBC, the solver that ships with PuLP, as a subprocess (no progress; its bound is
     not reported).
 
-Both take a time limit; both return the best solution found and, where the solver gives it,
-the proven lower bound on the objective.
+Both are bounded by counted work (`fxopt.solvers.effort`): branch-and-bound nodes, HiGHS's
+progress checks, simplex iterations; HiGHS runs on one thread, so that the same limits give the
+same answer on any machine. The time limit is a safety stop only (`MipResult.limit` says which
+limit ended a solve). Both return the best solution found and, where the solver gives it, the
+proven lower bound on the objective.
 """
 
 from __future__ import annotations
@@ -42,12 +45,16 @@ class Progress:
 
 @dataclasses.dataclass(frozen=True)
 class MipResult:
-    status: str  # "optimal" | "feasible" (stopped with a solution) | "infeasible" | "timeout" (none found)
+    status: str  # "optimal" | "feasible" (stopped with a solution) | "infeasible" | "stopped" (none found)
     x: tuple[float, ...] | None
     objective: float | None
     bound: float | None  # a proven lower bound on the objective (None when the solver gives none)
     seconds: float
     interrupted: bool = False  # stopped by the user (Ctrl-C)
+    # What ended a solve short of its gap: "work" (its counted effort, or a target reached), "time"
+    # (the safety stop: only then may another run answer otherwise), None (it finished).
+    limit: str | None = None
+    checks: int = 0  # HiGHS's progress checks it used
 
 
 class Mip:
@@ -141,24 +148,35 @@ def default_mip_solver() -> str:
     return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The counted work one MIP solve may do (see `fxopt.solvers.effort`), and the time limit, a
+    safety stop. None: no such limit."""
+
+    seconds: float
+    nodes: int | None = None  # branch-and-bound nodes
+    checks: int | None = None  # HiGHS's progress checks (calls of its interrupt callback)
+    lp_iterations: int | None = None  # simplex iterations of an LP relaxation
+    sub_mips: bool = True  # HiGHS's RINS and RENS heuristics
+
+
 def solve_mip(
     model: Mip,
     *,
-    time_limit: float,
+    limits: Limits,
     mip_solver: str | None = None,
     warm_start: list[float] | dict[int, float] | None = None,
     relax: bool = False,
     rel_gap: float = 1e-4,
-    threads: int | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     verbose: bool = False,
     target: float | None = None,
 ) -> MipResult:
-    """Solve ``model`` (its LP relaxation with ``relax``) within ``time_limit`` seconds; stop early
-    once the relative gap is below ``rel_gap``, or (HiGHS) once a solution's objective is at most
+    """Solve ``model`` (its LP relaxation with ``relax``) within ``limits``; stop early once the
+    relative gap is below ``rel_gap``, or (HiGHS) once a solution's objective is at most
     ``target`` (one known to be within reach of the optimum). ``warm_start``: every column's
     value, or some columns' values (a dict) for the solver to complete (HiGHS; CBC ignores a
-    partial start)."""
+    partial start). With no time left (``limits.seconds`` <= 0) nothing is solved: "stopped"."""
     mip_solver = mip_solver or default_mip_solver()
     if model.num_vars == 0:
         # Nothing to decide (the backward reads no forward value): HiGHS reports such a model
@@ -166,17 +184,19 @@ def solve_mip(
         if model.violations([]):
             return MipResult("infeasible", None, None, None, 0.0)
         return MipResult("optimal", (), 0.0, 0.0, 0.0)
+    if limits.seconds <= 0:
+        return MipResult("stopped", None, None, None, 0.0, limit="time")
     if mip_solver == "highs":
         t0 = time.perf_counter()
-        res = _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose, target)
+        res = _solve_highs(model, limits, warm_start, relax, rel_gap, on_progress, verbose, target)
         if warm_start is not None and not relax and res.x is not None and not _solution_matches(model, res):
             # HiGHS (1.16) can report a better objective than the solution it returns, which is
             # then the warm start: solve again without it.
-            left = time_limit - (time.perf_counter() - t0)
-            res = _solve_highs(model, max(left, 0.01), None, relax, rel_gap, threads, on_progress, verbose, target)
+            left = dataclasses.replace(limits, seconds=max(limits.seconds - (time.perf_counter() - t0), 0.01))
+            res = _solve_highs(model, left, None, relax, rel_gap, on_progress, verbose, target)
         return _checked(model, res, rel_gap)
     if mip_solver == "cbc":
-        return _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose)
+        return _solve_cbc(model, limits, warm_start, relax, rel_gap, verbose)
     raise ValueError(f"unknown MIP solver {mip_solver!r}; use one of {', '.join(MIP_SOLVERS)}")
 
 
@@ -214,28 +234,37 @@ def _interruptible(on_interrupt: Callable[[], None]):
         signal.signal(signal.SIGINT, previous)
 
 
-def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_progress, verbose, target=None) -> MipResult:
+def _solve_highs(model, limits: Limits, warm_start, relax, rel_gap, on_progress, verbose, target=None) -> MipResult:
     import highspy
 
     from fxopt._quiet import silenced
 
     t0 = time.perf_counter()
     stop = threading.Event()
+    check = _Checks(stop, on_progress, t0, target, limits.checks)
     # HiGHS prints a banner from C++ whatever its options say.
     with contextlib.nullcontext() if verbose else silenced(1):
         h = highspy.Highs()
         h.setOptionValue("output_flag", bool(verbose))
-        h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
+        h.setOptionValue("time_limit", float(max(limits.seconds, 0.01)))
         h.setOptionValue("mip_rel_gap", float(rel_gap))
-        if threads is not None:
-            h.setOptionValue("threads", int(threads))
+        h.setOptionValue("threads", 1)
+        if limits.nodes is not None:
+            h.setOptionValue("mip_max_nodes", int(limits.nodes))
+        if not limits.sub_mips:
+            h.setOptionValue("mip_heuristic_run_rins", False)
+            h.setOptionValue("mip_heuristic_run_rens", False)
+        if relax:
+            h.setOptionValue("solver", "simplex")
+            if limits.lp_iterations is not None:
+                h.setOptionValue("simplex_iteration_limit", int(limits.lp_iterations))
         _load_highs(h, model, relax)
         if warm_start is not None and not relax:
             _start_highs(h, warm_start)
         if not relax:
-            h.cbMipInterrupt.subscribe(_highs_callback(stop, on_progress, t0, target))
+            h.cbMipInterrupt.subscribe(check)
         with _interruptible(stop.set):
-            h.run()
+            _run_on_one_thread(h)
         status = h.getModelStatus()
         info = h.getInfo()
     seconds = time.perf_counter() - t0
@@ -252,10 +281,25 @@ def _solve_highs(model, time_limit, warm_start, relax, rel_gap, threads, on_prog
     elif status in (S.kInfeasible, S.kUnboundedOrInfeasible):
         name = "infeasible"
     else:
-        name = "feasible" if x is not None else "timeout"
+        name = "feasible" if x is not None else "stopped"
+    limit = None
+    if status == S.kTimeLimit:
+        limit = "time"
+    elif status in (S.kSolutionLimit, S.kIterationLimit) or status == S.kInterrupt and not stop.is_set():
+        limit = "work"
     if on_progress is not None and not relax:
         on_progress(Progress(objective, bound, gap(objective, bound), seconds))
-    return MipResult(name, x, objective, bound, seconds, interrupted=stop.is_set())
+    return MipResult(name, x, objective, bound, seconds, interrupted=stop.is_set(), limit=limit, checks=check.count)
+
+
+def _run_on_one_thread(h) -> None:
+    """``h.run()`` on one thread. HiGHS keeps one thread pool per process: where another caller
+    started it with more threads, it refuses ours, so it is started again (its own advice)."""
+    import highspy
+
+    if h.run() == highspy.HighsStatus.kError and h.getModelStatus() == highspy.HighsModelStatus.kNotset:
+        highspy.Highs.resetGlobalScheduler(True)
+        h.run()
 
 
 def _load_highs(h, model: Mip, relax: bool) -> None:
@@ -295,27 +339,31 @@ def _start_highs(h, warm_start: list[float] | dict[int, float]) -> None:
     h.setSolution(sol)
 
 
-def _highs_callback(stop: threading.Event, on_progress: Callable[[Progress], None] | None, t0: float,
-                    target: float | None = None):
-    """HiGHS's MIP callback: stop when ``stop`` is set or a solution reaches ``target``; `Progress`
-    about once a second."""
-    last_report = [0.0]
+class _Checks:
+    """HiGHS's MIP interrupt callback: stop at the ``most``-th call (the counted work: with one
+    thread HiGHS calls it at the same places on every run), when ``stop`` is set (Ctrl-C) or when a
+    solution reaches ``target``; `Progress` about once a second."""
 
-    def on_interrupt_check(event) -> None:
-        if stop.is_set():
-            event.interrupt()
-        if target is not None and (inc := _finite(event.data_out.mip_primal_bound)) is not None and inc <= target:
-            event.interrupt()
-        if on_progress is None:
-            return
-        now = time.perf_counter() - t0
-        if now - last_report[0] < 1.0:
-            return
-        last_report[0] = now
-        inc, bound = _finite(event.data_out.mip_primal_bound), _finite(event.data_out.mip_dual_bound)
-        on_progress(Progress(inc, bound, gap(inc, bound), now))
+    def __init__(self, stop: threading.Event, on_progress: Callable[[Progress], None] | None, t0: float,
+                 target: float | None, most: int | None):
+        self.stop, self.on_progress, self.t0, self.target, self.most = stop, on_progress, t0, target, most
+        self.count = 0
+        self.last_report = 0.0
 
-    return on_interrupt_check
+    def __call__(self, event) -> None:
+        self.count += 1
+        incumbent = _finite(event.data_out.mip_primal_bound)
+        if (self.stop.is_set() or self.most is not None and self.count >= self.most
+                or self.target is not None and incumbent is not None and incumbent <= self.target):
+            event.interrupt()
+        if self.on_progress is None:
+            return
+        seconds = time.perf_counter() - self.t0
+        if seconds - self.last_report < 1.0:
+            return
+        self.last_report = seconds
+        bound = _finite(event.data_out.mip_dual_bound)
+        self.on_progress(Progress(incumbent, bound, gap(incumbent, bound), seconds))
 
 
 def _finite(value: float) -> float | None:
@@ -323,7 +371,7 @@ def _finite(value: float) -> float | None:
     return value if abs(value) < 1e300 else None
 
 
-def _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose) -> MipResult:
+def _solve_cbc(model, limits: Limits, warm_start, relax, rel_gap, verbose) -> MipResult:
     import pulp
 
     t0 = time.perf_counter()
@@ -349,15 +397,17 @@ def _solve_cbc(model, time_limit, warm_start, relax, rel_gap, threads, verbose) 
     if full_start:
         for v, x0 in zip(xs, warm_start):
             v.setInitialValue(x0)
-    solver = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=max(1, int(round(time_limit))), threads=threads,
-                               warmStart=full_start, gapRel=rel_gap)
+    solver = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=max(1, int(round(limits.seconds))), threads=1,
+                               warmStart=full_start, gapRel=rel_gap, maxNodes=limits.nodes)
     prob.solve(solver)
     seconds = time.perf_counter() - t0
     if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         x = tuple(float(v.varValue or 0.0) for v in xs)
         objective = model.objective(x)
         optimal = prob.sol_status == pulp.LpSolutionOptimal
+        # (CBC does not say which limit stopped it: past its time limit, that one.)
+        limit = None if optimal else "time" if seconds >= limits.seconds else "work"
         return MipResult("optimal" if optimal else "feasible", x, objective,
-                         objective if optimal and relax else None, seconds)
-    status = "infeasible" if prob.status == pulp.LpStatusInfeasible else "timeout"
-    return MipResult(status, None, None, None, seconds)
+                         objective if optimal and relax else None, seconds, limit=limit)
+    status = "infeasible" if prob.status == pulp.LpStatusInfeasible else "stopped"
+    return MipResult(status, None, None, None, seconds, limit=None if status == "infeasible" else "work")

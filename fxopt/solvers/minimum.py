@@ -1,0 +1,229 @@
+"""The smallest budget fxopt plans a step in, the schedule behind it, and the answer "infeasible".
+
+`lowest_plan` searches for the lowest peak a solver reaches: the chain solver's lowest-peak
+checkpointing, the heuristics' schedules (each also with everything compressed and, where
+OFFLOAD is offered, offloaded), the ILP solved with the peak as its objective, and the instant
+program's lowest peak, which also proves a floor no schedule goes below. Every schedule is
+simulated; the lowest-peak one is kept with its peak, so that planning at that peak finds it:
+`solve` falls back on it when nothing else fits. The search does counted work only
+(`fxopt.solvers.effort`), so it finds the same schedule for the same graph every time, and the
+budget an `InfeasibleBudgetError` names plans, in this process or another, whatever was solved in
+between (`infeasible` is where every such error of the solvers is made).
+
+`Memo` keeps the answers, so that asking again costs nothing. It is a cache, not a state: a hit
+is what the search would find again (unless the time limit, a safety stop, cut the search short:
+the solve then says so). The planner owns one (`fxopt.cache.lowest_peaks`) and passes it to
+`solve`; without one, every call searches afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fxopt.errors import InfeasibleBudgetError
+from fxopt.solvers.chain import min_peak_schedule
+from fxopt.solvers.effort import Deadline, Effort, effort_of
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.heuristics import HEURISTICS, Candidate, offload_all
+from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
+from fxopt.solvers.instant import lowest_peak, peak_lower_bound
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, simulate
+
+# Above this many integer variables "auto" does not start the exact solve: it would not finish in
+# seconds. (A 12-layer GPT-2 step, ~2,100 nodes, has about 7,500.)
+AUTO_ILP_MAX_VARIABLES = 200_000
+
+# How many of each heuristic's lowest-peak schedules are also tried compressed and offloaded (and
+# how many over-budget schedules `solve` tries to complete with COMPRESS or OFFLOAD).
+COMPRESS_TRIES = 12
+
+# The search stops once a plan is within this share of the proven floor.
+LOWEST_PEAK_SLACK = 0.002
+
+EXACT_SOLVERS = ("auto", "ilp", "instant")
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowest:
+    """The lowest-peak schedule `lowest_plan` found, its peak, the solver that found it, and the
+    floor it proved (no schedule peaks below it)."""
+
+    peak: int
+    schedule: Schedule
+    name: str
+    floor: int
+
+
+class Memo:
+    """`lowest_plan`'s answers by graph content, solver, effort and whether the ILP ran: the
+    latest `KEEP` of them."""
+
+    KEEP = 16
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[tuple, Graph, Lowest]] = []
+
+    def get(self, graph: Graph, key: tuple) -> Lowest | None:
+        """The answer for ``graph`` (or one of equal content) under ``key`` (solver, effort,
+        whether the ILP ran), if kept."""
+        full = (_content_hash(graph), *key)
+        return next((lowest for k, g, lowest in self._entries if k == full and _same(g, graph)), None)
+
+    def put(self, graph: Graph, key: tuple, lowest: Lowest) -> None:
+        full = (_content_hash(graph), *key)
+        self._entries = [e for e in self._entries if not (e[0] == full and _same(e[1], graph))]
+        self._entries.append((full, graph, lowest))
+        del self._entries[:-self.KEEP]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _content_hash(graph: Graph) -> int:
+    return hash((graph.nodes, graph.transfers))  # (milliseconds for thousands of nodes: a few per solve)
+
+
+def _same(a: Graph, b: Graph) -> bool:
+    return a is b or (a.nodes == b.nodes and a.transfers == b.transfers)
+
+
+def infeasible(budget: int, lowest: Lowest | int | None, floor: int | None, detail: str = "",
+               *, exact: bool = True) -> InfeasibleBudgetError:
+    """The error for a budget nothing fits: the smallest budget found (``lowest``: its plan, or
+    its peak) and the floor no schedule goes below. ``exact`` False: that smallest budget is only
+    a bound (the message says "at least")."""
+    peak = lowest.peak if isinstance(lowest, Lowest) else lowest
+    return InfeasibleBudgetError(budget, peak, detail, lower_bound=floor, exact=exact)
+
+
+def min_feasible_budget(graph: Graph, solver: str = "auto", **kwargs) -> int:
+    """The smallest peak ``solver`` reaches for this graph: `lowest_plan`'s (the same keywords)."""
+    return lowest_plan(graph, solver, **kwargs).peak
+
+
+def lowest_schedule(graph: Graph, solver: str = "auto", **kwargs) -> Lowest:
+    """`lowest_plan` without the ILP's search unless ``run_ilp`` is given (the cheap one)."""
+    return lowest_plan(graph, solver, **{"run_ilp": False, **kwargs})
+
+
+def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | None = None,
+                time_limit: Deadline | float | None = None, memo: Memo | None = None, run_ilp: bool = True,
+                runs: dict[str, list[Candidate]] | None = None, mip_solver: str | None = None) -> Lowest:
+    """The lowest peak ``solver`` reaches for this graph, and its schedule: for a heuristic its
+    lowest peak; for the ILP, the instant program and "auto", the lowest of the chain solver's
+    (`fxopt.solvers.chain`: checkpointing at the articulation values), the heuristics', the ILP's
+    solved for the peak (warm-started from the lowest so far; not with ``run_ilp`` False) and the
+    instant program's lowest peak, each skipped once the lowest so far is within
+    `LOWEST_PEAK_SLACK` of the floor. It does not depend on any budget. ``memo``: where answers
+    are kept and looked up. ``runs``: heuristics already run on this graph at a budget none of
+    their schedules met (they then gave what they give at budget 0: not run again)."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
+    key = (solver, effort, run_ilp)
+    if memo is not None and (known := memo.get(graph, key)) is not None:
+        return known
+    reached = _Reached(graph)
+    exact = solver in EXACT_SOLVERS
+    if exact and (chain := min_peak_schedule(graph)) is not None:
+        reached.add(chain.schedule, "chain")
+        if chain.schedule.saved & graph.compressible:
+            reached.add(compress_all(graph, chain.schedule), "chain+compress")
+        reached.offloaded([chain.schedule], "chain")
+    for name in ("checkpoint", "greedy", "segments") if exact else (solver,):
+        candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0, effort=effort)
+        for schedule, timeline in candidates:
+            reached.add(schedule, name, timeline)
+        lowest_first = sorted(candidates, key=lambda c: c[1].peak_bytes)
+        for schedule, _ in [c for c in lowest_first if c[0].saved & graph.compressible][:COMPRESS_TRIES]:
+            reached.add(compress_all(graph, schedule), f"{name}+compress")
+        reached.offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], name)
+    floor = peak_lower_bound(graph)[0]
+    if run_ilp and solver in ("ilp", "auto") and reached.best[0] > floor * (1 + LOWEST_PEAK_SLACK):
+        model = build_ilp(graph, None, minimize_peak=True)
+        if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
+            found = lowest_peak_schedules(graph, effort, deadline, mip_solver, model, reached.best,
+                                          target=int(floor * (1 + LOWEST_PEAK_SLACK)))
+            for schedule in found:
+                reached.add(schedule, "ilp")
+            reached.offloaded(found, "ilp")
+    if exact and reached.best[0] > floor * (1 + LOWEST_PEAK_SLACK):
+        # The instant program's lowest peak: a floor for every schedule, and plans near it.
+        low = lowest_peak(graph, effort=effort, time_limit=deadline, mip_solver=mip_solver)
+        floor = max(floor, low.floor)
+        if solver != "ilp":  # (the ILP's minimum is its own; the floor holds for every schedule)
+            for schedule, timeline in low.plans:
+                reached.add(schedule, "instant", timeline)
+            lowest_first = sorted(low.plans, key=lambda p: p[1].peak_bytes)
+            reached.offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], "instant")
+    peak, schedule, name = reached.best
+    if schedule is None:
+        raise ValueError("no schedule of this graph stays within its host memory budget")
+    found = Lowest(peak, schedule, name, min(floor, peak))
+    if memo is not None:
+        # (Also where the time limit cut the search short, which the solve says: the budget an
+        # error names from it must plan in this process too.)
+        memo.put(graph, key, found)
+    return found
+
+
+class _Reached:
+    """The schedules `lowest_plan` has reached, each simulated; the first of the lowest peak is
+    `best`. A schedule over the host budget reaches nothing."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.best: tuple[int, Schedule | None, str] = (1 << 62, None, "")
+
+    def add(self, schedule: Schedule, name: str, timeline: Timeline | None = None) -> None:
+        timeline = timeline or simulate(self.graph, schedule)
+        if not timeline.over_host_budget and timeline.peak_bytes < self.best[0]:
+            self.best = (timeline.peak_bytes, schedule, name)
+
+    def offloaded(self, schedules: list[Schedule], name: str) -> None:
+        """With OFFLOAD offered, each also with everything it may offload (after compressing all)."""
+        graph = self.graph
+        if not graph.offloadable:
+            return
+        for schedule in schedules:
+            bases = [(schedule, name)]
+            if schedule.saved & graph.compressible - schedule.compressed:
+                bases.append((compress_all(graph, schedule), f"{name}+compress"))
+            for base, label in bases:
+                if (done := offload_all(graph, base)) is not None:
+                    self.add(done, f"{label}+offload")
+
+
+def lowest_peak_schedules(graph: Graph, effort: Effort, deadline: Deadline, mip_solver: str | None,
+                          model=None, incumbent: tuple[int, Schedule | None, str] | None = None,
+                          target: int | None = None) -> list[Schedule]:
+    """The ILP's lowest-peak schedule and the roundings of its LP relaxation (one model for both),
+    each valid one also with everything compressed; ``incumbent``: the lowest (peak, schedule) so
+    far, for the ILP to start from; ``target``: a peak that is good enough (the ILP stops once it
+    reaches it)."""
+    model = model or build_ilp(graph, None, minimize_peak=True)
+    _, schedules = lp_bound_and_roundings(graph, None, effort=effort, time_limit=deadline, mip_solver=mip_solver,
+                                          model=model)
+    out = []
+    for schedule in schedules:
+        try:
+            simulate(graph, schedule)
+            out.append(schedule)
+            if schedule.saved & graph.compressible - schedule.compressed:
+                out.append(compress_all(graph, schedule))
+        except InvalidScheduleError:
+            continue
+    start = incumbent if incumbent is not None and incumbent[1] is not None else None
+    # (The budget only places the incumbent's peak: the model is built already.)
+    res = solve_ilp(graph, start[0] if start else None, minimize_peak=True, mip_solver=mip_solver, model=model,
+                    warm_start=start[1] if start else None, effort=effort, time_limit=deadline, peak_target=target)
+    if res.schedule is not None:
+        out.append(res.schedule)
+        out.append(compress_all(graph, res.schedule))
+    return out
+
+
+def compress_all(graph: Graph, schedule: Schedule) -> Schedule:
+    """`schedule` with every SAVEd value that has a codec COMPRESSed (its lowest peak, mostly)."""
+    return dataclasses.replace(schedule, compressed=schedule.saved & graph.compressible)

@@ -1,0 +1,259 @@
+"""The phases of `solve`, and which of them each strategy runs (`STRATEGIES`).
+
+A phase is a step of one `fxopt.solvers.search.Search`: it runs when its condition holds and adds
+the schedules it finds. A strategy is a tuple of phases, run in order. A source of candidate
+schedules (`SOURCES`: a heuristic, the chain solver, the simple policies a user already has) is
+one entry, ``run(graph, budget, effort) -> [(schedule, timeline)]``: "auto" runs it before the
+instant program (``auto="first"``) or only when no plan is proven optimal by then
+(``"unsettled"``), and with ``solver=True`` it is also a strategy of its own name. Every phase is
+bounded by counted work (`fxopt.solvers.effort`); the safety stop only skips phases that improve a
+plan that fits once the time limit has passed.
+
+"auto", in order: the first sources (save_all, checkpoint, chain); the instant program (a plan
+and a lower bound, `fxopt.solvers.instant`); unless that settles it, the other sources (greedy,
+segments); COMPRESS and OFFLOAD completing the cheapest over-budget schedules; saving more in the
+cheapest plan; the ILP (its LP relaxation's bound and roundings, then the exact solve warm-started
+from the best plan so far, `fxopt.solvers.ilp`). "ilp" and "instant" run their own, then the
+heuristics as a fallback where their model missed a plan that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from fxopt.solvers.chain import chain_candidates
+from fxopt.solvers.heuristics import checkpoint, compress_to_fit, greedy, offload_to_fit, save_all, save_more, segments
+from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
+from fxopt.solvers.instant import instant_solve
+from fxopt.solvers.mip import Progress, default_mip_solver
+from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES
+from fxopt.solvers.schedule import InvalidScheduleError, simulate
+from fxopt.solvers.search import ILP_REL_GAP, Search, fmt_cost
+
+log = logging.getLogger("fxopt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A source of candidate schedules (see the module docstring)."""
+
+    run: Callable  # (graph, budget, effort) -> list of (schedule, timeline)
+    auto: str | None = "first"  # when "auto" runs it: "first", "unsettled" or None (never)
+    solver: bool = True  # also a strategy of its own name
+
+
+SOURCES: dict[str, Source] = {
+    "save_all": Source(lambda graph, budget, effort: save_all(graph, budget, effort=effort)),
+    "checkpoint": Source(lambda graph, budget, effort: checkpoint(graph, budget, effort=effort)),
+    "chain": Source(lambda graph, budget, effort: chain_candidates(graph, budget), solver=False),
+    "greedy": Source(lambda graph, budget, effort: greedy(graph, budget, effort=effort), auto="unsettled"),
+    "segments": Source(lambda graph, budget, effort: segments(graph, budget, effort=effort), auto="unsettled"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    run: Callable[[Search], None]
+    when: Callable[[Search], bool] = lambda search: True
+
+
+def run_sources(search: Search, names, *, fallback: bool = False) -> None:
+    """Each source's schedules, kept for COMPRESS and OFFLOAD where over the budget; as a
+    ``fallback`` without a word, and not kept."""
+    for name in names:
+        if not fallback:
+            search.progress(f"solver {name}")
+        found = SOURCES[name].run(search.graph, search.budget, search.effort)
+        if name in HEURISTIC_NAMES:
+            search.runs[name] = found
+        for schedule, timeline in found:
+            search.consider(schedule, timeline, name, "heuristic", keep_over=not fallback)
+
+
+HEURISTIC_NAMES = ("save_all", "checkpoint", "greedy", "segments")  # (`lowest_plan` reuses their runs)
+
+
+def sources(when: str) -> Phase:
+    """The phase running every source "auto" runs ``when``."""
+    def run(search: Search) -> None:
+        run_sources(search, [name for name, source in SOURCES.items() if source.auto == when])
+    return Phase(f"sources ({when})", run, (lambda s: True) if when == "first" else
+                 (lambda s: s.proven_infeasible or not s.settled()))  # (also a check on a proof)
+
+
+def run_instant(search: Search) -> None:
+    search.progress("solver instant")
+    best = search.cheapest()
+    inst = instant_solve(search.graph, search.budget, effort=search.effort, time_limit=search.deadline,
+                         mip_solver=search.mip_solver, start=best.schedule if best is not None else None)
+    search.proven_infeasible = inst.infeasible
+    search.raise_bound(inst.bound, "instant")
+    for schedule, timeline in inst.plans:
+        search.consider(schedule, timeline, "instant", "heuristic", keep_over=True)
+    search.report_gap("instant")
+
+
+def compress_cheapest_over_budget(search: Search) -> None:
+    """COMPRESS where recomputation alone does not fit (or fits only at a higher cost): the
+    cheapest over-budget schedules, completed with as little compression as fits."""
+    search.progress("compressing saved values")
+    _complete_cheapest(search, compress_to_fit, "compress")
+
+
+def offload_cheapest_over_budget(search: Search) -> None:
+    """OFFLOAD where the plans so far do not fit, or fit only at a higher cost: the cheapest
+    over-budget schedules, completed with the values whose copies hide best."""
+    search.progress("offloading saved values")
+    _complete_cheapest(search, offload_to_fit, "offload")
+
+
+def _complete_cheapest(search: Search, complete, label: str) -> None:
+    best = search.cheapest()
+    search.over.sort(key=lambda c: c[1].cost)
+    for schedule, timeline, name in search.over[:COMPRESS_TRIES]:
+        if best is not None and timeline.cost >= best.timeline.cost:
+            break
+        done = complete(search.graph, schedule, search.budget)
+        if done is not None:
+            search.consider(*done, f"{name}+{label}", "heuristic")
+
+
+def check_proof(search: Search) -> None:
+    log.warning("fxopt: the instant program called budget %d infeasible but a simulated plan fits "
+                "(please report this graph)", search.budget)
+    search.proven_infeasible = False
+
+
+def run_save_more(search: Search) -> None:
+    """The cheapest plan so far with more SAVEd, where it still fits (`save_more`)."""
+    best = search.cheapest()
+    if best is None:
+        return
+    search.progress("saving more where it fits")
+    done = save_more(search.graph, best.schedule, search.budget, tries=search.effort.save_more_tries)
+    if done is not None:
+        search.consider(*done, f"{best.solver}+save", "heuristic")
+
+
+def run_ilp(search: Search) -> None:
+    """The ILP: its LP relaxation (a bound, and plans rounded from it), then the exact solve,
+    warm-started from the best plan so far, unless a plan is already proven optimal."""
+    graph, budget = search.graph, search.budget
+    model = build_ilp(graph, budget)
+    if search.solver == "auto" and model.mip.num_integer > AUTO_ILP_MAX_VARIABLES:
+        search.progress(f"ILP skipped: {model.mip.num_integer} integer variables")
+        return
+    search.model = model
+    search.progress(f"ILP: {model.mip.num_integer} integer variables, {model.mip.num_rows} constraints; "
+                    "LP relaxation")
+    lp_bound, roundings = lp_bound_and_roundings(graph, budget, effort=search.effort, time_limit=search.deadline,
+                                                 mip_solver=search.mip_solver, model=model)
+    search.raise_bound(lp_bound, "ilp")
+    for schedule in roundings:
+        try:
+            search.consider(schedule, simulate(graph, schedule), "ilp-rounding", "heuristic")
+        except InvalidScheduleError:
+            continue
+    best = search.cheapest()
+    if lp_bound is None and best is None:
+        search.progress("the LP relaxation found no plan within the budget")
+    if best is not None and search.settled():
+        search.progress("a plan is proven optimal")
+    elif lp_bound is not None and not search.deadline.check("ILP"):
+        _solve_ilp(search, model, best)
+
+
+def _solve_ilp(search: Search, model, best) -> None:
+    search.progress(f"solver ilp ({search.mip_solver or default_mip_solver()})")
+
+    def report(p: Progress) -> None:
+        if p.incumbent is None:
+            search.progress(f"ILP: searching, bound {fmt_cost(p.bound)}, {p.seconds:.0f} s")
+        else:
+            found = "?" if p.gap is None else f"{100 * p.gap:.1f}%"
+            search.progress(f"ILP: best {fmt_cost(p.incumbent)}, bound {fmt_cost(p.bound)}, gap {found}, "
+                            f"{p.seconds:.0f} s")
+
+    res = solve_ilp(search.graph, search.budget, effort=search.effort, time_limit=search.deadline,
+                    warm_start=best.schedule if best else None, mip_solver=search.mip_solver, rel_gap=ILP_REL_GAP,
+                    on_progress=report, model=model)
+    search.ilp_status = res.status
+    search.raise_bound(res.lower_bound, "ilp")
+    if res.schedule is not None:
+        timeline = simulate(search.graph, res.schedule)
+        if timeline.peak_bytes > search.budget:
+            # The ILP's memory model is meant to over-approximate the code; a plan that does not
+            # fit when simulated is a gap in that model. Never use it; say so.
+            log.warning("fxopt: the ILP's plan peaks at %d bytes when simulated, above the budget %d; it is "
+                        "discarded (please report this graph)", timeline.peak_bytes, search.budget)
+        else:
+            search.consider(res.schedule, timeline, "ilp", "optimal" if res.status == "optimal" else "feasible")
+    if res.interrupted:
+        search.progress("ILP interrupted; keeping the best plan found")
+    elif res.limit == "work":
+        search.progress("ILP: its effort spent; keeping the best plan found")
+
+
+def fallback(search: Search) -> None:
+    """The heuristics, quietly, where the ILP's or the instant program's own plans do not fit:
+    the ILP's memory model is conservative, so a budget it calls infeasible may still be met by a
+    simulated heuristic schedule; the instant program's plans may peak at instants it did not
+    model."""
+    run_sources(search, ("segments", "greedy", "checkpoint", "chain"), fallback=True)
+
+
+def complete_the_rest(search: Search) -> None:
+    """Nothing fits yet: every other over-budget schedule, completed with compression (what
+    `fxopt.solvers.minimum.lowest_plan` also tries, so the budget it names plans)."""
+    for schedule, _, name in search.over[COMPRESS_TRIES:]:
+        done = compress_to_fit(search.graph, schedule, search.budget)
+        if done is not None:
+            search.consider(*done, f"{name}+compress", "heuristic")
+
+
+def _unproven(search: Search) -> bool:
+    return not search.proven_infeasible
+
+
+def _over_budget(attribute: str) -> Callable[[Search], bool]:
+    return lambda s: bool(getattr(s.graph, attribute)) and bool(s.over) and not s.proven_infeasible
+
+
+def _without_plan_of(prefix: str) -> Callable[[Search], bool]:
+    return lambda s: not s.proven_infeasible and not any(f.solver.startswith(prefix) for f in s.fitting)
+
+
+# The phases every strategy ends with (the order matters: a proof the plans contradict is
+# dropped before the phases that only run where nothing is proven).
+_COMPLETE = (
+    Phase("compress", compress_cheapest_over_budget, _over_budget("compressible")),
+    Phase("offload", offload_cheapest_over_budget, _over_budget("offloadable")),
+    Phase("check the proof", check_proof, lambda s: s.proven_infeasible and bool(s.fitting)),
+)
+_LAST = (Phase("complete the rest", complete_the_rest,
+               lambda s: not s.fitting and not s.proven_infeasible and bool(s.graph.compressible)),)
+_SAVE_ALL = Phase("save_all", lambda s: run_sources(s, ["save_all"]))  # optimal when it fits: the models may miss it
+_INSTANT = Phase("instant", run_instant, _unproven)
+
+
+def strategies() -> dict[str, tuple[Phase, ...]]:
+    """Each solver's phases (a source with ``solver=True`` is one of its own)."""
+    out = {
+        "auto": (sources("first"), _INSTANT, sources("unsettled"), *_COMPLETE,
+                 # (Past the time limit, what only improves a plan that fits is skipped.)
+                 Phase("save more", run_save_more, lambda s: not s.settled() and not s.deadline.check("save more")),
+                 Phase("ilp", run_ilp, lambda s: not s.settled() and not (s.fitting and s.deadline.check("ILP"))),
+                 *_LAST),
+        "ilp": (_SAVE_ALL, *_COMPLETE, Phase("ilp", run_ilp, _unproven),
+                Phase("fallback", fallback, _without_plan_of("ilp")), *_LAST),
+        "instant": (_SAVE_ALL, _INSTANT, *_COMPLETE, Phase("fallback", fallback, _without_plan_of("instant")), *_LAST),
+    }
+    # (The heuristics in the order the solvers were always listed in; a new source after them.)
+    listed = ("segments", "greedy", "checkpoint", "save_all")
+    for name in sorted((n for n, source in SOURCES.items() if source.solver),
+                       key=lambda n: listed.index(n) if n in listed else len(listed)):
+        out[name] = (Phase(name, lambda s, name=name: run_sources(s, [name])), *_COMPLETE, *_LAST)
+    return out
