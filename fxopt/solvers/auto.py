@@ -21,13 +21,14 @@ from fxopt.solvers.ilp import RematIlp, build_ilp, lp_bound_and_roundings, solve
 from fxopt.solvers.chain import chain_candidates, min_peak_schedule
 from fxopt.solvers.instant import instant_solve, lowest_peak, peak_lower_bound
 from fxopt.solvers.mip import Progress, default_mip_solver
+from fxopt.solvers.policies import policy_candidates
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, on_demand, save_all_set, simulate
 
 log = logging.getLogger("fxopt")
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 12
+REVISION = 13
 
 SOLVERS = ("auto", "ilp", "instant", "segments", "greedy", "checkpoint", "save_all")
 
@@ -125,17 +126,16 @@ def solve(
     bound from the memory at the backward's tightest instants, see `fxopt.solvers.instant`),
     "segments" (checkpoints at the forward's articulation values, then the most expensive values
     per byte), "greedy", "checkpoint" (Chen segments), "save_all" (no rewrite), or "auto"
-    (save_all and checkpoint, then the instant program; unless that proves its plan within
-    `ILP_REL_GAP` of optimal: greedy and segments, the ILP's LP relaxation rounded and the ILP
-    warm-started from the best plan so far; the cheapest valid schedule wins).
-    ``time_limit``: seconds for the whole solve, the answer "infeasible" included (each late phase
-    still gets `MIN_PHASE_SECONDS`); at the limit the best plan found so far is used, with its
-    proven gap. ``on_progress`` receives one-line progress messages (by default they go to the
-    ``fxopt`` logger). Ctrl-C during the ILP stops it and keeps the best plan found so far.
-    ``retry``: a second try (the graph without codecs or ReLU masks) in what is left of the
-    first's limit: past it, the lowest-peak search for a plan that fits is skipped (the first ran
-    it). Raises `InfeasibleBudgetError` when nothing fits, naming the smallest budget that does
-    and the peak no schedule goes below."""
+    (save_all, checkpoint, the chain solver and the simple policies of `fxopt.solvers.policies`,
+    then the instant program; unless that proves its plan within `ILP_REL_GAP` of optimal: greedy
+    and segments, the ILP's LP relaxation rounded and the ILP warm-started from the best plan so
+    far; the cheapest valid schedule wins). ``time_limit``: seconds for the whole solve, the answer
+    "infeasible" included (each late phase still gets `MIN_PHASE_SECONDS`); at the limit the best
+    plan found so far is used, with its proven gap. ``on_progress`` receives one-line progress
+    messages (by default, the ``fxopt`` logger). Ctrl-C during the ILP keeps the best plan so far.
+    ``retry``: a second try (the graph without codecs or ReLU masks) in what is left of the first's
+    limit: past it, the lowest-peak search for a plan that fits is skipped (the first ran it).
+    Raises `InfeasibleBudgetError` when nothing fits (the smallest budget that does; the floor)."""
     check_solver(solver)
     search = _Search(graph, budget, solver, time_limit, on_progress, mip_solver, retry)
     floor, where = peak_lower_bound(graph)
@@ -156,6 +156,7 @@ def solve(
     search.run_heuristics(first)
     if solver == "auto":
         search.run_chain()
+        search.run_candidates("policies", policy_candidates)  # never worse than what a user has
     if solver in ("instant", "auto") and not search.proven_infeasible:
         search.run_instant()
     if solver == "auto" and (search.proven_infeasible or not search.settled()):
@@ -264,12 +265,17 @@ class _Search:
     def run_chain(self, *, fallback: bool = False) -> None:
         """The chain solver's cheapest schedule within the budget, and its lowest-peak one
         (`fxopt.solvers.chain`); over the budget, compression may make them fit."""
+        self.run_candidates("chain", chain_candidates, fallback=fallback)
+
+    def run_candidates(self, name: str, source: Callable[[Graph, int], list[Candidate]], *,
+                       fallback: bool = False) -> None:
+        """The schedules ``source(graph, budget)`` gives; over the budget, compression may make them fit."""
         if not fallback:
-            self.progress("solver chain")
-        for schedule, timeline in chain_candidates(self.graph, self.budget):
-            self.consider(schedule, timeline, "chain", "heuristic")
+            self.progress(f"solver {name}")
+        for schedule, timeline in source(self.graph, self.budget):
+            self.consider(schedule, timeline, name, "heuristic")
             if timeline.peak_bytes > self.budget and not fallback:
-                self.over.append((schedule, timeline, "chain"))
+                self.over.append((schedule, timeline, name))
 
     def run_instant(self) -> None:
         share = self.phase_seconds(1.0 if self.solver == "instant" else INSTANT_TIME_SHARE)
@@ -523,6 +529,9 @@ def min_feasible_budget(graph: Graph, solver: str = "auto", *, time_limit: float
         if chain.schedule.saved & graph.compressible:
             reached.add(compress_all(graph, chain.schedule), "chain+compress")
         reached.offloaded([chain.schedule], "chain")
+    if solver == "auto":
+        for schedule, timeline in policy_candidates(graph, 0):
+            reached.add(schedule, "policies", timeline)
     for name in ("checkpoint", "greedy", "segments") if exact else (solver,):
         candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0)
         for schedule, timeline in candidates:
