@@ -99,7 +99,7 @@ def unet(size: str):
 def vae(size: str):
     from diffusers import AutoencoderKL
 
-    batch, pixels = (2, 16) if size == "test" else (2, 64)
+    batch, pixels = (2, 16) if size == "test" else (1, 64)
     inner = AutoencoderKL(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64), layers_per_block=1,
@@ -111,7 +111,7 @@ def vae(size: str):
 def dit(size: str):
     from diffusers import DiTTransformer2DModel
 
-    batch, pixels, layers = (2, 8, 2) if size == "test" else (4, 16, 4)
+    batch, pixels, layers = (2, 8, 2) if size == "test" else (2, 32, 4)
     inner = DiTTransformer2DModel(
         num_attention_heads=2, attention_head_dim=16 if size == "test" else 32, in_channels=4, out_channels=4,
         num_layers=layers, sample_size=pixels, patch_size=2, num_embeds_ada_norm=10, norm_num_groups=8)
@@ -123,7 +123,7 @@ def dit(size: str):
 def sd3(size: str):
     from diffusers import SD3Transformer2DModel
 
-    batch, pixels, layers, heads = (2, 8, 2, 2) if size == "test" else (2, 16, 4, 4)
+    batch, pixels, layers, heads = (2, 8, 2, 2) if size == "test" else (2, 32, 4, 4)
     inner = SD3Transformer2DModel(
         sample_size=pixels, patch_size=2, in_channels=4, out_channels=4, num_layers=layers, attention_head_dim=16,
         num_attention_heads=heads, joint_attention_dim=32, caption_projection_dim=16 * heads,

@@ -12,7 +12,8 @@ The whole package imports without torch (a test blocks ``import torch`` and impo
     time the backward waits for offloaded values), and `OnDemand`, the backward that recomputes
     what is missing before each node.
   - `heuristics`, `instant`, `ilp` (on `mip`): the solvers; `gap`: how far a plan may be from
-    optimal, one definition for all of them.
+    optimal, one definition for all of them; `policies`: the simple policies a user already has
+    (checkpoint each repeated block, selective checkpointing), candidates of ``"auto"``.
   - `auto`: `solve`, the one entry point, and the ``"auto"`` strategy.
   - `plan`: `Plan`, a solution as the user sees it (decisions, peak, costs; JSON).
 """
