@@ -10,7 +10,7 @@ that "auto" never answers with a plan costlier than the best of them that fits.
   whole block at its first unpack: the same values, each at most once, and never more memory.)
 - ``selective``: torch's selective-checkpoint default (torchtitan's ``SelectiveAC`` op list):
   SAVE the outputs of matrix products and attention, RECOMPUTE the rest from them.
-  ``selective-<k>`` applies it inside each block of ``blocks-<k>``, as torchtitan does per layer.
+  ``selective-1`` applies it inside each block of ``blocks-1``, as torchtitan does per layer.
   The ``+conv`` variants also save convolutions (the partitioner's compute-intensive ops), on
   graphs that have them.
 - ``save_all``: recompute nothing.
@@ -115,7 +115,9 @@ def policies(graph: Graph) -> dict[str, frozenset[int]]:
             continue
         assignments.add(tuple(block))
         out[f"blocks-{level}"] = checkpointed(graph, block)
-        for suffix, ops in variants:
+        # (Selective checkpointing per block at the outermost level only, as torchtitan applies
+        # it per layer: each policy costs a simulation, and the solvers after them interpolate.)
+        for suffix, ops in variants if level == 1 else ():
             if ops & op_classes:
                 out[f"selective-{level}{suffix}"] = selective(graph, ops, block)
     distinct: dict[frozenset[int], str] = {}
@@ -127,8 +129,8 @@ def policies(graph: Graph) -> dict[str, frozenset[int]]:
 def policy_candidates(graph: Graph, budget: int) -> list[Candidate]:
     """Every simple policy's schedule (`on_demand` of its SAVE set) and its simulated timeline,
     over the budget or within it (like the heuristics, whatever the budget: compression may
-    make one fit)."""
-    return [candidate for _, candidate in named_policy_candidates(graph)]
+    make one fit); not ``save_all``, which is a heuristic of its own."""
+    return [candidate for name, candidate in named_policy_candidates(graph) if name != "save_all"]
 
 
 def named_policy_candidates(graph: Graph) -> list[tuple[str, Candidate]]:
