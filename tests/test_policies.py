@@ -35,11 +35,13 @@ def test_repeated_blocks(stacks, expected):
     assert repeated_blocks(stacks) == expected
 
 
-def two_layers(nested: bool = False):
+def two_layers(nested: bool = False, derived: bool = False):
     """Two layers ``h = in @ w`` (a matmul), ``a = gelu(h)``, ``o = a * s``, then ``loss = sum(o2)``.
 
     The backward reads h1, h2 (gelu's backward) and o1 (w2's gradient): eager SAVEs those. Each
-    layer is a block; ``nested``: (h, a) and (o) are blocks inside it too."""
+    layer is a block; ``nested``: (h, a) and (o) are blocks inside it too; ``derived``: gelu's
+    backward reads ``d = gelu'(h)`` instead, a backward-only value in no module (as AOTAutograd
+    makes them)."""
     b = GraphBuilder()
     for name, size in (("x", 8), ("w1", 4), ("w2", 4), ("s", 4)):
         b.input(name, size)
@@ -51,12 +53,14 @@ def two_layers(nested: bool = False):
         b.fwd(f"h{k}", [previous, f"w{k}"], 16, cost=2.0, flops=200, blocks=first, op_class="matmul")
         b.fwd(f"a{k}", [f"h{k}"], 16, cost=1.0, flops=16, blocks=first)
         b.fwd(f"o{k}", [f"a{k}", "s"], 16, cost=1.0, flops=16, blocks=second)
+        if derived:
+            b.fwd(f"d{k}", [f"h{k}"], 16, cost=1.0, flops=16)
         previous = f"o{k}"
     b.fwd("loss", ["o2"], 1, cost=1.0, flops=16, output=True)
     b.bwd("g_o2", ["tan"], 16)
     for k in (2, 1):
         b.bwd(f"g_a{k}", [f"g_o{k}", "s"], 16)
-        b.bwd(f"g_h{k}", [f"g_a{k}", f"h{k}"], 16)
+        b.bwd(f"g_h{k}", [f"g_a{k}", f"d{k}" if derived else f"h{k}"], 16)
         b.bwd(f"g_w{k}", ["x" if k == 1 else "o1", f"g_h{k}"], 4, output=True)
         if k == 2:
             b.bwd("g_o1", ["g_h2", "w2"], 16)
@@ -67,13 +71,19 @@ def two_layers(nested: bool = False):
 # - selective saves the matmuls' outputs and recomputes a1, o1 for w2's gradient (16 + 16);
 # - blocks-1 saves o1 (layer 2's input) and recomputes h1 and h2 (200 each);
 # - selective-1 (matmuls and o1) is save_all, named once;
-# - blocks-2 saves what enters each inner block (a1, o1, a2), recomputing h1 and h2.
+# - blocks-2 saves what enters each inner block (a1, o1, a2), recomputing h1 and h2;
+# - with d = gelu'(h): eager saves d1 and d2 for h1 and h2; each d is in its layer's block, so
+#   blocks-1 still saves o1 alone (computing d1 and d2 in the backward is not a recomputation),
+#   and selective-1 (the matmuls and o1) is no longer save_all.
 EXPECTED = {
     "flat": (two_layers, {"save_all": (("h1", "o1", "h2"), 0), "selective": (("h1", "h2"), 32),
                           "blocks-1": (("o1",), 400)}),
     "nested": (lambda: two_layers(nested=True),
                {"save_all": (("h1", "o1", "h2"), 0), "selective": (("h1", "h2"), 32), "blocks-1": (("o1",), 400),
                 "blocks-2": (("a1", "o1", "a2"), 400)}),
+    "derived": (lambda: two_layers(derived=True),
+                {"save_all": (("d1", "o1", "d2"), 0), "selective": (("h1", "h2"), 32), "blocks-1": (("o1",), 400),
+                 "selective-1": (("h1", "o1", "h2"), 0)}),
 }
 
 

@@ -60,9 +60,17 @@ def repeated_blocks(stacks: Sequence[Sequence[tuple[str, str]]]) -> list[tuple[i
 
 def block_of(graph: Graph, level: int) -> list[int | None]:
     """The block each forward value is in at nesting ``level`` (1: the outermost; a value inside
-    fewer blocks takes its innermost), None outside every block."""
-    return [n.blocks[min(level, len(n.blocks)) - 1] if n.blocks and n.kind == "forward" else None
-            for n in graph.nodes]
+    fewer blocks takes its innermost), None outside every block. A value the backward derives
+    from forward values (backward-only: AOTAutograd made it, no module did) is in the block of
+    what it reads, where that is one block."""
+    block = [n.blocks[min(level, len(n.blocks)) - 1] if n.blocks and n.kind == "forward" else None
+             for n in graph.nodes]
+    for i in sorted(graph.backward_only):
+        if not graph.nodes[i].blocks:
+            read = {block[j] for j in graph.nodes[i].inputs if graph.nodes[j].kind == "forward"}
+            if len(read) == 1:
+                block[i] = read.pop()
+    return block
 
 
 def checkpointed(graph: Graph, block: Sequence[int | None]) -> frozenset[int]:
