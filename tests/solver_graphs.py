@@ -32,8 +32,9 @@ class GraphBuilder:
 
     def fwd(self, name: str, inputs, bytes: int = 0, *, cost: float = 1.0, flops: int | None = None,
             view_of: str | None = None, recomputable: bool = True, output: bool = False,
-            tensor: bool = True, workspace: int = 0) -> int:
-        """A forward node. ``view_of``: the node whose storage it aliases (it then owns no bytes)."""
+            tensor: bool = True, workspace: int = 0, blocks: tuple[int, ...] = (), op_class: str = "") -> int:
+        """A forward node. ``view_of``: the node whose storage it aliases (it then owns no bytes);
+        ``blocks``, ``op_class``: what the simple policies read (`fxopt.solvers.policies`)."""
         return self._add(Node(
             name, "forward", self._ids(inputs),
             bytes=0 if view_of else bytes,
@@ -41,6 +42,7 @@ class GraphBuilder:
             cost=cost,
             storage=self.index[view_of] if view_of else None,
             recomputable=recomputable, output=output, tensor=tensor, workspace=workspace,
+            blocks=blocks, op_class=op_class,
         ))
 
     def bwd(self, name: str, inputs, bytes: int = 0, *, output: bool = False, view_of: str | None = None,

@@ -116,6 +116,27 @@ def test_hf_models_benchmark_tiny(tmp_path):
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
 
 
+def test_library_checkpointing_benchmark_tiny(tmp_path):
+    """One tiny diffusers model through the benchmark: eager, its own checkpointing, fxopt at
+    that checkpointing's measured peak, with the best simple policy beside it."""
+    pytest.importorskip("diffusers")
+    from benchmarks import library_checkpointing
+
+    threads, cache = torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
+    out = tmp_path / "library"
+    library_checkpointing.main(["--size", "test", "--models", "dit", "--time-limit", "2", "--out", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["models"][0]["rows"]}
+    library, fx = rows["library"], rows["fxopt"]
+    assert library["grads_equal"] and library["fcm_extra_flops"] > 0
+    assert fx.get("error") is None, fx.get("error")
+    assert fx["budget_bytes"] == library["measured_peak_bytes"]
+    assert fx["within_budget"] and fx["grads_equal"]
+    assert fx["fcm_extra_flops"] == fx["predicted_extra_flops"]
+    assert fx["best_policy_peak_bytes"] <= fx["budget_bytes"]
+    assert "| dit | diffusers |" in out.with_suffix(".md").read_text()
+    assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
+
+
 @pytest.mark.slow
 def test_offload_benchmark_dry_run(tmp_path):
     """The GPU OFFLOAD benchmark's code paths, on CPU with a tiny GPT-2: every method writes a row

@@ -29,6 +29,7 @@ from fxopt.errors import CaptureError
 from fxopt.fxgraph import tangent_dependents
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.plan import Plan
+from fxopt.solvers.policies import repeated_blocks
 aten = torch.ops.aten
 
 
@@ -88,6 +89,40 @@ def _is_recomputable(node: fx.Node) -> bool:
     if target.namespace in ("_c10d_functional", "c10d_functional", "_dtensor", "profiler"):
         return False
     return flops_of(node) is not None  # an op whose cost cannot be counted is never recomputed
+
+
+# The op classes the simple policies name (`fxopt.solvers.policies`), by aten op: what torch's
+# selective checkpointing saves (torchtitan's op list: matrix products and attention kernels),
+# and convolutions (the partitioner's other compute-intensive ops).
+_OP_CLASSES = {
+    **dict.fromkeys(("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_scaled_mm", "_int_mm"), "matmul"),
+    **dict.fromkeys(("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                     "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math",
+                     "scaled_dot_product_attention", "_efficient_attention_forward", "_flash_attention_forward"),
+                    "attention"),
+    **dict.fromkeys(("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                     "conv_transpose2d", "conv_transpose3d"), "convolution"),
+}
+
+
+def _op_class(node: fx.Node) -> str:
+    """"matmul", "attention", "convolution" or "" (an output taken out of a tuple: its op's)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _op_class(node.args[0])
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return ""
+    return _OP_CLASSES.get(target.overloadpacket.__name__, "")
+
+
+def _module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """The modules ``node`` runs inside, as (path, class name), outermost first."""
+    out = []
+    for entry in (node.meta.get("nn_module_stack") or {}).values():
+        path, cls = entry if isinstance(entry, tuple) else (str(entry), "")
+        out.append((str(path), f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else str(cls)))
+    return out
 
 
 def _module_path(node: fx.Node) -> str:
@@ -170,6 +205,8 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
             nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
     names = [n.name for n in fx_nodes]
     module_paths = [_module_path(n) for n in fx_nodes]
+    nodes = [dataclasses.replace(node, blocks=blocks, op_class=_op_class(n))
+             for node, n, blocks in zip(nodes, fx_nodes, repeated_blocks([_module_stack(n) for n in fx_nodes]))]
     if unread_resident_bytes > 0:
         nodes.append(unread_resident(unread_resident_bytes))
         node_sizes.append(NodeSizes(bytes=unread_resident_bytes))

@@ -12,7 +12,8 @@ The whole package imports without torch (a test blocks ``import torch`` and impo
     time the backward waits for offloaded values), and `OnDemand`, the backward that recomputes
     what is missing before each node.
   - `heuristics`, `chain`, `instant`, `ilp` (on `mip`): the solvers; `gap`: how far a plan may be
-    from optimal, one definition for all of them.
+    from optimal, one definition for all of them; `policies`: the simple policies a user already
+    has (checkpoint each repeated block, selective checkpointing), candidates of ``"auto"``.
   - `effort`: the counted work a solve may do (`Effort`), and the time limit, a safety stop.
   - `auto`: `solve`, the one entry point; `phases`: the strategies it runs, as tables of phases
     over one `search.Search`; `minimum`: the smallest budget that plans (`lowest_plan`, its

@@ -62,6 +62,11 @@ class Node:
     codec_cost: float = 0.0
     codec_flops: int = 0
     codec_workspace: int = 0  # scratch bytes while encoding or decoding, beyond input and output
+    # Facts the simple policies read (`fxopt.solvers.policies`): the repeated modules (blocks)
+    # this value is computed in, by id, outermost first; and its op's class ("matmul",
+    # "attention", "convolution"; "" for any other op).
+    blocks: tuple[int, ...] = ()
+    op_class: str = ""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -262,5 +267,6 @@ class Graph:
     @classmethod
     def from_dict(cls, d: dict) -> Graph:
         transfers = d.get("transfers")
-        return cls(tuple(Node(**{**n, "inputs": tuple(n["inputs"])}) for n in d["nodes"]),
+        return cls(tuple(Node(**{**n, "inputs": tuple(n["inputs"]), "blocks": tuple(n.get("blocks", ()))})
+                         for n in d["nodes"]),
                    None if transfers is None else Transfers.from_dict(transfers))

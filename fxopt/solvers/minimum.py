@@ -22,6 +22,7 @@ import dataclasses
 
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.chain import min_peak_schedule
+from fxopt.solvers.policies import policy_candidates
 from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS, Candidate, offload_all
@@ -114,7 +115,8 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
                 runs: dict[str, list[Candidate]] | None = None, mip_solver: str | None = None) -> Lowest:
     """The lowest peak ``solver`` reaches for this graph, and its schedule: for a heuristic its
     lowest peak; for the ILP, the instant program and "auto", the lowest of the chain solver's
-    (`fxopt.solvers.chain`: checkpointing at the articulation values), the heuristics', the ILP's
+    (`fxopt.solvers.chain`: checkpointing at the articulation values), the simple policies' (for
+    "auto", `fxopt.solvers.policies`), the heuristics', the ILP's
     solved for the peak (warm-started from the lowest so far; not with ``run_ilp`` False) and the
     instant program's lowest peak, each skipped once the lowest so far is within
     `LOWEST_PEAK_SLACK` of the floor. It does not depend on any budget. ``memo``: where answers
@@ -131,6 +133,9 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
         if chain.schedule.saved & graph.compressible:
             reached.add(compress_all(graph, chain.schedule), "chain+compress")
         reached.offloaded([chain.schedule], "chain")
+    if solver == "auto":
+        for schedule, timeline in policy_candidates(graph, 0):
+            reached.add(schedule, "policies", timeline)
     for name in ("checkpoint", "greedy", "segments") if exact else (solver,):
         candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0, effort=effort)
         for schedule, timeline in candidates:

@@ -9,7 +9,7 @@ instant program (``auto="first"``) or only when no plan is proven optimal by the
 bounded by counted work (`fxopt.solvers.effort`); the safety stop only skips phases that improve a
 plan that fits once the time limit has passed.
 
-"auto", in order: the first sources (save_all, checkpoint, chain); the instant program (a plan
+"auto", in order: the first sources (save_all, checkpoint, chain, the simple policies); the instant program (a plan
 and a lower bound, `fxopt.solvers.instant`); unless that settles it, the other sources (greedy,
 segments); COMPRESS and OFFLOAD completing the cheapest over-budget schedules; saving more in the
 cheapest plan; the ILP (its LP relaxation's bound and roundings, then the exact solve warm-started
@@ -28,6 +28,7 @@ from fxopt.solvers.heuristics import checkpoint, compress_to_fit, greedy, offloa
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
+from fxopt.solvers.policies import policy_candidates
 from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES
 from fxopt.solvers.schedule import InvalidScheduleError, simulate
 from fxopt.solvers.search import ILP_REL_GAP, Search, fmt_cost
@@ -48,6 +49,8 @@ SOURCES: dict[str, Source] = {
     "save_all": Source(lambda graph, budget, effort: save_all(graph, budget, effort=effort)),
     "checkpoint": Source(lambda graph, budget, effort: checkpoint(graph, budget, effort=effort)),
     "chain": Source(lambda graph, budget, effort: chain_candidates(graph, budget), solver=False),
+    # What a user already has (checkpoint each block, selective checkpointing): never worse than it.
+    "policies": Source(lambda graph, budget, effort: policy_candidates(graph, budget), solver=False),
     "greedy": Source(lambda graph, budget, effort: greedy(graph, budget, effort=effort), auto="unsettled"),
     "segments": Source(lambda graph, budget, effort: segments(graph, budget, effort=effort), auto="unsettled"),
 }

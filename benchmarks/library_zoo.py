@@ -1,0 +1,191 @@
+"""Models of other libraries with their own activation checkpointing: small configs, random
+weights, no downloads. Each `LibraryModel` builds a module whose ``model(*inputs)`` is the scalar
+loss of a training step, and switches the library's checkpointing on and off:
+
+- diffusers (``enable_gradient_checkpointing()``: `torch.utils.checkpoint` around each ResNet,
+  transformer and encoder/decoder block): ``unet`` (`UNet2DConditionModel` with cross-attention),
+  ``vae`` (`AutoencoderKL`), ``dit`` (`DiTTransformer2DModel`), ``sd3``
+  (`SD3Transformer2DModel`); the loss is the mean squared error against a fixed target;
+- transformers (``gradient_checkpointing_enable()``, per decoder or encoder layer): ``gpt2``,
+  ``llama``, ``vit`` from `benchmarks.hf_zoo` (its sizes);
+- timm (``set_grad_checkpointing(True)``, per block or stage): ``timm-vit``, ``timm-convnext``,
+  where timm imports (it needs torchvision: a venv with torch 2.14.1 and torchvision 0.29.1).
+
+Sizes: ``"test"`` (a step in about a second on a 2-core CPU, for the suite) and ``"bench"``
+(what `benchmarks.library_checkpointing` runs).
+
+    from benchmarks.library_zoo import LIBRARY_ZOO
+    entry = LIBRARY_ZOO["unet"]
+    model, inputs = entry.build("test")
+    entry.checkpointing(model, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SIZES = ("test", "bench")
+
+
+class MSELoss(nn.Module):
+    """``inner(*inputs[:-1], **kwargs)``'s output (``.sample``) against ``inputs[-1]``; the
+    library model is ``self.inner``. ``names``: the keyword each input but the first and the
+    target is passed as."""
+
+    def __init__(self, inner: nn.Module, names: tuple[str, ...] = ()):
+        super().__init__()
+        self.inner = inner
+        self.names = names
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        *args, target = rest
+        out = self.inner(x, **dict(zip(self.names, args)))
+        return F.mse_loss(out.sample if hasattr(out, "sample") else out, target)
+
+
+@dataclasses.dataclass(frozen=True)
+class LibraryModel:
+    name: str
+    library: str
+    model_class: str
+    build_fn: Callable[[str], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+    # (the library model, on): switch its own checkpointing
+    switch: Callable[[nn.Module, bool], None]
+
+    def build(self, size: str = "test") -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        """The loss module (in training mode, dropout 0) and its positional inputs."""
+        if size not in SIZES:
+            raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+        torch.manual_seed(0)
+        model, inputs = self.build_fn(size)
+        return model.train(), inputs
+
+    def checkpointing(self, model: nn.Module, on: bool) -> None:
+        """Switch the library's own checkpointing of ``model`` (built by `build`) on or off."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            self.switch(model.inner if hasattr(model, "inner") else model.hf, on)
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- diffusers
+def _diffusers_switch(model: nn.Module, on: bool) -> None:
+    (model.enable_gradient_checkpointing if on else model.disable_gradient_checkpointing)()
+
+
+def unet(size: str):
+    from diffusers import UNet2DConditionModel
+
+    batch, pixels = (4, 16) if size == "test" else (3, 32)
+    inner = UNet2DConditionModel(
+        sample_size=pixels, in_channels=4, out_channels=4, layers_per_block=1 if size == "test" else 2,
+        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, attention_head_dim=8,
+        norm_num_groups=8)
+    inputs = (_randn(batch, 4, pixels, pixels, seed=0), torch.full((batch,), 10), _randn(batch, 8, 32, seed=1),
+              _randn(batch, 4, pixels, pixels, seed=2))
+    return MSELoss(inner, ("timestep", "encoder_hidden_states")), inputs
+
+
+def vae(size: str):
+    from diffusers import AutoencoderKL
+
+    batch, pixels = (2, 16) if size == "test" else (2, 48)  # (batch 1 fails in torch.compile too)
+    inner = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64), layers_per_block=1,
+        latent_channels=4, norm_num_groups=8, sample_size=pixels)
+    x = _randn(batch, 3, pixels, pixels, seed=0)
+    return MSELoss(inner), (x, x)
+
+
+def dit(size: str):
+    from diffusers import DiTTransformer2DModel
+
+    batch, pixels, layers = (2, 8, 2) if size == "test" else (2, 32, 4)
+    inner = DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=16 if size == "test" else 32, in_channels=4, out_channels=4,
+        num_layers=layers, sample_size=pixels, patch_size=2, num_embeds_ada_norm=10, norm_num_groups=8)
+    inputs = (_randn(batch, 4, pixels, pixels, seed=0), torch.full((batch,), 10), torch.arange(batch) % 10,
+              _randn(batch, 4, pixels, pixels, seed=2))
+    return MSELoss(inner, ("timestep", "class_labels")), inputs
+
+
+def sd3(size: str):
+    from diffusers import SD3Transformer2DModel
+
+    batch, pixels, layers, heads = (2, 8, 2, 2) if size == "test" else (2, 32, 4, 4)
+    inner = SD3Transformer2DModel(
+        sample_size=pixels, patch_size=2, in_channels=4, out_channels=4, num_layers=layers, attention_head_dim=16,
+        num_attention_heads=heads, joint_attention_dim=32, caption_projection_dim=16 * heads,
+        pooled_projection_dim=32, pos_embed_max_size=pixels)
+    inputs = (_randn(batch, 4, pixels, pixels, seed=0), _randn(batch, 8, 32, seed=1), _randn(batch, 32, seed=3),
+              torch.full((batch,), 10), _randn(batch, 4, pixels, pixels, seed=2))
+    return MSELoss(inner, ("encoder_hidden_states", "pooled_projections", "timestep")), inputs
+
+
+# ---------------------------------------------------------------- transformers
+def _hf(name: str) -> Callable[[str], tuple[nn.Module, tuple[torch.Tensor, ...]]]:
+    def build(size: str):
+        from benchmarks.hf_zoo import HF_ZOO
+
+        return HF_ZOO[name].build(size)
+
+    return build
+
+
+def _hf_switch(model: nn.Module, on: bool) -> None:
+    if on:
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    else:
+        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+# ---------------------------------------------------------------- timm
+class _TimmLoss(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.inner(pixels), labels)
+
+
+def _timm(model_name: str, **config) -> Callable[[str], tuple[nn.Module, tuple[torch.Tensor, ...]]]:
+    def build(size: str):
+        import timm
+
+        batch, pixels = (2, 32) if size == "test" else (8, 64)
+        inner = timm.create_model(model_name, pretrained=False, num_classes=10, img_size=pixels, **config) \
+            if "vit" in model_name else timm.create_model(model_name, pretrained=False, num_classes=10, **config)
+        labels = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(1))
+        return _TimmLoss(inner), (_randn(batch, 3, pixels, pixels, seed=0), labels)
+
+    return build
+
+
+def _timm_switch(model: nn.Module, on: bool) -> None:
+    model.set_grad_checkpointing(on)
+
+
+LIBRARY_ZOO: dict[str, LibraryModel] = {m.name: m for m in (
+    LibraryModel("unet", "diffusers", "UNet2DConditionModel", unet, _diffusers_switch),
+    LibraryModel("vae", "diffusers", "AutoencoderKL", vae, _diffusers_switch),
+    LibraryModel("dit", "diffusers", "DiTTransformer2DModel", dit, _diffusers_switch),
+    LibraryModel("sd3", "diffusers", "SD3Transformer2DModel", sd3, _diffusers_switch),
+    LibraryModel("gpt2", "transformers", "GPT2LMHeadModel", _hf("gpt2"), _hf_switch),
+    LibraryModel("llama", "transformers", "LlamaForCausalLM", _hf("llama"), _hf_switch),
+    LibraryModel("vit", "transformers", "ViTForImageClassification", _hf("vit"), _hf_switch),
+    LibraryModel("timm-vit", "timm", "vit_tiny_patch16_224", _timm("vit_tiny_patch16_224", patch_size=8, depth=4),
+                 _timm_switch),
+    LibraryModel("timm-convnext", "timm", "convnext_atto", _timm("convnext_atto"), _timm_switch),
+)}
