@@ -12,11 +12,18 @@ allocations made during it, the way ``torch.cuda.max_memory_allocated()`` counts
   optimizers, tensors, and lists/dicts of them), each storage counted once, plus the gradient
   buckets of a DDP among them, which no reachable tensor shows (as its reducer reports them, see
   `fxopt.distributed.data_parallel`). `measure_timeline` keeps the whole curve.
+
+A step whose call captures and plans (an fxopt module's first call, a new input shape) is measured
+without that work: capture, planning and compiling run inside `not_measured`, which pauses the
+measurement in progress (on CPU the profiler is stopped and started again, on CUDA the peak so
+far is kept and the statistics reset after), so what is measured is the step as it runs, the same
+on its first call as on the next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import gc
 import math
@@ -49,16 +56,18 @@ def measure_peak(
 
     ``resident``: on CPU, the modules/optimizers/tensors alive at the start whose bytes count
     towards the peak (``args`` and ``kwargs`` are always included). On CUDA everything allocated
-    is counted and ``resident`` is not needed.
+    is counted and ``resident`` is not needed. Capturing and planning inside the step (an fxopt
+    module's first call) is not counted: the peak is the step's own.
     """
     dev = torch.device(device) if device is not None else _guess_device(args, kwargs, resident)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         start = torch.cuda.memory_allocated(dev)
-        result = step(*args, **kwargs)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
+        session = _CudaSession(dev)
+        with _measuring(session):
+            result = step(*args, **kwargs)
+        peak = session.peak()
         return PeakMemory(peak, start, peak - start, str(dev), result)
     if dev.type != "cpu":
         raise ValueError(f"measure_peak supports cpu and cuda devices, not {dev}")
@@ -79,15 +88,15 @@ class MemoryTimeline:
 
 def measure_timeline(step: Callable[..., Any], *args: Any, resident: Iterable[Any] = (), **kwargs: Any) -> MemoryTimeline:
     """Run ``step(*args, **kwargs)`` once on CPU and return its memory over time, from profiler
-    allocation events (``resident`` as for `measure_peak`)."""
+    allocation events (``resident`` as for `measure_peak`; capturing and planning inside it not
+    counted)."""
     resident = list(resident)
     start = sum(storages([*resident, args, kwargs], grads=True, device_type="cpu").values()) + held_bytes(
         [*resident, *args, *kwargs.values()])
-    with profile_cpu_memory() as prof:
+    session = _CpuSession()
+    with _measuring(session):
         result = step(*args, **kwargs)
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())
+    events = sorted(session.events, key=lambda e: e.start_ns())
     t0 = events[0].start_ns() if events else 0
     seconds, live_bytes, live = [], [], start
     for e in events:
@@ -95,6 +104,79 @@ def measure_timeline(step: Callable[..., Any], *args: Any, resident: Iterable[An
         seconds.append((e.start_ns() - t0) / 1e9)
         live_bytes.append(live)
     return MemoryTimeline(tuple(seconds), tuple(live_bytes), start, result)
+
+
+# The measurement in progress in this context, if any (`not_measured` pauses it).
+_SESSION: contextvars.ContextVar[Any] = contextvars.ContextVar("fxopt_measurement", default=None)
+
+
+@contextlib.contextmanager
+def _measuring(session):
+    session.resume(first=True)
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
+        session.pause()
+
+
+@contextlib.contextmanager
+def not_measured():
+    """Around work that is not part of the step a measurement in progress measures (capturing,
+    planning and compiling it): the measurement pauses, and a measurement inside (planning's own,
+    of each op's scratch memory) starts from nothing."""
+    session = _SESSION.get()
+    if session is None:
+        yield
+        return
+    session.pause()
+    token = _SESSION.set(None)
+    try:
+        yield
+    finally:
+        _SESSION.reset(token)
+        session.resume()
+
+
+class _CpuSession:
+    """A CPU measurement: profiler sessions of allocation events, stopped while `not_measured`."""
+
+    def __init__(self):
+        self.events: list = []
+        self._profile = None
+
+    def resume(self, first: bool = False) -> None:
+        # Frees of blocks allocated before a session would show up without their allocation: the
+        # garbage is collected before each session (what it frees is not the step's).
+        self._profile = profile_cpu_memory(collect=True)
+        self._prof = self._profile.__enter__()
+
+    def pause(self) -> None:
+        self._profile.__exit__(None, None, None)
+        self.events += [e for e in self._prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+        self._profile = self._prof = None
+
+
+class _CudaSession:
+    """A CUDA measurement: the allocator's peak, kept across the resets of `not_measured`."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._peak = 0
+
+    def resume(self, first: bool = False) -> None:
+        if not first:  # the peak the paused work reached is not the step's
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def pause(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._peak = max(self._peak, torch.cuda.max_memory_allocated(self.device))
+
+    def peak(self) -> int:
+        return self._peak
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from torch._guards import detect_fake_mode
 from fxopt.analysis import JointGraph, analyze
 from fxopt.analysis.symbolic import Sizes
 from fxopt.buckets import Bucket, bucket_of, plan_buckets, range_infeasible
-from fxopt.capture.dynamo import PlanReady, eager_backend, unread_resident_bytes
+from fxopt.capture.dynamo import PlanReady, step_backend, unread_resident_bytes
 from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
 from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.fxgraph import copy_module
@@ -111,19 +111,11 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         log.debug("fxopt: planned and rewrote the dynamic step in %.2f s", time.perf_counter() - t0)
         return fw, bw
 
-    if options.compiler == "inductor":
-        from fxopt.capture.inductor import inductor_backend
-
-        compile_step = inductor_backend(partition, options.inductor_config)
-    else:
-        compile_step = eager_backend(partition)
-
-    def compile_dynamic(gm: fx.GraphModule, example_inputs):
+    def name_symbols(gm: fx.GraphModule, example_inputs) -> None:
         seen["names"] = symbol_names(gm, state.call_dims)
         seen["unread"] = unread_resident_bytes(resident, example_inputs)
-        return compile_step(gm, example_inputs)
 
-    return compile_dynamic
+    return step_backend(partition, options, name_symbols)
 
 
 def _analyzed(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread: int, sizes: Sizes) -> Analyzed:
