@@ -13,13 +13,17 @@ loss) runs eagerly, outside the plan:
     fxopt:  torch.compile(Loss(qwen))                          -> Loss.forward runs eagerly,
                                                                   qwen's forward is one graph
 
-fxopt therefore enters each step it compiles through a code object of its own (`own_frame`),
-made for that one compile: Dynamo starts tracing there and inlines the model's functions into the
-graph (a skip mark applies to a frame Dynamo is asked to enter, not to a function it inlines), and
-its compiled entries and recompile limit are that compile's alone. What a frame that runs later
-could still meet (a step split at graph breaks re-enters the model's own functions) is checked
-after the call: a step's autograd graph must hold nothing computed outside the graphs fxopt
-planned (`fxopt.capture.coverage`).
+fxopt therefore enters each step it compiles through a code object of its own, made for that one
+compile: the model's ``forward`` is copied (`fresh_forward`) and, while fxopt calls the step, the
+module's ``forward`` is that copy, so Dynamo starts tracing at a frame no other compile has seen,
+with the model's own frame structure (a ``print`` in ``forward`` still runs after the graph;
+Dynamo drops those of functions it inlines). Functions are entered through a new frame
+(`own_frame`). Dynamo inlines everything the step calls into the graph (a skip mark applies to a
+frame Dynamo is asked to enter, not to a function it inlines), and its compiled entries and
+recompile limit are that compile's alone. What a frame that runs later could still meet (a step
+split at graph breaks re-enters the model's own functions) is checked after the call: a step's
+autograd graph must hold nothing computed outside the graphs fxopt planned
+(`fxopt.capture.coverage`).
 
 The call itself runs with Dynamo's settings for fxopt (`dynamo_settings`) and with any dispatch
 mode around it told to look past the compile (`dispatch_modes_see_the_step`).
@@ -28,6 +32,7 @@ mode around it told to look past the compile (`dispatch_modes_see_the_step`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -50,13 +55,66 @@ def own_frame(call: Callable) -> Callable:
     def fxopt_step(*args, **kwargs):
         return call(*args, **kwargs)
 
-    code = fxopt_step.__code__.replace()  # a copy: Dynamo's state for it starts empty
-    return types.FunctionType(code, fxopt_step.__globals__, fxopt_step.__name__, None, fxopt_step.__closure__)
+    return _copied(fxopt_step)
 
 
-def compile_step(call: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None) -> Callable:
-    """``torch.compile`` of ``call`` (a module, or a function) entered through `own_frame`."""
-    return torch.compile(own_frame(call), backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+def _copied(func: types.FunctionType) -> types.FunctionType:
+    """``func`` with a copy of its code object: Dynamo's state for the copy starts empty."""
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return functools.update_wrapper(copy, func)
+
+
+def fresh_forward(module: nn.Module) -> Callable | None:
+    """``module.forward`` (bound) with a code object of its own, or None where it is not a Python
+    function (nothing to copy)."""
+    forward = module.forward
+    func = getattr(forward, "__func__", forward)
+    if not isinstance(func, types.FunctionType):
+        return None
+    copy = _copied(func)
+    return types.MethodType(copy, forward.__self__) if hasattr(forward, "__self__") else copy
+
+
+@contextlib.contextmanager
+def _entered_through(module: nn.Module | None, forward: Callable | None):
+    """While inside, ``module.forward`` is ``forward`` (an instance attribute, as
+    ``nn.Module.__call__`` reads it), then what it was."""
+    if module is None or forward is None:
+        yield
+        return
+    own = module.__dict__
+    had, previous = "forward" in own, own.get("forward")
+    own["forward"] = forward
+    try:
+        yield
+    finally:
+        if had:
+            own["forward"] = previous
+        else:
+            del own["forward"]
+
+
+class CompiledStep:
+    """``torch.compile`` of a module (or a function), entered through a code object of its own (see
+    the module docstring). Called like the module."""
+
+    def __init__(self, target: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None):
+        self.module = target if isinstance(target, nn.Module) else None
+        self.forward = fresh_forward(target) if self.module is not None else None
+        if self.forward is None:
+            self.module, target = None, own_frame(target)
+        self.compiled = torch.compile(target, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _entered_through(self.module, self.forward):
+            return self.compiled(*args, **kwargs)
+
+
+def compile_step(call: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None) -> CompiledStep:
+    """``torch.compile`` of ``call`` (a module, or a function) entered through a code object of its own."""
+    return CompiledStep(call, backend, fullgraph=fullgraph, dynamic=dynamic)
 
 
 @contextlib.contextmanager
