@@ -147,9 +147,12 @@ class _CpuSession:
         self._profile = None
 
     def resume(self, first: bool = False) -> None:
-        # Frees of blocks allocated before a session would show up without their allocation: the
-        # garbage is collected before each session (what it frees is not the step's).
-        self._profile = profile_cpu_memory(collect=True)
+        # Frees of blocks allocated before the measurement would show up without their allocation:
+        # old garbage is collected before the first session. Not again when resuming, in the middle
+        # of the step (a full collection there, inside a compile that runs while a compiled graph
+        # does, crashed the interpreter); what the paused work allocates is freed during the pause,
+        # or holds no memory of the step's (fake tensors).
+        self._profile = profile_cpu_memory(collect=first)
         self._prof = self._profile.__enter__()
 
     def pause(self) -> None:

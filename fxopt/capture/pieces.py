@@ -45,6 +45,8 @@ import torch.nn as nn
 from fxopt.budget import resolve_budget
 from fxopt.capture import coverage
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.liveness import LiveBytes
 from fxopt.solvers.plan import Plan
 from fxopt.storage import StorageKey, local, storage_key, storage_refs, storages, tensors_in
 from fxopt.units import format_bytes
@@ -151,36 +153,44 @@ class Step:
         return out
 
     def reserve(self, inputs: frozenset[StorageKey]) -> int:
-        """Bytes alive beside a piece taking ``inputs``, at any time while it runs."""
-        others = sum(n for ptr, n in self.resident.items() if ptr not in inputs)
+        """Bytes alive beside a piece taking ``inputs``, at any time while it runs: each storage
+        counted once (`fxopt.solvers.liveness.LiveBytes`, the solvers' own live-bytes count),
+        those the piece takes left to its own plan."""
+        alive = LiveBytes(Graph(()), base=self.held)
+        parts = []
+
+        def hold(name: str, sizes) -> None:
+            before = alive.bytes
+            for key, n in sizes:
+                alive.hold(key, n)
+            parts.append(f"{alive.bytes - before} {name}")
+
+        hold("other resident", ((("storage", k), n) for k, n in self.resident.items() if k not in inputs))
         # Parameters the model holds now and did not at the start: FSDP2's unsharded parameters of
         # the blocks gathered so far that are not resharded yet (the root's; a block's without
         # reshard_after_forward), which stay so through this piece's backward too.
         now = storages(self.model) if self.model is not None else {}
-        gathered = sum(n for ptr, n in now.items() if ptr not in self.resident and ptr not in inputs)
+        hold("gathered parameters", ((("storage", k), n) for k, n in now.items() if k not in inputs))
         # What earlier pieces saved, and the outputs they returned that this piece does not take
         # (those it takes, it counts itself).
-        earlier = sum(p.saved_bytes for p in self.pieces)
-        outputs: dict[StorageKey, int] = {}
-        for p in self.pieces:
-            outputs.update(p.outputs_alive())
-        earlier += sum(n for ptr, n in outputs.items()
-                       if ptr not in inputs and ptr not in self.resident and ptr not in now)
-        seen = inputs.union(*(p.inputs for p in self.pieces)) if self.pieces else inputs
-        # Gradients that later pieces' backwards produce before this piece's backward runs: those
-        # of the parameters no piece so far takes, and of this piece's tied parameters, which a
-        # later piece may also use and accumulate into first. Blocks that take their parameters
-        # gathered (FSDP2) are known by their shards instead: those of the blocks to come.
+        hold("from earlier pieces", [(("saved", i), p.saved_bytes) for i, p in enumerate(self.pieces)] + [
+            (("storage", k), n) for p in self.pieces for k, n in p.outputs_alive().items() if k not in inputs])
+        later = self._grads_to_come(inputs)
+        hold("later gradients", ((("gradient", k), n) for k, n in self.trainable.items() if k in later))
+        log.debug("fxopt: reserve beside a piece: %s, %d held", ", ".join(parts), self.held)
+        return alive.bytes
+
+    def _grads_to_come(self, inputs: frozenset[StorageKey]) -> set[StorageKey]:
+        """The trainable parameters whose gradients later pieces' backwards produce before the
+        backward of the piece taking ``inputs`` runs: those no piece so far takes, and this piece's
+        tied parameters, which a later piece may also use and accumulate into first. Blocks that
+        take their parameters gathered (FSDP2) are known by their shards instead: those of the
+        blocks to come."""
         blocks = self.wrapping.blocks_to_come() if self.wrapping is not None else None
         if blocks is not None:
-            later = set().union(*blocks)
-            later_grads = sum(n for ptr, n in self.trainable.items() if ptr in later)
-        else:
-            later_grads = sum(n for ptr, n in self.trainable.items()
-                              if ptr not in seen or (ptr in inputs and ptr in self.shared))
-        log.debug("fxopt: reserve beside a piece: %d other resident, %d gathered parameters, %d from earlier "
-                  "pieces, %d later gradients, %d held", others, gathered, earlier, later_grads, self.held)
-        return others + gathered + earlier + later_grads + self.held
+            return set().union(*blocks)
+        seen = inputs.union(*(p.inputs for p in self.pieces))
+        return {k for k in self.trainable if k not in seen or (k in inputs and k in self.shared)}
 
 
 def budget_bytes(budget: Any) -> int | None:
