@@ -37,9 +37,6 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
 
 
-_run_compiled = run_compiled  # the name `plan_and_rewrite` and `capture_symbolic` call
-
-
 class _WithTheOriginalsSignature:
     """`FxoptModule.forward` as an instance sees it: the method, carrying the original model's
     signature, so that code inspecting ``model.forward`` finds the model's arguments (HF's
@@ -447,7 +444,7 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
         try:
             with capture_settings():
                 mark(state.call_dims, dims.ranges)
-                _run_compiled(compiled, args, kwargs, options.compiler)
+                run_compiled(compiled, args, kwargs, options.compiler)
         except Analyzed as done:
             return done.eager, done.rewritten
         except SpecializedError as err:
@@ -503,7 +500,7 @@ def plan_and_rewrite(model: nn.Module, budget: Budget, example_inputs: Sequence[
     compiled = compile_step(model, backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:
-        _run_compiled(compiled, args, kwargs, options.compiler)
+        run_compiled(compiled, args, kwargs, options.compiler)
     except PlanReady as ready:
         return ready
     raise CaptureError(
