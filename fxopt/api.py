@@ -16,7 +16,7 @@ from fxopt.analysis import CostModel
 from fxopt.analysis.codecs import Quantize
 from fxopt.budget import Budget
 from fxopt.capture.compiled import compile_step, run_compiled
-from fxopt.capture.coverage import check_whole, nodes_made_since, sequence_number
+from fxopt.capture.coverage import check_whole, sequence_number
 from fxopt.capture.dynamo import PlanReady, make_backend
 from fxopt.buckets import Bucket, bucket_of
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
@@ -193,11 +193,9 @@ class FxoptModule(nn.Module):
         except InfeasibleBudgetError as err:
             if not held:
                 raise
-            err = InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [
-                err.detail, f"This step starts with {format_bytes(held)} of gradients already there (gradient "
-                "accumulation, or zero_grad(set_to_none=False)), alive through the whole step; "
-                "optimizer.zero_grad() (set_to_none, the default) before it frees them."])),
-                err.lower_bound)
+            err = _with_detail(err, f"This step starts with {format_bytes(held)} of gradients already there "
+                               "(gradient accumulation, or zero_grad(set_to_none=False)), alive through the whole "
+                               "step; optimizer.zero_grad() (set_to_none, the default) before it frees them.")
             if not forward_only:
                 raise err from None
             self._forward_only_steps[held] = err
@@ -210,8 +208,8 @@ class FxoptModule(nn.Module):
         beside = distributed.held_beside(distributed.running_ddp(self))
         step = backend.step = Step.start(self._model, [args, kwargs], held=beside, wrapping=distributed)
         try:
-            out = distributed.call(functools.partial(_call, compiler=self._options.compiler), compiled, between,
-                                   args, kwargs)
+            out = distributed.call(functools.partial(run_compiled, compiler=self._options.compiler), compiled,
+                                   between, args, kwargs)
         finally:
             backend.step = None
         step.check_covered(out)
@@ -223,10 +221,8 @@ class FxoptModule(nn.Module):
         backward through its outputs raises ``refusal``."""
         with torch.no_grad():
             out = self._run_step(0, args, kwargs)
-        detail = ("This call ran in eval mode with gradients held, so fxopt ran its forward only; to train in "
-                  "eval mode, zero the gradients first or raise the budget.")
-        err = InfeasibleBudgetError(refusal.budget, refusal.min_budget, " ".join(filter(None, [refusal.detail, detail])),
-                                    refusal.lower_bound)
+        err = _with_detail(refusal, "This call ran in eval mode with gradients held, so fxopt ran its forward "
+                           "only; to train in eval mode, zero the gradients first or raise the budget.")
         anchor = torch.empty(0, requires_grad=True)  # makes the outputs need a backward, as eager's do
         return tree_map_only(torch.Tensor, lambda t: _BackwardRefused.apply(err, t, anchor)
                              if t.is_floating_point() else t, out)
@@ -249,8 +245,10 @@ class FxoptModule(nn.Module):
         return f"budget={self._options.budget!r}, solver={self._options.solver!r}"
 
 
-def _call(target: Callable, args: tuple, kwargs: dict, compiler: str) -> Any:
-    return run_compiled(target, args, kwargs, compiler)
+def _with_detail(err: InfeasibleBudgetError, detail: str) -> InfeasibleBudgetError:
+    """``err`` saying ``detail`` too."""
+    return InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [err.detail, detail])),
+                                 err.lower_bound)
 
 
 class _BackwardRefused(torch.autograd.Function):
@@ -302,7 +300,7 @@ class DynamicRun:
         # One graph (fullgraph) entered at a frame of fxopt's own is the whole step: nothing else
         # computes, unless Dynamo was off (torch.compiler.set_stance("force_eager"), config.disable).
         if torch.is_grad_enabled():
-            check_whole(out, since, planned=_compiled_nodes(out, since), glue=())
+            check_whole(out, since, planned=_compiled_node, glue=())
         return out
 
     def _record_plans(self) -> None:
@@ -326,10 +324,10 @@ class DynamicRun:
                                "requires grad, or it ran under torch.no_grad())")
 
 
-def _compiled_nodes(out: Any, since: int) -> set:
-    """The nodes of compiled graphs among those made since ``since`` (every compile of a
-    `DynamicRun` is fxopt's)."""
-    return {n for n in nodes_made_since(out, since) if type(n).__name__ == "CompiledFunctionBackward"}
+def _compiled_node(node) -> bool:
+    """Whether an autograd node is a compiled graph's (every compile of a `DynamicRun` is fxopt's)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
 
 def optimize(
     model: nn.Module,

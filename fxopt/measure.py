@@ -14,10 +14,13 @@ allocations made during it, the way ``torch.cuda.max_memory_allocated()`` counts
   `fxopt.distributed.data_parallel`). `measure_timeline` keeps the whole curve.
 
 A step whose call captures and plans (an fxopt module's first call, a new input shape) is measured
-without that work: capture, planning and compiling run inside `not_measured`, which pauses the
-measurement in progress (on CPU the profiler is stopped and started again, on CUDA the peak so
-far is kept and the statistics reset after), so what is measured is the step as it runs, the same
-on its first call as on the next.
+without that work, the same on its first call as on the next. Every Dynamo compile during the
+measurement is a window left out (Dynamo's start and end callbacks mark it). fxopt's backend
+(`not_measured`) stops the CPU profiler besides, since planning measures each op's memory with a
+profiler of its own, which would end the measurement's; it starts again where one of fxopt's
+compiled graphs starts running (`step_runs`), outside every profiler range Dynamo opens while it
+compiles (a profiler started again inside one crashed the interpreter later). On CUDA the
+allocator's peak so far is kept at each window and its statistics reset after.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import contextvars
 import dataclasses
 import gc
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,7 +71,7 @@ def measure_peak(
         session = _CudaSession(dev)
         with _measuring(session):
             result = step(*args, **kwargs)
-        peak = session.peak()
+        peak = session.peak
         return PeakMemory(peak, start, peak - start, str(dev), result)
     if dev.type != "cpu":
         raise ValueError(f"measure_peak supports cpu and cuda devices, not {dev}")
@@ -112,20 +116,28 @@ _SESSION: contextvars.ContextVar[Any] = contextvars.ContextVar("fxopt_measuremen
 
 @contextlib.contextmanager
 def _measuring(session):
-    session.resume(first=True)
+    """Measure with ``session`` while inside, Dynamo's compiles left out (see the module docstring)."""
+    handler = torch._dynamo.callback_handler
+    on_start, on_end = (lambda _: session.compile_starts()), (lambda _: session.compile_ends())
+    handler.register_start_callback(on_start)
+    handler.register_end_callback(on_end)
+    session.resume()
     token = _SESSION.set(session)
     try:
         yield session
     finally:
         _SESSION.reset(token)
         session.pause()
+        for callbacks, callback in ((handler.start_callbacks, on_start), (handler.end_callbacks, on_end)):
+            if callback in callbacks:  # (torch._dynamo.reset() clears them)
+                callbacks.remove(callback)
 
 
 @contextlib.contextmanager
 def not_measured():
-    """Around work that is not part of the step a measurement in progress measures (capturing,
-    planning and compiling it): the measurement pauses, and a measurement inside (planning's own,
-    of each op's scratch memory) starts from nothing."""
+    """Around fxopt's backend (capturing, planning and compiling a graph), which a measurement in
+    progress leaves out (see the module docstring); a measurement inside (planning's own, of each
+    op's scratch memory) starts from nothing."""
     session = _SESSION.get()
     if session is None:
         yield
@@ -136,50 +148,95 @@ def not_measured():
         yield
     finally:
         _SESSION.reset(token)
+        session.after_backend()
+
+
+def step_runs() -> None:
+    """Where a graph fxopt compiled starts running: a measurement `not_measured` paused resumes."""
+    session = _SESSION.get()
+    if session is not None and session.paused:
         session.resume()
 
 
 class _CpuSession:
-    """A CPU measurement: profiler sessions of allocation events, stopped while `not_measured`."""
+    """On CPU: profiler sessions of allocation events, without those in Dynamo's compiles."""
 
     def __init__(self):
-        self.events: list = []
-        self._profile = None
+        self.paused = True
+        self._events: list = []
+        self._windows: list[list] = []  # [start_ns, end_ns or None] of each Dynamo compile
+        self._started = False
 
-    def resume(self, first: bool = False) -> None:
-        # Frees of blocks allocated before the measurement would show up without their allocation:
-        # old garbage is collected before the first session. Not again when resuming, in the middle
-        # of the step (a full collection there, inside a compile that runs while a compiled graph
-        # does, crashed the interpreter); what the paused work allocates is freed during the pause,
-        # or holds no memory of the step's (fake tensors).
-        self._profile = profile_cpu_memory(collect=first)
+    @property
+    def events(self) -> list:
+        def in_a_compile(e) -> bool:
+            t = e.start_ns()
+            return any(lo <= t and (hi is None or t < hi) for lo, hi in self._windows)
+
+        return [e for e in self._events if not in_a_compile(e)]
+
+    def compile_starts(self) -> None:
+        self._windows.append([time.time_ns(), None])
+
+    def compile_ends(self) -> None:
+        if self._windows and self._windows[-1][1] is None:
+            self._windows[-1][1] = time.time_ns()
+
+    def resume(self) -> None:
+        # Frees of blocks allocated before profiling starts would show up without their allocation:
+        # old garbage is collected before the first session (not when resuming in the middle of a
+        # step: a full collection there crashed the interpreter).
+        self._profile = profile_cpu_memory(collect=not self._started)
         self._prof = self._profile.__enter__()
+        self.paused, self._started = False, True
 
     def pause(self) -> None:
+        if self.paused:
+            return
         self._profile.__exit__(None, None, None)
-        self.events += [e for e in self._prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+        self._events += [e for e in self._prof.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
         self._profile = self._prof = None
+        self.paused = True
+
+    def after_backend(self) -> None:
+        """Stopped until the graph runs (`step_runs`)."""
 
 
 class _CudaSession:
-    """A CUDA measurement: the allocator's peak, kept across the resets of `not_measured`."""
+    """On CUDA: the allocator's peak, kept at each pause (the statistics reset at each resume)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._peak = 0
+        self.peak = 0
+        self.paused = True
+        self._started = False
+        self._compiling = False
 
-    def resume(self, first: bool = False) -> None:
-        if not first:  # the peak the paused work reached is not the step's
+    def compile_starts(self) -> None:
+        self._compiling = True
+        self.pause()
+
+    def compile_ends(self) -> None:
+        self._compiling = False
+        self.resume()
+
+    def resume(self) -> None:
+        if self._started:  # the peak the paused work reached is not the step's
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.paused, self._started = False, True
 
     def pause(self) -> None:
+        if self.paused:
+            return
         torch.cuda.synchronize(self.device)
-        self._peak = max(self._peak, torch.cuda.max_memory_allocated(self.device))
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+        self.paused = True
 
-    def peak(self) -> int:
-        return self._peak
+    def after_backend(self) -> None:
+        if not self._compiling:  # a graph compiled while the step runs (a piece planned anew)
+            self.resume()
 
 
 @contextlib.contextmanager

@@ -89,13 +89,13 @@ def test_a_frame_skipped_before_does_not_stop_capture():
 def test_computation_outside_the_planned_graph_is_refused():
     """The check after each call: a view of what the graph returned is fine; an operation computed
     outside it (a loss run eagerly) is refused, naming it."""
-    from fxopt.capture.coverage import check_whole, nodes_made_since, sequence_number
+    from fxopt.capture.coverage import check_whole, made_in, sequence_number
 
     compiled = torch.compile(lambda x, w: torch.relu(x @ w), backend="aot_eager")
     x, w = torch.randn(8, 4), torch.randn(4, 4, requires_grad=True)
     since = sequence_number()
     out = compiled(x, w)
-    planned = set(nodes_made_since(out, since))
+    planned = made_in([(since, sequence_number())])
     check_whole(out.t().unsqueeze(0), since, planned, glue=())
     with pytest.raises(fxopt.CaptureError, match="LogSoftmaxBackward0.*torch._dynamo.reset"):
         check_whole(F.log_softmax(out, -1).sum(), since, planned, glue=())
@@ -103,7 +103,7 @@ def test_computation_outside_the_planned_graph_is_refused():
     before = torch.randn(4, 4, requires_grad=True) * 2
     since = sequence_number()
     out = compiled(x, before)
-    check_whole(out, since, set(nodes_made_since(out, since)), glue=())
+    check_whole(out, since, made_in([(since, sequence_number())]), glue=())
 
 
 class EagerLoss(nn.Module):

@@ -3,9 +3,10 @@
 A plan bounds what runs inside the graphs fxopt captured. Whatever Dynamo ran eagerly instead (a
 frame it skipped, code between graph breaks) is outside every plan. The autograd graph of the
 call's outputs shows it: each operation that ran in this call and will run a backward has a node
-there, and the nodes of fxopt's graphs are known (each piece records those its call made). So,
-walking the nodes made in this call (autograd numbers them as it makes them; older ones belong to
-what the caller did before):
+there, and the nodes of fxopt's graphs are known. Autograd numbers the nodes as it makes them, so
+each piece records the numbers its call made (holding no node: a Python reference to an autograd
+node kept past its step crashed the garbage collector), and the walk covers the nodes made in this
+call (older ones belong to what the caller did before):
 
     loss ─▶ NllLossBackward ─▶ LogSoftmaxBackward ─▶ CompiledFunctionBackward (fxopt's) ─▶ AccumulateGrad
             └──────── computed outside the plan: refused ────────┘
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -98,10 +99,16 @@ def _named(nodes: Iterable) -> str:
     return ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in sorted(found.items()))
 
 
-def check_whole(outputs: Any, since: int, planned: set, glue: tuple[str, ...]) -> None:
+def made_in(spans: Iterable[tuple[int, int]]) -> Callable[[Any], bool]:
+    """Whether an autograd node was made in one of ``spans`` (from, to) of `sequence_number`s."""
+    spans = list(spans)
+    return lambda node: any(lo <= node._sequence_nr() < hi for lo, hi in spans)
+
+
+def check_whole(outputs: Any, since: int, planned: Callable[[Any], bool], glue: tuple[str, ...]) -> None:
     """Refuse a step planned as one graph in which anything but views and ``glue`` was computed
-    outside the graphs whose nodes are ``planned`` (see the module docstring)."""
-    outside = [node for node in nodes_made_since(outputs, since) if node not in planned
+    outside the graphs fxopt planned (``planned(node)``; see the module docstring)."""
+    outside = [node for node in nodes_made_since(outputs, since) if not planned(node)
                and not _is_view_node(type(node).__name__) and not type(node).__name__.startswith(glue)]
     if outside:
         raise CaptureError(
@@ -109,12 +116,13 @@ def check_whole(outputs: Any, since: int, planned: set, glue: tuple[str, ...]) -
             f"step, so the budget does not hold for it: {_named(outside)}. {SKIP_ADVICE}")
 
 
-def check_pieces(outputs: Any, since: int, planned: set, counted: set, glue: tuple[str, ...], advice: str) -> None:
-    """Refuse a step in pieces in which an operation outside the pieces (whose nodes are
-    ``planned``) keeps, for its backward, a tensor no plan or reserve counts (``counted``: the
-    storages that are, resident or returned by a piece). ``advice``: what to do about it."""
+def check_pieces(outputs: Any, since: int, planned: Callable[[Any], bool], counted: set, glue: tuple[str, ...],
+                 advice: str) -> None:
+    """Refuse a step in pieces in which an operation outside the pieces (``planned(node)``) keeps,
+    for its backward, a tensor no plan or reserve counts (``counted``: the storages that are,
+    resident or returned by a piece). ``advice``: what to do about it."""
     outside = [node for node in nodes_made_since(outputs, since)
-               if node not in planned and not type(node).__name__.startswith(glue)
+               if not planned(node) and not type(node).__name__.startswith(glue)
                and any(storage_key(t) not in counted for t in kept_tensors(node))]
     if outside:
         raise CaptureError(

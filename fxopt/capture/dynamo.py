@@ -10,6 +10,7 @@ saved tensors are released as soon as the backward has used them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -19,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
-from fxopt.measure import not_measured
+from fxopt.measure import not_measured, step_runs
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.solvers.plan import Plan
 from fxopt.planner import Options, make_plan
@@ -155,7 +156,14 @@ def step_backend(partition: Callable, options: Options, before: Callable | None 
         with not_measured():
             if before is not None:
                 before(gm, example_inputs)
-            return compile_graph(gm, example_inputs)
+            compiled = compile_graph(gm, example_inputs)
+
+        @functools.wraps(compiled)
+        def run(*args):
+            step_runs()  # a measurement in progress resumes here (`fxopt.measure`)
+            return compiled(*args)
+
+        return run
 
     return compile_step
 

@@ -71,7 +71,7 @@ class Piece:
     saved_bytes: int  # what its forward keeps for its backward (as the plan keeps it)
     outputs: dict[StorageKey, int]  # storage -> bytes of the tensors its forward returned in this step
     refs: dict[StorageKey, Any] = dataclasses.field(default_factory=dict)  # weak references to them
-    nodes: frozenset = frozenset()  # the autograd nodes its call made (`fxopt.capture.coverage`)
+    made: tuple[int, int] = (0, 0)  # the autograd node numbers its call made, from and to (`fxopt.capture.coverage`)
     whole: bool = False  # planned as the whole step
 
     def outputs_alive(self) -> dict[StorageKey, int]:
@@ -132,7 +132,7 @@ class Step:
             raise CaptureError(
                 "torch.compile captured no graph of this training step that has a backward, so it would run "
                 f"unoptimized. {coverage.SKIP_ADVICE}")
-        planned = set().union(*(p.nodes for p in self.pieces))
+        planned = coverage.made_in(p.made for p in self.pieces)
         glue = coverage.HOOK_NODES + (self.wrapping.glue_nodes if self.wrapping is not None else ())
         if any(p.whole for p in self.pieces):
             if len(self.pieces) > 1:
@@ -297,9 +297,9 @@ class PiecewiseBackend:
             outputs = compiled(*args)
             if self.step is not None:
                 saved = plan.timeline().saved_bytes if plan is not None else 0
-                nodes = frozenset(coverage.nodes_made_since(outputs, since))
+                made = (since, coverage.sequence_number())
                 self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs), storage_refs(outputs),
-                                              nodes, whole))
+                                              made, whole))
             return outputs
 
         return run
