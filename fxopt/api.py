@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -11,24 +10,24 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 from fxopt.budget import BudgetLike
-from fxopt.capture.dynamo import PlanReady, is_graph_break, logging_switches, make_backend, unwrap_compile_error
+from fxopt.capture.compiled import compile_step, run_compiled
+from fxopt.capture.coverage import check_whole, sequence_number
+from fxopt.capture.dynamo import PlanReady, make_backend
 from fxopt.buckets import Bucket, bucket_of
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
 from fxopt.capture.pieces import GRAPH_BREAKS, PiecewiseBackend, Step
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
 from fxopt.distributed import data_parallel
-from fxopt.errors import BudgetError, CaptureError, FxoptError, GraphBreakError, InfeasibleBudgetError, check_choice
+from fxopt.distributed.data_parallel import DistributedStep
+from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError, check_choice
 from fxopt.options import Options
-from fxopt.planner import capture_clock, meta_device_message
+from fxopt.planner import meta_device_message
 from fxopt.solvers.plan import Plan
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
-
-# Dynamo keeps one compiled entry per input signature (and per fxopt module of the same class);
-# past its limit it would silently run eagerly. fxopt raises instead, after this many.
-RECOMPILE_LIMIT = 64
 
 
 def _check_model(model: Any) -> None:
@@ -38,85 +37,6 @@ def _check_model(model: Any) -> None:
     if on_meta:
         raise CaptureError(meta_device_message(f"{len(on_meta)} of the model's parameters and buffers "
                                                f"({', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}) are"))
-
-
-@contextlib.contextmanager
-def _dynamo_settings():
-    cfg = torch._dynamo.config
-    # Dynamo's DDP optimizer would split the step at DDP's bucket boundaries: fxopt plans it whole
-    # (see fxopt.distributed.data_parallel).
-    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT), "optimize_ddp": False}
-    if hasattr(cfg, "fail_on_recompile_limit_hit"):
-        patch["fail_on_recompile_limit_hit"] = True
-    with cfg.patch(**patch), logging_switches():
-        yield
-
-
-_GLOBAL_MODULE_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
-                        "_global_backward_hooks", "_global_forward_hooks_always_called",
-                        "_global_forward_hooks_with_kwargs")
-
-
-@contextlib.contextmanager
-def _dispatch_modes_see_the_step(compiler: str):
-    """Let a TorchDispatchMode around the call (``FlopCounterMode``, a memory tracker) see the
-    rewritten step's ops, recomputations included, instead of making Dynamo skip the frame:
-    such a mode is told to ignore compile internals for the call, as torch does for modes that
-    ask (it is off while compiling and on while the compiled graphs run)."""
-    from torch.utils import _python_dispatch as pd
-
-    modes = [m for m in pd._get_current_dispatch_mode_stack()
-             if not m.is_infra_mode() and not m.ignore_compile_internals()]
-    if not modes:
-        yield
-        return
-    if compiler != "eager":
-        names = ", ".join(sorted({type(m).__name__ for m in modes}))
-        raise FxoptError(
-            f"{names} cannot see inside kernels that Inductor generates, so it would miscount "
-            "this fxopt step; run it with compiler='eager' (fxopt.optimize(..., compiler='eager')) "
-            "where the mode must see every op"
-        )
-    for mode in modes:
-        mode.ignore_compile_internals = lambda: True
-    flag = getattr(pd, "_is_in_any_mode_without_ignore_compile_internals", None)
-    if flag is not None:
-        pd._is_in_any_mode_without_ignore_compile_internals = False
-    # Modes that attribute ops to modules (FlopCounterMode's ModuleTracker) install global module
-    # hooks; the step is one graph now, so it is attributed to the fxopt module as a whole.
-    hook_dicts = [getattr(nn.modules.module, name) for name in _GLOBAL_MODULE_HOOKS
-                  if hasattr(nn.modules.module, name)]
-    stashed = [dict(d) for d in hook_dicts]
-    for d in hook_dicts:
-        d.clear()
-    try:
-        yield
-    finally:
-        for d, saved in zip(hook_dicts, stashed):
-            d.update(saved)
-        for mode in modes:
-            del mode.ignore_compile_internals
-        if flag is not None:
-            pd._is_in_any_mode_without_ignore_compile_internals = flag
-
-
-def _run_compiled(compiled, args, kwargs, compiler: str = "eager"):
-    try:
-        with _dynamo_settings(), _dispatch_modes_see_the_step(compiler), capture_clock():
-            return compiled(*args, **kwargs)
-    except Exception as err:  # noqa: BLE001 - translate what Dynamo wraps into fxopt's errors
-        inner = unwrap_compile_error(err)
-        if inner is not None and inner is not err:
-            raise inner from None
-        if is_graph_break(err):
-            raise GraphBreakError(
-                "fxopt needs the whole training step as one graph, but torch.compile could not "
-                f"capture this model in one piece: {str(err).splitlines()[0]}\n"
-                "Rewrite the unsupported Python (data-dependent control flow, .item(), unsupported "
-                "libraries) or move it out of forward(); or let fxopt.optimize(model, budget) plan "
-                "the pieces in order (graph_breaks='split', its default; the budget in bytes)."
-            ) from err
-        raise
 
 
 class _WithTheOriginalsSignature:
@@ -145,7 +65,9 @@ class FxoptModule(nn.Module):
     """A model whose training step fxopt plans and rewrites. Used like the original: it shares
     the original's parameters, buffers and submodules (and so its ``state_dict``); forward,
     ``loss.backward()`` and ``optimizer.step()`` work as before. Each new input signature is
-    captured and planned at its first call; ``plans`` holds every plan, ``plan`` the latest."""
+    captured and planned at its first call; ``plans`` holds every plan, ``plan`` the latest.
+    Pickled (``torch.save``), it keeps its plans and options; the compiled steps are made again
+    at the first call after loading."""
 
     def __init__(self, model: nn.Module, options: Options, graph_breaks: str = "split",
                  dynamic: DynamicDims | None = None):
@@ -158,40 +80,44 @@ class FxoptModule(nn.Module):
         self.__dict__["_model"] = model
         self.__dict__["_options"] = options
         self.__dict__["plans"] = []
-
         self.__dict__["_graph_breaks"] = graph_breaks
-        # One compiled step per amount of gradient memory held when a step starts (see `forward`).
-        self.__dict__["_steps"] = {}
-        # With ``dynamic=``: the calls, by the gradient memory held when a step starts (as `_steps`).
         self.__dict__["_dims"] = dynamic
-        self.__dict__["_dynamic_runs"] = {} if dynamic is None else {0: DynamicRun(model, options, dynamic, self.plans)}
-        if dynamic is not None and (data_parallel.is_ddp(model) or data_parallel.fsdp_units(model)):
-            raise ValueError("dynamic= plans a step captured as one graph; a DDP or FSDP2 model is captured in "
-                             "pieces: plan it without dynamic= (each shape on its own)")
-        if data_parallel.is_ddp(model):
-            data_parallel.check_ddp(model)
-        # An FSDP2 model: planned block by block; the submodules between its units compiled too.
-        units = data_parallel.fsdp_units(model)
-        if units:
-            data_parallel.check_fsdp(units, graph_breaks)
-            if options.budget.bytes is None:
-                raise BudgetError(
-                    f"fxopt plans an FSDP2 step piece by piece (FSDP's hooks run between the pieces) and needs "
-                    f"the budget in bytes, not {str(options.budget)!r}: the step's eager peak and its smallest "
-                    "budget are not known until every piece has run. Pass bytes or a size such as '2GiB'.")
-        self.__dict__["_fsdp_units"] = units
-        self.__dict__["_eager_modules"] = data_parallel.eager_modules(model, units) if units else []
+        distributed = DistributedStep(model)
+        distributed.check(graph_breaks, options.budget.bytes is not None, dynamic is not None)
+        self.__dict__["_distributed"] = distributed
+        self._new_compiled_state()
         self.training = model.training
 
+    def _new_compiled_state(self) -> None:
+        # One compiled step per amount of gradient memory held when a step starts (see `_step_for`);
+        # with ``dynamic=``, one `DynamicRun` per such amount instead.
+        self.__dict__["_steps"] = {}
+        self.__dict__["_dynamic_runs"] = {} if self._dims is None else {
+            0: DynamicRun(self._model, self._options, self._dims, self.plans)}
+        # Eval-mode calls with gradients held whose step (forward and backward) is infeasible, by the
+        # gradient bytes held: their forward runs without a backward (`_forward_only`).
+        self.__dict__["_forward_only_steps"] = {}
+
+    def __getstate__(self) -> dict:
+        # Compiled steps hold torch.compile's state and closures, which do not pickle: made again.
+        state = super().__getstate__()
+        for name in ("_steps", "_dynamic_runs", "_forward_only_steps", "_signature"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._new_compiled_state()
+
     def _step_for(self, held_gradient_bytes: int) -> tuple[PiecewiseBackend, Callable, list[Callable]]:
-        """The backend, the compiled model and the compiled calls of the submodules between FSDP2
+        """The backend, the compiled step and the compiled calls of the submodules between FSDP2
         units (`fxopt.distributed.data_parallel.eager_modules`) of steps that start with
-        ``held_gradient_bytes`` of
-        gradients already there (0 normally; the accumulated gradients under gradient
-        accumulation, or zeroed ones after ``zero_grad(set_to_none=False)``). Those stay alive
-        through the whole step beside what it allocates, so such a step is captured and planned
-        on its own, counting them (`fxopt.capture.dynamo.unread_resident_bytes`): torch.compile's
-        guards do not look at ``.grad``, so one compiled step could not tell the two apart."""
+        ``held_gradient_bytes`` of gradients already there (0 normally; the accumulated
+        gradients under gradient accumulation, or zeroed ones after
+        ``zero_grad(set_to_none=False)``). Those stay alive through the whole step beside what it
+        allocates, so such a step is captured and planned on its own, counting them
+        (`fxopt.capture.dynamo.unread_resident_bytes`): torch.compile's guards do not look at
+        ``.grad``, so one compiled step could not tell the two apart."""
         if held_gradient_bytes not in self._steps:
             model, options = self._model, self._options
             if held_gradient_bytes and options.plan is not None:
@@ -210,13 +136,12 @@ class FxoptModule(nn.Module):
                                     resident=model if whole else None, held_bytes=held if whole else 0)
 
             backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks)
-            # fxopt.optimize(DDP(model)): DDP's forward runs as it is, its call of the model runs
-            # the compiled step (see fxopt.distributed.data_parallel).
-            target = data_parallel.module_call(model.module) if data_parallel.is_ddp(model) else model
-            compiled = torch.compile(target, backend=backend, fullgraph=self._graph_breaks == "error", dynamic=False)
-            calls = [torch.compile(data_parallel.module_call(m), backend=backend, dynamic=False)
-                     for m in self._eager_modules]
-            self._steps[held_gradient_bytes] = backend, compiled, calls
+            distributed = self._distributed
+            compiled = compile_step(distributed.target(), backend, fullgraph=self._graph_breaks == "error",
+                                    dynamic=False)
+            between = distributed.compile_between(
+                lambda call: compile_step(call, backend, fullgraph=False, dynamic=False))
+            self._steps[held_gradient_bytes] = backend, compiled, between
         return self._steps[held_gradient_bytes]
 
     @property
@@ -251,53 +176,58 @@ class FxoptModule(nn.Module):
     def original(self) -> nn.Module:
         return self._model
 
+    def _held_gradient_bytes(self) -> int:
+        """Bytes of the gradients already there as a call starts (each storage once)."""
+        return sum(storages([p.grad for p in self._model.parameters() if p.grad is not None]).values())
+
     @_WithTheOriginalsSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        model = self._model
-        held = sum(storages([p.grad for p in model.parameters() if p.grad is not None]).values())
+        held = self._held_gradient_bytes()
         if self._dims is not None:
             if held not in self._dynamic_runs:
-                self._dynamic_runs[held] = DynamicRun(model, self._options, self._dims, self.plans)
+                self._dynamic_runs[held] = DynamicRun(self._model, self._options, self._dims, self.plans)
             return self._dynamic_runs[held](args, kwargs)
-        backend, compiled, calls = self._step_for(held)
-        ddp = model if data_parallel.is_ddp(model) else data_parallel.running_ddp(self)
-        if ddp is not None:
-            data_parallel.check_ddp(ddp)
-        units = self._fsdp_units
-        # Held beside the step by no tensor of the model: DDP's buckets (those the gradients are
-        # not views of), a bound on FSDP2's buffers.
-        beside = data_parallel.held_bytes([ddp]) if ddp is not None else 0
-        if units:
-            beside += data_parallel.fsdp_held_bytes(units)
-        step = backend.step = Step.start(model, [args, kwargs], held=beside, every_graph_a_piece=bool(units),
-                                         blocks_to_come=(lambda: data_parallel.units_to_come(units)) if units else None)
+        forward_only = not self.training and held and torch.is_grad_enabled()
+        if forward_only and held in self._forward_only_steps:
+            return self._forward_only(self._forward_only_steps[held], args, kwargs)
         try:
-            with data_parallel.routes(self._eager_modules, calls):
-                if ddp is model:
-                    with data_parallel.routed(model.module, compiled):
-                        out = _run_compiled(model, args, kwargs, self._options.compiler)
-                else:
-                    out = _run_compiled(compiled, args, kwargs, self._options.compiler)
-            pieces = sum(p.plan is not None for p in step.pieces)
+            return self._run_step(held, args, kwargs)
         except InfeasibleBudgetError as err:
             if not held:
                 raise
-            raise InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [
-                err.detail, f"This step starts with {format_bytes(held)} of gradients already there (gradient "
-                "accumulation, or zero_grad(set_to_none=False)), alive through the whole step; "
-                "optimizer.zero_grad() (set_to_none, the default) before it frees them."])),
-                err.lower_bound) from None
+            err = _with_detail(err, f"This step starts with {format_bytes(held)} of gradients already there "
+                               "(gradient accumulation, or zero_grad(set_to_none=False)), alive through the whole "
+                               "step; optimizer.zero_grad() (set_to_none, the default) before it frees them.")
+            if not forward_only:
+                raise err from None
+            self._forward_only_steps[held] = err
+            return self._forward_only(err, args, kwargs)
+
+    def _run_step(self, held_gradient_bytes: int, args: tuple, kwargs: dict) -> Any:
+        """One call of the compiled step, checked to have run within the graphs fxopt planned."""
+        backend, compiled, between = self._step_for(held_gradient_bytes)
+        distributed = self._distributed
+        beside = distributed.held_beside(distributed.running_ddp(self))
+        step = backend.step = Step.start(self._model, [args, kwargs], held=beside, wrapping=distributed)
+        try:
+            out = distributed.call(functools.partial(run_compiled, compiler=self._options.compiler), compiled,
+                                   between, args, kwargs)
         finally:
             backend.step = None
-        if units and torch.is_grad_enabled():
-            data_parallel.check_planned(out, step.counted())
-        if not pieces and torch.is_grad_enabled() and any(
-                t.requires_grad for t in tensors_in(out)):
-            raise CaptureError(
-                "torch.compile captured no graph of this training step (Dynamo skipped the frame), "
-                "so it would run unoptimized; run it once with torch.compile(model, fullgraph=True) "
-                "to see why")
+        step.check_covered(out)
         return out
+
+    def _forward_only(self, refusal: InfeasibleBudgetError, args: tuple, kwargs: dict) -> Any:
+        """An eval-mode call with gradients held whose whole step is infeasible (``refusal``): its
+        forward runs without a backward, as an evaluation needs (no activation is kept), and a
+        backward through its outputs raises ``refusal``."""
+        with torch.no_grad():
+            out = self._run_step(0, args, kwargs)
+        err = _with_detail(refusal, "This call ran in eval mode with gradients held, so fxopt ran its forward "
+                           "only; to train in eval mode, zero the gradients first or raise the budget.")
+        anchor = torch.empty(0, requires_grad=True)  # makes the outputs need a backward, as eager's do
+        return tree_map_only(torch.Tensor, lambda t: _BackwardRefused.apply(err, t, anchor)
+                             if t.is_floating_point() else t, out)
 
     def train(self, mode: bool = True) -> FxoptModule:
         self._model.train(mode)
@@ -308,10 +238,32 @@ class FxoptModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.__dict__["_model"], name)
+            model = self.__dict__.get("_model")
+            if model is None:  # being unpickled or copied: no state yet
+                raise
+            return getattr(model, name)
 
     def extra_repr(self) -> str:
         return f"budget={self._options.budget!r}, solver={self._options.solver!r}"
+
+
+def _with_detail(err: InfeasibleBudgetError, detail: str) -> InfeasibleBudgetError:
+    """``err`` saying ``detail`` too."""
+    return InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [err.detail, detail])),
+                                 err.lower_bound)
+
+
+class _BackwardRefused(torch.autograd.Function):
+    """The identity, whose backward raises the error it was given (see `FxoptModule._forward_only`)."""
+
+    @staticmethod
+    def forward(ctx, error: Exception, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.error = error
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise ctx.error
 
 
 class DynamicRun:
@@ -336,16 +288,21 @@ class DynamicRun:
         k = bucket_of(state.buckets, state.point) if state.buckets else None
         if k not in self.compiled:
             backend = make_dynamic_backend(self.options, state, self.model)
-            self.compiled[k] = torch.compile(self.model, backend=backend, fullgraph=True, dynamic=None)
+            self.compiled[k] = compile_step(self.model, backend, fullgraph=True, dynamic=None)
+        since = sequence_number()
         try:
             with capture_settings():
                 mark(state.call_dims, state.dims.ranges)
-                out = _run_compiled(self.compiled[k], args, kwargs, self.options.compiler)
+                out = run_compiled(self.compiled[k], args, kwargs, self.options.compiler)
         finally:
             state.call_dims = []
         if k is None and state.buckets:  # the first call planned: its graph is its bucket's
             self.compiled[bucket_of(state.buckets, state.point)] = self.compiled.pop(None)
         self._record_plans()
+        # One graph (fullgraph) entered at a frame of fxopt's own is the whole step: nothing else
+        # computes, unless Dynamo was off (torch.compiler.set_stance("force_eager"), config.disable).
+        if torch.is_grad_enabled():
+            check_whole(out, since, planned=_compiled_node, glue=())
         return out
 
     def _record_plans(self) -> None:
@@ -367,6 +324,11 @@ class DynamicRun:
         if self.state.buckets is None:
             raise CaptureError("nothing to plan: the captured step has no backward (no input or parameter "
                                "requires grad, or it ran under torch.no_grad())")
+
+
+def _compiled_node(node) -> bool:
+    """Whether an autograd node is a compiled graph's (every compile of a `DynamicRun` is fxopt's)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
 
 
 def optimize(model: nn.Module, budget: BudgetLike | Options, *, example_inputs: Sequence[Any] | None = None,
@@ -442,12 +404,11 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
         state = DynamicState(dims)
         state.analyze_at = point
         state.call_dims = dims.dims(model, args, kwargs)
-        compiled = torch.compile(model, backend=make_dynamic_backend(options, state, model), fullgraph=True,
-                                 dynamic=None)
+        compiled = compile_step(model, make_dynamic_backend(options, state, model), fullgraph=True, dynamic=None)
         try:
             with capture_settings():
                 mark(state.call_dims, dims.ranges)
-                _run_compiled(compiled, args, kwargs, options.compiler)
+                run_compiled(compiled, args, kwargs, options.compiler)
         except Analyzed as done:
             return done.eager, done.rewritten
         except SpecializedError as err:
@@ -486,10 +447,10 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
         data_parallel.check_ddp(model)
         held, model = data_parallel.bucket_bytes(model), model.module
     backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held)
-    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    compiled = compile_step(model, backend, fullgraph=True, dynamic=False)
     args, kwargs = _split_inputs(example_inputs)
     try:
-        _run_compiled(compiled, args, kwargs, options.compiler)
+        run_compiled(compiled, args, kwargs, options.compiler)
     except PlanReady as ready:
         return ready
     raise CaptureError(

@@ -12,18 +12,30 @@ allocations made during it, the way ``torch.cuda.max_memory_allocated()`` counts
   optimizers, tensors, and lists/dicts of them), each storage counted once, plus the gradient
   buckets of a DDP among them, which no reachable tensor shows (as its reducer reports them, see
   `fxopt.distributed.data_parallel`). `measure_timeline` keeps the whole curve.
+
+A step whose call captures and plans (an fxopt module's first call, a new input shape) is measured
+without that work, the same on its first call as on the next. Every Dynamo compile during the
+measurement is a window left out (Dynamo's start and end callbacks mark it). fxopt's backend
+(`not_measured`) stops the CPU profiler besides, since planning measures each op's memory with a
+profiler of its own, which would end the measurement's; it starts again where one of fxopt's
+compiled graphs starts running (`step_runs`), outside every profiler range Dynamo opens while it
+compiles (a profiler started again inside one crashed the interpreter later). On CUDA the
+allocator's peak so far is kept at each window and its statistics reset after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from fxopt.cpu_memory import profile_cpu_memory
+from fxopt.measuring import SESSION as _SESSION
 from fxopt.distributed.data_parallel import held_bytes
 from fxopt.storage import storages, tensors_in
 
@@ -48,16 +60,18 @@ def measure_peak(
 
     ``resident``: on CPU, the modules/optimizers/tensors alive at the start whose bytes count
     towards the peak (``args`` and ``kwargs`` are always included). On CUDA everything allocated
-    is counted and ``resident`` is not needed.
+    is counted and ``resident`` is not needed. Capturing and planning inside the step (an fxopt
+    module's first call) is not counted: the peak is the step's own.
     """
     dev = torch.device(device) if device is not None else _guess_device(args, kwargs, resident)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         start = torch.cuda.memory_allocated(dev)
-        result = step(*args, **kwargs)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
+        session = _CudaSession(dev)
+        with _measuring(session):
+            result = step(*args, **kwargs)
+        peak = session.peak
         return PeakMemory(peak, start, peak - start, str(dev), result)
     if dev.type != "cpu":
         raise ValueError(f"measure_peak supports cpu and cuda devices, not {dev}")
@@ -78,15 +92,15 @@ class MemoryTimeline:
 
 def measure_timeline(step: Callable[..., Any], *args: Any, resident: Iterable[Any] = (), **kwargs: Any) -> MemoryTimeline:
     """Run ``step(*args, **kwargs)`` once on CPU and return its memory over time, from profiler
-    allocation events (``resident`` as for `measure_peak`)."""
+    allocation events (``resident`` as for `measure_peak`; capturing and planning inside it not
+    counted)."""
     resident = list(resident)
     start = sum(storages([*resident, args, kwargs], grads=True, device_type="cpu").values()) + held_bytes(
         [*resident, *args, *kwargs.values()])
-    with profile_cpu_memory() as prof:
+    session = _CpuSession()
+    with _measuring(session):
         result = step(*args, **kwargs)
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())
+    events = sorted(session.events, key=lambda e: e.start_ns())
     t0 = events[0].start_ns() if events else 0
     seconds, live_bytes, live = [], [], start
     for e in events:
@@ -94,6 +108,106 @@ def measure_timeline(step: Callable[..., Any], *args: Any, resident: Iterable[An
         seconds.append((e.start_ns() - t0) / 1e9)
         live_bytes.append(live)
     return MemoryTimeline(tuple(seconds), tuple(live_bytes), start, result)
+
+
+@contextlib.contextmanager
+def _measuring(session):
+    """Measure with ``session`` while inside, Dynamo's compiles left out (see the module docstring)."""
+    handler = torch._dynamo.callback_handler
+    on_start, on_end = (lambda _: session.compile_starts()), (lambda _: session.compile_ends())
+    handler.register_start_callback(on_start)
+    handler.register_end_callback(on_end)
+    session.resume()
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
+        session.pause()
+        for callbacks, callback in ((handler.start_callbacks, on_start), (handler.end_callbacks, on_end)):
+            if callback in callbacks:  # (torch._dynamo.reset() clears them)
+                callbacks.remove(callback)
+
+
+class _CpuSession:
+    """On CPU: profiler sessions of allocation events, without those in Dynamo's compiles."""
+
+    def __init__(self):
+        self.paused = True
+        self._events: list = []
+        self._windows: list[list] = []  # [start_ns, end_ns or None] of each Dynamo compile
+        self._started = False
+
+    @property
+    def events(self) -> list:
+        def in_a_compile(e) -> bool:
+            t = e.start_ns()
+            return any(lo <= t and (hi is None or t < hi) for lo, hi in self._windows)
+
+        return [e for e in self._events if not in_a_compile(e)]
+
+    def compile_starts(self) -> None:
+        self._windows.append([time.time_ns(), None])
+
+    def compile_ends(self) -> None:
+        if self._windows and self._windows[-1][1] is None:
+            self._windows[-1][1] = time.time_ns()
+
+    def resume(self) -> None:
+        # Frees of blocks allocated before profiling starts would show up without their allocation:
+        # old garbage is collected before the first session (not when resuming in the middle of a
+        # step: a full collection there crashed the interpreter).
+        self._profile = profile_cpu_memory(collect=not self._started)
+        self._prof = self._profile.__enter__()
+        self.paused, self._started = False, True
+
+    def pause(self) -> None:
+        if self.paused:
+            return
+        self._profile.__exit__(None, None, None)
+        self._events += [e for e in self._prof.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+        self._profile = self._prof = None
+        self.paused = True
+
+    def after_backend(self) -> None:
+        """Stopped until the graph runs (`step_runs`)."""
+
+
+class _CudaSession:
+    """On CUDA: the allocator's peak, kept at each pause (the statistics reset at each resume)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0
+        self.paused = True
+        self._started = False
+        self._compiling = False
+
+    def compile_starts(self) -> None:
+        self._compiling = True
+        self.pause()
+
+    def compile_ends(self) -> None:
+        self._compiling = False
+        self.resume()
+
+    def resume(self) -> None:
+        if self._started:  # the peak the paused work reached is not the step's
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.paused, self._started = False, True
+
+    def pause(self) -> None:
+        if self.paused:
+            return
+        torch.cuda.synchronize(self.device)
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+        self.paused = True
+
+    def after_backend(self) -> None:
+        if not self._compiling:  # a graph compiled while the step runs (a piece planned anew)
+            self.resume()
 
 
 def _guess_device(*objs: Any) -> torch.device:

@@ -25,6 +25,7 @@ from fxopt.analysis import analyze as analyze_step
 from fxopt.analysis.bandwidth import device_transfers
 from fxopt.analysis.symbolic import Sizes
 from fxopt.budget import Budget
+from fxopt.buckets import plan_buckets, range_infeasible
 from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.fxgraph import copy_module
 from fxopt.options import Options
@@ -102,21 +103,14 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
                sizes: Sizes | None):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
-    codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
-                  sizes=sizes)
-    copies = transfers(joint, options)
-
-    def analyze(gm, num_fwd_outputs, cost_model, **codecs):  # every analysis below carries the bandwidths
-        jg = analyze_step(gm, num_fwd_outputs, cost_model, **codecs)
-        return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
-
+    codecs = _codecs(options, unread_resident_bytes, sizes)
+    analyze = _analyzer(joint, options)
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
     # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).
     pristine = copy_module(joint) if options.plan is not None and options.plan_from_examples else None
-    rewritten = recompute_dropout_from_mask(joint)
-    relu = masks.relu_masks(joint) if options.compress else 0
-    jg = before if before is not None and not (rewritten or relu) else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+    rewritten, relu = _rewrite_for_planning(joint, options)
+    jg = before if before is not None and not rewritten else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
 
     def without_relu_masks():
         masks.undo_relu_masks(joint)
@@ -210,6 +204,62 @@ def meta_device_message(what: str) -> str:
             "would be wrong. Build the model and its inputs on a real device before planning (for a model built "
             "on meta: model.to_empty(device='cpu'), then initialize its weights). Planning a model too large "
             "to build is not supported yet.")
+
+
+def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None) -> dict:
+    """The analysis' settings besides the cost model (see `fxopt.analysis.analyze`)."""
+    return dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
+                sizes=sizes)
+
+
+def _analyzer(joint: fx.GraphModule, options: Options):
+    """`fxopt.analysis.analyze`, its graphs carrying the bandwidths OFFLOAD is planned with (`transfers`)."""
+    copies = transfers(joint, options)
+
+    def analyze(gm, num_fwd_outputs, cost_model, **codecs):
+        jg = analyze_step(gm, num_fwd_outputs, cost_model, **codecs)
+        return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
+
+    return analyze
+
+
+def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool, int]:
+    """The rewrites planning starts from, in place: dropout recomputed from its mask, and (with
+    ``compress``) ReLU's backward reading a bool mask. Whether anything changed, and how many ReLU
+    masks were made (`masks.undo_relu_masks` takes them back)."""
+    dropout = recompute_dropout_from_mask(joint)
+    relu = masks.relu_masks(joint) if options.compress else 0
+    return bool(dropout or relu), relu
+
+
+def analyze_for_planning(joint: fx.GraphModule, num_fwd_outputs: int, options: Options,
+                         unread_resident_bytes: int = 0, sizes: Sizes | None = None):
+    """The step analysed as captured and after the rewrites planning starts from (both
+    `fxopt.analysis.JointGraph`s), without planning it: what `make_plan` starts from
+    (`fxopt.max_batch` reads it)."""
+    codecs = _codecs(options, unread_resident_bytes, sizes)
+    analyze = _analyzer(joint, options)
+    eager = analyze(copy_module(joint), num_fwd_outputs, options.cost_model, **codecs)
+    rewritten, _ = _rewrite_for_planning(joint, options)
+    return eager, analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if rewritten else eager
+
+
+def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
+               sizes: Sizes):
+    """A step captured with dynamic shapes, planned at the top of its range (``sizes.point``), and
+    the range split into buckets, each with its plan (`fxopt.buckets`): (the step planned, its
+    plan, the buckets). An infeasible budget names the smallest one the whole range needs."""
+    try:
+        jg, plan = make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes=sizes)
+    except InfeasibleBudgetError as err:
+        eager = analyze_step(joint, num_fwd_outputs, options.cost_model,
+                             **_codecs(options, unread_resident_bytes, sizes))
+        raise range_infeasible(eager, err, options.solver) from None
+    if jg.symbolic is None:
+        raise CaptureError("dynamic= was given but the captured step has no symbolic size: "
+                           "every dimension it names was specialized")
+    jg.symbolic.check_monotone()
+    return jg, plan, plan_buckets(jg, plan, solver=options.solver, time_limit=options.time_limit)
 
 
 def _given_plan(options: Options, jg) -> Plan | None:

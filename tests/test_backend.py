@@ -243,3 +243,40 @@ def test_inductor_keeps_a_vision_transformer_within_its_smallest_budget():
     step(optimized, inputs)  # the first call compiles
     measured = measured_peak(optimized, inputs)
     assert measured <= optimized.plan.peak_bytes <= optimized.plan.budget_bytes
+
+
+class _LanguageModelLoss(nn.Module):
+    """A transformers causal LM called the way its users call it, with ``labels=``."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids=input_ids, labels=labels).loss
+
+
+def test_a_library_model_whose_loss_logs_compiles_as_one_step():
+    """GPT-2's loss path logs (``logger.warning_once``): without fxopt's logging switches that is a
+    graph break, and the backend refused the step (issue 24, item 13). By name, as users write it:
+    one graph, within the budget, the step equal to eager's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    model = _LanguageModelLoss(transformers.GPT2LMHeadModel(config))
+    ids = torch.randint(0, 512, (4, 32))
+    eager = copy.deepcopy(model)
+    budget = int(0.8 * measured_peak(copy.deepcopy(model), (ids, ids)))
+    compiled = torch.compile(model, backend="fxopt", dynamic=False,
+                             options={"budget": budget, "compiler": "eager", "time_limit": 10})
+    torch.manual_seed(1)
+    loss = compiled(ids, labels=ids)
+    loss.backward()
+    torch.manual_seed(1)
+    loss_e = eager(ids, labels=ids)
+    loss_e.backward()
+    torch.testing.assert_close(loss, loss_e)
+    for (name, p_e), p_o in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p_o.grad, p_e.grad, msg=lambda m: f"grad of {name}: {m}")
+    assert measured_peak(_Step(compiled, model), (ids, ids)) <= budget

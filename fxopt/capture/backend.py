@@ -15,6 +15,13 @@ not the model, so it cannot count what the rest of the step holds (`fxopt.optimi
 `fxopt.capture.pieces`). By default the backend refuses a graph break, naming where it is;
 ``graph_breaks="warn"`` plans each piece against the budget on its own and warns that the step
 as a whole is not bounded.
+
+Logging and printing inside ``forward()`` are not graph breaks here either (HF's loss path logs
+with ``logger.warning_once``): as for `fxopt.optimize`, ``print`` and ``warnings.warn`` run after
+the graph and ``logging.Logger`` calls are skipped inside compiled code. torch.compile gives a
+backend no context around the calls it compiles, so these switches of Dynamo's are turned on for
+the rest of the process, every compiled region's, as soon as the backend is made
+(`fxopt.backend`) or looked up by name (``backend="fxopt"``, through `fxopt.capture.entry`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from fxopt.budget import BudgetLike
-from fxopt.capture.dynamo import make_backend
+from fxopt.capture.dynamo import install_logging_switches, make_backend
 from fxopt.capture.pieces import GraphBreakWarning, break_location
 from fxopt.errors import CaptureError, check_choice
 from fxopt.options import Options, check_names
@@ -45,6 +52,7 @@ class FxoptBackend:
 
     def __init__(self, options: Options, graph_breaks: str = "error"):
         check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
+        install_logging_switches()  # before Dynamo traces (see the module docstring)
         self.options = options
         self.graph_breaks = graph_breaks
         self.plans: list[Plan] = []

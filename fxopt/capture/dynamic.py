@@ -17,17 +17,13 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxopt.analysis import JointGraph, analyze
+from fxopt.analysis import JointGraph
 from fxopt.analysis.symbolic import Sizes
-from fxopt.buckets import Bucket, bucket_of, plan_buckets, range_infeasible
-from fxopt.capture.dynamo import PlanReady, eager_backend, unread_resident_bytes
+from fxopt.buckets import Bucket, bucket_of
+from fxopt.capture.dynamo import PlanReady, step_backend, unread_resident_bytes
 from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
-from fxopt.errors import CaptureError, InfeasibleBudgetError
-from fxopt.fxgraph import copy_module
-from fxopt.passes import masks
-from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.passes.recompute import split_with_recompute
-from fxopt.planner import Options, make_plan
+from fxopt.planner import Options, analyze_for_planning, make_plan, plan_range
 
 log = logging.getLogger("fxopt")
 
@@ -82,21 +78,11 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         t0 = time.perf_counter()
         names = seen["names"]
         if state.analyze_at is not None:
-            raise _analyzed(joint, num_fwd_outputs, options, seen["unread"], Sizes(names, state.analyze_at, ranges))
+            raise Analyzed(*analyze_for_planning(joint, num_fwd_outputs, options, seen["unread"],
+                                                 Sizes(names, state.analyze_at, ranges)))
         if state.buckets is None:
-            sizes = Sizes(names, ranges.top(), ranges)
-            try:
-                jg, plan = make_plan(joint, num_fwd_outputs, options, seen["unread"], sizes=sizes)
-            except InfeasibleBudgetError as err:
-                codecs = dict(compress=options.compress, quantize=options.quantize, sizes=sizes,
-                              unread_resident_bytes=seen["unread"])
-                raise range_infeasible(analyze(joint, num_fwd_outputs, options.cost_model, **codecs), err,
-                                       options.solver) from None
-            if jg.symbolic is None:
-                raise CaptureError("dynamic= was given but the captured step has no symbolic size: "
-                                   "every dimension it names was specialized")
-            jg.symbolic.check_monotone()
-            state.buckets = plan_buckets(jg, plan, solver=options.solver, time_limit=options.time_limit)
+            jg, plan, state.buckets = plan_range(joint, num_fwd_outputs, options, seen["unread"],
+                                                 Sizes(names, ranges.top(), ranges))
             state.plans += len({id(b.plan) for b in state.buckets if b.plan.solver != "save_all"})
             schedule = state.buckets[bucket_of(state.buckets, state.point)].plan.schedule
             if state.stop_after_plan:
@@ -111,25 +97,8 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         log.debug("fxopt: planned and rewrote the dynamic step in %.2f s", time.perf_counter() - t0)
         return fw, bw
 
-    if options.compiler == "inductor":
-        from fxopt.capture.inductor import inductor_backend
-
-        compile_step = inductor_backend(partition, options.inductor_config)
-    else:
-        compile_step = eager_backend(partition)
-
-    def compile_dynamic(gm: fx.GraphModule, example_inputs):
+    def name_symbols(gm: fx.GraphModule, example_inputs) -> None:
         seen["names"] = symbol_names(gm, state.call_dims)
         seen["unread"] = unread_resident_bytes(resident, example_inputs)
-        return compile_step(gm, example_inputs)
 
-    return compile_dynamic
-
-
-def _analyzed(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread: int, sizes: Sizes) -> Analyzed:
-    """The step analysed as captured, and after the rewrites `fxopt.planner.make_plan` applies."""
-    codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread, sizes=sizes)
-    eager = analyze(copy_module(joint), num_fwd_outputs, options.cost_model, **codecs)
-    rewritten = recompute_dropout_from_mask(joint) + (masks.relu_masks(joint) if options.compress else 0)
-    jg = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if rewritten else eager
-    return Analyzed(eager, jg)
+    return step_backend(partition, options, name_symbols)

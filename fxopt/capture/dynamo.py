@@ -10,6 +10,7 @@ saved tensors are released as soon as the backward has used them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import warnings
@@ -19,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
+from fxopt.measuring import not_measured, step_runs
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.solvers.plan import Plan
 from fxopt.planner import Options, make_plan
@@ -45,13 +47,24 @@ def _logger_methods() -> set:
     return methods
 
 
+def _switched_on() -> dict:
+    cfg = torch._dynamo.config
+    return {"reorderable_logging_functions": set(cfg.reorderable_logging_functions) | set(_REORDERABLE),
+            "ignore_logger_methods": set(cfg.ignore_logger_methods) | _logger_methods()}
+
+
 def logging_switches():
     """Dynamo's logging switches for the duration of a capture (see above)."""
-    cfg = torch._dynamo.config
-    return cfg.patch(
-        reorderable_logging_functions=set(cfg.reorderable_logging_functions) | set(_REORDERABLE),
-        ignore_logger_methods=set(cfg.ignore_logger_methods) | _logger_methods(),
-    )
+    return torch._dynamo.config.patch(**_switched_on())
+
+
+def install_logging_switches() -> None:
+    """Dynamo's logging switches, on from now on in this process. What the backend route needs: a
+    backend given to torch.compile is first called once Dynamo has traced a frame (and broken it
+    at a logging call), and torch.compile gives it no context around the calls it compiles; so
+    the backend turns them on when it is made or looked up (`fxopt.capture.backend`)."""
+    for name, value in _switched_on().items():
+        setattr(torch._dynamo.config, name, value)
 
 
 class PlanReady(Exception):
@@ -120,20 +133,39 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
             raise PlanReady(plan, fw, bw, jg)
         return fw, bw
 
+    def count_unread(gm: fx.GraphModule, example_inputs) -> None:
+        unread["bytes"] = unread_resident_bytes(resident, example_inputs) + held_bytes
+
+    return step_backend(partition, options, count_unread if resident is not None else None)
+
+
+def step_backend(partition: Callable, options: Options, before: Callable | None = None) -> Callable:
+    """The one backend fxopt compiles with: AOTAutograd, with ``partition(joint, joint_inputs, *,
+    num_fwd_outputs, **kw) -> (fw, bw)`` as its partitioner, the rewritten modules run by
+    ``options.compiler`` (boxed FX code, or Inductor: `fxopt.capture.inductor`). ``before(gm,
+    example_inputs)``: called with each graph first. Capturing, planning and compiling are not part
+    of the step a measurement in progress measures (`fxopt.measuring.not_measured`)."""
     if options.compiler == "inductor":
         from fxopt.capture.inductor import inductor_backend
 
-        compile_step = inductor_backend(partition, options.inductor_config)
+        compile_graph = inductor_backend(partition, options.inductor_config)
     else:
-        compile_step = eager_backend(partition)
-    if resident is None:
-        return compile_step
+        compile_graph = eager_backend(partition)
 
-    def compile_with_resident(gm: fx.GraphModule, example_inputs):
-        unread["bytes"] = unread_resident_bytes(resident, example_inputs) + held_bytes
-        return compile_step(gm, example_inputs)
+    def compile_step(gm: fx.GraphModule, example_inputs):
+        with not_measured():
+            if before is not None:
+                before(gm, example_inputs)
+            compiled = compile_graph(gm, example_inputs)
 
-    return compile_with_resident
+        @functools.wraps(compiled)
+        def run(*args):
+            step_runs()  # a measurement in progress resumes here (`fxopt.measure`)
+            return compiled(*args)
+
+        return run
+
+    return compile_step
 
 
 def eager_backend(partition: Callable) -> Callable:

@@ -36,16 +36,19 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from fxopt.budget import Budget
+from fxopt.capture import coverage
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.liveness import LiveBytes
 from fxopt.solvers.plan import Plan
-from fxopt.storage import StorageKey, local, storage_key, storage_refs, storages
+from fxopt.storage import StorageKey, local, storage_key, storage_refs, storages, tensors_in
 from fxopt.units import format_bytes
 
 log = logging.getLogger("fxopt")
@@ -68,10 +71,27 @@ class Piece:
     saved_bytes: int  # what its forward keeps for its backward (as the plan keeps it)
     outputs: dict[StorageKey, int]  # storage -> bytes of the tensors its forward returned in this step
     refs: dict[StorageKey, Any] = dataclasses.field(default_factory=dict)  # weak references to them
+    made: tuple[int, int] = (0, 0)  # the autograd node numbers its call made, from and to (`fxopt.capture.coverage`)
+    whole: bool = False  # planned as the whole step
 
     def outputs_alive(self) -> dict[StorageKey, int]:
         """Its outputs whose storage is still alive (one freed since never comes back)."""
         return {k: n for k, n in self.outputs.items() if k not in self.refs or not self.refs[k].expired()}
+
+
+class Wrapping(Protocol):
+    """What a step's distributed wrapping tells the pieces (`fxopt.distributed.data_parallel.DistributedStep`)."""
+
+    in_pieces: bool  # no graph is the whole step (FSDP2: its hooks run between graphs)
+    glue_nodes: tuple[str, ...]  # autograd nodes of identity functions it wraps around the step
+    eager_advice: str  # what to do about an operation that ran eagerly between pieces
+
+    def blocks_to_come(self) -> list[set[StorageKey]] | None:
+        """The blocks still to run their forward, each as the storages of its parameters (FSDP2's
+        units, sharded), or None where not known."""
+
+    def is_own_break(self, where: str) -> bool:
+        """Whether a graph break at ``where`` is the wrapping's own (no warning for those)."""
 
 
 @dataclasses.dataclass
@@ -83,15 +103,12 @@ class Step:
     shared: frozenset[StorageKey]  # trainable parameters registered under several names (tied weights)
     model: nn.Module | None = None
     held: int = 0  # alive beside every piece, seen by no tensor of the model (DDP's buckets, FSDP2's buffers)
-    every_graph_a_piece: bool = False  # no graph is the whole step (FSDP2: its hooks run between graphs)
-    # The blocks still to run their forward, each as the storages of its parameters (FSDP2's
-    # units, sharded), or None where not known.
-    blocks_to_come: Callable[[], list[set[StorageKey]]] | None = None
+    wrapping: Wrapping | None = None
+    since: int = 0  # autograd's node count when the call started (`fxopt.capture.coverage`)
     pieces: list[Piece] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, every_graph_a_piece: bool = False,
-              blocks_to_come: Callable[[], list[set[StorageKey]]] | None = None) -> Step:
+    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None) -> Step:
         resident = storages([model, *args], grads=True)
         trainable = {storage_key(local(p)): local(p).numel() * p.element_size() for p in model.parameters()
                      if p.requires_grad}
@@ -99,7 +116,33 @@ class Step:
         for _, p in model.named_parameters(remove_duplicate=False):
             names[storage_key(local(p))] = names.get(storage_key(local(p)), 0) + 1
         return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1), model, held,
-                   every_graph_a_piece, blocks_to_come)
+                   wrapping, coverage.sequence_number())
+
+    @property
+    def every_graph_a_piece(self) -> bool:
+        return self.wrapping is not None and self.wrapping.in_pieces
+
+    def check_covered(self, outputs: Any) -> None:
+        """Refuse the call if its graphs did not cover the step (`fxopt.capture.coverage`): no graph
+        where the outputs need a backward, a graph planned as the whole step beside others, or
+        computation outside the graphs that the plans do not bound."""
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors_in(outputs)):
+            return
+        if not any(p.plan is not None for p in self.pieces):
+            raise CaptureError(
+                "torch.compile captured no graph of this training step that has a backward, so it would run "
+                f"unoptimized. {coverage.SKIP_ADVICE}")
+        planned = coverage.made_in(p.made for p in self.pieces)
+        glue = coverage.HOOK_NODES + (self.wrapping.glue_nodes if self.wrapping is not None else ())
+        if any(p.whole for p in self.pieces):
+            if len(self.pieces) > 1:
+                raise CaptureError(
+                    f"fxopt planned one graph of this call as the whole training step, but {len(self.pieces)} "
+                    f"graphs ran in it, and the plan does not count the others. {coverage.SKIP_ADVICE}")
+            coverage.check_whole(outputs, self.since, planned, glue)
+        else:
+            advice = (self.wrapping.eager_advice if self.wrapping is not None else "") or coverage.SKIP_ADVICE
+            coverage.check_pieces(outputs, self.since, planned, self.counted(), glue, advice)
 
     def counted(self) -> set[StorageKey]:
         """The storages every reserve from now on counts: resident, held by the model now, or
@@ -110,35 +153,44 @@ class Step:
         return out
 
     def reserve(self, inputs: frozenset[StorageKey]) -> int:
-        """Bytes alive beside a piece taking ``inputs``, at any time while it runs."""
-        others = sum(n for ptr, n in self.resident.items() if ptr not in inputs)
+        """Bytes alive beside a piece taking ``inputs``, at any time while it runs: each storage
+        counted once (`fxopt.solvers.liveness.LiveBytes`, the solvers' own live-bytes count),
+        those the piece takes left to its own plan."""
+        alive = LiveBytes(Graph(()), base=self.held)
+        parts = []
+
+        def hold(name: str, sizes) -> None:
+            before = alive.bytes
+            for key, n in sizes:
+                alive.hold(key, n)
+            parts.append(f"{alive.bytes - before} {name}")
+
+        hold("other resident", ((("storage", k), n) for k, n in self.resident.items() if k not in inputs))
         # Parameters the model holds now and did not at the start: FSDP2's unsharded parameters of
         # the blocks gathered so far that are not resharded yet (the root's; a block's without
         # reshard_after_forward), which stay so through this piece's backward too.
         now = storages(self.model) if self.model is not None else {}
-        gathered = sum(n for ptr, n in now.items() if ptr not in self.resident and ptr not in inputs)
+        hold("gathered parameters", ((("storage", k), n) for k, n in now.items() if k not in inputs))
         # What earlier pieces saved, and the outputs they returned that this piece does not take
         # (those it takes, it counts itself).
-        earlier = sum(p.saved_bytes for p in self.pieces)
-        outputs: dict[StorageKey, int] = {}
-        for p in self.pieces:
-            outputs.update(p.outputs_alive())
-        earlier += sum(n for ptr, n in outputs.items()
-                       if ptr not in inputs and ptr not in self.resident and ptr not in now)
-        seen = inputs.union(*(p.inputs for p in self.pieces)) if self.pieces else inputs
-        # Gradients that later pieces' backwards produce before this piece's backward runs: those
-        # of the parameters no piece so far takes, and of this piece's tied parameters, which a
-        # later piece may also use and accumulate into first. Blocks that take their parameters
-        # gathered (FSDP2) are known by their shards instead: those of the blocks to come.
-        if self.blocks_to_come is not None:
-            later = set().union(*self.blocks_to_come())
-            later_grads = sum(n for ptr, n in self.trainable.items() if ptr in later)
-        else:
-            later_grads = sum(n for ptr, n in self.trainable.items()
-                              if ptr not in seen or (ptr in inputs and ptr in self.shared))
-        log.debug("fxopt: reserve beside a piece: %d other resident, %d gathered parameters, %d from earlier "
-                  "pieces, %d later gradients, %d held", others, gathered, earlier, later_grads, self.held)
-        return others + gathered + earlier + later_grads + self.held
+        hold("from earlier pieces", [(("saved", i), p.saved_bytes) for i, p in enumerate(self.pieces)] + [
+            (("storage", k), n) for p in self.pieces for k, n in p.outputs_alive().items() if k not in inputs])
+        later = self._grads_to_come(inputs)
+        hold("later gradients", ((("gradient", k), n) for k, n in self.trainable.items() if k in later))
+        log.debug("fxopt: reserve beside a piece: %s, %d held", ", ".join(parts), self.held)
+        return alive.bytes
+
+    def _grads_to_come(self, inputs: frozenset[StorageKey]) -> set[StorageKey]:
+        """The trainable parameters whose gradients later pieces' backwards produce before the
+        backward of the piece taking ``inputs`` runs: those no piece so far takes, and this piece's
+        tied parameters, which a later piece may also use and accumulate into first. Blocks that
+        take their parameters gathered (FSDP2) are known by their shards instead: those of the
+        blocks to come."""
+        blocks = self.wrapping.blocks_to_come() if self.wrapping is not None else None
+        if blocks is not None:
+            return set().union(*blocks)
+        seen = inputs.union(*(p.inputs for p in self.pieces))
+        return {k for k in self.trainable if k not in seen or (k in inputs and k in self.shared)}
 
 
 def break_location(gm: fx.GraphModule) -> str | None:
@@ -177,7 +229,7 @@ class PiecewiseBackend:
         in_pieces = where is not None or bool(self.step and (self.step.pieces or self.step.every_graph_a_piece))
         if not in_pieces:  # the whole step in one graph
             compiled, plan = self._compile(gm, example_inputs, self.budget, reserve=0, whole=True)
-            return self._recorded(lambda args, inputs: (compiled, plan))
+            return self._recorded(lambda args, inputs: (compiled, plan), whole=True)
         if self.graph_breaks == "error":
             raise CaptureError(
                 f"torch.compile split this training step at a graph break at {where or 'an earlier piece'}; "
@@ -196,8 +248,9 @@ class PiecewiseBackend:
                 "batch).peak_bytes, then budget=int(0.5 * peak))."
             )
         # FSDP2's hooks split its step by design (fxopt.distributed.data_parallel): no warning for those.
-        fsdp_hook = where is not None and "torch/distributed/fsdp" in where.replace("\\", "/")
-        if where is not None and where not in self.warned and not fsdp_hook:
+        own = where is not None and self.step is not None and self.step.wrapping is not None \
+            and self.step.wrapping.is_own_break(where)
+        if where is not None and where not in self.warned and not own:
             self.warned.add(where)
             message = (f"torch.compile split this training step at a graph break at {where}; fxopt plans "
                        "the pieces in order, each within what the budget leaves beside the others")
@@ -227,15 +280,19 @@ class PiecewiseBackend:
         variant(example_inputs, frozenset(storages(list(example_inputs))))
         return self._recorded(variant)
 
-    def _recorded(self, variant: Callable):
-        """Run the compiled graph ``variant(args, inputs)`` gives, and record it in the step."""
+    def _recorded(self, variant: Callable, whole: bool = False):
+        """Run the compiled graph ``variant(args, inputs)`` gives, and record it in the step, with
+        the autograd nodes its call made."""
         def run(*args):
             inputs = frozenset(storages(list(args)))
             compiled, plan = variant(args, inputs)
+            since = coverage.sequence_number()
             outputs = compiled(*args)
             if self.step is not None:
                 saved = plan.timeline().saved_bytes if plan is not None else 0
-                self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs), storage_refs(outputs)))
+                made = (since, coverage.sequence_number())
+                self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs), storage_refs(outputs),
+                                              made, whole))
             return outputs
 
         return run

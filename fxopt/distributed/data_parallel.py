@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxopt.errors import CaptureError
-from fxopt.storage import local, storage_bytes, storage_key, tensors_in
+from fxopt.errors import BudgetError, CaptureError
+from fxopt.storage import local, storage_bytes, storage_key
 
 
 def _ddp_class() -> type | None:
@@ -272,45 +272,95 @@ def routes(modules: list[nn.Module], calls: list[Callable]):
     return stack
 
 
-# Autograd nodes of a step whose every computation fxopt planned: its pieces, gradient
-# accumulation, FSDP's own hooks.
-_PLANNED_NODES = ("CompiledFunctionBackward", "AccumulateGrad", "RegisterPostBackwardFunctionBackward",
-                  "BackwardHookFunctionBackward")
+# Autograd nodes of the identity functions DDP and FSDP2 wrap around a step (DDP's output sink, FSDP's
+# post-backward registration): they compute nothing and keep nothing for the backward.
+GLUE_NODES: tuple[str, ...] = ("_DDPSinkBackward", "RegisterPostBackwardFunctionBackward")
+
+FSDP_EAGER_ADVICE = (
+    "It is code a module runs itself between FSDP units, in a forward that Dynamo skips (FSDP's hooks are "
+    "graph breaks, and a graph break inside a loop skips the frame; fxopt compiles the submodules such a "
+    "forward calls, not its own operations): move those operations into a submodule, or into the FSDP unit "
+    "they feed.")
 
 
-def _kept_tensors(node) -> list[torch.Tensor]:
-    """The tensors autograd keeps for ``node``'s backward."""
-    kept = []
-    for name in dir(node):
-        if name.startswith("_saved_"):
-            value = getattr(node, name)
-            kept.extend(v for v in (value if isinstance(value, (list, tuple)) else [value])
-                        if isinstance(v, torch.Tensor))
-    return kept
+class DistributedStep:
+    """What DDP or FSDP2 do to a step fxopt plans, in one place: what fxopt compiles, how a call
+    reaches the compiled step, what they hold beside it, and where their hooks split it. For a
+    model under neither, each answer is the plain step's (compile the model, call it, nothing
+    held beside it)."""
 
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.ddp = model if is_ddp(model) else None
+        self.units = fsdp_units(model)
+        # An FSDP2 model: planned block by block; the submodules between its units compiled too.
+        self.eager_modules = eager_modules(model, self.units) if self.units else []
 
-def check_planned(output: Any, counted: set) -> None:
-    """Refuse a step in which an operation ran outside fxopt's pieces and keeps, for its
-    backward, a tensor no plan or reserve counts (``counted``: the storages that are, resident or
-    returned by a piece). An operation that keeps nothing of its own (an add, a view: glue between
-    blocks that Dynamo left to run eagerly) costs only its output, which the pieces that take it
-    count."""
-    unplanned: dict[str, int] = {}
-    seen, stack = set(), [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        name = type(node).__name__
-        if not name.startswith(_PLANNED_NODES) and any(storage_key(t) not in counted for t in _kept_tensors(node)):
-            unplanned[name] = unplanned.get(name, 0) + 1
-        stack.extend(n for n, _ in node.next_functions)
-    if unplanned:
-        ops = ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in sorted(unplanned.items()))
-        raise CaptureError(
-            f"part of this FSDP2 step ran eagerly, outside fxopt's plans, and keeps tensors for its backward "
-            f"that no plan counts: {ops}. It is code a module runs itself between FSDP units, in a forward "
-            "that Dynamo skips (FSDP's hooks are graph breaks, and a graph break inside a loop skips the "
-            "frame; fxopt compiles the submodules such a forward calls, not its own operations): move those "
-            "operations into a submodule, or into the FSDP unit they feed.")
+    glue_nodes = GLUE_NODES
+
+    @property
+    def in_pieces(self) -> bool:
+        """Whether no graph of the step is the whole step (FSDP2: its hooks run between graphs)."""
+        return bool(self.units)
+
+    def check(self, graph_breaks: str, budget_in_bytes: bool, dynamic: bool) -> None:
+        """Refuse what fxopt cannot bound under this wrapping, saying why."""
+        if dynamic and (self.ddp is not None or self.units):
+            raise ValueError("dynamic= plans a step captured as one graph; a DDP or FSDP2 model is captured in "
+                             "pieces: plan it without dynamic= (each shape on its own)")
+        if self.ddp is not None:
+            check_ddp(self.ddp)
+        if self.units:
+            check_fsdp(self.units, graph_breaks)
+            if not budget_in_bytes:
+                raise BudgetError(
+                    "fxopt plans an FSDP2 step piece by piece (FSDP's hooks run between the pieces) and needs "
+                    "the budget in bytes, not a fraction or 'min': the step's eager peak and its smallest budget "
+                    "are not known until every piece has run. Pass bytes or a size such as '2GiB'.")
+
+    def target(self) -> Callable:
+        """What fxopt compiles: the model, or the call of the module a DDP wraps (DDP's own forward
+        runs as it is; see `call`)."""
+        return module_call(self.model.module) if self.ddp is not None else self.model
+
+    def compile_between(self, compile_call: Callable[[Callable], Callable]) -> list[Callable]:
+        """The compiled calls of the submodules between FSDP2 units (`eager_modules`)."""
+        return [compile_call(module_call(m)) for m in self.eager_modules]
+
+    def running_ddp(self, fxopt_module: nn.Module) -> nn.Module | None:
+        """The DDP this call runs under: the model itself, or one whose forward calls the fxopt
+        module (``DDP(fxopt.optimize(model))``)."""
+        ddp = self.ddp if self.ddp is not None else running_ddp(fxopt_module)
+        if ddp is not None:
+            check_ddp(ddp)
+        return ddp
+
+    def held_beside(self, ddp: nn.Module | None) -> int:
+        """Bytes held beside the step by no tensor of the model: DDP's buckets (those the
+        gradients are not views of), a bound on FSDP2's buffers."""
+        beside = held_bytes([ddp]) if ddp is not None else 0
+        return beside + (fsdp_held_bytes(self.units) if self.units else 0)
+
+    def call(self, run: Callable, compiled: Callable, between: list[Callable], args: tuple, kwargs: dict) -> Any:
+        """Run one call: ``run(callable, args, kwargs)`` of the compiled step, or of the DDP whose
+        call of its module is routed to it; the submodules between FSDP2 units routed to theirs."""
+        with routes(self.eager_modules, between):
+            if self.ddp is not None:
+                with routed(self.model.module, compiled):
+                    return run(self.model, args, kwargs)
+            return run(compiled, args, kwargs)
+
+    def blocks_to_come(self) -> list[set] | None:
+        """The FSDP2 units still to run their forward (`units_to_come`), or None without FSDP2."""
+        return units_to_come(self.units) if self.units else None
+
+    @staticmethod
+    def is_own_break(where: str) -> bool:
+        """Whether a graph break at ``where`` (``file:line (reason)``) is one of FSDP2's hooks,
+        which split its step by design."""
+        return "torch/distributed/fsdp" in where.replace("\\", "/")
+
+    @property
+    def eager_advice(self) -> str:
+        """What to do about an operation that ran eagerly between pieces and keeps what no plan counts."""
+        return FSDP_EAGER_ADVICE if self.units else ""

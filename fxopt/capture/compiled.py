@@ -1,0 +1,205 @@
+"""Compiling and calling fxopt's step through torch.compile, whatever the process compiled before.
+
+Dynamo keeps its state per code object: the compiled entries of each function, how many it may
+have, and whether to skip the function altogether. Every torch.compile in the process shares it.
+So a user's compile can change what fxopt captures: a ``torch.compile(model)`` that runs under a
+TorchDispatchMode (``FlopCounterMode``, a memory tracker) makes Dynamo skip the frames it meets,
+and mark their code objects skipped for good, ``type(model).forward`` among them. Compiling
+another instance of the same class afterwards captures nothing, or, where the class wraps a
+model (a loss around a decoder), only the inner model's frame, while the rest of the step (the
+loss) runs eagerly, outside the plan:
+
+    user:   torch.compile(Loss(llama)) under FlopCounterMode   -> Loss.forward marked "skip"
+    fxopt:  torch.compile(Loss(qwen))                          -> Loss.forward runs eagerly,
+                                                                  qwen's forward is one graph
+
+fxopt therefore enters each step it compiles through a code object of its own, made for that one
+compile: the model's ``forward`` is copied (`fresh_forward`) and, while fxopt calls the step, the
+module's ``forward`` is that copy, so Dynamo starts tracing at a frame no other compile has seen,
+with the model's own frame structure (a ``print`` in ``forward`` still runs after the graph;
+Dynamo drops those of functions it inlines). Functions are entered through a new frame
+(`own_frame`). Dynamo inlines everything the step calls into the graph (a skip mark applies to a
+frame Dynamo is asked to enter, not to a function it inlines), and its compiled entries and
+recompile limit are that compile's alone. What a frame that runs later could still meet (a step
+split at graph breaks re-enters the model's own functions) is checked after the call: a step's
+autograd graph must hold nothing computed outside the graphs fxopt planned
+(`fxopt.capture.coverage`).
+
+The call itself runs with Dynamo's settings for fxopt (`dynamo_settings`) and with any dispatch
+mode around it told to look past the compile (`dispatch_modes_see_the_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fxopt.capture.dynamo import is_graph_break, logging_switches, unwrap_compile_error
+from fxopt.errors import FxoptError, GraphBreakError
+from fxopt.planner import capture_clock
+
+# Dynamo keeps one compiled entry per input signature; past its limit it would silently run
+# eagerly. fxopt raises instead, after this many.
+RECOMPILE_LIMIT = 64
+
+
+def own_frame(call: Callable) -> Callable:
+    """A function that calls ``call(*args, **kwargs)`` through a new code object, which no other
+    compile has seen (see the module docstring)."""
+    def fxopt_step(*args, **kwargs):
+        return call(*args, **kwargs)
+
+    return _copied(fxopt_step)
+
+
+def _copied(func: types.FunctionType) -> types.FunctionType:
+    """``func`` with a copy of its code object: Dynamo's state for the copy starts empty."""
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return functools.update_wrapper(copy, func)
+
+
+def fresh_forward(module: nn.Module) -> Callable | None:
+    """``module.forward`` (bound) with a code object of its own, or None where it is not a Python
+    function (nothing to copy)."""
+    forward = module.forward
+    func = getattr(forward, "__func__", forward)
+    if not isinstance(func, types.FunctionType):
+        return None
+    copy = _copied(func)
+    return types.MethodType(copy, forward.__self__) if hasattr(forward, "__self__") else copy
+
+
+@contextlib.contextmanager
+def _entered_through(module: nn.Module | None, forward: Callable | None):
+    """While inside, ``module.forward`` is ``forward`` (an instance attribute, as
+    ``nn.Module.__call__`` reads it), then what it was."""
+    if module is None or forward is None:
+        yield
+        return
+    own = module.__dict__
+    had, previous = "forward" in own, own.get("forward")
+    own["forward"] = forward
+    try:
+        yield
+    finally:
+        if had:
+            own["forward"] = previous
+        else:
+            del own["forward"]
+
+
+class CompiledStep:
+    """``torch.compile`` of a module (or a function), entered through a code object of its own (see
+    the module docstring). Called like the module."""
+
+    def __init__(self, target: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None):
+        self.module = target if isinstance(target, nn.Module) else None
+        self.forward = fresh_forward(target) if self.module is not None else None
+        if self.forward is None:
+            self.module, target = None, own_frame(target)
+        self.compiled = torch.compile(target, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _entered_through(self.module, self.forward):
+            return self.compiled(*args, **kwargs)
+
+
+def compile_step(call: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None) -> CompiledStep:
+    """``torch.compile`` of ``call`` (a module, or a function) entered through a code object of its own."""
+    return CompiledStep(call, backend, fullgraph=fullgraph, dynamic=dynamic)
+
+
+@contextlib.contextmanager
+def dynamo_settings():
+    cfg = torch._dynamo.config
+    # Dynamo's DDP optimizer would split the step at DDP's bucket boundaries: fxopt plans it whole
+    # (see fxopt.distributed.data_parallel).
+    patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT), "optimize_ddp": False}
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        patch["fail_on_recompile_limit_hit"] = True
+    with cfg.patch(**patch), logging_switches():
+        yield
+
+
+_GLOBAL_MODULE_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                        "_global_backward_hooks", "_global_forward_hooks_always_called",
+                        "_global_forward_hooks_with_kwargs")
+
+
+def _modes_to_pass(compiler: str) -> list:
+    """The dispatch modes around the call that would make Dynamo skip the frame."""
+    from torch.utils import _python_dispatch as pd
+
+    modes = [m for m in pd._get_current_dispatch_mode_stack()
+             if not m.is_infra_mode() and not m.ignore_compile_internals()]
+    if modes and compiler != "eager":
+        names = ", ".join(sorted({type(m).__name__ for m in modes}))
+        raise FxoptError(
+            f"{names} cannot see inside kernels that Inductor generates, so it would miscount "
+            "this fxopt step; run it with compiler='eager' (fxopt.optimize(..., compiler='eager')) "
+            "where the mode must see every op"
+        )
+    return modes
+
+
+@contextlib.contextmanager
+def dispatch_modes_see_the_step(compiler: str):
+    """Let a TorchDispatchMode around the call (``FlopCounterMode``, a memory tracker) see the
+    rewritten step's ops, recomputations included, instead of making Dynamo skip the frame:
+    such a mode is told to ignore compile internals for the call, as torch does for modes that
+    ask (it is off while compiling and on while the compiled graphs run)."""
+    from torch.utils import _python_dispatch as pd
+
+    modes = _modes_to_pass(compiler)
+    if not modes:
+        yield
+        return
+    for mode in modes:
+        mode.ignore_compile_internals = lambda: True
+    flag = getattr(pd, "_is_in_any_mode_without_ignore_compile_internals", None)
+    if flag is not None:
+        pd._is_in_any_mode_without_ignore_compile_internals = False
+    # Modes that attribute ops to modules (FlopCounterMode's ModuleTracker) install global module
+    # hooks; the step is one graph now, so it is attributed to the fxopt module as a whole.
+    hook_dicts = [getattr(nn.modules.module, name) for name in _GLOBAL_MODULE_HOOKS
+                  if hasattr(nn.modules.module, name)]
+    stashed = [dict(d) for d in hook_dicts]
+    for d in hook_dicts:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, saved in zip(hook_dicts, stashed):
+            d.update(saved)
+        for mode in modes:
+            del mode.ignore_compile_internals
+        if flag is not None:
+            pd._is_in_any_mode_without_ignore_compile_internals = flag
+
+
+def run_compiled(compiled: Callable, args: tuple, kwargs: dict, compiler: str = "eager") -> Any:
+    """Call a step compiled by `compile_step`, with fxopt's errors unwrapped from Dynamo's."""
+    try:
+        with dynamo_settings(), dispatch_modes_see_the_step(compiler), capture_clock():
+            return compiled(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - translate what Dynamo wraps into fxopt's errors
+        inner = unwrap_compile_error(err)
+        if inner is not None and inner is not err:
+            raise inner from None
+        if is_graph_break(err):
+            raise GraphBreakError(
+                "fxopt needs the whole training step as one graph, but torch.compile could not "
+                f"capture this model in one piece: {str(err).splitlines()[0]}\n"
+                "Rewrite the unsupported Python (data-dependent control flow, .item(), unsupported "
+                "libraries) or move it out of forward(); or let fxopt.optimize(model, budget) plan "
+                "the pieces in order (graph_breaks='split', its default; the budget in bytes)."
+            ) from err
+        raise
