@@ -51,7 +51,7 @@ import torch._functorch.config
 import fxopt
 from benchmarks.harness import (Measurer, choose, error_line, log, mib, plan_fields, report_head, run_meta,
                                 restore_settings, run_to_end, saved_settings, train_step, write_results)
-from benchmarks.hf_zoo import HF_NAMES, SIZES
+from benchmarks.hf_zoo import HF_NAMES, SIZES, hf_checkpointing
 from fxopt.models import MODELS
 
 METHODS = ("eager", "hf-checkpointing", "compile-amb", "fxopt")
@@ -169,18 +169,10 @@ class ModelBench:
             return row
 
         def build():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                enable = getattr(self.hf, "activation_checkpointing_enable", None) or self.hf.gradient_checkpointing_enable
-                enable()
+            hf_checkpointing(self.model, True)
             return self.model
 
-        def disable():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                (getattr(self.hf, "activation_checkpointing_disable", None) or self.hf.gradient_checkpointing_disable)()
-
-        return self.attempt(row, build, cleanup=disable)
+        return self.attempt(row, build, cleanup=lambda: hf_checkpointing(self.model, False))
 
     def run_compile(self) -> None:
         row = self.row("compile-amb", f"amb {COMPILE_BUDGET:g}", backend=COMPILE_BACKEND,

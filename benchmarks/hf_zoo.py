@@ -10,7 +10,7 @@ that ``model(*inputs)`` returns the scalar loss the HF model computes itself (``
     from fxopt.models import MODELS
     model, inputs = MODELS["hf-bert"]("test")
     model(*inputs).backward()
-    model.hf.gradient_checkpointing_enable()   # HF's own gradient checkpointing
+    MODELS["hf-bert"].checkpointing(model, True)   # HF's own gradient checkpointing on
 
 Sizes: ``"test"`` is tiny (each step well under a second on a 2-core CPU, for the test suite);
 ``"bench"`` is what `benchmarks.hf_models` runs (2 layers (T5, BART, Whisper: 1 + 1), hidden 128, sequences of 128 tokens
@@ -26,6 +26,7 @@ last quarter of the second sequence padded, its labels -100), as batched trainin
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -58,6 +59,21 @@ def _hf_build(name: str, build_fn: Callable[[str, float], tuple[nn.Module, dict[
         hf, named = build_fn(size, dropout)
         return Workload(name, HFLoss(hf, tuple(named)).train(), tuple(named.values()), [], description)
     return build
+
+
+def hf_checkpointing(model: HFLoss, on: bool) -> None:
+    """HF's own gradient checkpointing of ``model.hf`` switched on or off (every layer's forward
+    under `torch.utils.checkpoint`, non-reentrant): ``activation_checkpointing_enable()``, the
+    transformers 5 name of ``gradient_checkpointing_enable()`` (whose deprecation warning this
+    silences), where the model has it."""
+    hf = model.hf
+    if not hf.supports_gradient_checkpointing:
+        raise ValueError(f"{type(hf).__name__} has no gradient checkpointing (supports_gradient_checkpointing "
+                         "is False): benchmark it without the library's checkpointing")
+    verb = "enable" if on else "disable"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        (getattr(hf, f"activation_checkpointing_{verb}", None) or getattr(hf, f"gradient_checkpointing_{verb}"))()
 
 
 def _transformers():
@@ -252,7 +268,7 @@ for _name, _class, _build, _description in (
 ):
     if f"hf-{_name}" not in MODELS:  # (registered once, however often this module is imported)
         register(f"hf-{_name}", _hf_build(_name, _build, _description), SIZES, ("hf",), _description,
-                 source=f"transformers.{_class}")
+                 source=f"transformers.{_class}", checkpointing=hf_checkpointing)
 
 # The Hugging Face models' short names (``"bert"`` for ``MODELS["hf-bert"]``), in the zoo's order.
 HF_NAMES = tuple(n.removeprefix("hf-") for n in zoo("hf"))

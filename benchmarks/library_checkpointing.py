@@ -5,7 +5,9 @@
         [--out benchmarks/results/library_checkpointing]
     python -m benchmarks.library_checkpointing --report [--before ...] [--out ...]   # Markdown from the JSON
 
-Per model of `benchmarks.library_zoo` (diffusers, transformers, timm; small configs), measured the
+Per model of the one zoo with a library's own checkpointing (`fxopt.models.MODELS`: the
+``"library"`` set of `benchmarks.library_zoo`, diffusers and timm, and the transformers models of
+`benchmarks.hf_zoo`, small configs; named here without their ``lib-``/``hf-`` prefix), measured the
 same way (`benchmarks.harness.Measurer`: one model and its inputs, peak of one step with parameters,
 inputs and gradients resident, gradients against eager's):
 
@@ -30,7 +32,6 @@ import argparse
 import json
 import os
 import shlex
-import sys
 import time
 import traceback
 import warnings
@@ -41,13 +42,24 @@ import torch
 import torch._dynamo
 
 import fxopt
+from fxopt.models import MODELS, ZooModel, zoo
 from fxopt.solvers import DEFAULT_TIME_LIMIT
-from benchmarks.harness import Measurer, error_line, log, mib, plan_fields, run_meta
+from benchmarks.harness import (Measurer, choose, commit_of, error_line, load_average, log, mib, plan_fields,
+                                report_head, restore_settings, run_meta, run_to_end, saved_settings, write_results)
 from benchmarks.hf_models import flop_counter_mode_flops
-from benchmarks.library_zoo import LIBRARY_ZOO
+from benchmarks.hf_zoo import HF_NAMES
+from benchmarks.library_zoo import SIZES
 
+# The models this benchmark knows, by short name: "unet" is MODELS["lib-unet"], "gpt2" MODELS["hf-gpt2"].
+NAMES = (*(n.removeprefix("lib-") for n in zoo("library")), *HF_NAMES)
 DEFAULT_MODELS = ("unet", "vae", "dit", "sd3", "gpt2", "llama", "vit")
 DEFAULT_OUT = "benchmarks/results/library_checkpointing"
+LIBRARIES = ("diffusers", "transformers", "timm")
+
+
+def entry_of(name: str) -> ZooModel:
+    """The zoo's entry of a model named here (``"unet"`` -> ``MODELS["lib-unet"]``)."""
+    return MODELS.get(f"lib-{name}") or MODELS[f"hf-{name}"]
 
 
 def best_policy(plan: fxopt.Plan) -> dict[str, Any]:
@@ -75,10 +87,12 @@ def counted(fn: Any, inputs: tuple, model: torch.nn.Module, row: dict[str, Any])
 
 
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    entry = LIBRARY_ZOO[name]
-    model, inputs = entry.build(args.size)
+    entry = entry_of(name)
+    torch.manual_seed(0)
+    model, inputs = entry(args.size)
     m = Measurer(model, inputs, timed_steps=args.timed_steps)
-    info: dict[str, Any] = {"name": name, "library": entry.library, "class": entry.model_class,
+    library_name, model_class = entry.source.split(".", 1)
+    info: dict[str, Any] = {"name": name, "zoo": entry.name, "library": library_name, "class": model_class,
                             "params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                             "input_shapes": [list(x.shape) for x in inputs]}
     rows: list[dict[str, Any]] = []
@@ -122,44 +136,49 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"info": info, "rows": rows}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every model of ``args.models``, with the process's torch threads and plan cache as they were after."""
-    threads, cache = torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
-    torch.set_num_threads(args.threads)
-    os.environ["FXOPT_CACHE"] = "0"  # a cached plan would not be this commit's answer
+class Run:
+    """Every model of ``args.models``, written after each; the process's torch threads and plan
+    cache as they were after."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.models = choose(args.models, NAMES, "model")
+        self.out = Path(args.out)
+        self.before = read_before(args.before)
+        self._restore = saved_settings()
+        torch.set_num_threads(args.threads)
+        os.environ["FXOPT_CACHE"] = "0"  # a cached plan would not be this commit's answer
+        self.t0 = time.perf_counter()
+        versions = {lib: _version(lib) for lib in LIBRARIES}
+        self.data: dict[str, Any] = {"meta": run_meta(
+            " ".join(["python -m benchmarks.library_checkpointing", *map(shlex.quote, args.argv)]), **versions,
+            size=args.size, time_limit_s=args.time_limit, before_path=args.before), "models": []}
+
+    def execute(self) -> None:
+        try:
+            for name in self.models:
+                log(f"=== {name}")
+                try:
+                    self.data["models"].append(bench_model(name, self.args))
+                except Exception as err:  # noqa: BLE001 - go on with the next model
+                    self.data["models"].append({"info": {"name": name, "error": error_line(err)}, "rows": []})
+                    log(traceback.format_exc(limit=4))
+                self.data["meta"].update(elapsed_s=round(time.perf_counter() - self.t0, 1), load_end=load_average())
+                write_results(self.out, self.data, report(self.data, self.before))
+        finally:
+            restore_settings(self._restore)
+
+
+def read_before(path: str | None) -> dict[str, Any] | None:
+    """The results of a run at an earlier commit (``--before``), with the ``path`` they were read from."""
+    return None if path is None else {**json.loads(Path(path).read_text()), "path": path}
+
+
+def _version(library: str) -> str | None:
     try:
-        return _run(args)
-    finally:
-        torch.set_num_threads(threads)
-        if cache is None:
-            os.environ.pop("FXOPT_CACHE", None)
-        else:
-            os.environ["FXOPT_CACHE"] = cache
-
-
-def _run(args: argparse.Namespace) -> dict[str, Any]:
-    meta = run_meta(" ".join(["python -m benchmarks.library_checkpointing", *map(shlex.quote, args.argv)]))
-    for lib in ("diffusers", "transformers", "timm"):
-        try:
-            meta[lib] = __import__(lib).__version__
-        except ImportError:
-            meta[lib] = None
-    meta.update({"size": args.size, "time_limit_s": args.time_limit, "load_average_start": os.getloadavg()})
-    data: dict[str, Any] = {"meta": meta, "models": []}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    for name in args.models.split(","):
-        log(f"=== {name}")
-        try:
-            data["models"].append(bench_model(name, args))
-        except Exception as err:  # noqa: BLE001 - go on with the next model
-            data["models"].append({"info": {"name": name, "error": error_line(err)}, "rows": []})
-            log(traceback.format_exc(limit=4))
-        meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
-        meta["load_average_end"] = os.getloadavg()
-        out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
-    return data
+        return __import__(library).__version__
+    except ImportError:
+        return None
 
 
 def _gflop(n: int | None) -> str:
@@ -169,20 +188,16 @@ def _gflop(n: int | None) -> str:
 def report(data: dict[str, Any], before: dict[str, Any] | None) -> str:
     meta = data["meta"]
     old = {e["info"]["name"]: {r["method"]: r for r in e["rows"]} for e in (before or {}).get("models", [])}
-    versions = " · ".join(f"{lib} {meta.get(lib)}" for lib in ("diffusers", "transformers", "timm") if meta.get(lib))
-    lines = [
-        "# fxopt at the peak of the library's own checkpointing",
-        "",
-        f"`{meta['command']}` · {meta['date']} · commit {meta['git']} · torch {meta['torch']} · {versions} · "
-        f"{meta['cpu_count']} CPUs ({meta['torch_threads']} torch thread) · load average "
-        f"{meta['load_average_start'][0]:.1f} → {meta.get('load_average_end', [0])[0]:.1f} · size \"{meta['size']}\" · "
-        f"time limit {meta['time_limit_s']:g} s · {meta.get('elapsed_s', 0):.0f} s",
-        "",
+    lines = report_head(
+        "fxopt at the peak of the library's own checkpointing", meta,
+        *(f"{lib} {meta[lib]}" for lib in LIBRARIES if meta.get(lib)),
+        f"{meta['cpu_count']} CPUs ({meta['torch_threads']} torch thread) · {_load(meta)} · size \"{meta['size']}\"",
+        f"time limit {meta['time_limit_s']:g} s · {meta.get('elapsed_s', 0):.0f} s") + [
         "Peaks in MiB (measured, one step, parameters, inputs and gradients resident); extra GFLOP counted by "
         "`FlopCounterMode` over one step minus eager's. fxopt's budget is the library row's measured peak. "
         "Best policy: the cheapest simple policy (`fxopt/solvers/policies.py`) within that budget on the plan's "
         "graph, with its predicted extra GFLOP. Ratio: fxopt's extra FLOPs / the library's."
-        + (f" Before: the fxopt row of `{meta.get('before_path')}` (commit {before['meta']['git']})." if before else ""),
+        + (f" Before: the fxopt row of `{before['path']}` (commit {commit_of(before['meta'])})." if before else ""),
         "",
         "| model | library | eager MiB | library ckpt MiB (+GFLOP) | fxopt measured MiB (+GFLOP) | ≤ budget | ratio "
         "| plan | best policy (+GFLOP) | grads equal |" + (" before: fxopt MiB (+GFLOP), ratio, plan |" if before else ""),
@@ -200,6 +215,15 @@ def report(data: dict[str, Any], before: dict[str, Any] | None) -> str:
                      f"| {_policy(fx)} | {_grads(by.values())} |"
                      + (f" {_before(old.get(info['name'], {}), lib)} |" if before else ""))
     return "\n".join(lines) + "\n"
+
+
+def _load(meta: dict[str, Any]) -> str:
+    """The load average as the run started and ended (files before the one harness: the 1-minute
+    averages, as lists)."""
+    if "load_average_start" in meta:
+        return (f"load average {meta['load_average_start'][0]:.1f} → "
+                f"{meta.get('load_average_end', [0])[0]:.1f}")
+    return f"load at the end {meta.get('load_end', '?')}"
 
 
 def _fxopt_cells(fx: dict[str, Any], lib: dict[str, Any]) -> str:
@@ -237,11 +261,10 @@ def _before(rows: dict[str, Any], lib: dict[str, Any]) -> str:
     return f"{mib(fx['measured_peak_bytes'])} (+{_gflop(extra)}), {ratio}, {fx.get('plan_solver')}"
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str] | None = None) -> Run | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, of {sorted(LIBRARY_ZOO)}")
-    p.add_argument("--size", default="bench", choices=("test", "bench"))
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, of {', '.join(NAMES)}")
+    p.add_argument("--size", default="bench", choices=SIZES)
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT, help="fxopt's, in seconds")
     p.add_argument("--timed-steps", type=int, default=1, help="timed steps per row (timing is not reported)")
     p.add_argument("--threads", type=int, default=1)
@@ -249,14 +272,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=DEFAULT_OUT, help="path without suffix: writes .json and .md")
     p.add_argument("--report", action="store_true", help="only rewrite the Markdown from the JSON")
     args = p.parse_args(argv)
-    args.argv = argv
     out = Path(args.out)
-    data = json.loads(out.with_suffix(".json").read_text()) if args.report else run(args)
-    before = json.loads(Path(args.before).read_text()) if args.before else None
-    if before is not None:
-        data["meta"]["before_path"] = args.before
-    out.with_suffix(".md").write_text(report(data, before))
-    log(out.with_suffix(".md").read_text())
+    if args.report:
+        out.with_suffix(".md").write_text(report(json.loads(out.with_suffix(".json").read_text()), read_before(args.before)))
+        log(f"wrote {out.with_suffix('.md')}")
+        return None
+    return run_to_end(Run, args, argv, str(out.with_suffix(".md")))
 
 
 if __name__ == "__main__":

@@ -1,34 +1,40 @@
 """Models of other libraries with their own activation checkpointing: small configs, random
-weights, no downloads. Each `LibraryModel` builds a module whose ``model(*inputs)`` is the scalar
-loss of a training step, and switches the library's checkpointing on and off:
+weights, no downloads. Importing this module registers them in the one model zoo,
+`fxopt.models.MODELS`, in the set ``"library"``, as ``"lib-<name>"`` (fxopt itself does not import
+diffusers or timm); each entry's ``checkpointing(model, on)`` switches the library's own
+checkpointing of a model it built, and ``model(*inputs)`` is the scalar loss of a training step:
 
 - diffusers (``enable_gradient_checkpointing()``: `torch.utils.checkpoint` around each ResNet,
-  transformer and encoder/decoder block): ``unet`` (`UNet2DConditionModel` with cross-attention),
-  ``vae`` (`AutoencoderKL`), ``dit`` (`DiTTransformer2DModel`), ``sd3``
-  (`SD3Transformer2DModel`); the loss is the mean squared error against a fixed target;
-- transformers (``gradient_checkpointing_enable()``, per decoder or encoder layer): ``gpt2``,
-  ``llama``, ``vit`` from `benchmarks.hf_zoo` (its sizes);
-- timm (``set_grad_checkpointing(True)``, per block or stage): ``timm-vit``, ``timm-convnext``,
-  where timm imports (it needs torchvision: a venv with torch 2.14.1 and torchvision 0.29.1).
+  transformer and encoder/decoder block): ``lib-unet`` (`UNet2DConditionModel` with
+  cross-attention), ``lib-vae`` (`AutoencoderKL`), ``lib-dit`` (`DiTTransformer2DModel`),
+  ``lib-sd3`` (`SD3Transformer2DModel`); the loss is the mean squared error against a fixed target;
+- timm (``set_grad_checkpointing(True)``, per block or stage): ``lib-timm-vit``,
+  ``lib-timm-convnext``, where timm imports (it needs torchvision: a venv with torch 2.14.1 and
+  torchvision 0.29.1);
+- transformers (``gradient_checkpointing_enable()``, per decoder or encoder layer): the ``hf-<name>``
+  entries of `benchmarks.hf_zoo` (imported here), whose switch is ``hf_zoo.hf_checkpointing``.
 
 Sizes: ``"test"`` (a step in about a second on a 2-core CPU, for the suite) and ``"bench"``
 (what `benchmarks.library_checkpointing` runs).
 
-    from benchmarks.library_zoo import LIBRARY_ZOO
-    entry = LIBRARY_ZOO["unet"]
-    model, inputs = entry.build("test")
+    import benchmarks.library_zoo
+    from fxopt.models import MODELS
+    entry = MODELS["lib-unet"]
+    model, inputs = entry("test")
     entry.checkpointing(model, True)
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import benchmarks.hf_zoo  # noqa: F401 - the transformers models this zoo's benchmark runs
+from fxopt.models import MODELS, Workload, register
 
 SIZES = ("test", "bench")
 
@@ -49,37 +55,16 @@ class MSELoss(nn.Module):
         return F.mse_loss(out.sample if hasattr(out, "sample") else out, target)
 
 
-@dataclasses.dataclass(frozen=True)
-class LibraryModel:
-    name: str
-    library: str
-    model_class: str
-    build_fn: Callable[[str], tuple[nn.Module, tuple[torch.Tensor, ...]]]
-    # (the library model, on): switch its own checkpointing
-    switch: Callable[[nn.Module, bool], None]
-
-    def build(self, size: str = "test") -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-        """The loss module (in training mode, dropout 0) and its positional inputs."""
-        if size not in SIZES:
-            raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-        torch.manual_seed(0)
-        model, inputs = self.build_fn(size)
-        return model.train(), inputs
-
-    def checkpointing(self, model: nn.Module, on: bool) -> None:
-        """Switch the library's own checkpointing of ``model`` (built by `build`) on or off."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            self.switch(model.inner if hasattr(model, "inner") else model.hf, on)
-
-
 def _randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 # ---------------------------------------------------------------- diffusers
-def _diffusers_switch(model: nn.Module, on: bool) -> None:
-    (model.enable_gradient_checkpointing if on else model.disable_gradient_checkpointing)()
+def _diffusers_switch(model: MSELoss, on: bool) -> None:
+    inner = model.inner
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        (inner.enable_gradient_checkpointing if on else inner.disable_gradient_checkpointing)()
 
 
 def unet(size: str):
@@ -133,23 +118,6 @@ def sd3(size: str):
     return MSELoss(inner, ("encoder_hidden_states", "pooled_projections", "timestep")), inputs
 
 
-# ---------------------------------------------------------------- transformers
-def _hf(name: str) -> Callable[[str], tuple[nn.Module, tuple[torch.Tensor, ...]]]:
-    def build(size: str):
-        from benchmarks.hf_zoo import HF_ZOO
-
-        return HF_ZOO[name].build(size)
-
-    return build
-
-
-def _hf_switch(model: nn.Module, on: bool) -> None:
-    if on:
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    else:
-        (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
-
-
 # ---------------------------------------------------------------- timm
 class _TimmLoss(nn.Module):
     def __init__(self, inner: nn.Module):
@@ -173,19 +141,32 @@ def _timm(model_name: str, **config) -> Callable[[str], tuple[nn.Module, tuple[t
     return build
 
 
-def _timm_switch(model: nn.Module, on: bool) -> None:
-    model.set_grad_checkpointing(on)
+def _timm_switch(model: _TimmLoss, on: bool) -> None:
+    model.inner.set_grad_checkpointing(on)
 
 
-LIBRARY_ZOO: dict[str, LibraryModel] = {m.name: m for m in (
-    LibraryModel("unet", "diffusers", "UNet2DConditionModel", unet, _diffusers_switch),
-    LibraryModel("vae", "diffusers", "AutoencoderKL", vae, _diffusers_switch),
-    LibraryModel("dit", "diffusers", "DiTTransformer2DModel", dit, _diffusers_switch),
-    LibraryModel("sd3", "diffusers", "SD3Transformer2DModel", sd3, _diffusers_switch),
-    LibraryModel("gpt2", "transformers", "GPT2LMHeadModel", _hf("gpt2"), _hf_switch),
-    LibraryModel("llama", "transformers", "LlamaForCausalLM", _hf("llama"), _hf_switch),
-    LibraryModel("vit", "transformers", "ViTForImageClassification", _hf("vit"), _hf_switch),
-    LibraryModel("timm-vit", "timm", "vit_tiny_patch16_224", _timm("vit_tiny_patch16_224", patch_size=8, depth=4),
-                 _timm_switch),
-    LibraryModel("timm-convnext", "timm", "convnext_atto", _timm("convnext_atto"), _timm_switch),
-)}
+def _library_build(name: str, build_fn: Callable[[str], tuple[nn.Module, tuple[torch.Tensor, ...]]],
+                   description: str) -> Callable[[str], Workload]:
+    """The zoo's build of one library model: ``size`` -> its `Workload`, the loss module in
+    training mode, built under seed 0 (dropout 0: the configs' default)."""
+    def build(size: str) -> Workload:
+        torch.manual_seed(0)
+        model, inputs = build_fn(size)
+        return Workload(name, model.train(), tuple(inputs), [], description)
+    return build
+
+
+# name, source (library.class), builder, its checkpointing switch, description; registered in
+# `fxopt.models.MODELS` as "lib-<name>"
+for _name, _source, _build, _switch, _description in (
+    ("unet", "diffusers.UNet2DConditionModel", unet, _diffusers_switch, "diffusers UNet with cross-attention, MSE loss"),
+    ("vae", "diffusers.AutoencoderKL", vae, _diffusers_switch, "diffusers VAE reconstructing its input, MSE loss"),
+    ("dit", "diffusers.DiTTransformer2DModel", dit, _diffusers_switch, "diffusers DiT, class-conditioned, MSE loss"),
+    ("sd3", "diffusers.SD3Transformer2DModel", sd3, _diffusers_switch, "diffusers SD3 MMDiT, MSE loss"),
+    ("timm-vit", "timm.vit_tiny_patch16_224", _timm("vit_tiny_patch16_224", patch_size=8, depth=4), _timm_switch,
+     "timm ViT-tiny, patch 8, 4 blocks, cross-entropy"),
+    ("timm-convnext", "timm.convnext_atto", _timm("convnext_atto"), _timm_switch, "timm ConvNeXt-atto, cross-entropy"),
+):
+    if f"lib-{_name}" not in MODELS:  # (registered once, however often this module is imported)
+        register(f"lib-{_name}", _library_build(_name, _build, _description), SIZES, ("library",), _description,
+                 source=_source, checkpointing=_switch)

@@ -12,6 +12,7 @@ the blocks per-block checkpointing wraps (`Workload`). `ZOO` is its test set::
     model, inputs = ZOO["gpt2_tiny"]()             # a test-zoo model at its one size
     w = MODELS["bert"].workload("tiny")            # a benchmark model: w.model, w.inputs, w.blocks
     model, inputs = MODELS["hf-llama"]("test")     # a transformers model (after importing benchmarks.hf_zoo)
+    MODELS["hf-llama"].checkpointing(model, True)  # transformers' own checkpointing switched on
 """
 
 from __future__ import annotations
@@ -469,7 +470,10 @@ class ZooModel:
     """An entry of `MODELS`. ``build(size, **options)`` makes its `Workload`; ``sizes`` are the
     sizes it has, the first its default; ``sets`` say who uses it: ``"test"`` (the test zoo,
     `ZOO`), ``"benchmark"`` (`benchmarks.pareto`'s models), ``"hf"`` (Hugging Face models, from
-    ``benchmarks/hf_zoo.py``). ``source``: the class it trains, where that is another library's."""
+    ``benchmarks/hf_zoo.py``), ``"library"`` (diffusers and timm models, from
+    ``benchmarks/library_zoo.py``). ``source``: the class it trains, where that is another
+    library's. ``checkpointing``: where that library has its own activation checkpointing,
+    ``checkpointing(model, on)`` switches it on or off in a model this entry built."""
 
     name: str
     build: Callable[..., Workload]
@@ -477,6 +481,7 @@ class ZooModel:
     sets: frozenset[str]
     description: str
     source: str = ""
+    checkpointing: Callable[[nn.Module, bool], None] | None = None
 
     def workload(self, size: str | None = None, **options: Any) -> Workload:
         size = self.sizes[0] if size is None else size
@@ -494,12 +499,14 @@ MODELS: dict[str, ZooModel] = {}
 
 
 def register(name: str, build: Callable[..., Workload], sizes: tuple[str, ...], sets: tuple[str, ...],
-             description: str, source: str = "") -> ZooModel:
-    """Add an entry to `MODELS` (the Hugging Face models register from ``benchmarks/hf_zoo.py``,
-    so that fxopt itself does not import transformers)."""
+             description: str, source: str = "",
+             checkpointing: Callable[[nn.Module, bool], None] | None = None) -> ZooModel:
+    """Add an entry to `MODELS` (the Hugging Face, diffusers and timm models register from
+    ``benchmarks/hf_zoo.py`` and ``benchmarks/library_zoo.py``, so that fxopt itself does not
+    import those libraries)."""
     if name in MODELS:
         raise ValueError(f"the zoo already has a model named {name!r}")
-    MODELS[name] = entry = ZooModel(name, build, tuple(sizes), frozenset(sets), description, source)
+    MODELS[name] = entry = ZooModel(name, build, tuple(sizes), frozenset(sets), description, source, checkpointing)
     return entry
 
 
@@ -621,7 +628,7 @@ register("bert", _bert, tuple(BERT_SIZES), ("benchmark",), "BERT-style encoder w
 
 
 def zoo(name: str) -> dict[str, ZooModel]:
-    """The entries of `MODELS` in the set ``name`` (``"test"``, ``"benchmark"``, ``"hf"``)."""
+    """The entries of `MODELS` in the set ``name`` (``"test"``, ``"benchmark"``, ``"hf"``, ``"library"``)."""
     return {n: m for n, m in MODELS.items() if name in m.sets}
 
 

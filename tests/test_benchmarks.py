@@ -77,12 +77,23 @@ def test_hf_zoo_models_build_and_train_every_parameter(name):
 
 def test_one_model_zoo():
     """Tests and benchmarks build from one registry, `fxopt.models.MODELS`: the test zoo is its
-    "test" set (the same entries), the Pareto benchmark's models its "benchmark" set, and the
-    Hugging Face models register in it from benchmarks/hf_zoo.py; no other zoo is left."""
+    "test" set (the same entries), the Pareto benchmark's models its "benchmark" set, the
+    Hugging Face models register in it from benchmarks/hf_zoo.py and the diffusers and timm models
+    from benchmarks/library_zoo.py, each with its library's checkpointing switch; the library
+    benchmark's transformers models are the "hf-" entries themselves; no other zoo is left."""
+    from benchmarks import library_checkpointing, library_zoo
+
     assert ZOO == zoo("test") and all(ZOO[n] is MODELS[n] for n in ZOO)
     assert tuple(pareto.MODELS) == ("residual_mlp", "resnet", "unet", "gpt2", "bert")
     assert all(MODELS[f"hf-{n}"].sets == {"hf"} for n in hf_zoo.HF_NAMES) and len(hf_zoo.HF_NAMES) == 13
     assert not (BENCHMARKS / "models.py").exists() and not hasattr(hf_zoo, "HF_ZOO")
+    assert tuple(zoo("library")) == ("lib-unet", "lib-vae", "lib-dit", "lib-sd3", "lib-timm-vit", "lib-timm-convnext")
+    assert all(MODELS[n].sets == {"library"} and MODELS[n].source.split(".")[0] in ("diffusers", "timm")
+               for n in zoo("library"))
+    assert all(MODELS[n].checkpointing is not None for n in (*zoo("library"), *zoo("hf")))
+    assert not hasattr(library_zoo, "LIBRARY_ZOO") and not hasattr(library_zoo, "LibraryModel")
+    assert library_checkpointing.entry_of("llama") is MODELS["hf-llama"]
+    assert library_checkpointing.entry_of("unet") is MODELS["lib-unet"] is not MODELS["unet"]
     with pytest.raises(ValueError, match="sizes tiny, quick, full"):
         MODELS["resnet"]("huge")
 
