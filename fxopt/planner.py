@@ -32,7 +32,7 @@ from fxopt.passes import masks
 from fxopt.passes.dropout import recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
-from fxopt.solvers import check_solver, eager_schedule, min_feasible_budget, simulate, solve
+from fxopt.solvers import check_solver, eager_timeline, min_feasible_budget, simulate, solve
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.stages import InFlight, solve_stage, stage_min_budget
 from fxopt.solvers.auto import DEFAULT_TIME_LIMIT, MIN_PHASE_SECONDS, lowest_schedule
@@ -201,7 +201,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
             )
         else:
             return jg, given
-    eager = simulate(eager_graph, eager_schedule(eager_graph))
+    eager = eager_timeline(eager_graph)
     budget = resolve_budget(options.budget, eager.peak_bytes)
     cache_key = cache.key(jg.graph, budget, _cache_solver(options), options.time_limit)
     cached = cache.load(cache_key)

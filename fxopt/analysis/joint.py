@@ -202,8 +202,19 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             tangent=n.op == "placeholder" and n.name.startswith("tangents"),
             tensor=isinstance(val, torch.Tensor),
             codec=None if codec is None else codec.name,
+            backward_formula=_backward_formula(n),
         ))
     return nodes, node_sizes, codecs
+
+
+def _backward_formula(n: fx.Node) -> int | None:
+    """The eager backward formula ``n`` is part of (see `Node.backward_formula`): AOTAutograd tags
+    what it traced in the backward, each node with the sequence number of the autograd node whose
+    formula it ran in. A node a rewrite added has neither."""
+    seq_nr = n.meta.get("seq_nr")
+    if n.op != "call_function" or n.meta.get("partitioner_tag") != "is_backward" or not isinstance(seq_nr, int):
+        return None
+    return seq_nr
 
 
 def no_new_guards(fx_nodes: list[fx.Node]):

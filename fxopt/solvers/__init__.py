@@ -18,10 +18,10 @@ The whole package imports without torch (a test blocks ``import torch`` and impo
 """
 
 from fxopt.solvers.auto import (DEFAULT_TIME_LIMIT, ILP_REL_GAP, REVISION, SOLVERS, Solution, SolverTimeoutWarning,
-                                check_solver, eager_schedule, min_feasible_budget, solve)
+                                check_solver, eager_schedule, eager_timeline, min_feasible_budget, solve)
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 from fxopt.solvers.transfers import Transfers
 
 __all__ = ["Graph", "Node", "Transfers", "Schedule", "Timeline", "Solution", "SolverTimeoutWarning", "SOLVERS", "REVISION",
-           "DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "check_solver", "solve", "min_feasible_budget", "simulate", "eager_schedule"]
+           "DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "check_solver", "solve", "min_feasible_budget", "simulate", "eager_schedule", "eager_timeline"]

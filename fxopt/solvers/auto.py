@@ -109,6 +109,12 @@ def eager_schedule(graph: Graph) -> Schedule:
     return on_demand(graph, save_all_set(graph))
 
 
+def eager_timeline(graph: Graph) -> Timeline:
+    """The un-rewritten step's memory as eager autograd runs it (`eager_schedule`, freed as
+    autograd frees): the peak a fractional budget is a share of."""
+    return simulate(graph, eager_schedule(graph), eager_frees=True)
+
+
 def solve(
     graph: Graph,
     budget: int,

@@ -62,6 +62,13 @@ class Node:
     codec_cost: float = 0.0
     codec_flops: int = 0
     codec_workspace: int = 0  # scratch bytes while encoding or decoding, beyond input and output
+    # The backward formula (one autograd node's, numbered as AOTAutograd numbers them) that eager
+    # autograd computes this value in; None for what eager computes in its forward (and for nodes
+    # a rewrite added). Eager keeps what a formula reads from outside it until the whole formula
+    # has run (`simulate`'s ``eager_frees``); a forward value with one (a formula's value that
+    # reads no incoming gradient, such as RMSNorm's ``pow(x, 1)``) is made in eager's backward
+    # from what it reads, which eager keeps instead (`save_all_set`). Schedules may still SAVE it.
+    backward_formula: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
