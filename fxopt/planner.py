@@ -29,7 +29,7 @@ from fxopt.budget import Budget, resolve_budget
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError, check_choice
 from fxopt.fxgraph import copy_module
 from fxopt.passes import masks
-from fxopt.passes.dropout import recompute_dropout_from_mask
+from fxopt.passes.dropout import alias_identity_dropouts, recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
 from fxopt.solvers import check_solver, eager_timeline, min_feasible_budget, simulate, solve
@@ -168,6 +168,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
         jg = analyze_step(gm, num_fwd_outputs, cost_model, **codecs)
         return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
 
+    alias_identity_dropouts(joint)  # (eager makes no copy there: neither does the step, planned or not)
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
     # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).

@@ -25,7 +25,7 @@ from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
 from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.fxgraph import copy_module
 from fxopt.passes import masks
-from fxopt.passes.dropout import recompute_dropout_from_mask
+from fxopt.passes.dropout import alias_identity_dropouts, recompute_dropout_from_mask
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.planner import Options, make_plan
 
@@ -129,6 +129,7 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
 def _analyzed(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread: int, sizes: Sizes) -> Analyzed:
     """The step analysed as captured, and after the rewrites `fxopt.planner.make_plan` applies."""
     codecs = dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread, sizes=sizes)
+    alias_identity_dropouts(joint)
     eager = analyze(copy_module(joint), num_fwd_outputs, options.cost_model, **codecs)
     rewritten = recompute_dropout_from_mask(joint) + (masks.relu_masks(joint) if options.compress else 0)
     jg = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if rewritten else eager

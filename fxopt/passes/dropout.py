@@ -77,6 +77,57 @@ def recompute_dropout_from_mask(gm: fx.GraphModule) -> int:
     return rewritten
 
 
+# What ``source_fn_stack`` names for a dropout: its modules' base class, its functions.
+_DROPOUT_MODULE = torch.nn.modules.dropout._DropoutNd
+_DROPOUT_FUNCTIONS = frozenset([
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+])
+
+
+def alias_identity_dropouts(gm: fx.GraphModule) -> int:
+    """A dropout that drops nothing (``p=0``, or not training) returns its input itself in eager,
+    but AOTAutograd's decomposition returns ``input.clone()``: a copy eager never makes, which
+    the step would hold wherever the backward reads it (T5's feed-forward: its ReLU output twice).
+    Make every reader of such a copy read the input instead::
+
+        y = clone(x)   # from dropout(x, 0.0)    ==>   (y's readers read x)
+
+    Only a copy with its input's layout, that is no output of the step, of a value nothing
+    writes to (a functional graph writes only to its inputs, at the end). Returns how many."""
+    graph = gm.graph
+    written = {n.args[0] for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target._schema.is_mutable and n.args and isinstance(n.args[0], fx.Node)}
+    count = 0
+    for node in list(graph.find_nodes(op="call_function", target=aten.clone.default)):
+        source = node.args[0]
+        if not _from_dropout(node) or not isinstance(source, fx.Node) or source in written:
+            continue
+        val, before = node.meta.get("val"), source.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not isinstance(before, torch.Tensor) or any(u.op == "output" for u in node.users):
+            continue
+        if (val.shape, val.stride(), val.dtype, val.device) != (before.shape, before.stride(), before.dtype, before.device):
+            continue
+        replace_value(node, source)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
+
+
+def _from_dropout(node: fx.Node) -> bool:
+    stack = node.meta.get("source_fn_stack") or []
+    if not stack or not isinstance(stack[-1], tuple) or len(stack[-1]) < 2:
+        return False
+    source = stack[-1][1]
+    if isinstance(source, type):
+        return issubclass(source, _DROPOUT_MODULE)
+    return source in _DROPOUT_FUNCTIONS
+
+
 def _position(graph: fx.Graph, node: fx.Node) -> int:
     for k, n in enumerate(graph.nodes):
         if n is node:
