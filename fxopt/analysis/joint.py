@@ -203,6 +203,7 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             tensor=isinstance(val, torch.Tensor),
             codec=None if codec is None else codec.name,
             backward_formula=_backward_formula(n),
+            eager_number_bytes=_wrapped_number_bytes(n) if kind == "forward" else 0,
         ))
     return nodes, node_sizes, codecs
 
@@ -215,6 +216,24 @@ def _backward_formula(n: fx.Node) -> int | None:
     if n.op != "call_function" or n.meta.get("partitioner_tag") != "is_backward" or not isinstance(seq_nr, int):
         return None
     return seq_nr
+
+
+# What eager wraps each kind of Python number in: a 0-dim float64, int64, bool or complex128 tensor.
+_WRAPPED_BYTES = {bool: 1, int: 8, float: 8, complex: 16}
+
+
+def _wrapped_number_bytes(n: fx.Node) -> int:
+    """Bytes of the tensors eager makes of the Python numbers ``n``'s op takes as tensors (see
+    `Node.eager_number_bytes`)."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return 0
+    given = dict(zip((a.name for a in n.target._schema.arguments), n.args)) | dict(n.kwargs)
+    total = 0
+    for arg in n.target._schema.arguments:
+        value = given.get(arg.name)
+        if isinstance(arg.type, torch.TensorType) and type(value) in _WRAPPED_BYTES:
+            total += _WRAPPED_BYTES[type(value)]
+    return total
 
 
 def no_new_guards(fx_nodes: list[fx.Node]):

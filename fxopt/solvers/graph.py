@@ -69,6 +69,10 @@ class Node:
     # reads no incoming gradient, such as RMSNorm's ``pow(x, 1)``) is made in eager's backward
     # from what it reads, which eager keeps instead (`save_all_set`). Schedules may still SAVE it.
     backward_formula: int | None = None
+    # Bytes of the Python numbers eager wraps into tensors for this op (``x * 0.5`` runs
+    # ``mul.Tensor(x, tensor(0.5, dtype=float64))``), which eager autograd may keep for the
+    # backward: counted in the eager step's memory, from the op on (`simulate`'s ``eager_frees``).
+    eager_number_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

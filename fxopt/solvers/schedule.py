@@ -115,7 +115,9 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     ``eager_frees``: free as eager autograd does, not as the generated code does: a value that a
     backward formula (`Node.backward_formula`) reads from outside it (a saved tensor, an incoming
     gradient) lives until the whole formula has run, since the autograd node holds its saved
-    tensors, and the engine its inputs, until then (the eager step's peak, `eager_timeline`)."""
+    tensors, and the engine its inputs, until then; and the Python numbers eager wraps into
+    tensors for forward ops (`Node.eager_number_bytes`) live to the end (the eager step's peak,
+    `eager_timeline`)."""
     _check(graph, schedule)
     replay = _Replay(graph, schedule, eager_frees)
     replay.forward()
@@ -387,6 +389,8 @@ class _Replay:
         for k, i in enumerate(fwd):
             self.settle()
             self.create(i, 0)
+            if self.eager_frees and nodes[i].eager_number_bytes:
+                self.memory.hold(("number", i), nodes[i].eager_number_bytes)
             peak = max(peak, self.record("forward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
             self.now += nodes[i].cost
             for j in dying_at.get(k, ()):
