@@ -376,7 +376,7 @@ def test_plan_gap_and_summary(bound, gap, shown):
     assert plan.recompute_cost == pytest.approx(3.0)
     assert plan.lower_bound_cost == bound
     assert plan.gap == (None if gap is None else pytest.approx(gap))
-    assert plan.summary() == ("fxopt plan (ilp, optimal, 0.25 s): peak 70 B (budget 70 B, eager 86 B), 1 saved, "
+    assert plan.summary() == ("fxopt plan (ilp, optimal, 0.25 s): peak 70 B (budget 70 B, eager 86 B as predicted, what a fraction is of), 1 saved, "
                               "2 recomputations, +0.000 GFLOP" + shown)
     again = Plan.from_json(plan.to_json())
     assert (again.lower_bound_cost, again.gap) == (plan.lower_bound_cost, plan.gap)
