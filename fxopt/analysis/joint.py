@@ -204,6 +204,7 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             codec=None if codec is None else codec.name,
             backward_formula=_backward_formula(n),
             eager_number_bytes=_wrapped_number_bytes(n) if kind == "forward" else 0,
+            eager_bytes=_eager_dropout_mask_bytes(n),
         ))
     return nodes, node_sizes, codecs
 
@@ -234,6 +235,20 @@ def _wrapped_number_bytes(n: fx.Node) -> int:
         if isinstance(arg.type, torch.TensorType) and type(value) in _WRAPPED_BYTES:
             total += _WRAPPED_BYTES[type(value)]
     return total
+
+
+def _eager_dropout_mask_bytes(n: fx.Node) -> int | None:
+    """For the mask ``native_dropout`` returns on CPU: its bytes in eager, where ``at::dropout``
+    does not run that kernel but multiplies its input by a noise tensor of the input's dtype,
+    which autograd keeps (see `Node.eager_bytes`); None for anything else."""
+    source = n.args[0] if n.target is operator.getitem and n.args[1] == 1 else None
+    if not isinstance(source, fx.Node) or source.target is not aten.native_dropout.default:
+        return None
+    mask, x = n.meta.get("val"), source.args[0].meta.get("val")
+    if not isinstance(mask, torch.Tensor) or not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        return None
+    numel = mask.numel()
+    return numel * x.element_size() if isinstance(numel, int) else None  # (a symbolic size: not counted)
 
 
 def no_new_guards(fx_nodes: list[fx.Node]):

@@ -112,6 +112,9 @@ def eager_schedule(graph: Graph) -> Schedule:
 def eager_timeline(graph: Graph) -> Timeline:
     """The un-rewritten step's memory as eager autograd runs it (`eager_schedule`, freed as
     autograd frees): the peak a fractional budget is a share of."""
+    if any(n.eager_bytes is not None for n in graph.nodes):
+        graph = Graph(tuple(n if n.eager_bytes is None else dataclasses.replace(n, bytes=n.eager_bytes)
+                            for n in graph.nodes), graph.transfers)
     return simulate(graph, eager_schedule(graph), eager_frees=True)
 
 

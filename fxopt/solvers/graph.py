@@ -73,6 +73,10 @@ class Node:
     # ``mul.Tensor(x, tensor(0.5, dtype=float64))``), which eager autograd may keep for the
     # backward: counted in the eager step's memory, from the op on (`simulate`'s ``eager_frees``).
     eager_number_bytes: int = 0
+    # The bytes of this value in eager's own step where they are not ``bytes``: on CPU, eager's
+    # dropout keeps a mask of its input's dtype, not a bool one (``at::dropout`` runs the fused
+    # ``native_dropout`` only on accelerators). Counted in the eager step's memory (`eager_timeline`).
+    eager_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
