@@ -211,10 +211,12 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
 
 def _backward_formula(n: fx.Node) -> int | None:
     """The eager backward formula ``n`` is part of (see `Node.backward_formula`): AOTAutograd tags
-    what it traced in the backward, each node with the sequence number of the autograd node whose
-    formula it ran in. A node a rewrite added has neither."""
+    every node it traced in the forward ``is_forward``, and what it traced in the backward
+    ``is_backward`` (or nothing: the backward of a custom ``autograd.Function``, Bloom's GELU),
+    each with the sequence number of the autograd node whose formula it ran in. A node a rewrite
+    added has no sequence number."""
     seq_nr = n.meta.get("seq_nr")
-    if n.op != "call_function" or n.meta.get("partitioner_tag") != "is_backward" or not isinstance(seq_nr, int):
+    if n.op != "call_function" or n.meta.get("partitioner_tag") == "is_forward" or not isinstance(seq_nr, int):
         return None
     return seq_nr
 
