@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import shlex
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +36,7 @@ import torch
 import torch.nn as nn
 
 import fxopt
-from benchmarks.harness import error_line, log, mib, run_meta
+from benchmarks.harness import mib, run_rows
 
 AIM = 0.03  # predicted eager peak at most this share above the measured one, never below
 
@@ -167,18 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"meta": run_meta("python -m benchmarks.eager_accuracy " + shlex.join(argv or sys.argv[1:])), "rows": []}
-    for name in names:
-        log(f"eager_accuracy: {name}")
-        try:
-            row = bench(name, builders[name])
-        except Exception as err:  # noqa: BLE001 - a model that does not run is a row, and the run goes on
-            log(traceback.format_exc())
-            row = {"model": name, "error": error_line(err)}
-        log(f"  {row}")
-        result["rows"].append(row)
-        Path(f"{out}.json").write_text(json.dumps(result, indent=1))
-        write_markdown(result, Path(f"{out}.md"))
+    run_rows("python -m benchmarks.eager_accuracy " + shlex.join(argv or sys.argv[1:]), names,
+             lambda name: bench(name, builders[name]), out, write_markdown)
     return 0
 
 

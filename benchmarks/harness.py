@@ -29,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -300,6 +302,26 @@ def mib(n: int | float | None) -> str:
 def error_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+
+
+def run_rows(command: str, names: list[str], row_of: Callable[[str], dict], out: Path,
+             write_markdown: Callable[[dict, Path], None], brief: Callable[[dict], Any] = lambda row: row) -> dict:
+    """One row per name (``row_of(name)``; a model that raises is a row with its error, and the
+    run goes on), ``<out>.json`` and ``<out>.md`` written after every row. ``brief``: what the log
+    shows of a row."""
+    result = {"meta": run_meta(command), "rows": []}
+    for name in names:
+        log(f"{command.split()[2]}: {name}")
+        try:
+            row = row_of(name)
+        except Exception as err:  # noqa: BLE001 - a model that does not run is a row, and the run goes on
+            log(traceback.format_exc())
+            row = {"model": name, "error": error_line(err)}
+        log(f"  {brief(row)}")
+        result["rows"].append(row)
+        Path(f"{out}.json").write_text(json.dumps(result, indent=1))
+        write_markdown(result, Path(f"{out}.md"))
+    return result
 
 
 def log(msg: str) -> None:

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import shlex
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,7 @@ from typing import Any
 import torch
 
 import fxopt
-from benchmarks.harness import error_line, log, mib, run_meta
+from benchmarks.harness import mib, run_rows
 
 BATCH, SEQ, VOCAB, HIDDEN = 4, 64, 256, 64
 TRIES = 3  # budgets tried: half the activations, then what each error names
@@ -334,18 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown models {unknown}; choose from {', '.join(ARCHITECTURES)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"meta": run_meta("python -m benchmarks.hf_breadth " + shlex.join(argv or sys.argv[1:])), "rows": []}
-    for name in names:
-        log(f"hf_breadth: {name}")
-        try:
-            row = bench(name, args.time_limit)
-        except Exception as err:  # noqa: BLE001 - a model fxopt cannot run is a row, and the run goes on
-            log(traceback.format_exc())
-            row = {"model": name, "error": error_line(err)}
-        log(f"  {row.get('status', row.get('error'))}")
-        result["rows"].append(row)
-        Path(f"{out}.json").write_text(json.dumps(result, indent=1))
-        write_markdown(result, Path(f"{out}.md"))
+    run_rows("python -m benchmarks.hf_breadth " + shlex.join(argv or sys.argv[1:]), names,
+             lambda name: bench(name, args.time_limit), out, write_markdown,
+             brief=lambda row: row.get("status", row.get("error")))
     return 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fxopt.errors import FxoptError
 from fxopt.solvers.plan import Plan
-from fxopt.solvers import eager_timeline, simulate
+from fxopt.solvers import eager_timeline
 
 MiB = 2**20
 

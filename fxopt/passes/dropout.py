@@ -96,26 +96,30 @@ def alias_identity_dropouts(gm: fx.GraphModule) -> int:
 
     Only a copy with its input's layout, that is no output of the step, of a value nothing
     writes to (a functional graph writes only to its inputs, at the end). Returns how many."""
-    graph = gm.graph
+    copies = _identity_copies(gm.graph)
+    for node in copies:
+        replace_value(node, node.args[0])
+        gm.graph.erase_node(node)
+    if copies:
+        gm.graph.lint()
+        gm.recompile()
+    return len(copies)
+
+
+def _identity_copies(graph: fx.Graph) -> list[fx.Node]:
+    """The copies `alias_identity_dropouts` removes."""
     written = {n.args[0] for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                and n.target._schema.is_mutable and n.args and isinstance(n.args[0], fx.Node)}
-    count = 0
-    for node in list(graph.find_nodes(op="call_function", target=aten.clone.default)):
-        source = node.args[0]
-        if not _from_dropout(node) or not isinstance(source, fx.Node) or source in written:
-            continue
-        val, before = node.meta.get("val"), source.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not isinstance(before, torch.Tensor) or any(u.op == "output" for u in node.users):
-            continue
-        if (val.shape, val.stride(), val.dtype, val.device) != (before.shape, before.stride(), before.dtype, before.device):
-            continue
-        replace_value(node, source)
-        graph.erase_node(node)
-        count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-    return count
+
+    def identity(node: fx.Node) -> bool:
+        source, val = node.args[0], node.meta.get("val")
+        before = source.meta.get("val") if isinstance(source, fx.Node) else None
+        return (_from_dropout(node) and source not in written and isinstance(val, torch.Tensor)
+                and isinstance(before, torch.Tensor) and not any(u.op == "output" for u in node.users)
+                and (val.shape, val.stride(), val.dtype, val.device) == (before.shape, before.stride(), before.dtype,
+                                                                         before.device))
+
+    return [n for n in graph.find_nodes(op="call_function", target=aten.clone.default) if identity(n)]
 
 
 def _from_dropout(node: fx.Node) -> bool:
