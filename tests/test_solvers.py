@@ -24,7 +24,7 @@ from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS, articulation_values
 from fxopt.solvers.ilp import build_ilp, solve_ilp
 from fxopt.solvers.plan import Plan
-from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, as_generated
 from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, ids, mlp2, random_training_graph, with_random_lossy_codecs
 
 STATUSES = {"optimal", "feasible", "heuristic"}
@@ -38,6 +38,7 @@ def _storage_bytes(graph: Graph, values) -> int:
 
 def assert_timeline_invariants(graph: Graph, schedule: Schedule, timeline: Timeline) -> None:
     """Check the simulated timeline against bounds computed independently of the simulator."""
+    schedule = as_generated(graph, schedule)  # (what the generated code saves and runs)
     nodes = graph.nodes
     always = {i for i, n in enumerate(nodes) if n.kind == "input" and not n.tangent}
     tangents = {i for i, n in enumerate(nodes) if n.tangent}

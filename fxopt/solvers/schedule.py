@@ -119,7 +119,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     tensors for forward ops (`Node.eager_number_bytes`) live to the end (the eager step's peak,
     `eager_timeline`)."""
     _check(graph, schedule)
-    schedule = _as_generated(graph, schedule)
+    schedule = as_generated(graph, schedule)
     replay = _Replay(graph, schedule, eager_frees)
     replay.forward()
     steps = _copies(graph, schedule.backward, replay.available())
@@ -146,17 +146,19 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     )
 
 
-def _as_generated(graph: Graph, schedule: Schedule) -> Schedule:
-    """``schedule`` as the generated code runs it (`fxopt.passes.recompute`): a SAVEd value the
-    backward does not read before it recomputes it (or at all) is not saved, but dies at its
-    last forward use, like any value the backward does not need."""
-    kept = [schedule.backward[e] for e in kept_steps(graph, schedule)]
-    saved = frozenset(schedule.saved) & (read_before_recompute(graph, kept) | graph.free)
-    if saved == frozenset(schedule.saved):
+def as_generated(graph: Graph, schedule: Schedule) -> Schedule:
+    """``schedule`` as the generated code runs it (`fxopt.passes.recompute`): without the
+    recomputations nothing reads (`prune`), and without the SAVEd values the backward then does
+    not read before it recomputes them, which die at their last forward use like any value the
+    backward does not need. (A schedule that OFFLOADs is left as it is: its reload points are
+    positions in it.)"""
+    if schedule.offloaded:
         return schedule
-    return dataclasses.replace(schedule, saved=saved, compressed=frozenset(schedule.compressed) & saved,
-                               offloaded=frozenset(schedule.offloaded) & saved,
-                               reload_at=tuple((j, p) for j, p in schedule.reload_at if j in saved))
+    pruned = prune(graph, schedule)
+    saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
+    if saved == frozenset(pruned.saved):
+        return pruned
+    return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved)
 
 
 def _check(graph: Graph, schedule: Schedule) -> None:
