@@ -163,6 +163,9 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
     """One solver node per fx node (its sizes filled in later, at a shape), its sizes as
     expressions, and the codec offered to each value that has one."""
     index = {n: i for i, n in enumerate(fx_nodes)}
+    # AOTAutograd numbers autograd nodes with a counter of the process: number the formulas by
+    # first appearance instead, so that the same step gets the same graph (and plan cache key).
+    formulas: dict[int, int] = {}
     storage_owner: dict[StorageWeakRef, int] = {}
     nodes: list[Node] = []
     node_sizes: list[NodeSizes] = []
@@ -202,7 +205,7 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             tangent=n.op == "placeholder" and n.name.startswith("tangents"),
             tensor=isinstance(val, torch.Tensor),
             codec=None if codec is None else codec.name,
-            backward_formula=_backward_formula(n),
+            backward_formula=None if (f := _backward_formula(n)) is None else formulas.setdefault(f, len(formulas)),
             eager_number_bytes=_wrapped_number_bytes(n) if kind == "forward" else 0,
             eager_bytes=_eager_dropout_mask_bytes(n),
         ))
