@@ -400,5 +400,24 @@ def error_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0][:300] if text else ''}"
 
 
+def run_rows(command: str, names: list[str], row_of: Callable[[str], dict], out: Path | str,
+             markdown: Callable[[dict], str], brief: Callable[[dict], Any] = lambda row: row) -> dict:
+    """One row per name (``row_of(name)``; a model that raises is a row with its error, and the
+    run goes on), written with `write_results` (``markdown(result)`` its report) after every row.
+    ``brief``: what the log shows of a row."""
+    result = {"meta": run_meta(command), "rows": []}
+    for name in names:
+        log(f"{command.split()[2]}: {name}")
+        try:
+            row = row_of(name)
+        except Exception as err:  # noqa: BLE001 - a model that does not run is a row, and the run goes on
+            log(traceback.format_exc())
+            row = {"model": name, "error": error_line(err)}
+        log(f"  {brief(row)}")
+        result["rows"].append(row)
+        write_results(out, result, markdown(result))
+    return result
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

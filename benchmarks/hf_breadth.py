@@ -30,7 +30,6 @@ import copy
 import shlex
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 
 import fxopt
-from benchmarks.harness import error_line, log, meta_line, mib, run_meta, write_results
+from benchmarks.harness import meta_line, mib, run_rows
 
 BATCH, SEQ, VOCAB, HIDDEN = 4, 64, 256, 64
 TRIES = 3  # budgets tried: half the activations, then what each error names
@@ -331,17 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {', '.join(ARCHITECTURES)}")
     out = Path(args.out)
-    result = {"meta": run_meta("python -m benchmarks.hf_breadth " + shlex.join(argv or sys.argv[1:])), "rows": []}
-    for name in names:
-        log(f"hf_breadth: {name}")
-        try:
-            row = bench(name, args.time_limit)
-        except Exception as err:  # noqa: BLE001 - a model fxopt cannot run is a row, and the run goes on
-            log(traceback.format_exc())
-            row = {"model": name, "error": error_line(err)}
-        log(f"  {row.get('status', row.get('error'))}")
-        result["rows"].append(row)
-        write_results(out, result, markdown(result))
+    run_rows("python -m benchmarks.hf_breadth " + shlex.join(argv or sys.argv[1:]), names,
+             lambda name: bench(name, args.time_limit), out, markdown,
+             brief=lambda row: row.get("status", row.get("error")))
     return 0
 
 

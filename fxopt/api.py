@@ -194,7 +194,7 @@ class FxoptModule(nn.Module):
             return self._run_step(held, args, kwargs)
         except InfeasibleBudgetError as err:
             if not held:
-                raise
+                raise with_accumulation_note(err, self._model) from None
             err = _with_detail(err, f"This step starts with {format_bytes(held)} of gradients already there "
                                "(gradient accumulation, or zero_grad(set_to_none=False)), alive through the whole "
                                "step; optimizer.zero_grad() (set_to_none, the default) before it frees them.")
@@ -453,10 +453,29 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
         run_compiled(compiled, args, kwargs, options.compiler)
     except PlanReady as ready:
         return ready
+    except InfeasibleBudgetError as err:
+        if any(p.grad is not None for p in model.parameters()):
+            raise
+        raise with_accumulation_note(err, model) from None
     raise CaptureError(
         "nothing to plan: the captured step has no backward (no input or parameter requires grad, "
         "or it ran under torch.no_grad())"
     )
+
+
+def with_accumulation_note(err: InfeasibleBudgetError, model: nn.Module) -> InfeasibleBudgetError:
+    """``err`` (about a step that starts with no gradients) saying for which step its minimum
+    holds, and the minimum of the steps that start with the gradients held (gradient
+    accumulation): those hold the gradients through the whole step besides what it allocates, so
+    their minimum is this one plus the gradients' bytes."""
+    grads = sum(storages([p for p in model.parameters() if p.requires_grad]).values())
+    if not grads:
+        return err
+    note = (f"That minimum is for a step that starts without gradients (after optimizer.zero_grad()); a step that "
+            f"starts with them held (gradient accumulation, or zero_grad(set_to_none=False)) also holds "
+            f"{format_bytes(grads)} of gradients through it and needs at least {format_bytes(err.min_budget + grads)} "
+            f"({err.min_budget + grads} bytes).")
+    return InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [err.detail, note])), err.lower_bound)
 
 
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

@@ -33,7 +33,7 @@ from fxopt import cache
 from fxopt.analysis.joint import JointGraph, graph_fingerprint
 from fxopt.analysis.symbolic import Ranges
 from fxopt.errors import CaptureError, InfeasibleBudgetError
-from fxopt.solvers import eager_schedule, min_feasible_budget, simulate, solve
+from fxopt.solvers import eager_schedule, eager_timeline, min_feasible_budget, simulate, solve
 from fxopt.solvers.auto import lowest_schedule
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.units import format_bytes
@@ -121,7 +121,7 @@ def _largest_eager_fit(jg: JointGraph, point, lo: int, hi: int, budget: int) -> 
 
 def _plan_at(jg: JointGraph, graph: Graph, point, budget: int, solver: str, time_limit: float) -> Plan:
     """The plan for ``graph`` (``jg`` at ``point``), through the plan cache."""
-    eager_peak = simulate(graph, eager_schedule(graph)).peak_bytes
+    eager_peak = eager_timeline(graph).peak_bytes
     key = cache.key(graph, budget, solver)
     cached = cache.load(key)
     if cached is not None:
@@ -147,7 +147,7 @@ def _eager_plan(jg: JointGraph, point, budget: int) -> Plan | None:
     timeline = simulate(graph, schedule)
     if timeline.peak_bytes > budget:
         return None
-    return Plan.build(graph=graph, schedule=schedule, budget_bytes=budget, eager_peak_bytes=timeline.peak_bytes,
+    return Plan.build(graph=graph, schedule=schedule, budget_bytes=budget, eager_peak_bytes=eager_timeline(graph).peak_bytes,
                       solver="save_all", status="optimal", solve_seconds=0.0, fingerprint=graph_fingerprint(graph),
                       module_paths=jg.module_paths, timeline=timeline, lower_bound_cost=0.0)
 

@@ -37,7 +37,7 @@ from fxopt.budget import Budget, BudgetLike
 from fxopt.capture.shapes import DynamicDims
 from fxopt.errors import BudgetError, InfeasibleBudgetError
 from fxopt.options import Options
-from fxopt.solvers import eager_schedule, min_feasible_budget, simulate, solve
+from fxopt.solvers import eager_schedule, eager_timeline, min_feasible_budget, simulate, solve
 from fxopt.solvers.auto import SolverTimeoutWarning, lowest_schedule
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.instant import peak_lower_bound
@@ -295,7 +295,7 @@ class _Search:
     def plan_of(self, b: int, schedule: Schedule, solver: str, status: str, bound: float | None = None,
                 seconds: float = 0.0) -> Plan:
         graph = self.at(b)
-        eager = simulate(graph, eager_schedule(graph)).peak_bytes
+        eager = eager_timeline(graph).peak_bytes
         return Plan.build(graph=graph, schedule=schedule, budget_bytes=self.budget, eager_peak_bytes=eager,
                           solver=solver, status=status, solve_seconds=seconds, fingerprint=graph_fingerprint(graph),
                           module_paths=self.jg.module_paths, lower_bound_cost=bound)

@@ -30,10 +30,10 @@ from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.fxgraph import copy_module
 from fxopt.options import Options
 from fxopt.passes import masks
-from fxopt.passes.dropout import recompute_dropout_from_mask
+from fxopt.passes.dropout import alias_identity_dropouts, recompute_dropout_from_mask
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
-from fxopt.solvers import eager_schedule, simulate, solve
+from fxopt.solvers import eager_timeline, simulate, solve
 from fxopt.solvers.effort import Deadline, effort_of
 from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.instant import peak_lower_bound
@@ -105,6 +105,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = _codecs(options, unread_resident_bytes, sizes)
     analyze = _analyzer(joint, options)
+    alias_identity_dropouts(joint)  # (eager makes no copy there: neither does the step, planned or not)
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
     # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).
@@ -139,7 +140,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
             )
         else:
             return jg, given
-    eager = simulate(eager_graph, eager_schedule(eager_graph))
+    eager = eager_timeline(eager_graph)
     budget = options.budget.resolve(eager.peak_bytes)
     cache_key = cache.key(jg.graph, budget, _cache_solver(options), effort_of(options.effort))
     cached = cache.load(cache_key)
@@ -239,6 +240,7 @@ def analyze_for_planning(joint: fx.GraphModule, num_fwd_outputs: int, options: O
     (`fxopt.max_batch` reads it)."""
     codecs = _codecs(options, unread_resident_bytes, sizes)
     analyze = _analyzer(joint, options)
+    alias_identity_dropouts(joint)  # (as `make_plan`: eager makes no copy there)
     eager = analyze(copy_module(joint), num_fwd_outputs, options.cost_model, **codecs)
     rewritten, _ = _rewrite_for_planning(joint, options)
     return eager, analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if rewritten else eager

@@ -46,7 +46,7 @@ MODELS = ("gpt2", "bert", "llama", "t5", "vit", "resnet", "convnext")
 def _release_shared_steps():
     """The shared models, plans and compiled steps live as long as this module's tests."""
     yield
-    for cached in (_model, _minimum, _step):
+    for cached in (_model, _minimum, _step, _at_full):
         cached.cache_clear()
 
 
@@ -244,3 +244,39 @@ def test_hf_trainer_trains_an_fxopt_model(tmp_path):
     assert logs_o == pytest.approx(logs_e) and loss_o == pytest.approx(loss_e)
     for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
         torch.testing.assert_close(p_o, p_e)
+
+
+# Issue 24, items 11 and 3: transformers architectures (`benchmarks.hf_breadth`'s small configs)
+# whose predicted eager peak was 6-10% above the measured one, and whose fxopt step at 100%
+# measured above eager's: RMSNorm's backward-only ``pow(x, 1)`` made in the forward and kept,
+# what a backward formula reads freed mid-formula, dropout(p=0)'s copy (mt5).
+EAGER_ARCHITECTURES = ("gemma", "qwen3", "mt5", "phi3")
+
+
+@functools.cache
+def _at_full(name: str) -> tuple[int, int, int]:
+    """(eager's measured peak, the eager peak fxopt predicts, fxopt's measured peak at 100%)."""
+    from benchmarks.hf_breadth import ARCHITECTURES
+    from benchmarks.hf_zoo import HFLoss
+
+    torch.manual_seed(0)
+    hf, batch = ARCHITECTURES[name]()
+    model, inputs = HFLoss(hf, tuple(batch)).train(), tuple(batch.values())
+    eager = measured_peak(copy.deepcopy(model), inputs)
+    optimized = fxopt.optimize(copy.deepcopy(model), 1.0, time_limit=TIME_LIMIT)
+    step(optimized, inputs)  # the first call plans
+    return eager, optimized.plan.eager_peak_bytes, measured_peak(optimized, inputs)
+
+
+@pytest.mark.parametrize("name", EAGER_ARCHITECTURES)
+def test_predicted_eager_peak_is_the_measured_one(name):
+    """A fraction, and every "% below eager", is of the eager peak fxopt predicts: never below
+    the measured one, at most 3% above."""
+    eager, predicted, _ = _at_full(name)
+    assert 1.0 <= predicted / eager <= 1.03, f"predicted {predicted} B, measured {eager} B"
+
+
+@pytest.mark.parametrize("name", EAGER_ARCHITECTURES)
+def test_at_full_budget_no_more_than_eager(name):
+    eager, _, at_full = _at_full(name)
+    assert at_full <= eager, f"fxopt at 100% measured {at_full} B, eager {eager} B"

@@ -223,6 +223,9 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
     """One solver node per fx node (its sizes filled in later, at a shape), its sizes as
     expressions, and the codec offered to each value that has one."""
     index = {n: i for i, n in enumerate(fx_nodes)}
+    # AOTAutograd numbers autograd nodes with a counter of the process: number the formulas by
+    # first appearance instead, so that the same step gets the same graph (and plan cache key).
+    formulas: dict[int, int] = {}
     storage_owner: dict[StorageWeakRef, int] = {}
     nodes: list[Node] = []
     node_sizes: list[NodeSizes] = []
@@ -262,8 +265,55 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             tangent=n.op == "placeholder" and n.name.startswith("tangents"),
             tensor=isinstance(val, torch.Tensor),
             codec=None if codec is None else codec.name,
+            backward_formula=None if (f := _backward_formula(n)) is None else formulas.setdefault(f, len(formulas)),
+            eager_number_bytes=_wrapped_number_bytes(n) if kind == "forward" else 0,
+            eager_bytes=_eager_dropout_mask_bytes(n),
         ))
     return nodes, node_sizes, codecs
+
+
+def _backward_formula(n: fx.Node) -> int | None:
+    """The eager backward formula ``n`` is part of (see `Node.backward_formula`): AOTAutograd tags
+    every node it traced in the forward ``is_forward``, and what it traced in the backward
+    ``is_backward`` (or nothing: the backward of a custom ``autograd.Function``, Bloom's GELU),
+    each with the sequence number of the autograd node whose formula it ran in. A node a rewrite
+    added has no sequence number."""
+    seq_nr = n.meta.get("seq_nr")
+    if n.op != "call_function" or n.meta.get("partitioner_tag") == "is_forward" or not isinstance(seq_nr, int):
+        return None
+    return seq_nr
+
+
+# What eager wraps each kind of Python number in: a 0-dim float64, int64, bool or complex128 tensor.
+_WRAPPED_BYTES = {bool: 1, int: 8, float: 8, complex: 16}
+
+
+def _wrapped_number_bytes(n: fx.Node) -> int:
+    """Bytes of the tensors eager makes of the Python numbers ``n``'s op takes as tensors (see
+    `Node.eager_number_bytes`)."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return 0
+    given = dict(zip((a.name for a in n.target._schema.arguments), n.args)) | dict(n.kwargs)
+    total = 0
+    for arg in n.target._schema.arguments:
+        value = given.get(arg.name)
+        if isinstance(arg.type, torch.TensorType) and type(value) in _WRAPPED_BYTES:
+            total += _WRAPPED_BYTES[type(value)]
+    return total
+
+
+def _eager_dropout_mask_bytes(n: fx.Node) -> int | None:
+    """For the mask ``native_dropout`` returns on CPU: its bytes in eager, where ``at::dropout``
+    does not run that kernel but multiplies its input by a noise tensor of the input's dtype,
+    which autograd keeps (see `Node.eager_bytes`); None for anything else."""
+    source = n.args[0] if n.target is operator.getitem and n.args[1] == 1 else None
+    if not isinstance(source, fx.Node) or source.target is not aten.native_dropout.default:
+        return None
+    mask, x = n.meta.get("val"), source.args[0].meta.get("val")
+    if not isinstance(mask, torch.Tensor) or not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        return None
+    numel = mask.numel()
+    return numel * x.element_size() if isinstance(numel, int) else None  # (a symbolic size: not counted)
 
 
 def no_new_guards(fx_nodes: list[fx.Node]):

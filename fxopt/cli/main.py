@@ -448,7 +448,8 @@ def _print_summary(out, plan, args: argparse.Namespace, planning: float, measure
     summary.add_column("", justify="left")
     rows = [("eager", plan.eager_peak_bytes, measured.get("eager"), ""),
             ("fxopt plan", plan.peak_bytes, measured.get("fxopt"),
-             f"{100 * (1 - plan.peak_bytes / plan.eager_peak_bytes):.0f}% below eager")]
+             f"{100 * (1 - plan.peak_bytes / plan.eager_peak_bytes):.0f}% below eager's predicted peak "
+             "(what a fraction is of)")]
     for label, predicted, real, note in rows:
         cells = [label, format_bytes(predicted)]
         if measured:

@@ -9,7 +9,7 @@ from pathlib import Path
 from fxopt.errors import FxoptError
 from fxopt.fxgraph import module_name
 from fxopt.solvers.plan import Plan
-from fxopt.solvers import eager_schedule, simulate
+from fxopt.solvers import eager_timeline
 
 MiB = 2**20
 
@@ -113,7 +113,7 @@ def plot_timeline(plan: Plan, path: str | Path, measured: dict | None = None, ti
         raise FxoptError("plotting needs matplotlib: pip install 'fxopt[plot]' (or pip install matplotlib)") from err
 
     predicted = {
-        f"eager (predicted, peak {_size(plan.eager_peak_bytes)})": simulate(plan.graph, eager_schedule(plan.graph)),
+        f"eager (predicted, peak {_size(plan.eager_peak_bytes)})": eager_timeline(plan.graph),
         f"fxopt plan (predicted, peak {_size(plan.peak_bytes)})": plan.timeline(),
     }
     copies = list(plan.timeline().copies) if plan.offloaded else []

@@ -77,6 +77,61 @@ def recompute_dropout_from_mask(gm: fx.GraphModule) -> int:
     return rewritten
 
 
+# What ``source_fn_stack`` names for a dropout: its modules' base class, its functions.
+_DROPOUT_MODULE = torch.nn.modules.dropout._DropoutNd
+_DROPOUT_FUNCTIONS = frozenset([
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+    torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+])
+
+
+def alias_identity_dropouts(gm: fx.GraphModule) -> int:
+    """A dropout that drops nothing (``p=0``, or not training) returns its input itself in eager,
+    but AOTAutograd's decomposition returns ``input.clone()``: a copy eager never makes, which
+    the step would hold wherever the backward reads it (T5's feed-forward: its ReLU output twice).
+    Make every reader of such a copy read the input instead::
+
+        y = clone(x)   # from dropout(x, 0.0)    ==>   (y's readers read x)
+
+    Only a copy with its input's layout, that is no output of the step, of a value nothing
+    writes to (a functional graph writes only to its inputs, at the end). Returns how many."""
+    copies = _identity_copies(gm.graph)
+    for node in copies:
+        replace_value(node, node.args[0])
+        gm.graph.erase_node(node)
+    if copies:
+        gm.graph.lint()
+        gm.recompile()
+    return len(copies)
+
+
+def _identity_copies(graph: fx.Graph) -> list[fx.Node]:
+    """The copies `alias_identity_dropouts` removes."""
+    written = {n.args[0] for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target._schema.is_mutable and n.args and isinstance(n.args[0], fx.Node)}
+
+    def identity(node: fx.Node) -> bool:
+        source, val = node.args[0], node.meta.get("val")
+        before = source.meta.get("val") if isinstance(source, fx.Node) else None
+        return (_from_dropout(node) and source not in written and isinstance(val, torch.Tensor)
+                and isinstance(before, torch.Tensor) and not any(u.op == "output" for u in node.users)
+                and (val.shape, val.stride(), val.dtype, val.device) == (before.shape, before.stride(), before.dtype,
+                                                                         before.device))
+
+    return [n for n in graph.find_nodes(op="call_function", target=aten.clone.default) if identity(n)]
+
+
+def _from_dropout(node: fx.Node) -> bool:
+    stack = node.meta.get("source_fn_stack") or []
+    if not stack or not isinstance(stack[-1], tuple) or len(stack[-1]) < 2:
+        return False
+    source = stack[-1][1]
+    if isinstance(source, type):
+        return issubclass(source, _DROPOUT_MODULE)
+    return source in _DROPOUT_FUNCTIONS
+
+
 def _position(graph: fx.Graph, node: fx.Node) -> int:
     for k, n in enumerate(graph.nodes):
         if n is node:

@@ -23,7 +23,7 @@ The whole package imports without torch (a test blocks ``import torch`` and impo
 """
 
 from fxopt.solvers.auto import (DEFAULT_TIME_LIMIT, ILP_REL_GAP, REVISION, SOLVERS, Solution, SolverTimeoutWarning,
-                                check_solver, eager_schedule, solve)
+                                check_solver, eager_schedule, eager_timeline, solve)
 from fxopt.solvers.effort import DEFAULT_EFFORT, Effort
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.minimum import Memo, lowest_plan, lowest_schedule, min_feasible_budget
@@ -32,4 +32,4 @@ from fxopt.solvers.transfers import Transfers
 
 __all__ = ["Graph", "Node", "Transfers", "Schedule", "Timeline", "Solution", "SolverTimeoutWarning", "SOLVERS", "REVISION",
            "DEFAULT_TIME_LIMIT", "DEFAULT_EFFORT", "Effort", "ILP_REL_GAP", "Memo", "check_solver", "solve",
-           "min_feasible_budget", "lowest_plan", "lowest_schedule", "simulate", "eager_schedule"]
+           "min_feasible_budget", "lowest_plan", "lowest_schedule", "simulate", "eager_schedule", "eager_timeline"]

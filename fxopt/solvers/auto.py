@@ -11,6 +11,7 @@ says so when it stops a phase. When nothing fits, the answer names the smallest 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 
@@ -20,11 +21,11 @@ from fxopt.solvers.graph import Graph
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.minimum import Memo, infeasible, lowest_plan, lowest_schedule, min_feasible_budget
 from fxopt.solvers.phases import strategies
-from fxopt.solvers.schedule import Schedule, on_demand, save_all_set, simulate
+from fxopt.solvers.schedule import Schedule, Timeline, on_demand, save_all_set, simulate
 from fxopt.solvers.search import ILP_REL_GAP, Search, Solution
 
 __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution", "SolverTimeoutWarning",
-           "check_solver", "eager_schedule", "solve", "lowest_plan", "lowest_schedule", "min_feasible_budget"]
+           "check_solver", "eager_schedule", "eager_timeline", "solve", "lowest_plan", "lowest_schedule", "min_feasible_budget"]
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
@@ -47,6 +48,15 @@ def check_solver(solver: str) -> None:
 def eager_schedule(graph: Graph) -> Schedule:
     """The un-rewritten step: save what eager autograd saves, recompute nothing."""
     return on_demand(graph, save_all_set(graph))
+
+
+def eager_timeline(graph: Graph) -> Timeline:
+    """The un-rewritten step's memory as eager autograd runs it (`eager_schedule`, freed as
+    autograd frees): the peak a fractional budget is a share of."""
+    if any(n.eager_bytes is not None for n in graph.nodes):
+        graph = Graph(tuple(n if n.eager_bytes is None else dataclasses.replace(n, bytes=n.eager_bytes)
+                            for n in graph.nodes), graph.transfers)
+    return simulate(graph, eager_schedule(graph), eager_frees=True)
 
 
 def solve(

@@ -67,6 +67,21 @@ class Node:
     # "attention", "convolution"; "" for any other op).
     blocks: tuple[int, ...] = ()
     op_class: str = ""
+    # The backward formula (one autograd node's, numbered as AOTAutograd numbers them) that eager
+    # autograd computes this value in; None for what eager computes in its forward (and for nodes
+    # a rewrite added). Eager keeps what a formula reads from outside it until the whole formula
+    # has run (`simulate`'s ``eager_frees``); a forward value with one (a formula's value that
+    # reads no incoming gradient, such as RMSNorm's ``pow(x, 1)``) is made in eager's backward
+    # from what it reads, which eager keeps instead (`save_all_set`). Schedules may still SAVE it.
+    backward_formula: int | None = None
+    # Bytes of the Python numbers eager wraps into tensors for this op (``x * 0.5`` runs
+    # ``mul.Tensor(x, tensor(0.5, dtype=float64))``), which eager autograd may keep for the
+    # backward: counted in the eager step's memory, from the op on (`simulate`'s ``eager_frees``).
+    eager_number_bytes: int = 0
+    # The bytes of this value in eager's own step where they are not ``bytes``: on CPU, eager's
+    # dropout keeps a mask of its input's dtype, not a bool one (``at::dropout`` runs the fused
+    # ``native_dropout`` only on accelerators). Counted in the eager step's memory (`eager_timeline`).
+    eager_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -152,7 +152,7 @@ class Plan(JsonRecord):
         return (
             f"fxopt plan ({self.solver}, {self.status}, {self.solve_seconds:.2f} s): "
             f"peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget_bytes)}, "
-            f"eager {format_bytes(self.eager_peak_bytes)}), {len(self.saved)} saved"
+            f"eager {format_bytes(self.eager_peak_bytes)} as predicted, what a fraction is of), {len(self.saved)} saved"
             + (f" ({len(self.compressed)} compressed{', lossy' if self.lossy else ''})" if self.compressed else "")
             + (f" ({len(self.offloaded)} offloaded, {format_bytes(self.host_bytes)} on the host, "
                f"{self.exposed_transfer_seconds * 1e3:.2f} ms exposed)" if self.offloaded else "")

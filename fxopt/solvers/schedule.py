@@ -110,10 +110,17 @@ def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
     return sorted(graph.forward_required | (frozenset(saved) & graph.backward_only))
 
 
-def simulate(graph: Graph, schedule: Schedule) -> Timeline:
-    """Replay the schedule and return its memory timeline; raise if it is not valid."""
+def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> Timeline:
+    """Replay the schedule and return its memory timeline; raise if it is not valid.
+    ``eager_frees``: free as eager autograd does, not as the generated code does: a value that a
+    backward formula (`Node.backward_formula`) reads from outside it (a saved tensor, an incoming
+    gradient) lives until the whole formula has run, since the autograd node holds its saved
+    tensors, and the engine its inputs, until then; and the Python numbers eager wraps into
+    tensors for forward ops (`Node.eager_number_bytes`) live to the end (the eager step's peak,
+    `eager_timeline`)."""
     _check(graph, schedule)
-    replay = _Replay(graph, schedule)
+    schedule = as_generated(graph, schedule)
+    replay = _Replay(graph, schedule, eager_frees)
     replay.forward()
     steps = _copies(graph, schedule.backward, replay.available())
     positions = _read_events(graph, steps)  # the steps kept, by their position in the schedule
@@ -137,6 +144,21 @@ def simulate(graph: Graph, schedule: Schedule) -> Timeline:
         copies=tuple(copies),
         reload_at=tuple(sorted(replay.reload_positions.items())),
     )
+
+
+def as_generated(graph: Graph, schedule: Schedule) -> Schedule:
+    """``schedule`` as the generated code runs it (`fxopt.passes.recompute`): without the
+    recomputations nothing reads (`prune`), and without the SAVEd values the backward then does
+    not read before it recomputes them, which die at their last forward use like any value the
+    backward does not need. (A schedule that OFFLOADs is left as it is: its reload points are
+    positions in it.)"""
+    if schedule.offloaded:
+        return schedule
+    pruned = prune(graph, schedule)
+    saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
+    if saved == frozenset(pruned.saved):
+        return pruned
+    return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved)
 
 
 def _check(graph: Graph, schedule: Schedule) -> None:
@@ -226,8 +248,9 @@ class _Replay:
     every value, a copy freed right after its last use; and its clock, with the copies OFFLOAD
     makes on two channels (see the module)."""
 
-    def __init__(self, graph: Graph, schedule: Schedule):
+    def __init__(self, graph: Graph, schedule: Schedule, eager_frees: bool = False):
         self.graph, self.nodes = graph, graph.nodes
+        self.eager_frees = eager_frees
         self.saved = frozenset(schedule.saved)
         self.compressed = frozenset(schedule.compressed)
         self.memory = LiveBytes(graph)
@@ -382,6 +405,8 @@ class _Replay:
         for k, i in enumerate(fwd):
             self.settle()
             self.create(i, 0)
+            if self.eager_frees and nodes[i].eager_number_bytes:
+                self.memory.hold(("number", i), nodes[i].eager_number_bytes)
             peak = max(peak, self.record("forward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
             self.now += nodes[i].cost
             for j in dying_at.get(k, ()):
@@ -412,6 +437,11 @@ class _Replay:
         """Run the kept ``steps`` (``positions``: their places in the schedule's backward)."""
         nodes = self.nodes
         last = last_uses(args for _, _, args in steps)
+        if self.eager_frees:
+            last = _formula_ends(self.graph, steps, last)
+        dying_at: dict[int, list[Key]] = {}
+        for a, e in last.items():
+            dying_at.setdefault(e, []).append(a)
         self.settle()
         for i, node in enumerate(nodes):
             if node.tangent:
@@ -445,8 +475,8 @@ class _Replay:
             self.create(i, copy[1])
             peak = max(peak, self.record("backward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
             self.now += nodes[i].cost
-            for a in dict.fromkeys(args):
-                if last.get(a) == e and a not in self.forever:
+            for a in dying_at.get(e, ()):
+                if a not in self.forever:
                     self.drop(a)
             if copy not in last and not nodes[i].output:
                 self.drop(copy)
@@ -495,6 +525,29 @@ class _Replay:
         for j in sorted(points, key=lambda j: (first_read[j], j)):
             issue.setdefault(points[j], []).append(j)
         return issue, first_read
+
+
+def _formula_ends(graph: Graph, steps: list[Step], last: dict[Key, int]) -> dict[Key, int]:
+    """``last`` (each copy's last reading step) as eager autograd frees: a copy last read inside
+    a backward formula it was not made in lives until that formula's last step. A formula is a
+    run of steps with the same `Node.backward_formula`, through the steps without one between
+    them (views of SAVEd values a schedule makes fresh where they are read)."""
+    run: list[int] = []  # the formula run of each step
+    starts: list[int] = []
+    ends: list[int] = []
+    formulas: list[int | None] = []
+    for e, (i, _, _) in enumerate(steps):
+        f = graph.nodes[i].backward_formula
+        if not starts or f is not None and f != formulas[-1]:
+            starts.append(e)
+            ends.append(e)
+            formulas.append(f)
+        run.append(len(starts) - 1)
+        if f is not None:
+            ends[-1] = e
+    made = {copy: e for e, (_, copy, _) in enumerate(steps)}
+    return {a: max(e, ends[run[e]]) if formulas[run[e]] is not None and made.get(a, -1) < starts[run[e]] else e
+            for a, e in last.items()}
 
 
 def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float]:
@@ -689,8 +742,9 @@ def must_save(graph: Graph) -> frozenset[int]:
 
 def save_all_set(graph: Graph) -> frozenset[int]:
     """What eager autograd keeps: every forward value the backward reads (for a view, its base).
-    Backward-only values that cannot be computed in the forward are made in the backward from
-    the forward values they read, which are saved instead."""
+    Backward-only values eager computes in its backward (`Node.backward_formula`), and those that
+    cannot be computed in the forward, are made in the backward from the forward values they
+    read, which are saved instead."""
     saved: set[int] = set()
     stack = list(graph.through_aliases(graph.backward_needs))
     seen: set[int] = set()
@@ -699,7 +753,8 @@ def save_all_set(graph: Graph) -> frozenset[int]:
         if i in seen or graph.nodes[i].kind != "forward":
             continue
         seen.add(i)
-        if i in graph.saveable or not graph.nodes[i].recomputable:
+        in_backward = graph.nodes[i].backward_formula is not None and i in graph.backward_only
+        if i in graph.saveable and not in_backward or not graph.nodes[i].recomputable:
             saved.add(i)
         else:
             stack.extend(graph.through_aliases(graph.nodes[i].inputs))
