@@ -80,3 +80,17 @@ def test_every_stage_is_planned_with_the_options_given(monkeypatch):
         fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget=0.9, sovler="greedy")
     with pytest.raises(fxopt.BudgetError, match="not 'min'"):
         fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget="min")
+
+
+def test_constants_traced_on_the_cpu_are_made_where_the_stage_runs():
+    from fxopt.distributed.pipeline import place_constants_on
+
+    class Offset(nn.Module):
+        def forward(self, x):
+            return x + torch.ones(x.shape[-1], device="cpu")
+
+    outer = nn.Sequential(torch.fx.symbolic_trace(Offset()))
+    place_constants_on(outer, torch.device("meta"))
+    (node,) = [n for n in outer[0].graph.nodes if n.target is torch.ones]
+    assert node.kwargs["device"] == torch.device("meta")
+    assert outer(torch.zeros(4, device="meta")).device.type == "meta"

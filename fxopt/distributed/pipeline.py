@@ -515,10 +515,7 @@ def build_schedule(plan: PipelinePlan, model: nn.Module, loss_fn: Callable | Non
         single = isinstance(model(*mb_args), torch.Tensor)
     stages = split_model(model, mb_args, [(c.module, c.split_point) for c in plan.cuts], single)
     stage, stage_plan = stages[rank], plan.stages[rank]
-    if device.type != "cpu":
-        from torch.distributed.pipelining._IR import _modify_graph_op_device
-
-        _modify_graph_op_device(stage.part, device)
+    place_constants_on(stage.part, device)
     stage.to(device)
     stage.part = optimized_stage(stage.part, Options.of(plan.budget_bytes, **options), stage_plan.plan)
     inputs = tuple(_example(t, "meta").requires_grad_(t.requires_grad) for t in stage_plan.inputs)
@@ -526,6 +523,22 @@ def build_schedule(plan: PipelinePlan, model: nn.Module, loss_fn: Callable | Non
     runner = pipelining.PipelineStage(stage, rank, count, device, input_args=inputs, output_args=outputs, group=group)
     schedule_class = getattr(pipelining, SCHEDULE_CLASSES[plan.schedule])
     return schedule_class(runner, plan.microbatches, loss_fn=loss_fn or sum_loss)
+
+
+def place_constants_on(part: nn.Module, device: torch.device) -> None:
+    """Point the ``device=`` arguments the tracer burned into ``part``'s graphs (``torch.ones``,
+    ``torch.arange``... traced on the CPU) at ``device``, in every graph module inside it, so the
+    stage makes its constants where it runs (what `torch.distributed.pipelining.Pipe.build_stage`
+    does before it builds a stage; fxopt builds its stages itself, with their shapes given)."""
+    for module in part.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        moved = [node for node in module.graph.nodes
+                 if node.op == "call_function" and "device" in node.kwargs and node.kwargs["device"] != device]
+        for node in moved:
+            node.update_kwarg("device", device)
+        if moved:
+            module.recompile()
 
 
 def optimized_stage(part: nn.Module, options: Options, plan) -> nn.Module:
