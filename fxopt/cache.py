@@ -76,3 +76,16 @@ def store(cache_key: str, plan: Plan) -> None:
         tmp.replace(path)
     except OSError as err:  # a read-only home directory must not break planning
         log.info("fxopt: could not cache the plan in %s (%s)", path, err)
+
+
+def write_table(path: Path, entries: dict, what: str) -> None:
+    """``entries`` as JSON at ``path``, whole or not at all (written beside it, then moved over
+    it, so a process reading it meanwhile sees the old table or the new one). A directory that
+    cannot be written is logged, not raised: a read-only cache must not break planning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{id(entries)}.tmp")
+        tmp.write_text(json.dumps(entries, sort_keys=True))
+        tmp.replace(path)
+    except OSError as err:
+        log.info("fxopt: could not cache %s in %s (%s)", what, path, err)

@@ -94,11 +94,5 @@ def _store(name: str, found: Transfers) -> Transfers:
     entries = _entries()
     entries[name] = dict(found.to_dict(), measured_at=time.time())
     entries[name].pop("host_budget", None)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{id(entries)}.tmp")
-        tmp.write_text(json.dumps(entries, sort_keys=True))
-        tmp.replace(path)
-    except OSError as err:  # a read-only cache directory must not break planning
-        log.info("fxopt: could not cache bandwidths in %s (%s)", path, err)
+    cache.write_table(path, entries, "bandwidths")
     return found

@@ -194,13 +194,7 @@ def _store(new: dict[str, int]) -> None:
         return
     entries = _disk_entries()
     entries.update(new)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{id(entries)}.tmp")
-        tmp.write_text(json.dumps(entries, sort_keys=True))
-        tmp.replace(path)
-    except OSError as err:  # a read-only cache directory must not break planning
-        log.info("fxopt: could not cache scratch measurements in %s (%s)", path, err)
+    cache.write_table(path, entries, "scratch measurements")
 
 
 def _outs(node: fx.Node) -> list[torch.Tensor]:

@@ -219,25 +219,7 @@ def compress_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate 
     nodes = graph.nodes
     order = sorted(schedule.saved & graph.compressible - schedule.compressed,
                    key=lambda i: (nodes[i].codec_cost / (nodes[i].bytes - nodes[i].compressed_bytes), i))
-    if not order:
-        return None
-
-    def run(k: int) -> Candidate:
-        s = dataclasses.replace(schedule, compressed=schedule.compressed | frozenset(order[:k]))
-        return s, simulate(graph, s)
-
-    best = run(len(order))
-    if best[1].peak_bytes > budget:
-        return None
-    lo, hi = 1, len(order)  # the shortest prefix that fits
-    while lo < hi:
-        mid = (lo + hi) // 2
-        candidate = run(mid)
-        if candidate[1].peak_bytes <= budget:
-            best, hi = candidate, mid
-        else:
-            lo = mid + 1
-    return best
+    return _shortest_prefix(graph, schedule, "compressed", order, budget)
 
 
 def offload_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate | None:
@@ -253,17 +235,25 @@ def offload_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate |
     window cannot be off the device at all with the default reload point (back before it is gone),
     and are left out."""
     order = _offload_order(graph, schedule)
+    best = _shortest_prefix(graph, schedule, "offloaded", order, budget)  # the least host memory, the fewest copies
+    return None if best is None or best[1].over_host_budget else best
+
+
+def _shortest_prefix(graph: Graph, schedule: Schedule, field: str, order: list[int], budget: int) -> Candidate | None:
+    """`schedule` with the shortest prefix of ``order`` added to its set ``field`` (``compressed``
+    or ``offloaded``) whose simulated peak is within `budget`, by bisection (each value added
+    lowers the peak or leaves it); None if all of ``order`` does not bring it there."""
     if not order:
         return None
 
     def run(k: int) -> Candidate:
-        s = dataclasses.replace(schedule, offloaded=schedule.offloaded | frozenset(order[:k]))
+        s = dataclasses.replace(schedule, **{field: getattr(schedule, field) | frozenset(order[:k])})
         return s, simulate(graph, s)
 
     best = run(len(order))
     if best[1].peak_bytes > budget:
         return None
-    lo, hi = 1, len(order)  # the shortest prefix that fits (the least host memory, the fewest copies)
+    lo, hi = 1, len(order)
     while lo < hi:
         mid = (lo + hi) // 2
         candidate = run(mid)
@@ -271,7 +261,7 @@ def offload_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate |
             best, hi = candidate, mid
         else:
             lo = mid + 1
-    return None if best[1].over_host_budget else best
+    return best
 
 
 def offload_all(graph: Graph, schedule: Schedule) -> Schedule | None:

@@ -246,7 +246,11 @@ def _copies(graph: Graph, backward: Iterable[int], available: dict[int, Key] | N
 class _Replay:
     """The generated code's memory, step by step: a `LiveBytes` over the storage of every copy of
     every value, a copy freed right after its last use; and its clock, with the copies OFFLOAD
-    makes on two channels (see the module)."""
+    makes on two channels (see the module).
+
+    Long because it is one state machine: creating, freeing, encoding, offloading and reloading a
+    copy all move the same live bytes and the same clock, and the forward and backward walks call
+    them in the generated code's order; split apart, each piece would take the whole state."""
 
     def __init__(self, graph: Graph, schedule: Schedule, eager_frees: bool = False):
         self.graph, self.nodes = graph, graph.nodes
