@@ -17,6 +17,7 @@ import torch
 
 import fxopt
 from fxopt.models import loss_of
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 VISION = {
     "deit": ("DeiTConfig", "DeiTForImageClassification"),
@@ -69,7 +70,8 @@ def main() -> None:
     p.add_argument("--patch", type=int, default=8)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
-    p.add_argument("--time-limit", type=float, default=10.0)
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's time_limit, a safety stop in seconds (default fxopt's): counted effort decides the plan")
     args = p.parse_args()
     model, inputs = build(args.model, args)
     for solver in args.solvers.split(","):

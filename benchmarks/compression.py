@@ -1,6 +1,6 @@
 """Lossless compression against recompute alone, on the test zoo.
 
-    python -m benchmarks.compression [--models residual_mlp cnn_bn ...] [--time-limit 20] [--out benchmarks/results]
+    python -m benchmarks.compression [--models residual_mlp cnn_bn ...] [--out benchmarks/results]
 
 For each model of `fxopt.models.ZOO`:
   1. the smallest budget fxopt reaches with ``compress=False`` (recompute only) and with
@@ -30,6 +30,7 @@ import fxopt
 from benchmarks.harness import meta_line, run_meta, write_results
 from fxopt.models import ZOO, loss_of
 from fxopt.solvers import SolverTimeoutWarning
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 MiB = 2**20
 
@@ -113,7 +114,8 @@ def write(rows: list[dict], out: Path, meta: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="*", default=list(ZOO))
-    parser.add_argument("--time-limit", type=float, default=20.0)
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's time_limit, a safety stop in seconds (default fxopt's): counted effort decides the plan")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.set_num_threads(1)

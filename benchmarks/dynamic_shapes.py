@@ -38,6 +38,7 @@ import fxopt
 from benchmarks.harness import (checkpoint_blocks, commit_of, compare_grads, load_average, log, mib, run_meta,
                                 write_results)
 from fxopt.models import GPT, ResidualMLP, SmallCNN, loss_of
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 
 def _step(model, inputs):
@@ -275,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--time-limit", type=float, default=10.0)
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's time_limit, a safety stop in seconds (default fxopt's): counted effort decides the plan")
     p.add_argument("--max-batch-models", default=",".join(MAX_BATCH_MODELS))
     p.add_argument("--hf", default="gpt2,llama", help="transformers decoders of benchmarks.hf_zoo ('' for none)")
     p.add_argument("--out", default="benchmarks/results")

@@ -1,6 +1,6 @@
 """GPT-2 small shapes at half the eager peak: plan the 12-layer step, run the 4-layer one for real.
 
-    python -m benchmarks.gpt2_scale [--time-limit 30] [--skip-run] [--out benchmarks/results]
+    python -m benchmarks.gpt2_scale [--skip-run] [--out benchmarks/results]
 
 Model: `fxopt.models.gpt2` (GPT-2's architecture: pre-LN blocks, width 768, 12 heads, learned
 positions, tied embeddings, dropout 0.1, vocabulary 50,257), sequence 512, batch 8, fp32, loss
@@ -38,6 +38,7 @@ from benchmarks.harness import meta_line, run_meta, write_results
 from fxopt.models import gpt2, loss_of
 from fxopt.solvers import SolverTimeoutWarning
 from fxopt.solvers.instant import instant_solve, peak_lower_bound
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 GiB = 2**30
 
@@ -137,7 +138,8 @@ def write(rows: list[dict], out: Path, meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds for the ILP (default 30)")
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's time_limit, a safety stop in seconds (default fxopt's): counted effort decides the plan")
     parser.add_argument("--layers", type=int, nargs="*", default=[12, 4])
     parser.add_argument("--run-layers", type=int, default=4, help="run this depth for real (0: none)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))

@@ -3,7 +3,7 @@ through `fxopt.optimize` the way people call them (``model(**batch).loss.backwar
 passed in, padding masks), at half its activations and, where that is out of reach, at the
 smallest budget fxopt names.
 
-    python -m benchmarks.hf_breadth [--models gpt_neo,opt] [--time-limit 3] [--out benchmarks/results/hf_breadth]
+    python -m benchmarks.hf_breadth [--models gpt_neo,opt] [--out benchmarks/results/hf_breadth]
 
 Per architecture (random weights, nothing downloaded, dropout off so gradients compare exactly):
 
@@ -38,6 +38,7 @@ import torch
 
 import fxopt
 from benchmarks.harness import meta_line, mib, run_rows
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 BATCH, SEQ, VOCAB, HIDDEN = 4, 64, 256, 64
 TRIES = 3  # budgets tried: half the activations, then what each error names
@@ -322,7 +323,8 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", help="comma-separated names (default: all)")
-    parser.add_argument("--time-limit", type=float, default=3.0, help="fxopt's time_limit per solve")
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's time_limit, a safety stop in seconds (default fxopt's): counted effort decides the plan")
     parser.add_argument("--out", default="benchmarks/results/hf_breadth")
     args = parser.parse_args(argv)
     names = args.models.split(",") if args.models else list(ARCHITECTURES)

@@ -53,6 +53,7 @@ from benchmarks.harness import (Measurer, choose, error_line, log, mib, plan_fie
                                 restore_settings, run_to_end, saved_settings, train_step, write_results)
 from benchmarks.hf_zoo import HF_NAMES, SIZES, hf_checkpointing
 from fxopt.models import MODELS
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 METHODS = ("eager", "hf-checkpointing", "compile-amb", "fxopt")
 FXOPT_HALF = "half-act"  # resident bytes + half of the activations (eager's measured peak)
@@ -531,7 +532,8 @@ def main(argv: list[str] | None = None) -> Run | None:
     parser.add_argument("--methods", help=f"comma-separated, from {', '.join(METHODS)} (default: all; eager always)")
     parser.add_argument("--fxopt-budgets", help=f"comma-separated, from {', '.join(FXOPT_BUDGETS)} (default: all)")
     parser.add_argument("--size", choices=SIZES, default="bench", help="model sizes (default: bench)")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="fxopt's ILP time limit, s (default 10)")
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's time_limit, a safety stop in seconds (default fxopt's): counted effort decides the plan")
     parser.add_argument("--timed-steps", type=int, default=3, help="interleaved timed steps per row (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable timings "
                         "on a shared CPU)")

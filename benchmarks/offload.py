@@ -50,6 +50,7 @@ from benchmarks.harness import commit_of, median_step_seconds, run_meta, write_r
 from fxopt.models import gpt2, loss_of
 from fxopt.solvers import SolverTimeoutWarning
 from fxopt.solvers.plan import Plan
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 MiB = 2**20
 SIZES = {"full": dict(layers=4, dim=768, heads=12, seq=512, batch=8),
@@ -265,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dry-run", action="store_true", help="CPU, a tiny GPT-2: check the code paths")
     p.add_argument("--fractions", default="0.3,0.5")
-    p.add_argument("--time-limit", type=float, default=15.0)
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's time_limit, a safety stop in seconds (default fxopt's): counted effort decides the plan")
     p.add_argument("--timed-steps", type=int, default=5)
     p.add_argument("--deadline", type=float, default=390.0, help="seconds after which no row starts")
     p.add_argument("--out", default="benchmarks/results")

@@ -40,6 +40,7 @@ import fxopt
 from benchmarks.harness import meta_line, run_meta, write_results
 from fxopt.models import ZOO, gpt2, loss_of
 from fxopt.solvers import SolverTimeoutWarning
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 MiB = 2**20
 FORMATS = ("int8", "fp8", "int4")
@@ -465,7 +466,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sqnr-steps", type=int, default=3, help="steps of the SQNR trajectory per model and format")
     parser.add_argument("--models", nargs="*", default=list(SQNR_MODELS))
     parser.add_argument("--formats", nargs="*", default=list(FORMATS))
-    parser.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit per plan, seconds")
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's time_limit, a safety stop in seconds (default fxopt's): counted effort decides the plan")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     meta = run_meta(" ".join(["python -m benchmarks.quantize_quality", *(sys.argv[1:] if argv is None else argv)]),
