@@ -26,6 +26,7 @@ _EXPORTS = {
     "FxoptModule": "fxopt.api",
     "backend": "fxopt.capture.backend",
     "Plan": "fxopt.solvers.plan",
+    "DeviceProfile": "fxopt.devices",
     "pipeline": "fxopt.distributed.pipeline",
     "PipelinePlan": "fxopt.solvers.stage_plan",
     "Quantize": "fxopt.analysis.codecs",
