@@ -203,8 +203,8 @@ def meta_device_message(what: str) -> str:
     return (f"{what} on the meta device (a model built under torch.device('meta'), or inputs made there): fxopt "
             "plans a step by measuring what its ops allocate, and meta tensors allocate nothing, so the plan "
             "would be wrong. Build the model and its inputs on a real device before planning (for a model built "
-            "on meta: model.to_empty(device='cpu'), then initialize its weights). Planning a model too large "
-            "to build is not supported yet.")
+            "on meta: model.to_empty(device='cpu'), then initialize its weights). To plan it without building it, "
+            "pass device='cpu' to fxopt.plan: the step is then planned on fake tensors of its shapes.")
 
 
 def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None) -> dict:
