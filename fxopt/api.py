@@ -26,7 +26,7 @@ from fxopt.distributed import data_parallel
 from fxopt.distributed.data_parallel import DistributedStep
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError, check_choice
 from fxopt.options import Options
-from fxopt.planner import meta_device_message
+from fxopt.planner import meta_device_message, refuse_device
 from fxopt.solvers.plan import Plan
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
@@ -366,6 +366,7 @@ def optimize(model: nn.Module, budget: BudgetLike | Options, *, example_inputs: 
     """
     _check_model(model)
     options = Options.of(budget, **options)
+    refuse_device(options)
     check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
     if dynamic is not None:
         return _optimize_dynamic(model, options, DynamicDims.parse(dynamic), example_inputs)

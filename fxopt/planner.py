@@ -92,6 +92,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
     captured with dynamic shapes, planned at ``sizes.point``): see `fxopt.analysis.analyze`. A
     budget of ``"min"``: `smallest_budget`, then planned at it."""
+    refuse_device(options)  # (`fxopt.plan` plans it on fake tensors, with device=None)
     refuse_meta_tensors(joint)
     if options.budget.minimum and options.plan is None:
         least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
@@ -187,6 +188,14 @@ def smallest_budget(joint: fx.GraphModule, num_fwd_outputs: int, options: Option
     except InfeasibleBudgetError as err:
         return err.min_budget
     return 1  # a step that holds nothing
+
+
+def refuse_device(options: Options) -> None:
+    """``device=`` is for planning without running (`fxopt.plan`): refused where a step runs."""
+    if options.device is not None:
+        raise CaptureError(f"device={options.device.name!r} plans a step without running it: give it to fxopt.plan "
+                           "(or fxopt inspect --device), not to fxopt.optimize or the torch.compile backend, which "
+                           "plan and run the step on the model's own device")
 
 
 def refuse_meta_tensors(joint: fx.GraphModule) -> None:

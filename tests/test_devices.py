@@ -96,6 +96,12 @@ def test_a_model_built_on_the_meta_device_is_planned_as_the_real_one():
         fxopt.plan(on_meta, 0.5, meta_inputs)
 
 
+def test_device_is_refused_where_the_step_runs():
+    model, inputs = ZOO["inplace_net"]()
+    with pytest.raises(fxopt.CaptureError, match="give it to fxopt.plan"):
+        fxopt.optimize(model, 0.5, example_inputs=inputs, device="cpu")
+
+
 def test_a_cuda_profile_is_refused_until_its_memory_semantics_apply():
     model, inputs = ZOO["inplace_net"]()
     with pytest.raises(fxopt.CaptureError, match="H100-80GB.*not supported yet"):
