@@ -26,7 +26,6 @@ _EXPORTS = {
     "FxoptModule": "fxopt.api",
     "backend": "fxopt.capture.backend",
     "Plan": "fxopt.solvers.plan",
-    "DeviceProfile": "fxopt.devices",
     "pipeline": "fxopt.distributed.pipeline",
     "PipelinePlan": "fxopt.solvers.stage_plan",
     "Quantize": "fxopt.analysis.codecs",
