@@ -57,19 +57,33 @@ MIN_SOLVE_SHARE = 0.5
 @contextlib.contextmanager
 def capture_clock():
     """Around a call that may capture and plan a step: planning's time limit counts from here."""
-    token = _CAPTURE_STARTED.set(time.perf_counter())
+    token, told = _CAPTURE_STARTED.set(time.perf_counter()), _TOLD.set(False)
     try:
         yield
     finally:
         _CAPTURE_STARTED.reset(token)
+        _TOLD.reset(told)
+
+
+# The calls (`capture_clock`) already told that their capture took more than the time limit left
+# the solvers: said once per call.
+_TOLD: contextvars.ContextVar[bool] = contextvars.ContextVar("fxopt_capture_overran", default=False)
 
 
 def solve_seconds(options: Options) -> float:
     """The solvers' share of ``options.time_limit``: what capture left of it (`capture_clock`),
-    at least `MIN_SOLVE_SHARE` of it."""
+    at least `MIN_SOLVE_SHARE` of it. Where capture left less than that, the answer may take
+    longer than the limit: said once per call, with what would shorten the capture."""
     started = _CAPTURE_STARTED.get()
     spent = 0.0 if started is None else time.perf_counter() - started
-    return max(MIN_SOLVE_SHARE * options.time_limit, options.time_limit - spent)
+    least = MIN_SOLVE_SHARE * options.time_limit
+    if options.time_limit - spent < least and started is not None and not _TOLD.get():
+        _TOLD.set(True)
+        log.warning("fxopt: capturing the step took %.1f s of time_limit=%g s; the solvers still get %.1f s, so this "
+                    "answer may take up to %.1f s. A shorter capture: plan on fake tensors (fxopt.plan(..., "
+                    "device='cpu'), no kernel runs), a smaller example batch or sequence (the graph is the same), "
+                    "or a larger time_limit.", spent, options.time_limit, least, spent + least)
+    return max(least, options.time_limit - spent)
 
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     """The bandwidths OFFLOAD is planned with, or None where it is off: a replayed plan's own (so
