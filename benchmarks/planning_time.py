@@ -3,7 +3,7 @@ here is the smallest budget" for a 1-byte budget, and a plan at that smallest bu
 built-in zoo and the `transformers` models of `benchmarks.hf_zoo`.
 
     python -m benchmarks.planning_time [--models zoo,hf] [--only gpt2_tiny,bert] [--time-limit 10]
-                                       [--out benchmarks/results]
+                                       [--device cpu] [--out benchmarks/results]
 
 Each row is one call of `fxopt.plan` in this process, with the plan cache off (a cold plan cache:
 every answer is solved) and the scratch-memory cache in a fresh directory per model (so each
@@ -86,14 +86,14 @@ def models(which: list[str], only: set[str] | None):
     return [(n, b) for n, b in out if only is None or n in only or n.removeprefix("hf-") in only]
 
 
-def one_answer(model, inputs, budget, time_limit: float) -> dict:
+def one_answer(model, inputs, budget, time_limit: float, device: str | None = None) -> dict:
     timers = Timers()
     row: dict = {"budget_asked": budget}
     t0 = time.perf_counter()
     with timers.installed(), warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeoutWarning)
         try:
-            plan = fxopt.plan(model, budget, inputs, time_limit=time_limit)
+            plan = fxopt.plan(model, budget, inputs, time_limit=time_limit, **({} if device is None else {"device": device}))
         except fxopt.InfeasibleBudgetError as err:
             plan, row["infeasible_min_budget"], row["floor"] = None, err.min_budget, err.lower_bound
     row["wall_s"] = time.perf_counter() - t0
@@ -120,7 +120,7 @@ def measured_peak(model, inputs, plan) -> int:
     return fxopt.measure_peak(step, resident=[optimized, inputs]).peak_bytes
 
 
-def run_model(name: str, build, time_limit: float) -> list[dict]:
+def run_model(name: str, build, time_limit: float, device: str | None = None) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["FXOPT_CACHE_DIR"] = cache_dir
@@ -129,14 +129,14 @@ def run_model(name: str, build, time_limit: float) -> list[dict]:
         for label, budget in (("100%", 1.0), ("50%", 0.5), ("infeasible", 1)):
             for old in Path(cache_dir).glob("*.json"):
                 old.unlink()  # a cold plan cache for every answer; scratch/ stays
-            row, plan = one_answer(model, inputs, budget, time_limit)
+            row, plan = one_answer(model, inputs, budget, time_limit, device)
             row.update(model=name, row=label)
             rows.append(row)
             log(json.dumps(row))
             if label == "infeasible" and "infeasible_min_budget" in row:
                 for old in Path(cache_dir).glob("*.json"):
                     old.unlink()
-                minimum, plan = one_answer(model, inputs, row["infeasible_min_budget"], time_limit)
+                minimum, plan = one_answer(model, inputs, row["infeasible_min_budget"], time_limit, device)
                 minimum.update(model=name, row="min")
                 if plan is not None:
                     minimum["measured_peak"] = measured_peak(model, inputs, plan)
@@ -145,7 +145,7 @@ def run_model(name: str, build, time_limit: float) -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], out: Path, meta: dict) -> None:
+def write(rows: list[dict], out: Path, meta: dict, device: str | None = None) -> None:
     s = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
     lines = [
         "# Planning time: every answer, split into capture, analysis and solve", "",
@@ -157,7 +157,8 @@ def write(rows: list[dict], out: Path, meta: dict) -> None:
         "measures every op). `infeasible`: a 1-byte budget, answered with the smallest budget fxopt "
         "finds, and the floor no schedule goes below; `min`: a plan at that budget, then run and "
         "measured. Targets (issue 13): ≤ 5 s for graphs up to 1,000 nodes, ≤ 15 s for the 12-layer "
-        "GPT-2 at 50%.", "",
+        "GPT-2 at 50%." + ("" if device is None else f" Planned on fake tensors for device={device!r} (the "
+        "measured row replays the plan on the real model)."), "",
         "| model | row | nodes | wall s | capture s | analysis s | solve s | budget MiB | peak MiB | measured MiB "
         "| solver (status) | cost s | bound s | gap |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
@@ -174,7 +175,7 @@ def write(rows: list[dict], out: Path, meta: dict) -> None:
         lines.append(f"| {r['model']} | {r['row']} | {r.get('nodes', '–')} | {s(r['wall_s'])} | {s(r['capture_s'])} | "
                      f"{s(r['analysis_s'])} | {s(r['solve_s'])} | {note} | {mib(r.get('peak'))} | "
                      f"{mib(r.get('measured_peak'))} | {solver} | {cost} | {bound} | {gap} |")
-    write_results(out / "planning_time", {"meta": meta, "rows": rows}, "\n".join(lines))
+    write_results(out / ("planning_time" if device is None else f"planning_time_fake_{device}"), {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated model names to keep")
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
                         help=f"the planner's time limit, s (default {DEFAULT_TIME_LIMIT:g}, fxopt's)")
+    parser.add_argument("--device", help="plan on fake tensors for this device profile (fxopt.devices.names())")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     os.environ["FXOPT_CACHE"] = "1"
@@ -191,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(",")) if args.only else None
     for name, build in models(args.models.split(","), only):
         log(f"== {name}")
-        rows += run_model(name, build, args.time_limit)
-        write(rows, Path(args.out), meta)
+        rows += run_model(name, build, args.time_limit, args.device)
+        write(rows, Path(args.out), meta, args.device)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 from fxopt.budget import BudgetLike
@@ -24,7 +26,7 @@ from fxopt.distributed import data_parallel
 from fxopt.distributed.data_parallel import DistributedStep
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError, check_choice
 from fxopt.options import Options
-from fxopt.planner import meta_device_message
+from fxopt.planner import meta_device_message, refuse_device
 from fxopt.solvers.plan import Plan
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
@@ -364,6 +366,7 @@ def optimize(model: nn.Module, budget: BudgetLike | Options, *, example_inputs: 
     """
     _check_model(model)
     options = Options.of(budget, **options)
+    refuse_device(options)
     check_choice("graph_breaks", graph_breaks, GRAPH_BREAKS)
     if dynamic is not None:
         return _optimize_dynamic(model, options, DynamicDims.parse(dynamic), example_inputs)
@@ -436,8 +439,10 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
                      **options: Any) -> PlanReady:
     """Like `plan`, and also the rewritten forward and backward modules (before any compiler):
     ``.plan``, ``.forward``, ``.backward``."""
-    _check_model(model)
     options = Options.of(budget, **options)
+    if options.device is not None:
+        return _plan_on_fake_tensors(model, options, example_inputs)
+    _check_model(model)
     if data_parallel.fsdp_units(model):
         raise GraphBreakError(
             "an FSDP2 model's step is not one graph (FSDP's hooks run between its blocks), so fxopt plans it "
@@ -461,6 +466,39 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
         "nothing to plan: the captured step has no backward (no input or parameter requires grad, "
         "or it ran under torch.no_grad())"
     )
+
+
+def _plan_on_fake_tensors(model: nn.Module, options: Options, example_inputs: Any) -> PlanReady:
+    """`plan_and_rewrite` for ``options.device``: the step captured and planned on fake tensors
+    (no memory, no kernel runs but the scratch measurements) on the profile's device. A copy of
+    ``model`` shares nothing with it but its structure: each parameter and buffer, on any device
+    the meta one included, becomes a fake tensor of its shape, dtype and strides (tied weights
+    stay tied), as do the example inputs."""
+    profile = options.device
+    if profile.kind != "cpu":
+        raise CaptureError(
+            f"device={profile.name!r}: planning for a {profile.kind} profile on fake tensors is not supported yet "
+            "(its memory semantics, the allocator's rounding and the kernels' scratch, are not applied to the "
+            "analysis yet, so the plan would be wrong). Plan with device='cpu' for the host, or run fxopt.plan on "
+            "that device with the model on it.")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            with mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=profile.kind)
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        return memo[id(t)]
+
+    for t in [*model.parameters(), *model.buffers()]:
+        fake(t)
+    fake_model = copy.deepcopy(model, memo)
+    inputs = tree_map_only(torch.Tensor, lambda t: fake(t).requires_grad_(t.requires_grad), example_inputs)
+    with mode:
+        return plan_and_rewrite(fake_model, dataclasses.replace(options, device=None), inputs)
 
 
 def with_accumulation_note(err: InfeasibleBudgetError, model: nn.Module) -> InfeasibleBudgetError:

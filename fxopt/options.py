@@ -23,6 +23,7 @@ from typing import Any
 from fxopt.analysis.costs import CostModel
 from fxopt.analysis.codecs import QUANTIZE_FORMATS, Quantize, resolve_quantize
 from fxopt.budget import Budget, BudgetLike
+from fxopt.devices import DeviceProfile, load as load_device
 from fxopt.errors import BudgetError, check_choice
 from fxopt.solvers import DEFAULT_TIME_LIMIT, SOLVERS, check_solver
 from fxopt.solvers.plan import Plan
@@ -113,6 +114,10 @@ def _offload(value: bool | int | str | None) -> bool | int | None:
     return limit.bytes
 
 
+def _device(value: str | Path | DeviceProfile | None) -> DeviceProfile | None:
+    return None if value is None else load_device(value)
+
+
 def _offload_text(text: str) -> bool | str:
     return {"on": True, "off": False}.get(text.strip().lower(), text)
 
@@ -182,6 +187,11 @@ class Options:
         Let the solver OFFLOAD saved values to host memory. None: on where the step runs on a CUDA
         device; True or False to force it; or the most host memory it may hold at once (bytes, or a
         size such as "16GiB"): on, within that.""")
+    device: DeviceProfile | None = option(None, check=_device, flag=Flag(metavar="PROFILE"), doc="""
+        Plan for this device without running the step: a shipped profile's name (`fxopt.devices.names`:
+        "cpu", "H100-80GB", "A100-40GB", "H200") or the path of a profile's JSON. The step is captured
+        on fake tensors (FakeTensorMode), so a model built under torch.device("meta") is planned too.
+        None: plan on the model's own tensors, measuring on its device.""")
 
     in_flight: InFlight | None = option(None, internal=True, doc="""
         The step is one microbatch of a pipeline stage, whose device also holds what this says;

@@ -57,19 +57,33 @@ MIN_SOLVE_SHARE = 0.5
 @contextlib.contextmanager
 def capture_clock():
     """Around a call that may capture and plan a step: planning's time limit counts from here."""
-    token = _CAPTURE_STARTED.set(time.perf_counter())
+    token, told = _CAPTURE_STARTED.set(time.perf_counter()), _TOLD.set(False)
     try:
         yield
     finally:
         _CAPTURE_STARTED.reset(token)
+        _TOLD.reset(told)
+
+
+# The calls (`capture_clock`) already told that their capture took more than the time limit left
+# the solvers: said once per call.
+_TOLD: contextvars.ContextVar[bool] = contextvars.ContextVar("fxopt_capture_overran", default=False)
 
 
 def solve_seconds(options: Options) -> float:
     """The solvers' share of ``options.time_limit``: what capture left of it (`capture_clock`),
-    at least `MIN_SOLVE_SHARE` of it."""
+    at least `MIN_SOLVE_SHARE` of it. Where capture left less than that, the answer may take
+    longer than the limit: said once per call, with what would shorten the capture."""
     started = _CAPTURE_STARTED.get()
     spent = 0.0 if started is None else time.perf_counter() - started
-    return max(MIN_SOLVE_SHARE * options.time_limit, options.time_limit - spent)
+    least = MIN_SOLVE_SHARE * options.time_limit
+    if options.time_limit - spent < least and started is not None and not _TOLD.get():
+        _TOLD.set(True)
+        log.warning("fxopt: capturing the step took %.1f s of time_limit=%g s; the solvers still get %.1f s, so this "
+                    "answer may take up to %.1f s. A shorter capture: plan on fake tensors (fxopt.plan(..., "
+                    "device='cpu'), no kernel runs), a smaller example batch or sequence (the graph is the same), "
+                    "or a larger time_limit.", spent, options.time_limit, least, spent + least)
+    return max(least, options.time_limit - spent)
 
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     """The bandwidths OFFLOAD is planned with, or None where it is off: a replayed plan's own (so
@@ -92,6 +106,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
     captured with dynamic shapes, planned at ``sizes.point``): see `fxopt.analysis.analyze`. A
     budget of ``"min"``: `smallest_budget`, then planned at it."""
+    refuse_device(options)  # (`fxopt.plan` plans it on fake tensors, with device=None)
     refuse_meta_tensors(joint)
     if options.budget.minimum and options.plan is None:
         least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
@@ -189,6 +204,14 @@ def smallest_budget(joint: fx.GraphModule, num_fwd_outputs: int, options: Option
     return 1  # a step that holds nothing
 
 
+def refuse_device(options: Options) -> None:
+    """``device=`` is for planning without running (`fxopt.plan`): refused where a step runs."""
+    if options.device is not None:
+        raise CaptureError(f"device={options.device.name!r} plans a step without running it: give it to fxopt.plan "
+                           "(or fxopt inspect --device), not to fxopt.optimize or the torch.compile backend, which "
+                           "plan and run the step on the model's own device")
+
+
 def refuse_meta_tensors(joint: fx.GraphModule) -> None:
     """A step whose parameters, buffers or inputs are on the meta device has no memory to measure
     (its ops' scratch memory, what they allocate): refuse it rather than plan it wrong."""
@@ -203,8 +226,8 @@ def meta_device_message(what: str) -> str:
     return (f"{what} on the meta device (a model built under torch.device('meta'), or inputs made there): fxopt "
             "plans a step by measuring what its ops allocate, and meta tensors allocate nothing, so the plan "
             "would be wrong. Build the model and its inputs on a real device before planning (for a model built "
-            "on meta: model.to_empty(device='cpu'), then initialize its weights). Planning a model too large "
-            "to build is not supported yet.")
+            "on meta: model.to_empty(device='cpu'), then initialize its weights). To plan it without building it, "
+            "pass device='cpu' to fxopt.plan: the step is then planned on fake tensors of its shapes.")
 
 
 def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None) -> dict:

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-StorageKey = tuple[str, int | None, int]  # (device type, device index, data pointer)
+StorageKey = tuple[str, int | None, Any]  # (device type, device index, data pointer; a fake storage's id)
 
 
 def _dtensor_class() -> type | None:
@@ -65,6 +66,8 @@ def storage_bytes(t: torch.Tensor) -> int | torch.SymInt:
 def storage_key(t: torch.Tensor) -> StorageKey | None:
     """What identifies the storage under ``t`` (None for a tensor without real storage)."""
     try:
+        if isinstance(t, FakeTensor):  # (no data pointer: the storage object is what is shared)
+            return t.device.type, t.device.index, ("fake", t.untyped_storage()._cdata)
         return t.device.type, t.device.index, t.untyped_storage().data_ptr()
     except Exception:  # noqa: BLE001 - fake, meta or sparse tensors: nothing to match
         return None

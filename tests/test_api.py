@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -428,7 +429,7 @@ def test_relu_masks_below_the_floor_without_them_are_not_searched_again(monkeypa
     assert (info.value.min_budget, info.value.lower_bound) == (1000, 900)
 
 
-def test_the_time_limit_counts_capture(monkeypatch):
+def test_the_time_limit_counts_capture(monkeypatch, caplog):
     """`time_limit` bounds the answer with capture included: the solvers get what capture left of
     it, and at least half of it however long capture took."""
     import time
@@ -447,7 +448,11 @@ def test_the_time_limit_counts_capture(monkeypatch):
     assert planner.solve_seconds(options) == 4.0  # no call capturing: the limit is the solvers'
     with planner.capture_clock():
         planner._CAPTURE_STARTED.set(time.perf_counter() - 60)  # a capture of a minute
-        assert planner.solve_seconds(options) == 4.0 * planner.MIN_SOLVE_SHARE
+        with caplog.at_level(logging.WARNING, logger="fxopt"):
+            assert planner.solve_seconds(options) == 4.0 * planner.MIN_SOLVE_SHARE
+            assert planner.solve_seconds(options) == 4.0 * planner.MIN_SOLVE_SHARE  # (a second piece)
+    said = [r.getMessage() for r in caplog.records if "capturing the step took" in r.getMessage()]
+    assert len(said) == 1 and "device='cpu'" in said[0] and "time_limit=4 s" in said[0], said  # once, with what to do
 
 
 def test_cost_model_prices_every_node():

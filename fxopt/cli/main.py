@@ -523,7 +523,7 @@ def _measure(model, inputs, plan, options, args, err):
     from fxopt.measure import measure_timeline
 
     eager = copy.deepcopy(model)
-    optimized = fxopt.optimize(copy.deepcopy(model), dataclasses.replace(options, budget=plan.budget_bytes, plan=plan))
+    optimized = fxopt.optimize(copy.deepcopy(model), dataclasses.replace(options, budget=plan.budget_bytes, plan=plan, device=None))
     timelines = {}
     for name, m in (("eager", eager), ("fxopt", optimized)):
         text = "compiling and measuring fxopt's step" if name == "fxopt" else "measuring eager's step"
