@@ -1204,3 +1204,18 @@ def test_random_graph_plans_do_not_depend_on_what_was_solved_before(graph, share
         answer(chain(4), max(1, int(60 * share)))
     assert answer(Graph(graph.nodes), budget) == first
     assert answer(graph, budget, memo_cleared=True) == first
+
+
+def test_a_smallest_budget_the_time_limit_cut_short_says_so():
+    """Where the safety stop ends the search for the smallest budget before it reaches the floor,
+    the error says the search stopped and where (a later or longer run may name a smaller one);
+    with the default limit the same question names no stop."""
+    graph = mlp2()
+    with pytest.raises(InfeasibleBudgetError) as cut:
+        solve(graph, 1, time_limit=1e-9)
+    assert cut.value.min_budget > cut.value.lower_bound  # (the stop left room above the floor)
+    assert "stopped at the time limit" in str(cut.value)
+    with pytest.raises(InfeasibleBudgetError) as whole:
+        solve(graph, 1)
+    assert whole.value.min_budget < cut.value.min_budget
+    assert "stopped at the time limit" not in str(whole.value)

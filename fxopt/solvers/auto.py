@@ -123,4 +123,7 @@ def _nothing_fits(search: Search) -> Solution:
             return search.best()
     # A budget the instant program proved infeasible is below every schedule's peak too.
     floor = max(peak_lower_bound(graph)[0], budget + 1 if search.proven_infeasible else 0, lowest.floor)
-    raise infeasible(budget, lowest, min(floor, lowest.peak))
+    stopped = search.deadline.stopped
+    detail = (f"The search for it stopped at the time limit ({search.deadline.seconds:.1f} s) in: {', '.join(stopped)}; "
+              "a longer time_limit may find a smaller one." if stopped and lowest.peak > floor else "")
+    raise infeasible(budget, lowest, min(floor, lowest.peak), detail)
