@@ -59,7 +59,6 @@ class Schedule:
     # runs (or the next step the generated code keeps). A value not listed reloads at the default
     # point; `Timeline.reload_at` says where that was.
     reload_at: tuple[tuple[int, int], ...] = ()
-    recompute_comm_bytes: int = 0  # bytes re-gathered (recomputed all-gathers' communication)
 
     def recomputed(self, graph: Graph) -> tuple[int, ...]:
         return tuple(i for i in self.backward if graph.nodes[i].kind == "forward")
@@ -98,6 +97,7 @@ class Timeline:
     over_host_budget: bool = False
     copies: tuple[Copy, ...] = ()
     reload_at: tuple[tuple[int, int], ...] = ()
+    recompute_comm_bytes: int = 0  # bytes re-gathered (recomputed all-gathers' communication)
 
     @property
     def cost(self) -> float:
