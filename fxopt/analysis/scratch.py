@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fxopt import cache
+from fxopt.analysis.costs import GATHERS, group_backend
 from fxopt.fxgraph import aliases_input
 from fxopt.storage import tensors_in
 
@@ -101,12 +102,15 @@ _OUTPUTS_ONLY_ON_CPU = frozenset([
 
 def _collective_increase(node: fx.Node) -> int | None:
     """A functional collective's bytes while it runs (it is never run alone: every rank would
-    have to run it too): its outputs, and for a reduce-scatter a copy of its input, which gloo
-    reduces in (a bound for backends that reduce in place). None for any other op."""
+    have to run it too): its outputs, and a copy of them for an all-gather over gloo (which
+    gathers into a flat buffer of its own, then copies out), or of its input for a reduce-scatter,
+    which gloo reduces in (a bound for backends that reduce in place). None for any other op."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
         return None
     outs = sum(o.numel() * o.element_size() for o in _outs(node))
+    if target._opname in GATHERS and group_backend(node) in ("gloo", None):
+        outs *= 2
     if target._opname.startswith("reduce_scatter"):
         outs += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in tensors_in(a.meta.get("val")))
     return outs

@@ -100,3 +100,37 @@ def full_tensor(model: nn.Module, name: str, tensor: torch.Tensor | None = None)
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, shard.detach().contiguous())
     return torch.cat(parts)[:numel].view(shape)
+
+
+def collective_group(joint) -> str | None:
+    """The name of the process group a captured step's functional collectives run over (the
+    first one's), or None for a step without collectives."""
+    for n in joint.graph.nodes:
+        t = n.target
+        if isinstance(t, torch._ops.OpOverload) and t.namespace == "_c10d_functional" and n.args:
+            if isinstance(n.args[-1], str):
+                return n.args[-1]
+    return None
+
+
+def agreed_plan(joint, plan):
+    """Rank 0's plan of a step with collectives inside, on every rank of their group: the ranks
+    must run the same collectives in the same order, and a plan the solvers' safety stop cut short
+    (or a budget resolved from this rank's own measurements) may differ between ranks. Raises
+    if rank 0 planned another graph."""
+    name = collective_group(joint)
+    if name is None or not dist.is_initialized():
+        return plan
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(name)
+    if dist.get_world_size(group) == 1:
+        return plan
+    box = [plan]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    agreed = box[0]
+    if agreed.fingerprint != plan.fingerprint:
+        raise RuntimeError(
+            "the ranks captured different graphs of a step with collectives inside (another model, "
+            "input shape or dtype on some rank): every rank must run the same step")
+    return agreed
