@@ -126,8 +126,11 @@ def agreed_plan(joint, plan):
     group = _resolve_process_group(name)
     if dist.get_world_size(group) == 1:
         return plan
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     box = [plan]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    with unset_fake_temporarily():  # (planning runs inside Dynamo's fake mode; the broadcast is real)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     agreed = box[0]
     if agreed.fingerprint != plan.fingerprint:
         raise RuntimeError(
