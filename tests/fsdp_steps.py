@@ -132,7 +132,7 @@ def _fxopt(hf: nn.Module, share, reference, world: int, budget) -> dict:
     plan = optimized.plans[-1]
     return {"measured": peak, "seconds": round(seconds, 3), "budget": plan.budget_bytes,
             "predicted": plan.peak_bytes, "recomputed": len(plan.recomputed), "plans": len(optimized.plans),
-            "extra_flops": plan.recompute_flops}
+            "extra_flops": plan.recompute_flops, "regathered_bytes": plan.recompute_comm_bytes}
 
 
 def sharded(rank: int, world: int, names=("llama", "gpt2")) -> dict:
