@@ -54,12 +54,17 @@ SETTINGS = ("ddp", "fsdp")
 
 
 class Loss(nn.Module):
-    def __init__(self, hf: nn.Module):
+    """The LM's loss, divided by ``scale`` (the world size, under `fxopt.distributed.fully_shard`,
+    whose reduce-scatters sum the ranks' gradients: the mean, as FSDP2 and DDP average)."""
+
+    def __init__(self, hf: nn.Module, scale: int = 1):
         super().__init__()
         self.hf = hf
+        self.scale = scale
 
     def forward(self, ids, labels):
-        return self.hf(input_ids=ids, labels=labels).loss
+        loss = self.hf(input_ids=ids, labels=labels).loss
+        return loss / self.scale if self.scale != 1 else loss
 
 
 def build(size: str, world: int, rank: int, device: torch.device):
@@ -78,7 +83,13 @@ def build(size: str, world: int, rank: int, device: torch.device):
     return model, (share, share.clone())
 
 
-def _wrap(setting: str, model: nn.Module, device: torch.device) -> nn.Module:
+def _wrap(setting: str, model: nn.Module, device: torch.device, one_graph: bool = False) -> nn.Module:
+    if one_graph:  # the step as one graph, the all-gathers and reduce-scatters inside fxopt's plan
+        from fxopt.distributed import fsdp
+
+        fsdp.fully_shard(model.hf)
+        model.scale = dist.get_world_size()
+        return model
     if setting == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -98,10 +109,14 @@ def _step(fn, inputs):
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    from fxopt.distributed import fsdp
+
     out = {}
+    sharded = fsdp.is_sharded(model)
     for name, p in model.named_parameters():
         if p.grad is not None:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            g = fsdp.full_tensor(model, name, g) if sharded else g
             out[name.removeprefix("module.")] = g.detach().to("cpu", copy=True)
     return out
 
@@ -114,7 +129,8 @@ def measure(fn, model: nn.Module, wrapped: nn.Module, inputs, timed_steps: int, 
         _step(fn, inputs)
     model.zero_grad(set_to_none=True)
     peak = fxopt.measure_peak(_step, fn, inputs, resident=[fn, wrapped, model])
-    row = {"peak_bytes": peak.peak_bytes, "loss": float(peak.result), "grads": _grads(model)}
+    row = {"peak_bytes": peak.peak_bytes, "loss": float(peak.result) * getattr(model, "scale", 1),
+           "grads": _grads(model)}
     model.zero_grad(set_to_none=True)
     row["flops"] = count_flops(_step, fn, inputs)
     row["step_s"] = median_step_seconds(lambda: _step(fn, inputs), model, timed_steps, device)
@@ -126,6 +142,8 @@ def _plan_fields(fn) -> dict[str, Any]:
     return {"plans": len(plans), "peak_bound_bytes": fn.peak_bound_bytes,
             "recomputations": sum(sum(p.recomputed.values()) for p in plans),
             "predicted_extra_flops": sum(p.recompute_flops for p in plans),
+            "regathered_bytes": sum(p.recompute_comm_bytes for p in plans),
+            "planned_budget_bytes": plans[-1].budget_bytes if plans else None,
             "solve_s": round(sum(p.solve_seconds for p in plans), 1),
             "statuses": sorted({f"{p.solver} {p.status}" for p in plans})}
 
@@ -134,10 +152,10 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
     """Every row of one setting on this rank (the fxopt rows' budgets agreed over the ranks)."""
     rows: list[dict[str, Any]] = []
 
-    def attempt(method: str, budget: int | None = None) -> dict[str, Any]:
+    def attempt(method: str, budget: int | str | None = None) -> dict[str, Any]:
         model, inputs = build(args.size, world, rank, device)
         blocks = list(model.hf.model.layers)
-        wrapped = _wrap(setting, model, device)
+        wrapped = _wrap(setting, model, device, one_graph=method.startswith("fxopt one graph"))
         row: dict[str, Any] = {"setting": setting, "method": method, "budget_bytes": budget}
         t0 = time.perf_counter()
         try:
@@ -172,9 +190,12 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
         if not need:
             break
         row = attempt("fxopt@min", need)
-    if "peak_bytes" not in row and eager.get("peak_bytes"):
+    if "peak_bytes" not in row and eager.get("peak_bytes") and setting != "fsdp":
         # No budget down there could be planned: fxopt at eager's peak, to show what it does there.
         attempt("fxopt@eager", _agreed_max(eager["peak_bytes"], device))
+    if setting == "fsdp":  # the same step as one graph (fxopt.distributed.fully_shard)
+        attempt("fxopt one graph@checkpoint", budget)
+        attempt("fxopt one graph@min", "min")
     ref = eager.get("grads")
     for r in rows:
         _compare(r, eager, ref)
@@ -285,11 +306,16 @@ def report(data: dict[str, Any]) -> str:
             ratio = f"{r['extra_flops'] / ref:.2f}"
         within = ""
         if r["method"].startswith("fxopt") and r.get("peak_bytes") is not None:
-            within = "within budget" if r["peak_bytes"] <= r["budget_bytes"] else "**over budget**"
+            planned = r.get("planned_budget_bytes") if r["budget_bytes"] == "min" else r["budget_bytes"]
+            within = "within budget" if planned and r["peak_bytes"] <= planned else "**over budget**"
+            if r["budget_bytes"] == "min":
+                within += f" (the smallest budget: planned {_mib(planned)} MiB)"
+            if r.get("regathered_bytes"):
+                within += f"; {_mib(r['regathered_bytes'])} MiB re-gathered (communication, not in GFLOP)"
         note = "; ".join([*([within] if within else []), *r.get("errors", [])])
         step = "–" if r.get("step_s") is None else f"{r['step_s']:.3f}"
         grads = {True: "yes", False: "**no**", None: "–"}[r.get("grads_equal")]
-        out.append(f"| {r['setting']} | {r['method']} | {_mib(r.get('budget_bytes'))} | {_mib(r.get('peak_bytes'))} | "
+        out.append(f"| {r['setting']} | {r['method']} | {_mib(r.get('budget_bytes')) if r.get('budget_bytes') != 'min' else 'min'} | {_mib(r.get('peak_bytes'))} | "
                    f"{_gflop(r.get('extra_flops'))} | {ratio} | {step} | {r.get('plans', '–')} | {grads} | {note} |")
     out += ["", "## GPU", "", meta.get("gpu_note", ""), ""]
     return "\n".join(out)

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.fx as fx
 
+from fxopt.distributed.fsdp import agreed_plan
 from fxopt import cache
 from fxopt.analysis import analyze as analyze_step
 from fxopt.analysis.bandwidth import device_transfers
@@ -111,7 +112,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     if options.budget.minimum and options.plan is None:
         least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
         options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
-    return _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+    jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+    return jg, agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
 
 
 def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,

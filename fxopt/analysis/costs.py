@@ -13,17 +13,67 @@ from torch.utils.flop_counter import flop_registry
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Estimated seconds of one node: FLOPs / ``flops_per_second`` + bytes read and written /
-    ``bytes_per_second`` + ``op_overhead`` seconds. Only ratios matter to the solvers. The
-    defaults are a rough 2-core CPU; on GPU the same ratios order plans sensibly."""
+    ``bytes_per_second`` + bytes sent over a process group (an all-gather's) /
+    ``comm_bytes_per_second`` + ``op_overhead`` seconds. Only ratios matter to the solvers. The
+    defaults are a rough 2-core CPU; on GPU the same ratios order plans sensibly.
+    ``comm_bytes_per_second`` None: the process group's backend's rate (`COMM_BYTES_PER_SECOND`)."""
 
     flops_per_second: float = 1e11
     bytes_per_second: float = 1e10
     op_overhead: float = 2e-6
+    comm_bytes_per_second: float | None = None
 
-    def seconds(self, flops: int, bytes_moved: int, is_alias: bool) -> float:
+    def seconds(self, flops: int, bytes_moved: int, is_alias: bool, comm_bytes: int = 0) -> float:
         if is_alias:
             return self.op_overhead / 10
-        return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + self.op_overhead
+        comm = comm_bytes / (self.comm_bytes_per_second or COMM_BYTES_PER_SECOND["gloo"]) if comm_bytes else 0.0
+        return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + comm + self.op_overhead
+
+    def for_group(self, backend: str | None) -> CostModel:
+        """This model with the communication rate of a process group of ``backend`` filled in."""
+        if self.comm_bytes_per_second is not None or backend is None:
+            return self
+        rate = COMM_BYTES_PER_SECOND.get(backend, COMM_BYTES_PER_SECOND["gloo"])
+        return dataclasses.replace(self, comm_bytes_per_second=rate)
+
+
+# Bytes per second an all-gather moves per rank, by process-group backend: gloo over loopback TCP
+# (CPU), NCCL within a node (NVLink-class; PCIe is about 10x less). Rough: only ratios to the
+# compute rates matter, and a user who knows the link sets ``comm_bytes_per_second``.
+COMM_BYTES_PER_SECOND = {"gloo": 1e9, "nccl": 1e11}
+
+# The collectives whose output is a pure function of every rank's input (recomputing one is
+# communicating again), and the wait that makes their output readable.
+GATHERS = ("all_gather_into_tensor",)
+WAITS = ("wait_tensor",)
+
+
+def comm_bytes_of(node: fx.Node) -> int:
+    """Bytes this rank receives to make ``node``: an all-gather's output less its own share."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+        return 0
+    if target._opname not in GATHERS:
+        return 0
+    val = node.meta.get("val")
+    size = node.args[1] if len(node.args) > 1 else 1
+    if not isinstance(val, torch.Tensor) or not isinstance(size, int):
+        return 0
+    nbytes = val.numel() * val.element_size()
+    return nbytes - nbytes // max(1, size)
+
+
+def group_backend(node: fx.Node) -> str | None:
+    """The backend ("gloo", "nccl") of the process group a functional collective names."""
+    name = node.args[-1] if node.args else None
+    if not isinstance(name, str):
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return str(torch.distributed.get_backend(_resolve_process_group(name)))
+    except Exception:  # noqa: BLE001 - a group not in this process (a replayed graph): the default
+        return None
 
 
 def flops_of(node: fx.Node) -> int | torch.SymInt | None:

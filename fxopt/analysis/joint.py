@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
-from fxopt.analysis.costs import CostModel, flops_of
+from fxopt.analysis.costs import GATHERS, WAITS, CostModel, comm_bytes_of, flops_of, group_backend
 from fxopt.analysis.scratch import op_increases, scratch_beyond_output
 from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
 from fxopt.storage import storage_bytes, tensors_in
@@ -86,9 +86,22 @@ def _is_recomputable(node: fx.Node) -> bool:
         return False
     if target._schema.is_mutable:
         return False
+    if target.namespace == "_c10d_functional" and _is_gather(node):
+        return True  # a re-gather: the all-gather again (priced as communication), and its wait
     if target.namespace in ("_c10d_functional", "c10d_functional", "_dtensor", "profiler"):
         return False
     return flops_of(node) is not None  # an op whose cost cannot be counted is never recomputed
+
+
+def _is_gather(node: fx.Node) -> bool:
+    """An all-gather of the functional collectives, or the wait for one: recomputing them gathers
+    a sharded parameter again (every rank runs the same plan, so they gather in the same order)."""
+    name = node.target._opname
+    if name in GATHERS:
+        return True
+    source = node.args[0] if node.args else None
+    return (name in WAITS and isinstance(source, fx.Node) and isinstance(source.target, torch._ops.OpOverload)
+            and source.target.namespace == "_c10d_functional" and source.target._opname in GATHERS)
 
 
 # The op classes the simple policies name (`fxopt.solvers.policies`), by aten op: what torch's
@@ -189,6 +202,9 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     cost_model = cost_model or CostModel()
     sizes = sizes or Sizes()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
+    gathers = [n for n in fx_nodes if n.op == "call_function" and comm_bytes_of(n)]
+    if gathers:  # communication priced at the rate of the group the step gathers over
+        cost_model = cost_model.for_group(group_backend(gathers[0]))
     with no_new_guards(fx_nodes):
         _check_inputs(joint, fx_nodes)
         outs = list(next(iter(joint.graph.find_nodes(op="output"))).args[0])
@@ -254,7 +270,8 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
         node_sizes.append(NodeSizes(
             bytes=own_bytes, moved=moved, flops=flops,
             compressed_bytes=0 if codec is None else sizes.expr(codec.compressed_bytes),
-            codec_flops=0 if codec is None else sizes.expr(codec.elementwise_flops(val.numel()))))
+            codec_flops=0 if codec is None else sizes.expr(codec.elementwise_flops(val.numel())),
+            comm=comm_bytes_of(n) if n.op == "call_function" else 0))
         nodes.append(Node(
             name=n.name,
             kind=kind,

@@ -30,6 +30,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fxopt import cache
+from fxopt.analysis.costs import GATHERS, group_backend
 from fxopt.fxgraph import aliases_input
 from fxopt.storage import tensors_in
 
@@ -99,9 +100,27 @@ _OUTPUTS_ONLY_ON_CPU = frozenset([
 ])
 
 
+def _collective_increase(node: fx.Node) -> int | None:
+    """A functional collective's bytes while it runs (it is never run alone: every rank would
+    have to run it too): its outputs, and a copy of them for an all-gather over gloo (which
+    gathers into a flat buffer of its own, then copies out), or of its input for a reduce-scatter,
+    which gloo reduces in (a bound for backends that reduce in place). None for any other op."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+        return None
+    outs = sum(o.numel() * o.element_size() for o in _outs(node))
+    if target._opname in GATHERS and group_backend(node) in ("gloo", None):
+        outs *= 2
+    if target._opname.startswith("reduce_scatter"):
+        outs += sum(t.numel() * t.element_size() for a in node.all_input_nodes for t in tensors_in(a.meta.get("val")))
+    return outs
+
+
 def known_increase(node: fx.Node) -> int | None:
     """The bytes an op allocates while it runs, where that is known without running it (see
-    `_OUTPUTS_ONLY_ON_CPU`): its outputs'. None otherwise."""
+    `_OUTPUTS_ONLY_ON_CPU`, `_collective_increase`): its outputs'. None otherwise."""
+    if (collective := _collective_increase(node)) is not None:
+        return collective
     if node.op != "call_function" or node.target not in _OUTPUTS_ONLY_ON_CPU:
         return None
     outs = _outs(node)

@@ -266,6 +266,7 @@ class NodeSizes:
     flops: Size = 0
     compressed_bytes: Size = 0
     codec_flops: Size = 0
+    comm: Size = 0  # bytes a collective receives (an all-gather's), priced apart from FLOPs
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -287,11 +288,11 @@ class SymbolicGraph:
         cost = self.cost_model.seconds
         nodes = []
         for k, (node, s) in enumerate(zip(self.graph.nodes, self.sizes)):
-            nbytes, flops = size(s.bytes), size(s.flops)
+            nbytes, flops, comm = size(s.bytes), size(s.flops), size(s.comm)
             compressed, codec_flops = size(s.compressed_bytes), size(s.codec_flops)
             nodes.append(dataclasses.replace(
-                node, bytes=nbytes, flops=flops,
-                cost=0.0 if node.kind == "input" else cost(flops, size(s.moved), node.storage is not None),
+                node, bytes=nbytes, flops=flops, comm_bytes=comm,
+                cost=0.0 if node.kind == "input" else cost(flops, size(s.moved), node.storage is not None, comm),
                 compressed_bytes=compressed, codec_flops=codec_flops,
                 codec_cost=2 * cost(codec_flops // 2, nbytes + compressed, False) if node.codec else 0.0,
                 workspace=node.workspace if workspace is None else workspace[k],

@@ -1,3 +1,8 @@
-"""fxopt on several processes: `data_parallel` (DDP and FSDP2) and `pipeline` (pipeline stages:
-fxopt chooses the cuts and plans each stage). Process groups, sharding, pipelining and
-communication are torch.distributed's; these modules say what it adds to each rank's peak."""
+"""fxopt on several processes: `data_parallel` (DDP and FSDP2), `fsdp` (fully sharded data
+parallel as one graph: `fully_shard`) and `pipeline` (pipeline stages: fxopt chooses the cuts and
+plans each stage). Process groups, sharding, pipelining and communication are torch.distributed's;
+these modules say what it adds to each rank's peak."""
+
+from fxopt.distributed.fsdp import fully_shard
+
+__all__ = ["fully_shard"]

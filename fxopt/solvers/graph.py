@@ -82,6 +82,10 @@ class Node:
     # dropout keeps a mask of its input's dtype, not a bool one (``at::dropout`` runs the fused
     # ``native_dropout`` only on accelerators). Counted in the eager step's memory (`eager_timeline`).
     eager_bytes: int | None = None
+    # Bytes a collective (an all-gather) moves over the process group to make this value; its
+    # ``cost`` counts them at the cost model's ``comm_bytes_per_second``. A recomputed all-gather
+    # is a re-gather (FSDP's reshard after forward): reported as communication, not FLOPs.
+    comm_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -274,7 +278,9 @@ class Graph:
     def to_dict(self) -> dict:
         # (No "transfers" key without them: a graph's dict, and the plan cache's key made from it,
         # stay what they were before OFFLOAD.)
-        d: dict = {"nodes": [dataclasses.asdict(n) for n in self.nodes]}
+        # (Nor a "comm_bytes" key on a node that moves nothing over the process group.)
+        d: dict = {"nodes": [{k: v for k, v in dataclasses.asdict(n).items() if k != "comm_bytes" or v}
+                             for n in self.nodes]}
         if self.transfers is not None:
             d["transfers"] = self.transfers.to_dict()
         return d

@@ -71,6 +71,9 @@ class Plan(JsonRecord):
     offloaded: tuple[str, ...] = ()
     host_bytes: int = 0
     exposed_transfer_seconds: float = 0.0
+    # Bytes the recomputed all-gathers move again (re-gathers of sharded parameters), apart from
+    # ``recompute_flops``; their time is part of ``recompute_cost``.
+    recompute_comm_bytes: int = 0
 
     @property
     def cost(self) -> float:
@@ -110,6 +113,7 @@ class Plan(JsonRecord):
             eager_peak_bytes=eager_peak_bytes,
             recompute_flops=timeline.recompute_flops,
             recompute_cost=timeline.recompute_cost,
+            recompute_comm_bytes=timeline.recompute_comm_bytes,
             saved=tuple(graph.nodes[i].name for i in sorted(schedule.saved - graph.free)),
             recomputed=dict(counts),
             solver=solver,
@@ -158,6 +162,7 @@ class Plan(JsonRecord):
                f"{self.exposed_transfer_seconds * 1e3:.2f} ms exposed)" if self.offloaded else "")
             + ", "
             f"{n_re} recomputations, +{self.recompute_flops / 1e9:.3f} GFLOP"
+            + (f", {format_bytes(self.recompute_comm_bytes)} re-gathered" if self.recompute_comm_bytes else "")
             + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
         )
 

@@ -97,6 +97,7 @@ class Timeline:
     over_host_budget: bool = False
     copies: tuple[Copy, ...] = ()
     reload_at: tuple[tuple[int, int], ...] = ()
+    recompute_comm_bytes: int = 0  # bytes re-gathered (recomputed all-gathers' communication)
 
     @property
     def cost(self) -> float:
@@ -126,7 +127,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     positions = _read_events(graph, steps)  # the steps kept, by their position in the schedule
     steps = [steps[e] for e in positions]
     replay.backward(steps, positions)
-    extra_flops, extra_cost = _extra_work(graph, schedule, steps)
+    extra_flops, extra_cost, extra_comm = _extra_work(graph, schedule, steps)
     copies = replay.d2h.copies + replay.h2d.copies
     host_peak = host_peak_bytes(copies)
     host_budget = graph.transfers.host_budget if graph.transfers is not None else None
@@ -137,6 +138,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
         saved_bytes=replay.saved_bytes,
         recompute_flops=extra_flops,
         recompute_cost=extra_cost,
+        recompute_comm_bytes=extra_comm,
         events=tuple(replay.events),
         exposed_transfer_seconds=replay.exposed,
         host_peak_bytes=host_peak,
@@ -554,12 +556,13 @@ def _formula_ends(graph: Graph, steps: list[Step], last: dict[Key, int]) -> dict
             for a, e in last.items()}
 
 
-def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float]:
-    """FLOPs and cost beyond one execution of every node: recomputations (the first backward
-    computation of a value only the backward needs is not one), encoding and decoding."""
+def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float, int]:
+    """FLOPs, cost and communicated bytes beyond one execution of every node: recomputations
+    (the first backward computation of a value only the backward needs is not one; a recomputed
+    all-gather is a re-gather, counted in bytes, not FLOPs), encoding and decoding."""
     nodes = graph.nodes
     first_free = set(graph.backward_only - frozenset(schedule.saved))
-    extra_flops, extra_cost = 0, 0.0
+    extra_flops, extra_cost, extra_comm = 0, 0.0, 0
     for i, _, _ in steps:
         if nodes[i].kind != "forward":
             continue
@@ -568,10 +571,11 @@ def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[in
             continue
         extra_flops += nodes[i].flops
         extra_cost += nodes[i].cost
+        extra_comm += nodes[i].comm_bytes
     for i in frozenset(schedule.compressed):
         extra_flops += nodes[i].codec_flops
         extra_cost += nodes[i].codec_cost
-    return extra_flops, extra_cost
+    return extra_flops, extra_cost, extra_comm
 
 
 def _read_events(graph: Graph, steps: list[Step]) -> list[int]:

@@ -1,0 +1,139 @@
+"""Fully sharded data parallel as one graph: each parameter kept as this rank's shard, gathered
+whole where the model reads it, inside the step fxopt captures (SimpleFSDP's form, torchtitan's
+``experiments/graph_trainer/simple_fsdp.py``).
+
+``fully_shard(model)`` replaces every parameter of ``model`` by this rank's shard of it: the
+parameter flattened, padded to a multiple of the world size and cut in equal pieces, one per rank
+(the shards are the module's parameters, under the same names: the optimizer and ``state_dict``
+see shards). Reading the parameter (``module.weight``) gathers it whole with
+``torch.distributed._functional_collectives.all_gather_tensor_autograd``, whose backward is a
+reduce-scatter: each rank's shard gets the sum over ranks of the gradient of its part. So under
+``torch.compile`` (and ``fxopt.optimize``) the whole step is one graph, the all-gathers and
+reduce-scatters inside it (``_c10d_functional`` ops), and the gathered parameters are values of the
+step like any activation.
+
+Gradients are a sum over ranks; for the mean of the ranks' losses, divide each rank's loss by the
+world size (or average as a mean loss over the whole batch would). Buffers stay replicated.
+
+What this is not (yet): FSDP2's ``fully_shard`` (its hooks run outside any graph, see
+`fxopt.distributed.data_parallel`), mixed precision (gather in the parameters' dtype), or meshes
+of several dimensions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import _functional_collectives as funcol
+
+
+def _gather(shard: torch.Tensor, numel: int, shape: torch.Size, group) -> torch.Tensor:
+    """The whole parameter from each rank's shard (its backward reduce-scatters the gradient)."""
+    full = funcol.all_gather_tensor_autograd(shard, 0, group)
+    return full[:numel].view(shape)
+
+
+def _shard_of(p: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    flat = p.detach().reshape(-1)
+    rows = math.ceil(flat.numel() / world)
+    padded = torch.nn.functional.pad(flat, (0, rows * world - flat.numel()))
+    return padded[rank * rows:(rank + 1) * rows].clone()
+
+
+def _sharded_class(cls: type, names: dict[str, tuple[int, torch.Size]], group) -> type:
+    """A subclass of ``cls`` whose parameters ``names`` read gathered from their shards."""
+    def reader(name: str, numel: int, shape: torch.Size):
+        def get(self):
+            return _gather(self._parameters[name], numel, shape, group)
+        return property(get)
+
+    attrs = {name: reader(name, numel, shape) for name, (numel, shape) in names.items()}
+    return type(f"Sharded{cls.__name__}", (cls,), attrs)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `fully_shard` sharded a module of ``model``."""
+    return any(getattr(m, "_fxopt_sharded", None) for m in model.modules())
+
+
+def fully_shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Shard every parameter of ``model`` over ``group`` (default: the world), in place; returns
+    ``model``. Every rank must pass the same model (the same parameters, as after the same seed or
+    a broadcast): each keeps its own part. Tied parameters (one tensor under several names) keep
+    one shard."""
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("fxopt.distributed.fully_shard needs a process group: call "
+                           "torch.distributed.init_process_group first")
+    if is_sharded(model):
+        raise ValueError("this model is sharded already (fxopt.distributed.fully_shard was called on it)")
+    from torch.distributed.fsdp import FSDPModule
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("this model is sharded by FSDP2's fully_shard already: shard it with one of the two")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    shards: dict[int, nn.Parameter] = {}
+    for module in list(model.modules()):
+        names = {}
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in shards:
+                shards[id(p)] = nn.Parameter(_shard_of(p, rank, world), requires_grad=p.requires_grad)
+            module._parameters[name] = shards[id(p)]
+            names[name] = (p.numel(), p.shape)
+        if names:
+            module.__class__ = _sharded_class(module.__class__, names, group)
+            module._fxopt_sharded = names
+    return model
+
+
+def full_tensor(model: nn.Module, name: str, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole parameter ``name`` of a `fully_shard` model (or ``tensor``, a shard of its shape,
+    such as its gradient), gathered from every rank outside any graph."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    numel, shape = module._fxopt_sharded[attr]
+    shard = module._parameters[attr] if tensor is None else tensor
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, shard.detach().contiguous())
+    return torch.cat(parts)[:numel].view(shape)
+
+
+def collective_group(joint) -> str | None:
+    """The name of the process group a captured step's functional collectives run over (the
+    first one's), or None for a step without collectives."""
+    for n in joint.graph.nodes:
+        t = n.target
+        if isinstance(t, torch._ops.OpOverload) and t.namespace == "_c10d_functional" and n.args:
+            if isinstance(n.args[-1], str):
+                return n.args[-1]
+    return None
+
+
+def agreed_plan(joint, plan):
+    """Rank 0's plan of a step with collectives inside, on every rank of their group: the ranks
+    must run the same collectives in the same order, and a plan the solvers' safety stop cut short
+    (or a budget resolved from this rank's own measurements) may differ between ranks. Raises
+    if rank 0 planned another graph."""
+    name = collective_group(joint)
+    if name is None or not dist.is_initialized():
+        return plan
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(name)
+    if dist.get_world_size(group) == 1:
+        return plan
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    box = [plan]
+    with unset_fake_temporarily():  # (planning runs inside Dynamo's fake mode; the broadcast is real)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    agreed = box[0]
+    if agreed.fingerprint != plan.fingerprint:
+        raise RuntimeError(
+            "the ranks captured different graphs of a step with collectives inside (another model, "
+            "input shape or dtype on some rank): every rank must run the same step")
+    return agreed

@@ -1,0 +1,197 @@
+"""Fully sharded steps in several gloo processes, for tests/test_fsdp.py and
+benchmarks/data_parallel.py.
+
+`run(config, world)` spawns ``world`` processes once; each builds the configuration's models,
+takes its share of one batch and, on its own rank, measures (the third step's peak, the first
+compiles) and checks:
+
+  - FSDP2 (``fully_shard`` per block and at the root), eager and with each block under
+    transformers' checkpointing;
+  - `fxopt.distributed.fully_shard` + ``fxopt.optimize`` at FSDP2-with-checkpointing's measured
+    peak and at ``"min"``: one graph with the all-gathers and reduce-scatters inside; its loss
+    (averaged over ranks) and every gradient (gathered whole) equal single-process eager on the
+    whole batch (each rank's loss is its mean over its tokens divided by the world size, so the
+    reduce-scatters' sum is the mean).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import fxopt
+from fxopt.distributed import fsdp as sharding
+
+BATCH = 4  # the whole batch; each rank takes an equal share
+SEQ = 128
+
+
+class HFLoss(nn.Module):
+    """A `transformers` LM's loss from ``labels=``, divided by ``scale``."""
+
+    def __init__(self, hf: nn.Module, scale: float = 1.0):
+        super().__init__()
+        self.hf = hf
+        self.scale = scale
+
+    def forward(self, ids, labels):
+        return self.hf(input_ids=ids, labels=labels).loss / self.scale
+
+
+def _ids(vocab: int):
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return ids, ids.clone()
+
+
+def llama():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256,
+                                   num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
+                                   max_position_embeddings=SEQ, use_cache=False, attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg).train(), _ids(1024)
+
+
+def gpt2():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, n_positions=SEQ, vocab_size=1024,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg).train(), _ids(1024)
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+
+
+def blocks(hf: nn.Module) -> list[nn.Module]:
+    return list(hf.model.layers) if hasattr(hf, "model") else list(hf.transformer.h)
+
+
+def _share(inputs, rank: int, world: int):
+    n = BATCH // world
+    return tuple(t[rank * n:(rank + 1) * n] for t in inputs)
+
+
+def _step(module, inputs):
+    loss = module(*inputs)
+    loss.backward()
+    return loss
+
+
+def _measure(module, params: nn.Module, share) -> tuple[int, float, torch.Tensor]:
+    """Two steps, then the third's measured peak; the mean time of steps 2 and 3."""
+    params.zero_grad(set_to_none=True)
+    _step(module, share)
+    params.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    _step(module, share)
+    second = time.perf_counter() - t0
+    params.zero_grad(set_to_none=True)
+    peak = fxopt.measure_peak(_step, module, share, resident=[module])
+    return peak.peak_bytes, second, peak.result.detach().clone()
+
+
+def _fsdp2(hf: nn.Module, share, checkpointing: bool) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    hf = copy.deepcopy(hf)
+    if checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for block in blocks(hf):
+        fully_shard(block)
+    fully_shard(hf)
+    module = HFLoss(hf)
+    peak, seconds, _ = _measure(module, module, share)
+    return {"measured": peak, "seconds": round(seconds, 3)}
+
+
+def _fxopt(hf: nn.Module, share, reference, world: int, budget) -> dict:
+    ref_loss, ref_grads = reference
+    hf = sharding.fully_shard(copy.deepcopy(hf))
+    model = HFLoss(hf, scale=world)
+    optimized = fxopt.optimize(model, budget)
+    peak, seconds, loss = _measure(optimized, model, share)
+    dist.all_reduce(loss)
+    torch.testing.assert_close(loss, ref_loss)
+    for name, p in hf.named_parameters():
+        grad = sharding.full_tensor(hf, name, p.grad)
+        torch.testing.assert_close(grad, ref_grads[name], msg=lambda m: f"gradient of {name}: {m}")
+    plan = optimized.plans[-1]
+    return {"measured": peak, "seconds": round(seconds, 3), "budget": plan.budget_bytes,
+            "predicted": plan.peak_bytes, "recomputed": len(plan.recomputed), "plans": len(optimized.plans),
+            "extra_flops": plan.recompute_flops, "regathered_bytes": plan.recompute_comm_bytes}
+
+
+def sharded(rank: int, world: int, names=("llama", "gpt2")) -> dict:
+    out = {}
+    for name in names:
+        hf, inputs = MODELS[name]()
+        ref = copy.deepcopy(hf)
+        ref_loss = _step(HFLoss(ref), inputs).detach()
+        reference = ref_loss, {n: p.grad for n, p in ref.named_parameters()}
+        share = _share(inputs, rank, world)
+        rows = {"fsdp2": _fsdp2(hf, share, False), "fsdp2+ckpt": _fsdp2(hf, share, True)}
+        ckpt = max_over_ranks(rows["fsdp2+ckpt"]["measured"])
+        rows["fxopt@ckpt"] = _fxopt(hf, share, reference, world, ckpt)
+        rows["fxopt@min"] = _fxopt(hf, share, reference, world, "min")
+        out[name] = rows
+    return out
+
+
+def max_over_ranks(n: int) -> int:
+    t = torch.tensor([n])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+CONFIGS = {"sharded": sharded, "llama": lambda r, w: sharded(r, w, ("llama",))}
+
+
+def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(FXOPT_CACHE="0")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = CONFIGS[config](rank, world)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"{config}-{rank}.json").write_text(json.dumps(results))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(config: str, world: int = 2, timeout: float = 600.0) -> list[dict]:
+    """Spawn ``world`` processes running ``config``; what each rank measured, by rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world, _free_port(), config, out_dir), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{config}: {world} processes still running after {timeout:.0f} s")
+        return [json.loads(Path(out_dir, f"{config}-{r}.json").read_text()) for r in range(world)]
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(run(sys.argv[1]), indent=1))
