@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxopt
+from fxopt.analysis.scratch import SCRATCH_MARGIN
 from fxopt.analysis.symbolic import Evaluator, Ranges, monotone, simplify_on, symbol
 from fxopt.capture.shapes import DynamicDims
 from fxopt.models import GPT, ResidualMLP, SmallCNN
@@ -226,7 +227,10 @@ def test_max_batch_fits_and_the_next_does_not(name):
     assert found.next_plan.peak_bytes > found.budget_bytes
     lowest = fxopt.maxbatch.replay(model, found, found.next_plan, (b + 1, b + 1))
     torch.manual_seed(0)
-    assert measured_peak(lowest, make_inputs(b + 1)) > found.budget_bytes
+    # The next batch's lowest plan really needs about the budget: its measured peak is above it,
+    # or below it by no more than the margin fxopt adds to one op's measured scratch (an op's
+    # kernel allocates a few bytes more or less on another CPU: 56 B on this machine's conv).
+    assert measured_peak(lowest, make_inputs(b + 1)) > found.budget_bytes - SCRATCH_MARGIN
 
 
 def test_max_batch_needs_bytes():
