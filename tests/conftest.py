@@ -37,3 +37,15 @@ def _fresh_lowest_peaks():
     cache.lowest_peaks.clear()
     yield
     cache.lowest_peaks.clear()
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of this process alone (world size 1), for the tests of sharding and
+    DDP that need one without spawning ranks (`data_parallel_steps.free_port` picks its port)."""
+    import torch.distributed as dist
+    from data_parallel_steps import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

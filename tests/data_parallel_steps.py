@@ -68,12 +68,12 @@ def convnext():
 MODELS = {"gpt2": gpt2, "convnext": convnext}
 
 
-def _share(inputs, rank: int, world: int):
-    n = BATCH // world
-    return tuple(t[rank * n:(rank + 1) * n] for t in inputs)
+def share_of(inputs, rank: int, world: int):
+    """Rank ``rank``'s equal share of the whole batch (each input's first dimension)."""
+    return tuple(t[rank * (len(t) // world):(rank + 1) * (len(t) // world)] for t in inputs)
 
 
-def _step(module, inputs):
+def step(module, inputs):
     loss = module(*inputs)
     loss.backward()
     return loss
@@ -82,7 +82,7 @@ def _step(module, inputs):
 def _reference(model, inputs):
     """Loss and gradients of single-process eager on the whole batch."""
     ref = copy.deepcopy(model)
-    loss = _step(ref, inputs)
+    loss = step(ref, inputs)
     return loss.detach(), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
 
@@ -94,12 +94,12 @@ def _check_and_measure(wrapped, model, inputs, reference, rank, world, plan_of, 
                        step_budget: int | None = None) -> dict:
     """Three steps of ``wrapped`` on this rank's share; the reference checks; the third measured."""
     ref_loss, ref_grads = reference
-    share = _share(inputs, rank, world)
+    share = share_of(inputs, rank, world)
     for _ in range(2):
         model.zero_grad(set_to_none=True)
-        _step(wrapped, share)
+        step(wrapped, share)
     model.zero_grad(set_to_none=True)
-    peak = fxopt.measure_peak(_step, wrapped, share, resident=[wrapped])
+    peak = fxopt.measure_peak(step, wrapped, share, resident=[wrapped])
     loss = peak.result.detach().clone()
     dist.all_reduce(loss)
     torch.testing.assert_close(loss / world, ref_loss)
@@ -198,16 +198,18 @@ def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None
     Path(out_dir, f"{config}-{rank}.json").write_text(json.dumps(results))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run(config: str, world: int = 2, timeout: float = 240.0) -> list[dict]:
-    """Spawn ``world`` processes running ``config``; what each rank measured, by rank."""
+def spawn(worker, config: str, world: int, timeout: float) -> list[dict]:
+    """Spawn ``world`` processes running ``worker(rank, world, port, config, out_dir)`` (a
+    module-level function, which writes ``<config>-<rank>.json`` into ``out_dir``); what each
+    rank measured, by rank."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), config, out_dir), nprocs=world, join=False,
+        ctx = mp.start_processes(worker, args=(world, free_port(), config, out_dir), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
@@ -216,6 +218,11 @@ def run(config: str, world: int = 2, timeout: float = 240.0) -> list[dict]:
                     p.kill()
                 raise TimeoutError(f"{config}: {world} processes still running after {timeout:.0f} s")
         return [json.loads(Path(out_dir, f"{config}-{r}.json").read_text()) for r in range(world)]
+
+
+def run(config: str, world: int = 2, timeout: float = 240.0) -> list[dict]:
+    """Spawn ``world`` processes running ``config``; what each rank measured, by rank."""
+    return spawn(_worker, config, world, timeout)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,15 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import fxopt
+from data_parallel_steps import share_of, spawn, step
 from fxopt.distributed import fsdp as sharding
 
 BATCH = 4  # the whole batch; each rank takes an equal share
@@ -80,27 +78,16 @@ def blocks(hf: nn.Module) -> list[nn.Module]:
     return list(hf.model.layers) if hasattr(hf, "model") else list(hf.transformer.h)
 
 
-def _share(inputs, rank: int, world: int):
-    n = BATCH // world
-    return tuple(t[rank * n:(rank + 1) * n] for t in inputs)
-
-
-def _step(module, inputs):
-    loss = module(*inputs)
-    loss.backward()
-    return loss
-
-
 def _measure(module, params: nn.Module, share) -> tuple[int, float, torch.Tensor]:
     """Two steps, then the third's measured peak; the mean time of steps 2 and 3."""
     params.zero_grad(set_to_none=True)
-    _step(module, share)
+    step(module, share)
     params.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    _step(module, share)
+    step(module, share)
     second = time.perf_counter() - t0
     params.zero_grad(set_to_none=True)
-    peak = fxopt.measure_peak(_step, module, share, resident=[module])
+    peak = fxopt.measure_peak(step, module, share, resident=[module])
     return peak.peak_bytes, second, peak.result.detach().clone()
 
 
@@ -140,9 +127,9 @@ def sharded(rank: int, world: int, names=("llama", "gpt2")) -> dict:
     for name in names:
         hf, inputs = MODELS[name]()
         ref = copy.deepcopy(hf)
-        ref_loss = _step(HFLoss(ref), inputs).detach()
+        ref_loss = step(HFLoss(ref), inputs).detach()
         reference = ref_loss, {n: p.grad for n, p in ref.named_parameters()}
-        share = _share(inputs, rank, world)
+        share = share_of(inputs, rank, world)
         rows = {"fsdp2": _fsdp2(hf, share, False), "fsdp2+ckpt": _fsdp2(hf, share, True)}
         ckpt = max_over_ranks(rows["fsdp2+ckpt"]["measured"])
         rows["fxopt@ckpt"] = _fxopt(hf, share, reference, world, ckpt)
@@ -171,24 +158,9 @@ def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None
     Path(out_dir, f"{config}-{rank}.json").write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(config: str, world: int = 2, timeout: float = 600.0) -> list[dict]:
     """Spawn ``world`` processes running ``config``; what each rank measured, by rank."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(world, _free_port(), config, out_dir), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"{config}: {world} processes still running after {timeout:.0f} s")
-        return [json.loads(Path(out_dir, f"{config}-{r}.json").read_text()) for r in range(world)]
+    return spawn(_worker, config, world, timeout)
 
 
 if __name__ == "__main__":

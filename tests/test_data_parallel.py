@@ -7,7 +7,6 @@ one-process gloo group."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -55,16 +54,6 @@ def test_fsdp2_per_block():
     for cases in results:
         for r in cases.values():
             assert r["plans"] >= 3  # the blocks, and the code around them
-
-
-@pytest.fixture
-def one_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _mlp():

@@ -54,18 +54,6 @@ def test_llama_within_checkpointing_peak(llama_results):
         assert at_ckpt["measured"] <= at_ckpt["budget"], f"rank {rank}: {at_ckpt}"
 
 
-@pytest.fixture
-def one_process_group():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_shards_gather_and_regather_is_offered(one_process_group):
     """On one rank: the sharded model computes what the model did, gradients land in the shards,
     sharding twice is refused, and the captured step's all-gathers (and their waits) may be
