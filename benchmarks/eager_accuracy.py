@@ -17,8 +17,8 @@ torch thread):
 
 Suites: ``hf_zoo`` (`benchmarks.hf_zoo` at its "bench" size: 2 layers, hidden 128, 4×128 tokens
 or 8 64-pixel images), ``issue`` (the Gemma and OPT issue 24 names, at that size), ``breadth``
-(`benchmarks.hf_breadth`'s 45 architectures, smaller), ``library`` (`benchmarks.library_models`:
-diffusers and torchtitan). Writes ``<out>.json`` after every row and ``<out>.md``.
+(`benchmarks.hf_breadth`'s 45 architectures, smaller), ``library`` (the ``"library"`` set of the one
+zoo, `benchmarks.library_zoo` at its "bench" size: diffusers, timm where it imports, torchtitan). Writes ``<out>.json`` after every row and ``<out>.md``.
 """
 
 from __future__ import annotations
@@ -91,9 +91,10 @@ def _breadth() -> dict[str, Builder]:
 
 
 def _library() -> dict[str, Builder]:
-    from benchmarks.library_models import LIBRARY_MODELS
+    import benchmarks.library_zoo  # noqa: F401 - registers the "library" set
+    from fxopt.models import MODELS, zoo
 
-    return dict(LIBRARY_MODELS)
+    return {name: (lambda name=name: MODELS[name]("bench")) for name in zoo("library")}
 
 
 SUITES: dict[str, Callable[[], dict[str, Builder]]] = {

@@ -54,7 +54,7 @@ from benchmarks.library_zoo import SIZES
 NAMES = (*(n.removeprefix("lib-") for n in zoo("library")), *HF_NAMES)
 DEFAULT_MODELS = ("unet", "vae", "dit", "sd3", "gpt2", "llama", "vit")
 DEFAULT_OUT = "benchmarks/results/library_checkpointing"
-LIBRARIES = ("diffusers", "transformers", "timm")
+LIBRARIES = ("diffusers", "transformers", "timm", "torchtitan")
 
 
 def entry_of(name: str) -> ZooModel:

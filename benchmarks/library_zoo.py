@@ -11,6 +11,14 @@ checkpointing of a model it built, and ``model(*inputs)`` is the scalar loss of 
 - timm (``set_grad_checkpointing(True)``, per block or stage): ``lib-timm-vit``,
   ``lib-timm-convnext``, where timm imports (it needs torchvision: a venv with torch 2.14.1 and
   torchvision 0.29.1);
+- torchtitan (``FullAC``: `torch.distributed`'s ``checkpoint_wrapper`` around each transformer
+  block, what torchtitan's trainer applies with ``activation_checkpoint=FullAC.Config()``):
+  ``lib-titan-llama3`` and ``lib-titan-qwen3`` (the debug models, qwen3 cut to 2 layers), the
+  loss the cross-entropy against the next tokens. torchtitan 0.3.0 installs with ``pip install
+  --no-deps torchtitan==0.3.0 spmd_types tyro einops docstring_parser``; its MoE kernels import
+  triton, which a CPU machine lacks, so a stub of that module stands in for them (dense models
+  never call it); FlexAttention has no CPU backward, so the attention is torchtitan's
+  ``ScaledDotProductAttention``;
 - transformers (``gradient_checkpointing_enable()``, per decoder or encoder layer): the ``hf-<name>``
   entries of `benchmarks.hf_zoo` (imported here), whose switch is ``hf_zoo.hf_checkpointing``.
 
@@ -26,6 +34,9 @@ Sizes: ``"test"`` (a step in about a second on a 2-core CPU, for the suite) and 
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
 import warnings
 from collections.abc import Callable
 
@@ -145,6 +156,63 @@ def _timm_switch(model: _TimmLoss, on: bool) -> None:
     model.inner.set_grad_checkpointing(on)
 
 
+# ---------------------------------------------------------------- torchtitan
+class _TokenLoss(nn.Module):
+    """A torchtitan decoder on tokens, the cross-entropy against the next tokens (in float32)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.inner(tokens).flatten(0, -2).float(), labels.flatten())
+
+
+def _titan_stub() -> None:
+    """torchtitan's expert-parallel module imports triton kernels at import time; dense models
+    never call them."""
+    name = "torchtitan.distributed.minimal_async_ep"
+    if name not in sys.modules:
+        stub = types.ModuleType(name)
+        for attr in ("combine_op", "dispatch_op", "init_buffer", "maybe_update_minimal_async_ep_config",
+                     "MinimalAsyncEPDispatchMetadata"):
+            setattr(stub, attr, None)
+        sys.modules[name] = stub
+
+
+def _titan(family: str, layers: int | None = None) -> Callable[[str], tuple[nn.Module, tuple[torch.Tensor, ...]]]:
+    def build(size: str):
+        _titan_stub()
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+
+        batch, seq = (2, 32) if size == "test" else (2, 256)
+        config = getattr(importlib.import_module(f"torchtitan.models.{family}"), f"{family}_configs")["debugmodel"](
+            attn_backend="flex")
+        if layers is not None:
+            config.layers = config.layers[:layers]
+        for layer in config.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()  # FlexAttention: no CPU backward
+            layer.attention.rope.max_seq_len = seq
+        inner = config.build()
+        inner.init_states(buffer_device=torch.device("cpu"))
+        tokens = torch.randint(0, 2048, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+        return _TokenLoss(inner), (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    return build
+
+
+def _titan_switch(model: _TokenLoss, on: bool) -> None:
+    """torchtitan's FullAC on (each block in a ``CheckpointWrapper``) or off (the blocks unwrapped)."""
+    layers = model.inner.get_submodule("layers")
+    if on:
+        from torchtitan.distributed.activation_checkpoint import FullAC
+
+        FullAC.Config().build().apply(model.inner)
+    else:
+        for name, block in list(layers.named_children()):
+            layers.register_module(name, getattr(block, "_checkpoint_wrapped_module", block))
+
+
 def _library_build(name: str, build_fn: Callable[[str], tuple[nn.Module, tuple[torch.Tensor, ...]]],
                    description: str) -> Callable[[str], Workload]:
     """The zoo's build of one library model: ``size`` -> its `Workload`, the loss module in
@@ -166,6 +234,10 @@ for _name, _source, _build, _switch, _description in (
     ("timm-vit", "timm.vit_tiny_patch16_224", _timm("vit_tiny_patch16_224", patch_size=8, depth=4), _timm_switch,
      "timm ViT-tiny, patch 8, 4 blocks, cross-entropy"),
     ("timm-convnext", "timm.convnext_atto", _timm("convnext_atto"), _timm_switch, "timm ConvNeXt-atto, cross-entropy"),
+    ("titan-llama3", "torchtitan.llama3", _titan("llama3"), _titan_switch,
+     "torchtitan llama3 debug model, SDPA attention, next-token cross-entropy"),
+    ("titan-qwen3", "torchtitan.qwen3", _titan("qwen3", layers=2), _titan_switch,
+     "torchtitan qwen3 debug model cut to 2 layers, SDPA attention, next-token cross-entropy"),
 ):
     if f"lib-{_name}" not in MODELS:  # (registered once, however often this module is imported)
         register(f"lib-{_name}", _library_build(_name, _build, _description), SIZES, ("library",), _description,

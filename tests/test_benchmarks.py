@@ -87,8 +87,10 @@ def test_one_model_zoo():
     assert tuple(pareto.MODELS) == ("residual_mlp", "resnet", "unet", "gpt2", "bert")
     assert all(MODELS[f"hf-{n}"].sets == {"hf"} for n in hf_zoo.HF_NAMES) and len(hf_zoo.HF_NAMES) == 13
     assert not (BENCHMARKS / "models.py").exists() and not hasattr(hf_zoo, "HF_ZOO")
-    assert tuple(zoo("library")) == ("lib-unet", "lib-vae", "lib-dit", "lib-sd3", "lib-timm-vit", "lib-timm-convnext")
-    assert all(MODELS[n].sets == {"library"} and MODELS[n].source.split(".")[0] in ("diffusers", "timm")
+    assert not (BENCHMARKS / "library_models.py").exists()
+    assert tuple(zoo("library")) == ("lib-unet", "lib-vae", "lib-dit", "lib-sd3", "lib-timm-vit", "lib-timm-convnext",
+                                     "lib-titan-llama3", "lib-titan-qwen3")
+    assert all(MODELS[n].sets == {"library"} and MODELS[n].source.split(".")[0] in ("diffusers", "timm", "torchtitan")
                for n in zoo("library"))
     assert all(MODELS[n].checkpointing is not None for n in (*zoo("library"), *zoo("hf")))
     assert not hasattr(library_zoo, "LIBRARY_ZOO") and not hasattr(library_zoo, "LibraryModel")

@@ -1,0 +1,343 @@
+"""The promise on every route: measured peak within the budget, recompute no more than the best
+simple policy's, the same plan on a quiet machine and a busy one (issue 24, "Done when").
+
+    python -m benchmarks.budget_holds [--models hf-gpt2,lib-unet,...] [--routes optimize,inductor,...]
+        [--budgets 1.0,0.5,min] [--size test] [--load] [--compare OTHER.json]
+        [--out benchmarks/results/budget_holds]
+
+Per model of the one zoo (`fxopt.models.MODELS`: the transformers models of `benchmarks.hf_zoo`
+and the diffusers, timm and torchtitan models of `benchmarks.library_zoo`, built from configs at
+``--size``), per route, per budget (a share of the eager peak, or ``"min"``: the smallest budget
+fxopt meets), one row:
+
+- routes: ``optimize`` (`fxopt.optimize`, the eager compiler), ``inductor`` (the same with
+  ``compiler="inductor"``), ``backend`` (``torch.compile(model, backend=fxopt.backend(budget))``,
+  Inductor), ``pieces`` (`fxopt.optimize` of the model with a graph break in its middle module:
+  a forward hook calling ``torch._dynamo.graph_break()``, so the step is planned in pieces; a
+  share is of eager's measured peak, given in bytes, as such a step needs),
+  ``dynamic`` (`fxopt.optimize` with ``dynamic={"batch": (2, 2 * batch)}``, run at the batch);
+  ``pipeline`` (`fxopt.pipeline` of `benchmarks.pipeline`'s GPT-2 in 4 stages, each rank's
+  measured peak against the per-device budget: its own model, the ``--models`` do not apply);
+- measured: `fxopt.measure_peak` of the second step (the first plans), parameters, inputs and
+  gradients resident; ``within`` is measured <= budget (the budget the plan resolved to, bytes);
+- gradients against eager's (``torch.testing.assert_close``, its default tolerances: Inductor's
+  fused kernels may round differently, and the row says so);
+- recompute: the plan's predicted extra FLOPs against the cheapest simple policy within the same
+  budget on the same graph (`fxopt.solvers.policies`: per-block checkpointing, torch's selective
+  default, nothing); ``not_worse`` where none fits is "–";
+- an infeasible budget: the minimum fxopt names is planned and measured in turn (it must hold);
+- the plan's decisions digest (SAVE/RECOMPUTE/COMPRESS/OFFLOAD of every value, its solver): two
+  runs, one with ``--load`` (another fxopt planning job runs beside it for the whole run), compared
+  with ``--compare`` (the other run's JSON), must give the same digests.
+
+One torch thread; fxopt's plan cache off (a cached plan would not be this run's answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import multiprocessing
+import os
+import shlex
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch.nn as nn
+
+import fxopt
+import benchmarks.library_zoo  # noqa: F401 - registers the "library" and "hf" sets
+from benchmarks.harness import (choose, compare_grads, error_line, log, mib, report_head, restore_settings,
+                                run_meta, saved_settings, train_step, write_results)
+from fxopt.models import MODELS, zoo
+from fxopt.solvers import DEFAULT_TIME_LIMIT
+
+ROUTES = ("optimize", "inductor", "backend", "pieces", "dynamic", "pipeline")
+BUDGETS = ("1.0", "0.5", "min")
+DEFAULT_MODELS = ("hf-gpt2", "hf-llama", "hf-bert", "hf-vit", "hf-resnet", "lib-unet", "lib-vae", "lib-dit",
+                  "lib-sd3", "lib-titan-llama3", "lib-titan-qwen3", "lib-timm-vit", "lib-timm-convnext")
+DEFAULT_OUT = "benchmarks/results/budget_holds"
+
+
+def budget_of(text: str) -> float | str:
+    """A budget as the command line names it: a share of the eager peak, or "min"."""
+    return text if text == "min" else float(text)
+
+
+def decisions_digest(plan: fxopt.Plan) -> str:
+    """What the plan decided (not how long it took): a short hash of its JSON without the timing."""
+    record = plan.to_dict()
+    record.pop("solve_seconds", None)
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def best_policy_flops(plan: fxopt.Plan) -> tuple[str | None, int | None]:
+    """The cheapest simple policy within the plan's budget on its graph: its name and extra FLOPs."""
+    from fxopt.solvers.policies import named_policy_candidates
+
+    fitting = [(timeline.recompute_flops, name) for name, (_, timeline) in named_policy_candidates(plan.graph)
+               if timeline.peak_bytes <= plan.budget_bytes]
+    if not fitting:
+        return None, None
+    flops, name = min(fitting)
+    return name, flops
+
+
+@contextlib.contextmanager
+def graph_break_in_the_middle(model: nn.Module) -> Iterator[str]:
+    """A graph break after the middle module with parameters of its own (the step in two pieces)."""
+    leaves = [name for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    name = leaves[len(leaves) // 2]
+    handle = model.get_submodule(name).register_forward_hook(lambda *_: torch._dynamo.graph_break())
+    try:
+        yield name
+    finally:
+        handle.remove()
+
+
+def build_route(route: str, model: nn.Module, budget: float | str, batch: int,
+                time_limit: float) -> tuple[Callable, Callable]:
+    """The callable a user steps, and a function giving the plans it made."""
+    if route == "backend":
+        backend = fxopt.backend(budget, time_limit=time_limit)
+        return torch.compile(model, backend=backend), lambda: backend.plans
+    options: dict[str, Any] = {"time_limit": time_limit}
+    if route == "inductor":
+        options["compiler"] = "inductor"
+    if route == "dynamic":
+        options["dynamic"] = {"batch": (2, 2 * max(batch, 2))}  # (sizes 0 and 1 specialize in Dynamo)
+    optimized = fxopt.optimize(model, budget, **options)
+    return optimized, lambda: optimized.plans
+
+
+class Eager:
+    """One model's eager reference: its measured peak, loss and gradients."""
+
+    def __init__(self, model: nn.Module, inputs: tuple):
+        model.zero_grad(set_to_none=True)
+        train_step(model, inputs)  # once first: lazy state (HF's problem_type) settles
+        model.zero_grad(set_to_none=True)
+        peak = fxopt.measure_peak(lambda *i: train_step(model, i), *inputs, resident=[model])
+        self.peak_bytes, self.loss = peak.peak_bytes, float(peak.result)
+        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+
+
+def model_row(name: str, route: str, budget: float | int | str, size: str, time_limit: float) -> dict[str, Any]:
+    """One measured step of ``name`` on ``route`` at ``budget`` (a share, bytes, or "min")."""
+    row: dict[str, Any] = {"model": name, "route": route, "budget": str(budget)}
+    torch.manual_seed(0)
+    model, inputs = MODELS[name](size)
+    eager = Eager(model, inputs)
+    row["eager_peak_bytes"] = eager.peak_bytes
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if route == "pieces":
+            row["graph_break_after"] = stack.enter_context(graph_break_in_the_middle(model))
+            if isinstance(budget, float):  # (a step in pieces takes bytes: its eager peak is known only after)
+                budget = int(budget * eager.peak_bytes)
+        fn, plans_of = build_route(route, model, budget, inputs[0].shape[0], time_limit)
+        train_step(fn, inputs)  # plans (and compiles)
+        row["first_call_s"] = round(time.perf_counter() - t0, 2)
+        model.zero_grad(set_to_none=True)
+        peak = fxopt.measure_peak(lambda *i: train_step(fn, i), *inputs, resident=[model])
+        plans = plans_of()
+        row.update(plan_columns(plans, peak.peak_bytes))
+        row.update(compare_grads(model, eager.grads))
+        row["loss_abs_diff"] = abs(float(peak.result) - eager.loss)
+    torch._dynamo.reset()
+    return row
+
+
+def plan_columns(plans: list[fxopt.Plan], measured: int) -> dict[str, Any]:
+    """The row's plan figures: budget, predicted and measured peaks, recompute against the best
+    simple policy, the decisions' digest (one per piece)."""
+    if not plans:
+        return {"error": "no plan was made (the step ran unplanned)"}
+    budget = max(p.budget_bytes for p in plans)
+    flops = sum(p.recompute_flops for p in plans)
+    policies = [best_policy_flops(p) for p in plans]
+    policy_flops = None if any(f is None for _, f in policies) else sum(f for _, f in policies)
+    return {"pieces": len(plans), "budget_bytes": budget, "predicted_peak_bytes": max(p.peak_bytes for p in plans),
+            "measured_peak_bytes": measured, "within": measured <= budget,
+            "solver": ",".join(sorted({p.solver for p in plans})), "status": ",".join(sorted({p.status for p in plans})),
+            "extra_flops": flops, "best_policy": ",".join(str(n) for n, _ in policies), "best_policy_flops": policy_flops,
+            "not_worse": None if policy_flops is None else flops <= policy_flops,
+            "digest": "+".join(decisions_digest(p) for p in plans)}
+
+
+def pipeline_row(budget: float | int | str, time_limit: float) -> dict[str, Any]:
+    """`fxopt.pipeline` of `benchmarks.pipeline`'s GPT-2, 4 stages, 1F1B, each rank measured."""
+    from benchmarks import pipeline as bp
+
+    row: dict[str, Any] = {"model": "pipeline-gpt2", "route": "pipeline", "budget": str(budget)}
+    model, inputs, target = bp.workload(4)
+    plan = fxopt.pipeline(model, inputs, stages=bp.STAGES, microbatches=bp.MICROBATCHES, budget=budget,
+                          loss_fn=bp.lm_loss, target=target, time_limit=time_limit)
+    ranks = bp.run_ranks(4, plan=plan)
+    budget = plan.budget_bytes
+    measured = max(r["peak"] for r in ranks)
+    row.update({"pieces": len(plan.stages), "budget_bytes": budget, "measured_peak_bytes": measured,
+                "within": measured <= budget, "predicted_peak_bytes": max(s.peak_bytes for s in plan.stages),
+                "digest": hashlib.sha256(plan.to_json().encode()).hexdigest()[:12]})
+    return row
+
+
+def _busy(stop: Any) -> None:
+    """Another fxopt planning job: plans a residual MLP at 50% over and over, until ``stop``."""
+    torch.set_num_threads(1)
+    os.environ["FXOPT_CACHE"] = "0"
+    from fxopt.models import ResidualMLP
+
+    model, x = ResidualMLP(blocks=8, width=256), torch.randn(512, 256)
+    while not stop.is_set():
+        fxopt.plan(model, 0.5, (x,), time_limit=60)
+
+
+@contextlib.contextmanager
+def load_beside(on: bool) -> Iterator[None]:
+    if not on:
+        yield
+        return
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    job = ctx.Process(target=_busy, args=(stop,), daemon=True)
+    job.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        job.join(timeout=120)
+        if job.is_alive():
+            job.terminate()
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.models = choose(args.models, tuple(zoo("hf")) + tuple(zoo("library")), "model")
+        self.routes = choose(args.routes, ROUTES, "route")
+        self.budgets = choose(args.budgets, BUDGETS, "budget")
+        self.other = json.loads(Path(args.compare).read_text()) if args.compare else None
+        command = "python -m benchmarks.budget_holds " + shlex.join(args.argv)
+        self.result: dict[str, Any] = {"meta": run_meta(command, size=args.size, load_beside=args.load,
+                                                        time_limit=args.time_limit), "rows": []}
+
+    def cases(self) -> Iterator[tuple[str, str, str]]:
+        for route in self.routes:
+            for name in (("pipeline-gpt2",) if route == "pipeline" else self.models):
+                for budget in self.budgets:
+                    yield name, route, budget
+
+    def execute(self) -> None:
+        with load_beside(self.args.load):
+            for name, route, budget in self.cases():
+                log(f"budget_holds: {name} {route} {budget}")
+                t0 = time.perf_counter()
+                row = self.attempt(name, route, budget_of(budget))
+                row["budget"] = budget
+                if row.get("infeasible") and row.get("min_budget_bytes"):
+                    # The minimum the error names must plan, and measure within itself (item 8).
+                    at_min = self.attempt(name, route, row["min_budget_bytes"])
+                    row["named_min"] = {k: at_min.get(k) for k in ("within", "measured_peak_bytes", "error",
+                                                                   "infeasible", "min_budget_bytes")}
+                row["row_s"] = round(time.perf_counter() - t0, 1)
+                self.mark_same(row)
+                log(f"  {row.get('within')} {mib(row.get('measured_peak_bytes'))} / {mib(row.get('budget_bytes'))} "
+                    f"{row.get('error', '')}")
+                self.result["rows"].append(row)
+                write_results(self.args.out, self.result, report(self.result))
+
+    def attempt(self, name: str, route: str, budget: float | int | str) -> dict[str, Any]:
+        """The row, or what stopped it: infeasible (with the minimum fxopt names), or the error."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if route == "pipeline":
+                    return pipeline_row(budget, self.args.time_limit)
+                return model_row(name, route, budget, self.args.size, self.args.time_limit)
+        except fxopt.InfeasibleBudgetError as err:
+            return {"model": name, "route": route, "infeasible": True, "budget_bytes": err.budget,
+                    "min_budget_bytes": err.min_budget}
+        except Exception as err:  # noqa: BLE001 - one failing row must not stop the others
+            log(traceback.format_exc(limit=6))
+            return {"model": name, "route": route, "error": error_line(err)}
+
+    def mark_same(self, row: dict[str, Any]) -> None:
+        if self.other is None:
+            return
+        twin = next((r for r in self.other["rows"] if (r["model"], r["route"], r["budget"]) ==
+                     (row["model"], row["route"], row["budget"])), None)
+        if twin is not None and "digest" in twin and "digest" in row:
+            row["same_plan_as_other_run"] = twin["digest"] == row["digest"]
+
+
+def _yes(value: Any) -> str:
+    return "–" if value is None else ("yes" if value else "**NO**")
+
+
+def report(result: dict[str, Any]) -> str:
+    meta, rows = result["meta"], result["rows"]
+    lines = report_head("Budget holds on every route (issue 24)", meta,
+                        f"size {meta['size']} · another planning job beside it: {meta['load_beside']}")
+    lines += ["| model | route | budget | budget MiB | predicted | measured | within | grads equal | extra GFLOP | "
+              "best simple policy (GFLOP) | not worse | plan digest | same plan as other run |",
+              "|---|---|---|---:|---:|---:|---|---|---:|---|---|---|---|"]
+    for r in rows:
+        if "error" in r or r.get("infeasible"):
+            what = r.get("error") or f"infeasible; fxopt's minimum {mib(r.get('min_budget_bytes'))} MiB"
+            named = r.get("named_min")
+            if named:
+                what += (f", which measures {mib(named['measured_peak_bytes'])}: within {_yes(named['within'])}"
+                         if named.get("within") is not None else
+                         f", which does not plan: {named.get('error') or 'infeasible, ' + mib(named.get('min_budget_bytes'))}")
+            lines.append(f"| {r['model']} | {r['route']} | {r['budget']} | {mib(r.get('budget_bytes'))} | "
+                         f"{what} |||||||||")
+            continue
+        policy = "–" if r.get("best_policy_flops") is None else f"{r['best_policy']} ({r['best_policy_flops'] / 1e9:.3f})"
+        flops = "–" if r.get("extra_flops") is None else f"{r['extra_flops'] / 1e9:.3f}"
+        lines.append(f"| {r['model']} | {r['route']} | {r['budget']} | {mib(r['budget_bytes'])} | "
+                     f"{mib(r.get('predicted_peak_bytes'))} | {mib(r['measured_peak_bytes'])} | {_yes(r['within'])} | "
+                     f"{_yes(r.get('grads_equal'))} | {flops} | {policy} | {_yes(r.get('not_worse'))} | "
+                     f"`{r['digest']}` | {_yes(r.get('same_plan_as_other_run'))} |")
+    held = [r for r in rows if "within" in r]
+    named = [r["named_min"] for r in rows if r.get("named_min")]
+    lines += ["", f"{sum(r['within'] for r in held)} of {len(held)} planned rows measured within their budget; "
+              f"{sum(1 for r in rows if r.get('not_worse') is False)} rows recompute more than the best simple "
+              f"policy; {sum(1 for r in rows if 'error' in r)} rows failed to run; of the minimums the infeasible rows "
+              f"named, {sum(1 for n in named if n.get('within'))} of {len(named)} planned and measured within themselves."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    parser.add_argument("--routes", default=",".join(ROUTES))
+    parser.add_argument("--budgets", default=",".join(BUDGETS))
+    parser.add_argument("--size", default="test", choices=("test", "bench"))
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT)
+    parser.add_argument("--load", action="store_true", help="run another fxopt planning job beside this one")
+    parser.add_argument("--compare", help="another run's JSON: mark whether each row's plan is the same")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    saved = saved_settings()
+    torch.set_num_threads(1)
+    os.environ["FXOPT_CACHE"] = "0"
+    try:
+        Run(args).execute()
+    finally:
+        restore_settings(saved)
+    log(f"wrote {args.out}.md")
+
+
+if __name__ == "__main__":
+    main()
