@@ -92,6 +92,29 @@ def test_ops_known_to_allocate_only_their_outputs_do_so_when_measured():
     assert all(scratch.known_increase(n) is None for n in sliced if n.target is torch.ops.aten.mm.default)
 
 
+def test_scratch_measured_at_one_thread_count_is_not_reused_at_another(tmp_path, monkeypatch):
+    """A kernel's workspace depends on the threads that run it: a process that changes
+    ``torch.set_num_threads`` measures again, in memory and on disk, instead of reusing the other
+    count's figure."""
+    monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FXOPT_CACHE", "1")
+    node = next(n for n in _graph_of(lambda x: torch.nn.functional.conv2d(x, x[:2]), torch.randn(4, 3, 8, 8))
+                if n.target is torch.ops.aten.convolution.default)
+    threads = torch.get_num_threads()
+    keys, files = set(), set()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            scratch._cache.clear()
+            scratch._on_disk.clear()
+            scratch.op_increases([node])
+            keys |= set(scratch._cache)
+            files.add(scratch._disk_path())
+    finally:
+        torch.set_num_threads(threads)
+    assert len(keys) == 2 and len(files) == 2
+
+
 def test_an_op_whose_flops_cannot_be_counted_is_not_recomputed(monkeypatch):
     node = one_op_graph(torch.ops.aten.mm.default, (64, 32), (32, 16))
     assert costs.flops_of(node) == 2 * 64 * 32 * 16 and _is_recomputable(node)

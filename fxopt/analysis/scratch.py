@@ -36,7 +36,7 @@ from fxopt.storage import tensors_in
 
 log = logging.getLogger("fxopt")
 
-_cache: dict[tuple, int] = {}  # signature -> measured bytes, this process
+_cache: dict[tuple, int] = {}  # signature (thread count included) -> measured bytes, this process
 _on_disk: dict[Path, dict[str, int]] = {}  # disk cache file -> its entries, as read
 
 
@@ -51,7 +51,9 @@ def _signature(node: fx.Node, at) -> tuple:
             return tuple(sig(x) for x in a)
         return repr(a)
 
-    return (str(node.target), sig(tuple(node.args)), tuple(sorted((k, sig(v)) for k, v in node.kwargs.items())))
+    # (A kernel's workspace depends on how many threads run it, and a process may change that.)
+    return (torch.get_num_threads(), str(node.target), sig(tuple(node.args)),
+            tuple(sorted((k, sig(v)) for k, v in node.kwargs.items())))
 
 
 def _measurable(node: fx.Node, at) -> bool:
@@ -170,10 +172,14 @@ def _digest(signature: tuple) -> str:
     return hashlib.sha256(repr(signature).encode()).hexdigest()[:24]
 
 
-@functools.cache
 def machine_key() -> str:
     """What the measurements depend on besides the op: torch's version and build, the CPU, the
-    number of threads, the CUDA devices."""
+    number of threads (read at each call: a process may change it), the CUDA devices."""
+    return hashlib.sha256(json.dumps([_host(), torch.get_num_threads()]).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _host() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -182,9 +188,7 @@ def machine_key() -> str:
         pass
     cuda = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if torch.cuda.is_available() else [])
-    payload = json.dumps([torch.__version__, torch.version.cuda, platform.machine(), cpu,
-                          torch.get_num_threads(), cuda])
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return json.dumps([torch.__version__, torch.version.cuda, platform.machine(), cpu, cuda])
 
 
 def _disk_path() -> Path | None:
