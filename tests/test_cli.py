@@ -163,7 +163,7 @@ def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, c
     """What --compiler, --no-compress and --quantize do once they reach the planner is tested
     with the API (test_backend, test_compression); here, that they reach it, as one
     `fxopt.Options`."""
-    import fxopt.api
+    import fxopt.plan_ahead
 
     calls = []
 
@@ -171,7 +171,7 @@ def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, c
         calls.append(options)
         raise fxopt.InfeasibleBudgetError(1000, 2000)  # stop here: planning is not what is tested
 
-    monkeypatch.setattr(fxopt.api, "plan_and_rewrite", plan_and_rewrite)
+    monkeypatch.setattr(fxopt.plan_ahead, "plan_and_rewrite", plan_and_rewrite)
     assert main(["inspect", MLP, "--budget", "50%", *flags]) == EXIT_INFEASIBLE
     (options,) = calls
     assert isinstance(options, fxopt.Options)
