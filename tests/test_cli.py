@@ -148,7 +148,8 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("flags, planned", [
-    ([], dict(compiler="eager", compress=True, quantize=None, offload=None, solver="auto", time_limit=60.0, effort=1.0)),
+    ([], dict(compiler="eager", compress=True, quantize=None, offload=None, solver="auto", time_limit=60.0, effort=1.0,
+              mip_solver=None)),
     (["--compiler", "inductor"], dict(compiler="inductor", compress=True, quantize=None)),
     (["--no-compress"], dict(compiler="eager", compress=False, quantize=None)),
     (["--quantize", "int8"], dict(compiler="eager", compress=True, quantize=fxopt.Quantize("int8"))),
@@ -157,6 +158,7 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
     (["--offload", "1GiB"], dict(offload=2**30)),
     (["--solver", "greedy", "--time-limit", "2.5"], dict(solver="greedy", time_limit=2.5)),
     (["--effort", "2"], dict(effort=2.0)),
+    (["--mip-solver", "cbc"], dict(mip_solver="cbc")),
     (["--budget", "min"], dict(budget=Budget(minimum=True))),
 ])
 def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, capsys):
