@@ -221,7 +221,7 @@ def part_runs(quick: bool, time_limit: float) -> dict:
 
 def scale_graph():
     """The 48-layer step's solver graph, its split points at module boundaries, and the capture time."""
-    from fxopt.api import plan_and_rewrite
+    from fxopt.plan_ahead import plan_and_rewrite
     from fxopt.distributed.pipeline import SplitPoints, _UNBOUNDED, _WithLoss
 
     model, inputs, target = workload(1, SCALE, 1)

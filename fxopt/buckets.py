@@ -33,8 +33,10 @@ from fxopt import cache
 from fxopt.analysis.joint import JointGraph, graph_fingerprint
 from fxopt.analysis.symbolic import Ranges
 from fxopt.errors import CaptureError, InfeasibleBudgetError
+from fxopt.options import Options
 from fxopt.solvers import eager_schedule, eager_timeline, min_feasible_budget, simulate, solve
 from fxopt.solvers.auto import lowest_schedule
+from fxopt.solvers.effort import effort_of
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.units import format_bytes
 from fxopt.solvers.graph import Graph
@@ -71,8 +73,9 @@ def bucket_of(buckets: list[Bucket], point) -> int:
     raise ValueError(f"no bucket holds the shape {dict(point)}")
 
 
-def plan_buckets(jg: JointGraph, plan: Plan, *, solver: str, time_limit: float) -> list[Bucket]:
-    """Buckets covering ``jg``'s ranges; ``plan`` was made at their top (see the module)."""
+def plan_buckets(jg: JointGraph, plan: Plan, options: Options) -> list[Bucket]:
+    """Buckets covering ``jg``'s ranges; ``plan`` was made at their top (see the module), each
+    further plan with ``options``' solver, effort and MIP program, within its time limit."""
     ranges = jg.symbolic.ranges
     axis = split_axis(ranges)
     lo, hi = ranges.bounds[axis]
@@ -93,7 +96,7 @@ def plan_buckets(jg: JointGraph, plan: Plan, *, solver: str, time_limit: float) 
         kept = simulate(graph, current.schedule).cost
         if kept <= WASTE * step:
             break  # the plan barely recomputes here: nothing to win below either
-        fresh = _plan_at(jg, graph, point(m), budget, solver, time_limit)
+        fresh = _plan_at(jg, graph, point(m), budget, options)
         log.info("fxopt: %s=%d: the plan for %d recomputes %.2f ms, one made here %.2f ms (%.1f s)", axis, m,
                  current_hi, 1e3 * kept, 1e3 * fresh.recompute_cost, time.perf_counter() - t0)
         if kept - fresh.cost > WASTE * step:
@@ -119,16 +122,18 @@ def _largest_eager_fit(jg: JointGraph, point, lo: int, hi: int, budget: int) -> 
     return largest(lo, hi, fits)
 
 
-def _plan_at(jg: JointGraph, graph: Graph, point, budget: int, solver: str, time_limit: float) -> Plan:
+def _plan_at(jg: JointGraph, graph: Graph, point, budget: int, options: Options) -> Plan:
     """The plan for ``graph`` (``jg`` at ``point``), through the plan cache."""
     eager_peak = eager_timeline(graph).peak_bytes
-    key = cache.key(graph, budget, solver)
+    effort = effort_of(options.effort)
+    key = cache.key(graph, budget, options.solver_key(), effort)
     cached = cache.load(key)
     if cached is not None:
         return cached
     t0 = time.perf_counter()
     try:
-        solution = solve(graph, budget, solver, time_limit=time_limit)
+        solution = solve(graph, budget, options.solver, effort=effort, time_limit=options.time_limit,
+                         mip_solver=options.mip_solver)
     except InfeasibleBudgetError as err:  # the largest shape fits, so this one does: report it
         raise CaptureError(f"no plan found at {dict(point)} although one fits at the top of the range "
                            f"({err}); please report this model") from err

@@ -31,12 +31,13 @@ import torch.nn as nn
 
 from fxopt.analysis import JointGraph
 from fxopt.analysis.joint import graph_fingerprint
-from fxopt.api import FxoptModule, capture_symbolic
+from fxopt.api import FxoptModule
 from fxopt.buckets import Bucket, largest
 from fxopt.budget import Budget, BudgetLike
 from fxopt.capture.shapes import DynamicDims
 from fxopt.errors import BudgetError, InfeasibleBudgetError
 from fxopt.options import Options
+from fxopt.plan_ahead import capture_symbolic
 from fxopt.solvers import eager_schedule, eager_timeline, min_feasible_budget, simulate, solve
 from fxopt.solvers.auto import SolverTimeoutWarning, lowest_schedule
 from fxopt.solvers.graph import Graph

@@ -26,6 +26,7 @@ from fxopt.budget import Budget, BudgetLike
 from fxopt.devices import DeviceProfile, load as load_device
 from fxopt.errors import BudgetError, check_choice
 from fxopt.solvers import DEFAULT_TIME_LIMIT, SOLVERS, check_solver
+from fxopt.solvers.mip import MIP_SOLVERS
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.stages import InFlight
 
@@ -61,6 +62,12 @@ def option(default: Any = dataclasses.MISSING, *, doc: str, check: Callable[[Any
 
 def _solver(value: str) -> str:
     check_solver(value)
+    return value
+
+
+def _mip_solver(value: str | None) -> str | None:
+    if value is not None:
+        check_choice("mip_solver", value, MIP_SOLVERS)
     return value
 
 
@@ -165,6 +172,10 @@ class Options:
         How much counted work the solvers may do (branch-and-bound nodes, rounds, tries), as a
         multiple of the default (`fxopt.solvers.Effort`): the same effort gives the same plan on
         a quiet machine and a busy one; more may find a cheaper plan on a large step.""")
+    mip_solver: str | None = option(None, check=_mip_solver, flag=Flag(choices=MIP_SOLVERS), doc="""
+        The program that solves the ILP and the instant program: "highs" (HiGHS through highspy)
+        or "cbc" (CBC through PuLP: slower, and without progress or bounds while it runs). None:
+        HiGHS where highspy is installed, else CBC (`fxopt.solvers.mip.default_mip_solver`).""")
     cost_model: CostModel = option(factory=CostModel, check=_instance("cost_model", CostModel), doc="""
         How ops are priced: the estimated seconds the solvers minimise
         (`fxopt.analysis.CostModel`).""")
@@ -218,6 +229,12 @@ class Options:
         if isinstance(budget, Options):
             return dataclasses.replace(budget, **fields) if fields else budget
         return cls(budget=budget, **{**(defaults or {}), **fields})
+
+    def solver_key(self) -> str:
+        """The solver as the plan cache keys a plan: with the MIP program where one is chosen, and
+        for a pipeline stage what its device holds beside."""
+        key = self.solver if self.mip_solver is None else f"{self.solver}|{self.mip_solver}"
+        return key if self.in_flight is None else f"{key}|{self.in_flight.key()}"
 
     @property
     def host_budget(self) -> int | None:

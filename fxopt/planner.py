@@ -38,7 +38,7 @@ from fxopt.solvers import eager_timeline, simulate, solve
 from fxopt.solvers.effort import Deadline, effort_of
 from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.instant import peak_lower_bound
-from fxopt.solvers.minimum import infeasible
+from fxopt.solvers.minimum import infeasible, memo_key
 from fxopt.solvers.stages import solve_stage
 
 log = logging.getLogger("fxopt")
@@ -159,7 +159,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
             return jg, given
     eager = eager_timeline(eager_graph)
     budget = options.budget.resolve(eager.peak_bytes)
-    cache_key = cache.key(jg.graph, budget, _cache_solver(options), effort_of(options.effort))
+    cache_key = cache.key(jg.graph, budget, options.solver_key(), effort_of(options.effort))
     cached = cache.load(cache_key)
     if cached is not None:
         if cached.fingerprint != jg.fingerprint and relu:  # it was planned without the ReLU masks
@@ -286,7 +286,7 @@ def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
         raise CaptureError("dynamic= was given but the captured step has no symbolic size: "
                            "every dimension it names was specialized")
     jg.symbolic.check_monotone()
-    return jg, plan, plan_buckets(jg, plan, solver=options.solver, time_limit=options.time_limit)
+    return jg, plan, plan_buckets(jg, plan, options)
 
 
 def _given_plan(options: Options, jg) -> Plan | None:
@@ -294,18 +294,13 @@ def _given_plan(options: Options, jg) -> Plan | None:
     return next((p for p in (options.plan, *options.alternatives) if p.fingerprint == jg.fingerprint), None)
 
 
-def _cache_solver(options: Options) -> str:
-    """The solver as the plan cache keys it: a pipeline stage's with what it holds beside."""
-    return options.solver if options.in_flight is None else f"{options.solver}|{options.in_flight.key()}"
-
-
 def _solve_one(graph: Graph, budget: int, options: Options, deadline: Deadline, report):
     effort = effort_of(options.effort)
     if options.in_flight is not None:
         return solve_stage(graph, budget, options.in_flight, options.solver, effort=effort, time_limit=deadline,
-                           on_progress=report)
+                           on_progress=report, mip_solver=options.mip_solver)
     return solve(graph, budget, options.solver, effort=effort, time_limit=deadline, memo=cache.lowest_peaks,
-                 on_progress=report)
+                 on_progress=report, mip_solver=options.mip_solver)
 
 
 def solve_graph(graph: Graph, budget: int, options: Options):
@@ -373,7 +368,8 @@ def _without_codecs(jg, budget: int, options: Options, report):
         fewer = without_codecs(graph, lossy_only=lossy_only)
         if fewer is graph:
             continue
-        searched = cache.lowest_peaks.get(graph, (options.solver, effort_of(options.effort), True))
+        searched = cache.lowest_peaks.get(graph, memo_key(options.solver, effort_of(options.effort), True,
+                                                          options.mip_solver))
         if budget < max(peak_lower_bound(graph)[0], searched.floor if searched is not None else 0):
             return
         report("no plan fits with " + ("quantization" if fewer.compressible else "compression")

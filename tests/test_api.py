@@ -112,10 +112,26 @@ def test_one_options_value_is_taken_by_every_entry_point():
     ("offload", 1.5, TypeError, "offload must be"),
     ("cost_model", 1e9, TypeError, "cost_model must be a CostModel"),
     ("plan", "no/such/plan.json", FileNotFoundError, "plan.json"),
+    ("mip_solver", "gurobi", ValueError, "unknown mip_solver 'gurobi'; choose one of highs, cbc"),
 ])
 def test_each_option_is_checked_when_the_options_are_made(field, value, error, message):
     with pytest.raises(error, match=message):
         fxopt.Options(budget="1GiB", **{field: value})
+
+
+def test_the_mip_program_reaches_every_solve_and_keys_the_plan(monkeypatch):
+    """``mip_solver``, one field of `fxopt.Options`: every solve of the step gets it, and a plan
+    made with another MIP program is another cache entry (its memo key too: test_solvers)."""
+    import fxopt.planner as planner
+
+    seen = []
+    real_solve = planner.solve
+    monkeypatch.setattr(planner, "solve", lambda *a, **k: seen.append(k["mip_solver"]) or real_solve(*a, **k))
+    model, inputs = small()
+    fxopt.plan(model, 0.7, inputs, solver="greedy", mip_solver="cbc")
+    assert seen and set(seen) == {"cbc"}
+    keys = {fxopt.Options(budget=0.7, mip_solver=m).solver_key() for m in (None, "highs", "cbc")}
+    assert len(keys) == 3
 
 
 def test_the_options_normalise_what_they_are_given(tmp_path):

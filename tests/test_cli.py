@@ -148,7 +148,8 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("flags, planned", [
-    ([], dict(compiler="eager", compress=True, quantize=None, offload=None, solver="auto", time_limit=60.0, effort=1.0)),
+    ([], dict(compiler="eager", compress=True, quantize=None, offload=None, solver="auto", time_limit=60.0, effort=1.0,
+              mip_solver=None)),
     (["--compiler", "inductor"], dict(compiler="inductor", compress=True, quantize=None)),
     (["--no-compress"], dict(compiler="eager", compress=False, quantize=None)),
     (["--quantize", "int8"], dict(compiler="eager", compress=True, quantize=fxopt.Quantize("int8"))),
@@ -157,13 +158,14 @@ def test_inspect_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypa
     (["--offload", "1GiB"], dict(offload=2**30)),
     (["--solver", "greedy", "--time-limit", "2.5"], dict(solver="greedy", time_limit=2.5)),
     (["--effort", "2"], dict(effort=2.0)),
+    (["--mip-solver", "cbc"], dict(mip_solver="cbc")),
     (["--budget", "min"], dict(budget=Budget(minimum=True))),
 ])
 def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, capsys):
     """What --compiler, --no-compress and --quantize do once they reach the planner is tested
     with the API (test_backend, test_compression); here, that they reach it, as one
     `fxopt.Options`."""
-    import fxopt.api
+    import fxopt.plan_ahead
 
     calls = []
 
@@ -171,7 +173,7 @@ def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, c
         calls.append(options)
         raise fxopt.InfeasibleBudgetError(1000, 2000)  # stop here: planning is not what is tested
 
-    monkeypatch.setattr(fxopt.api, "plan_and_rewrite", plan_and_rewrite)
+    monkeypatch.setattr(fxopt.plan_ahead, "plan_and_rewrite", plan_and_rewrite)
     assert main(["inspect", MLP, "--budget", "50%", *flags]) == EXIT_INFEASIBLE
     (options,) = calls
     assert isinstance(options, fxopt.Options)

@@ -147,7 +147,7 @@ def test_planned_from_example_inputs_then_run_at_other_shapes():
     assert optimized._dynamic.state.captures == 1 + len(touched)  # the planning capture, then one per bucket
     # The argument for one plan per range, on the simulator itself: the top bucket's schedule,
     # the eager schedule and the peak lower bound all peak no higher at a smaller batch.
-    from fxopt.api import capture_symbolic
+    from fxopt.plan_ahead import capture_symbolic
     from fxopt.solvers import eager_schedule, simulate
     from fxopt.solvers.instant import peak_lower_bound
 

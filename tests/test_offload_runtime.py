@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxopt
-from fxopt.api import plan_and_rewrite
+from fxopt.plan_ahead import plan_and_rewrite
 from fxopt.models import ZOO
 from fxopt.ops.offload import HostCopies, extent_bytes
 from fxopt.passes.offload import reload_positions

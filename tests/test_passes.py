@@ -112,7 +112,7 @@ def test_value_saved_only_for_a_dead_recomputation_is_not_saved(monkeypatch):
     read must then not be saved either: an unused backward input is never freed by FX's code,
     while the simulator frees it as the backward starts."""
     import fxopt.capture.dynamo as capture
-    from fxopt.api import plan_and_rewrite
+    from fxopt.plan_ahead import plan_and_rewrite
     from fxopt.passes.recompute import split_with_recompute
     from fxopt.solvers.schedule import Schedule, simulate
 

@@ -20,12 +20,12 @@ from fxopt.models import GPT, gpt2_lm, lm_loss
     (dict(stages=2, microbatches=2, schedule="ZeroBubble"), "unknown schedule 'ZeroBubble'"),
 ])
 def test_refused_before_capture(kwargs, message, monkeypatch):
-    import fxopt.api
+    import fxopt.distributed.pipeline
 
     def no_capture(*a, **k):
         raise AssertionError("captured")
 
-    monkeypatch.setattr(fxopt.api, "plan_and_rewrite", no_capture)
+    monkeypatch.setattr(fxopt.distributed.pipeline, "plan_and_rewrite", no_capture)
     model, (idx,) = gpt2_lm(layers=2, dim=16, heads=2, seq=8, batch=8, vocab=32)
     with pytest.raises(ValueError, match=message):
         fxopt.pipeline(model, (idx,), target=idx, loss_fn=lm_loss, budget=0.5, **kwargs)
@@ -61,12 +61,12 @@ def test_module_of(path, within, expected):
 def test_every_stage_is_planned_with_the_options_given(monkeypatch):
     """The options reach every stage's plan (issue 25: a plain dict of three of them before, so
     quantize, offload and the compiler could not be set); unknown ones and 'min' are refused."""
-    import fxopt.api
+    import fxopt.distributed.pipeline
     from fxopt.analysis.codecs import Quantize
 
     seen = []
-    real = fxopt.api.plan_and_rewrite
-    monkeypatch.setattr(fxopt.api, "plan_and_rewrite", lambda m, o, x: seen.append(o) or real(m, o, x))
+    real = fxopt.distributed.pipeline.plan_and_rewrite
+    monkeypatch.setattr(fxopt.distributed.pipeline, "plan_and_rewrite", lambda m, o, x: seen.append(o) or real(m, o, x))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     inputs = (torch.randn(8, 8),)

@@ -25,6 +25,7 @@ from fxopt.solvers import (DEFAULT_EFFORT, DEFAULT_TIME_LIMIT, ILP_REL_GAP, SOLV
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS, articulation_values
 from fxopt.solvers.ilp import solve_ilp
+from fxopt.solvers.minimum import memo_key
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, as_generated
 from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, ids, mlp2, random_training_graph, with_random_lossy_codecs
@@ -962,14 +963,25 @@ def test_the_smallest_budget_is_searched_once_per_graph_and_memo(monkeypatch):
     assert info.value.min_budget == first.peak
 
 
+def test_the_memo_keeps_each_mip_program_apart():
+    """A lowest peak found with one MIP program is not another's answer; None is the default one."""
+    from fxopt.solvers.mip import default_mip_solver
+
+    memo, graph = Memo(), chain(4)
+    lowest_plan(graph, memo=memo, mip_solver="highs")
+    assert memo.get(graph, memo_key("auto", DEFAULT_EFFORT, True, "highs")) is not None
+    assert memo.get(graph, memo_key("auto", DEFAULT_EFFORT, True, "cbc")) is None
+    assert memo_key("auto", DEFAULT_EFFORT) == memo_key("auto", DEFAULT_EFFORT, True, default_mip_solver())
+
+
 def test_the_memo_keeps_the_latest_graphs():
     memo = Memo()
     graphs = [chain(n) for n in range(2, 4 + Memo.KEEP)]
     for g in graphs:
         lowest_plan(g, run_ilp=False, memo=memo)
     assert len(memo) == Memo.KEEP
-    assert memo.get(graphs[0], ("auto", DEFAULT_EFFORT, False)) is None
-    assert memo.get(graphs[-1], ("auto", DEFAULT_EFFORT, False)) is not None
+    assert memo.get(graphs[0], memo_key("auto", DEFAULT_EFFORT, False)) is None
+    assert memo.get(graphs[-1], memo_key("auto", DEFAULT_EFFORT, False)) is not None
     memo.clear()
     assert len(memo) == 0
 

@@ -277,7 +277,7 @@ def inspect(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import fxopt
-    from fxopt.api import plan_and_rewrite
+    from fxopt.plan_ahead import plan_and_rewrite
     from fxopt.units import format_bytes
 
     out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)

@@ -38,10 +38,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fxopt.api import FxoptModule
 from fxopt.budget import Budget, BudgetLike
 from fxopt.errors import BudgetError, CaptureError, FxoptError, check_choice
 from fxopt.fxgraph import module_name
 from fxopt.options import Options
+from fxopt.plan_ahead import plan_and_rewrite
 from fxopt.solvers import Solution
 from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
 from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, cut_and_plan,
@@ -323,8 +325,6 @@ class _StagePlanner:
                                after_forward=self.loss_peak if last else 0)
 
     def plan_stage(self, s: int, split: Split, budget: int) -> StageResult:
-        from fxopt.api import plan_and_rewrite
-
         stages, inputs = self.modules(split.cuts)
         stage = stages[s]
         with torch.no_grad():
@@ -346,8 +346,6 @@ def _loss_memory(loss_fn, output, target, options: Options) -> tuple[int, int]:
     """The loss's eager memory beyond the output and target it reads (it runs outside the last
     stage's plan, on its output, the gradient it makes included), and what it SAVEs until its
     backward (held per microbatch in flight on GPipe's last stage)."""
-    from fxopt.api import plan_and_rewrite
-
     outputs = [t for t in tensors_in(output) if t.is_floating_point()]
     if not outputs:
         return 0, 0
@@ -390,8 +388,6 @@ def pipeline(
     as ``(module name, "BEGINNING" or "END")`` pairs in forward order (torch's `SplitPoint`), and
     plan each stage (e.g. ``[("h.2", "BEGINNING"), ...]``: equal layers).
     """
-    from fxopt.api import plan_and_rewrite
-
     t0 = time.perf_counter()
     options = Options.of(budget, **options)
     if options.budget.minimum:
@@ -548,7 +544,6 @@ def optimized_stage(part: nn.Module, options: Options, plan) -> nn.Module:
     for that graph (`fxopt.analysis.joint.with_unread_resident`). The stage's plan already counts
     them (`InFlight`)."""
     from fxopt.analysis.joint import with_unread_resident
-    from fxopt.api import FxoptModule
 
     grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
     alternatives = (with_unread_resident(plan, grads),) if grads else ()

@@ -19,7 +19,7 @@ from fxopt.errors import check_choice
 from fxopt.solvers.effort import DEFAULT_TIME_LIMIT, Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.instant import peak_lower_bound
-from fxopt.solvers.minimum import Memo, infeasible, lowest_plan, lowest_schedule, min_feasible_budget
+from fxopt.solvers.minimum import Memo, infeasible, lowest_plan, lowest_schedule, memo_key, min_feasible_budget
 from fxopt.solvers.phases import strategies
 from fxopt.solvers.schedule import Schedule, Timeline, on_demand, save_all_set, simulate
 from fxopt.solvers.search import ILP_REL_GAP, Search, Solution
@@ -89,7 +89,7 @@ def solve(
     check_solver(solver)
     search = Search(graph, budget, solver, effort_of(effort), Deadline.of(time_limit), memo, on_progress, mip_solver)
     floor, where = peak_lower_bound(graph)
-    known = memo.get(graph, (solver, search.effort, True)) if memo is not None else None
+    known = memo.get(graph, memo_key(solver, search.effort, True, mip_solver)) if memo is not None else None
     if budget < floor:
         # Proven at once: while ``where`` runs, more than the budget is alive whatever the plan.
         search.progress(f"infeasible: at least {floor} bytes are alive at {where}")

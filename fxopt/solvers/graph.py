@@ -232,29 +232,26 @@ class Graph:
         return frozenset(out)
 
     @functools.cached_property
-    def compressible(self) -> frozenset[int]:
-        """SAVEable values that may be COMPRESSed: they have a codec, own their storage, and neither
-        they nor a view of them outlives the step (a forward output) or is saved in their place."""
+    def movable(self) -> frozenset[int]:
+        """SAVEable values that own their storage, which neither they nor a view of them outlives
+        the step (a forward output) or is saved in their place: what COMPRESS and OFFLOAD may
+        store elsewhere than the value itself."""
         held = {self.roots[i] for i in self.forward_outputs | self.resident}
-        return frozenset(
-            i for i in self.saveable
-            if self.nodes[i].codec is not None and self.roots[i] == i and i not in held
-            and self.nodes[i].compressed_bytes < self.nodes[i].bytes
-        )
+        return frozenset(i for i in self.saveable if self.roots[i] == i and i not in held)
+
+    @functools.cached_property
+    def compressible(self) -> frozenset[int]:
+        """`movable` values that may be COMPRESSed: they have a codec that makes them smaller."""
+        return frozenset(i for i in self.movable
+                         if self.nodes[i].codec is not None and self.nodes[i].compressed_bytes < self.nodes[i].bytes)
 
     @functools.cached_property
     def offloadable(self) -> frozenset[int]:
-        """SAVEable values that may be OFFLOADed (kept in host memory between forward and backward):
-        none without ``transfers``; else tensors that own storage of their own, which neither they
-        nor a view of them outlives the step (a forward output) or is saved in their place, as
-        for COMPRESS."""
+        """`movable` values that may be OFFLOADed (kept in host memory between forward and
+        backward): none without ``transfers``; else those of some bytes."""
         if self.transfers is None:
             return frozenset()
-        held = {self.roots[i] for i in self.forward_outputs | self.resident}
-        return frozenset(
-            i for i in self.saveable
-            if self.roots[i] == i and i not in held and self.nodes[i].bytes > 0
-        )
+        return frozenset(i for i in self.movable if self.nodes[i].bytes > 0)
 
     def with_transfers(self, transfers: Transfers | None) -> Graph:
         """The same values with these bandwidths (None: without OFFLOAD)."""

@@ -26,7 +26,7 @@ from fxopt.solvers.policies import policy_candidates
 from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS, Candidate, offload_all
-from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
+from fxopt.solvers.ilp import build_ilp, default_mip_solver, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import lowest_peak, peak_lower_bound
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, simulate
 
@@ -83,6 +83,12 @@ class Memo:
         return len(self._entries)
 
 
+def memo_key(solver: str, effort: Effort, run_ilp: bool = True, mip_solver: str | None = None) -> tuple:
+    """What a lowest-peak answer depends on besides the graph, as `Memo` keys it: the solver, the
+    effort, whether the ILP ran, the MIP program (None: the default one, `default_mip_solver`)."""
+    return solver, effort, run_ilp, mip_solver or default_mip_solver()
+
+
 def _content_hash(graph: Graph) -> int:
     return hash((graph.nodes, graph.transfers))  # (milliseconds for thousands of nodes: a few per solve)
 
@@ -123,7 +129,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     are kept and looked up. ``runs``: heuristics already run on this graph at a budget none of
     their schedules met (they then gave what they give at budget 0: not run again)."""
     effort, deadline = effort_of(effort), Deadline.of(time_limit)
-    key = (solver, effort, run_ilp)
+    key = memo_key(solver, effort, run_ilp, mip_solver)
     if memo is not None and (known := memo.get(graph, key)) is not None:
         return known
     reached = _Reached(graph)

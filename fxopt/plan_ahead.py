@@ -1,0 +1,169 @@
+"""Planning a model's step ahead of running it: what `fxopt.plan`, `fxopt.optimize` with
+``example_inputs``, `fxopt.pipeline`'s stages, `fxopt.max_batch` and ``fxopt inspect`` share.
+
+Each compiles the model with a backend that stops once the planner has planned
+(`fxopt.capture.dynamo.PlanReady`), runs it once on the example inputs and keeps what the planner
+made: the plan and the rewritten forward and backward (`plan_and_rewrite`), or for a range of
+shapes the analysed graphs (`capture_symbolic`). The model is not changed and no backward runs.
+The planner itself (options to plan, the fallbacks, the plan cache) is `fxopt.planner`; the
+user-facing functions and `FxoptModule` are `fxopt.api`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
+
+from fxopt.budget import BudgetLike
+from fxopt.capture.compiled import compile_step, run_compiled
+from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
+from fxopt.capture.dynamo import PlanReady, make_backend
+from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
+from fxopt.distributed import data_parallel
+from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError
+from fxopt.options import Options
+from fxopt.planner import meta_device_message
+from fxopt.storage import storages, tensors_in
+from fxopt.units import format_bytes
+
+
+def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inputs: Sequence[Any],
+                     **options: Any) -> PlanReady:
+    """Like `plan`, and also the rewritten forward and backward modules (before any compiler):
+    ``.plan``, ``.forward``, ``.backward``."""
+    options = Options.of(budget, **options)
+    if options.device is not None:
+        return _plan_on_fake_tensors(model, options, example_inputs)
+    check_model(model)
+    if data_parallel.fsdp_units(model):
+        raise GraphBreakError(
+            "an FSDP2 model's step is not one graph (FSDP's hooks run between its blocks), so fxopt plans it "
+            "block by block as it runs: use fxopt.optimize(model, budget) and read its .plans after the first step")
+    held = 0
+    if data_parallel.is_ddp(model):  # the step DDP runs, with DDP's buckets beside it
+        data_parallel.check_ddp(model)
+        held, model = data_parallel.bucket_bytes(model), model.module
+    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held)
+    compiled = compile_step(model, backend, fullgraph=True, dynamic=False)
+    args, kwargs = split_inputs(example_inputs)
+    try:
+        run_compiled(compiled, args, kwargs, options.compiler)
+    except PlanReady as ready:
+        return ready
+    except InfeasibleBudgetError as err:
+        if any(p.grad is not None for p in model.parameters()):
+            raise
+        raise with_accumulation_note(err, model) from None
+    raise CaptureError(
+        "nothing to plan: the captured step has no backward (no input or parameter requires grad, "
+        "or it ran under torch.no_grad())"
+    )
+
+
+def _plan_on_fake_tensors(model: nn.Module, options: Options, example_inputs: Any) -> PlanReady:
+    """`plan_and_rewrite` for ``options.device``: the step captured and planned on fake tensors
+    (no memory, no kernel runs but the scratch measurements) on the profile's device. A copy of
+    ``model`` shares nothing with it but its structure: each parameter and buffer, on any device
+    the meta one included, becomes a fake tensor of its shape, dtype and strides (tied weights
+    stay tied), as do the example inputs."""
+    profile = options.device
+    if profile.kind != "cpu":
+        raise CaptureError(
+            f"device={profile.name!r}: planning for a {profile.kind} profile on fake tensors is not supported yet "
+            "(its memory semantics, the allocator's rounding and the kernels' scratch, are not applied to the "
+            "analysis yet, so the plan would be wrong). Plan with device='cpu' for the host, or run fxopt.plan on "
+            "that device with the model on it.")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            with mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=profile.kind)
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        return memo[id(t)]
+
+    for t in [*model.parameters(), *model.buffers()]:
+        fake(t)
+    fake_model = copy.deepcopy(model, memo)
+    inputs = tree_map_only(torch.Tensor, lambda t: fake(t).requires_grad_(t.requires_grad), example_inputs)
+    with mode:
+        return plan_and_rewrite(fake_model, dataclasses.replace(options, device=None), inputs)
+
+
+def with_accumulation_note(err: InfeasibleBudgetError, model: nn.Module) -> InfeasibleBudgetError:
+    """``err`` (about a step that starts with no gradients) saying for which step its minimum
+    holds, and the minimum of the steps that start with the gradients held (gradient
+    accumulation): those hold the gradients through the whole step besides what it allocates, so
+    their minimum is this one plus the gradients' bytes."""
+    grads = sum(storages([p for p in model.parameters() if p.requires_grad]).values())
+    if not grads:
+        return err
+    note = (f"That minimum is for a step that starts without gradients (after optimizer.zero_grad()); a step that "
+            f"starts with them held (gradient accumulation, or zero_grad(set_to_none=False)) also holds "
+            f"{format_bytes(grads)} of gradients through it and needs at least {format_bytes(err.min_budget + grads)} "
+            f"({err.min_budget + grads} bytes).")
+    return InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [err.detail, note])), err.lower_bound)
+
+
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """``example_inputs`` as the (args, kwargs) of ``model(...)``: a dict is keyword arguments, a
+    tensor the one positional argument, anything else the positional arguments."""
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, torch.Tensor):
+        args, kwargs = (example_inputs,), {}
+    else:
+        args, kwargs = tuple(example_inputs), {}
+    if any(t.device.type == "meta" for t in tensors_in([args, kwargs])):
+        raise CaptureError(meta_device_message("example inputs are"))
+    return args, kwargs
+
+
+def check_model(model: Any) -> None:
+    """Refuse what fxopt cannot plan: not an nn.Module, or one with state on the meta device."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
+    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if on_meta:
+        raise CaptureError(meta_device_message(f"{len(on_meta)} of the model's parameters and buffers "
+                                               f"({', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}) are"))
+
+
+def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, point: dict,
+                     options: Options | None = None):
+    """Capture ``model``'s step on ``example_inputs`` with the ``dims`` symbolic and analyse it at
+    ``point``, without planning or running it: (the step as captured, the step rewritten as
+    planning starts from), as `fxopt.analysis.JointGraph`s; ``options``: how it is analysed (the
+    defaults if None; the budget is not read). A range the captured graph holds for only in part (a size of 1 set
+    apart) is narrowed to the part holding ``point``, once."""
+    check_model(model)
+    args, kwargs = split_inputs(example_inputs)
+    options = dataclasses.replace(options or Options(budget=1), offload=False)
+    for attempt in range(2):
+        state = DynamicState(dims)
+        state.analyze_at = point
+        state.call_dims = dims.dims(model, args, kwargs)
+        compiled = compile_step(model, make_dynamic_backend(options, state, model), fullgraph=True, dynamic=None)
+        try:
+            with capture_settings():
+                mark(state.call_dims, dims.ranges)
+                run_compiled(compiled, args, kwargs, options.compiler)
+        except Analyzed as done:
+            return done.eager, done.rewritten
+        except SpecializedError as err:
+            name, (lo, hi) = err.holds if err.holds is not None else (None, (0, -1))
+            if attempt or name not in dims.ranges.bounds or not lo <= point[name] <= hi:
+                raise
+            dims = dataclasses.replace(dims, ranges=dims.ranges.with_bound(name, lo, hi))
+    raise CaptureError("nothing to analyse: the captured step has no backward (no input or parameter requires "
+                       "grad, or it ran under torch.no_grad())")
