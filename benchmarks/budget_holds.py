@@ -22,9 +22,10 @@ fxopt meets), one row:
   gradients resident; ``within`` is measured <= budget (the budget the plan resolved to, bytes);
 - gradients against eager's (``torch.testing.assert_close``, its default tolerances: Inductor's
   fused kernels may round differently, and the row says so);
-- recompute: the plan's predicted extra FLOPs against the cheapest simple policy within the same
-  budget on the same graph (`fxopt.solvers.policies`: per-block checkpointing, torch's selective
-  default, nothing); ``not_worse`` where none fits is "–";
+- recompute: the plan's recompute cost (the cost model's seconds, what the solvers minimise: FLOPs
+  and per-op overhead) and extra FLOPs against the cheapest simple policy within the same budget
+  on the same graph (`fxopt.solvers.policies`: per-block checkpointing, torch's selective
+  default, nothing), by that cost; ``not_worse`` where none fits is "–";
 - an infeasible budget: the minimum fxopt names is planned and measured in turn (it must hold);
 - the plan's decisions digest (SAVE/RECOMPUTE/COMPRESS/OFFLOAD of every value, its solver): two
   runs, one with ``--load`` (another fxopt planning job runs beside it for the whole run), compared
@@ -79,16 +80,18 @@ def decisions_digest(plan: fxopt.Plan) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def best_policy_flops(plan: fxopt.Plan) -> tuple[str | None, int | None]:
-    """The cheapest simple policy within the plan's budget on its graph: its name and extra FLOPs."""
+def best_policy(plan: fxopt.Plan) -> tuple[str | None, float | None, int | None]:
+    """The cheapest simple policy within the plan's budget on its graph, by the cost fxopt
+    minimises (the cost model's seconds: FLOPs and per-op overhead, so a recomputed pointwise op
+    is not free): its name, cost and extra FLOPs."""
     from fxopt.solvers.policies import named_policy_candidates
 
-    fitting = [(timeline.recompute_flops, name) for name, (_, timeline) in named_policy_candidates(plan.graph)
-               if timeline.peak_bytes <= plan.budget_bytes]
+    fitting = [(timeline.recompute_cost, name, timeline.recompute_flops)
+               for name, (_, timeline) in named_policy_candidates(plan.graph) if timeline.peak_bytes <= plan.budget_bytes]
     if not fitting:
-        return None, None
-    flops, name = min(fitting)
-    return name, flops
+        return None, None, None
+    cost, name, flops = min(fitting)
+    return name, cost, flops
 
 
 @contextlib.contextmanager
@@ -163,14 +166,17 @@ def plan_columns(plans: list[fxopt.Plan], measured: int) -> dict[str, Any]:
     if not plans:
         return {"error": "no plan was made (the step ran unplanned)"}
     budget = max(p.budget_bytes for p in plans)
-    flops = sum(p.recompute_flops for p in plans)
-    policies = [best_policy_flops(p) for p in plans]
-    policy_flops = None if any(f is None for _, f in policies) else sum(f for _, f in policies)
+    flops, cost = sum(p.recompute_flops for p in plans), sum(p.recompute_cost for p in plans)
+    policies = [best_policy(p) for p in plans]
+    unmet = any(c is None for _, c, _ in policies)
+    policy_cost = None if unmet else sum(c for _, c, _ in policies)
+    policy_flops = None if unmet else sum(f for _, _, f in policies)
     return {"pieces": len(plans), "budget_bytes": budget, "predicted_peak_bytes": max(p.peak_bytes for p in plans),
             "measured_peak_bytes": measured, "within": measured <= budget,
             "solver": ",".join(sorted({p.solver for p in plans})), "status": ",".join(sorted({p.status for p in plans})),
-            "extra_flops": flops, "best_policy": ",".join(str(n) for n, _ in policies), "best_policy_flops": policy_flops,
-            "not_worse": None if policy_flops is None else flops <= policy_flops,
+            "extra_flops": flops, "recompute_cost": cost, "best_policy": ",".join(str(n) for n, _, _ in policies),
+            "best_policy_cost": policy_cost, "best_policy_flops": policy_flops,
+            "not_worse": None if policy_cost is None else cost <= policy_cost * (1 + 1e-9),
             "digest": "+".join(decisions_digest(p) for p in plans)}
 
 
@@ -226,7 +232,7 @@ class Run:
         self.models = choose(args.models, tuple(zoo("hf")) + tuple(zoo("library")), "model")
         self.routes = choose(args.routes, ROUTES, "route")
         self.budgets = choose(args.budgets, BUDGETS, "budget")
-        self.other = json.loads(Path(args.compare).read_text()) if args.compare else None
+        self.other = Path(args.compare) if args.compare else None
         command = "python -m benchmarks.budget_holds " + shlex.join(args.argv)
         self.result: dict[str, Any] = {"meta": run_meta(command, size=args.size, load_beside=args.load,
                                                         time_limit=args.time_limit), "rows": []}
@@ -272,9 +278,10 @@ class Run:
             return {"model": name, "route": route, "error": error_line(err)}
 
     def mark_same(self, row: dict[str, Any]) -> None:
-        if self.other is None:
+        if self.other is None or not self.other.exists():
             return
-        twin = next((r for r in self.other["rows"] if (r["model"], r["route"], r["budget"]) ==
+        other = json.loads(self.other.read_text())  # (read again each row: the other run may still be going)
+        twin = next((r for r in other["rows"] if (r["model"], r["route"], r["budget"]) ==
                      (row["model"], row["route"], row["budget"])), None)
         if twin is not None and "digest" in twin and "digest" in row:
             row["same_plan_as_other_run"] = twin["digest"] == row["digest"]
@@ -289,8 +296,8 @@ def report(result: dict[str, Any]) -> str:
     lines = report_head("Budget holds on every route (issue 24)", meta,
                         f"size {meta['size']} · another planning job beside it: {meta['load_beside']}")
     lines += ["| model | route | budget | budget MiB | predicted | measured | within | grads equal | extra GFLOP | "
-              "best simple policy (GFLOP) | not worse | plan digest | same plan as other run |",
-              "|---|---|---|---:|---:|---:|---|---|---:|---|---|---|---|"]
+              "best simple policy (GFLOP) | cost / policy's | not worse | plan digest | same plan as other run |",
+              "|---|---|---|---:|---:|---:|---|---|---:|---|---:|---|---|---|"]
     for r in rows:
         if "error" in r or r.get("infeasible"):
             what = r.get("error") or f"infeasible; fxopt's minimum {mib(r.get('min_budget_bytes'))} MiB"
@@ -300,13 +307,14 @@ def report(result: dict[str, Any]) -> str:
                          if named.get("within") is not None else
                          f", which does not plan: {named.get('error') or 'infeasible, ' + mib(named.get('min_budget_bytes'))}")
             lines.append(f"| {r['model']} | {r['route']} | {r['budget']} | {mib(r.get('budget_bytes'))} | "
-                         f"{what} |||||||||")
+                         f"{what} ||||||||||")
             continue
         policy = "–" if r.get("best_policy_flops") is None else f"{r['best_policy']} ({r['best_policy_flops'] / 1e9:.3f})"
         flops = "–" if r.get("extra_flops") is None else f"{r['extra_flops'] / 1e9:.3f}"
+        ratio = ("–" if not r.get("best_policy_cost") else f"{r['recompute_cost'] / r['best_policy_cost']:.2f}")
         lines.append(f"| {r['model']} | {r['route']} | {r['budget']} | {mib(r['budget_bytes'])} | "
                      f"{mib(r.get('predicted_peak_bytes'))} | {mib(r['measured_peak_bytes'])} | {_yes(r['within'])} | "
-                     f"{_yes(r.get('grads_equal'))} | {flops} | {policy} | {_yes(r.get('not_worse'))} | "
+                     f"{_yes(r.get('grads_equal'))} | {flops} | {policy} | {ratio} | {_yes(r.get('not_worse'))} | "
                      f"`{r['digest']}` | {_yes(r.get('same_plan_as_other_run'))} |")
     held = [r for r in rows if "within" in r]
     named = [r["named_min"] for r in rows if r.get("named_min")]
@@ -325,7 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="test", choices=("test", "bench"))
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT)
     parser.add_argument("--load", action="store_true", help="run another fxopt planning job beside this one")
-    parser.add_argument("--compare", help="another run's JSON: mark whether each row's plan is the same")
+    parser.add_argument("--compare", help="another run's JSON (it may still be running): mark whether each row's "
+                        "plan is the same")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]

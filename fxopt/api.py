@@ -133,6 +133,7 @@ class FxoptModule(nn.Module):
                                     dynamic=False)
             between = distributed.compile_between(
                 lambda call: compile_step(call, backend, fullgraph=False, dynamic=False))
+            backend.entries = frozenset(c.entry_code for c in (compiled, *between))
             self._steps[held_gradient_bytes] = backend, compiled, between
         return self._steps[held_gradient_bytes]
 

@@ -129,3 +129,29 @@ def test_a_piece_counts_only_the_earlier_outputs_still_alive():
     del held
     assert step_.reserve(frozenset()) == with_it - 256 * 256 * 4
 
+
+
+def test_a_graph_compiled_from_another_frame_than_the_steps_is_a_piece():
+    """Where Dynamo cannot resume the step's own frame after a graph break deeper down, it runs
+    that frame eagerly and compiles the functions it calls, each a graph with no graph-break
+    reason (transformers' GPT-2 with a break in one block: its first graph is a decorator's
+    frame). Such a graph is a piece of the step, not the whole of it: fxopt names the frame."""
+    from fxopt.capture.pieces import nested_frame
+
+    def inner(x):
+        return x.sin()
+
+    def outer(x):
+        return inner(x)
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((nested_frame(frozenset({outer.__code__})), nested_frame(frozenset({inner.__code__})),
+                     nested_frame(frozenset())))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(inner, backend=backend)(torch.randn(3))
+    as_piece, own, unknown = seen[0]
+    assert as_piece is not None and as_piece.startswith("inner (") and own is None and unknown is None

@@ -106,6 +106,9 @@ class CompiledStep:
         if self.forward is None:
             self.module, target = None, own_frame(target)
         self.compiled = torch.compile(target, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+        entry = self.forward if self.forward is not None else target
+        # The code object Dynamo starts the step at (a graph from any other frame is a piece).
+        self.entry_code = getattr(entry, "__func__", entry).__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _entered_through(self.module, self.forward):

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -209,6 +211,33 @@ def break_location(gm: fx.GraphModule) -> str | None:
     return f"{where} ({why})"
 
 
+def compiling_code() -> types.CodeType | None:
+    """The code object of the frame Dynamo is compiling (called from inside a backend), or None
+    where this torch does not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # noqa: BLE001 - not inside a compile, or another torch's internals
+        return None
+
+
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def nested_frame(entries: frozenset[types.CodeType]) -> str | None:
+    """Where Dynamo compiles a frame other than the step's own (``entries``: the code objects fxopt
+    enters the step through), as ``function (file:line)``: it could not resume the step's frame
+    after a graph break deeper down (inside a ``with`` block or a module hook, under a decorator),
+    ran that frame eagerly and compiles the functions it calls, each on its own. Such a graph is a
+    piece of the step, not the whole of it. None for the step's own frame, a frame of torch's, or
+    where this torch does not say."""
+    code = compiling_code()
+    if code is None or not entries or code in entries or code.co_filename.startswith(_TORCH_DIR):
+        return None
+    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+
+
 class PiecewiseBackend:
     """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
     piece against the budget minus what the rest of the step holds (see the module docstring).
@@ -223,9 +252,12 @@ class PiecewiseBackend:
         self.step: Step | None = None
         self.warned: set[str] = set()
         self.bounds: list[int] = []  # per plan made: the most the step holds while it runs
+        self.entries: frozenset[types.CodeType] = frozenset()  # the code objects the step is entered through
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         where = break_location(gm)
+        if where is None and (nested := nested_frame(self.entries)) is not None:
+            where = f"a graph break inside {nested}, which Dynamo compiled on its own"
         in_pieces = where is not None or bool(self.step and (self.step.pieces or self.step.every_graph_a_piece))
         if not in_pieces:  # the whole step in one graph
             compiled, plan = self._compile(gm, example_inputs, self.budget, reserve=0, whole=True)
