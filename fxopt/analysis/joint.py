@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
 from fxopt.analysis.costs import GATHERS, WAITS, CostModel, comm_bytes_of, flops_of, group_backend
-from fxopt.analysis.scratch import op_increases, scratch_beyond_output
+from fxopt.analysis.scratch import OpMemory, op_memory, scratch_beyond_output
 from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
@@ -60,12 +60,14 @@ class JointGraph:
         sizes = Sizes(symbolic.names, point, symbolic.ranges)
         fx_nodes = [n for n in self.module.graph.nodes if n.op != "output"]
         with no_new_guards(fx_nodes):
-            increases = op_increases(fx_nodes, sizes.at)
-            workspace = [scratch_beyond_output(increases.get(n, 0), sizes.at_point(s.bytes))
-                         for n, s in zip(fx_nodes, symbolic.sizes)]
+            memory = op_memory(fx_nodes, sizes.at)
+            measured = measured_storage_bytes(fx_nodes, memory)
+            workspace = [scratch_beyond_output(memory[n].increase if n in memory else 0, max(sizes.at_point(s.bytes), m))
+                         for n, s, m in zip(fx_nodes, symbolic.sizes, measured)]
             codec = codec_workspace({i: (fx_nodes[i], c) for i, c in self.codecs.items()}, sizes.at) if self.codecs else {}
-        extra = len(symbolic.sizes) - len(fx_nodes)  # the unread resident memory, last
-        return symbolic.at(point, workspace + [0] * extra, [codec.get(i, 0) for i in range(len(symbolic.sizes))])
+        extra = [0] * (len(symbolic.sizes) - len(fx_nodes))  # the unread resident memory, last
+        return symbolic.at(point, workspace + extra, [codec.get(i, 0) for i in range(len(symbolic.sizes))],
+                           measured + extra)
 
 
 def graph_fingerprint(graph: Graph) -> str:
@@ -212,10 +214,12 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
         backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
         nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize)
-        increases = op_increases(fx_nodes, sizes.at)
+        memory = op_memory(fx_nodes, sizes.at)
+        measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
-        nodes = [dataclasses.replace(node, workspace=scratch_beyond_output(increases.get(n, 0), at(s.bytes)))
-                 for node, n, s in zip(nodes, fx_nodes, node_sizes)]
+        nodes = [dataclasses.replace(node, workspace=scratch_beyond_output(memory[n].increase if n in memory else 0,
+                                                                           max(at(s.bytes), m)))
+                 for node, n, s, m in zip(nodes, fx_nodes, node_sizes, measured)]
         if codecs:
             workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()}, sizes.at)
             nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
@@ -226,12 +230,36 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     if unread_resident_bytes > 0:
         nodes.append(unread_resident(unread_resident_bytes))
         node_sizes.append(NodeSizes(bytes=unread_resident_bytes))
+        measured.append(0)
         names.append(UNREAD_RESIDENT)
         module_paths.append("")
-    symbolic = SymbolicGraph(Graph(tuple(nodes)), tuple(node_sizes), sizes.ranges, sizes.point, cost_model, sizes.names)
+    symbolic = SymbolicGraph(Graph(tuple(nodes)), tuple(node_sizes), sizes.ranges, sizes.point, cost_model, sizes.names,
+                             tuple(measured))
     return JointGraph(module=joint, graph=symbolic.at(sizes.point), names=tuple(names),
                       num_fwd_outputs=num_fwd_outputs, module_paths=tuple(module_paths), codecs=codecs,
                       symbolic=symbolic if sizes.symbolic else None)
+
+
+def measured_storage_bytes(fx_nodes: list[fx.Node], memory: dict[fx.Node, OpMemory]) -> list[int]:
+    """For each value that owns its storage, the bytes the real kernel allocated for it where its
+    op was measured (`OpMemory.output_bytes`), else 0: a floor under the fake tensor's bytes. An
+    output taken out of a tuple by ``getitem`` owns that item's storage; the tuple, the items none
+    takes. (A view owns nothing: 0.)"""
+    out = []
+    for n in fx_nodes:
+        val = n.meta.get("val")
+        source = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else None
+        if source is not None and source in memory and isinstance(n.args[1], int):
+            items = memory[source].output_bytes
+            out.append(items[n.args[1]] if n.args[1] < len(items) else 0)
+        elif n in memory and isinstance(val, torch.Tensor):
+            out.append(sum(memory[n].output_bytes))
+        elif n in memory:
+            taken = {u.args[1] for u in n.users if u.target is operator.getitem}
+            out.append(sum(b for k, b in enumerate(memory[n].output_bytes) if k not in taken))
+        else:
+            out.append(0)
+    return out
 
 
 def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Node], sizes: Sizes,
