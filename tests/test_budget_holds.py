@@ -171,3 +171,53 @@ def test_the_named_minimum_says_which_step_it_holds_for_and_names_accumulations(
     loop.zero_grad(set_to_none=True)
     peaks = [fxopt.measure_peak(step, loop, inputs, resident=[loop, inputs]).peak_bytes for _ in range(2)]
     assert max(peaks) <= accumulating
+
+
+class _ConvMSE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x, target):
+        return torch.nn.functional.mse_loss(self.conv(x), target)
+
+
+def test_a_loss_holding_more_storage_than_its_shape_says_is_counted():
+    """CPU ``mse_loss`` returns its 0-dim mean on the elementwise loss's storage (16 KiB under a
+    4-byte scalar here), alive as long as the loss: the predicted peak counts the storage the
+    kernel allocated, not the shape's (issue 24: the diffusers UNet measured its output's size
+    over the prediction, here 12 KiB over it)."""
+    torch.manual_seed(0)
+    model, inputs = _ConvMSE(), (torch.randn(4, 4, 16, 16), torch.randn(4, 4, 16, 16))
+    optimized = fxopt.optimize(copy.deepcopy(model), 1.0, example_inputs=inputs, compress=False)
+    step(optimized, inputs)
+    measured = measured_peak(optimized, inputs)
+    assert measured <= optimized.plan.peak_bytes, f"measured {measured} B > predicted {optimized.plan.peak_bytes} B"
+    loss = optimized.plan.graph.nodes[[n.name for n in optimized.plan.graph.nodes].index("mse_loss")]
+    assert loss.bytes == 4 * 4 * 16 * 16 * 4
+
+
+class _GatherPow(torch.nn.Module):
+    """Eager keeps what the traced graph does not read: ``gather`` saves its whole input (its
+    traced backward reads only the input's sizes), and ``pow``'s backward formula holds its
+    temporaries (``self.pow(1)``, ``2 * self.pow(1)``) until it has run. (The peak is the pow's
+    backward: at the gather's, the traced ``new_zeros`` + ``scatter_add`` hold two of what
+    eager's in-place ``scatter_add_`` holds once.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+        self.wide = torch.nn.Linear(64, 1024)
+
+    def forward(self, x, index):
+        kept = torch.gather(self.proj(x), 1, index)  # (64, 2, 64) of (64, 32, 64)
+        return (self.wide(kept) - 1).pow(2).mean()
+
+
+def test_the_predicted_eager_peak_counts_what_eager_autograd_holds():
+    torch.manual_seed(0)
+    model = _GatherPow()
+    inputs = (torch.randn(64, 32, 64), torch.randint(0, 32, (64, 2, 64)))
+    eager = measured_peak(copy.deepcopy(model), inputs)
+    predicted = fxopt.plan(copy.deepcopy(model), 1.0, inputs, solver="save_all", compress=False).eager_peak_bytes
+    assert eager <= predicted <= 1.03 * eager, f"predicted {predicted} B, measured {eager} B"

@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
+from fxopt.analysis.eager_saves import eager_saves
 from fxopt.analysis.costs import GATHERS, WAITS, CostModel, comm_bytes_of, flops_of, group_backend
 from fxopt.analysis.scratch import OpMemory, op_memory, scratch_beyond_output
 from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
@@ -214,6 +215,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
         backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
         nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize)
+        nodes = _with_eager_reads(nodes, fx_nodes, eager_saves(fx_nodes, backward, outs[num_fwd_outputs:]))
         memory = op_memory(fx_nodes, sizes.at)
         measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
@@ -315,6 +317,26 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             eager_bytes=_eager_dropout_mask_bytes(n),
         ))
     return nodes, node_sizes, codecs
+
+
+def _with_eager_reads(nodes: list[Node], fx_nodes: list[fx.Node], saves: dict[int, list[fx.Node]]) -> list[Node]:
+    """``nodes`` with what each autograd node saves in eager (`fxopt.analysis.eager_saves`) as
+    `Node.eager_reads` of its formula's first node after the value (what that node reads
+    already left out)."""
+    index = {n: i for i, n in enumerate(fx_nodes)}
+    formula: dict[int, list[int]] = {}
+    for i, n in enumerate(fx_nodes):
+        if nodes[i].kind == "backward" and (seq_nr := _backward_formula(n)) is not None:
+            formula.setdefault(seq_nr, []).append(i)
+    reads: dict[int, list[int]] = {}
+    for seq_nr, saved in saves.items():
+        for j in dict.fromkeys(index[a] for a in saved):
+            # (on the formula's first node after the value: a graph may place a forward value late)
+            i = next((i for i in formula.get(seq_nr, ()) if i > j), None)
+            if i is not None and j not in nodes[i].inputs:
+                reads.setdefault(i, []).append(j)
+    return [dataclasses.replace(node, eager_reads=tuple(reads[i])) if i in reads else node
+            for i, node in enumerate(nodes)]
 
 
 def _backward_formula(n: fx.Node) -> int | None:
