@@ -34,13 +34,16 @@ def eager_saves(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list
     forward op saves in eager (an output taken out of a tuple: the ``getitem`` that takes it).
     ``backward``: the backward nodes; ``gradients``: the gradient the step returns for each
     primal, in order (None where it has none)."""
-    formulas = {n.meta.get("seq_nr") for n in backward if n.op == "call_function"}
+    # (Only what AOTAutograd traced from aten formulas: a custom autograd.Function's forward
+    # runs without recording, and its Python backward carries a stale sequence number.)
+    formulas = {n.meta.get("seq_nr") for n in backward
+                if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward"}
     requires_grad = _requiring_grad(fx_nodes, backward, gradients)
     out: dict[int, list[fx.Node]] = {}
     for n in fx_nodes:
         seq_nr = n.meta.get("seq_nr")
         if (n in backward or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
-                or n.meta.get("partitioner_tag") == "is_backward" or seq_nr not in formulas
+                or n.meta.get("partitioner_tag") != "is_forward" or seq_nr not in formulas
                 or not any(a in requires_grad for a in n.all_input_nodes)):
             continue
         saved = _saved_by(n, requires_grad)

@@ -27,7 +27,7 @@ from fxopt.analysis.scratch import OpMemory, op_memory, scratch_beyond_output
 from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
-from fxopt.fxgraph import tangent_dependents
+from fxopt.fxgraph import EAGER_COPIES, tangent_dependents
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.policies import repeated_blocks
@@ -313,8 +313,9 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             tensor=isinstance(val, torch.Tensor),
             codec=None if codec is None else codec.name,
             backward_formula=None if (f := _backward_formula(n)) is None else formulas.setdefault(f, len(formulas)),
+            python_formula=f is not None and n.meta.get("partitioner_tag") != "is_backward",
             eager_number_bytes=_wrapped_number_bytes(n) if kind == "forward" else 0,
-            eager_bytes=_eager_dropout_mask_bytes(n),
+            eager_bytes=_eager_dropout_mask_bytes(n) if EAGER_COPIES not in n.meta else _eager_copies_bytes(n),
         ))
     return nodes, node_sizes, codecs
 
@@ -326,7 +327,7 @@ def _with_eager_reads(nodes: list[Node], fx_nodes: list[fx.Node], saves: dict[in
     index = {n: i for i, n in enumerate(fx_nodes)}
     formula: dict[int, list[int]] = {}
     for i, n in enumerate(fx_nodes):
-        if nodes[i].kind == "backward" and (seq_nr := _backward_formula(n)) is not None:
+        if nodes[i].kind == "backward" and not nodes[i].python_formula and (seq_nr := _backward_formula(n)) is not None:
             formula.setdefault(seq_nr, []).append(i)
     reads: dict[int, list[int]] = {}
     for seq_nr, saved in saves.items():
@@ -381,6 +382,14 @@ def _eager_dropout_mask_bytes(n: fx.Node) -> int | None:
         return None
     numel = mask.numel()
     return numel * x.element_size() if isinstance(numel, int) else None  # (a symbolic size: not counted)
+
+
+def _eager_copies_bytes(n: fx.Node) -> int | None:
+    """For a copy eager does not make (`fxopt.fxgraph.EAGER_COPIES`): the bytes of the copies its
+    readers make in eager instead, each alive, at most, as long as this one (None: a symbolic size)."""
+    val = n.meta.get("val")
+    numel = val.numel() if isinstance(val, torch.Tensor) else None
+    return n.meta[EAGER_COPIES] * numel * val.element_size() if isinstance(numel, int) else None
 
 
 def no_new_guards(fx_nodes: list[fx.Node]):

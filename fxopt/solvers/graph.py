@@ -74,6 +74,9 @@ class Node:
     # reads no incoming gradient, such as RMSNorm's ``pow(x, 1)``) is made in eager's backward
     # from what it reads, which eager keeps instead (`save_all_set`). Schedules may still SAVE it.
     backward_formula: int | None = None
+    # The formula is the backward of a custom ``autograd.Function`` (Python code, as Bloom's GELU):
+    # its temporaries die as Python drops them, not when the formula returns (`_formula_ends`).
+    python_formula: bool = False
     # Values eager's autograd node for this backward formula saves that the graph's formula does
     # not read (``gather``'s input, of which the traced formula reads only the sizes: see
     # `fxopt.analysis.eager_saves`), on the formula's first node: in the eager step's memory

@@ -540,23 +540,32 @@ def _formula_ends(graph: Graph, steps: list[Step], last: dict[Key, int]) -> dict
     it, because the autograd node holds its saved tensors, and the engine its inputs, until it
     returns; what it makes inside it, because those are the C++ function's temporaries and
     locals, freed as it returns (``PowBackward0``'s ``grad * (2 * self.pow(1))`` holds
-    ``self.pow(1)`` and ``2 * self.pow(1)`` until the product is made). A formula is a run of
-    steps with the same `Node.backward_formula`, through the steps without one between them
-    (views of SAVEd values a schedule makes fresh where they are read)."""
+    ``self.pow(1)`` and ``2 * self.pow(1)`` until the product is made; not so in the Python
+    backward of a custom ``autograd.Function``, `Node.python_formula`). A formula is a run of
+    steps with the same `Node.backward_formula` (a custom Function's Python backward apart: it
+    may carry the sequence number of the formula before it), through the steps without one
+    between them (views of SAVEd values a schedule makes fresh where they are read)."""
     run: list[int] = []  # the formula run of each step
     starts: list[int] = []
     ends: list[int] = []
     formulas: list[int | None] = []
+    python: list[bool] = []
     for e, (i, _, _) in enumerate(steps):
-        f = graph.nodes[i].backward_formula
-        if not starts or f is not None and f != formulas[-1]:
+        f, py = graph.nodes[i].backward_formula, graph.nodes[i].python_formula
+        if not starts or f is not None and (f, py) != (formulas[-1], python[-1]):
             starts.append(e)
             ends.append(e)
             formulas.append(f)
+            python.append(py)
         run.append(len(starts) - 1)
         if f is not None:
             ends[-1] = e
-    return {a: max(e, ends[run[e]]) if formulas[run[e]] is not None else e for a, e in last.items()}
+    made = {copy: e for e, (_, copy, _) in enumerate(steps)}
+
+    def held(a: Key, r: int) -> bool:
+        return formulas[r] is not None and (not python[r] or made.get(a, -1) < starts[r])
+
+    return {a: max(e, ends[run[e]]) if held(a, run[e]) else e for a, e in last.items()}
 
 
 def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float, int]:
