@@ -200,14 +200,14 @@ def test_a_loss_holding_more_storage_than_its_shape_says_is_counted():
 class _GatherPow(torch.nn.Module):
     """Eager keeps what the traced graph does not read: ``gather`` saves its whole input (its
     traced backward reads only the input's sizes), and ``pow``'s backward formula holds its
-    temporaries (``self.pow(1)``, ``2 * self.pow(1)``) until it has run. (The peak is the pow's
-    backward: at the gather's, the traced ``new_zeros`` + ``scatter_add`` hold two of what
-    eager's in-place ``scatter_add_`` holds once.)"""
+    temporaries (``self.pow(1)``, ``2 * self.pow(1)``) until it has run; and the traced
+    ``new_zeros`` + ``scatter_add`` of the gather's backward are eager's in-place
+    ``scatter_add_``, one buffer (`Node.eager_in_place`)."""
 
-    def __init__(self):
+    def __init__(self, wide: bool = True):
         super().__init__()
         self.proj = torch.nn.Linear(64, 64)
-        self.wide = torch.nn.Linear(64, 1024)
+        self.wide = torch.nn.Linear(64, 1024) if wide else torch.nn.Identity()
 
     def forward(self, x, index):
         kept = torch.gather(self.proj(x), 1, index)  # (64, 2, 64) of (64, 32, 64)
@@ -258,6 +258,9 @@ class _PythonGelu(torch.nn.Module):
 
 EAGER_CASES = {
     "gather_pow": (_GatherPow, lambda: (torch.randn(64, 32, 64), torch.randint(0, 32, (64, 2, 64)))),
+    # (the gather's backward the peak: its traced new_zeros + scatter_add, eager's one buffer)
+    "gather_backward": (lambda: _GatherPow(wide=False), lambda: (torch.randn(64, 32, 64),
+                                                                 torch.randint(0, 32, (64, 4, 64)))),
     "expanded_dropout": (_ExpandedDropout, lambda: (torch.randn(2048, 64),)),
     "python_backward": (_PythonGelu, lambda: (torch.randn(512, 64),)),
 }

@@ -33,46 +33,48 @@ def eager_saves(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list
     """For each autograd node (``seq_nr``) with a backward formula in the graph, the values its
     forward op saves in eager (an output taken out of a tuple: the ``getitem`` that takes it).
     ``backward``: the backward nodes; ``gradients``: the gradient the step returns for each
-    primal, in order (None where it has none)."""
+    primal, in order (None where it has none). Which values require grad is autograd's answer
+    too: each forward op is run in order, and its result requires grad or not (``ones_like(x)``
+    does not, whatever ``x``)."""
     # (Only what AOTAutograd traced from aten formulas: a custom autograd.Function's forward
     # runs without recording, and its Python backward carries a stale sequence number.)
     formulas = {n.meta.get("seq_nr") for n in backward
                 if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward"}
-    requires_grad = _requiring_grad(fx_nodes, backward, gradients)
+    requires_grad = _primals_requiring_grad(fx_nodes, gradients)
     out: dict[int, list[fx.Node]] = {}
     for n in fx_nodes:
-        seq_nr = n.meta.get("seq_nr")
-        if (n in backward or n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
-                or n.meta.get("partitioner_tag") != "is_forward" or seq_nr not in formulas
+        if (n in backward or n.op != "call_function" or n.target is operator.getitem  # (with its op, below)
                 or not any(a in requires_grad for a in n.all_input_nodes)):
             continue
-        saved = _saved_by(n, requires_grad)
-        if saved:
-            out.setdefault(seq_nr, []).extend(saved)
+        if not isinstance(n.target, torch._ops.OpOverload):
+            if _differentiable(n.meta.get("val")):
+                requires_grad.add(n)
+            continue
+        recorded = n.meta.get("partitioner_tag") == "is_forward"
+        saved, items = _run(n, requires_grad)
+        for item, taker in zip(items, _takers(n, n.meta.get("val"))):
+            if item is None or item:  # (None: not run, an upper bound)
+                requires_grad.add(taker)
+        if recorded and n.meta.get("seq_nr") in formulas and saved:
+            out.setdefault(n.meta["seq_nr"], []).extend(saved)
     return out
 
 
-def _requiring_grad(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list[fx.Node | None]) -> set[fx.Node]:
-    """The forward values that require grad in eager: the primals the step returns a gradient
-    for, and every floating-point value computed from one."""
+def _primals_requiring_grad(fx_nodes: list[fx.Node], gradients: list[fx.Node | None]) -> set[fx.Node]:
+    """The primals the step returns a gradient for."""
     primals = [n for n in fx_nodes if n.op == "placeholder" and n.name.startswith("primals")]
     if len(gradients) == len(primals):
-        found = {p for p, g in zip(primals, gradients) if g is not None}
-    else:  # (a convention this does not know: every floating-point primal, an upper bound)
-        found = {p for p in primals if _differentiable(p.meta.get("val"))}
-    for n in fx_nodes:
-        if n.op == "call_function" and n not in backward and any(a in found for a in n.all_input_nodes):
-            if _differentiable(n.meta.get("val")) or n.target is operator.getitem:
-                found.add(n)
-    return found
+        return {p for p, g in zip(primals, gradients) if g is not None}
+    return {p for p in primals if _differentiable(p.meta.get("val"))}  # (a convention this does not know)
 
 
 def _differentiable(val) -> bool:
     return any(t.is_floating_point() or t.is_complex() for t in tensors_in(val))
 
 
-def _saved_by(n: fx.Node, requires_grad: set[fx.Node]) -> list[fx.Node]:
-    """The inputs and outputs of ``n`` that its eager autograd node saves."""
+def _run(n: fx.Node, requires_grad: set[fx.Node]) -> tuple[list[fx.Node], list[bool | None]]:
+    """``n`` run on fake inputs, those of ``requires_grad`` requiring grad: the inputs and outputs
+    its eager autograd node saves, and whether each item of its result requires grad."""
     fake_mode = next((t.fake_mode for t in tensors_in(n.meta.get("val")) if hasattr(t, "fake_mode")), None)
     owner: dict[StorageWeakRef, fx.Node] = {}
 
@@ -97,11 +99,13 @@ def _saved_by(n: fx.Node, requires_grad: set[fx.Node]) -> list[fx.Node]:
             result = n.target(*args, **kwargs)
             packed = [StorageWeakRef(t.untyped_storage()) for t in _saved_tensors(result)]
     except Exception:  # noqa: BLE001 - an op that will not run so: every tensor it touches, an upper bound
-        return [a for a in n.all_input_nodes if tensors_in(a.meta.get("val"))] + _outputs(n)
-    for item, takers in zip(_items(result), _takers(n, result)):
+        every = [a for a in n.all_input_nodes if tensors_in(a.meta.get("val"))] + _outputs(n)
+        return every, [None] * len(_items(n.meta.get("val")))
+    for item, taker in zip(_items(result), _takers(n, result)):
         for t in tensors_in(item):
-            owner.setdefault(StorageWeakRef(t.untyped_storage()), takers)
-    return list(dict.fromkeys(owner[s] for s in packed if s in owner))
+            owner.setdefault(StorageWeakRef(t.untyped_storage()), taker)
+    grads = [any(t.requires_grad for t in tensors_in(item)) for item in _items(result)]
+    return list(dict.fromkeys(owner[s] for s in packed if s in owner)), grads
 
 
 def _saved_tensors(result) -> list[torch.Tensor]:

@@ -216,6 +216,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
         nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize)
         nodes = _with_eager_reads(nodes, fx_nodes, eager_saves(fx_nodes, backward, outs[num_fwd_outputs:]))
+        nodes = _with_eager_in_place(nodes, fx_nodes)
         memory = op_memory(fx_nodes, sizes.at)
         measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
@@ -338,6 +339,35 @@ def _with_eager_reads(nodes: list[Node], fx_nodes: list[fx.Node], saves: dict[in
                 reads.setdefault(i, []).append(j)
     return [dataclasses.replace(node, eager_reads=tuple(reads[i])) if i in reads else node
             for i, node in enumerate(nodes)]
+
+
+# The functional ops functionalization writes an in-place mutation as (``x.slice(...).copy_(g)``:
+# ``slice_scatter(x, g, ...)``; ``x.scatter_add_(...)``: ``scatter_add``): eager's formulas write in place.
+_FUNCTIONALIZED_IN_PLACE = frozenset([
+    aten.slice_scatter.default, aten.select_scatter.default, aten.diagonal_scatter.default,
+    aten.as_strided_scatter.default, aten.scatter_add.default, aten.scatter.src, aten.scatter.value,
+    aten.index_put.default, aten.index_add.default, aten.masked_scatter.default, aten.copy.default,
+])
+
+
+def _with_eager_in_place(nodes: list[Node], fx_nodes: list[fx.Node]) -> list[Node]:
+    """``nodes`` with `Node.eager_in_place` where an aten formula's in-place write became a
+    functional op (`_FUNCTIONALIZED_IN_PLACE`) on a buffer the same formula made."""
+    index = {n: i for i, n in enumerate(fx_nodes)}
+
+    def root(i: int) -> int:
+        return i if nodes[i].storage is None else root(nodes[i].storage)
+
+    out = list(nodes)
+    for i, n in enumerate(fx_nodes):
+        if n.target not in _FUNCTIONALIZED_IN_PLACE or n.meta.get("partitioner_tag") != "is_backward":
+            continue
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        base = fx_nodes[root(index[first])] if first is not None else None
+        if (base is not None and base.meta.get("partitioner_tag") == "is_backward"
+                and base.meta.get("seq_nr") == n.meta.get("seq_nr") and isinstance(n.meta.get("val"), torch.Tensor)):
+            out[i] = dataclasses.replace(out[i], eager_in_place=True)
+    return out
 
 
 def _backward_formula(n: fx.Node) -> int | None:

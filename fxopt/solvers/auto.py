@@ -52,18 +52,22 @@ def eager_schedule(graph: Graph) -> Schedule:
 
 def eager_timeline(graph: Graph) -> Timeline:
     """The un-rewritten step's memory as eager autograd runs it (`eager_schedule`, freed as
-    autograd frees, what its autograd nodes save kept for their formulas: `Node.eager_reads`): the
+    autograd frees, what its autograd nodes save kept for their formulas: `Node.eager_reads`, its
+    formulas' in-place writes in place: `Node.eager_in_place`): the
     peak a fractional budget is a share of."""
-    if any(n.eager_bytes is not None or n.eager_reads for n in graph.nodes):
+    if any(n.eager_bytes is not None or n.eager_reads or n.eager_in_place for n in graph.nodes):
         graph = Graph(tuple(_as_eager(n) for n in graph.nodes), graph.transfers)
     return simulate(graph, eager_schedule(graph), eager_frees=True)
 
 
 def _as_eager(node: Node) -> Node:
-    if node.eager_bytes is None and not node.eager_reads:
+    if node.eager_bytes is None and not node.eager_reads and not node.eager_in_place:
         return node
-    return dataclasses.replace(node, bytes=node.bytes if node.eager_bytes is None else node.eager_bytes,
-                               inputs=tuple(dict.fromkeys(node.inputs + node.eager_reads)), eager_reads=())
+    nbytes = node.bytes if node.eager_bytes is None else node.eager_bytes
+    return dataclasses.replace(node, bytes=0 if node.eager_in_place else nbytes,
+                               storage=node.inputs[0] if node.eager_in_place else node.storage,
+                               inputs=tuple(dict.fromkeys(node.inputs + node.eager_reads)), eager_reads=(),
+                               eager_in_place=False)
 
 
 def solve(

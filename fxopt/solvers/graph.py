@@ -77,6 +77,10 @@ class Node:
     # The formula is the backward of a custom ``autograd.Function`` (Python code, as Bloom's GELU):
     # its temporaries die as Python drops them, not when the formula returns (`_formula_ends`).
     python_formula: bool = False
+    # Eager runs this op in place on its first input, a buffer its formula made (functionalization
+    # made ``grad.new_zeros(n).slice(...).copy_(g)`` a ``slice_scatter``): in the eager step's
+    # memory it is a view of that input (`eager_timeline`).
+    eager_in_place: bool = False
     # Values eager's autograd node for this backward formula saves that the graph's formula does
     # not read (``gather``'s input, of which the traced formula reads only the sizes: see
     # `fxopt.analysis.eager_saves`), on the formula's first node: in the eager step's memory
