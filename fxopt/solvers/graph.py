@@ -300,7 +300,6 @@ class Graph:
     @classmethod
     def from_dict(cls, d: dict) -> Graph:
         transfers = d.get("transfers")
-        return cls(tuple(Node(**{**n, "inputs": tuple(n["inputs"]), "blocks": tuple(n.get("blocks", ())),
-                                    "eager_reads": tuple(n.get("eager_reads", ()))})
+        return cls(tuple(Node(**{**n, **{k: tuple(n.get(k, ())) for k in ("inputs", "blocks", "eager_reads")}})
                          for n in d["nodes"]),
                    None if transfers is None else Transfers.from_dict(transfers))
