@@ -12,6 +12,11 @@ from torch._guards import detect_fake_mode
 # Ops whose output shares their input's storage without being marked as views.
 ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
+# Node meta a rewrite leaves for the analysis: on a copy eager does not make (an identity
+# dropout's of a strided input, `fxopt.passes.dropout`), how many copies eager's readers make
+# instead; the eager peak counts those (`fxopt.analysis`).
+EAGER_COPIES = "fxopt_eager_copies"
+
 _SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag")
 
 

@@ -171,3 +171,108 @@ def test_the_named_minimum_says_which_step_it_holds_for_and_names_accumulations(
     loop.zero_grad(set_to_none=True)
     peaks = [fxopt.measure_peak(step, loop, inputs, resident=[loop, inputs]).peak_bytes for _ in range(2)]
     assert max(peaks) <= accumulating
+
+
+class _ConvMSE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x, target):
+        return torch.nn.functional.mse_loss(self.conv(x), target)
+
+
+def test_a_loss_holding_more_storage_than_its_shape_says_is_counted():
+    """CPU ``mse_loss`` returns its 0-dim mean on the elementwise loss's storage (16 KiB under a
+    4-byte scalar here), alive as long as the loss: the predicted peak counts the storage the
+    kernel allocated, not the shape's (issue 24: the diffusers UNet measured its output's size
+    over the prediction, here 12 KiB over it)."""
+    torch.manual_seed(0)
+    model, inputs = _ConvMSE(), (torch.randn(4, 4, 16, 16), torch.randn(4, 4, 16, 16))
+    optimized = fxopt.optimize(copy.deepcopy(model), 1.0, example_inputs=inputs, compress=False)
+    step(optimized, inputs)
+    measured = measured_peak(optimized, inputs)
+    assert measured <= optimized.plan.peak_bytes, f"measured {measured} B > predicted {optimized.plan.peak_bytes} B"
+    loss = optimized.plan.graph.nodes[[n.name for n in optimized.plan.graph.nodes].index("mse_loss")]
+    assert loss.bytes == 4 * 4 * 16 * 16 * 4
+
+
+class _GatherPow(torch.nn.Module):
+    """Eager keeps what the traced graph does not read: ``gather`` saves its whole input (its
+    traced backward reads only the input's sizes), and ``pow``'s backward formula holds its
+    temporaries (``self.pow(1)``, ``2 * self.pow(1)``) until it has run; and the traced
+    ``new_zeros`` + ``scatter_add`` of the gather's backward are eager's in-place
+    ``scatter_add_``, one buffer (`Node.eager_in_place`)."""
+
+    def __init__(self, wide: bool = True):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+        self.wide = torch.nn.Linear(64, 1024) if wide else torch.nn.Identity()
+
+    def forward(self, x, index):
+        kept = torch.gather(self.proj(x), 1, index)  # (64, 2, 64) of (64, 32, 64)
+        return (self.wide(kept) - 1).pow(2).mean()
+
+
+class _ExpandedDropout(torch.nn.Module):
+    """XLNet's position embeddings: a dropout that drops nothing of an expanded tensor, read by
+    two reshapes. The traced step makes one dense copy at the dropout (`alias_identity_dropouts`
+    cannot alias it: its readers' views need the dense layout); eager returns the expanded input
+    itself, and each reshape copies it, each copy saved by its matrix product."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(256, 1, 64))
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+        self.drop = torch.nn.Dropout(0.0)
+
+    def forward(self, x):
+        pos = self.drop(self.pos.expand(-1, 8, -1))
+        return (x + self.a(pos.reshape(-1, 64)) + self.b(pos.reshape(-1, 64))).sum()
+
+
+class _Gelu(torch.autograd.Function):
+    """Bloom's GELU: a custom autograd.Function whose Python backward's temporaries die as Python
+    drops them (the formula-end rule of aten formulas would hold them all: 77% over on Bloom)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return g * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class _PythonGelu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 512)
+
+    def forward(self, x):
+        return _Gelu.apply(self.up(x)).sum()
+
+
+EAGER_CASES = {
+    "gather_pow": (_GatherPow, lambda: (torch.randn(64, 32, 64), torch.randint(0, 32, (64, 2, 64)))),
+    # (the gather's backward the peak: its traced new_zeros + scatter_add, eager's one buffer)
+    "gather_backward": (lambda: _GatherPow(wide=False), lambda: (torch.randn(64, 32, 64),
+                                                                 torch.randint(0, 32, (64, 4, 64)))),
+    "expanded_dropout": (_ExpandedDropout, lambda: (torch.randn(2048, 64),)),
+    "python_backward": (_PythonGelu, lambda: (torch.randn(512, 64),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EAGER_CASES))
+def test_the_predicted_eager_peak_counts_what_eager_holds(name):
+    """Issue 24, item 11: the eager peak fxopt predicts (what fractions are of) is never below the
+    measured one, at most 3% above, where eager holds what the traced graph does not show."""
+    torch.manual_seed(0)
+    make, make_inputs = EAGER_CASES[name]
+    model, inputs = make(), make_inputs()
+    eager = measured_peak(copy.deepcopy(model), inputs)
+    predicted = fxopt.plan(copy.deepcopy(model), 1.0, inputs, solver="save_all", compress=False).eager_peak_bytes
+    assert eager <= predicted <= 1.03 * eager, f"predicted {predicted} B, measured {eager} B"

@@ -21,12 +21,13 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
+from fxopt.analysis.eager_saves import eager_saves
 from fxopt.analysis.costs import GATHERS, WAITS, CostModel, comm_bytes_of, flops_of, group_backend
-from fxopt.analysis.scratch import op_increases, scratch_beyond_output
+from fxopt.analysis.scratch import OpMemory, op_memory, scratch_beyond_output
 from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
-from fxopt.fxgraph import tangent_dependents
+from fxopt.fxgraph import EAGER_COPIES, tangent_dependents
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.policies import repeated_blocks
@@ -60,12 +61,14 @@ class JointGraph:
         sizes = Sizes(symbolic.names, point, symbolic.ranges)
         fx_nodes = [n for n in self.module.graph.nodes if n.op != "output"]
         with no_new_guards(fx_nodes):
-            increases = op_increases(fx_nodes, sizes.at)
-            workspace = [scratch_beyond_output(increases.get(n, 0), sizes.at_point(s.bytes))
-                         for n, s in zip(fx_nodes, symbolic.sizes)]
+            memory = op_memory(fx_nodes, sizes.at)
+            measured = measured_storage_bytes(fx_nodes, memory)
+            workspace = [scratch_beyond_output(memory[n].increase if n in memory else 0, max(sizes.at_point(s.bytes), m))
+                         for n, s, m in zip(fx_nodes, symbolic.sizes, measured)]
             codec = codec_workspace({i: (fx_nodes[i], c) for i, c in self.codecs.items()}, sizes.at) if self.codecs else {}
-        extra = len(symbolic.sizes) - len(fx_nodes)  # the unread resident memory, last
-        return symbolic.at(point, workspace + [0] * extra, [codec.get(i, 0) for i in range(len(symbolic.sizes))])
+        extra = [0] * (len(symbolic.sizes) - len(fx_nodes))  # the unread resident memory, last
+        return symbolic.at(point, workspace + extra, [codec.get(i, 0) for i in range(len(symbolic.sizes))],
+                           measured + extra)
 
 
 def graph_fingerprint(graph: Graph) -> str:
@@ -212,10 +215,14 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
         backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
         nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize)
-        increases = op_increases(fx_nodes, sizes.at)
+        nodes = _with_eager_reads(nodes, fx_nodes, eager_saves(fx_nodes, backward, outs[num_fwd_outputs:]))
+        nodes = _with_eager_in_place(nodes, fx_nodes)
+        memory = op_memory(fx_nodes, sizes.at)
+        measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
-        nodes = [dataclasses.replace(node, workspace=scratch_beyond_output(increases.get(n, 0), at(s.bytes)))
-                 for node, n, s in zip(nodes, fx_nodes, node_sizes)]
+        nodes = [dataclasses.replace(node, workspace=scratch_beyond_output(memory[n].increase if n in memory else 0,
+                                                                           max(at(s.bytes), m)))
+                 for node, n, s, m in zip(nodes, fx_nodes, node_sizes, measured)]
         if codecs:
             workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()}, sizes.at)
             nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
@@ -226,12 +233,36 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     if unread_resident_bytes > 0:
         nodes.append(unread_resident(unread_resident_bytes))
         node_sizes.append(NodeSizes(bytes=unread_resident_bytes))
+        measured.append(0)
         names.append(UNREAD_RESIDENT)
         module_paths.append("")
-    symbolic = SymbolicGraph(Graph(tuple(nodes)), tuple(node_sizes), sizes.ranges, sizes.point, cost_model, sizes.names)
+    symbolic = SymbolicGraph(Graph(tuple(nodes)), tuple(node_sizes), sizes.ranges, sizes.point, cost_model, sizes.names,
+                             tuple(measured))
     return JointGraph(module=joint, graph=symbolic.at(sizes.point), names=tuple(names),
                       num_fwd_outputs=num_fwd_outputs, module_paths=tuple(module_paths), codecs=codecs,
                       symbolic=symbolic if sizes.symbolic else None)
+
+
+def measured_storage_bytes(fx_nodes: list[fx.Node], memory: dict[fx.Node, OpMemory]) -> list[int]:
+    """For each value that owns its storage, the bytes the real kernel allocated for it where its
+    op was measured (`OpMemory.output_bytes`), else 0: a floor under the fake tensor's bytes. An
+    output taken out of a tuple by ``getitem`` owns that item's storage; the tuple, the items none
+    takes. (A view owns nothing: 0.)"""
+    out = []
+    for n in fx_nodes:
+        val = n.meta.get("val")
+        source = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], fx.Node) else None
+        if source is not None and source in memory and isinstance(n.args[1], int):
+            items = memory[source].output_bytes
+            out.append(items[n.args[1]] if n.args[1] < len(items) else 0)
+        elif n in memory and isinstance(val, torch.Tensor):
+            out.append(sum(memory[n].output_bytes))
+        elif n in memory:
+            taken = {u.args[1] for u in n.users if u.target is operator.getitem}
+            out.append(sum(b for k, b in enumerate(memory[n].output_bytes) if k not in taken))
+        else:
+            out.append(0)
+    return out
 
 
 def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Node], sizes: Sizes,
@@ -283,10 +314,60 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             tensor=isinstance(val, torch.Tensor),
             codec=None if codec is None else codec.name,
             backward_formula=None if (f := _backward_formula(n)) is None else formulas.setdefault(f, len(formulas)),
+            python_formula=f is not None and n.meta.get("partitioner_tag") != "is_backward",
             eager_number_bytes=_wrapped_number_bytes(n) if kind == "forward" else 0,
-            eager_bytes=_eager_dropout_mask_bytes(n),
+            eager_bytes=_eager_dropout_mask_bytes(n) if EAGER_COPIES not in n.meta else _eager_copies_bytes(n),
         ))
     return nodes, node_sizes, codecs
+
+
+def _with_eager_reads(nodes: list[Node], fx_nodes: list[fx.Node], saves: dict[int, list[fx.Node]]) -> list[Node]:
+    """``nodes`` with what each autograd node saves in eager (`fxopt.analysis.eager_saves`) as
+    `Node.eager_reads` of its formula's first node after the value (what that node reads
+    already left out)."""
+    index = {n: i for i, n in enumerate(fx_nodes)}
+    formula: dict[int, list[int]] = {}
+    for i, n in enumerate(fx_nodes):
+        if nodes[i].kind == "backward" and not nodes[i].python_formula and (seq_nr := _backward_formula(n)) is not None:
+            formula.setdefault(seq_nr, []).append(i)
+    reads: dict[int, list[int]] = {}
+    for seq_nr, saved in saves.items():
+        for j in dict.fromkeys(index[a] for a in saved):
+            # (on the formula's first node after the value: a graph may place a forward value late)
+            i = next((i for i in formula.get(seq_nr, ()) if i > j), None)
+            if i is not None and j not in nodes[i].inputs:
+                reads.setdefault(i, []).append(j)
+    return [dataclasses.replace(node, eager_reads=tuple(reads[i])) if i in reads else node
+            for i, node in enumerate(nodes)]
+
+
+# The functional ops functionalization writes an in-place mutation as (``x.slice(...).copy_(g)``:
+# ``slice_scatter(x, g, ...)``; ``x.scatter_add_(...)``: ``scatter_add``): eager's formulas write in place.
+_FUNCTIONALIZED_IN_PLACE = frozenset([
+    aten.slice_scatter.default, aten.select_scatter.default, aten.diagonal_scatter.default,
+    aten.as_strided_scatter.default, aten.scatter_add.default, aten.scatter.src, aten.scatter.value,
+    aten.index_put.default, aten.index_add.default, aten.masked_scatter.default, aten.copy.default,
+])
+
+
+def _with_eager_in_place(nodes: list[Node], fx_nodes: list[fx.Node]) -> list[Node]:
+    """``nodes`` with `Node.eager_in_place` where an aten formula's in-place write became a
+    functional op (`_FUNCTIONALIZED_IN_PLACE`) on a buffer the same formula made."""
+    index = {n: i for i, n in enumerate(fx_nodes)}
+
+    def root(i: int) -> int:
+        return i if nodes[i].storage is None else root(nodes[i].storage)
+
+    out = list(nodes)
+    for i, n in enumerate(fx_nodes):
+        if n.target not in _FUNCTIONALIZED_IN_PLACE or n.meta.get("partitioner_tag") != "is_backward":
+            continue
+        first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        base = fx_nodes[root(index[first])] if first is not None else None
+        if (base is not None and base.meta.get("partitioner_tag") == "is_backward"
+                and base.meta.get("seq_nr") == n.meta.get("seq_nr") and isinstance(n.meta.get("val"), torch.Tensor)):
+            out[i] = dataclasses.replace(out[i], eager_in_place=True)
+    return out
 
 
 def _backward_formula(n: fx.Node) -> int | None:
@@ -331,6 +412,14 @@ def _eager_dropout_mask_bytes(n: fx.Node) -> int | None:
         return None
     numel = mask.numel()
     return numel * x.element_size() if isinstance(numel, int) else None  # (a symbolic size: not counted)
+
+
+def _eager_copies_bytes(n: fx.Node) -> int | None:
+    """For a copy eager does not make (`fxopt.fxgraph.EAGER_COPIES`): the bytes of the copies its
+    readers make in eager instead, each alive, at most, as long as this one (None: a symbolic size)."""
+    val = n.meta.get("val")
+    numel = val.numel() if isinstance(val, torch.Tensor) else None
+    return n.meta[EAGER_COPIES] * numel * val.element_size() if isinstance(numel, int) else None
 
 
 def no_new_guards(fx_nodes: list[fx.Node]):

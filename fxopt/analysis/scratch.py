@@ -1,4 +1,5 @@
-"""Scratch memory of ops: bytes an op allocates while it runs beyond the outputs it returns.
+"""Scratch memory of ops: bytes an op allocates while it runs beyond the outputs it returns; and
+the bytes of the outputs themselves, as the real kernel allocates them.
 
 CPU kernels allocate temporaries that no graph shows: convolution's im2col buffers (about twice
 the input), ``native_dropout``'s float mask before it becomes a bool mask, the float copy of that
@@ -7,6 +8,11 @@ mask in ``native_dropout_backward``. A peak bound must count them, so each disti
 same layout and its allocations are measured: on CUDA with the allocator's statistics, on CPU
 with ``torch.profiler`` memory events (one profiling session for all ops). The global RNG state
 is restored afterwards, so measuring a random op changes no dropout mask.
+
+The same run measures the storage under each output (`OpMemory.output_bytes`), which can be
+larger than the fake tensor says: CPU ``mse_loss`` computes the elementwise loss into its output
+and resizes it to the 0-dim mean in place, so the loss it returns keeps a storage the size of its
+input (16 KiB under a 4-byte scalar), alive as long as the loss is.
 
 Measurements are cached per process and on disk, next to the plan cache (`fxopt.cache`), in
 ``scratch/<machine>.json``: one file per torch version, CPU model, thread count and CUDA devices,
@@ -17,6 +23,7 @@ disk, so it is measured again next time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -32,11 +39,12 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from fxopt import cache
 from fxopt.analysis.costs import GATHERS, group_backend
 from fxopt.fxgraph import aliases_input
-from fxopt.storage import tensors_in
+from fxopt.storage import storage_bytes, storage_key, tensors_in
 
 log = logging.getLogger("fxopt")
 
 _cache: dict[tuple, int] = {}  # signature (thread count included) -> measured bytes, this process
+_output_cache: dict[tuple, tuple[int, ...]] = {}  # signature -> measured bytes of each output
 _on_disk: dict[Path, dict[str, int]] = {}  # disk cache file -> its entries, as read
 
 
@@ -140,23 +148,39 @@ def known_increase(node: fx.Node) -> int | None:
     return sum(o.numel() * o.element_size() for o in outs)
 
 
+@dataclasses.dataclass(frozen=True)
+class OpMemory:
+    """What an op allocates: ``increase``, the peak bytes while it runs (outputs included), and,
+    where the op was run, ``output_bytes``: the bytes of the storage under each item of its result
+    (one item for a single tensor; a storage counted at its first item), as the real kernel
+    allocated them (empty where not measured: the fake tensors' sizes hold)."""
+
+    increase: int
+    output_bytes: tuple[int, ...] = ()
+
+
 def op_increases(nodes: list[fx.Node], at=int) -> dict[fx.Node, int]:
     """For each measurable node, the peak bytes allocated while its op runs (outputs included):
     `known_increase` where it knows, else measured (or read from the cache of measurements).
     ``at``: the value of a size at the shape to measure at (a static graph's sizes are ints; see
     `fxopt.analysis.symbolic.Sizes.at`)."""
+    return {n: m.increase for n, m in op_memory(nodes, at).items()}
+
+
+def op_memory(nodes: list[fx.Node], at=int) -> dict[fx.Node, OpMemory]:
+    """`op_increases` with the measured bytes of each op's outputs (see `OpMemory`)."""
     todo: dict[tuple, fx.Node] = {}
     keys: dict[fx.Node, tuple] = {}
-    known: dict[fx.Node, int] = {}
+    known: dict[fx.Node, OpMemory] = {}
     disk = _disk_entries()
     for n in nodes:
         if _measurable(n, at) and (size := known_increase(n)) is not None:
-            known[n] = size
+            known[n] = OpMemory(size)
         elif _measurable(n, at):
             k = _signature(n, at)
             keys[n] = k
-            if k not in _cache and _digest(k) in disk:
-                _cache[k] = disk[_digest(k)]
+            if k not in _cache and _digest(k) in disk and (outputs := _outputs_on_disk(disk, k, n)) is not None:
+                _cache[k], _output_cache[k] = disk[_digest(k)], outputs
             if k not in _cache:
                 todo.setdefault(k, n)
     if todo:
@@ -164,8 +188,43 @@ def op_increases(nodes: list[fx.Node], at=int) -> dict[fx.Node, int]:
             devices=sorted({v.device.index or 0 for n in todo.values() for v in _outs(n) if v.device.type == "cuda"}),
         ):
             measured = _measure(todo, at)
-        _store({_digest(k): _cache[k] for k in measured})
-    return known | {n: _cache[k] for n, k in keys.items() if k in _cache}
+        _store({entry: value for k in measured for entry, value in _disk_form(k).items()})
+    return known | {n: OpMemory(_cache[k], _output_cache.get(k, ())) for n, k in keys.items() if k in _cache}
+
+
+def _items(result) -> list:
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _output_storage_bytes(result, inputs) -> tuple[int, ...]:
+    """Bytes of the storage under each item of an op's ``result`` that it allocated (not one of
+    its ``inputs``'), each storage counted once, at its first item."""
+    seen = {storage_key(t) for t in tensors_in(inputs)}
+    out = []
+    for item in _items(result):
+        total = 0
+        for t in tensors_in(item):
+            key = storage_key(t)
+            if key is not None and key not in seen:
+                seen.add(key)
+                total += int(storage_bytes(t))
+        out.append(total)
+    return tuple(out)
+
+
+def _disk_form(k: tuple) -> dict[str, int]:
+    """A measurement as disk cache entries: the increase under the signature's digest, each
+    output's bytes under the digest and its position (``<digest>/out<i>``)."""
+    digest = _digest(k)
+    return {digest: _cache[k], **{f"{digest}/out{i}": b for i, b in enumerate(_output_cache.get(k, ()))}}
+
+
+def _outputs_on_disk(disk: dict[str, int], k: tuple, node: fx.Node) -> tuple[int, ...] | None:
+    """The output bytes cached for ``k`` (None if the cache predates them: measured again)."""
+    digest = _digest(k)
+    count = len(_items(node.meta.get("val")))
+    entries = [disk.get(f"{digest}/out{i}") for i in range(count)]
+    return None if None in entries else tuple(entries)
 
 
 def _digest(signature: tuple) -> str:
@@ -262,6 +321,7 @@ def _measure_cuda(todo: dict[tuple, fx.Node], at) -> set[tuple]:
             out = n.target(*args, **kwargs)
             torch.cuda.synchronize(device)
             _cache[k] = torch.cuda.max_memory_allocated(device) - start
+            _output_cache[k] = _output_storage_bytes(out, (args, kwargs))
             measured.add(k)
             del out
         except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
@@ -285,8 +345,10 @@ def _measure_cpu(todo: dict[tuple, fx.Node], at) -> set[tuple]:
                 args, kwargs = _real_args(n, at)
                 with record_function(label):
                     out = n.target(*args, **kwargs)
+                    outputs = _output_storage_bytes(out, (args, kwargs))
                     del out
                 runs.append((k, n, label))
+                _output_cache[k] = outputs
             except Exception as err:  # noqa: BLE001 - an op that cannot run on made-up inputs
                 _cache[k] = _unmeasured(n, err, at)
             del args, kwargs

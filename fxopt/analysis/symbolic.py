@@ -273,7 +273,7 @@ class NodeSizes:
 class SymbolicGraph:
     """A solver graph whose sizes are expressions (``sizes[i]`` for ``graph.nodes[i]``; ``graph``
     is the graph at ``point``): `at` gives the plain `Graph` at any shape, its scratch memory
-    (``workspace``, measured per op at one shape) given or kept."""
+    (``workspace``, measured per op at one shape) and measured storage bytes given or kept."""
 
     graph: Graph
     sizes: tuple[NodeSizes, ...]
@@ -281,14 +281,21 @@ class SymbolicGraph:
     point: Mapping[str, int]
     cost_model: CostModel
     names: Mapping[sympy.Symbol, sympy.Symbol] = dataclasses.field(default_factory=dict)  # see `Sizes`
+    # Per value, the bytes of its storage as the real kernel allocated it at ``point`` where that
+    # is more than its size says (`fxopt.analysis.scratch.OpMemory`), else 0: a floor under
+    # ``bytes``, measured like the scratch memory (and kept, like it, where `at` is given none).
+    measured_bytes: tuple[int, ...] = ()
 
     def at(self, point: Point, workspace: Sequence[int] | None = None,
-           codec_workspace: Sequence[int] | None = None) -> Graph:
+           codec_workspace: Sequence[int] | None = None, measured_bytes: Sequence[int] | None = None) -> Graph:
         size = Evaluator(point)
         cost = self.cost_model.seconds
+        floor = self.measured_bytes if measured_bytes is None else measured_bytes
         nodes = []
         for k, (node, s) in enumerate(zip(self.graph.nodes, self.sizes)):
             nbytes, flops, comm = size(s.bytes), size(s.flops), size(s.comm)
+            if k < len(floor) and node.storage is None:
+                nbytes = max(nbytes, floor[k])
             compressed, codec_flops = size(s.compressed_bytes), size(s.codec_flops)
             nodes.append(dataclasses.replace(
                 node, bytes=nbytes, flops=flops, comm_bytes=comm,

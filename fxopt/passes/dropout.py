@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 import fxopt.ops  # noqa: F401 - registers torch.ops.fxopt.*
-from fxopt.fxgraph import NodeBuilder, replace_node, replace_value
+from fxopt.fxgraph import EAGER_COPIES, NodeBuilder, aliases_input, replace_node, replace_value
 
 aten = torch.ops.aten
 
@@ -95,7 +95,15 @@ def alias_identity_dropouts(gm: fx.GraphModule) -> int:
         y = clone(x)   # from dropout(x, 0.0)    ==>   (y's readers read x)
 
     Only a copy with its input's layout, that is no output of the step, of a value nothing
-    writes to (a functional graph writes only to its inputs, at the end). Returns how many."""
+    writes to (a functional graph writes only to its inputs, at the end). Returns how many.
+
+    A copy of another layout stays (its readers' views need its dense layout: XLNet's dropout of
+    its expanded position embeddings). Eager has no copy there, but each reshape of the strided
+    input that cannot be a view makes one, one for each of the layers that read it: the copy is
+    marked with how many eager makes at most (``meta[EAGER_COPIES]``, the reshapes reached
+    through views), which the eager peak counts (`fxopt.analysis`'s ``eager_bytes``)."""
+    for node in _identity_copies(gm.graph, same_layout=False):
+        node.meta[EAGER_COPIES] = _reshapes_of(node)
     copies = _identity_copies(gm.graph)
     for node in copies:
         replace_value(node, node.args[0])
@@ -106,8 +114,25 @@ def alias_identity_dropouts(gm: fx.GraphModule) -> int:
     return len(copies)
 
 
-def _identity_copies(graph: fx.Graph) -> list[fx.Node]:
-    """The copies `alias_identity_dropouts` removes."""
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _reshapes_of(node: fx.Node) -> int:
+    """The reshapes among the views of ``node`` (and of views of them)."""
+    count, stack, seen = 0, list(node.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen or u.op != "call_function" or not aliases_input(u.target):
+            continue
+        seen.add(u)
+        count += u.target in _RESHAPES
+        stack.extend(u.users)
+    return count
+
+
+def _identity_copies(graph: fx.Graph, same_layout: bool = True) -> list[fx.Node]:
+    """The copies `alias_identity_dropouts` removes (``same_layout=False``: those of another
+    layout, which it leaves)."""
     written = {n.args[0] for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                and n.target._schema.is_mutable and n.args and isinstance(n.args[0], fx.Node)}
 
@@ -116,8 +141,8 @@ def _identity_copies(graph: fx.Graph) -> list[fx.Node]:
         before = source.meta.get("val") if isinstance(source, fx.Node) else None
         return (_from_dropout(node) and source not in written and isinstance(val, torch.Tensor)
                 and isinstance(before, torch.Tensor) and not any(u.op == "output" for u in node.users)
-                and (val.shape, val.stride(), val.dtype, val.device) == (before.shape, before.stride(), before.dtype,
-                                                                         before.device))
+                and ((val.shape, val.stride(), val.dtype, val.device) == (before.shape, before.stride(), before.dtype,
+                                                                          before.device)) == same_layout)
 
     return [n for n in graph.find_nodes(op="call_function", target=aten.clone.default) if identity(n)]
 

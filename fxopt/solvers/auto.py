@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from fxopt.errors import check_choice
 from fxopt.solvers.effort import DEFAULT_TIME_LIMIT, Deadline, Effort, effort_of
-from fxopt.solvers.graph import Graph
+from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.minimum import Memo, infeasible, lowest_plan, lowest_schedule, memo_key, min_feasible_budget
 from fxopt.solvers.phases import strategies
@@ -29,7 +29,7 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 14
+REVISION = 15
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)
@@ -52,11 +52,22 @@ def eager_schedule(graph: Graph) -> Schedule:
 
 def eager_timeline(graph: Graph) -> Timeline:
     """The un-rewritten step's memory as eager autograd runs it (`eager_schedule`, freed as
-    autograd frees): the peak a fractional budget is a share of."""
-    if any(n.eager_bytes is not None for n in graph.nodes):
-        graph = Graph(tuple(n if n.eager_bytes is None else dataclasses.replace(n, bytes=n.eager_bytes)
-                            for n in graph.nodes), graph.transfers)
+    autograd frees, what its autograd nodes save kept for their formulas: `Node.eager_reads`, its
+    formulas' in-place writes in place: `Node.eager_in_place`): the
+    peak a fractional budget is a share of."""
+    if any(n.eager_bytes is not None or n.eager_reads or n.eager_in_place for n in graph.nodes):
+        graph = Graph(tuple(_as_eager(n) for n in graph.nodes), graph.transfers)
     return simulate(graph, eager_schedule(graph), eager_frees=True)
+
+
+def _as_eager(node: Node) -> Node:
+    if node.eager_bytes is None and not node.eager_reads and not node.eager_in_place:
+        return node
+    nbytes = node.bytes if node.eager_bytes is None else node.eager_bytes
+    return dataclasses.replace(node, bytes=0 if node.eager_in_place else nbytes,
+                               storage=node.inputs[0] if node.eager_in_place else node.storage,
+                               inputs=tuple(dict.fromkeys(node.inputs + node.eager_reads)), eager_reads=(),
+                               eager_in_place=False)
 
 
 def solve(

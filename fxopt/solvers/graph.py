@@ -74,6 +74,18 @@ class Node:
     # reads no incoming gradient, such as RMSNorm's ``pow(x, 1)``) is made in eager's backward
     # from what it reads, which eager keeps instead (`save_all_set`). Schedules may still SAVE it.
     backward_formula: int | None = None
+    # The formula is the backward of a custom ``autograd.Function`` (Python code, as Bloom's GELU):
+    # its temporaries die as Python drops them, not when the formula returns (`_formula_ends`).
+    python_formula: bool = False
+    # Eager runs this op in place on its first input, a buffer its formula made (functionalization
+    # made ``grad.new_zeros(n).slice(...).copy_(g)`` a ``slice_scatter``): in the eager step's
+    # memory it is a view of that input (`eager_timeline`).
+    eager_in_place: bool = False
+    # Values eager's autograd node for this backward formula saves that the graph's formula does
+    # not read (``gather``'s input, of which the traced formula reads only the sizes: see
+    # `fxopt.analysis.eager_saves`), on the formula's first node: in the eager step's memory
+    # they live until the formula has run (`eager_timeline`), as if this node read them.
+    eager_reads: tuple[int, ...] = ()
     # Bytes of the Python numbers eager wraps into tensors for this op (``x * 0.5`` runs
     # ``mul.Tensor(x, tensor(0.5, dtype=float64))``), which eager autograd may keep for the
     # backward: counted in the eager step's memory, from the op on (`simulate`'s ``eager_frees``).
@@ -285,6 +297,6 @@ class Graph:
     @classmethod
     def from_dict(cls, d: dict) -> Graph:
         transfers = d.get("transfers")
-        return cls(tuple(Node(**{**n, "inputs": tuple(n["inputs"]), "blocks": tuple(n.get("blocks", ()))})
+        return cls(tuple(Node(**{**n, **{k: tuple(n.get(k, ())) for k in ("inputs", "blocks", "eager_reads")}})
                          for n in d["nodes"]),
                    None if transfers is None else Transfers.from_dict(transfers))

@@ -114,9 +114,10 @@ def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
 def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> Timeline:
     """Replay the schedule and return its memory timeline; raise if it is not valid.
     ``eager_frees``: free as eager autograd does, not as the generated code does: a value that a
-    backward formula (`Node.backward_formula`) reads from outside it (a saved tensor, an incoming
-    gradient) lives until the whole formula has run, since the autograd node holds its saved
-    tensors, and the engine its inputs, until then; and the Python numbers eager wraps into
+    backward formula (`Node.backward_formula`) reads (a saved tensor, an incoming gradient, a
+    temporary of the formula) lives until the whole formula has run, since the autograd node
+    holds its saved tensors, the engine its inputs, and the C++ formula its temporaries until
+    then (`_formula_ends`); and the Python numbers eager wraps into
     tensors for forward ops (`Node.eager_number_bytes`) live to the end (the eager step's peak,
     `eager_timeline`)."""
     _check(graph, schedule)
@@ -535,25 +536,36 @@ class _Replay:
 
 def _formula_ends(graph: Graph, steps: list[Step], last: dict[Key, int]) -> dict[Key, int]:
     """``last`` (each copy's last reading step) as eager autograd frees: a copy last read inside
-    a backward formula it was not made in lives until that formula's last step. A formula is a
-    run of steps with the same `Node.backward_formula`, through the steps without one between
-    them (views of SAVEd values a schedule makes fresh where they are read)."""
+    a backward formula lives until that formula's last step. What the formula reads from outside
+    it, because the autograd node holds its saved tensors, and the engine its inputs, until it
+    returns; what it makes inside it, because those are the C++ function's temporaries and
+    locals, freed as it returns (``PowBackward0``'s ``grad * (2 * self.pow(1))`` holds
+    ``self.pow(1)`` and ``2 * self.pow(1)`` until the product is made; not so in the Python
+    backward of a custom ``autograd.Function``, `Node.python_formula`). A formula is a run of
+    steps with the same `Node.backward_formula` (a custom Function's Python backward apart: it
+    may carry the sequence number of the formula before it), through the steps without one
+    between them (views of SAVEd values a schedule makes fresh where they are read)."""
     run: list[int] = []  # the formula run of each step
     starts: list[int] = []
     ends: list[int] = []
     formulas: list[int | None] = []
+    python: list[bool] = []
     for e, (i, _, _) in enumerate(steps):
-        f = graph.nodes[i].backward_formula
-        if not starts or f is not None and f != formulas[-1]:
+        f, py = graph.nodes[i].backward_formula, graph.nodes[i].python_formula
+        if not starts or f is not None and (f, py) != (formulas[-1], python[-1]):
             starts.append(e)
             ends.append(e)
             formulas.append(f)
+            python.append(py)
         run.append(len(starts) - 1)
         if f is not None:
             ends[-1] = e
     made = {copy: e for e, (_, copy, _) in enumerate(steps)}
-    return {a: max(e, ends[run[e]]) if formulas[run[e]] is not None and made.get(a, -1) < starts[run[e]] else e
-            for a, e in last.items()}
+
+    def held(a: Key, r: int) -> bool:
+        return formulas[r] is not None and (not python[r] or made.get(a, -1) < starts[r])
+
+    return {a: max(e, ends[run[e]]) if held(a, run[e]) else e for a, e in last.items()}
 
 
 def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float, int]:
