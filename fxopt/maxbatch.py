@@ -49,8 +49,8 @@ from fxopt.solvers import eager_schedule, eager_timeline, min_feasible_budget, s
 from fxopt.solvers.auto import SolverTimeoutWarning, lowest_schedule
 from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.minimum import Memo
 from fxopt.solvers.instant import peak_lower_bound
+from fxopt.solvers.minimum import Memo
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import Schedule, on_demand
 from fxopt.units import format_bytes
