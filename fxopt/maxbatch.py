@@ -16,6 +16,13 @@ there), so each question is a bisection over graphs evaluated, not captured:
 
 Every peak at a batch b is simulated with the scratch memory of its ops measured at b (once per
 op and shape: `fxopt.analysis.scratch` caches them), except the bracket's, which counts none.
+
+Every decision is counted work, never the clock, so the same model and options give the same
+answer on a quiet machine and a busy one: each solve does the options' ``effort``
+(`fxopt.solvers.effort`), with their solver and MIP program, and the bisection of step 2 runs at
+most `BISECTION_SOLVES` solves (times ``effort``). ``time_limit`` is a safety stop shared by all of
+them, counted from the end of the capture: a search it cuts short keeps the best answer found by
+then and says so (`MaxBatch.stopped`, a `SolverTimeoutWarning`).
 """
 
 from __future__ import annotations
@@ -40,8 +47,10 @@ from fxopt.options import Options
 from fxopt.plan_ahead import capture_symbolic
 from fxopt.solvers import eager_schedule, eager_timeline, min_feasible_budget, simulate, solve
 from fxopt.solvers.auto import SolverTimeoutWarning, lowest_schedule
+from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.instant import peak_lower_bound
+from fxopt.solvers.minimum import Memo
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import Schedule, on_demand
 from fxopt.units import format_bytes
@@ -50,10 +59,35 @@ log = logging.getLogger("fxopt")
 
 # The batch `max_batch` captures the step at (its graph is evaluated at every other batch).
 PROBE_BATCH = 4
-# Seconds `max_batch`'s solves may take in all (one or a few, each at least `MIN_SOLVE_SECONDS`).
-SOLVE_SECONDS = 6.0
-PROBE_SECONDS = 2.0  # one try at a batch (a `solve` that finds nothing can take about twice that)
-MIN_SOLVE_SECONDS = 1.0
+# The most solves the bisection for fxopt's batch runs at effort 1 (it scales with ``effort``):
+# counted, so that the answer does not depend on the machine. A gap of 2**5 batches between the
+# largest batch planned and the bracket closes within it; about what 6 seconds of solves reached
+# on a quiet 2-core machine before the solves were counted.
+BISECTION_SOLVES = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class _Solving:
+    """How `max_batch` solves: the options' solver, effort and MIP program, the safety stop all
+    its solves share, and the lowest peaks they found (kept for this call only)."""
+
+    solver: str
+    effort: Effort
+    mip_solver: str | None
+    deadline: Deadline
+    memo: Memo
+    bisection_solves: int
+
+    @classmethod
+    def of(cls, options: Options) -> _Solving:
+        effort = effort_of(options.effort)
+        return cls(options.solver, effort, options.mip_solver, Deadline(options.time_limit), Memo(),
+                   max(1, round(BISECTION_SOLVES * options.effort)))
+
+    def lowest(self) -> dict[str, Any]:
+        """The keywords of `min_feasible_budget` and `lowest_schedule` (the heuristics' lowest peak)."""
+        return {"effort": self.effort, "time_limit": self.deadline, "memo": self.memo, "run_ilp": False,
+                "mip_solver": self.mip_solver}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +100,9 @@ class MaxBatch:
     fxopt found at ``batch + 1`` (its peak over the budget; None when ``batch == proven_max``).
     ``eager_batch``, ``checkpoint_batch``: the largest batch of the un-rewritten step and of
     per-block checkpointing (None where the model has no repeated blocks), by simulated peaks.
-    ``limit``: the largest batch searched; ``seconds``: wall time."""
+    ``limit``: the largest batch searched; ``seconds``: wall time. ``stopped``: the phases the
+    safety stop (``time_limit``) cut short or skipped; empty where counted work alone decided the
+    answer (then the same on any machine)."""
 
     batch: int
     plan: Plan
@@ -81,14 +117,16 @@ class MaxBatch:
     dim: Any = "batch"
     captured: tuple[int, int] = (1, 2**16)  # the batches the answer's capture holds for
     options: Options | None = dataclasses.field(default=None, repr=False)  # how it was analysed
+    stopped: tuple[str, ...] = ()
 
     def summary(self) -> str:
         proof = ("proven: no schedule fits a larger batch" if self.batch == self.proven_max
                  else f"no schedule fits above {self.proven_max} (proven)")
         at_limit = " (the search limit)" if self.batch == self.limit else ""
         ckpt = "-" if self.checkpoint_batch is None else str(self.checkpoint_batch)
+        cut = f"; stopped at the time limit in: {', '.join(self.stopped)}" if self.stopped else ""
         return (f"largest batch within {format_bytes(self.budget_bytes)}: fxopt {self.batch}{at_limit} ({proof}); "
-                f"eager {self.eager_batch}; per-block checkpointing {ckpt}; {self.seconds:.1f} s")
+                f"eager {self.eager_batch}; per-block checkpointing {ckpt}; {self.seconds:.1f} s{cut}")
 
     def optimize(self, model: nn.Module) -> FxoptModule:
         """``model`` (the one searched) running ``plan`` at any batch from the capture's smallest to
@@ -111,20 +149,21 @@ def max_batch(model: nn.Module, budget: BudgetLike | Options, make_inputs: Calla
     """The largest batch size whose training step fxopt plans within ``budget`` (bytes or a size
     such as ``"24GiB"``), with its plan, and beside it the largest of eager autograd and of
     per-block checkpointing. ``options``: the fields of `fxopt.Options`, as for `fxopt.optimize`
-    (``budget`` may be an `Options`); the solver, ``compress``, ``quantize`` and the cost model
-    are read (OFFLOAD is not offered: its copies' time depends on the batch).
+    (``budget`` may be an `Options`); the solver, ``effort``, ``mip_solver``, ``time_limit``,
+    ``compress``, ``quantize`` and the cost model are read (OFFLOAD is not offered: its copies'
+    time depends on the batch).
 
     ``make_inputs(b)``: the example inputs of ``model(...)`` at batch ``b`` (a tuple, or a dict
     of keyword arguments). ``dim``: which dimension is the batch, as for `fxopt.optimize`'s
     ``dynamic=`` (``"batch"``: dim 0 of every tensor argument; or ``(argument, dim)``). ``limit``:
     the largest batch considered. ``blocks``: the modules per-block checkpointing wraps (by
     default the longest run of same-class children of an ``nn.Sequential`` or ``nn.ModuleList``).
-    ``time_limit`` (`SOLVE_SECONDS` unless given): seconds for the solves (at least one, of
-    `MIN_SOLVE_SECONDS`). The step is captured once; see `fxopt.maxbatch` for how the answer is
-    found and proven."""
+    ``effort`` decides how far each solve and the bisection go (counted work: the same answer on
+    any machine); ``time_limit`` is a safety stop for all the solves together, from the end of the
+    capture: an answer it cut short says so (``stopped``, a `SolverTimeoutWarning`). The step is
+    captured once; see `fxopt.maxbatch` for how the answer is found and proven."""
     t0 = time.perf_counter()
-    options = Options.of(budget, defaults={"time_limit": SOLVE_SECONDS}, **options)
-    solver, time_limit = options.solver, options.time_limit
+    options = Options.of(budget, **options)
     budget_bytes = options.budget.bytes
     if budget_bytes is None:
         raise BudgetError(f"max_batch needs the budget in bytes or as a size ('24GiB'), not {str(options.budget)!r}: "
@@ -135,25 +174,15 @@ def max_batch(model: nn.Module, budget: BudgetLike | Options, make_inputs: Calla
     name = DynamicDims.parse({dim: (1, limit)}).ranges.names[0]
     segments = _capture_segments(model, make_inputs, dim, name, limit, budget_bytes, options)
     log.info("fxopt: max_batch: captured and analysed in %.1f s", time.perf_counter() - t0)
-    # The answers lie in the last segment, or, where nothing fits there, in the one before.
-    proven_max = next((s.proven_max for s in reversed(segments) if s.proven_max is not None), None)
-    if proven_max is None:
-        first = segments[0].fxopt
-        graph = first.at(first.lo)
-        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(graph, solver, run_ilp=False),
-                                    f"Even batch {first.lo} does not fit.", lower_bound=peak_lower_bound(graph)[0])
-    log.info("fxopt: max_batch: no batch above %d fits (%.1f s)", proven_max, time.perf_counter() - t0)
-    batch = plan = answer = None
-    for segment in reversed(segments):
-        if segment.proven_max is not None:
-            found = segment.fxopt.fxopt_batch(segment.fxopt.lo, segment.proven_max, solver, time_limit)
-            if found is not None:
-                (batch, plan), answer = found, segment
-                break
-    if batch is None:
-        raise InfeasibleBudgetError(budget_bytes, proven_max, "fxopt found no plan at any batch.")
-    next_plan = answer.fxopt.lowest_plan(batch + 1, solver) if batch < min(proven_max, answer.fxopt.hi) else None
-    log.info("fxopt: max_batch: fxopt plans batch %d (%.1f s)", batch, time.perf_counter() - t0)
+    how = _Solving.of(options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SolverTimeoutWarning)  # said once below, for the whole search
+        found = _search(segments, budget_bytes, how, t0)
+    if how.deadline.stopped:
+        warnings.warn(f"max_batch stopped at the time limit ({options.time_limit:.1f} s after the capture) in: "
+                      f"{', '.join(how.deadline.stopped)}; this answer is the best found by then, and another run "
+                      "may find another (raise time_limit, or lower the effort)", SolverTimeoutWarning, stacklevel=2)
+    proven_max, batch, plan, next_plan, answer = found
     block_paths = _block_paths(model, blocks)
     eager_batch = _largest_of(segments, lambda s: eager_schedule(s.eager.jg.graph)) or 0
     checkpoint_batch = None
@@ -163,7 +192,31 @@ def max_batch(model: nn.Module, budget: BudgetLike | Options, make_inputs: Calla
              time.perf_counter() - t0)
     return MaxBatch(batch, plan, proven_max, eager_batch, checkpoint_batch, budget_bytes, limit,
                     time.perf_counter() - t0, len(block_paths), next_plan, dim, (answer.fxopt.lo, answer.fxopt.hi),
-                    options)
+                    options, tuple(how.deadline.stopped))
+
+
+def _search(segments: list[_Segment], budget_bytes: int, how: _Solving, t0: float
+            ) -> tuple[int, int, Plan, Plan | None, _Segment]:
+    """The proven bracket, fxopt's batch, its plan, the lowest-peak plan at the next batch (None
+    at the bracket) and the segment they are in."""
+    # The answers lie in the last segment, or, where nothing fits there, in the one before.
+    proven_max = next((s.proven_max for s in reversed(segments) if s.proven_max is not None), None)
+    if proven_max is None:
+        first = segments[0].fxopt
+        graph = first.at(first.lo)
+        raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(graph, how.solver, **how.lowest()),
+                                    f"Even batch {first.lo} does not fit.", lower_bound=peak_lower_bound(graph)[0])
+    log.info("fxopt: max_batch: no batch above %d fits (%.1f s)", proven_max, time.perf_counter() - t0)
+    for segment in reversed(segments):
+        if segment.proven_max is not None:
+            found = segment.fxopt.fxopt_batch(segment.fxopt.lo, segment.proven_max, how)
+            if found is not None:
+                batch, plan = found
+                next_plan = (segment.fxopt.lowest_plan(batch + 1, how)
+                             if batch < min(segment.proven_max, segment.fxopt.hi) else None)
+                log.info("fxopt: max_batch: fxopt plans batch %d (%.1f s)", batch, time.perf_counter() - t0)
+                return proven_max, batch, plan, next_plan, segment
+    raise InfeasibleBudgetError(budget_bytes, proven_max, "fxopt found no plan at any batch.")
 
 
 @dataclasses.dataclass
@@ -229,26 +282,24 @@ class _Search:
         tried with the scratch memory measured there)."""
         return self.largest(lo, hi, lambda b: simulate(self.at(b), schedule).peak_bytes <= self.budget)
 
-    def fxopt_batch(self, lo: int, hi: int, solver: str, seconds: float) -> tuple[int, Plan] | None:
+    def fxopt_batch(self, lo: int, hi: int, how: _Solving) -> tuple[int, Plan] | None:
         """fxopt's largest batch in [lo, hi] and its plan. At ``hi`` (the proven bracket) the
         heuristics' lowest peak; where it is over the budget, that lowest-peak schedule replayed
         at smaller batches gives the largest at which it fits, and `solve` tries the batch above
-        that, then bisects between the largest batch planned and the smallest not, within
-        ``seconds`` (one or two solves, mostly)."""
-        deadline = time.perf_counter() + seconds
-        found = self.solve(hi, solver, 0.0 if hi > lo else seconds)
+        that, then bisects between the largest batch planned and the smallest not, with at most
+        ``how.bisection_solves`` solves (one or two, mostly)."""
+        found = self.solve(hi, how, full=hi == lo)
         if isinstance(found, Plan):
             return hi, found
         replayed = None if found is None else self.largest_with(found, lo, hi - 1)
         feasible: tuple[int, Plan | Schedule] | None = None if replayed is None else (replayed, found)
-        failed, probes = hi, 0
-        while True:
+        failed = hi
+        for probe in range(how.bisection_solves):
             low = feasible[0] if feasible is not None else lo - 1
-            if failed - low <= 1 or time.perf_counter() > deadline:
+            if failed - low <= 1 or how.deadline.check("max_batch's bisection"):
                 break
-            candidate = low + 1 if probes == 0 else (low + failed + 1) // 2
-            probes += 1
-            found = self.solve(candidate, solver, min(PROBE_SECONDS, deadline - time.perf_counter()))
+            candidate = low + 1 if probe == 0 else (low + failed + 1) // 2
+            found = self.solve(candidate, how)
             if isinstance(found, Plan):
                 feasible = (candidate, found)
             else:
@@ -257,41 +308,39 @@ class _Search:
             return None
         batch, found = feasible
         if not isinstance(found, Plan):  # a replayed schedule: plan the batch itself, cheaper if it can
-            plan = self.solve(batch, solver, MIN_SOLVE_SECONDS)
+            plan = self.solve(batch, how)
             plan = plan if isinstance(plan, Plan) and plan.peak_bytes <= self.budget else None
             found = plan or self.plan_of(batch, found, "lowest peak", "heuristic")
         return batch, found
 
-    def solve(self, b: int, solver: str, seconds: float) -> Plan | Schedule | None:
+    def solve(self, b: int, how: _Solving, full: bool = True) -> Plan | Schedule | None:
         """The plan fxopt finds at batch ``b`` within the budget, or, where it finds none, the
         lowest-peak schedule it reached (None if it has none). Cheapest first: the peak lower
         bound, then the lowest peaks of the heuristics (`min_feasible_budget` without the ILP),
-        then `solve` within ``seconds``."""
+        then (``full``) `solve`, with ``how``'s solver, effort, MIP program and safety stop."""
         graph = self.at(b)
         t0 = time.perf_counter()
-        lowest_peak = min_feasible_budget(graph, solver, run_ilp=False)
-        if lowest_peak > self.budget and (seconds <= 0 or peak_lower_bound(graph)[0] > self.budget):
+        lowest_peak = min_feasible_budget(graph, how.solver, **how.lowest())
+        if lowest_peak > self.budget and (not full or peak_lower_bound(graph)[0] > self.budget):
             log.info("fxopt: max_batch: no plan at batch %d (lowest peak %d, %.1f s)", b, lowest_peak,
                      time.perf_counter() - t0)
-            return lowest_schedule(graph, solver).schedule
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SolverTimeoutWarning)  # a time-limited answer is expected here
-            try:
-                solution = solve(graph, self.budget, solver, time_limit=max(MIN_SOLVE_SECONDS, seconds))
-            except InfeasibleBudgetError:
-                lowest = lowest_schedule(graph, solver)
-                log.info("fxopt: max_batch: no plan at batch %d (%.1f s)", b, time.perf_counter() - t0)
-                return None if lowest is None else lowest.schedule
+            return lowest_schedule(graph, how.solver, **how.lowest()).schedule
+        try:
+            solution = solve(graph, self.budget, how.solver, effort=how.effort, time_limit=how.deadline,
+                             memo=how.memo, mip_solver=how.mip_solver)
+        except InfeasibleBudgetError:
+            lowest = lowest_schedule(graph, how.solver, **how.lowest())
+            log.info("fxopt: max_batch: no plan at batch %d (%.1f s)", b, time.perf_counter() - t0)
+            return None if lowest is None else lowest.schedule
         log.info("fxopt: max_batch: a plan at batch %d (%.1f s)", b, time.perf_counter() - t0)
         return self.plan_of(b, solution.schedule, solution.solver, solution.status, solution.lower_bound_cost,
                             time.perf_counter() - t0)
 
-    def lowest_plan(self, b: int, solver: str) -> Plan:
+    def lowest_plan(self, b: int, how: _Solving) -> Plan:
         """The lowest-peak plan fxopt's heuristics find at batch ``b`` (its budget: its own peak)."""
-        graph = self.at(b)
-        peak = min_feasible_budget(graph, solver, run_ilp=False)
-        plan = self.plan_of(b, lowest_schedule(graph, solver).schedule, "lowest peak", "heuristic")
-        return dataclasses.replace(plan, budget_bytes=max(peak, plan.peak_bytes))
+        lowest = lowest_schedule(self.at(b), how.solver, **how.lowest())
+        plan = self.plan_of(b, lowest.schedule, "lowest peak", "heuristic")
+        return dataclasses.replace(plan, budget_bytes=max(lowest.peak, plan.peak_bytes))
 
     def plan_of(self, b: int, schedule: Schedule, solver: str, status: str, bound: float | None = None,
                 seconds: float = 0.0) -> Plan:

@@ -282,6 +282,15 @@ def test_inspect_max_batch(tmp_path, monkeypatch, capsys):
     assert "the largest batch within 96KiB" in out
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") >= 3}
     assert int(rows["eager"]) <= int(rows["fxopt"]) <= int(rows["no schedule above"])
+    assert "stopped at the time limit" not in out
+    import dataclasses
+
+    import fxopt
+
+    real = fxopt.max_batch
+    monkeypatch.setattr(fxopt, "max_batch", lambda *a, **k: dataclasses.replace(real(*a, **k), stopped=("ilp",)))
+    assert main(["inspect", "tiny_mlp:mlp", "--budget", "96KiB", "--max-batch", "--time-limit", "30"]) == EXIT_OK
+    assert "stopped at the time limit (30 s) in: ilp" in capsys.readouterr().out
 
 
 WRAPPED = """

@@ -211,8 +211,8 @@ def test_max_batch_fits_and_the_next_does_not(name):
     build, make_inputs, budget, limit = MAX_BATCH_MODELS[name]
     torch.manual_seed(0)
     model = build()
-    found = fxopt.max_batch(model, budget, make_inputs, limit=limit, time_limit=3.0)
-    assert found.batch < limit
+    found = fxopt.max_batch(model, budget, make_inputs, limit=limit)
+    assert found.batch < limit and not found.stopped  # (counted work decided it, not the safety stop)
     b = found.batch
     assert 1 <= b <= found.proven_max and found.eager_batch <= b
     assert found.checkpoint_batch is None or found.checkpoint_batch <= b
@@ -236,3 +236,87 @@ def test_max_batch_fits_and_the_next_does_not(name):
 def test_max_batch_needs_bytes():
     with pytest.raises(fxopt.BudgetError, match="in bytes"):
         fxopt.max_batch(ResidualMLP(2, 16), 0.5, lambda b: (torch.randn(b, 16),))
+
+
+# ------------------------------------------------------------------ max_batch: options in, the clock out
+def _tiny_max_batch(**options):
+    """`max_batch` of a two-block residual MLP at 96 KiB: the bracket's lowest peak is over the
+    budget, so the bisection solves (the smallest search that reaches every kind of solve)."""
+    torch.manual_seed(0)
+    return fxopt.max_batch(ResidualMLP(2, 16), "96KiB", lambda b: (torch.randn(b, 16),), limit=400, **options)
+
+
+def _decisions(plan):
+    return None if plan is None else (plan.schedule, plan.peak_bytes, plan.recompute_cost, plan.solver, plan.status,
+                                      plan.lower_bound_cost, plan.budget_bytes)
+
+
+def test_max_batch_gives_every_solve_its_options(monkeypatch):
+    """Every solve and lowest-peak search `max_batch` runs gets the options' solver, effort and MIP
+    program, and one safety stop of ``time_limit`` shared by all; ``effort`` also scales the
+    bisection (half the effort: at most half the solves)."""
+    import fxopt.maxbatch as maxbatch
+    from fxopt.solvers import DEFAULT_EFFORT
+    from fxopt.solvers.effort import Deadline
+
+    calls: list[tuple[str, tuple, dict]] = []
+
+    def recorded(name, real):
+        def call(graph, *args, **kwargs):
+            calls.append((name, args, kwargs))
+            return real(graph, *args, **kwargs)
+        return call
+
+    for name in ("solve", "min_feasible_budget", "lowest_schedule"):
+        monkeypatch.setattr(maxbatch, name, recorded(name, getattr(maxbatch, name)))
+    found = _tiny_max_batch(solver="ilp", effort=0.5, mip_solver="highs", time_limit=1e6)
+    assert found.options.effort == 0.5 and found.options.mip_solver == "highs" and not found.stopped
+    assert {name for name, _, _ in calls} == {"solve", "min_feasible_budget", "lowest_schedule"}
+    for name, args, kwargs in calls:
+        solver = args[1] if name == "solve" else args[0]
+        assert (solver, kwargs["effort"], kwargs["mip_solver"]) == ("ilp", DEFAULT_EFFORT.scaled(0.5), "highs"), name
+    solves = [c for c in calls if c[0] == "solve"]
+    # (The bisection, from the batch the lowest-peak schedule fits to the bracket, needs more.)
+    assert len(solves) == round(maxbatch.BISECTION_SOLVES * 0.5)
+    deadlines = {id(kwargs["time_limit"]) for _, _, kwargs in calls}
+    assert len(deadlines) == 1 and isinstance(calls[0][2]["time_limit"], Deadline)
+    assert calls[0][2]["time_limit"].seconds == 1e6
+
+
+def test_max_batch_does_not_depend_on_how_fast_the_clock_runs(monkeypatch):
+    """The same model and options give the same answer (batch, bracket, plans) with every Python
+    clock running 30 times fast (a machine 30 times slower, to every limit `max_batch` and its
+    solves could read) and 30 times slow: counted effort decides, and the safety stop, far above
+    what the search takes, is reached by no run."""
+    import time
+
+    from clocks import FastClock
+
+    quiet = _tiny_max_batch(time_limit=1e6)
+    for factor in (30.0, 1 / 30):
+        monkeypatch.setattr(time, "perf_counter", FastClock(factor))
+        other = _tiny_max_batch(time_limit=1e6)
+        monkeypatch.undo()
+        assert not quiet.stopped and not other.stopped, factor
+        assert ((quiet.batch, quiet.proven_max, quiet.eager_batch, quiet.checkpoint_batch)
+                == (other.batch, other.proven_max, other.eager_batch, other.checkpoint_batch)), factor
+        assert _decisions(quiet.plan) == _decisions(other.plan), factor
+        assert _decisions(quiet.next_plan) == _decisions(other.next_plan), factor
+
+
+def test_max_batch_time_limit_is_a_safety_stop_that_says_so(monkeypatch):
+    """With the clock far past the time limit, `max_batch` still answers, with a plan within the
+    budget, and says it stopped (`MaxBatch.stopped`, one `SolverTimeoutWarning`, the summary)."""
+    import time
+
+    from clocks import FastClock
+    from fxopt.solvers import SolverTimeoutWarning
+
+    monkeypatch.setattr(time, "perf_counter", FastClock(1e4))
+    with pytest.warns(SolverTimeoutWarning, match="max_batch stopped at the time limit") as warned:
+        found = _tiny_max_batch(time_limit=1.0)
+    monkeypatch.undo()
+    assert found.stopped and all(phase in str(warned[0].message) for phase in found.stopped)
+    assert len([w for w in warned if issubclass(w.category, SolverTimeoutWarning)]) == 1
+    assert found.plan.peak_bytes <= found.budget_bytes and found.batch <= found.proven_max
+    assert "stopped at the time limit" in found.summary()

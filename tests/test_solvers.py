@@ -28,6 +28,7 @@ from fxopt.solvers.ilp import solve_ilp
 from fxopt.solvers.minimum import memo_key
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, as_generated
+from clocks import FastClock
 from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, ids, mlp2, random_training_graph, with_random_lossy_codecs
 
 STATUSES = {"optimal", "feasible", "heuristic"}
@@ -992,18 +993,6 @@ def _same(a: Solution, b: Solution) -> bool:
             == (b.schedule, b.timeline.peak_bytes, b.timeline.cost, b.solver, b.status, b.lower_bound_cost))
 
 
-class _FastClock:
-    """`time.perf_counter` running ``factor`` times fast from now on (a machine that many times
-    slower, as far as any clock the solvers read can tell)."""
-
-    def __init__(self, factor: float):
-        self.real, self.factor = time.perf_counter, factor
-        self.t0 = self.real()
-
-    def __call__(self) -> float:
-        return self.t0 + (self.real() - self.t0) * self.factor
-
-
 @pytest.mark.parametrize("budget_share", [0.6, 0.8])
 def test_the_plan_does_not_depend_on_how_fast_the_clock_runs(budget_share, monkeypatch):
     """The same graph and budget, solved once as is and once with every Python clock running 30
@@ -1016,7 +1005,7 @@ def test_the_plan_does_not_depend_on_how_fast_the_clock_runs(budget_share, monke
     budget = int(simulate(graph, eager_schedule(graph)).peak_bytes * budget_share)
     safety_stop = 1e6
     quiet = solve(graph, budget, time_limit=safety_stop)
-    monkeypatch.setattr(time, "perf_counter", _FastClock(30.0))
+    monkeypatch.setattr(time, "perf_counter", FastClock(30.0))
     busy = solve(graph, budget, time_limit=safety_stop)
     monkeypatch.undo()
     assert not quiet.stopped and not busy.stopped
@@ -1041,7 +1030,7 @@ def test_the_time_limit_is_a_safety_stop_that_says_so(monkeypatch):
     for module in (ilp, instant):
         monkeypatch.setattr(module, "solve_mip", recorded)
     graph, budget = _hard_chain()
-    monkeypatch.setattr(time, "perf_counter", _FastClock(1000.0))
+    monkeypatch.setattr(time, "perf_counter", FastClock(1000.0))
     with pytest.warns(SolverTimeoutWarning, match="stopped at the time limit") as warned:
         solution = solve(graph, budget, time_limit=5.0)
     monkeypatch.undo()

@@ -399,6 +399,9 @@ def _max_batch(model, inputs, args: argparse.Namespace, out, err) -> int:
     out.print(table)
     out.print(f"found in {found.seconds:.1f} s (one capture with the batch symbolic); predicted peaks, "
               f"fxopt's plan at {found.batch}: {fxopt.units.format_bytes(found.plan.peak_bytes)}")
+    if found.stopped:
+        out.print(f"[yellow]stopped at the time limit[/] ({found.options.time_limit:g} s) in: {', '.join(found.stopped)}; "
+                  "the best answer found by then (another run may find another): raise --time-limit")
     return EXIT_OK
 
 
