@@ -11,7 +11,10 @@ allocations made during it, the way ``torch.cuda.max_memory_allocated()`` counts
   memory, so the starting bytes are those of the tensors reachable from ``resident`` (modules,
   optimizers, tensors, and lists/dicts of them), each storage counted once, plus the gradient
   buckets of a DDP among them, which no reachable tensor shows (as its reducer reports them, see
-  `fxopt.distributed.data_parallel`). `measure_timeline` keeps the whole curve.
+  `fxopt.distributed.data_parallel`). Each event moves the curve by what the allocator's own
+  count moved since the one before, which also counts blocks freed on threads the profiler does
+  not record (gloo's worker thread frees the tensors of the collectives it ran: see
+  `fxopt.cpu_memory`). `measure_timeline` keeps the whole curve.
 
 A step whose call captures and plans (an fxopt module's first call, a new input shape) is measured
 without that work, the same on its first call as on the next. Every Dynamo compile during the
