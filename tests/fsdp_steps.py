@@ -144,8 +144,8 @@ def max_over_ranks(n: int) -> int:
     return int(t)
 
 
-CONFIGS = {"sharded": sharded, "llama": lambda r, w: sharded(r, w, ("llama",)),
-           "llama-2": lambda r, w: sharded(r, w, ("llama-2",))}  # (the test's: two layers, half the compiles' time)
+CONFIGS = {"sharded": sharded, **{name: (lambda r, w, name=name: sharded(r, w, (name,))) for name in MODELS}}
+# ("llama-2", the test's: two layers, half the compiles' time)
 
 
 def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None:
