@@ -8,9 +8,10 @@ compiles) and checks:
   - FSDP2 (``fully_shard`` per block and at the root), eager and with each block under
     transformers' checkpointing;
   - `fxopt.distributed.fully_shard` + ``fxopt.optimize`` at FSDP2-with-checkpointing's measured
-    peak and at ``"min"``: one graph with the all-gathers and reduce-scatters inside; its loss
-    (averaged over ranks) and every gradient (gathered whole) equal single-process eager on the
-    whole batch (each rank's loss is its mean over its tokens divided by the world size, so the
+    peak and at ``"min"`` (config ``named-min``: at the smallest budget an `InfeasibleBudgetError`
+    names): one graph with the all-gathers and reduce-scatters inside; its loss (averaged over
+    ranks) and every gradient (gathered whole) equal single-process eager on the whole batch
+    (each rank's loss is its mean over its tokens divided by the world size, so the
     reduce-scatters' sum is the mean).
 """
 
@@ -138,13 +139,35 @@ def sharded(rank: int, world: int, names=("llama", "gpt2")) -> dict:
     return out
 
 
+def named_minimum(rank: int, world: int, names=("llama-2",), budget: int = 1_000_000) -> dict:
+    """At a budget below every plan: the smallest budget the `InfeasibleBudgetError` names, and the
+    step at it (planned, checked and measured as the rows of `sharded`)."""
+    from fxopt.errors import InfeasibleBudgetError
+
+    out = {}
+    for name in names:
+        hf, inputs = MODELS[name]()
+        ref = copy.deepcopy(hf)
+        reference = step(HFLoss(ref), inputs).detach(), {n: p.grad for n, p in ref.named_parameters()}
+        share = share_of(inputs, rank, world)
+        try:
+            fxopt.optimize(HFLoss(sharding.fully_shard(copy.deepcopy(hf)), scale=world), budget)(*share)
+        except InfeasibleBudgetError as err:
+            named = {"min_budget": err.min_budget, "exact": err.exact, "lower_bound": err.lower_bound}
+        else:
+            raise AssertionError(f"{name} planned at {budget} bytes: ask for less")
+        out[name] = {"named": named, "fxopt@named": _fxopt(hf, share, reference, world, named["min_budget"])}
+    return out
+
+
 def max_over_ranks(n: int) -> int:
     t = torch.tensor([n])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t)
 
 
-CONFIGS = {"sharded": sharded, **{name: (lambda r, w, name=name: sharded(r, w, (name,))) for name in MODELS}}
+CONFIGS = {"sharded": sharded, "named-min": named_minimum,
+           **{name: (lambda r, w, name=name: sharded(r, w, (name,))) for name in MODELS}}
 # ("llama-2", the test's: two layers, half the compiles' time)
 
 
