@@ -11,7 +11,10 @@ allocations made during it, the way ``torch.cuda.max_memory_allocated()`` counts
   memory, so the starting bytes are those of the tensors reachable from ``resident`` (modules,
   optimizers, tensors, and lists/dicts of them), each storage counted once, plus the gradient
   buckets of a DDP among them, which no reachable tensor shows (as its reducer reports them, see
-  `fxopt.distributed.data_parallel`). `measure_timeline` keeps the whole curve.
+  `fxopt.distributed.data_parallel`). Each event moves the curve by what the allocator's own
+  count moved since the one before, which also counts blocks freed on threads the profiler does
+  not record (gloo's worker thread frees the tensors of the collectives it ran: see
+  `fxopt.cpu_memory`). `measure_timeline` keeps the whole curve.
 
 A step whose call captures and plans (an fxopt module's first call, a new input shape) is measured
 without that work, the same on its first call as on the next. Every Dynamo compile during the
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-from fxopt.cpu_memory import profile_cpu_memory
+from fxopt.cpu_memory import allocation_events, profile_cpu_memory
 from fxopt.measuring import SESSION as _SESSION
 from fxopt.distributed.data_parallel import held_bytes
 from fxopt.storage import storages, tensors_in
@@ -100,12 +103,12 @@ def measure_timeline(step: Callable[..., Any], *args: Any, resident: Iterable[An
     session = _CpuSession()
     with _measuring(session):
         result = step(*args, **kwargs)
-    events = sorted(session.events, key=lambda e: e.start_ns())
-    t0 = events[0].start_ns() if events else 0
+    events = sorted(session.events, key=lambda e: e.start_ns)
+    t0 = events[0].start_ns if events else 0
     seconds, live_bytes, live = [], [], start
     for e in events:
-        live += e.nbytes()
-        seconds.append((e.start_ns() - t0) / 1e9)
+        live += e.nbytes
+        seconds.append((e.start_ns - t0) / 1e9)
         live_bytes.append(live)
     return MemoryTimeline(tuple(seconds), tuple(live_bytes), start, result)
 
@@ -141,7 +144,7 @@ class _CpuSession:
     @property
     def events(self) -> list:
         def in_a_compile(e) -> bool:
-            t = e.start_ns()
+            t = e.start_ns
             return any(lo <= t and (hi is None or t < hi) for lo, hi in self._windows)
 
         return [e for e in self._events if not in_a_compile(e)]
@@ -157,7 +160,7 @@ class _CpuSession:
         # Frees of blocks allocated before profiling starts would show up without their allocation:
         # old garbage is collected before the first session (not when resuming in the middle of a
         # step: a full collection there crashed the interpreter).
-        self._profile = profile_cpu_memory(collect=not self._started)
+        self._profile = profile_cpu_memory(collect=not self._started, every_thread=True)
         self._prof = self._profile.__enter__()
         self.paused, self._started = False, True
 
@@ -165,13 +168,25 @@ class _CpuSession:
         if self.paused:
             return
         self._profile.__exit__(None, None, None)
-        self._events += [e for e in self._prof.profiler.kineto_results.events()
-                         if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU]
+        self._events += _changes(allocation_events(self._prof))
         self._profile = self._prof = None
         self.paused = True
 
     def after_backend(self) -> None:
         """Stopped until the graph runs (`step_runs`)."""
+
+
+def _changes(allocations) -> list:
+    """Each allocation event of one profiler session as the change of live bytes since the one
+    before: its own bytes, and the frees between the two that no event shows (blocks freed on an
+    unprofiled thread, such as gloo's worker thread: see `fxopt.cpu_memory`), read off the
+    allocator's count."""
+    out, before = [], None
+    for a in allocations:
+        change = a.nbytes if before is None else a.total_bytes - before
+        out.append(dataclasses.replace(a, nbytes=change))
+        before = a.total_bytes
+    return out
 
 
 class _CudaSession:

@@ -8,9 +8,10 @@ compiles) and checks:
   - FSDP2 (``fully_shard`` per block and at the root), eager and with each block under
     transformers' checkpointing;
   - `fxopt.distributed.fully_shard` + ``fxopt.optimize`` at FSDP2-with-checkpointing's measured
-    peak and at ``"min"``: one graph with the all-gathers and reduce-scatters inside; its loss
-    (averaged over ranks) and every gradient (gathered whole) equal single-process eager on the
-    whole batch (each rank's loss is its mean over its tokens divided by the world size, so the
+    peak and at ``"min"`` (config ``named-min``: at the smallest budget an `InfeasibleBudgetError`
+    names): one graph with the all-gathers and reduce-scatters inside; its loss (averaged over
+    ranks) and every gradient (gathered whole) equal single-process eager on the whole batch
+    (each rank's loss is its mean over its tokens divided by the world size, so the
     reduce-scatters' sum is the mean).
 """
 
@@ -32,6 +33,10 @@ from fxopt.distributed import fsdp as sharding
 
 BATCH = 4  # the whole batch; each rank takes an equal share
 SEQ = 128
+# The solvers' safety stop, which capture's time shortens (`fxopt.planner`): long enough that
+# effort, not the clock, ends the search, so that "min" is the same on a busy machine and a quiet
+# one (at the default, runs under load named another, with 12x fewer re-gathers).
+TIME_LIMIT = 600.0
 
 
 class HFLoss(nn.Module):
@@ -51,11 +56,11 @@ def _ids(vocab: int):
     return ids, ids.clone()
 
 
-def llama():
+def llama(layers: int = 4):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256,
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=128, intermediate_size=256,
                                    num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
                                    max_position_embeddings=SEQ, use_cache=False, attn_implementation="eager")
     return transformers.LlamaForCausalLM(cfg).train(), _ids(1024)
@@ -71,7 +76,7 @@ def gpt2():
     return transformers.GPT2LMHeadModel(cfg).train(), _ids(1024)
 
 
-MODELS = {"llama": llama, "gpt2": gpt2}
+MODELS = {"llama": llama, "gpt2": gpt2, "llama-2": lambda: llama(layers=2)}
 
 
 def blocks(hf: nn.Module) -> list[nn.Module]:
@@ -105,11 +110,11 @@ def _fsdp2(hf: nn.Module, share, checkpointing: bool) -> dict:
     return {"measured": peak, "seconds": round(seconds, 3)}
 
 
-def _fxopt(hf: nn.Module, share, reference, world: int, budget) -> dict:
+def _fxopt(hf: nn.Module, share, reference, world: int, budget, time_limit: float = TIME_LIMIT) -> dict:
     ref_loss, ref_grads = reference
     hf = sharding.fully_shard(copy.deepcopy(hf))
     model = HFLoss(hf, scale=world)
-    optimized = fxopt.optimize(model, budget)
+    optimized = fxopt.optimize(model, budget, time_limit=time_limit)
     peak, seconds, loss = _measure(optimized, model, share)
     dist.all_reduce(loss)
     torch.testing.assert_close(loss, ref_loss)
@@ -119,7 +124,8 @@ def _fxopt(hf: nn.Module, share, reference, world: int, budget) -> dict:
     plan = optimized.plans[-1]
     return {"measured": peak, "seconds": round(seconds, 3), "budget": plan.budget_bytes,
             "predicted": plan.peak_bytes, "recomputed": len(plan.recomputed), "plans": len(optimized.plans),
-            "extra_flops": plan.recompute_flops, "regathered_bytes": plan.recompute_comm_bytes}
+            "extra_flops": plan.recompute_flops, "regathered_bytes": plan.recompute_comm_bytes,
+            "solver": f"{plan.solver} {plan.status}"}
 
 
 def sharded(rank: int, world: int, names=("llama", "gpt2")) -> dict:
@@ -138,13 +144,37 @@ def sharded(rank: int, world: int, names=("llama", "gpt2")) -> dict:
     return out
 
 
+def named_minimum(rank: int, world: int, names=("llama-2",), budget: int = 1_000_000) -> dict:
+    """At a budget below every plan: the smallest budget the `InfeasibleBudgetError` names, and the
+    step at it (planned, checked and measured as the rows of `sharded`)."""
+    from fxopt.errors import InfeasibleBudgetError
+
+    out = {}
+    for name in names:
+        hf, inputs = MODELS[name]()
+        ref = copy.deepcopy(hf)
+        reference = step(HFLoss(ref), inputs).detach(), {n: p.grad for n, p in ref.named_parameters()}
+        share = share_of(inputs, rank, world)
+        try:
+            model = HFLoss(sharding.fully_shard(copy.deepcopy(hf)), scale=world)
+            fxopt.optimize(model, budget, time_limit=TIME_LIMIT)(*share)
+        except InfeasibleBudgetError as err:
+            named = {"min_budget": err.min_budget, "exact": err.exact, "lower_bound": err.lower_bound}
+        else:
+            raise AssertionError(f"{name} planned at {budget} bytes: ask for less")
+        out[name] = {"named": named, "fxopt@named": _fxopt(hf, share, reference, world, named["min_budget"])}
+    return out
+
+
 def max_over_ranks(n: int) -> int:
     t = torch.tensor([n])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t)
 
 
-CONFIGS = {"sharded": sharded, "llama": lambda r, w: sharded(r, w, ("llama",))}
+CONFIGS = {"sharded": sharded, "named-min": named_minimum,
+           **{name: (lambda r, w, name=name: sharded(r, w, (name,))) for name in MODELS}}
+# ("llama-2", the test's: two layers, half the compiles' time)
 
 
 def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None:

@@ -1,8 +1,8 @@
 """The sharded step as one graph (issue 26): `fxopt.distributed.fully_shard` on a `transformers`
 Llama, 2 gloo processes (`fsdp_steps.run`). Every rank checks its loss and every gradient against
 single-process eager on the whole batch (inside the worker: a mismatch fails the run); here each
-rank's measured peak is within its budget at FSDP2-with-per-block-checkpointing's measured peak,
-and the smallest budget is below it. Refusals run in this process."""
+rank's measured peak is within its plan and its budget at FSDP2-with-per-block-checkpointing's
+measured peak and at "min", and "min" is below that peak. Refusals run in this process."""
 
 from __future__ import annotations
 
@@ -16,42 +16,33 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 from fsdp_steps import run  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def llama_results():
-    return run("llama")
-
-
 @pytest.mark.slow  # two processes, four compiles each
-@pytest.mark.xfail(reason="open (issue 26): in the first full-suite run the plan at 'min' (5,390,228 B, 576 "
-                          "recomputations, 98.6 MB re-gathered, 21 TFLOP extra) measured 39,541,640 B on rank 0: "
-                          "re-gathered parameters are not freed as the plan says", strict=False)
-def test_llama_one_graph(llama_results):
+def test_llama_one_graph():
     """One graph on every rank (not pieces), the same plan on both ranks, loss and gradients equal
-    eager's (checked in the workers), the smallest budget below FSDP2-with-checkpointing's peak."""
-    results = llama_results
+    eager's (checked in the workers), each rank's measured peak within its plan and its budget, at
+    FSDP2-with-checkpointing's peak and at "min", which is below that peak.
+
+    A two-layer Llama, the cheapest that has blocks to checkpoint; its "min" re-gathers 11 MB
+    (`fsdp_steps.TIME_LIMIT`: the lowest-peak plan, not what the clock left). Issue 26:
+    re-gathered parameters are dropped last on gloo's worker thread, where the profiler records
+    no free, and the measured curve kept them: with main's measurement, rank 0 read 7,288,200 B
+    at "min" (4,334,984 planned). `test_budget_holds.py::test_a_block_freed_on_another_thread_is_freed`
+    is the same without processes."""
+    results = run("llama-2")
     assert len(results) == 2
-    ckpt = max(r["llama"]["fsdp2+ckpt"]["measured"] for r in results)
+    ckpt = max(r["llama-2"]["fsdp2+ckpt"]["measured"] for r in results)
     for rank, cases in enumerate(results):
-        rows = cases["llama"]
+        rows = cases["llama-2"]
         at_ckpt, smallest = rows["fxopt@ckpt"], rows["fxopt@min"]
         where = f"rank {rank}: {rows}"
         assert at_ckpt["plans"] == 1 and smallest["plans"] == 1, where
         assert at_ckpt["budget"] == ckpt, where
-        assert at_ckpt["predicted"] <= at_ckpt["budget"], where
-        assert smallest["measured"] <= smallest["budget"] < ckpt, where
+        for row in (at_ckpt, smallest):
+            assert row["measured"] <= row["predicted"] <= row["budget"], where
+        assert smallest["budget"] < ckpt, where
         assert rows["fsdp2+ckpt"]["measured"] < rows["fsdp2"]["measured"], where
     for row in ("fxopt@ckpt", "fxopt@min"):
-        assert results[0]["llama"][row]["recomputed"] == results[1]["llama"][row]["recomputed"]
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(reason="gloo's collectives hold buffers on their worker thread until they complete, "
-                          "past the op the simulator counts them at: a rank measured up to 65 KB over "
-                          "the budget of 10.02 MB (see the report of issue 26)", strict=False)
-def test_llama_within_checkpointing_peak(llama_results):
-    for rank, cases in enumerate(llama_results):
-        at_ckpt = cases["llama"]["fxopt@ckpt"]
-        assert at_ckpt["measured"] <= at_ckpt["budget"], f"rank {rank}: {at_ckpt}"
+        assert results[0]["llama-2"][row]["recomputed"] == results[1]["llama-2"][row]["recomputed"]
 
 
 def test_shards_gather_and_regather_is_offered(one_process_group):
