@@ -22,10 +22,10 @@ fxopt meets), one row:
   gradients resident; ``within`` is measured <= budget (the budget the plan resolved to, bytes);
 - gradients against eager's (``torch.testing.assert_close``, its default tolerances: Inductor's
   fused kernels may round differently, and the row says so);
-- recompute: the plan's recompute cost (the cost model's seconds, what the solvers minimise: FLOPs
-  and per-op overhead) and extra FLOPs against the cheapest simple policy within the same budget
-  on the same graph (`fxopt.solvers.policies`: per-block checkpointing, torch's selective
-  default, nothing), by that cost; ``not_worse`` where none fits is "–";
+- recompute: the plan's cost (the cost model's seconds, what the solvers minimise: FLOPs, per-op
+  overhead, exposed transfers) and extra FLOPs against the cheapest simple policy within the same
+  budget on the same graph (`benchmarks.harness.best_policy`), by that cost; ``not_worse`` where
+  none fits is "–";
 - an infeasible budget: the minimum fxopt names is planned and measured in turn (it must hold);
 - the plan's decisions digest (SAVE/RECOMPUTE/COMPRESS/OFFLOAD of every value, its solver): two
   runs, one with ``--load`` (another fxopt planning job runs beside it for the whole run), compared
@@ -56,7 +56,7 @@ import torch.nn as nn
 
 import fxopt
 import benchmarks.library_zoo  # noqa: F401 - registers the "library" and "hf" sets
-from benchmarks.harness import (choose, compare_grads, error_line, log, mib, report_head, restore_settings,
+from benchmarks.harness import (best_policy, choose, compare_grads, error_line, log, mib, report_head, restore_settings,
                                 run_meta, saved_settings, train_step, write_results)
 from fxopt.models import MODELS, zoo
 from fxopt.solvers import DEFAULT_TIME_LIMIT
@@ -78,20 +78,6 @@ def decisions_digest(plan: fxopt.Plan) -> str:
     record = plan.to_dict()
     record.pop("solve_seconds", None)
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def best_policy(plan: fxopt.Plan) -> tuple[str | None, float | None, int | None]:
-    """The cheapest simple policy within the plan's budget on its graph, by the cost fxopt
-    minimises (the cost model's seconds: FLOPs and per-op overhead, so a recomputed pointwise op
-    is not free): its name, cost and extra FLOPs."""
-    from fxopt.solvers.policies import named_policy_candidates
-
-    fitting = [(timeline.recompute_cost, name, timeline.recompute_flops)
-               for name, (_, timeline) in named_policy_candidates(plan.graph) if timeline.peak_bytes <= plan.budget_bytes]
-    if not fitting:
-        return None, None, None
-    cost, name, flops = min(fitting)
-    return name, cost, flops
 
 
 @contextlib.contextmanager
@@ -166,15 +152,15 @@ def plan_columns(plans: list[fxopt.Plan], measured: int) -> dict[str, Any]:
     if not plans:
         return {"error": "no plan was made (the step ran unplanned)"}
     budget = max(p.budget_bytes for p in plans)
-    flops, cost = sum(p.recompute_flops for p in plans), sum(p.recompute_cost for p in plans)
+    flops, cost = sum(p.recompute_flops for p in plans), sum(p.cost for p in plans)
     policies = [best_policy(p) for p in plans]
-    unmet = any(c is None for _, c, _ in policies)
-    policy_cost = None if unmet else sum(c for _, c, _ in policies)
-    policy_flops = None if unmet else sum(f for _, _, f in policies)
+    unmet = any(p.get("best_policy") is None for p in policies)
+    policy_cost = None if unmet else sum(p["best_policy_cost"] for p in policies)
+    policy_flops = None if unmet else sum(p["best_policy_extra_flops"] for p in policies)
     return {"pieces": len(plans), "budget_bytes": budget, "predicted_peak_bytes": max(p.peak_bytes for p in plans),
             "measured_peak_bytes": measured, "within": measured <= budget,
             "solver": ",".join(sorted({p.solver for p in plans})), "status": ",".join(sorted({p.status for p in plans})),
-            "extra_flops": flops, "recompute_cost": cost, "best_policy": ",".join(str(n) for n, _, _ in policies),
+            "extra_flops": flops, "cost": cost, "best_policy": ",".join(str(p.get("best_policy")) for p in policies),
             "best_policy_cost": policy_cost, "best_policy_flops": policy_flops,
             "not_worse": None if policy_cost is None else cost <= policy_cost * (1 + 1e-9),
             "digest": "+".join(decisions_digest(p) for p in plans)}
@@ -311,7 +297,7 @@ def report(result: dict[str, Any]) -> str:
             continue
         policy = "–" if r.get("best_policy_flops") is None else f"{r['best_policy']} ({r['best_policy_flops'] / 1e9:.3f})"
         flops = "–" if r.get("extra_flops") is None else f"{r['extra_flops'] / 1e9:.3f}"
-        ratio = ("–" if not r.get("best_policy_cost") else f"{r['recompute_cost'] / r['best_policy_cost']:.2f}")
+        ratio = ("–" if not r.get("best_policy_cost") else f"{r['cost'] / r['best_policy_cost']:.2f}")
         lines.append(f"| {r['model']} | {r['route']} | {r['budget']} | {mib(r['budget_bytes'])} | "
                      f"{mib(r.get('predicted_peak_bytes'))} | {mib(r['measured_peak_bytes'])} | {_yes(r['within'])} | "
                      f"{_yes(r.get('grads_equal'))} | {flops} | {policy} | {ratio} | {_yes(r.get('not_worse'))} | "

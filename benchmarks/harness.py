@@ -124,6 +124,25 @@ def plan_fields(plan: Any) -> dict[str, Any]:
     }
 
 
+def best_policy(plan: Any) -> dict[str, Any]:
+    """The cheapest simple policy within the plan's budget on its graph (`fxopt.solvers.policies`:
+    per-block checkpointing, torch's selective default, nothing), by the cost the solvers minimise
+    (`Timeline.cost`: FLOPs, per-op overhead and exposed transfers, so a recomputed pointwise op is
+    not free): its name (None where none fits), peak, extra FLOPs and cost; {} at a commit before
+    the policies existed."""
+    try:
+        from fxopt.solvers.policies import named_policy_candidates
+    except ImportError:
+        return {}
+    fitting = [(timeline.cost, name, timeline) for name, (_, timeline) in named_policy_candidates(plan.graph)
+               if timeline.peak_bytes <= plan.budget_bytes]
+    if not fitting:
+        return {"best_policy": None}
+    cost, name, timeline = min(fitting, key=lambda f: (f[0], f[1]))
+    return {"best_policy": name, "best_policy_peak_bytes": timeline.peak_bytes,
+            "best_policy_extra_flops": timeline.recompute_flops, "best_policy_cost": cost}
+
+
 class Measurer:
     """One model and its inputs, eager's reference step, and `measure` for any method of running it."""
 

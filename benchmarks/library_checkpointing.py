@@ -44,7 +44,7 @@ import torch._dynamo
 import fxopt
 from fxopt.models import MODELS, ZooModel, zoo
 from fxopt.solvers import DEFAULT_TIME_LIMIT
-from benchmarks.harness import (Measurer, choose, commit_of, error_line, load_average, log, mib, plan_fields,
+from benchmarks.harness import (Measurer, best_policy, choose, commit_of, error_line, load_average, log, mib, plan_fields,
                                 report_head, restore_settings, run_meta, run_to_end, saved_settings, write_results)
 from benchmarks.hf_models import flop_counter_mode_flops
 from benchmarks.hf_zoo import HF_NAMES
@@ -60,21 +60,6 @@ LIBRARIES = ("diffusers", "transformers", "timm", "torchtitan")
 def entry_of(name: str) -> ZooModel:
     """The zoo's entry of a model named here (``"unet"`` -> ``MODELS["lib-unet"]``)."""
     return MODELS.get(f"lib-{name}") or MODELS[f"hf-{name}"]
-
-
-def best_policy(plan: fxopt.Plan) -> dict[str, Any]:
-    """The cheapest simple policy within the plan's budget on its graph (none before they existed)."""
-    try:
-        from fxopt.solvers.policies import named_policy_candidates
-    except ImportError:
-        return {}
-    fitting = [(timeline.cost, name, timeline) for name, (_, timeline) in named_policy_candidates(plan.graph)
-               if timeline.peak_bytes <= plan.budget_bytes]
-    if not fitting:
-        return {"best_policy": None}
-    _, name, timeline = min(fitting, key=lambda f: (f[0], f[1]))
-    return {"best_policy": name, "best_policy_peak_bytes": timeline.peak_bytes,
-            "best_policy_extra_flops": timeline.recompute_flops}
 
 
 def counted(fn: Any, inputs: tuple, model: torch.nn.Module, row: dict[str, Any]) -> None:
