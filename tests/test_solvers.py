@@ -749,6 +749,37 @@ def test_random_graph_instant_bound_is_a_lower_bound(graph, fraction):
         assert res.bound <= min(costs) + 1e-9
 
 
+def test_a_saved_value_the_backward_never_reads_is_not_kept_in_the_instant_program():
+    """A plan may SAVE a value the backward never reads (f3 here: its only user, f6, is saved
+    too); the simulator runs it as the generated code does, freeing f3 at its last forward use.
+    Its description as a solution of the instant program (a warm start, and the relaxation's
+    proof) must say the same: with f3 counted as kept, the forward's row at the loss broke (a
+    hypothesis counterexample of `test_random_graph_instant_bound_is_a_lower_bound`)."""
+    from fxopt.solvers.instant import _Program
+    from fxopt.solvers.mip import byte_unit
+
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("f3", ["x"], 3, cost=0.5)
+    b.fwd("f6", ["f3"], 1, cost=0.5)
+    b.fwd("f9", ["f6"], 1, cost=0.5)
+    b.fwd("loss", ["f9"], 1, cost=0.5, output=True)
+    b.bwd("g_loss", ["tan"], 1)
+    b.bwd("g_f9", ["g_loss", "f6"], 1)
+    b.bwd("g_x", ["g_f9"], 1, output=True)
+    graph = b.build()
+    ids = {n.name: i for i, n in enumerate(graph.nodes)}
+    from fxopt.solvers.schedule import on_demand
+
+    schedule = on_demand(graph, {ids["f3"], ids["f6"]})
+    assert ids["f3"] in schedule.saved
+    budget = simulate(graph, schedule).peak_bytes
+    prog = _Program(graph, budget, byte_unit(graph))
+    m, _, _ = prog.build([graph.backward_nodes.index(ids["g_f9"])], list(range(len(prog.order))))
+    assert not m.violations(prog.values_of(schedule))
+
+
 def _chain_with_a_head() -> Graph:
     """A 3-layer chain a_k = f(a_{k-1}) (4 bytes each, cost 1) under a big head: h = g(a_3)
     (8 bytes, not recomputable: only saved), loss = sum(h); the head's backward makes two 8-byte

@@ -73,8 +73,8 @@ from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import compress_to_fit, offload_to_fit
 from fxopt.solvers.liveness import fixed_backward_bytes, forward_profile, last_uses
 from fxopt.solvers.mip import Mip, byte_unit, cost_scale_for, solve_mip
-from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, backward_steps, must_save,
-                                    on_demand, read_before_recompute, save_all_set, simulate)
+from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, as_generated, backward_steps,
+                                    must_save, on_demand, read_before_recompute, save_all_set, simulate)
 
 __all__ = ["InstantResult", "fixed_backward_bytes", "instant_solve"]
 
@@ -218,6 +218,9 @@ class _Reading:
         schedule that fits the budget gives a solution of the program, which is a relaxation."""
         graph, nodes = self.graph, self.graph.nodes
         x = [0.0] * self.mip.num_vars
+        # As the simulator runs it: a SAVEd value the backward never reads before recomputing it
+        # dies at its last forward use (it is not kept, so the forward's rows must not count it).
+        schedule = as_generated(graph, schedule)
         saved = schedule.saved
         steps = backward_steps(graph, schedule)
         last = last_uses(args for _, _, args in steps)
