@@ -44,6 +44,7 @@ import fxopt
 from benchmarks.harness import (checkpoint_blocks, error_line, load_average, log, median_step_seconds, report_head,
                                 run_meta, write_results)
 from fxopt.measure import count_flops
+from fxopt.solvers.effort import DEFAULT_TIME_LIMIT
 
 MiB = 2**20
 SIZES = {  # layers, hidden, heads, ffn, seq, batch per rank, vocab
@@ -328,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--time-limit", type=float, default=5.0)
+    parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
+                        help="fxopt's safety stop, seconds (default: fxopt's); counted effort decides the plan")
     parser.add_argument("--timed-steps", type=int, default=3)
     parser.add_argument("--retries", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
