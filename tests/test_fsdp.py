@@ -74,3 +74,6 @@ def test_shards_gather_and_regather_is_offered(one_process_group):
     scatters = [n for n in nodes if n.name.startswith("reduce_scatter_tensor")]
     assert len(gathers) == len(scatters) == 4  # one per parameter, each way
     assert all(n.recomputable for n in gathers) and not any(n.recomputable for n in scatters)
+    # gloo's copy of a reduce-scatter's input outlives its wait (`Node.lingers`): of the input's
+    # size, here (one rank) the output's; an all-gather's buffers are freed in the op.
+    assert [n.lingers for n in scatters] == [n.bytes for n in scatters] and not any(n.lingers for n in gathers)

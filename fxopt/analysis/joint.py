@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
 from fxopt.analysis.eager_saves import eager_saves
 from fxopt.analysis.costs import GATHERS, WAITS, CostModel, comm_bytes_of, flops_of, group_backend
-from fxopt.analysis.scratch import OpMemory, op_memory, scratch_beyond_output
+from fxopt.analysis.scratch import OpMemory, lingering_bytes, op_memory, scratch_beyond_output
 from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
@@ -221,7 +221,8 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
         nodes = [dataclasses.replace(node, workspace=scratch_beyond_output(memory[n].increase if n in memory else 0,
-                                                                           max(at(s.bytes), m)))
+                                                                           max(at(s.bytes), m)),
+                                     lingers=lingering_bytes(n, sizes.at))
                  for node, n, s, m in zip(nodes, fx_nodes, node_sizes, measured)]
         if codecs:
             workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()}, sizes.at)

@@ -126,6 +126,19 @@ def _collective_increase(node: fx.Node) -> int | None:
     return outs
 
 
+def lingering_bytes(node: fx.Node, at=int) -> int:
+    """Bytes a functional collective leaves allocated past its wait (`fxopt.solvers.graph.Node.lingers`):
+    gloo's copy of a reduce-scatter's input, which its worker thread frees when it lets go of the
+    work (measured on 2 ranks: as late as the issue of the next collective, some ops on). 0 for
+    any other op and backend. ``at``: a size's value at the shape planned for (as `op_memory`'s)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+        return 0
+    if not target._opname.startswith("reduce_scatter") or group_backend(node) not in ("gloo", None):
+        return 0
+    return sum(at(t.numel()) * t.element_size() for a in node.all_input_nodes for t in tensors_in(a.meta.get("val")))
+
+
 def known_increase(node: fx.Node) -> int | None:
     """The bytes an op allocates while it runs, where that is known without running it (see
     `_OUTPUTS_ONLY_ON_CPU`, `_collective_increase`): its outputs'. None otherwise."""

@@ -98,6 +98,12 @@ class Node:
     # ``cost`` counts them at the cost model's ``comm_bytes_per_second``. A recomputed all-gather
     # is a re-gather (FSDP's reshard after forward): reported as communication, not FLOPs.
     comm_bytes: int = 0
+    # Bytes a collective leaves allocated after its wait returns, which its process group's worker
+    # thread frees when it lets go of the work, at a moment this process does not order: gloo's
+    # copy of a reduce-scatter's input (measured: freed as late as the next collective's issue).
+    # The simulator holds them until the wait of the next collective that lingers has run (or the
+    # backward ends).
+    lingers: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -287,8 +293,8 @@ class Graph:
     def to_dict(self) -> dict:
         # (No "transfers" key without them: a graph's dict, and the plan cache's key made from it,
         # stay what they were before OFFLOAD.)
-        # (Nor a "comm_bytes" key on a node that moves nothing over the process group.)
-        d: dict = {"nodes": [{k: v for k, v in dataclasses.asdict(n).items() if k != "comm_bytes" or v}
+        # (Nor a "comm_bytes" or "lingers" key on a node that moves nothing over the process group.)
+        d: dict = {"nodes": [{k: v for k, v in dataclasses.asdict(n).items() if k not in ("comm_bytes", "lingers") or v}
                              for n in self.nodes]}
         if self.transfers is not None:
             d["transfers"] = self.transfers.to_dict()
