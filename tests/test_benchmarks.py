@@ -227,6 +227,8 @@ def test_every_script_writes_through_the_harness():
 def test_old_results_files_stay_readable(tmp_path):
     """Reports re-rendered from results written before the one format (commit under "git")."""
     old = json.loads((BENCHMARKS / "results" / "hf_models.json").read_text())
+    meta = old["meta"]
+    old["meta"] = {("git" if k == "commit" else k): v for k, v in meta.items()}  # as written before
     assert "git" in old["meta"] and "commit" not in old["meta"]
     (tmp_path / "hf_models.json").write_text(json.dumps(old))
     hf_models.main(["--report", "--out", str(tmp_path / "hf_models")])
