@@ -45,6 +45,31 @@ def test_llama_one_graph():
         assert results[0]["llama-2"][row]["recomputed"] == results[1]["llama-2"][row]["recomputed"]
 
 
+@pytest.mark.slow  # two processes, four compiles each
+def test_fsdp2_llama_one_graph():
+    """FSDP2's own model (``fully_shard`` per decoder layer and at the root) under fxopt, on 2 gloo
+    ranks: one graph on every rank (an all-gather per parameter inside, nothing held beside it as
+    beside a piece), each rank's measured peak within its plan and its budget at
+    FSDP2-with-checkpointing's measured peak and at "min", which is below that peak; loss and every
+    gradient (sharded DTensors FSDP2 averages) equal single-process eager's, and on a model whose
+    shapes do not divide by the ranks equal FSDP2 eager's (checked in the workers)."""
+    results = run("fsdp2-llama-2", timeout=1800.0)  # a safety stop for a hang, not a speed requirement
+    assert len(results) == 2
+    ckpt = max(r["llama-2"]["fsdp2+ckpt"]["measured"] for r in results)
+    for rank, cases in enumerate(results):
+        rows = cases["llama-2"]
+        at_ckpt, smallest = rows["fxopt-fsdp2@ckpt"], rows["fxopt-fsdp2@min"]
+        where = f"rank {rank}: {rows}"
+        for row in (at_ckpt, smallest):
+            assert row["plans"] == 1 and row["gathers"] == row["params"], where
+            assert row["measured"] <= row["predicted"] == row["bound"] <= row["budget"], where
+        assert at_ckpt["budget"] == ckpt, where
+        assert smallest["budget"] < ckpt and smallest["regathered_bytes"] > 0, where
+        assert cases["uneven"]["plans"] == 2, where  # a step, then one with gradients held
+    for row in ("fxopt-fsdp2@ckpt", "fxopt-fsdp2@min"):
+        assert results[0]["llama-2"][row]["recomputed"] == results[1]["llama-2"][row]["recomputed"]
+
+
 def test_shards_gather_and_regather_is_offered(one_process_group):
     """On one rank: the sharded model computes what the model did, gradients land in the shards,
     sharding twice is refused, and the captured step's all-gathers (and their waits) may be
@@ -74,3 +99,121 @@ def test_shards_gather_and_regather_is_offered(one_process_group):
     scatters = [n for n in nodes if n.name.startswith("reduce_scatter_tensor")]
     assert len(gathers) == len(scatters) == 4  # one per parameter, each way
     assert all(n.recomputable for n in gathers) and not any(n.recomputable for n in scatters)
+
+
+# ------------------------------------------------------------------ FSDP2's fully_shard, one graph
+
+
+def _fsdp2_pair(factor: float | None = None):
+    """Two copies of one MLP under FSDP2 (``fully_shard`` per block and at the root), with
+    ``factor`` as every unit's gradient divide factor: one for FSDP2 eager, one for fxopt."""
+    import copy
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Sequential(nn.Linear(16, 32), nn.Tanh()), nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+                         nn.Linear(32, 1))
+    models = []
+    for _ in range(2):
+        m = copy.deepcopy(base)
+        for block in m[:2]:
+            fully_shard(block)
+        fully_shard(m)
+        if factor is not None:
+            for unit in (m, *m[:2]):
+                unit.set_gradient_divide_factor(factor)
+        models.append(m)
+    return models
+
+
+def test_fsdp2_step_is_one_graph(one_process_group):
+    """fxopt.optimize of FSDP2's model: one plan for the whole step with an all-gather and a
+    reduce-scatter per parameter inside; FSDP2's state intact (sharded DTensor parameters, its hooks
+    back in place, state_dict); loss and DTensor gradients equal FSDP2 eager's, through FSDP2's
+    gradient divide factor and two steps of gradient accumulation; FSDP2 eager runs on after."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    import fxopt
+
+    eager, model = _fsdp2_pair(factor=4.0)
+    hooks = [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
+    optimized = fxopt.optimize(model, "min")
+    x = torch.randn(8, 16)
+    for _ in range(2):  # the second accumulates into the first's gradients
+        torch.testing.assert_close(optimized(x).sum(), eager(x).sum())
+        eager(x).sum().backward()
+        optimized(x).sum().backward()
+    # One plan per step: the first, and the second, which starts with gradients held (fxopt plans
+    # such a step on its own); each the whole step, nothing held beside it as beside a piece.
+    assert len(optimized.plans) == 2
+    assert optimized.peak_bound_bytes == max(p.peak_bytes for p in optimized.plans)
+    params = list(model.parameters())
+    for plan in optimized.plans:
+        names = [n.name for n in plan.graph.nodes]
+        assert sum(n.startswith("all_gather_into_tensor") for n in names) == len(params)
+        assert sum(n.startswith("reduce_scatter_tensor") for n in names) == len(params)
+    assert hooks == [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
+    assert all(type(m).__name__.startswith(("FSDP", "Linear", "Tanh")) for m in model.modules())
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),), name
+        assert isinstance(p.grad, DTensor) and p.grad.placements == (Shard(0),), name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), msg=lambda m: f"{name}: {m}")
+    state = model.state_dict()
+    assert all(isinstance(t, DTensor) for t in state.values())
+    model.zero_grad()
+    model(x).sum().backward()  # FSDP2 eager, hooks and all, on the same model
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert p.grad is not None and p.grad.shape == q.grad.shape
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_fsdp2_optimizer_steps_match_eager(one_process_group, optimizer):
+    """An optimizer over the fxopt-wrapped FSDP2 model's parameters (FSDP2's DTensors) steps them
+    as it steps FSDP2 eager's: equal parameters after two steps."""
+    import torch
+
+    import fxopt
+
+    eager, model = _fsdp2_pair()
+    optimized = fxopt.optimize(model, "min")
+    make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[optimizer]
+    opts = [make(eager.parameters()), make(optimized.parameters())]
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        for module, opt in zip((eager, optimized), opts):
+            opt.zero_grad()
+            module(x).square().mean().backward()
+            opt.step()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), msg=lambda m: f"{name}: {m}")
+    assert len(optimized.plans) == 1
+
+
+def test_fsdp2_settings_refused_or_in_pieces(one_process_group):
+    """FSDP2 settings fxopt's graph does not follow: mixed precision refused, naming what to do; a
+    unit without gradient sync planned in pieces (its hooks run), with a warning naming why, and
+    refused if set only after fxopt.optimize; one graph takes a fraction and "min"."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import fxopt
+
+    mixed = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(fxopt.CaptureError, match="MixedPrecisionPolicy"):
+        fxopt.optimize(mixed, "1MiB")
+    _, model = _fsdp2_pair()
+    model.set_requires_gradient_sync(False)
+    with pytest.warns(UserWarning, match="in pieces.*set_requires_gradient_sync"):
+        pieces = fxopt.optimize(model, "1MiB")
+    assert pieces._distributed.in_pieces
+    _, model = _fsdp2_pair()
+    optimized = fxopt.optimize(model, 0.99)
+    assert not optimized._distributed.in_pieces
+    model.set_requires_gradient_sync(False)
+    with pytest.raises(fxopt.CaptureError, match="set it before fxopt.optimize"):
+        optimized(torch.randn(2, 16))
