@@ -105,27 +105,34 @@ def test_shards_gather_and_regather_is_offered(one_process_group):
 
 
 def _fsdp2_pair(factor: float | None = None):
-    """Two copies of one MLP under FSDP2 (``fully_shard`` per block and at the root), with
-    ``factor`` as every unit's gradient divide factor: one for FSDP2 eager, one for fxopt."""
+    """Two copies of one small LM under FSDP2 (``fully_shard`` per block, on a bare Linear, and at
+    the root, which keeps the embedding tied to the output layer), with ``factor`` as every unit's
+    gradient divide factor: one for FSDP2 eager, one for fxopt."""
     import copy
 
     import torch
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Sequential(nn.Linear(16, 32), nn.Tanh()), nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
-                         nn.Linear(32, 1))
+    base = nn.Sequential(nn.Embedding(10, 16), nn.Sequential(nn.Linear(16, 32), nn.Tanh()),
+                         nn.Sequential(nn.Linear(32, 32), nn.Tanh()), nn.Linear(32, 16), nn.Linear(16, 10, bias=False))
+    base[4].weight = base[0].weight
     models = []
     for _ in range(2):
         m = copy.deepcopy(base)
-        for block in m[:2]:
-            fully_shard(block)
-        fully_shard(m)
-        if factor is not None:
-            for unit in (m, *m[:2]):
+        units = [*m[1:4], m]
+        for unit in units:
+            fully_shard(unit)
+            if factor is not None:
                 unit.set_gradient_divide_factor(factor)
         models.append(m)
     return models
+
+
+def _ids(n: int = 8):
+    import torch
+
+    return torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(0))
 
 
 def test_fsdp2_step_is_one_graph(one_process_group):
@@ -141,7 +148,7 @@ def test_fsdp2_step_is_one_graph(one_process_group):
     eager, model = _fsdp2_pair(factor=4.0)
     hooks = [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
     optimized = fxopt.optimize(model, "min")
-    x = torch.randn(8, 16)
+    x = _ids()
     for _ in range(2):  # the second accumulates into the first's gradients
         torch.testing.assert_close(optimized(x).sum(), eager(x).sum())
         eager(x).sum().backward()
@@ -150,13 +157,14 @@ def test_fsdp2_step_is_one_graph(one_process_group):
     # such a step on its own); each the whole step, nothing held beside it as beside a piece.
     assert len(optimized.plans) == 2
     assert optimized.peak_bound_bytes == max(p.peak_bytes for p in optimized.plans)
-    params = list(model.parameters())
+    uses = len(list(model.named_parameters(remove_duplicate=False)))  # the tied weight read twice
     for plan in optimized.plans:
         names = [n.name for n in plan.graph.nodes]
-        assert sum(n.startswith("all_gather_into_tensor") for n in names) == len(params)
-        assert sum(n.startswith("reduce_scatter_tensor") for n in names) == len(params)
+        assert sum(n.startswith("all_gather_into_tensor") for n in names) == uses
+        assert sum(n.startswith("reduce_scatter_tensor") for n in names) == uses
     assert hooks == [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
-    assert all(type(m).__name__.startswith(("FSDP", "Linear", "Tanh")) for m in model.modules())
+    assert all(type(m).__name__.startswith(("FSDP", "Linear", "Tanh", "Embedding")) for m in model.modules())
+    assert model[4].weight is model[0].weight
     for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
         assert isinstance(p, DTensor) and p.placements == (Shard(0),), name
         assert isinstance(p.grad, DTensor) and p.grad.placements == (Shard(0),), name
@@ -182,7 +190,7 @@ def test_fsdp2_optimizer_steps_match_eager(one_process_group, optimizer):
     make = {"SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
             "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[optimizer]
     opts = [make(eager.parameters()), make(optimized.parameters())]
-    x = torch.randn(8, 16)
+    x = _ids()
     for _ in range(2):
         for module, opt in zip((eager, optimized), opts):
             opt.zero_grad()
@@ -196,7 +204,7 @@ def test_fsdp2_optimizer_steps_match_eager(one_process_group, optimizer):
 def test_fsdp2_settings_refused_or_in_pieces(one_process_group):
     """FSDP2 settings fxopt's graph does not follow: mixed precision refused, naming what to do; a
     unit without gradient sync planned in pieces (its hooks run), with a warning naming why, and
-    refused if set only after fxopt.optimize; one graph takes a fraction and "min"."""
+    refused if set only after fxopt.optimize; a unit FSDP2 holds unsharded refused."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -214,6 +222,10 @@ def test_fsdp2_settings_refused_or_in_pieces(one_process_group):
     _, model = _fsdp2_pair()
     optimized = fxopt.optimize(model, 0.99)
     assert not optimized._distributed.in_pieces
+    model.unshard()
+    with pytest.raises(fxopt.CaptureError, match="unsharded now"):
+        optimized(_ids())
+    model.reshard()
     model.set_requires_gradient_sync(False)
     with pytest.raises(fxopt.CaptureError, match="set it before fxopt.optimize"):
-        optimized(torch.randn(2, 16))
+        optimized(_ids())

@@ -65,6 +65,13 @@ class Sharded:
         return self.param._module_info.param_name
 
     @property
+    def uses(self) -> list[tuple[nn.Module, str]]:
+        """Every (module, name) the parameter is registered under: one, or more where it is tied
+        (an embedding shared with the output layer)."""
+        info = self.param._module_info
+        return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+
+    @property
     def divide_factor(self) -> float:
         """What FSDP2 divides the reduce-scatter's sum by: the factor set on the unit
         (``set_gradient_divide_factor``), or the ranks' number (a mean)."""
@@ -149,20 +156,29 @@ class OneGraph:
         with contextlib.ExitStack() as stack:
             for unit in self.units:
                 stack.enter_context(_without_forward_hooks(unit))
-            by_module: dict[int, list[Sharded]] = {}
+            reads: dict[int, tuple[nn.Module, dict]] = {}  # module -> (module, its parameters' shards)
             for s in self.params:
-                by_module.setdefault(id(s.module), []).append(s)
-            for group in by_module.values():
-                stack.enter_context(self._reading_gathered(group[0].module, group))
+                leaf = _leaf(s)  # one per parameter, so that tied uses accumulate into one gradient
+                for module, name in s.uses:
+                    reads.setdefault(id(module), (module, {}))[1][name] = leaf
+            for module, shards in reads.values():
+                stack.enter_context(self._reading_gathered(module, shards))
             yield
 
     def _lazy_init(self) -> None:
         """What FSDP2 does before its first forward (find the root, re-pad shards that
-        ``load_state_dict(assign=True)`` or ``.to()`` replaced), which its skipped hooks would do."""
+        ``load_state_dict(assign=True)`` or ``.to()`` replaced), which its skipped hooks would do;
+        refused where FSDP2 holds a unit unsharded now."""
         for unit in self.units:
             state = unit._get_fsdp_state()
             if state._is_root is None:
                 state._lazy_init()
+            for group in state._fsdp_param_groups:
+                if not group.is_sharded:
+                    raise CaptureError(
+                        f"FSDP2 holds {type(unit).__name__}'s parameters unsharded now (after unshard(), or a forward "
+                        "without its backward, or reshard_after_forward=False after a forward): call reshard() on "
+                        "the model's FSDP units before fxopt's step")
         for s in self.params:
             p = s.param
             if s.module._parameters.get(s.name) is not p.sharded_param or \
@@ -171,11 +187,11 @@ class OneGraph:
                 p.reset_sharded_param()
 
     @contextlib.contextmanager
-    def _reading_gathered(self, module: nn.Module, params: list[Sharded]):
+    def _reading_gathered(self, module: nn.Module, shards: dict):
         cls = type(module)
         if id(module) not in self._classes:
-            self._classes[id(module)] = _gathering_class(cls, [s.name for s in params])
-        module.__dict__["_fxopt_fsdp2_shards"] = {s.name: _leaf(s) for s in params}
+            self._classes[id(module)] = _gathering_class(cls, list(shards))
+        module.__dict__["_fxopt_fsdp2_shards"] = shards
         module.__class__ = self._classes[id(module)]
         try:
             yield
