@@ -47,13 +47,14 @@ def test_ddp_both_orders():
 
 
 def test_fsdp2_per_block():
-    """fully_shard per block and at the root: every piece planned beside what the rest of the step
-    and FSDP hold; each rank within the budget in bytes."""
+    """fully_shard per block and at the root, planned as one graph (`fxopt.distributed.fsdp2`; GPT-2's
+    embedding is tied to its head): one plan per compiled step, each rank within the budget."""
     results = run("fsdp")
     _check(results)
     for cases in results:
-        for r in cases.values():
-            assert r["plans"] >= 3  # the blocks, and the code around them
+        # ConvNeXt's loss sets config.problem_type at its first call, so Dynamo compiles its step
+        # again at the second: a plan each time, both of the whole step.
+        assert {case: r["plans"] for case, r in cases.items()} == {"gpt2": 1, "convnext": 2}, cases
 
 
 def _mlp():
