@@ -26,9 +26,12 @@ fxopt counts them (`held_bytes`: those the gradients are not views of, which the
 tensors show already) as resident memory the step does not read; a step captured in pieces counts
 them in every piece's reserve (`fxopt.capture.pieces`).
 
-FSDP2 (``fully_shard`` per block): see the functions below (`fsdp_units` onwards) and
-docs/multi-device.md: every graph of its step is a piece of `fxopt.capture.pieces`, planned beside
-the reserve that counts FSDP's shards, gathered parameters and buffers.
+FSDP2 (``fully_shard`` per block): its step is one graph, fxopt gathering the shards itself with
+FSDP2's hooks off (`fxopt.distributed.fsdp2`, `DistributedStep.one_graph`), unless a setting needs
+those hooks (`fxopt.distributed.fsdp2.not_one_graph`); then, with the functions below
+(`fsdp_units` onwards; docs/multi-device.md), every graph of its step is a piece of
+`fxopt.capture.pieces`, planned beside the reserve that counts FSDP's shards, gathered parameters
+and buffers.
 
 Refused, with the reason: a DDP built for compiled autograd (``optimize_ddp="python_reducer"``),
 communication hooks (``register_comm_hook``: they allocate what fxopt cannot see), DDP's
@@ -288,7 +291,7 @@ class DistributedStep:
             fsdp2.check(self.units)
             why = fsdp2.not_one_graph(self.units)
             if why is None:
-                self.one_graph = fsdp2.OneGraph(model, self.units)
+                self.one_graph = fsdp2.OneGraph(self.units)
             else:
                 self.piece_units = self.units
                 warnings.warn(f"fxopt plans this FSDP2 model's step in pieces, around FSDP2's hooks, not as one "

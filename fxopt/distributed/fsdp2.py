@@ -10,7 +10,7 @@ could only plan piece by piece. While an fxopt step runs (its capture and every 
     of its own all-gathers, reduce-scatters or backward hooks run;
   - each managed module reads its parameter through a property (a subclass swapped in for the
     call) that gathers it from this rank's padded shard, FSDP2's own ``_sharded_param_data``,
-    with `fxopt.distributed.fsdp`'s ``_gather`` (``all_gather_tensor_autograd``: its backward is a
+    with `fxopt.distributed.fsdp`'s ``gather`` (``all_gather_tensor_autograd``: its backward is a
     reduce-scatter). FSDP2 shards dim 0 in ``torch.chunk``'s pieces, each padded to the first's
     rows, so the shards laid end to end are the flattened parameter, zero-padded at the end:
 
@@ -28,9 +28,12 @@ with the gradients FSDP2 eager would give them. When to re-gather a parameter fo
 fxopt's decision (SAVE or RECOMPUTE of the gathered value, `fxopt.analysis.joint`), not
 ``reshard_after_forward``'s, and the ranks agree on one plan (`fxopt.distributed.fsdp.agreed_plan`).
 
+A tied parameter (FSDP2's shared modules) is one leaf, read gathered under each of its names, so
+its uses' gradients accumulate into one.
+
 Refused (`check`), each with what to do, in one graph and in pieces alike: a
 ``MixedPrecisionPolicy`` with ``param_dtype`` or ``reduce_dtype``, a ``CPUOffloadPolicy``, a mesh
-of several dimensions (HSDP). Planned in pieces instead, around FSDP2's own hooks, with a warning
+of several dimensions (HSDP); in one graph also a unit FSDP2 holds unsharded when the step starts. Planned in pieces instead, around FSDP2's own hooks, with a warning
 naming why (`not_one_graph`): a placement other than ``Shard(0)``, custom all-gather or
 reduce-scatter communication, an all-reduce hook, ``set_requires_gradient_sync(False)``.
 ``reshard_after_forward`` (any value) is FSDP2's choice for its hooks; in one graph fxopt's plan
@@ -45,7 +48,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from fxopt.distributed.fsdp import _gather
+from fxopt.distributed.fsdp import gather
 from fxopt.errors import CaptureError
 
 
@@ -135,13 +138,16 @@ def not_one_graph(units: list[nn.Module]) -> str | None:
 class OneGraph:
     """An FSDP2 model's step as one fxopt graph: `gathering` around every call."""
 
-    def __init__(self, model: nn.Module, units: list[nn.Module]):
-        self.model = model
+    def __init__(self, units: list[nn.Module]):
         self.units = units
         self.params = sharded_params(units)
         # One gathering subclass per managed module, made once: Dynamo's guards see the same class
         # at every call.
         self._classes: dict[int, type] = {}
+
+    def __getstate__(self) -> dict:
+        # The gathering classes are made at run time, which pickle cannot name: made again.
+        return {**self.__dict__, "_classes": {}}
 
     @contextlib.contextmanager
     def gathering(self):
@@ -202,7 +208,7 @@ class OneGraph:
 
 def _leaf(s: Sharded):
     """This rank's padded shard of ``s`` as a new autograd leaf over FSDP2's storage, with what
-    `_gather` needs; its accumulated gradient goes to the DTensor parameter (`_to_dtensor_grad`)."""
+    `gather` needs; its accumulated gradient goes to the DTensor parameter (`_to_dtensor_grad`)."""
     param = s.param.sharded_param
     leaf = s.param._sharded_param_data.detach().requires_grad_(param.requires_grad)
     if param.requires_grad:
@@ -233,7 +239,7 @@ def _gathering_class(cls: type, names: list[str]) -> type:
     def reader(name: str):
         def get(self):
             shard, numel, shape, group = self.__dict__["_fxopt_fsdp2_shards"][name]
-            return _gather(shard, numel, shape, group)
+            return gather(shard, numel, shape, group)
         return property(get)
 
     return type(f"Gathered{cls.__name__}", (cls,), {name: reader(name) for name in names})
