@@ -207,6 +207,25 @@ def test_fsdp2_optimizer_steps_match_eager(one_process_group, optimizer):
     assert len(optimized.plans) == 1
 
 
+def test_fsdp2_reads_the_parameters_loaded_between_steps(one_process_group):
+    """``load_state_dict(assign=True)`` between two fxopt steps gives FSDP2 new shards (new
+    storage): the next step computes with them, as FSDP2 eager does."""
+    import torch
+
+    import fxopt
+
+    eager, model = _fsdp2_pair()
+    optimized = fxopt.optimize(model, 1.0)
+    x = _ids()
+    optimized(x).sum().backward()
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.mul_(-0.5)
+    model.load_state_dict({k: v.detach().clone() for k, v in eager.state_dict().items()}, assign=True)
+    model.zero_grad()
+    torch.testing.assert_close(optimized(x), eager(x))
+
+
 def test_fsdp2_settings_refused_or_in_pieces(one_process_group):
     """FSDP2 settings fxopt's graph does not follow: mixed precision refused, naming what to do; a
     unit without gradient sync planned in pieces (its hooks run), with a warning naming why, and
