@@ -9,10 +9,11 @@ each rank training on its share of one batch. For each setting (``DDP(model)``; 
 per decoder layer and at the root) the rows are: eager; per-block checkpointing (each decoder
 layer's forward under ``torch.utils.checkpoint``, non-reentrant, as `benchmarks.harness`
 wraps it); fxopt with that checkpointing's measured per-rank peak as its budget, in bytes
-(``fxopt.optimize(DDP(model), budget)``; ``fxopt.optimize(sharded_model, budget)``); and, when
-fxopt cannot plan at that peak, fxopt at the smallest budget it names (tried again at most
-``--retries`` times: a step in pieces names the budget of the piece that did not fit, given what the
-pieces before it keep), and, if none fits, fxopt at eager's measured peak.
+(``fxopt.optimize(DDP(model), budget)``; ``fxopt.optimize(fsdp2_model, budget)``, whose step is
+one graph, `fxopt.distributed.fsdp2`), and, for DDP, when fxopt cannot plan at that peak, fxopt
+at the smallest budget it names (tried again at most ``--retries`` times), and, if none fits,
+fxopt at eager's measured peak. For FSDP: fxopt on FSDP2's model, and on the same model sharded
+with `fxopt.distributed.fully_shard` instead, each at checkpointing's peak and at ``"min"``.
 
 Per row and rank: the measured peak (`fxopt.measure_peak` of the third step, with DDP's buckets
 counted on CPU; on CUDA ``max_memory_allocated``), the FLOPs of one step counted by
@@ -52,6 +53,8 @@ SIZES = {  # layers, hidden, heads, ffn, seq, batch per rank, vocab
     "quick": dict(layers=2, hidden=64, heads=2, ffn=256, seq=64, batch=2, vocab=512),
 }
 SETTINGS = ("ddp", "fsdp")
+FSDP2_ONE_GRAPH = "fxopt on FSDP2 (one graph)"  # fxopt.optimize(FSDP2's model): fxopt.distributed.fsdp2
+FULLY_SHARD = "fxopt fully_shard (one graph)"  # fxopt.distributed.fully_shard, then fxopt.optimize
 
 
 class Loss(nn.Module):
@@ -156,7 +159,7 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
     def attempt(method: str, budget: int | str | None = None) -> dict[str, Any]:
         model, inputs = build(args.size, world, rank, device)
         blocks = list(model.hf.model.layers)
-        wrapped = _wrap(setting, model, device, one_graph=method.startswith("fxopt one graph"))
+        wrapped = _wrap(setting, model, device, one_graph=method.startswith(FULLY_SHARD))
         row: dict[str, Any] = {"setting": setting, "method": method, "budget_bytes": budget}
         t0 = time.perf_counter()
         try:
@@ -184,19 +187,23 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
     eager = attempt("eager")
     ckpt = attempt("checkpoint")
     budget = _agreed_max(ckpt.get("peak_bytes", 0), device)
-    row = attempt("fxopt@checkpoint", budget)
-    for _ in range(args.retries):
-        # Every rank plans the same pieces; the largest budget any rank names is tried by all.
-        need = _agreed_max(row.get("min_budget", 0), device)
-        if not need:
-            break
-        row = attempt("fxopt@min", need)
-    if "peak_bytes" not in row and eager.get("peak_bytes") and setting != "fsdp":
-        # No budget down there could be planned: fxopt at eager's peak, to show what it does there.
-        attempt("fxopt@eager", _agreed_max(eager["peak_bytes"], device))
-    if setting == "fsdp":  # the same step as one graph (fxopt.distributed.fully_shard)
-        attempt("fxopt one graph@checkpoint", budget)
-        attempt("fxopt one graph@min", "min")
+    if setting == "fsdp":
+        # FSDP2's own model, its step one graph (fxopt.distributed.fsdp); then the same step with
+        # fxopt's own sharding (fxopt.distributed.fully_shard).
+        for form in (FSDP2_ONE_GRAPH, FULLY_SHARD):
+            attempt(f"{form}@checkpoint", budget)
+            attempt(f"{form}@min", "min")
+    else:
+        row = attempt("fxopt@checkpoint", budget)
+        for _ in range(args.retries):
+            # Every rank plans the same step; the largest budget any rank names is tried by all.
+            need = _agreed_max(row.get("min_budget", 0), device)
+            if not need:
+                break
+            row = attempt("fxopt@min", need)
+        if "peak_bytes" not in row and eager.get("peak_bytes"):
+            # No budget down there could be planned: fxopt at eager's peak, to show what it does there.
+            attempt("fxopt@eager", _agreed_max(eager["peak_bytes"], device))
     ref = eager.get("grads")
     for r in rows:
         _compare(r, eager, ref)
@@ -289,8 +296,10 @@ def report(data: dict[str, Any]) -> str:
         "counted over one step, above eager's. Step: the median step time, the largest over the ranks (CPU "
         "timings on a shared machine are noisy: see the load). Checkpointing: each decoder layer's forward under "
         "`torch.utils.checkpoint` (non-reentrant). fxopt@checkpoint: that row's measured peak as fxopt's budget, in "
-        "bytes; fxopt@min: the smallest budget fxopt named when that one did not fit; fxopt@eager: eager's measured "
-        "peak as the budget, when no smaller one fitted. Ratio: fxopt's extra FLOPs / "
+        "bytes; fxopt@min: the smallest budget fxopt named when that one did not fit (`min`: fxopt's smallest "
+        "budget, `\"min\"`); fxopt@eager: eager's measured peak as the budget, when no smaller one fitted. "
+        f"{FSDP2_ONE_GRAPH}: fxopt.optimize of FSDP2's model, its step one graph (fxopt.distributed.fsdp2); "
+        f"{FULLY_SHARD}: the model sharded with fxopt.distributed.fully_shard instead. Ratio: fxopt's extra FLOPs / "
         "checkpointing's (target ≤ 0.5).",
         "",
         "| setting | method | budget MiB | per-rank peak MiB | extra GFLOP | ratio | step s | plans | grads equal | note |",

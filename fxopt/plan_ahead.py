@@ -11,6 +11,7 @@ user-facing functions and `FxoptModule` are `fxopt.api`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Sequence
@@ -42,10 +43,13 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
     if options.device is not None:
         return _plan_on_fake_tensors(model, options, example_inputs)
     check_model(model)
-    if data_parallel.fsdp_units(model):
+    distributed = data_parallel.DistributedStep(model) if data_parallel.fsdp_units(model) else None
+    if distributed is not None and distributed.in_pieces:
         raise GraphBreakError(
-            "an FSDP2 model's step is not one graph (FSDP's hooks run between its blocks), so fxopt plans it "
+            "this FSDP2 model's step is not one graph (FSDP's hooks run between its blocks), so fxopt plans it "
             "block by block as it runs: use fxopt.optimize(model, budget) and read its .plans after the first step")
+    # An FSDP2 model planned as one graph: its shards gathered in the step (fxopt.distributed.fsdp2).
+    gathering = distributed.one_graph.gathering() if distributed is not None else contextlib.nullcontext()
     held = 0
     if data_parallel.is_ddp(model):  # the step DDP runs, with DDP's buckets beside it
         data_parallel.check_ddp(model)
@@ -54,7 +58,8 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
     compiled = compile_step(model, backend, fullgraph=True, dynamic=False)
     args, kwargs = split_inputs(example_inputs)
     try:
-        run_compiled(compiled, args, kwargs, options.compiler)
+        with gathering:
+            run_compiled(compiled, args, kwargs, options.compiler)
     except PlanReady as ready:
         return ready
     except InfeasibleBudgetError as err:

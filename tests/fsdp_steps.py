@@ -12,7 +12,13 @@ compiles) and checks:
     names): one graph with the all-gathers and reduce-scatters inside; its loss (averaged over
     ranks) and every gradient (gathered whole) equal single-process eager on the whole batch
     (each rank's loss is its mean over its tokens divided by the world size, so the
-    reduce-scatters' sum is the mean).
+    reduce-scatters' sum is the mean);
+  - FSDP2's own ``fully_shard`` model (per block and at the root) + ``fxopt.optimize`` at
+    FSDP2-with-checkpointing's measured peak and at ``"min"`` (config ``fsdp2-llama-2``): one graph
+    too (`fxopt.distributed.fsdp2`); its loss (averaged over ranks) and every gradient, a
+    ``Shard(0)`` DTensor FSDP2 averages over the ranks, equal single-process eager on the whole
+    batch; and, first, a small model whose shapes do not divide by the ranks (FSDP2 pads the last
+    shards), its gradients equal FSDP2 eager's after two steps of gradient accumulation.
 """
 
 from __future__ import annotations
@@ -96,7 +102,8 @@ def _measure(module, params: nn.Module, share) -> tuple[int, float, torch.Tensor
     return peak.peak_bytes, second, peak.result.detach().clone()
 
 
-def _fsdp2(hf: nn.Module, share, checkpointing: bool) -> dict:
+def _fsdp2_model(hf: nn.Module, checkpointing: bool = False) -> nn.Module:
+    """A copy of ``hf`` under FSDP2: ``fully_shard`` per block and at the root."""
     from torch.distributed.fsdp import fully_shard
 
     hf = copy.deepcopy(hf)
@@ -105,7 +112,11 @@ def _fsdp2(hf: nn.Module, share, checkpointing: bool) -> dict:
     for block in blocks(hf):
         fully_shard(block)
     fully_shard(hf)
-    module = HFLoss(hf)
+    return hf
+
+
+def _fsdp2(hf: nn.Module, share, checkpointing: bool) -> dict:
+    module = HFLoss(_fsdp2_model(hf, checkpointing))
     peak, seconds, _ = _measure(module, module, share)
     return {"measured": peak, "seconds": round(seconds, 3)}
 
@@ -126,6 +137,75 @@ def _fxopt(hf: nn.Module, share, reference, world: int, budget, time_limit: floa
             "predicted": plan.peak_bytes, "recomputed": len(plan.recomputed), "plans": len(optimized.plans),
             "extra_flops": plan.recompute_flops, "regathered_bytes": plan.recompute_comm_bytes,
             "solver": f"{plan.solver} {plan.status}"}
+
+
+def _plan_row(optimized, peak: int, seconds: float) -> dict:
+    plan = optimized.plans[-1]
+    return {"measured": peak, "seconds": round(seconds, 3), "budget": plan.budget_bytes,
+            "predicted": plan.peak_bytes, "recomputed": len(plan.recomputed), "plans": len(optimized.plans),
+            "bound": optimized.peak_bound_bytes, "extra_flops": plan.recompute_flops,
+            "regathered_bytes": plan.recompute_comm_bytes, "solver": f"{plan.solver} {plan.status}",
+            "gathers": sum(n.name.startswith("all_gather_into_tensor") for n in plan.graph.nodes)}
+
+
+def _fxopt_on_fsdp2(hf: nn.Module, share, reference, world: int, budget, time_limit: float = TIME_LIMIT) -> dict:
+    """FSDP2's model under fxopt, checked against eager: FSDP2 averages the gradients over the
+    ranks, so each rank's loss is its own mean."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ref_loss, ref_grads = reference
+    hf = _fsdp2_model(hf)
+    model = HFLoss(hf)
+    optimized = fxopt.optimize(model, budget, time_limit=time_limit)
+    peak, seconds, loss = _measure(optimized, model, share)
+    dist.all_reduce(loss)
+    torch.testing.assert_close(loss / world, ref_loss)
+    for name, p in hf.named_parameters():
+        assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
+        assert p.grad.placements == (Shard(0),), (name, p.grad.placements)
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], msg=lambda m: f"gradient of {name}: {m}")
+    return {**_plan_row(optimized, peak, seconds), "params": len(list(hf.parameters()))}
+
+
+def _uneven_fsdp2(world: int) -> dict:
+    """A model whose rows do not divide by the ranks: fxopt's gradients (two steps accumulated)
+    equal FSDP2 eager's, parameter by parameter."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Sequential(nn.Linear(7, 5), nn.Tanh()), nn.Sequential(nn.Linear(5, 3), nn.Tanh()),
+                         nn.Linear(3, 1))
+    x = torch.randn(6, 7, generator=torch.Generator().manual_seed(dist.get_rank()))
+    models = []
+    for _ in range(2):
+        m = copy.deepcopy(base)
+        for block in m[:2]:
+            fully_shard(block)
+        models.append(fully_shard(m))
+    eager, mine = models
+    optimized = fxopt.optimize(mine, "min", time_limit=TIME_LIMIT)
+    for _ in range(2):
+        eager(x).square().sum().backward()
+        optimized(x).square().sum().backward()
+    for (name, p), (_, q) in zip(mine.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad.to_local(), q.grad.to_local(), msg=lambda m: f"gradient of {name}: {m}")
+    return {"plans": len(optimized.plans), "recomputed": len(optimized.plans[-1].recomputed)}
+
+
+def fsdp2_one_graph(rank: int, world: int, names=("llama-2",)) -> dict:
+    out = {"uneven": _uneven_fsdp2(world)}
+    for name in names:
+        hf, inputs = MODELS[name]()
+        ref = copy.deepcopy(hf)
+        ref_loss = step(HFLoss(ref), inputs).detach()
+        reference = ref_loss, {n: p.grad for n, p in ref.named_parameters()}
+        share = share_of(inputs, rank, world)
+        rows = {"fsdp2": _fsdp2(hf, share, False), "fsdp2+ckpt": _fsdp2(hf, share, True)}
+        ckpt = max_over_ranks(rows["fsdp2+ckpt"]["measured"])
+        rows["fxopt-fsdp2@ckpt"] = _fxopt_on_fsdp2(hf, share, reference, world, ckpt)
+        rows["fxopt-fsdp2@min"] = _fxopt_on_fsdp2(hf, share, reference, world, "min")
+        out[name] = rows
+    return out
 
 
 def sharded(rank: int, world: int, names=("llama", "gpt2")) -> dict:
@@ -172,7 +252,7 @@ def max_over_ranks(n: int) -> int:
     return int(t)
 
 
-CONFIGS = {"sharded": sharded, "named-min": named_minimum,
+CONFIGS = {"sharded": sharded, "named-min": named_minimum, "fsdp2-llama-2": fsdp2_one_graph,
            **{name: (lambda r, w, name=name: sharded(r, w, (name,))) for name in MODELS}}
 # ("llama-2", the test's: two layers, half the compiles' time)
 

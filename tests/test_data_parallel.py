@@ -47,13 +47,14 @@ def test_ddp_both_orders():
 
 
 def test_fsdp2_per_block():
-    """fully_shard per block and at the root: every piece planned beside what the rest of the step
-    and FSDP hold; each rank within the budget in bytes."""
+    """fully_shard per block and at the root, planned as one graph (`fxopt.distributed.fsdp2`; GPT-2's
+    embedding is tied to its head): one plan per compiled step, each rank within the budget."""
     results = run("fsdp")
     _check(results)
     for cases in results:
-        for r in cases.values():
-            assert r["plans"] >= 3  # the blocks, and the code around them
+        # ConvNeXt's loss sets config.problem_type at its first call, so Dynamo compiles its step
+        # again at the second: a plan each time, both of the whole step.
+        assert {case: r["plans"] for case, r in cases.items()} == {"gpt2": 1, "convnext": 2}, cases
 
 
 def _mlp():
@@ -83,17 +84,26 @@ def test_ddp_refusals_and_buckets(one_process_group):
 
 
 def test_fsdp2_refusals(one_process_group):
+    """An FSDP2 model planned in pieces (a unit without gradient sync: FSDP2's hooks must run)
+    needs a budget in bytes and graph breaks allowed, and has no plan ahead; one planned as one
+    graph has all three; mixed precision is refused either way."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _mlp()
     fully_shard(model[0])
     fully_shard(model)
-    with pytest.raises(fxopt.BudgetError, match="in bytes"):
-        fxopt.optimize(model, 0.5)
-    with pytest.raises(fxopt.CaptureError, match="graph_breaks='split'"):
-        fxopt.optimize(model, "1MiB", graph_breaks="error")
-    with pytest.raises(fxopt.CaptureError, match="block by block"):
-        fxopt.plan(model, "1MiB", (torch.randn(4, 16),))
+    model.set_requires_gradient_sync(False)
+    with pytest.warns(UserWarning, match="in pieces"):
+        with pytest.raises(fxopt.BudgetError, match="in bytes"):
+            fxopt.optimize(model, 0.5)
+        with pytest.raises(fxopt.CaptureError, match="graph_breaks='split'"):
+            fxopt.optimize(model, "1MiB", graph_breaks="error")
+        with pytest.raises(fxopt.CaptureError, match="block by block"):
+            fxopt.plan(model, "1MiB", (torch.randn(4, 16),))
+    model.set_requires_gradient_sync(True)
+    plan = fxopt.plan(model, "min", (torch.randn(4, 16),))
+    assert sum(n.name.startswith("all_gather_into_tensor") for n in plan.graph.nodes) == 4
+    fxopt.optimize(model, 0.9, graph_breaks="error")
     mixed = _mlp()
     fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     with pytest.raises(fxopt.CaptureError, match="MixedPrecisionPolicy"):

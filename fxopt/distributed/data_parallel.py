@@ -26,9 +26,12 @@ fxopt counts them (`held_bytes`: those the gradients are not views of, which the
 tensors show already) as resident memory the step does not read; a step captured in pieces counts
 them in every piece's reserve (`fxopt.capture.pieces`).
 
-FSDP2 (``fully_shard`` per block): see the functions below (`fsdp_units` onwards) and
-docs/multi-device.md: every graph of its step is a piece of `fxopt.capture.pieces`, planned beside
-the reserve that counts FSDP's shards, gathered parameters and buffers.
+FSDP2 (``fully_shard`` per block): its step is one graph, fxopt gathering the shards itself with
+FSDP2's hooks off (`fxopt.distributed.fsdp2`, `DistributedStep.one_graph`), unless a setting needs
+those hooks (`fxopt.distributed.fsdp2.not_one_graph`); then, with the functions below
+(`fsdp_units` onwards; docs/multi-device.md), every graph of its step is a piece of
+`fxopt.capture.pieces`, planned beside the reserve that counts FSDP's shards, gathered parameters
+and buffers.
 
 Refused, with the reason: a DDP built for compiled autograd (``optimize_ddp="python_reducer"``),
 communication hooks (``register_comm_hook``: they allocate what fxopt cannot see), DDP's
@@ -39,12 +42,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from fxopt.distributed import fsdp2
 from fxopt.errors import BudgetError, CaptureError
 from fxopt.storage import local, storage_bytes, storage_key
 
@@ -179,29 +184,14 @@ def unsharded_bytes(unit: nn.Module, units: list[nn.Module]) -> int:
 
 
 def check_fsdp(units: list[nn.Module], graph_breaks: str) -> None:
-    """Refuse FSDP2 settings whose memory fxopt does not count (see the module docstring)."""
+    """Refuse FSDP2 settings whose memory fxopt does not count (`fxopt.distributed.fsdp2.check`),
+    and pieces where they are refused (for a step FSDP2's own hooks must run)."""
+    fsdp2.check(units)
     if graph_breaks == "error":
         raise CaptureError(
-            "an FSDP2 model's step is always captured in pieces (FSDP's hooks run between them, outside "
-            "any graph), and graph_breaks='error' refuses pieces: use graph_breaks='split' (the default)")
-    for unit in units:
-        state = unit._get_fsdp_state()
-        mp = state._mp_policy
-        if mp.param_dtype is not None or mp.reduce_dtype is not None:
-            raise CaptureError(
-                "an FSDP2 unit has a MixedPrecisionPolicy with param_dtype/reduce_dtype: the casts it "
-                "allocates are not counted by fxopt yet; shard without it (torch.autocast inside the "
-                "model is supported)")
-        for group in state._fsdp_param_groups:
-            if type(group.offload_policy).__name__ != "OffloadPolicy":
-                raise CaptureError(
-                    "an FSDP2 unit offloads its parameters (CPUOffloadPolicy): fxopt does not count the "
-                    "host copies; shard without offload_policy")
-        for p in _managed(unit, units):
-            if getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim != 1:
-                raise CaptureError(
-                    "an FSDP2 unit shards over a mesh of several dimensions (HSDP); fxopt counts "
-                    "one-dimensional sharding only")
+            "this FSDP2 model's step is captured in pieces (FSDP's hooks run between them, outside any graph: "
+            f"{fsdp2.not_one_graph(units)}), and graph_breaks='error' refuses pieces: use graph_breaks='split' "
+            "(the default), or change that setting to plan the step as one graph")
 
 
 def fsdp_held_bytes(units: list[nn.Module]) -> int:
@@ -293,28 +283,40 @@ class DistributedStep:
         self.model = model
         self.ddp = model if is_ddp(model) else None
         self.units = fsdp_units(model)
-        # An FSDP2 model: planned block by block; the submodules between its units compiled too.
-        self.eager_modules = eager_modules(model, self.units) if self.units else []
+        # An FSDP2 model: one graph, fxopt gathering the shards (`fxopt.distributed.fsdp2`), unless a
+        # setting needs FSDP2's own hooks: then block by block, the submodules between units compiled too.
+        self.one_graph = None
+        self.piece_units: list[nn.Module] = []
+        if self.units:
+            fsdp2.check(self.units)
+            why = fsdp2.not_one_graph(self.units)
+            if why is None:
+                self.one_graph = fsdp2.OneGraph(self.units)
+            else:
+                self.piece_units = self.units
+                warnings.warn(f"fxopt plans this FSDP2 model's step in pieces, around FSDP2's hooks, not as one "
+                              f"graph: {why}", stacklevel=3)
+        self.eager_modules = eager_modules(model, self.piece_units) if self.piece_units else []
 
     glue_nodes = GLUE_NODES
 
     @property
     def in_pieces(self) -> bool:
-        """Whether no graph of the step is the whole step (FSDP2: its hooks run between graphs)."""
-        return bool(self.units)
+        """Whether no graph of the step is the whole step (FSDP2 run by its hooks: they run between graphs)."""
+        return bool(self.piece_units)
 
     def check(self, graph_breaks: str, budget_in_bytes: bool, dynamic: bool) -> None:
         """Refuse what fxopt cannot bound under this wrapping, saying why."""
         if dynamic and (self.ddp is not None or self.units):
-            raise ValueError("dynamic= plans a step captured as one graph; a DDP or FSDP2 model is captured in "
-                             "pieces: plan it without dynamic= (each shape on its own)")
+            raise ValueError("dynamic= plans a step captured as one graph for a range of shapes; a DDP or FSDP2 "
+                             "model is planned one shape at a time: plan it without dynamic= (each shape on its own)")
         if self.ddp is not None:
             check_ddp(self.ddp)
-        if self.units:
-            check_fsdp(self.units, graph_breaks)
+        if self.piece_units:
+            check_fsdp(self.piece_units, graph_breaks)
             if not budget_in_bytes:
                 raise BudgetError(
-                    "fxopt plans an FSDP2 step piece by piece (FSDP's hooks run between the pieces) and needs "
+                    "fxopt plans this FSDP2 step piece by piece (FSDP's hooks run between the pieces) and needs "
                     "the budget in bytes, not a fraction or 'min': the step's eager peak and its smallest budget "
                     "are not known until every piece has run. Pass bytes or a size such as '2GiB'.")
 
@@ -339,12 +341,13 @@ class DistributedStep:
         """Bytes held beside the step by no tensor of the model: DDP's buckets (those the
         gradients are not views of), a bound on FSDP2's buffers."""
         beside = held_bytes([ddp]) if ddp is not None else 0
-        return beside + (fsdp_held_bytes(self.units) if self.units else 0)
+        return beside + (fsdp_held_bytes(self.piece_units) if self.piece_units else 0)
 
     def call(self, run: Callable, compiled: Callable, between: list[Callable], args: tuple, kwargs: dict) -> Any:
         """Run one call: ``run(callable, args, kwargs)`` of the compiled step, or of the DDP whose
         call of its module is routed to it; the submodules between FSDP2 units routed to theirs."""
-        with routes(self.eager_modules, between):
+        with routes(self.eager_modules, between), \
+                (self.one_graph.gathering() if self.one_graph is not None else contextlib.nullcontext()):
             if self.ddp is not None:
                 with routed(self.model.module, compiled):
                     return run(self.model, args, kwargs)
@@ -352,7 +355,7 @@ class DistributedStep:
 
     def blocks_to_come(self) -> list[set] | None:
         """The FSDP2 units still to run their forward (`units_to_come`), or None without FSDP2."""
-        return units_to_come(self.units) if self.units else None
+        return units_to_come(self.piece_units) if self.piece_units else None
 
     @staticmethod
     def is_own_break(where: str) -> bool:
@@ -363,4 +366,4 @@ class DistributedStep:
     @property
     def eager_advice(self) -> str:
         """What to do about an operation that ran eagerly between pieces and keeps what no plan counts."""
-        return FSDP_EAGER_ADVICE if self.units else ""
+        return FSDP_EAGER_ADVICE if self.piece_units else ""

@@ -15,9 +15,9 @@ step like any activation.
 Gradients are a sum over ranks; for the mean of the ranks' losses, divide each rank's loss by the
 world size (or average as a mean loss over the whole batch would). Buffers stay replicated.
 
-What this is not (yet): FSDP2's ``fully_shard`` (its hooks run outside any graph, see
-`fxopt.distributed.data_parallel`), mixed precision (gather in the parameters' dtype), or meshes
-of several dimensions.
+What this is not (yet): mixed precision (gather in the parameters' dtype), or meshes of several
+dimensions. FSDP2's own ``fully_shard`` models are gathered the same way (`gather`) by
+`fxopt.distributed.fsdp2`, their state kept FSDP2's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.distributed import _functional_collectives as funcol
 
 
-def _gather(shard: torch.Tensor, numel: int, shape: torch.Size, group) -> torch.Tensor:
+def gather(shard: torch.Tensor, numel: int, shape: torch.Size, group) -> torch.Tensor:
     """The whole parameter from each rank's shard (its backward reduce-scatters the gradient)."""
     full = funcol.all_gather_tensor_autograd(shard, 0, group)
     return full[:numel].view(shape)
@@ -47,7 +47,7 @@ def _sharded_class(cls: type, names: dict[str, tuple[int, torch.Size]], group) -
     """A subclass of ``cls`` whose parameters ``names`` read gathered from their shards."""
     def reader(name: str, numel: int, shape: torch.Size):
         def get(self):
-            return _gather(self._parameters[name], numel, shape, group)
+            return gather(self._parameters[name], numel, shape, group)
         return property(get)
 
     attrs = {name: reader(name, numel, shape) for name, (numel, shape) in names.items()}
