@@ -183,6 +183,8 @@ def max_batch(model: nn.Module, budget: BudgetLike | Options, make_inputs: Calla
                       f"{', '.join(how.deadline.stopped)}; this answer is the best found by then, and another run "
                       "may find another (raise time_limit, or lower the effort)", SolverTimeoutWarning, stacklevel=2)
     proven_max, batch, plan, next_plan, answer = found
+    if options.device is not None:  # (planned on fake tensors for it: say how its memory was counted)
+        plan = dataclasses.replace(plan, planned_for=options.device.planning_note())
     block_paths = _block_paths(model, blocks)
     eager_batch = _largest_of(segments, lambda s: eager_schedule(s.eager.jg.graph)) or 0
     checkpoint_batch = None

@@ -96,9 +96,14 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     devices = {v.device for n in joint.graph.find_nodes(op="placeholder")
                for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}
     device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
-    on = options.offload is not False and (options.offload is not None or device.type == "cuda")
+    profile = options.planned_for
+    kind = device.type if profile is None else profile.kind
+    on = options.offload is not False and (options.offload is not None or kind == "cuda")
     if not on:
         return None
+    if profile is not None and profile.host_link_bytes_per_second:  # (the profile's link, not one measured here)
+        link = profile.host_link_bytes_per_second
+        return Transfers(d2h_bytes_per_s=link, h2d_bytes_per_s=link, host_budget=options.host_budget)
     return dataclasses.replace(device_transfers(device), host_budget=options.host_budget)
 
 
@@ -113,6 +118,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
         least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
         options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
     jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+    if options.planned_for is not None:  # (also on a plan from the cache: two profiles may make one graph)
+        plan = dataclasses.replace(plan, planned_for=options.planned_for.planning_note())
     return jg, agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
 
 
@@ -235,7 +242,7 @@ def meta_device_message(what: str) -> str:
 def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None) -> dict:
     """The analysis' settings besides the cost model (see `fxopt.analysis.analyze`)."""
     return dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
-                sizes=sizes)
+                sizes=sizes, device=options.planned_for)
 
 
 def _analyzer(joint: fx.GraphModule, options: Options):
