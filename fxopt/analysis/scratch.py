@@ -206,17 +206,28 @@ def op_memory(nodes: list[fx.Node], at=int, device: DeviceProfile | None = None)
 aten = torch.ops.aten
 
 # Ops whose CUDA kernels allocate only their outputs, besides those tagged pointwise (TensorIterator
-# kernels, which write their output and nothing else): copies and factories; and the matrix
-# products, whose only scratch is the cuBLAS workspace, which the analysis counts once, resident
-# from the step's start (`fxopt.analysis.joint.analyze`).
+# kernels, which write their output and nothing else): copies and factories; gathers and
+# concatenations (``embedding`` is an ``index_select``; ``slice_backward`` zeros then copies); the
+# softmax kernels (aten/src/ATen/native/cuda/SoftMax.cu: one pass per row, in registers and shared
+# memory); and the matrix products, whose only scratch is the cuBLAS workspace, which the analysis
+# counts once, resident from the step's start (`fxopt.analysis.joint.analyze`). Not here, so under
+# the formula: attention, reductions, losses, ``embedding_dense_backward`` (which sorts its indices
+# into buffers of its own), and every op not named.
 _OUTPUTS_ONLY_ON_CUDA = frozenset([
     aten._to_copy.default, aten.copy.default, aten.fill.Scalar, aten.fill.Tensor,
     aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.empty_strided.default,
     aten.scalar_tensor.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
     aten.new_full.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-    aten.empty_like.default,
+    aten.empty_like.default, aten.arange.default, aten.arange.start, aten.arange.start_step,
+    aten.embedding.default, aten.index_select.default, aten.cat.default, aten.constant_pad_nd.default,
+    aten.slice_backward.default, aten.select_backward.default,
+    aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
 ])
+# Ops that return a view of their input's storage on CUDA as on the host (allocating nothing),
+# though their schema does not say so.
+_ALIASES_ON_CUDA = frozenset([aten._unsafe_view.default])
 
 
 def outputs_only_on_cuda(node: fx.Node) -> bool:
@@ -239,6 +250,8 @@ def formula_memory(nodes: list[fx.Node], device: DeviceProfile, at=int) -> dict[
         outputs = sum(at(t.numel()) * t.element_size() for t in _outs(n))
         if (collective := _collective_increase(n)) is not None:
             out[n] = OpMemory(collective)
+        elif n.target in _ALIASES_ON_CUDA:
+            out[n] = OpMemory(0)
         elif outputs_only_on_cuda(n):
             out[n] = OpMemory(outputs)
         else:
