@@ -111,7 +111,8 @@ class Fit:
         rows = [("budget", f"{format_bytes(budget)} ({where}; {budget} bytes)"),
                 ("eager autograd", f"peak {format_bytes(self.eager_peak_bytes)}: "
                  + ("fits" if self.eager_peak_bytes <= budget else f"{format_bytes(self.eager_peak_bytes - budget)} over"))]
-        cut = "; cut short by the time limit (another run may go lower)" if self.min_stopped else ""
+        cut = ("" if not self.min_stopped else "; the time limit cut the search short, at the floor all the same"
+               if self.min_budget_bytes == self.floor_bytes else "; cut short by the time limit (another run may go lower)")
         rows.append(("smallest budget fxopt reaches",
                      f"{format_bytes(self.min_budget_bytes)} (proven floor {format_bytes(self.floor_bytes)}: within "
                      f"{100 * self.min_gap:.1f}% of it){cut}; {_flops(self.min_plan.recompute_flops)} recomputed there"))

@@ -106,6 +106,24 @@ def test_device_is_refused_where_the_step_runs():
         fxopt.optimize(model, 0.5, example_inputs=inputs, device="cpu")
 
 
+def test_a_storage_of_one_byte_is_held_as_a_512_byte_block():
+    """`SymbolicGraph.round_bytes`, as the analysis sets it from the profile: every storage and
+    every encoding of one rounded up; a view (which owns nothing) and an empty value stay 0."""
+    from fxopt.analysis.costs import CostModel as Costs
+    from fxopt.analysis.symbolic import NodeSizes, Ranges, SymbolicGraph, symbol
+    from fxopt.solvers.graph import Graph, Node
+
+    batch = symbol("batch")
+    nodes = (Node("x", "input"), Node("y", "forward", (0,), codec="bits"), Node("v", "forward", (1,), storage=1),
+             Node("e", "forward", (0,)))
+    sizes = (NodeSizes(bytes=1), NodeSizes(bytes=1000 * batch, compressed_bytes=125 * batch), NodeSizes(), NodeSizes())
+    for block, expected in ((1, [1, 3000, 375, 0, 0]), (512, [512, 3072, 512, 0, 0])):
+        graph = SymbolicGraph(Graph(nodes), sizes, Ranges({"batch": (1, 8)}), {"batch": 3}, Costs(),
+                              round_bytes=block).at({"batch": 3})
+        x, y, v, e = graph.nodes
+        assert [x.bytes, y.bytes, y.compressed_bytes, v.bytes, e.bytes] == expected
+
+
 class OneByOne(torch.nn.Module):
     """Tensors of 4 bytes: every one the CUDA caching allocator holds as a 512-byte block; and a
     reduction (``sum``), an op not known to allocate only its output on CUDA."""

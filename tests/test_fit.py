@@ -79,3 +79,14 @@ def test_fxopt_fit_on_the_command_line(tmp_path, monkeypatch, capsys):
     assert "does it fit on H100-80GB?" in printed and "smallest budget fxopt reaches" in printed
     assert json.loads(out.read_text())["largest_batch"] == 16
     assert main(["fit", "tiny_gpt:model", "--device", "H100-80GB", "--budget", "1MiB"]) == EXIT_INFEASIBLE
+
+
+def test_fxopt_inspect_plans_for_a_cuda_profile_and_refuses_to_run_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny_gpt.py").write_text(
+        "import torch\nfrom fxopt.models import gpt2\n\n"
+        f"def model():\n    torch.manual_seed(0)\n    return gpt2(**{SHAPE!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", "tiny_gpt:model", "--device", "H100-80GB", "--budget", "min"]) == EXIT_OK
+    assert "planned for H100-80GB on fake tensors" in capsys.readouterr().out
+    assert main(["inspect", "tiny_gpt:model", "--device", "H100-80GB", "--run"]) == EXIT_USAGE
+    assert "--run measures the plan on this machine" in capsys.readouterr().err

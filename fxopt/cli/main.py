@@ -300,6 +300,10 @@ def inspect(args: argparse.Namespace) -> int:
               f"solver {options.solver}, compiler {options.compiler}, torch {torch.__version__}")
     if args.max_batch:
         return _max_batch(model, inputs, args, out, err)
+    if args.run and options.device is not None and options.device.kind != "cpu":
+        print(f"fxopt inspect: error: --run measures the plan on this machine, and a plan for {options.device.name} "
+              "counts that device's memory: leave --run out (or plan for --device cpu)", file=sys.stderr)
+        return EXIT_USAGE
     t0 = time.perf_counter()
     try:
         with _progress(err, "capturing and planning the training step"):
@@ -493,6 +497,8 @@ def _print_summary(out, plan, args: argparse.Namespace, planning: float, measure
     out.print(f"decisions: {len(plan.saved)} values saved ({format_bytes(saved_bytes)} kept after the forward), "
               f"{len(plan.compressed)} of them compressed ({len(plan.lossy)} lossy), "
               f"{recomputations} recomputations of {len(plan.recomputed)} values")
+    if plan.planned_for:
+        out.print(plan.planned_for)
     if plan.offloaded:
         out.print(f"offloaded: {len(plan.offloaded)} values, {format_bytes(plan.host_bytes)} in host memory at "
                   f"most; the backward is predicted to wait {plan.exposed_transfer_seconds * 1e3:.3f} ms for "
