@@ -115,18 +115,16 @@ class Fit:
                if self.min_budget_bytes == self.floor_bytes else "; cut short by the time limit (another run may go lower)")
         rows.append(("smallest budget fxopt reaches",
                      f"{format_bytes(self.min_budget_bytes)} (proven floor {format_bytes(self.floor_bytes)}: within "
-                     f"{100 * self.min_gap:.1f}% of it){cut}; {_flops(self.min_plan.recompute_flops)} recomputed there"))
+                     f"{100 * self.min_gap:.1f}% of it){cut}; there {_recomputed(self.min_plan)}"
+                     + _offloaded(self.min_plan)))
         if self.plan is None:
             rows.append((f"at {format_bytes(budget)}", f"does not fit: needs at least {format_bytes(self.min_budget_bytes)}"))
         else:
             plan = self.plan
             share = f" (+{100 * plan.cost / self.step_cost:.1f}% of the step's {1e3 * self.step_cost:.3g} ms)" \
                 if self.step_cost else ""
-            offload = (f", {len(plan.offloaded)} values offloaded ({format_bytes(plan.host_bytes)} on the host)"
-                       if plan.offloaded else "")
             rows.append((f"at {format_bytes(budget)}",
-                         f"fits: peak {format_bytes(plan.peak_bytes)}, {_flops(plan.recompute_flops)} recomputed, "
-                         f"{1e3 * plan.cost:.3g} ms estimated{share}{offload}"))
+                         f"fits: peak {format_bytes(plan.peak_bytes)}, {_recomputed(plan)}{share}" + _offloaded(plan)))
         if self.largest is None:
             rows.append(("largest batch", f"none: {self.largest_error}"))
         else:
@@ -213,8 +211,16 @@ def fit(model: nn.Module, example_inputs: Sequence[Any] | dict, *, device: str |
                planned_for=min_plan.planned_for, seconds=seconds)
 
 
-def _flops(n: int) -> str:
-    return f"+{n / 1e12:.2f} TFLOP" if n >= 1e12 else f"+{n / 1e9:.3f} GFLOP"
+def _offloaded(plan: Plan) -> str:
+    return f", {len(plan.offloaded)} values offloaded ({format_bytes(plan.host_bytes)} on the host)" if plan.offloaded else ""
+
+
+def _recomputed(plan: Plan) -> str:
+    """What ``plan`` recomputes: how many ops, their FLOPs (matrix products and the like: elementwise
+    ops count none) and the cost model's estimated milliseconds (memory traffic included)."""
+    n, flops = sum(plan.recomputed.values()), plan.recompute_flops
+    counted = f"+{flops / 1e12:.2f} TFLOP" if flops >= 1e12 else f"+{flops / 1e9:.3f} GFLOP"
+    return f"{n} ops recomputed ({counted}, {1e3 * plan.cost:.3g} ms estimated)"
 
 
 def _batch_of(inputs: Any) -> int | None:
