@@ -125,19 +125,39 @@ class Fit:
                 if self.step_cost else ""
             rows.append((f"at {format_bytes(budget)}",
                          f"fits: peak {format_bytes(plan.peak_bytes)}, {_recomputed(plan)}{share}" + _offloaded(plan)))
-        if self.largest is None:
-            rows.append(("largest batch", f"none: {self.largest_error}"))
-        else:
-            found = self.largest
-            proof = ("the search limit" if found.batch == found.limit else "proven" if found.batch == found.proven_max
-                     else f"none above {found.proven_max}, proven")
-            ckpt = "-" if found.checkpoint_batch is None else str(found.checkpoint_batch)
-            cut = "; cut short by the time limit" if found.stopped else ""
-            rows.append(("largest batch", f"fxopt {found.batch} ({proof}; without OFFLOAD), eager {found.eager_batch}, "
-                         f"per-block checkpointing {ckpt}; the example's {self.batch}{cut}"))
+        rows.append(("largest batch", self._largest_batch()))
         rows.append(("how it was counted", self.planned_for))
         rows.append(("time", ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())))
         return rows
+
+    def _largest_batch(self) -> str:
+        """The largest-batch row. max_batch searches the batches its capture with the batch
+        symbolic holds for (`MaxBatch.captured`), which may start above the example's batch (a
+        capture sets a batch of 1 apart): below that, the example's own answers stand in."""
+        example = self.batch if self.batch is not None else 1
+        if self.largest is None:
+            if not self.fits:
+                return f"none: {self.largest_error}"
+            return (f"fxopt {example}, the example's (planned above), and no batch max_batch searched fits "
+                    f"({self.largest_error.splitlines()[0]}); eager {example if self.eager_peak_bytes <= self.budget_bytes else 'none'}")
+        found, lo = self.largest, self.largest.captured[0]
+
+        def below(batch: int | None, fits_example: bool | None) -> str:
+            """``batch`` (0: none in the range searched), with what is known below the range."""
+            if batch is None:
+                return "-"
+            if batch or lo <= example:
+                return str(batch)
+            return {True: f"{example} (the example's; none from {lo} up)", False: "none"}.get(fits_example,
+                                                                                             f"none from {lo} up")
+
+        proof = ("the search limit" if found.batch == found.limit else "proven" if found.batch == found.proven_max
+                 else f"none above {found.proven_max}, proven")
+        cut = "; cut short by the time limit" if found.stopped else ""
+        searched = f"; batches from {lo} searched" if lo > 1 else ""
+        return (f"fxopt {found.batch} ({proof}; without OFFLOAD), eager "
+                f"{below(found.eager_batch, self.eager_peak_bytes <= self.budget_bytes)}, per-block checkpointing "
+                f"{below(found.checkpoint_batch, None)}; the example's {example}{searched}{cut}")
 
     def __str__(self) -> str:
         from rich.console import Console

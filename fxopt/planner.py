@@ -80,10 +80,11 @@ def solve_seconds(options: Options) -> float:
     least = MIN_SOLVE_SHARE * options.time_limit
     if options.time_limit - spent < least and started is not None and not _TOLD.get():
         _TOLD.set(True)
+        fake = "" if options.planned_for is not None else ("plan on fake tensors (fxopt.plan(..., device='cpu'), no "
+                                                           "kernel runs), ")
         log.warning("fxopt: capturing the step took %.1f s of time_limit=%g s; the solvers still get %.1f s, so this "
-                    "answer may take up to %.1f s. A shorter capture: plan on fake tensors (fxopt.plan(..., "
-                    "device='cpu'), no kernel runs), a smaller example batch or sequence (the graph is the same), "
-                    "or a larger time_limit.", spent, options.time_limit, least, spent + least)
+                    "answer may take up to %.1f s. A shorter capture: %sa smaller example batch or sequence (the graph "
+                    "is the same), or a larger time_limit.", spent, options.time_limit, least, spent + least, fake)
     return max(least, options.time_limit - spent)
 
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:

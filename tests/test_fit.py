@@ -90,3 +90,22 @@ def test_fxopt_inspect_plans_for_a_cuda_profile_and_refuses_to_run_it(tmp_path, 
     assert "planned for H100-80GB on fake tensors" in capsys.readouterr().out
     assert main(["inspect", "tiny_gpt:model", "--device", "H100-80GB", "--run"]) == EXIT_USAGE
     assert "--run measures the plan on this machine" in capsys.readouterr().err
+
+
+def test_below_the_batches_max_batch_searched_the_examples_own_answer_stands(tiny):
+    """A capture with the batch symbolic sets a batch of 1 apart (`MaxBatch.captured` starts at
+    2): where only batch 1 fits, max_batch finds nothing in its range, and the example's own
+    plan (at batch 1) is the answer, said as such, not "0"."""
+    import dataclasses
+
+    model, inputs = tiny
+    found = dataclasses.replace(fxopt.fit(model, inputs, device="H100-80GB", budget="64MiB", time_limit=TIME_LIMIT,
+                                          limit=8), batch=1)
+    assert found.fits
+    none_above = dataclasses.replace(found.largest, eager_batch=0, checkpoint_batch=0, captured=(2, 8))
+    row = dict(dataclasses.replace(found, largest=none_above).rows())["largest batch"]
+    assert "eager 1 (the example's; none from 2 up)" in row and "per-block checkpointing none from 2 up" in row
+    assert "batches from 2 searched" in row
+    failed = dict(dataclasses.replace(found, largest=None, largest_error="fxopt found no plan at any batch from 2 up.").rows())
+    assert failed["largest batch"].startswith("fxopt 1, the example's (planned above)")
+    assert "fxopt found no plan at any batch from 2 up." in failed["largest batch"]
