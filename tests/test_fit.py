@@ -65,6 +65,7 @@ def test_fit_refuses_what_it_cannot_answer(tiny):
         fxopt.fit(model, inputs, device="H100-80GB", budgets="1GiB")
 
 
+@pytest.mark.slow
 def test_fxopt_fit_on_the_command_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "tiny_gpt.py").write_text(
         "import torch\nfrom fxopt.models import gpt2\n\n"
