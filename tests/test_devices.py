@@ -204,3 +204,16 @@ def test_a_cuda_profile_claiming_measured_scratch_is_refused(tmp_path):
     model, inputs = ZOO["inplace_net"]()
     with pytest.raises(fxopt.CaptureError, match="scratch.measured to false"):
         fxopt.plan(model, 0.5, inputs, device=path)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_zoo_model_plans_for_an_h100(name):
+    """Convolutions, dropout, in-place ops, tied weights, several outputs: each step plans for the
+    H100 at its smallest budget, every storage in 512-byte blocks, the workspace held."""
+    torch.manual_seed(0)
+    model, inputs = ZOO[name]()
+    plan = fxopt.plan(model, "min", inputs, device="H100-80GB", time_limit=TIME_LIMIT)
+    assert plan.peak_bytes <= plan.budget_bytes <= plan.eager_peak_bytes
+    assert all(n.bytes % 512 == 0 for n in plan.graph.nodes if n.storage is None)
+    assert plan.graph.nodes[-1].name == UNREAD_RESIDENT and plan.graph.nodes[-1].bytes >= 32 << 20
+    assert plan.planned_for.startswith("planned for H100-80GB") and "formula bound" in plan.planned_for
