@@ -87,7 +87,7 @@ class FakeStep:
 
     The fake tensors are on the CPU for every profile: torch fakes a CUDA tensor only in a CUDA
     build (a CPU build fails at the first kernel's device guard), so a CUDA profile's step is the
-    one this host's torch captures (its choice of attention kernel, its dropout), with the
+    one this host's torch captures (its choice of attention kernel, say), with the
     profile's memory semantics applied by the analysis (`fxopt.analysis.analyze`'s ``device``)."""
 
     model: nn.Module

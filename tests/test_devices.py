@@ -217,3 +217,18 @@ def test_every_zoo_model_plans_for_an_h100(name):
     assert all(n.bytes % 512 == 0 for n in plan.graph.nodes if n.storage is None)
     assert plan.graph.nodes[-1].name == UNREAD_RESIDENT and plan.graph.nodes[-1].bytes >= 32 << 20
     assert plan.planned_for.startswith("planned for H100-80GB") and "formula bound" in plan.planned_for
+
+
+def test_eager_dropout_keeps_a_bool_mask_on_cuda_and_a_float_one_on_the_host():
+    """``at::dropout`` runs the fused ``native_dropout`` (a bool mask) on CUDA only; on the host
+    eager keeps a noise tensor of the input's dtype (`Node.eager_bytes`). The fake tensors are the
+    host's for both profiles: the mask's eager bytes follow the profile."""
+    torch.manual_seed(0)
+    model, inputs = ZOO["transformer_block"]()
+    host = fxopt.plan(model, 1.0, inputs, device="cpu", time_limit=TIME_LIMIT, compress=False)
+    torch._dynamo.reset()
+    h100 = fxopt.plan(model, 1.0, inputs, device="H100-80GB", time_limit=TIME_LIMIT, compress=False, offload=False)
+    host_masks = {n.name: n.eager_bytes for n in host.graph.nodes if n.eager_bytes is not None}
+    assert host_masks  # (the block has dropout)
+    by_name = {n.name: n for n in h100.graph.nodes}
+    assert all(by_name[name].eager_bytes is None for name in host_masks)

@@ -223,7 +223,8 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         fwd_outs = {o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
         bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
         backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
-        nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize)
+        on_cpu = device is None or device.kind == "cpu"  # (eager's dropout where the step runs: see below)
+        nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize, on_cpu)
         nodes = _with_eager_reads(nodes, fx_nodes, eager_saves(fx_nodes, backward, outs[num_fwd_outputs:]))
         nodes = _with_eager_in_place(nodes, fx_nodes)
         memory = op_memory(fx_nodes, sizes.at, device)
@@ -278,9 +279,11 @@ def measured_storage_bytes(fx_nodes: list[fx.Node], memory: dict[fx.Node, OpMemo
 
 
 def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Node], sizes: Sizes,
-            compress: bool, quantize: Quantize | None) -> tuple[list[Node], list[NodeSizes], dict[int, Codec]]:
+            compress: bool, quantize: Quantize | None, on_cpu: bool = True
+            ) -> tuple[list[Node], list[NodeSizes], dict[int, Codec]]:
     """One solver node per fx node (its sizes filled in later, at a shape), its sizes as
-    expressions, and the codec offered to each value that has one."""
+    expressions, and the codec offered to each value that has one. ``on_cpu``: the step runs on
+    the host (its fake tensors may be the host's for a CUDA profile, whose eager dropout is not)."""
     index = {n: i for i, n in enumerate(fx_nodes)}
     # AOTAutograd numbers autograd nodes with a counter of the process: number the formulas by
     # first appearance instead, so that the same step gets the same graph (and plan cache key).
@@ -328,7 +331,8 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             backward_formula=None if (f := _backward_formula(n)) is None else formulas.setdefault(f, len(formulas)),
             python_formula=f is not None and n.meta.get("partitioner_tag") != "is_backward",
             eager_number_bytes=_wrapped_number_bytes(n) if kind == "forward" else 0,
-            eager_bytes=_eager_dropout_mask_bytes(n) if EAGER_COPIES not in n.meta else _eager_copies_bytes(n),
+            eager_bytes=(_eager_dropout_mask_bytes(n) if on_cpu else None) if EAGER_COPIES not in n.meta
+            else _eager_copies_bytes(n),
         ))
     return nodes, node_sizes, codecs
 
