@@ -55,3 +55,19 @@ def classifier():
     """Keyword inputs: ``model(images=..., labels=...)``."""
     torch.manual_seed(0)
     return Classifier(), {"images": torch.randn(16, 3, 32, 32), "labels": torch.randint(0, 10, (16,))}
+
+
+def llama_on_meta(layers: int = 4, seq: int = 2048, batch: int = 1):
+    """Llama-3-8B's widths (4096 wide, 14336 ffn, 32 heads, 8 key-value heads, 128256 tokens) at
+    ``layers`` layers, in bfloat16, built under ``torch.device("meta")`` from a transformers
+    ``LlamaConfig`` (no weights allocated): for ``fxopt fit ... --device H100-80GB``, which plans it
+    on fake tensors. Needs transformers."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=4096, intermediate_size=14336,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=8192, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}

@@ -2,6 +2,7 @@
 
     model = fxopt.optimize(model, "2GiB")        # the budget you give is the peak you get
     plan = fxopt.plan(model, 0.5, (x,))          # inspect before running
+    print(fxopt.fit(model, (x,), device="H100-80GB"))   # does it fit a GPU, planned on this machine
     model = fxopt.optimize(model, "min")         # the smallest budget fxopt can meet
     options = fxopt.Options(budget="2GiB", solver="ilp")   # how to plan, for every entry point
     torch.compile(model, backend="fxopt", options={"budget": "2GiB"})   # or fxopt.backend(...)
@@ -23,6 +24,8 @@ _EXPORTS = {
     "Options": "fxopt.options",
     "max_batch": "fxopt.maxbatch",
     "MaxBatch": "fxopt.maxbatch",
+    "fit": "fxopt.fitting",
+    "Fit": "fxopt.fitting",
     "FxoptModule": "fxopt.api",
     "backend": "fxopt.capture.backend",
     "Plan": "fxopt.solvers.plan",

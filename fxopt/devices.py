@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fxopt.units import format_bytes
+
 SHIPPED = Path(__file__).resolve().parent / "profiles"
 KINDS = ("cpu", "cuda")
 
@@ -39,8 +41,21 @@ class DeviceProfile:
 
     def rounded(self, nbytes: int) -> int:
         """``nbytes`` as the device's allocator holds it (rounded up to its block size)."""
-        r = self.round_bytes
-        return -(-nbytes // r) * r if nbytes > 0 else 0
+        return rounded_up(nbytes, self.round_bytes)
+
+    def planning_note(self) -> str:
+        """How a plan made for this profile on fake tensors counted memory (a plan's ``planned_for``)."""
+        if self.scratch_measured:
+            return f"planned for {self.name} on fake tensors; scratch measured on this host"
+        return (f"planned for {self.name} on fake tensors: each storage rounded up to {self.round_bytes} B, "
+                f"{format_bytes(self.cublas_workspace_bytes)} cuBLAS workspace resident, scratch a formula bound "
+                f"(ops not known to allocate only their outputs: {self.scratch_factor:g} x their inputs and outputs), "
+                "not measured; the ops as this host's torch chooses them")
+
+
+def rounded_up(nbytes: int, block: int) -> int:
+    """``nbytes`` as an allocator of ``block``-byte blocks holds them (0 stays 0)."""
+    return -(-nbytes // block) * block if nbytes > 0 else 0
 
 
 def names() -> list[str]:
@@ -87,6 +102,9 @@ def _read(path: str) -> DeviceProfile:
                          f"{SHIPPED / 'H100-80GB.json'} for the fields") from None
     if profile.kind not in KINDS:
         raise ValueError(f"device profile {path}: kind {profile.kind!r} is not one of {', '.join(KINDS)}")
+    if not profile.flops_per_second.get("float32", 0) > 0:
+        raise ValueError(f"device profile {path}: flops_per_second must give a positive float32 rate (the rate "
+                         "of a dtype it does not list)")
     if profile.round_bytes < 1:
         raise ValueError(f"device profile {path}: allocator.round_bytes must be at least 1")
     if not profile.scratch_measured and not profile.scratch_factor > 0:

@@ -183,6 +183,8 @@ def max_batch(model: nn.Module, budget: BudgetLike | Options, make_inputs: Calla
                       f"{', '.join(how.deadline.stopped)}; this answer is the best found by then, and another run "
                       "may find another (raise time_limit, or lower the effort)", SolverTimeoutWarning, stacklevel=2)
     proven_max, batch, plan, next_plan, answer = found
+    if options.device is not None:  # (planned on fake tensors for it: say how its memory was counted)
+        plan = dataclasses.replace(plan, planned_for=options.device.planning_note())
     block_paths = _block_paths(model, blocks)
     eager_batch = _largest_of(segments, lambda s: eager_schedule(s.eager.jg.graph)) or 0
     checkpoint_batch = None
@@ -216,7 +218,11 @@ def _search(segments: list[_Segment], budget_bytes: int, how: _Solving, t0: floa
                              if batch < min(segment.proven_max, segment.fxopt.hi) else None)
                 log.info("fxopt: max_batch: fxopt plans batch %d (%.1f s)", batch, time.perf_counter() - t0)
                 return proven_max, batch, plan, next_plan, segment
-    raise InfeasibleBudgetError(budget_bytes, proven_max, "fxopt found no plan at any batch.")
+    first = segments[0].fxopt  # (the smallest batch searched: its lowest peak is what the budget would need)
+    graph = first.at(first.lo)
+    raise InfeasibleBudgetError(budget_bytes, min_feasible_budget(graph, how.solver, **how.lowest()),
+                                f"fxopt found no plan at any batch from {first.lo} (the smallest its capture holds "
+                                "for) up.", lower_bound=peak_lower_bound(graph)[0])
 
 
 @dataclasses.dataclass

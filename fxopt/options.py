@@ -204,6 +204,9 @@ class Options:
         on fake tensors (FakeTensorMode), so a model built under torch.device("meta") is planned too.
         None: plan on the model's own tensors, measuring on its device.""")
 
+    planned_for: DeviceProfile | None = option(None, internal=True, doc="""
+        The profile the analysis counts memory and prices ops for: set by ``device`` once the
+        step is captured on fake tensors of the host (`fxopt.plan_ahead`).""")
     in_flight: InFlight | None = option(None, internal=True, doc="""
         The step is one microbatch of a pipeline stage, whose device also holds what this says;
         the budget is the device's (`fxopt.solvers.stages.solve_stage`).""")

@@ -22,11 +22,13 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
+from fxopt.analysis.costs import CostModel
 from fxopt.budget import BudgetLike
 from fxopt.capture.compiled import compile_step, run_compiled
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
 from fxopt.capture.dynamo import PlanReady, make_backend
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
+from fxopt.devices import DeviceProfile
 from fxopt.distributed import data_parallel
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError
 from fxopt.options import Options
@@ -74,35 +76,73 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
 
 def _plan_on_fake_tensors(model: nn.Module, options: Options, example_inputs: Any) -> PlanReady:
     """`plan_and_rewrite` for ``options.device``: the step captured and planned on fake tensors
-    (no memory, no kernel runs but the scratch measurements) on the profile's device. A copy of
-    ``model`` shares nothing with it but its structure: each parameter and buffer, on any device
-    the meta one included, becomes a fake tensor of its shape, dtype and strides (tied weights
-    stay tied), as do the example inputs."""
+    of the host (`FakeStep`), counted and priced as the profile says (`for_profile`)."""
+    fake = FakeStep.of(model, options.device)
+    inputs = fake.inputs(example_inputs)
+    with fake.mode:
+        return plan_and_rewrite(fake.model, for_profile(options, model), inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeStep:
+    """A copy of ``model`` on fake tensors of the host (FakeTensorMode: no memory, no kernel runs
+    but the host's scratch measurements), sharing nothing with it but its structure: each
+    parameter and buffer, on any device the meta one included, becomes a fake tensor of its shape,
+    dtype and strides (tied weights stay tied); `inputs` does the same to example inputs.
+
+    The fake tensors are on the CPU for every profile: torch fakes a CUDA tensor only in a CUDA
+    build (a CPU build fails at the first kernel's device guard), so a CUDA profile's step is the
+    one this host's torch captures (its choice of attention kernel, say), with the
+    profile's memory semantics applied by the analysis (`fxopt.analysis.analyze`'s ``device``)."""
+
+    model: nn.Module
+    mode: FakeTensorMode
+    memo: dict
+
+    @classmethod
+    def of(cls, model: nn.Module, profile: DeviceProfile) -> FakeStep:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
+        if profile.kind != "cpu" and profile.scratch_measured:
+            raise CaptureError(f"device={profile.name!r}: its scratch is marked measured, but a table measured on a "
+                               f"{profile.kind} device is not read yet; set scratch.measured to false in "
+                               f"{profile.path} (its default_factor is then the bound)")
+        step = cls(model, FakeTensorMode(allow_non_fake_inputs=True), {})
+        for t in [*model.parameters(), *model.buffers()]:
+            step._fake(t)
+        return dataclasses.replace(step, model=copy.deepcopy(model, step.memo))
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in self.memo:
+            with self.mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            self.memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        return self.memo[id(t)]
+
+    def inputs(self, example_inputs: Any) -> Any:
+        return tree_map_only(torch.Tensor, lambda t: self._fake(t).requires_grad_(t.requires_grad), example_inputs)
+
+
+def for_profile(options: Options, model: nn.Module) -> Options:
+    """``options`` for planning ``model``'s step on fake tensors for ``options.device``: the
+    analysis counts its memory (``planned_for``) and, for a device not this host, the cost model
+    is the profile's rates at the dtype most of the model's floating-point state is in (unless
+    one was given)."""
     profile = options.device
-    if profile.kind != "cpu":
-        raise CaptureError(
-            f"device={profile.name!r}: planning for a {profile.kind} profile on fake tensors is not supported yet "
-            "(its memory semantics, the allocator's rounding and the kernels' scratch, are not applied to the "
-            "analysis yet, so the plan would be wrong). Plan with device='cpu' for the host, or run fxopt.plan on "
-            "that device with the model on it.")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fxopt optimizes an nn.Module, got {type(model).__name__}")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict[int, Any] = {}
+    replaced: dict[str, Any] = dict(device=None, planned_for=profile)
+    if profile.kind != "cpu" and options.cost_model == CostModel():
+        replaced["cost_model"] = CostModel.for_device(profile, math_dtype(model))
+    return dataclasses.replace(options, **replaced)
 
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in memo:
-            with mode:
-                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=profile.kind)
-            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
-        return memo[id(t)]
 
+def math_dtype(model: nn.Module) -> torch.dtype:
+    """The floating-point dtype that most of ``model``'s parameter and buffer bytes are in (float32
+    for a model with none)."""
+    by_dtype: dict[torch.dtype, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
-        fake(t)
-    fake_model = copy.deepcopy(model, memo)
-    inputs = tree_map_only(torch.Tensor, lambda t: fake(t).requires_grad_(t.requires_grad), example_inputs)
-    with mode:
-        return plan_and_rewrite(fake_model, dataclasses.replace(options, device=None), inputs)
+        if t.is_floating_point():
+            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.numel() * t.element_size()
+    return max(by_dtype, key=by_dtype.__getitem__, default=torch.float32)
 
 
 def with_accumulation_note(err: InfeasibleBudgetError, model: nn.Module) -> InfeasibleBudgetError:
@@ -150,7 +190,13 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
     ``point``, without planning or running it: (the step as captured, the step rewritten as
     planning starts from), as `fxopt.analysis.JointGraph`s; ``options``: how it is analysed (the
     defaults if None; the budget is not read). A range the captured graph holds for only in part (a size of 1 set
-    apart) is narrowed to the part holding ``point``, once."""
+    apart) is narrowed to the part holding ``point``, once. With ``options.device``: on fake
+    tensors, for that profile (as `plan_and_rewrite`)."""
+    if options is not None and options.device is not None:
+        fake = FakeStep.of(model, options.device)
+        inputs = fake.inputs(example_inputs)
+        with fake.mode:
+            return capture_symbolic(fake.model, inputs, dims, point, for_profile(options, model))
     check_model(model)
     args, kwargs = split_inputs(example_inputs)
     options = dataclasses.replace(options or Options(budget=1), offload=False)

@@ -80,10 +80,11 @@ def solve_seconds(options: Options) -> float:
     least = MIN_SOLVE_SHARE * options.time_limit
     if options.time_limit - spent < least and started is not None and not _TOLD.get():
         _TOLD.set(True)
+        fake = "" if options.planned_for is not None else ("plan on fake tensors (fxopt.plan(..., device='cpu'), no "
+                                                           "kernel runs), ")
         log.warning("fxopt: capturing the step took %.1f s of time_limit=%g s; the solvers still get %.1f s, so this "
-                    "answer may take up to %.1f s. A shorter capture: plan on fake tensors (fxopt.plan(..., "
-                    "device='cpu'), no kernel runs), a smaller example batch or sequence (the graph is the same), "
-                    "or a larger time_limit.", spent, options.time_limit, least, spent + least)
+                    "answer may take up to %.1f s. A shorter capture: %sa smaller example batch or sequence (the graph "
+                    "is the same), or a larger time_limit.", spent, options.time_limit, least, spent + least, fake)
     return max(least, options.time_limit - spent)
 
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
@@ -96,9 +97,14 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
     devices = {v.device for n in joint.graph.find_nodes(op="placeholder")
                for v in [n.meta.get("val")] if isinstance(v, torch.Tensor)}
     device = next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
-    on = options.offload is not False and (options.offload is not None or device.type == "cuda")
+    profile = options.planned_for
+    kind = device.type if profile is None else profile.kind
+    on = options.offload is not False and (options.offload is not None or kind == "cuda")
     if not on:
         return None
+    if profile is not None and profile.host_link_bytes_per_second:  # (the profile's link, not one measured here)
+        link = profile.host_link_bytes_per_second
+        return Transfers(d2h_bytes_per_s=link, h2d_bytes_per_s=link, host_budget=options.host_budget)
     return dataclasses.replace(device_transfers(device), host_budget=options.host_budget)
 
 
@@ -113,6 +119,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
         least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
         options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
     jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+    if options.planned_for is not None:  # (also on a plan from the cache: two profiles may make one graph)
+        plan = dataclasses.replace(plan, planned_for=options.planned_for.planning_note())
     return jg, agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
 
 
@@ -235,7 +243,7 @@ def meta_device_message(what: str) -> str:
 def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None) -> dict:
     """The analysis' settings besides the cost model (see `fxopt.analysis.analyze`)."""
     return dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
-                sizes=sizes)
+                sizes=sizes, device=options.planned_for)
 
 
 def _analyzer(joint: fx.GraphModule, options: Options):

@@ -34,6 +34,7 @@ import torch.fx as fx
 import fxopt.ops  # noqa: F401 - registers the codecs' custom ops
 from fxopt.analysis.scratch import SCRATCH_MARGIN, op_increases
 from fxopt.analysis.symbolic import largest
+from fxopt.devices import DeviceProfile
 from fxopt.storage import storage_bytes
 from fxopt.ops.quantize import FORMAT_CODE, layout
 from fxopt.fxgraph import NodeBuilder, aliases_input
@@ -151,10 +152,11 @@ def offered_codec(n: fx.Node, *, compress: bool, quantize: Quantize | None) -> C
     return codec_for(n.meta.get("val"), lossless=compress, quantize=lossy, indices_of_pool=_is_pool_indices(n))
 
 
-def codec_workspace(todo: dict[int, tuple[fx.Node, Codec]], at=int) -> dict[int, int]:
+def codec_workspace(todo: dict[int, tuple[fx.Node, Codec]], at=int, device: DeviceProfile | None = None) -> dict[int, int]:
     """Measured scratch bytes of encoding and decoding each value (the larger), beyond the value
     and its encoding: the codec ops run on made-up tensors like any op (`fxopt.analysis.scratch`),
-    at the shape ``at`` evaluates sizes at (see `fxopt.analysis.symbolic.Sizes.at`)."""
+    at the shape ``at`` evaluates sizes at (see `fxopt.analysis.symbolic.Sizes.at`); for a
+    ``device`` profile whose scratch is not measured here, its formula's."""
     graph = fx.Graph()
     pairs = {}
     for i, (node, codec) in todo.items():
@@ -166,7 +168,7 @@ def codec_workspace(todo: dict[int, tuple[fx.Node, Codec]], at=int) -> dict[int,
         enc = add(codec.compress_op, value, *concrete[0])
         dec = add(codec.decompress_op, enc, *concrete[1])
         pairs[i] = (enc, dec, codec)
-    increases = op_increases(list(graph.nodes), at)
+    increases = op_increases(list(graph.nodes), at, device)
     out = {}
     for i, (enc, dec, codec) in pairs.items():
         value_bytes = at(storage_bytes(todo[i][0].meta["val"]))

@@ -9,6 +9,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
+from fxopt.devices import DeviceProfile
+
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
@@ -28,6 +30,17 @@ class CostModel:
             return self.op_overhead / 10
         comm = comm_bytes / (self.comm_bytes_per_second or COMM_BYTES_PER_SECOND["gloo"]) if comm_bytes else 0.0
         return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + comm + self.op_overhead
+
+    @classmethod
+    def for_device(cls, profile: DeviceProfile, dtype: torch.dtype) -> CostModel:
+        """The rates of a device profile (`fxopt.devices`) for a step whose floating-point math is
+        mostly in ``dtype``: its FLOP rate for that dtype (float32's where it states none), its
+        memory bandwidth, its interconnect for collectives."""
+        rates = profile.flops_per_second
+        name = str(dtype).removeprefix("torch.")
+        return cls(flops_per_second=rates.get(name, rates["float32"]),
+                   bytes_per_second=profile.memory_bandwidth_bytes_per_second,
+                   comm_bytes_per_second=profile.interconnect_bytes_per_second)
 
     def for_group(self, backend: str | None) -> CostModel:
         """This model with the communication rate of a process group of ``backend`` filled in."""

@@ -25,6 +25,7 @@ from fxopt.analysis.eager_saves import eager_saves
 from fxopt.analysis.costs import GATHERS, WAITS, CostModel, comm_bytes_of, flops_of, group_backend
 from fxopt.analysis.scratch import OpMemory, lingering_bytes, op_memory, scratch_beyond_output
 from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
+from fxopt.devices import DeviceProfile
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import EAGER_COPIES, tangent_dependents
@@ -47,6 +48,8 @@ class JointGraph:
     # With dynamic shapes: the same graph with its sizes as expressions (``graph`` is it at one
     # shape); None for a static step.
     symbolic: SymbolicGraph | None = None
+    # The profile planned for, where it is not the device the step was captured on (see `analyze`).
+    device: DeviceProfile | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -61,11 +64,12 @@ class JointGraph:
         sizes = Sizes(symbolic.names, point, symbolic.ranges)
         fx_nodes = [n for n in self.module.graph.nodes if n.op != "output"]
         with no_new_guards(fx_nodes):
-            memory = op_memory(fx_nodes, sizes.at)
+            memory = op_memory(fx_nodes, sizes.at, self.device)
             measured = measured_storage_bytes(fx_nodes, memory)
             workspace = [scratch_beyond_output(memory[n].increase if n in memory else 0, max(sizes.at_point(s.bytes), m))
                          for n, s, m in zip(fx_nodes, symbolic.sizes, measured)]
-            codec = codec_workspace({i: (fx_nodes[i], c) for i, c in self.codecs.items()}, sizes.at) if self.codecs else {}
+            codec = (codec_workspace({i: (fx_nodes[i], c) for i, c in self.codecs.items()}, sizes.at, self.device)
+                     if self.codecs else {})
         extra = [0] * (len(symbolic.sizes) - len(fx_nodes))  # the unread resident memory, last
         return symbolic.at(point, workspace + extra, [codec.get(i, 0) for i in range(len(symbolic.sizes))],
                            measured + extra)
@@ -193,7 +197,8 @@ def with_unread_resident(plan: Plan, extra_bytes: int) -> Plan:
 
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,
             compress: bool = True, quantize: Quantize | None = None,
-            unread_resident_bytes: int = 0, sizes: Sizes | None = None) -> JointGraph:
+            unread_resident_bytes: int = 0, sizes: Sizes | None = None,
+            device: DeviceProfile | None = None) -> JointGraph:
     """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
     tensors, int32 for max-pooling indices); ``quantize``: offer this lossy codec for floating-point
     activations (see `fxopt.analysis.codecs`). ``unread_resident_bytes``: memory alive through the
@@ -201,7 +206,11 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     as Llama's ``original_inv_freq``); the graph gets one more input node of that size, last, so
     that every peak counts it as the measured peak does. ``sizes``: how to read the sizes of a
     step captured with dynamic shapes (`fxopt.analysis.symbolic.Sizes`): the graph is the step at
-    ``sizes.point``, and `JointGraph.symbolic` keeps every size as an expression."""
+    ``sizes.point``, and `JointGraph.symbolic` keeps every size as an expression. ``device``: the
+    profile (`fxopt.devices`) the step is planned for where it was captured on fake tensors of
+    the host: every storage counted as its allocator holds it (rounded to its blocks), the cuBLAS
+    workspace resident through the step where a matrix product runs, the ops' scratch its
+    (`fxopt.analysis.scratch.op_memory`)."""
     cost_model = cost_model or CostModel()
     sizes = sizes or Sizes()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
@@ -214,10 +223,11 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         fwd_outs = {o for o in outs[:num_fwd_outputs] if isinstance(o, fx.Node)}
         bwd_outs = {o for o in outs[num_fwd_outputs:] if isinstance(o, fx.Node)}
         backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
-        nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize)
+        on_cpu = device is None or device.kind == "cpu"  # (eager's dropout where the step runs: see below)
+        nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize, on_cpu)
         nodes = _with_eager_reads(nodes, fx_nodes, eager_saves(fx_nodes, backward, outs[num_fwd_outputs:]))
         nodes = _with_eager_in_place(nodes, fx_nodes)
-        memory = op_memory(fx_nodes, sizes.at)
+        memory = op_memory(fx_nodes, sizes.at, device)
         measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
         nodes = [dataclasses.replace(node, workspace=scratch_beyond_output(memory[n].increase if n in memory else 0,
@@ -225,12 +235,15 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                                      lingers=lingering_bytes(n, sizes.at))
                  for node, n, s, m in zip(nodes, fx_nodes, node_sizes, measured)]
         if codecs:
-            workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()}, sizes.at)
+            workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()}, sizes.at, device)
             nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
     names = [n.name for n in fx_nodes]
     module_paths = [_module_path(n) for n in fx_nodes]
     nodes = [dataclasses.replace(node, blocks=blocks, op_class=_op_class(n))
              for node, n, blocks in zip(nodes, fx_nodes, repeated_blocks([_module_stack(n) for n in fx_nodes]))]
+    if device is not None and any(n.op_class == "matmul" for n in nodes):
+        # (held from the first matrix product on: counted from the step's start, a bound)
+        unread_resident_bytes += device.cublas_workspace_bytes
     if unread_resident_bytes > 0:
         nodes.append(unread_resident(unread_resident_bytes))
         node_sizes.append(NodeSizes(bytes=unread_resident_bytes))
@@ -238,10 +251,10 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         names.append(UNREAD_RESIDENT)
         module_paths.append("")
     symbolic = SymbolicGraph(Graph(tuple(nodes)), tuple(node_sizes), sizes.ranges, sizes.point, cost_model, sizes.names,
-                             tuple(measured))
+                             tuple(measured), round_bytes=1 if device is None else device.round_bytes)
     return JointGraph(module=joint, graph=symbolic.at(sizes.point), names=tuple(names),
                       num_fwd_outputs=num_fwd_outputs, module_paths=tuple(module_paths), codecs=codecs,
-                      symbolic=symbolic if sizes.symbolic else None)
+                      symbolic=symbolic if sizes.symbolic else None, device=device)
 
 
 def measured_storage_bytes(fx_nodes: list[fx.Node], memory: dict[fx.Node, OpMemory]) -> list[int]:
@@ -267,9 +280,11 @@ def measured_storage_bytes(fx_nodes: list[fx.Node], memory: dict[fx.Node, OpMemo
 
 
 def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Node], sizes: Sizes,
-            compress: bool, quantize: Quantize | None) -> tuple[list[Node], list[NodeSizes], dict[int, Codec]]:
+            compress: bool, quantize: Quantize | None, on_cpu: bool = True
+            ) -> tuple[list[Node], list[NodeSizes], dict[int, Codec]]:
     """One solver node per fx node (its sizes filled in later, at a shape), its sizes as
-    expressions, and the codec offered to each value that has one."""
+    expressions, and the codec offered to each value that has one. ``on_cpu``: the step runs on
+    the host (its fake tensors may be the host's for a CUDA profile, whose eager dropout is not)."""
     index = {n: i for i, n in enumerate(fx_nodes)}
     # AOTAutograd numbers autograd nodes with a counter of the process: number the formulas by
     # first appearance instead, so that the same step gets the same graph (and plan cache key).
@@ -317,7 +332,8 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             backward_formula=None if (f := _backward_formula(n)) is None else formulas.setdefault(f, len(formulas)),
             python_formula=f is not None and n.meta.get("partitioner_tag") != "is_backward",
             eager_number_bytes=_wrapped_number_bytes(n) if kind == "forward" else 0,
-            eager_bytes=_eager_dropout_mask_bytes(n) if EAGER_COPIES not in n.meta else _eager_copies_bytes(n),
+            eager_bytes=(_eager_dropout_mask_bytes(n) if on_cpu else None) if EAGER_COPIES not in n.meta
+            else _eager_copies_bytes(n),
         ))
     return nodes, node_sizes, codecs
 

@@ -19,6 +19,13 @@ Measurements are cached per process and on disk, next to the plan cache (`fxopt.
 whose kernels may allocate differently. ``FXOPT_CACHE=0`` turns the disk cache off. An op that
 could not be measured gets a conservative estimate (see `UNMEASURED_FACTOR`), never written to
 disk, so it is measured again next time.
+
+A device that is not here (a CUDA profile planned on this CPU, `fxopt.devices`) cannot be
+measured, and its kernels are not the host's: nothing is run, and no host measurement stands in
+for it. Its ops' scratch is a stated formula (`formula_memory`): ops known to allocate only their
+outputs there (pointwise kernels, copies, factories; matrix products, whose cuBLAS workspace the
+analysis counts once, resident) hold nothing beyond them; every other op is assumed to hold the
+profile's ``scratch_factor`` times the bytes of its inputs and outputs: a bound, never zero.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fxopt import cache
 from fxopt.analysis.costs import GATHERS, group_backend
+from fxopt.devices import DeviceProfile
 from fxopt.fxgraph import aliases_input
 from fxopt.storage import storage_bytes, storage_key, tensors_in
 
@@ -172,16 +180,19 @@ class OpMemory:
     output_bytes: tuple[int, ...] = ()
 
 
-def op_increases(nodes: list[fx.Node], at=int) -> dict[fx.Node, int]:
+def op_increases(nodes: list[fx.Node], at=int, device: DeviceProfile | None = None) -> dict[fx.Node, int]:
     """For each measurable node, the peak bytes allocated while its op runs (outputs included):
     `known_increase` where it knows, else measured (or read from the cache of measurements).
     ``at``: the value of a size at the shape to measure at (a static graph's sizes are ints; see
-    `fxopt.analysis.symbolic.Sizes.at`)."""
-    return {n: m.increase for n, m in op_memory(nodes, at).items()}
+    `fxopt.analysis.symbolic.Sizes.at`). ``device``: the profile planned for, where its scratch is
+    not measured here: `formula_memory` instead."""
+    return {n: m.increase for n, m in op_memory(nodes, at, device).items()}
 
 
-def op_memory(nodes: list[fx.Node], at=int) -> dict[fx.Node, OpMemory]:
+def op_memory(nodes: list[fx.Node], at=int, device: DeviceProfile | None = None) -> dict[fx.Node, OpMemory]:
     """`op_increases` with the measured bytes of each op's outputs (see `OpMemory`)."""
+    if device is not None and not device.scratch_measured:
+        return formula_memory(nodes, device, at)
     todo: dict[tuple, fx.Node] = {}
     keys: dict[fx.Node, tuple] = {}
     known: dict[fx.Node, OpMemory] = {}
@@ -203,6 +214,63 @@ def op_memory(nodes: list[fx.Node], at=int) -> dict[fx.Node, OpMemory]:
             measured = _measure(todo, at)
         _store({entry: value for k in measured for entry, value in _disk_form(k).items()})
     return known | {n: OpMemory(_cache[k], _output_cache.get(k, ())) for n, k in keys.items() if k in _cache}
+
+
+aten = torch.ops.aten
+
+# Ops whose CUDA kernels allocate only their outputs, besides those tagged pointwise (TensorIterator
+# kernels, which write their output and nothing else): copies and factories; gathers and
+# concatenations (``embedding`` is an ``index_select``; ``slice_backward`` zeros then copies); the
+# softmax kernels (aten/src/ATen/native/cuda/SoftMax.cu: one pass per row, in registers and shared
+# memory); and the matrix products, whose only scratch is the cuBLAS workspace, which the analysis
+# counts once, resident from the step's start (`fxopt.analysis.joint.analyze`). Not here, so under
+# the formula: attention, reductions, losses, ``embedding_dense_backward`` (which sorts its indices
+# into buffers of its own), and every op not named.
+_OUTPUTS_ONLY_ON_CUDA = frozenset([
+    aten._to_copy.default, aten.copy.default, aten.fill.Scalar, aten.fill.Tensor,
+    aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.empty_strided.default,
+    aten.scalar_tensor.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+    aten.new_full.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.empty_like.default, aten.arange.default, aten.arange.start, aten.arange.start_step,
+    aten.embedding.default, aten.index_select.default, aten.cat.default, aten.constant_pad_nd.default,
+    aten.slice_backward.default, aten.select_backward.default,
+    aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+])
+# Ops that return a view of their input's storage on CUDA as on the host (allocating nothing),
+# though their schema does not say so.
+_ALIASES_ON_CUDA = frozenset([aten._unsafe_view.default])
+
+
+def outputs_only_on_cuda(node: fx.Node) -> bool:
+    """Whether ``node``'s op allocates only its outputs on a CUDA device (see `_OUTPUTS_ONLY_ON_CUDA`)."""
+    target = node.target
+    return target in _OUTPUTS_ONLY_ON_CUDA or (isinstance(target, torch._ops.OpOverload)
+                                              and torch.Tag.pointwise in target.tags)
+
+
+def formula_memory(nodes: list[fx.Node], device: DeviceProfile, at=int) -> dict[fx.Node, OpMemory]:
+    """`op_memory` for a device whose kernels cannot run here, by formula, nothing run: the
+    outputs of an op known to allocate only them there (`outputs_only_on_cuda`); for any other op,
+    ``device.scratch_factor`` times the bytes of its inputs and outputs on top of its outputs (a
+    conservative bound, stated in the profile, never zero: attention's kernels, reductions, losses,
+    embedding's backward allocate beyond their outputs, by amounts only that device could say)."""
+    out = {}
+    for n in nodes:
+        if not _measurable(n, at):
+            continue
+        outputs = sum(at(t.numel()) * t.element_size() for t in _outs(n))
+        if (collective := _collective_increase(n)) is not None:
+            out[n] = OpMemory(collective)
+        elif n.target in _ALIASES_ON_CUDA:
+            out[n] = OpMemory(0)
+        elif outputs_only_on_cuda(n):
+            out[n] = OpMemory(outputs)
+        else:
+            inputs = sum(at(t.numel()) * t.element_size() for a in n.all_input_nodes for t in tensors_in(a.meta.get("val")))
+            out[n] = OpMemory(outputs + round(device.scratch_factor * (inputs + outputs)))
+    return out
 
 
 def _items(result) -> list:

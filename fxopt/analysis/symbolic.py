@@ -33,6 +33,7 @@ import torch
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from fxopt.analysis.costs import CostModel
+from fxopt.devices import rounded_up
 from fxopt.errors import CaptureError
 from fxopt.solvers.graph import Graph
 
@@ -285,6 +286,9 @@ class SymbolicGraph:
     # is more than its size says (`fxopt.analysis.scratch.OpMemory`), else 0: a floor under
     # ``bytes``, measured like the scratch memory (and kept, like it, where `at` is given none).
     measured_bytes: tuple[int, ...] = ()
+    # The device allocator's block size (`fxopt.devices.DeviceProfile.round_bytes`): each storage,
+    # and each encoding of one, is held rounded up to a multiple of it (1: as it is).
+    round_bytes: int = 1
 
     def at(self, point: Point, workspace: Sequence[int] | None = None,
            codec_workspace: Sequence[int] | None = None, measured_bytes: Sequence[int] | None = None) -> Graph:
@@ -297,6 +301,8 @@ class SymbolicGraph:
             if k < len(floor) and node.storage is None:
                 nbytes = max(nbytes, floor[k])
             compressed, codec_flops = size(s.compressed_bytes), size(s.codec_flops)
+            if self.round_bytes > 1:
+                nbytes, compressed = rounded_up(nbytes, self.round_bytes), rounded_up(compressed, self.round_bytes)
             nodes.append(dataclasses.replace(
                 node, bytes=nbytes, flops=flops, comm_bytes=comm,
                 cost=0.0 if node.kind == "input" else cost(flops, size(s.moved), node.storage is not None, comm),

@@ -4,6 +4,7 @@
     fxopt inspect MODEL [--budget 50%] [--code] [--dot FILE] [--json FILE] [--plot FILE.png] [--run]
     fxopt inspect MODEL --stages 4 --microbatches 8 [--schedule 1F1B] [--json FILE] [--plot FILE.png]
     fxopt inspect MODEL --budget 24GiB --max-batch  the largest batch that fits
+    fxopt fit MODEL --device H100-80GB [--budget 70GiB]  does it fit that GPU, planned here
 
 MODEL is ``path/to/file.py:factory`` or ``package.module:factory``; ``factory()`` returns
 ``(model, example_inputs)`` (see `load_model`). Exit codes: 0 ok, 1 error (or, with ``--run``, the
@@ -299,6 +300,10 @@ def inspect(args: argparse.Namespace) -> int:
               f"solver {options.solver}, compiler {options.compiler}, torch {torch.__version__}")
     if args.max_batch:
         return _max_batch(model, inputs, args, out, err)
+    if args.run and options.device is not None and options.device.kind != "cpu":
+        print(f"fxopt inspect: error: --run measures the plan on this machine, and a plan for {options.device.name} "
+              "counts that device's memory: leave --run out (or plan for --device cpu)", file=sys.stderr)
+        return EXIT_USAGE
     t0 = time.perf_counter()
     try:
         with _progress(err, "capturing and planning the training step"):
@@ -371,6 +376,7 @@ def _max_batch(model, inputs, args: argparse.Namespace, out, err) -> int:
     """``--max-batch``: the largest batch that fits the budget (`fxopt.max_batch`), the factory's
     inputs repeated or cut along dim 0 to each batch tried."""
     import fxopt
+    from fxopt.fitting import at_batch
 
     given = _given_options(args)
     budget = given.pop("budget")
@@ -380,7 +386,7 @@ def _max_batch(model, inputs, args: argparse.Namespace, out, err) -> int:
         return EXIT_USAGE
     try:
         with _progress(err, "finding the largest batch that fits"):
-            found = fxopt.max_batch(model, budget, lambda b: _at_batch(inputs, b), **given)
+            found = fxopt.max_batch(model, budget, lambda b: at_batch(inputs, b), **given)
     except fxopt.InfeasibleBudgetError as e:
         out.print(f"[red]infeasible budget:[/] {e}")
         return EXIT_INFEASIBLE
@@ -405,19 +411,38 @@ def _max_batch(model, inputs, args: argparse.Namespace, out, err) -> int:
     return EXIT_OK
 
 
-def _at_batch(inputs, b: int):
-    """``inputs`` with every tensor of the same dim 0 as the first one repeated or cut to ``b``."""
-    import torch
+def fit_command(args: argparse.Namespace) -> int:
+    """``fxopt fit MODEL --device PROFILE``: does the step fit the device (`fxopt.fit`), planned on
+    fake tensors here. Exit code 3 where it does not fit."""
+    from rich.console import Console
 
-    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
-    n = next(v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim())
+    import fxopt
+    from fxopt.devices import names
 
-    def resize(v):
-        if not (isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n):
-            return v
-        return v.repeat(-(-b // n), *[1] * (v.dim() - 1))[:b].clone()
-
-    return {k: resize(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(map(resize, values))
+    out = Console(quiet=args.quiet, highlight=False, soft_wrap=True)
+    given = _given_options(args)
+    budget, device = given.pop("budget"), given.pop("device", None)
+    if device is None:
+        print(f"fxopt fit: error: --device is required: a profile's name ({', '.join(names())}) or "
+              "the path of a profile's JSON", file=sys.stderr)
+        return EXIT_USAGE
+    if budget is not None and budget.bytes is None:
+        print(f"fxopt fit: error: --budget is bytes or a size ('70GiB'), not {str(budget)!r} (leave it out for the "
+              "device's memory)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        model, inputs = load_model(args.model)
+    except ModelSpecError as e:
+        print(f"fxopt fit: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    with _progress(Console(stderr=True, quiet=args.quiet), f"planning {args.model} for {device.name}"):
+        found = fxopt.fit(model, inputs, device=device, budget=None if budget is None else budget.bytes,
+                          limit=args.limit, **given)
+    out.print(str(found), markup=False, highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(found.to_dict(), indent=1))
+        out.print(f"wrote {args.json} (--json)")
+    return EXIT_OK if found.fits else EXIT_INFEASIBLE
 
 
 def _measured_peak(timeline) -> int:
@@ -472,6 +497,8 @@ def _print_summary(out, plan, args: argparse.Namespace, planning: float, measure
     out.print(f"decisions: {len(plan.saved)} values saved ({format_bytes(saved_bytes)} kept after the forward), "
               f"{len(plan.compressed)} of them compressed ({len(plan.lossy)} lossy), "
               f"{recomputations} recomputations of {len(plan.recomputed)} values")
+    if plan.planned_for:
+        out.print(plan.planned_for)
     if plan.offloaded:
         out.print(f"offloaded: {len(plan.offloaded)} values, {format_bytes(plan.host_bytes)} in host memory at "
                   f"most; the backward is predicted to wait {plan.exposed_transfer_seconds * 1e3:.3f} ms for "
@@ -635,6 +662,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--schedule", choices=("1F1B", "GPipe"), default="1F1B", help="with --stages (default 1F1B)")
     _add_common(i)
     i.set_defaults(func=inspect)
+
+    f = sub.add_parser(
+        "fit", help="does a model's training step fit a device (planned here, on fake tensors)",
+        description="Whether the training step of MODEL fits the device PROFILE with fxopt, planned on fake tensors "
+        "on this machine: eager's peak, the smallest budget fxopt reaches, the recompute cost at the device's memory "
+        "(or --budget), the largest batch. MODEL is 'path/to/file.py:factory' or 'package.module:factory'.")
+    f.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
+    _add_options(f)
+    budget = next(a for a in f._actions if a.dest == "budget")
+    budget.default, budget.help = None, "the memory the step may use: bytes or a size ('70GiB') (default: the device's)"
+    f.add_argument("--limit", type=int, default=2**16, help="the largest batch searched (default 65536)")
+    f.add_argument("--json", metavar="FILE", help="write the answer's numbers as JSON")
+    _add_common(f)
+    f.set_defaults(func=fit_command)
     return parser
 
 

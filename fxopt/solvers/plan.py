@@ -74,6 +74,9 @@ class Plan(JsonRecord):
     # Bytes the recomputed all-gathers move again (re-gathers of sharded parameters), apart from
     # ``recompute_flops``; their time is part of ``recompute_cost``.
     recompute_comm_bytes: int = 0
+    # Where it was planned for a device profile on fake tensors (``device=``): how its memory was
+    # counted, which parts are bounds (`fxopt.devices.DeviceProfile.planning_note`); "" otherwise.
+    planned_for: str = ""
 
     @property
     def cost(self) -> float:
@@ -164,6 +167,7 @@ class Plan(JsonRecord):
             f"{n_re} recomputations, +{self.recompute_flops / 1e9:.3f} GFLOP"
             + (f", {format_bytes(self.recompute_comm_bytes)} re-gathered" if self.recompute_comm_bytes else "")
             + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
+            + (f"; {self.planned_for}" if self.planned_for else "")
         )
 
     def to_dict(self) -> dict:

@@ -1,0 +1,176 @@
+"""How long `fxopt.fit` takes on a real-size model it plans on fake tensors, and where the time goes.
+
+    python -m benchmarks.fit_time [--layers 32] [--seq 2048] [--batch 1] [--device H100-80GB]
+                                  [--time-limit 60] [--out benchmarks/results/fit_llama8b]
+
+The model is Llama-3-8B's shape (a transformers ``LlamaConfig``: hidden 4096, FFN 14336, 32
+heads, 8 key-value heads, vocabulary 128256; ``--layers`` of them, 32 for the 8B), bfloat16,
+built under ``torch.device("meta")``, one batch of ``--seq`` token ids with their labels. One
+``fxopt.fit`` call for ``--device``, with the plan cache off (cold: every answer solved).
+
+Each of fit's three questions (its ``seconds``) is split by timing the functions fxopt calls as
+it calls them: analysis (`fxopt.analysis.analyze`, as the planner calls it; the scratch formula,
+`op_memory`, is part of it and shown apart), solve (`fxopt.solvers.solve` as the planner and
+`fxopt.max_batch` call it, and max_batch's lowest-peak searches), and the rest, which is the
+capture (Dynamo and AOTAutograd tracing on fake tensors, the rewrite); max_batch's simulations
+(eager's, per-block checkpointing's and replayed schedules at each batch it tries) and peak lower
+bounds apart. Issue 27's target is 20 s for the whole answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import fxopt
+import fxopt.analysis.joint as joint
+import fxopt.fitting as fitting
+import fxopt.maxbatch as maxbatch
+import fxopt.planner as planner
+from benchmarks.harness import log, meta_line, run_meta, write_results
+
+TARGET_SECONDS = 20.0  # issue 27: Llama-3-8B shapes at seq 2048, fxopt.fit on an H100-80GB profile
+
+# (module, function name as that module calls it, the part of the time it is)
+TIMED = [(planner, "analyze_step", "analysis"), (joint, "op_memory", "scratch"), (planner, "solve", "solve"),
+         (maxbatch, "solve", "solve"), (maxbatch, "min_feasible_budget", "solve"),
+         (maxbatch, "lowest_schedule", "solve"), (maxbatch, "simulate", "simulate"),
+         (maxbatch, "eager_timeline", "simulate"), (maxbatch, "peak_lower_bound", "simulate")]
+
+
+class Timers:
+    """Seconds spent in each part (`TIMED`) while installed."""
+
+    def __init__(self):
+        self.seconds = {"analysis": 0.0, "scratch": 0.0, "solve": 0.0, "simulate": 0.0}
+
+    @contextlib.contextmanager
+    def installed(self):
+        real = [(module, name, getattr(module, name)) for module, name, _ in TIMED]
+        for (module, name, part), (_, _, fn) in zip(TIMED, real):
+            setattr(module, name, self._timed(fn, part))
+        try:
+            yield self
+        finally:
+            for module, name, fn in real:
+                setattr(module, name, fn)
+
+    def _timed(self, fn, part: str):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - t0
+
+        return timed
+
+
+def llama(layers: int, seq: int, batch: int):
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=4096, intermediate_size=14336,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=max(8192, seq), use_cache=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+class Phases:
+    """The timers read at each of fit's questions' ends (fit's own ``seconds`` are the walls)."""
+
+    def __init__(self, timers: Timers):
+        self.timers, self.marks = timers, []
+
+    def mark(self) -> None:
+        self.marks.append(dict(self.timers.seconds))
+
+
+def split(found: fxopt.Fit, marks: list[dict]) -> dict:
+    """Per question: wall, analysis (scratch included), scratch, solve, simulate, and the rest (capture)."""
+    out, before = {}, {"analysis": 0.0, "scratch": 0.0, "solve": 0.0, "simulate": 0.0}
+    for (question, wall), now in zip(found.seconds.items(), marks):
+        part = {k: now[k] - before[k] for k in now}
+        out[question] = {"wall_s": wall, **{f"{k}_s": v for k, v in part.items()},
+                         "capture_and_rest_s": wall - part["analysis"] - part["solve"] - part["simulate"]}
+        before = now
+    return out
+
+
+def markdown(result: dict) -> str:
+    meta, row = result["meta"], result["row"]
+    lines = [f"# fxopt.fit on Llama-3-8B shapes for {meta['device']}", "", meta_line(meta), "",
+             f"Llama (transformers `LlamaConfig`), {meta['layers']} layers, hidden 4096, FFN 14336, vocabulary "
+             f"128256, bfloat16, built on meta; batch {meta['batch']} x {meta['seq']} tokens; {row['nodes']} nodes "
+             f"in the step's graph; plan cache off. Target (issue 27): {TARGET_SECONDS:.0f} s.", "",
+             "| question | wall s | capture and the rest s | analysis s | of which scratch formula s | solve s | "
+             "max_batch's simulations s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for question, p in row["split"].items():
+        lines.append(f"| {question} | {p['wall_s']:.1f} | {p['capture_and_rest_s']:.1f} | {p['analysis_s']:.1f} | "
+                     f"{p['scratch_s']:.2f} | {p['solve_s']:.1f} | {p['simulate_s']:.1f} |")
+    lines.append(f"| **fit, in all** | **{row['wall_s']:.1f}** | | | | | |")
+    lines += ["", "The answer (`Fit.__str__`):", "", "```", row["table"], "```", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--device", default="H100-80GB")
+    p.add_argument("--time-limit", type=float, default=60.0)
+    p.add_argument("--limit", type=int, default=2**16, help="the largest batch searched")
+    p.add_argument("--out", default="benchmarks/results/fit_llama8b")
+    args = p.parse_args(argv)
+    os.environ["FXOPT_CACHE"] = "0"  # a cold plan cache
+    command = "python -m benchmarks.fit_time " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = run_meta(command, layers=args.layers, seq=args.seq, batch=args.batch, device=args.device,
+                    time_limit=args.time_limit)
+    t0 = time.perf_counter()
+    model, inputs = llama(args.layers, args.seq, args.batch)
+    log(f"built on meta in {time.perf_counter() - t0:.1f} s")
+    timers = Timers()
+    phases = Phases(timers)
+    real_plan, real_max_batch = fitting.plan_and_rewrite, fitting.max_batch
+
+    def plan_then_mark(*a, **k):
+        try:
+            return real_plan(*a, **k)
+        finally:
+            phases.mark()
+
+    def max_batch_then_mark(*a, **k):
+        try:
+            return real_max_batch(*a, **k)
+        finally:
+            phases.mark()
+
+    fitting.plan_and_rewrite, fitting.max_batch = plan_then_mark, max_batch_then_mark
+    t0 = time.perf_counter()
+    try:
+        with timers.installed():
+            found = fxopt.fit(model, inputs, device=args.device, time_limit=args.time_limit, limit=args.limit)
+    finally:
+        fitting.plan_and_rewrite, fitting.max_batch = real_plan, real_max_batch
+    wall = time.perf_counter() - t0
+    if found.plan is None:  # (no plan at the budget: fit asked nothing there, nothing was timed)
+        phases.marks.insert(1, phases.marks[0])
+    row = {"wall_s": wall, "nodes": len(found.min_plan.graph), "split": split(found, phases.marks),
+           "answer": found.to_dict(), "table": str(found), "min_plan_summary": found.min_plan.summary()}
+    log(f"fit in {wall:.1f} s\n{row['table']}")
+    result = {"meta": meta, "row": row}
+    write_results(Path(args.out), result, markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""`fxopt.fit` and ``fxopt fit``: does a step fit a device, planned on fake tensors for its profile.
+Each answer is checked against the entry point it comes from (`fxopt.plan` at "min" and at the
+budget, `fxopt.max_batch`) and against the others (floor <= smallest budget <= a budget that fits;
+the largest batch at least the example's where the example fits)."""
+
+import json
+
+import pytest
+import torch
+
+import fxopt
+from fxopt import devices
+from fxopt.cli.main import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, main
+from fxopt.models import gpt2
+
+TIME_LIMIT = 60
+SHAPE = dict(layers=2, dim=64, heads=4, seq=64, batch=4, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return gpt2(**SHAPE)
+
+
+def test_fit_at_the_devices_memory_and_at_a_tight_budget(tiny):
+    model, inputs = tiny
+    roomy = fxopt.fit(model, inputs, device="H100-80GB", time_limit=TIME_LIMIT, limit=64)
+    assert roomy.budget_bytes == devices.load("H100-80GB").memory_bytes and not roomy.budget_given
+    assert roomy.fits and roomy.eager_peak_bytes <= roomy.budget_bytes
+    assert roomy.floor_bytes <= roomy.min_budget_bytes <= roomy.plan.peak_bytes <= roomy.budget_bytes
+    assert roomy.largest.batch == 64 and roomy.batch == 4  # (the search limit)
+    torch._dynamo.reset()
+    alone = fxopt.plan(model, "min", inputs, device="H100-80GB", time_limit=TIME_LIMIT)
+    assert alone.budget_bytes == roomy.min_budget_bytes and alone.eager_peak_bytes == roomy.eager_peak_bytes
+
+    tight = (roomy.min_budget_bytes + roomy.eager_peak_bytes) // 2  # below eager, above fxopt's smallest
+    torch._dynamo.reset()
+    found = fxopt.fit(model, inputs, device="H100-80GB", budget=tight, time_limit=TIME_LIMIT, limit=64)
+    assert found.budget_given and found.fits and found.plan.peak_bytes <= tight < found.eager_peak_bytes
+    assert found.largest.eager_batch < found.batch <= found.largest.batch <= found.largest.proven_max
+    assert found.largest.plan.peak_bytes <= tight and "planned for H100-80GB" in found.largest.plan.planned_for
+    text = str(found)
+    assert "planned for H100-80GB on fake tensors" in text and "formula bound" in text and "over" in text
+    assert json.loads(json.dumps(found.to_dict()))["fits"] is True
+
+
+def test_a_budget_below_the_smallest_does_not_fit_and_says_what_it_needs(tiny):
+    model, inputs = tiny
+    found = fxopt.fit(model, inputs, device="H100-80GB", budget="1MiB", time_limit=TIME_LIMIT, limit=64)
+    assert not found.fits and found.plan is None and found.largest is None and "batch" in found.largest_error
+    assert found.min_budget_bytes > 1 << 20  # (the cuBLAS workspace alone is 32 MiB)
+    assert "does not fit: needs at least" in str(found)
+
+
+def test_fit_refuses_what_it_cannot_answer(tiny):
+    model, inputs = tiny
+    with pytest.raises(fxopt.BudgetError, match="no fixed memory: give fit a budget"):
+        fxopt.fit(model, inputs, device="cpu")
+    with pytest.raises(fxopt.BudgetError, match="in bytes or as a size"):
+        fxopt.fit(model, inputs, device="H100-80GB", budget=0.5)
+    with pytest.raises(ValueError, match="leave plan= out"):
+        fxopt.fit(model, inputs, device="H100-80GB", plan=fxopt.plan(model, 0.5, inputs, device="cpu"))
+    with pytest.raises(ValueError, match="unknown fxopt option"):
+        fxopt.fit(model, inputs, device="H100-80GB", budgets="1GiB")
+
+
+@pytest.mark.slow
+def test_fxopt_fit_on_the_command_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny_gpt.py").write_text(
+        "import torch\nfrom fxopt.models import gpt2\n\n"
+        f"def model():\n    torch.manual_seed(0)\n    return gpt2(**{SHAPE!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["fit", "tiny_gpt:model"]) == EXIT_USAGE
+    assert "--device is required" in capsys.readouterr().err
+    assert main(["fit", "tiny_gpt:model", "--device", "H100-80GB", "--budget", "50%"]) == EXIT_USAGE
+    out = tmp_path / "fit.json"
+    assert main(["fit", "tiny_gpt:model", "--device", "H100-80GB", "--limit", "16", "--json", str(out)]) == EXIT_OK
+    printed = capsys.readouterr().out
+    assert "does it fit on H100-80GB?" in printed and "smallest budget fxopt reaches" in printed
+    assert json.loads(out.read_text())["largest_batch"] == 16
+    assert main(["fit", "tiny_gpt:model", "--device", "H100-80GB", "--budget", "1MiB"]) == EXIT_INFEASIBLE
+
+
+def test_fxopt_inspect_plans_for_a_cuda_profile_and_refuses_to_run_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tiny_gpt.py").write_text(
+        "import torch\nfrom fxopt.models import gpt2\n\n"
+        f"def model():\n    torch.manual_seed(0)\n    return gpt2(**{SHAPE!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", "tiny_gpt:model", "--device", "H100-80GB", "--budget", "min"]) == EXIT_OK
+    assert "planned for H100-80GB on fake tensors" in capsys.readouterr().out
+    assert main(["inspect", "tiny_gpt:model", "--device", "H100-80GB", "--run"]) == EXIT_USAGE
+    assert "--run measures the plan on this machine" in capsys.readouterr().err
+
+
+def test_below_the_batches_max_batch_searched_the_examples_own_answer_stands(tiny):
+    """A capture with the batch symbolic sets a batch of 1 apart (`MaxBatch.captured` starts at
+    2): where only batch 1 fits, max_batch finds nothing in its range, and the example's own
+    plan (at batch 1) is the answer, said as such, not "0"."""
+    import dataclasses
+
+    model, inputs = tiny
+    found = dataclasses.replace(fxopt.fit(model, inputs, device="H100-80GB", budget="64MiB", time_limit=TIME_LIMIT,
+                                          limit=8), batch=1)
+    assert found.fits
+    none_above = dataclasses.replace(found.largest, eager_batch=0, checkpoint_batch=0, captured=(2, 8))
+    row = dict(dataclasses.replace(found, largest=none_above).rows())["largest batch"]
+    assert "eager 1 (the example's; none from 2 up)" in row and "per-block checkpointing none from 2 up" in row
+    assert "batches from 2 searched" in row
+    failed = dict(dataclasses.replace(found, largest=None, largest_error="fxopt found no plan at any batch from 2 up.").rows())
+    assert failed["largest batch"].startswith("fxopt 1, the example's (planned above)")
+    assert "fxopt found no plan at any batch from 2 up." in failed["largest batch"]
