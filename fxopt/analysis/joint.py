@@ -47,6 +47,8 @@ class JointGraph:
     # With dynamic shapes: the same graph with its sizes as expressions (``graph`` is it at one
     # shape); None for a static step.
     symbolic: SymbolicGraph | None = None
+    # The nodes run in the order `fxopt.passes.reorder` chose, not as captured (`Plan.reordered`).
+    reordered: bool = False
 
     @property
     def fingerprint(self) -> str:
@@ -188,7 +190,8 @@ def with_unread_resident(plan: Plan, extra_bytes: int) -> Plan:
     return Plan.build(graph=graph, schedule=plan.schedule, budget_bytes=plan.budget_bytes,
                       eager_peak_bytes=plan.eager_peak_bytes + extra_bytes, solver=plan.solver, status=plan.status,
                       solve_seconds=plan.solve_seconds, fingerprint=graph_fingerprint(graph),
-                      module_paths=tuple(paths) if plan.module_paths else (), lower_bound_cost=plan.lower_bound_cost)
+                      module_paths=tuple(paths) if plan.module_paths else (), lower_bound_cost=plan.lower_bound_cost,
+                      reordered=plan.reordered)
 
 
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,

@@ -74,6 +74,10 @@ class Plan(JsonRecord):
     # Bytes the recomputed all-gathers move again (re-gathers of sharded parameters), apart from
     # ``recompute_flops``; their time is part of ``recompute_cost``.
     recompute_comm_bytes: int = 0
+    # The step's ops run in the order of ``graph``'s nodes, which fxopt chose for memory
+    # (`fxopt.solvers.order`, the ``reorder`` option), not in the order they were captured in;
+    # replaying the plan runs them in that order too.
+    reordered: bool = False
 
     @property
     def cost(self) -> float:
@@ -95,7 +99,7 @@ class Plan(JsonRecord):
     def build(cls, *, graph: Graph, schedule: Schedule, budget_bytes: int, eager_peak_bytes: int,
               solver: str, status: str, solve_seconds: float, fingerprint: str,
               module_paths: tuple[str, ...] = (), timeline: Timeline | None = None,
-              lower_bound_cost: float | None = None) -> Plan:
+              lower_bound_cost: float | None = None, reordered: bool = False) -> Plan:
         timeline = timeline or simulate(graph, schedule)
         if schedule.offloaded and not schedule.reload_at:
             # Pin the default reload points, so that whoever compiles the plan need not find them.
@@ -128,6 +132,7 @@ class Plan(JsonRecord):
             offloaded=tuple(graph.nodes[i].name for i in sorted(schedule.offloaded)),
             host_bytes=timeline.host_peak_bytes,
             exposed_transfer_seconds=timeline.exposed_transfer_seconds,
+            reordered=reordered,
         )
 
     def timeline(self) -> Timeline:
@@ -164,6 +169,7 @@ class Plan(JsonRecord):
             f"{n_re} recomputations, +{self.recompute_flops / 1e9:.3f} GFLOP"
             + (f", {format_bytes(self.recompute_comm_bytes)} re-gathered" if self.recompute_comm_bytes else "")
             + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
+            + (", ops reordered for memory" if self.reordered else "")
         )
 
     def to_dict(self) -> dict:
@@ -173,6 +179,8 @@ class Plan(JsonRecord):
         d["saved"] = list(self.saved)
         d["module_paths"] = list(self.module_paths)
         d["offloaded"] = list(self.offloaded)
+        if not self.reordered:  # (no key in the captured order: such a plan's dict is what it always was)
+            del d["reordered"]
         d["format_version"] = FORMAT_VERSION
         return d
 
