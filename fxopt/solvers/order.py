@@ -8,10 +8,12 @@ starts the next holds one wide value at a time, not two:
     captured:  a = up1(x) [wide]; b = up2(x) [wide]; c = down1(a); d = down2(b)   ... a, b alive
     reordered: a = up1(x); c = down1(a); b = up2(x); d = down2(b)                 ... a or b alive
 
-`memory_order` is a greedy list scheduler (the "least peak memory first" rule of Inductor's
-``topological_sort_lpmf``): among the nodes whose inputs have run, it runs the one that keeps the
-running peak where it is and leaves the fewest bytes alive after it, else the one that raises the
-peak least; ties keep the captured order. It orders the forward nodes, then the backward nodes (a
+`memory_order` is a greedy list scheduler, after the "least peak memory first" rule of Inductor's
+``topological_sort_lpmf``: among the nodes whose inputs have run, it runs the one with the least
+peak so far after it runs plus the bytes it leaves alive beyond those before it (among the nodes
+that keep the peak where it is, the one that leaves the fewest bytes alive, as LPMF; where each
+raises it, not simply the one that raises it least, which would start a second wide value a byte
+cheaper than finishing the first); ties keep the captured order. It orders the forward nodes, then the backward nodes (a
 forward node never reads a backward one), each walk with its own memory model:
 
     "save_all"   the forward keeps what the backward reads; the backward frees each at its last read
@@ -195,13 +197,13 @@ class _Walk:
             during = self.live + made + max(nodes[u].workspace for u in members)
             return during, self.live + made - freed
 
+        def score(i: int) -> int:
+            during, after = effects[i]
+            return max(peak, during) + after - self.live
+
         while ready:
             effects = {i: effect(i) for i in ready}
-            under = [i for i in ready if effects[i][0] <= peak]
-            if under:
-                chosen = min(under, key=lambda i: (effects[i][1], position[i]))
-            else:
-                chosen = min(ready, key=lambda i: (effects[i][0], position[i]))
+            chosen = min(ready, key=lambda i: (score(i), position[i]))
             during, after = effects[chosen]
             peak = max(peak, during)
             for u in group(chosen):
