@@ -199,7 +199,8 @@ class Options:
         device; True or False to force it; or the most host memory it may hold at once (bytes, or a
         size such as "16GiB"): on, within that.""")
     reorder: bool = option(False, check=_instance("reorder", bool), flag=Flag(
-        help="also plan the step with its ops in a memory-aware order, and keep the better plan"), doc="""
+        choices=("on", "off"), parse=lambda text: text == "on", help="on: also plan the step with its ops in a "
+        "memory-aware order, and keep the better plan (default off)"), doc="""
         Also plan the step with its ops in a memory-aware order (`fxopt.solvers.order`: the same
         values, computed in another order within the graph's dependencies; random ops,
         mutations and collectives keep theirs), and keep the better of the two plans (lower
