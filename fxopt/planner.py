@@ -114,7 +114,14 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
         least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
         options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
     jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
-    return jg, agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
+    agreed = agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
+    if agreed is plan:
+        return jg, plan
+    step = _step_of(agreed, jg)  # (rank 0 may have kept the other order)
+    if step is None:
+        raise RuntimeError("the ranks captured different graphs of a step with collectives inside (another model, "
+                           "input shape or dtype on some rank): every rank must run the same step")
+    return step, agreed
 
 
 def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
@@ -304,10 +311,11 @@ def _given_plan(options: Options, jg):
 
 
 def _step_of(plan: Plan, jg):
-    """``jg`` as ``plan`` was made for it, its ops in the plan's order where it was reordered
-    (`fxopt.passes.reorder`); None where the plan was made for another graph."""
-    if plan.reordered and not jg.reordered:
-        jg = in_plan_order(jg, [n.name for n in plan.graph.nodes])
+    """``jg`` as ``plan`` was made for it, its ops in the plan's order where one of them was
+    reordered (`fxopt.passes.reorder`); None where the plan was made for another graph."""
+    names = [n.name for n in plan.graph.nodes]
+    if (plan.reordered or jg.reordered) and list(jg.names) != names:
+        jg = in_plan_order(jg, names, reordered=plan.reordered)
     return jg if jg is not None and plan.fingerprint == jg.fingerprint else None
 
 

@@ -26,7 +26,7 @@ import torch
 
 from fxopt.analysis import JointGraph
 from fxopt.fxgraph import copy_module
-from fxopt.solvers.order import Order, choose_order, reordered
+from fxopt.solvers.order import Order, choose_order, reordered as in_graph_order
 
 
 def barriers(joint: JointGraph) -> frozenset[int]:
@@ -54,23 +54,24 @@ def reorder_step(joint: JointGraph, solver: str = "auto", **lowest) -> tuple[Joi
     return in_order(joint, chosen.order), chosen
 
 
-def in_plan_order(joint: JointGraph, names: Sequence[str]) -> JointGraph | None:
-    """The step with its nodes in the order of ``names`` (a reordered plan's graph's, to replay
-    it); None where they are not this step's nodes."""
+def in_plan_order(joint: JointGraph, names: Sequence[str], reordered: bool = True) -> JointGraph | None:
+    """The step with its nodes in the order of ``names`` (a plan's graph's, to replay it);
+    ``reordered``: whether that is an order fxopt chose (else the captured one). None where they
+    are not this step's nodes."""
     index = {name: i for i, name in enumerate(joint.names)}
     if len(names) != len(index) or set(names) != set(index):
         return None
     try:
-        return in_order(joint, [index[name] for name in names])
+        return in_order(joint, [index[name] for name in names], reordered)
     except ValueError:
         return None
 
 
-def in_order(joint: JointGraph, order: Sequence[int]) -> JointGraph:
+def in_order(joint: JointGraph, order: Sequence[int], reordered: bool = True) -> JointGraph:
     """``joint`` with its nodes in ``order`` (``order[k]``: the index of the node that runs k-th),
-    in a copy of its module. Raises ValueError for an order that moves a placeholder or breaks a
-    dependency."""
-    graph = reordered(joint.graph, order)  # (checks the order against the solver graph)
+    in a copy of its module; ``reordered``: whether that is an order fxopt chose. Raises
+    ValueError for an order that moves a placeholder or breaks a dependency."""
+    graph = in_graph_order(joint.graph, order)  # (checks the order against the solver graph)
     module = copy_module(joint.module)
     by_name = {n.name: n for n in module.graph.nodes}
     placeholders = [n.name for n in module.graph.nodes if n.op == "placeholder"]
@@ -86,4 +87,4 @@ def in_order(joint: JointGraph, order: Sequence[int]) -> JointGraph:
     new = {old: k for k, old in enumerate(order)}
     return dataclasses.replace(joint, module=module, graph=graph, names=tuple(names),
                                module_paths=tuple(joint.module_paths[i] for i in order),
-                               codecs={new[i]: codec for i, codec in joint.codecs.items()}, reordered=True)
+                               codecs={new[i]: codec for i, codec in joint.codecs.items()}, reordered=reordered)
