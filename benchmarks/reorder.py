@@ -1,21 +1,23 @@
 """Operator order as a decision (issue 28): the smallest budget with and without ``reorder=True``.
 
-    python -m benchmarks.reorder [--models sd3,unet,dit,gpt2@bench,llama@bench] [--size test]
+    python -m benchmarks.reorder [--models sd3,unet,dit,swin,gpt2@bench,llama@bench,residual_mlp,...] [--size test]
         [--time-limit 60] [--out benchmarks/results/reorder]
     python -m benchmarks.reorder --report [--out ...]   # Markdown from the JSON
 
 Per model of the one zoo (`fxopt.models.MODELS`: the library models of `benchmarks.library_zoo`
-and the transformers models of `benchmarks.hf_zoo`, named without their ``lib-``/``hf-`` prefix;
-``name@size`` for another size than ``--size``), measured the same way (`benchmarks.harness.Measurer`):
+and the transformers models of `benchmarks.hf_zoo`, named without their ``lib-``/``hf-`` prefix,
+and fxopt's own test zoo; ``name@size`` for another size than ``--size``), measured the same way
+(`benchmarks.harness.Measurer`):
 
 - ``min``: ``fxopt.plan(model, "min", inputs)`` and with ``reorder=True``: the smallest budget
   fxopt plans in each order, and whether the plan kept is reordered (`Plan.reordered`); each plan
   replayed and measured: peak (measured <= predicted <= budget) and gradients against eager's
   (``grads_bit_equal``: the largest difference is 0);
-- ``library``: the library's own checkpointing (transformers' ``gradient_checkpointing_enable()``,
-  diffusers' ``enable_gradient_checkpointing()``), measured; then fxopt at that measured peak,
-  with and without ``reorder``: the predicted recompute cost (`Plan.cost`, what the solvers
-  minimise) and extra FLOPs, which reordering must never raise (the planner keeps the better plan).
+- ``library`` (a library's model only): its own checkpointing (transformers'
+  ``gradient_checkpointing_enable()``, diffusers' ``enable_gradient_checkpointing()``),
+  measured; then fxopt at that measured peak, with and without ``reorder``: the predicted
+  recompute cost (`Plan.cost`, what the solvers minimise) and extra FLOPs, which reordering must
+  never raise (the planner keeps the better plan).
 
 On CPU the run uses 1 torch thread and turns fxopt's plan cache off. Step times are not the point
 here (one timed step per row).
@@ -24,6 +26,7 @@ here (one timed step per row).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import time
@@ -37,20 +40,38 @@ import torch._dynamo
 import fxopt
 from benchmarks.harness import (Measurer, error_line, load_average, log, plan_fields, report_head,
                                 restore_settings, run_meta, run_to_end, saved_settings, write_results)
-from benchmarks.library_checkpointing import NAMES, entry_of
+from benchmarks.library_checkpointing import NAMES
 from benchmarks.library_zoo import SIZES
+from fxopt.models import MODELS, ZOO, ZooModel, loss_of
 
-DEFAULT_MODELS = ("sd3", "unet", "dit", "gpt2@bench", "llama@bench")
+DEFAULT_MODELS = ("sd3", "unet", "dit", "swin", "gpt2@bench", "llama@bench", "residual_mlp", "transformer_block",
+                  "inplace_net")
 DEFAULT_OUT = "benchmarks/results/reorder"
 
 
-def model_and_size(text: str, size: str) -> tuple[str, str]:
+def entry_and_size(text: str, size: str) -> tuple[ZooModel, str]:
+    """The zoo's entry of ``name`` or ``name@size`` (``"unet"``: ``lib-unet``, ``"gpt2"``:
+    ``hf-gpt2``, else fxopt's own model of that name), and its size: the one given, else ``size``
+    where the model has it, else its first."""
     name, _, given = text.partition("@")
-    if name not in NAMES:
-        raise SystemExit(f"unknown model {name}; choose from {', '.join(NAMES)}")
-    if given and given not in SIZES:
-        raise SystemExit(f"unknown size {given}; choose from {', '.join(SIZES)}")
-    return name, given or size
+    entry = MODELS.get(f"lib-{name}") or MODELS.get(f"hf-{name}") or MODELS.get(name)
+    if entry is None:
+        raise SystemExit(f"unknown model {name}; choose from {', '.join(NAMES)} or fxopt's own ({', '.join(ZOO)})")
+    chosen = given or (size if size in entry.sizes else entry.sizes[0])
+    if chosen not in entry.sizes:
+        raise SystemExit(f"{entry.name} has the sizes {', '.join(entry.sizes)}, not {chosen}")
+    return entry, chosen
+
+
+class LossOf(torch.nn.Module):
+    """fxopt's own models return their outputs; the harness trains a model that returns its loss."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        return loss_of(self.model(*inputs))
 
 
 def planned_row(m: Measurer, method: str, plan: fxopt.Plan) -> dict[str, Any]:
@@ -70,12 +91,13 @@ def planned_row(m: Measurer, method: str, plan: fxopt.Plan) -> dict[str, Any]:
 
 
 def bench_model(text: str, args: argparse.Namespace) -> dict[str, Any]:
-    name, size = model_and_size(text, args.size)
-    entry = entry_of(name)
+    entry, size = entry_and_size(text, args.size)
     torch.manual_seed(0)
     model, inputs = entry(size)
+    if entry.checkpointing is None:
+        model = LossOf(model)
     m = Measurer(model, inputs, timed_steps=1)
-    info: dict[str, Any] = {"name": name, "zoo": entry.name, "size": size, "source": entry.source}
+    info: dict[str, Any] = {"name": text.partition("@")[0], "zoo": entry.name, "size": size, "source": entry.source}
     rows: list[dict[str, Any]] = [m.measure_eager({"method": "eager"})]
     for reorder in (False, True):
         t0 = time.perf_counter()
@@ -83,6 +105,9 @@ def bench_model(text: str, args: argparse.Namespace) -> dict[str, Any]:
         row = planned_row(m, f"min{' reorder' if reorder else ''}", plan)
         row["plan_s"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
+    if entry.checkpointing is None:  # (fxopt's own models: no library checkpointing to compare with)
+        torch._dynamo.reset()
+        return {"info": info, "rows": rows}
     library: dict[str, Any] = {"method": "library"}
 
     def switched_on() -> torch.nn.Module:
@@ -200,9 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true", help="only write the Markdown from the JSON")
     args = parser.parse_args(argv)
     if args.report:
-        import json
-        data = json.loads(Path(f"{args.out}.json").read_text())
-        Path(f"{args.out}.md").write_text(report(data) + "\n")
+        out = Path(args.out)
+        out.with_suffix(".md").write_text(report(json.loads(out.with_suffix(".json").read_text())) + "\n")
         return
     run_to_end(Run, args, argv, f"{args.out}.md")
 

@@ -8,6 +8,7 @@ with and without reordering, run against eager.
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import operator
 
@@ -198,3 +199,19 @@ def test_reorder_is_an_option():
     assert fxopt.Options(budget=0.5).reorder is False
     with pytest.raises(TypeError, match="reorder must be a bool"):
         fxopt.Options(budget=0.5, reorder="yes")
+
+
+def test_the_benchmark_measures_both_orders(tmp_path):
+    from benchmarks import reorder
+
+    out = tmp_path / "reorder"
+    reorder.main(["--models", "multi_output", "--out", str(out)])
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["models"][0]["rows"]}
+    captured, moved = rows["min"], rows["min reorder"]
+    for row in (captured, moved):
+        assert row.get("error") is None, row.get("error")
+        assert row["measured_peak_bytes"] <= row["predicted_peak_bytes"] <= row["budget_bytes"]
+        assert row["grads_bit_equal"]
+    assert moved["budget_bytes"] <= captured["budget_bytes"]
+    reorder.main(["--report", "--out", str(out)])
+    assert "| multi_output | test |" in out.with_suffix(".md").read_text()
