@@ -81,7 +81,7 @@ def test_choose_order_keeps_an_order_only_where_the_lowest_peak_falls():
 
 def pinned_pair(recomputable: bool, kind: str) -> Graph:
     """r1 (100 bytes) then r2 (1 byte), both reading x only: the greedy scheduler would run the
-    small one first, unless they cannot be recomputed (random ops, collectives)."""
+    small one first, unless they cannot be recomputed (random ops, collectives) or are pinned."""
     b = GraphBuilder()
     b.input("x", 8)
     b.input("tan", 1, tangent=True)
@@ -102,12 +102,50 @@ def pinned_pair(recomputable: bool, kind: str) -> Graph:
 
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_ops_that_cannot_be_recomputed_keep_their_order(kind):
-    def names(graph: Graph) -> list[str]:
-        moved = reordered(graph, memory_order(graph, "recompute"))
+    def names(graph: Graph, pinned=()) -> list[str]:
+        moved = reordered(graph, memory_order(graph, "recompute", pinned=pinned))
         return [n.name for n in moved.nodes if n.name in ("r1", "r2")]
 
-    assert names(pinned_pair(True, kind)) == ["r2", "r1"]  # (free to move, the small one goes first)
+    free = pinned_pair(True, kind)
+    assert names(free) == ["r2", "r1"]  # (free to move, the small one goes first)
     assert names(pinned_pair(False, kind)) == ["r1", "r2"]  # random ops, collectives: as captured
+    assert names(free, pinned=[i for i, n in enumerate(free.nodes) if n.name in ("r1", "r2")]) == ["r1", "r2"]
+
+
+def test_a_sharded_step_keeps_its_collectives_in_order(one_process_group, monkeypatch):
+    """FSDP on one rank: the captured step's all-gathers, their waits and the reduce-scatters
+    keep their order in every candidate order, with what the pass pins and bars
+    (`fxopt.passes.reorder`), and the step planned with ``reorder=True`` computes eager's gradients."""
+    from fxopt.distributed import fsdp
+    from fxopt.passes import reorder as reorder_pass
+    from fxopt.solvers.order import CANDIDATES
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    x = torch.randn(8, 6)
+    ref = copy.deepcopy(model)
+    ref(x).sum().backward()
+    fsdp.fully_shard(model)
+    asked = []
+
+    def spy(graph, barriers, pinned, *args, **kwargs):
+        asked.append((graph, barriers, pinned))
+        return choose_order(graph, barriers, pinned, *args, **kwargs)
+
+    monkeypatch.setattr(reorder_pass, "choose_order", spy)
+    optimized = fxopt.optimize(model, "min", reorder=True)
+    optimized(x).sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(fsdp.full_tensor(model, name, p.grad), q.grad)
+
+    def collectives(g: Graph) -> list[str]:
+        return [n.name for n in g.nodes if n.name.startswith(("all_gather", "reduce_scatter", "wait_tensor"))]
+
+    graph, barriers, pinned = asked[0]
+    assert len(collectives(graph)) == 24  # 6 parameters: an all-gather, a reduce-scatter, a wait each
+    for model_name, phases in CANDIDATES:
+        moved = reordered(graph, memory_order(graph, model_name, barriers, phases, pinned))
+        assert collectives(moved) == collectives(graph), (model_name, phases)
 
 
 def test_nothing_moves_across_a_barrier():

@@ -9,8 +9,9 @@ its graph, names, module paths and codecs), so the simulator, the solvers and th
 (`fxopt.passes.recompute` extracts the forward in graph order) walk the same order and the
 predicted peak stays the generated code's.
 
-Side effects stay where they were: the solver graph keeps the ops that cannot be recomputed
-(random ops, mutations, collectives) in their order (`fxopt.solvers.order`), and every op that
+Side effects stay where they were: the ops that cannot be recomputed (random ops, mutations,
+collectives) keep their order among themselves (`fxopt.solvers.order`), and so do the
+collectives a re-gather may recompute (`collectives`: all-gathers and their waits); every op that
 may write into a value (`barriers`: a schema marked mutable, or anything but an aten op and
 ``getitem``) is a barrier no node moves across. A step with dynamic shapes keeps its order (its
 sizes are computed by nodes the solver graph does not show).
@@ -28,6 +29,9 @@ from fxopt.analysis import JointGraph
 from fxopt.fxgraph import copy_module
 from fxopt.solvers.order import Order, choose_order, reordered as in_graph_order
 
+# The namespaces of the ops that talk to other ranks.
+COLLECTIVES = ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")
+
 
 def barriers(joint: JointGraph) -> frozenset[int]:
     """The solver-graph indices of the ops that may write into a value (see the module)."""
@@ -42,13 +46,21 @@ def barriers(joint: JointGraph) -> frozenset[int]:
     return frozenset(out)
 
 
+def collectives(joint: JointGraph) -> frozenset[int]:
+    """The solver-graph indices of the collectives and their waits (`COLLECTIVES`), which keep
+    their captured order among themselves: every rank runs them in the same order."""
+    index = {name: i for i, name in enumerate(joint.names)}
+    return frozenset(index[n.name] for n in joint.module.graph.nodes
+                     if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in COLLECTIVES)
+
+
 def reorder_step(joint: JointGraph, solver: str = "auto", **lowest) -> tuple[JointGraph, Order] | None:
     """The step in the order `fxopt.solvers.order.choose_order` accepts (``solver`` and ``lowest``:
     how it searches each order's lowest peak), in a copy of its module, and that order; None
     where the captured order stands (none accepted, or dynamic shapes)."""
     if joint.symbolic is not None:
         return None
-    chosen = choose_order(joint.graph, barriers(joint), solver, **lowest)
+    chosen = choose_order(joint.graph, barriers(joint), collectives(joint), solver, **lowest)
     if chosen is None:
         return None
     return in_order(joint, chosen.order), chosen

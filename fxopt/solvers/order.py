@@ -30,8 +30,9 @@ the decision never makes a plan worse; the smallest budget is the lower of the t
 What may not move: inputs keep their places (placeholders first, in the calling convention's
 order), and values nothing reads go last; an op that takes an output out of a tuple runs right
 after the tuple; ops that cannot be recomputed (random ops, mutations, collectives: `Node.recomputable`
-False) keep their order among themselves, so the random stream (dropout's masks) and every rank's
-collective order are as captured; and the caller's ``barriers`` (ops that may write into a value:
+False) and the caller's ``pinned`` ones (the all-gathers and their waits, which a re-gather may
+recompute: see `fxopt.passes.reorder`) keep their order among themselves, so the random stream
+(dropout's masks) and every rank's collective order are as captured; and the caller's ``barriers`` (ops that may write into a value:
 see `fxopt.passes.reorder`) keep everything before them before and everything after them after.
 """
 
@@ -63,17 +64,18 @@ class Order:
     peak_after: int
 
 
-def choose_order(graph: Graph, barriers: Iterable[int] = (), solver: str = "auto", **lowest) -> Order | None:
+def choose_order(graph: Graph, barriers: Iterable[int] = (), pinned: Iterable[int] = (), solver: str = "auto",
+                 **lowest) -> Order | None:
     """Of the `CANDIDATES` orders, the one in which the solvers reach the lowest peak
     (`fxopt.solvers.minimum.lowest_plan` with ``solver`` and the keywords ``lowest``: effort,
     memo, time limit, MIP program; every schedule it tries simulated), if that is below the
     captured order's; None where none is (the captured order stands). Counted work: one
     lowest-peak search per distinct order."""
-    barriers = frozenset(barriers)
+    barriers, pinned = frozenset(barriers), frozenset(pinned)
     captured = tuple(range(len(graph)))
     orders: dict[tuple[int, ...], tuple[str, tuple[str, ...]]] = {}
     for model, phases in CANDIDATES:
-        order = memory_order(graph, model, barriers, phases)
+        order = memory_order(graph, model, barriers, phases, pinned)
         if order != captured:
             orders.setdefault(order, (model, phases))
     if not orders:
@@ -88,17 +90,19 @@ def choose_order(graph: Graph, barriers: Iterable[int] = (), solver: str = "auto
 
 
 def memory_order(graph: Graph, model: str = "recompute", barriers: Iterable[int] = (),
-                 phases: Sequence[str] = ("forward", "backward")) -> tuple[int, ...]:
+                 phases: Sequence[str] = ("forward", "backward"), pinned: Iterable[int] = ()) -> tuple[int, ...]:
     """A topological order of ``graph`` (a permutation of its indices) that the greedy list
     scheduler of the module chooses under memory ``model`` ("save_all" or "recompute") for the
-    nodes of the kinds in ``phases``; the others keep their captured order."""
+    nodes of the kinds in ``phases``; the others keep their captured order. ``barriers`` and
+    ``pinned`` (nodes that keep their order among themselves besides those that cannot be
+    recomputed, as the collectives a re-gather may recompute): see the module."""
     if model not in MODELS:
         raise ValueError(f"unknown memory model {model!r}; one of {', '.join(MODELS)}")
     nodes = graph.nodes
-    barriers = frozenset(barriers)
-    bad = sorted(b for b in barriers if not 0 <= b < len(nodes))
+    barriers, pinned = frozenset(barriers), frozenset(pinned)
+    bad = sorted(b for b in barriers | pinned if not 0 <= b < len(nodes))
     if bad:
-        raise ValueError(f"barriers {bad} are not nodes of the graph ({len(nodes)} nodes)")
+        raise ValueError(f"barriers or pinned nodes {bad} are not nodes of the graph ({len(nodes)} nodes)")
     inputs = [i for i, n in enumerate(nodes) if n.kind == "input"]
     leading = 0
     while leading < len(nodes) and nodes[leading].kind == "input":
@@ -108,7 +112,7 @@ def memory_order(graph: Graph, model: str = "recompute", barriers: Iterable[int]
     order = list(head)
     for kind in ("forward", "backward"):
         phase = [i for i, n in enumerate(nodes) if n.kind == kind]
-        order += _Walk(graph, phase, kind, model, barriers).run() if kind in phases else phase
+        order += _Walk(graph, phase, kind, model, barriers, pinned).run() if kind in phases else phase
     order += unread
     return tuple(order)
 
@@ -134,7 +138,8 @@ class _Walk:
     """One phase's greedy walk (see the module): bytes alive by storage, each storage let go once
     no node of the phase still to run reads it (unless ``kept``)."""
 
-    def __init__(self, graph: Graph, phase: list[int], kind: str, model: str, barriers: frozenset[int]):
+    def __init__(self, graph: Graph, phase: list[int], kind: str, model: str, barriers: frozenset[int],
+                 pinned: frozenset[int]):
         self.graph, self.phase, self.nodes = graph, phase, graph.nodes
         members = set(phase)
         roots = graph.roots
@@ -153,11 +158,11 @@ class _Walk:
             for r in {roots[j] for j in self.nodes[i].inputs} & self.counted:
                 self.readers[r] = self.readers.get(r, 0) + 1
         self.live = sum(self.nodes[r].bytes for r in self.counted - members)  # forward storage the backward starts with
-        # Dependencies inside the phase: inputs, the order of the ops that cannot be recomputed,
-        # and barriers.
+        # Dependencies inside the phase: inputs, the order of the ops that cannot be recomputed
+        # and of the pinned ones, and barriers.
         self.preds: dict[int, set[int]] = {i: {j for j in self.nodes[i].inputs if j in members} for i in phase}
-        pinned = [i for i in phase if not self.nodes[i].recomputable or i in barriers]
-        for a, b in zip(pinned, pinned[1:]):
+        chain = [i for i in phase if not self.nodes[i].recomputable or i in pinned | barriers]
+        for a, b in zip(chain, chain[1:]):
             self.preds[b].add(a)
         for k, b in enumerate(phase):
             if b in barriers:
