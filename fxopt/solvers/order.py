@@ -42,6 +42,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from fxopt.solvers.graph import Graph
+from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.minimum import lowest_plan
 
 MODELS = ("save_all", "recompute")
@@ -70,7 +71,8 @@ def choose_order(graph: Graph, barriers: Iterable[int] = (), pinned: Iterable[in
     (`fxopt.solvers.minimum.lowest_plan` with ``solver`` and the keywords ``lowest``: effort,
     memo, time limit, MIP program; every schedule it tries simulated), if that is below the
     captured order's; None where none is (the captured order stands). Counted work: one
-    lowest-peak search per distinct order."""
+    lowest-peak search per distinct order whose proven floor (`peak_lower_bound`) is below the
+    peak to beat (one whose floor is not cannot win)."""
     barriers, pinned = frozenset(barriers), frozenset(pinned)
     captured = tuple(range(len(graph)))
     orders: dict[tuple[int, ...], tuple[str, tuple[str, ...]]] = {}
@@ -83,8 +85,12 @@ def choose_order(graph: Graph, barriers: Iterable[int] = (), pinned: Iterable[in
     before = lowest_plan(graph, solver, **lowest).peak
     best: Order | None = None
     for order, (model, phases) in orders.items():
-        peak = lowest_plan(reordered(graph, order), solver, **lowest).peak
-        if peak < (before if best is None else best.peak_after):
+        candidate = reordered(graph, order)
+        to_beat = before if best is None else best.peak_after
+        if peak_lower_bound(candidate)[0] >= to_beat:
+            continue  # (no schedule in it peaks below its floor: it cannot win, and is not searched)
+        peak = lowest_plan(candidate, solver, **lowest).peak
+        if peak < to_beat:
             best = Order(order, model, phases, before, peak)
     return best
 
