@@ -205,7 +205,7 @@ class Options:
         values, computed in another order within the graph's dependencies; random ops,
         mutations and collectives keep theirs), and keep the better of the two plans (lower
         cost, then lower peak; the captured order on a tie): a lower smallest budget, never a
-        worse plan. Planning takes two to three times as long. Off: the captured order.""")
+        worse plan. Planning takes up to about twice as long. Off: the captured order.""")
     device: DeviceProfile | None = option(None, check=_device, flag=Flag(metavar="PROFILE"), doc="""
         Plan for this device without running the step: a shipped profile's name (`fxopt.devices.names`:
         "cpu", "H100-80GB", "A100-40GB", "H200") or the path of a profile's JSON. The step is captured
