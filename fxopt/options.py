@@ -198,6 +198,14 @@ class Options:
         Let the solver OFFLOAD saved values to host memory. None: on where the step runs on a CUDA
         device; True or False to force it; or the most host memory it may hold at once (bytes, or a
         size such as "16GiB"): on, within that.""")
+    reorder: bool = option(False, check=_instance("reorder", bool), flag=Flag(
+        choices=("on", "off"), parse=lambda text: text == "on", help="on: also plan the step with its ops in a "
+        "memory-aware order, and keep the better plan (default off)"), doc="""
+        Also plan the step with its ops in a memory-aware order (`fxopt.solvers.order`: the same
+        values, computed in another order within the graph's dependencies; random ops,
+        mutations and collectives keep theirs), and keep the better of the two plans (lower
+        cost, then lower peak; the captured order on a tie): a lower smallest budget, never a
+        worse plan. Planning takes up to about twice as long. Off: the captured order.""")
     device: DeviceProfile | None = option(None, check=_device, flag=Flag(metavar="PROFILE"), doc="""
         Plan for this device without running the step: a shipped profile's name (`fxopt.devices.names`:
         "cpu", "H100-80GB", "A100-40GB", "H200") or the path of a profile's JSON. The step is captured
@@ -234,9 +242,10 @@ class Options:
         return cls(budget=budget, **{**(defaults or {}), **fields})
 
     def solver_key(self) -> str:
-        """The solver as the plan cache keys a plan: with the MIP program where one is chosen, and
-        for a pipeline stage what its device holds beside."""
+        """The solver as the plan cache keys a plan: with the MIP program where one is chosen,
+        whether the ops may be reordered, and for a pipeline stage what its device holds beside."""
         key = self.solver if self.mip_solver is None else f"{self.solver}|{self.mip_solver}"
+        key = f"{key}|reorder" if self.reorder else key
         return key if self.in_flight is None else f"{key}|{self.in_flight.key()}"
 
     @property

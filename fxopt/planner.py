@@ -32,6 +32,7 @@ from fxopt.fxgraph import copy_module
 from fxopt.options import Options
 from fxopt.passes import masks
 from fxopt.passes.dropout import alias_identity_dropouts, recompute_dropout_from_mask
+from fxopt.passes.reorder import in_plan_order, reorder_step
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
 from fxopt.solvers import eager_timeline, simulate, solve
@@ -121,7 +122,14 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
     if options.planned_for is not None:  # (also on a plan from the cache: two profiles may make one graph)
         plan = dataclasses.replace(plan, planned_for=options.planned_for.planning_note())
-    return jg, agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
+    agreed = agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
+    if agreed is plan:
+        return jg, plan
+    step = _step_of(agreed, jg)  # (rank 0 may have kept the other order)
+    if step is None:
+        raise RuntimeError("the ranks captured different graphs of a step with collectives inside (another model, "
+                           "input shape or dtype on some rank): every rank must run the same step")
+    return step, agreed
 
 
 def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
@@ -164,20 +172,22 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
                 "or torch version); re-plan with fxopt.plan(model, budget, example_inputs)"
             )
         else:
-            return jg, given
+            return given
     eager = eager_timeline(eager_graph)
     budget = options.budget.resolve(eager.peak_bytes)
     cache_key = cache.key(jg.graph, budget, options.solver_key(), effort_of(options.effort))
     cached = cache.load(cache_key)
     if cached is not None:
-        if cached.fingerprint != jg.fingerprint and relu:  # it was planned without the ReLU masks
-            jg = without_relu_masks()
-        return jg, cached
+        step = _step_of(cached, jg)
+        if step is None and relu:  # it was planned without the ReLU masks
+            step = _step_of(cached, without_relu_masks())
+        return step, cached
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
     planned = dict(budget_bytes=budget, eager_peak_bytes=eager.peak_bytes)
     try:
-        jg, solution = _solve(jg, options, planned, without_relu_masks if relu else None, solve_seconds(options))
+        jg, solution = _solve_in_order(jg, options, planned, without_relu_masks if relu else None,
+                                       solve_seconds(options))
     finally:
         if _CAPTURE_STARTED.get() is not None:
             _CAPTURE_STARTED.set(time.perf_counter())  # the next piece's wait starts now
@@ -192,6 +202,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
         module_paths=jg.module_paths,
         timeline=solution.timeline,
         lower_bound_cost=solution.lower_bound_cost,
+        reordered=jg.reordered,
     )
     log.info("%s", plan.summary())
     if not solution.stopped:  # (a plan the time limit cut short may differ next time: not replayed)
@@ -297,9 +308,53 @@ def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
     return jg, plan, plan_buckets(jg, plan, options)
 
 
-def _given_plan(options: Options, jg) -> Plan | None:
-    """The given plan (or one of its ``alternatives``) made for this graph, if any."""
-    return next((p for p in (options.plan, *options.alternatives) if p.fingerprint == jg.fingerprint), None)
+def _given_plan(options: Options, jg):
+    """The given plan (or one of its ``alternatives``) made for this graph, if any, with the step
+    in its order (`_step_of`): (the step, the plan), or None."""
+    for plan in (options.plan, *options.alternatives):
+        step = _step_of(plan, jg)
+        if step is not None:
+            return step, plan
+    return None
+
+
+def _step_of(plan: Plan, jg):
+    """``jg`` as ``plan`` was made for it, its ops in the plan's order where one of them was
+    reordered (`fxopt.passes.reorder`); None where the plan was made for another graph."""
+    names = [n.name for n in plan.graph.nodes]
+    if (plan.reordered or jg.reordered) and list(jg.names) != names:
+        jg = in_plan_order(jg, names, reordered=plan.reordered)
+    return jg if jg is not None and plan.fingerprint == jg.fingerprint else None
+
+
+def _solve_in_order(jg, options: Options, planned: dict, without_relu_masks, time_limit: float):
+    """`_solve`, and with ``options.reorder`` the same in the memory-aware order whose lowest peak
+    is below the captured order's (`fxopt.passes.reorder`, a copy of the step; not for a pipeline
+    stage): the better solution of the two (lower cost, then lower peak; the captured order on a
+    tie). Infeasible only where both are, naming the smaller of their budgets (each plans) and
+    the lower of their floors. The time limit, a safety stop, is shared."""
+    t0 = time.perf_counter()
+    moved = None
+    if options.reorder and options.in_flight is None:
+        moved = reorder_step(jg, options.solver, effort=effort_of(options.effort), memo=cache.lowest_peaks,
+                             time_limit=Deadline(time_limit), mip_solver=options.mip_solver)
+    if moved is None:
+        return _solve(jg, options, planned, without_relu_masks, time_limit)
+    step, order = moved
+    log.info("fxopt: also planning the step reordered for memory (%s model, %s): lowest peak %d -> %d bytes",
+             order.model, " and ".join(order.phases), order.peak_before, order.peak_after)
+    found, errors = [], []
+    for tried, undo in ((jg, without_relu_masks), (step, None)):
+        left = max(time_limit - (time.perf_counter() - t0), MIN_SOLVE_SHARE * time_limit)
+        try:
+            found.append(_solve(tried, options, planned, undo, left))
+        except InfeasibleBudgetError as err:
+            errors.append(err)
+    if not found:
+        floors = [err.lower_bound for err in errors]
+        raise infeasible(planned["budget_bytes"], min(err.min_budget for err in errors),
+                         None if None in floors else min(floors)) from None
+    return min(found, key=lambda f: (f[1].timeline.cost, f[1].timeline.peak_bytes))
 
 
 def _solve_one(graph: Graph, budget: int, options: Options, deadline: Deadline, report):

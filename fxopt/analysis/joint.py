@@ -50,6 +50,8 @@ class JointGraph:
     symbolic: SymbolicGraph | None = None
     # The profile planned for, where it is not the device the step was captured on (see `analyze`).
     device: DeviceProfile | None = None
+    # The nodes run in the order `fxopt.passes.reorder` chose, not as captured (`Plan.reordered`).
+    reordered: bool = False
 
     @property
     def fingerprint(self) -> str:
@@ -192,7 +194,8 @@ def with_unread_resident(plan: Plan, extra_bytes: int) -> Plan:
     return Plan.build(graph=graph, schedule=plan.schedule, budget_bytes=plan.budget_bytes,
                       eager_peak_bytes=plan.eager_peak_bytes + extra_bytes, solver=plan.solver, status=plan.status,
                       solve_seconds=plan.solve_seconds, fingerprint=graph_fingerprint(graph),
-                      module_paths=tuple(paths) if plan.module_paths else (), lower_bound_cost=plan.lower_bound_cost)
+                      module_paths=tuple(paths) if plan.module_paths else (), lower_bound_cost=plan.lower_bound_cost,
+                      reordered=plan.reordered)
 
 
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,

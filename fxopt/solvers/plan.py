@@ -77,6 +77,10 @@ class Plan(JsonRecord):
     # Where it was planned for a device profile on fake tensors (``device=``): how its memory was
     # counted, which parts are bounds (`fxopt.devices.DeviceProfile.planning_note`); "" otherwise.
     planned_for: str = ""
+    # The step's ops run in the order of ``graph``'s nodes, which fxopt chose for memory
+    # (`fxopt.solvers.order`, the ``reorder`` option), not in the order they were captured in;
+    # replaying the plan runs them in that order too.
+    reordered: bool = False
 
     @property
     def cost(self) -> float:
@@ -98,7 +102,7 @@ class Plan(JsonRecord):
     def build(cls, *, graph: Graph, schedule: Schedule, budget_bytes: int, eager_peak_bytes: int,
               solver: str, status: str, solve_seconds: float, fingerprint: str,
               module_paths: tuple[str, ...] = (), timeline: Timeline | None = None,
-              lower_bound_cost: float | None = None) -> Plan:
+              lower_bound_cost: float | None = None, reordered: bool = False) -> Plan:
         timeline = timeline or simulate(graph, schedule)
         if schedule.offloaded and not schedule.reload_at:
             # Pin the default reload points, so that whoever compiles the plan need not find them.
@@ -131,6 +135,7 @@ class Plan(JsonRecord):
             offloaded=tuple(graph.nodes[i].name for i in sorted(schedule.offloaded)),
             host_bytes=timeline.host_peak_bytes,
             exposed_transfer_seconds=timeline.exposed_transfer_seconds,
+            reordered=reordered,
         )
 
     def timeline(self) -> Timeline:
@@ -168,6 +173,7 @@ class Plan(JsonRecord):
             + (f", {format_bytes(self.recompute_comm_bytes)} re-gathered" if self.recompute_comm_bytes else "")
             + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
             + (f"; {self.planned_for}" if self.planned_for else "")
+            + (", ops reordered for memory" if self.reordered else "")
         )
 
     def to_dict(self) -> dict:
@@ -177,6 +183,8 @@ class Plan(JsonRecord):
         d["saved"] = list(self.saved)
         d["module_paths"] = list(self.module_paths)
         d["offloaded"] = list(self.offloaded)
+        if not self.reordered:  # (no key in the captured order: such a plan's dict is what it always was)
+            del d["reordered"]
         d["format_version"] = FORMAT_VERSION
         return d
 
