@@ -625,6 +625,28 @@ def _reader(field, flag):
     return read
 
 
+# The subcommands that take a MODEL factory: their help line and description.
+MODEL_COMMANDS = {
+    "inspect": ("plan a model's training step and show what fxopt would do",
+                "Plan the training step of MODEL and show eager vs planned peak, extra FLOPs, and which tensors "
+                "are saved or recomputed. MODEL is 'path/to/file.py:factory' or 'package.module:factory'; "
+                "factory() returns (model, example_inputs)."),
+    "fit": ("does a model's training step fit a device (planned here, on fake tensors)",
+            "Whether the training step of MODEL fits the device PROFILE with fxopt, planned on fake tensors on this "
+            "machine: eager's peak, the smallest budget fxopt reaches, the recompute cost at the device's memory "
+            "(or --budget), the largest batch. MODEL is 'path/to/file.py:factory' or 'package.module:factory'."),
+}
+
+
+def _model_command(sub, name: str) -> argparse.ArgumentParser:
+    """The subcommand ``name`` of `MODEL_COMMANDS`: a MODEL factory and the option flags."""
+    help, description = MODEL_COMMANDS[name]
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
+    _add_options(p)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxopt", description="Budgeted rematerialization of PyTorch training steps.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log what fxopt does (-vv: more)")
@@ -639,13 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(d)
     d.set_defaults(func=demo)
 
-    i = sub.add_parser(
-        "inspect", help="plan a model's training step and show what fxopt would do",
-        description="Plan the training step of MODEL and show eager vs planned peak, extra FLOPs, and "
-        "which tensors are saved or recomputed. MODEL is 'path/to/file.py:factory' or "
-        "'package.module:factory'; factory() returns (model, example_inputs).")
-    i.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
-    _add_options(i)
+    i = _model_command(sub, "inspect")
     i.add_argument("--code", action="store_true", help="print the rewritten forward and backward graphs")
     i.add_argument("--dot", metavar="FILE", help="write the step's graph with the decisions as graphviz DOT")
     i.add_argument("--json", metavar="FILE", help="write the plan as JSON (replay with fxopt.Plan.from_json)")
@@ -663,13 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(i)
     i.set_defaults(func=inspect)
 
-    f = sub.add_parser(
-        "fit", help="does a model's training step fit a device (planned here, on fake tensors)",
-        description="Whether the training step of MODEL fits the device PROFILE with fxopt, planned on fake tensors "
-        "on this machine: eager's peak, the smallest budget fxopt reaches, the recompute cost at the device's memory "
-        "(or --budget), the largest batch. MODEL is 'path/to/file.py:factory' or 'package.module:factory'.")
-    f.add_argument("model", metavar="MODEL", help="path/to/file.py:factory or package.module:factory")
-    _add_options(f)
+    f = _model_command(sub, "fit")
     budget = next(a for a in f._actions if a.dest == "budget")
     budget.default, budget.help = None, "the memory the step may use: bytes or a size ('70GiB') (default: the device's)"
     f.add_argument("--limit", type=int, default=2**16, help="the largest batch searched (default 65536)")
