@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxopt.distributed import fsdp2
+from fxopt.distributed import ddp as ddp_graph, fsdp2
 from fxopt.errors import BudgetError, CaptureError
 from fxopt.storage import local, storage_bytes, storage_key
 
@@ -297,6 +297,17 @@ class DistributedStep:
                 warnings.warn(f"fxopt plans this FSDP2 model's step in pieces, around FSDP2's hooks, not as one "
                               f"graph: {why}", stacklevel=3)
         self.eager_modules = eager_modules(model, self.piece_units) if self.piece_units else []
+        # fxopt.optimize(DDP(model)): the gradients' all-reduces in the graph (`fxopt.distributed.ddp`),
+        # unless a setting needs DDP's reducer.
+        self.ddp_graph = None
+        if self.ddp is not None:
+            check_ddp(self.ddp)
+            why = ddp_graph.not_one_graph(self.ddp)
+            if why is None:
+                self.ddp_graph = ddp_graph.OneGraph(self.ddp)
+            else:
+                warnings.warn(f"fxopt leaves this DDP's gradients to its reducer, which all-reduces them after "
+                              f"fxopt's whole backward (no overlap): {why}", stacklevel=3)
 
     glue_nodes = GLUE_NODES
 
@@ -349,7 +360,8 @@ class DistributedStep:
         with routes(self.eager_modules, between), \
                 (self.one_graph.gathering() if self.one_graph is not None else contextlib.nullcontext()):
             if self.ddp is not None:
-                with routed(self.model.module, compiled):
+                with routed(self.model.module, compiled), \
+                        (self.ddp_graph.reducing() if self.ddp_graph is not None else contextlib.nullcontext()):
                     return run(self.model, args, kwargs)
             return run(compiled, args, kwargs)
 
