@@ -1,0 +1,145 @@
+"""fxopt.optimize(DDP(model)) with the gradients' all-reduces inside the step graph
+(`fxopt.distributed.ddp`): one graph with one all-reduce per gradient, DDP's reducer not run,
+gradients and optimizer steps equal eager's, DDP's state usable after; one process (world size 1
+on gloo, where a second reduction would not change a gradient, so the profiler counts the
+all-reduces that ran). The two-process Llama is `test_llama_under_ddp_one_graph`."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fxopt
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+class TwoLayers(nn.Module):
+    """A model with a buffer (DDP broadcasts it) and a parameter that needs no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32)
+        self.second = nn.Linear(32, 4)
+        self.frozen = nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, x):
+        return (self.second(torch.relu(self.norm(self.first(x)))) * self.frozen).square().mean()
+
+
+def _models():
+    torch.manual_seed(0)
+    model = TwoLayers()
+    return model, copy.deepcopy(model)
+
+
+def _gloo_all_reduces(fn) -> int:
+    """How many all-reduces gloo ran during ``fn()``: the graph's and the reducer's alike."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    return sum(e.name == "gloo:all_reduce" for e in prof.events())
+
+
+def _step(module, x):
+    module(x).backward()
+
+
+def test_ddp_step_is_one_graph_with_its_all_reduces(one_process_group):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, ref = _models()
+    ddp = DDP(model)
+    optimized = fxopt.optimize(ddp, 1.0)
+    x = torch.randn(8, 16)
+    _step(optimized, x)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    plan = optimized.plan
+    reduces = [n for n in plan.graph.nodes if n.name.startswith("all_reduce")]
+    assert len(optimized.plans) == 1 and len(reduces) == len(trainable) == 6, [n.name for n in plan.graph.nodes]
+    assert not any(n.recomputable for n in reduces)
+    # The second step: the graph's six all-reduces ran, not DDP's one bucket besides.
+    model.zero_grad(set_to_none=True)
+    assert _gloo_all_reduces(lambda: _step(optimized, x)) == len(trainable)
+    _step(ref, x)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"gradient of {name}: {m}")
+        else:
+            assert p.grad is None
+    # DDP as a synchronized step leaves it: its buffers broadcast at the next forward, its
+    # modules their own classes; its eager step after fxopt's runs DDP's reducer (one bucket).
+    assert ddp.require_backward_grad_sync and ddp.require_forward_param_sync
+    assert type(model.first) is nn.Linear and "_fxopt_ddp_reduce" not in model.first.__dict__
+    model.zero_grad(set_to_none=True)
+    assert _gloo_all_reduces(lambda: _step(ddp, x)) == 1
+    assert set(ddp.state_dict()) == {f"module.{k}" for k in model.state_dict()}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_ddp_optimizer_steps_match_eager(one_process_group, optimizer):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, ref = _models()
+    optimized = fxopt.optimize(DDP(model), 1.0)
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01)}[optimizer]
+    opts = make(model.parameters()), make(ref.parameters())
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(8, 16, generator=g)
+        for module, opt in zip((optimized, ref), opts):
+            opt.zero_grad(set_to_none=True)
+            _step(module, x)
+            opt.step()
+    for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
+
+
+def test_accumulation_and_no_sync_leave_it_to_the_reducer(one_process_group):
+    """A step that starts with gradients held (accumulation) reduces the accumulated gradient, as
+    DDP's reducer does: fxopt's graph of that step has no all-reduce, the reducer runs. Inside the
+    user's ``no_sync()`` nothing is reduced."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model, ref = _models()
+    ddp = DDP(model)
+    optimized = fxopt.optimize(ddp, 1.0)
+    x = torch.randn(8, 16)
+    with ddp.no_sync():
+        assert _gloo_all_reduces(lambda: _step(optimized, x)) == 0
+    assert _gloo_all_reduces(lambda: _step(optimized, x)) == 1  # DDP's one bucket
+    for _ in range(2):
+        _step(ref, x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad)
+    assert not any(n.name.startswith("all_reduce") for plan in optimized.plans for n in plan.graph.nodes)
+
+
+def test_settings_only_the_reducer_follows(one_process_group):
+    """find_unused_parameters, static_graph and gradient_as_bucket_view keep DDP's reducer, saying
+    why; fxopt.plan of a DDP plans the graph fxopt.optimize runs (all-reduces inside)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.randn(8, 16)
+    for setting, why in [("find_unused_parameters", "unused"), ("static_graph", "static_graph"),
+                         ("gradient_as_bucket_view", "views of its buckets")]:
+        model, ref = _models()
+        with pytest.warns(UserWarning, match=why):
+            optimized = fxopt.optimize(DDP(model, **{setting: True}), 1.0)
+        _step(optimized, x)
+        _step(ref, x)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, q.grad)
+        assert not any(n.name.startswith("all_reduce") for n in optimized.plan.graph.nodes)
+    model, _ = _models()
+    plan = fxopt.plan(DDP(model), 1.0, (x,))
+    assert sum(n.name.startswith("all_reduce") for n in plan.graph.nodes) == 6
