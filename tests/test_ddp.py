@@ -143,3 +143,27 @@ def test_settings_only_the_reducer_follows(one_process_group):
     model, _ = _models()
     plan = fxopt.plan(DDP(model), 1.0, (x,))
     assert sum(n.name.startswith("all_reduce") for n in plan.graph.nodes) == 6
+
+
+@pytest.mark.slow  # two processes, three compiles each
+def test_llama_under_ddp_one_graph():
+    """A transformers Llama (2 layers) under DDP on 2 gloo processes (`ddp_steps`): fxopt at DDP
+    with per-block checkpointing's measured peak plans one graph with one all-reduce per gradient
+    and measures within its plan and the budget on both ranks, with single-process eager's loss
+    and gradients (checked on each rank); a profiled step runs exactly the graph's all-reduces (not
+    DDP's buckets besides), the first starting before the backward's last matrix product ends."""
+    pytest.importorskip("transformers")
+    from ddp_steps import run
+
+    results = run("llama")
+    assert len(results) == 2
+    for rank, rows in enumerate(results):
+        r = rows["fxopt@ckpt"]
+        where = f"rank {rank}: {rows}"
+        assert r["measured"] <= r["predicted"] <= r["budget"], where
+        assert r["budget"] >= rows["ddp+ckpt"]["measured"] and r["recomputed"] > 0, where
+        assert r["plans"] == 1 and r["all_reduces"] == r["params"], where
+        assert r["comm_bytes"] == 2 * (len(results) - 1) * r["param_bytes"] // len(results), where
+        order = rows["order"]
+        assert order["all_reduces"] == r["params"], where
+        assert order["first_all_reduce_start"] < order["last_mm_end"], where
