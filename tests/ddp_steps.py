@@ -53,7 +53,9 @@ def _ddp(hf, checkpointing: bool = False):
 
 
 def _issue_order(module, share) -> dict:
-    """One profiled step: the first all-reduce's start and the last matrix product's end (ns)."""
+    """One profiled step: the first all-reduce's start and the last matrix product's end (µs of
+    the profiler's clock); the all-reduces' time before that end ("overlapped": gloo reduces on
+    its own thread) and after it ("tail")."""
     from torch.profiler import profile
 
     with profile() as prof:
@@ -61,8 +63,11 @@ def _issue_order(module, share) -> dict:
     events = prof.events()
     reduces = [e for e in events if e.name == "gloo:all_reduce"]
     mms = [e for e in events if e.name in ("aten::mm", "aten::addmm", "aten::bmm")]
+    end = max(e.time_range.end for e in mms)
     return {"all_reduces": len(reduces), "first_all_reduce_start": min(e.time_range.start for e in reduces),
-            "last_mm_end": max(e.time_range.end for e in mms)}
+            "last_mm_end": end,
+            "overlapped_ms": round(sum(max(0, min(e.time_range.end, end) - e.time_range.start) for e in reduces) / 1e3, 3),
+            "tail_ms": round((max(e.time_range.end for e in reduces) - end) / 1e3, 3)}
 
 
 def llama_under_ddp(rank: int, world: int) -> dict:
@@ -76,6 +81,9 @@ def llama_under_ddp(rank: int, world: int) -> dict:
         model, ddp = _ddp(hf, ckpt)
         peak, seconds, _ = _measure(ddp, model, share)
         rows[name] = {"measured": peak, "seconds": round(seconds, 3)}
+        if not ckpt:
+            model.zero_grad(set_to_none=True)
+            rows["ddp order"] = _issue_order(ddp, share)
     budget = max_over_ranks(rows["ddp+ckpt"]["measured"])
     model, ddp = _ddp(hf)
     optimized = fxopt.optimize(ddp, budget, time_limit=TIME_LIMIT)
