@@ -8,7 +8,7 @@ and, on its own rank, measures (the third step's peak; the first compiles):
   - DDP eager, and DDP with each decoder layer under transformers' checkpointing;
   - ``fxopt.optimize(DDP(model), budget)`` at DDP-with-checkpointing's measured peak (the largest
     over the ranks): its loss (averaged over the ranks) and every gradient (DDP averages them)
-    equal single-process eager on the whole batch; the plan's all-reduces (one per gradient);
+    equal single-process eager on the whole batch; the plan's all-reduces (one per bucket);
   - one profiled fxopt step: when the first all-reduce started and when the backward's last
     matrix product ended (the all-reduces are issued as the gradients are complete, inside the
     backward, not after it).

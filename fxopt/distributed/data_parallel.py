@@ -12,11 +12,16 @@ compiles ``ddp.module`` and routes DDP's call of it to the compiled step (`route
 boundaries so that each bucket's all-reduce overlaps the rest of the backward, is off while fxopt
 compiles (``torch._dynamo.config.optimize_ddp=False``): fxopt plans the whole step.
 
-Gradients are reduced by DDP's own reducer: its hooks on the parameters' gradient accumulators
-fire as autograd accumulates each gradient the compiled backward returns. So the all-reduces start
-only after the whole backward has run: communication does not overlap the backward's compute
-(it overlaps only the accumulation of later gradients). That is the cost of one plan for the whole
-step: the all-reduce time eager DDP would have hidden behind the backward.
+In the second order the gradients' all-reduces are inside fxopt's graph (`fxopt.distributed.ddp`):
+DDP's forward runs under its own ``no_sync()`` (its reducer's hooks do nothing), and each
+parameter is read through an identity whose backward all-reduces its gradient, averaged over the
+ranks, as functional collectives the plan counts and prices; each is issued in the backward as
+its gradient is complete. Otherwise (the first order, a step that starts with gradients held,
+the user's own ``no_sync()``, and the settings `fxopt.distributed.ddp.not_one_graph` names, with
+a warning) gradients are reduced by DDP's own reducer: its hooks on the parameters' gradient
+accumulators fire as autograd accumulates each gradient the compiled backward returns, so those
+all-reduces start only after the whole backward has run (they overlap only the accumulation of
+later gradients): the all-reduce time eager DDP would have hidden behind the backward.
 
 What DDP adds to the peak: its gradient buckets, one flat tensor per bucket, together as large as
 the gradients of the parameters it reduces, allocated when the DDP is built and alive through
