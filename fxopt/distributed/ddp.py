@@ -17,13 +17,17 @@ fxopt runs a step of ``fxopt.optimize(DDP(model))`` (`OneGraph.reducing`):
         DDP:    ... backward ... (done) -> reducer hooks: bucket copy, all_reduce, copy out
         fxopt:  ... g_W = mm(...); all_reduce(mul(g_W, 1/n), "sum", group); wait ... (one graph)
 
-So each all-reduce is a node of the joint graph: issued where its gradient is complete, its
-output a value the simulator counts (`fxopt.analysis.scratch`), priced as communication
-(`fxopt.analysis.costs`), never recomputed, and the ranks agree on one plan
-(`fxopt.distributed.fsdp.agreed_plan`). The gradients land in ``param.grad`` averaged over the
-ranks, as DDP puts them; DDP's buckets stay allocated (and counted) and unused by the step.
+So each all-reduce is a node of the joint graph, and before the step is analysed the planner
+coalesces consecutive ones into buckets as DDP's reducer does (`fxopt.passes.coalesce`, DDP's
+default sizes: 1 MiB first, then 25 MiB; ``bucket_cap_mb`` is not followed): each bucket's
+all-reduce is issued where its last gradient is complete, its wait as late as its first reader
+(`fxopt.passes.waits`), its buffers values the simulator counts (`fxopt.analysis.scratch`),
+priced as communication (`fxopt.analysis.costs`), never recomputed, and the ranks agree on one
+plan (`fxopt.distributed.fsdp.agreed_plan`). The gradients land in ``param.grad`` averaged over
+the ranks, as DDP puts them, as views of their reduced bucket (one storage per bucket, freed with
+the last of its gradients); DDP's own buckets stay allocated (and counted) and unused by the step.
 
-A parameter read through the property once per use: a tied parameter (one tensor under two
+A parameter is read through the property once per use: a tied parameter (one tensor under two
 names), or one a module reads twice, is all-reduced once per read, the partial gradients summing
 to the same total. A parameter read other than as a module attribute (``module._parameters``,
 ``module.parameters()`` inside a forward) would not be reduced: no supported module does that.
