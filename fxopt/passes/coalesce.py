@@ -9,7 +9,7 @@ or ``BUCKET_BYTES`` (DDP's defaults: 1 MiB, then 25 MiB); each bucket of two or 
 
     before:  r1 = all_reduce(m1, "sum", pg); w1 = wait_tensor(r1); ...
              r2 = all_reduce(m2, "sum", pg); w2 = wait_tensor(r2); return (w1, w2, ...)
-    after:   flat = cat([view(m1, [-1]), view(m2, [-1])]); r = all_reduce(flat, "sum", pg)
+    after:   flat = cat([reshape(m1, [-1]), reshape(m2, [-1])]); r = all_reduce(flat, "sum", pg)
              w = wait_tensor(r); return (view(slice(w, 0, 0, n1), s1), view(slice(w, 0, n1, n2), s2), ...)
 
 issued once the bucket's last gradient is complete; the gradients are views of the reduced
@@ -83,7 +83,9 @@ def coalesce_all_reduces(joint: fx.GraphModule) -> int:
         meta = {k: v for k, v in last_reduce.meta.items() if k != "val"}
         flat_vals = [i.meta["val"].reshape(-1) for i in inputs]
         with graph.inserting_before(last_reduce):
-            flats = [_call(graph, aten.view.default, (i, [-1]), v, meta) for i, v in zip(inputs, flat_vals)]
+            # (a gradient made transposed, such as a Conv1D weight's, is not a view of one run of memory:
+            # reshape copies it, as the fake value shows the analysis)
+            flats = [_call(graph, aten.reshape.default, (i, [-1]), v, meta) for i, v in zip(inputs, flat_vals)]
             flat_val = torch.cat(flat_vals)
             flat = _call(graph, aten.cat.default, (flats,), flat_val, meta)
             reduced = _call(graph, last_reduce.target, (flat, *last_reduce.args[1:]), torch.empty_like(flat_val), meta)
