@@ -173,3 +173,42 @@ def test_llama_under_ddp_one_graph():
         order = rows["order"]
         assert order["all_reduces"] == r["all_reduces"], where
         assert order["first_all_reduce_start"] < order["last_mm_end"], where
+
+
+class Tied(nn.Module):
+    """An embedding tied to the output layer (one parameter read under two names: each read's
+    gradient, 1 MiB, is all-reduced), and a hidden layer: more than DDP's first bucket (1 MiB)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1024, 256)
+        self.hidden = nn.Linear(256, 256)
+        self.head = nn.Linear(256, 1024, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return torch.nn.functional.cross_entropy(self.head(torch.tanh(self.hidden(self.embed(ids)))).flatten(0, 1),
+                                               ids.flatten())
+
+
+def test_tied_parameters_and_buckets_past_the_first(one_process_group):
+    """A tied parameter's two reads sum into one gradient; the reads' gradients fill two buckets
+    (the first, the head's read, closes at 1 MiB, as DDP's first bucket); the measured peak is
+    within the plan."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    optimized = fxopt.optimize(DDP(model), 1.0)
+    ids = torch.randint(0, 1024, (4, 32), generator=torch.Generator().manual_seed(1))
+    _step(optimized, ids)
+    model.zero_grad(set_to_none=True)
+    peak = fxopt.measure_peak(_step, optimized, ids, resident=[optimized])
+    _step(ref, ids)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"gradient of {name}: {m}")
+    plan = optimized.plan
+    reduces = [n for n in plan.graph.nodes if n.name.startswith("all_reduce")]
+    assert len(reduces) == 2 and reduces[0].bytes >= 1 << 20, [(n.name, n.bytes) for n in reduces]
+    assert peak.peak_bytes <= plan.peak_bytes <= plan.budget_bytes
