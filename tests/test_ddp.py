@@ -212,3 +212,29 @@ def test_tied_parameters_and_buckets_past_the_first(one_process_group):
     reduces = [n for n in plan.graph.nodes if n.name.startswith("all_reduce")]
     assert len(reduces) == 2 and reduces[0].bytes >= 1 << 20, [(n.name, n.bytes) for n in reduces]
     assert peak.peak_bytes <= plan.peak_bytes <= plan.budget_bytes
+
+
+def test_the_backward_waits_for_its_all_reduce_at_the_end(one_process_group, monkeypatch):
+    """In the rewritten backward the bucket's all-reduce is issued once its last gradient is made,
+    and waited for only where the gradients are returned (`fxopt.passes.waits`): every matrix
+    product of the backward runs between the two."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fxopt.plan_ahead import plan_and_rewrite
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    # Two buckets: the first closes at the last layer's gradients (132 bytes: a first bucket that small).
+    from fxopt.passes import coalesce
+
+    monkeypatch.setattr(coalesce, "FIRST_BUCKET_BYTES", 132)
+    ready = plan_and_rewrite(DDP(model), 1.0, (torch.randn(8, 16),))
+    nodes = list(ready.backward.graph.nodes)
+    kinds = [getattr(n.target, "_opname", "") if n.op == "call_function" else n.op for n in nodes]
+    reduces = [i for i, k in enumerate(kinds) if k == "all_reduce"]
+    waits = [i for i, k in enumerate(kinds) if k == "wait_tensor"]
+    mms = [i for i, k in enumerate(kinds) if k in ("mm", "addmm")]
+    assert len(reduces) == len(waits) == 2, kinds
+    # The first bucket (the last layer's gradients) issued before the other layers' products, its
+    # wait after the last of them.
+    assert reduces[0] < mms[-1] < waits[0], kinds
