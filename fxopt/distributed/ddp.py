@@ -34,7 +34,9 @@ to the same total. A parameter read other than as a module attribute (``module._
 
 A step runs DDP's reducer as before (`reducing` changes nothing) when a gradient is already
 there as it starts (gradient accumulation: DDP reduces the accumulated gradient, which the
-graph's all-reduce of this step's part alone would not), or inside the user's own ``no_sync()``.
+graph's all-reduce of this step's part alone would not), inside the user's own ``no_sync()``, or
+for a DDP that has run under ``torch.distributed.algorithms.Join`` (uneven inputs; DDP keeps its
+join switch on after the context).
 Settings only the reducer follows keep it for every step, with a warning naming why
 (`not_one_graph`): ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``.
 ``DDP(fxopt.optimize(model))`` (fxopt inside DDP) keeps the reducer too: DDP prepares it after
@@ -90,10 +92,13 @@ class OneGraph:
 
     def applies(self) -> bool:
         """Whether this call's step reduces in the graph: DDP synchronizes this step (not inside the
-        user's ``no_sync()``) and it starts with no gradient held (else the reducer reduces the
-        accumulated gradient, as eager DDP does)."""
+        user's ``no_sync()``), not under ``Join`` (whose joined ranks shadow the reducer's
+        all-reduces, not the graph's), and it starts with no gradient held (else the reducer
+        reduces the accumulated gradient, as eager DDP does)."""
         ddp = self.ddp
-        return ddp.require_backward_grad_sync and all(p.grad is None for p in ddp.module.parameters())
+        join = getattr(ddp, "_join_config", None)
+        return (ddp.require_backward_grad_sync and not (join is not None and join.enable)
+                and all(p.grad is None for p in ddp.module.parameters()))
 
     @contextlib.contextmanager
     def reducing(self):
