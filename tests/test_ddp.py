@@ -127,8 +127,9 @@ def test_accumulation_and_no_sync_leave_it_to_the_reducer(one_process_group):
 
 
 def test_settings_only_the_reducer_follows(one_process_group):
-    """find_unused_parameters, static_graph and gradient_as_bucket_view keep DDP's reducer, saying
-    why; fxopt.plan of a DDP plans the graph fxopt.optimize runs (all-reduces inside)."""
+    """find_unused_parameters, static_graph, gradient_as_bucket_view and a recurrent layer keep
+    DDP's reducer, saying why; fxopt.plan of a DDP plans the graph fxopt.optimize runs (all-reduces
+    inside)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     x = torch.randn(8, 16)
@@ -143,6 +144,9 @@ def test_settings_only_the_reducer_follows(one_process_group):
             if p.requires_grad:
                 torch.testing.assert_close(p.grad, q.grad)
         assert not any(n.name.startswith("all_reduce") for n in optimized.plan.graph.nodes)
+    rnn = nn.LSTM(16, 4)
+    with pytest.warns(UserWarning, match="_flat_weights"):
+        fxopt.optimize(DDP(rnn), 1.0)
     model, _ = _models()
     plan = fxopt.plan(DDP(model), 1.0, (x,))
     assert sum(n.name.startswith("all_reduce") for n in plan.graph.nodes) == 1

@@ -30,7 +30,8 @@ the last of its gradients); DDP's own buckets stay allocated (and counted) and u
 A parameter is read through the property once per use: a tied parameter (one tensor under two
 names), or one a module reads twice, is all-reduced once per read, the partial gradients summing
 to the same total. A parameter read other than as a module attribute (``module._parameters``,
-``module.parameters()`` inside a forward) would not be reduced: no supported module does that.
+``module.parameters()`` inside a forward) would not be reduced: torch's recurrent layers
+(``nn.RNNBase``: LSTM, GRU, RNN) read theirs from a list, so a model with one keeps the reducer.
 
 A step runs DDP's reducer as before (`reducing` changes nothing) when a gradient is already
 there as it starts (gradient accumulation: DDP reduces the accumulated gradient, which the
@@ -38,7 +39,8 @@ graph's all-reduce of this step's part alone would not), inside the user's own `
 for a DDP that has run under ``torch.distributed.algorithms.Join`` (uneven inputs; DDP keeps its
 join switch on after the context).
 Settings only the reducer follows keep it for every step, with a warning naming why
-(`not_one_graph`): ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``.
+(`not_one_graph`): ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``, a
+recurrent layer.
 ``DDP(fxopt.optimize(model))`` (fxopt inside DDP) keeps the reducer too: DDP prepares it after
 fxopt's step has returned.
 """
@@ -75,6 +77,10 @@ def not_one_graph(ddp: nn.Module) -> str | None:
     if ddp.gradient_as_bucket_view:
         return ("its gradients are views of its buckets (gradient_as_bucket_view=True), which only DDP's "
                 "reducer fills")
+    rnn = next((m for m in ddp.module.modules() if isinstance(m, nn.RNNBase)), None)
+    if rnn is not None:
+        return (f"its {type(rnn).__name__} reads its weights from a list (_flat_weights), not as attributes, "
+                "which fxopt's all-reduces follow")
     return None
 
 
