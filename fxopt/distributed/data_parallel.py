@@ -15,10 +15,12 @@ compiles (``torch._dynamo.config.optimize_ddp=False``): fxopt plans the whole st
 In the second order the gradients' all-reduces are inside fxopt's graph (`fxopt.distributed.ddp`):
 DDP's forward runs under its own ``no_sync()`` (its reducer's hooks do nothing), and each
 parameter is read through an identity whose backward all-reduces its gradient, averaged over the
-ranks, as functional collectives the plan counts and prices; each is issued in the backward as
-its gradient is complete. Otherwise (the first order, a step that starts with gradients held,
-the user's own ``no_sync()``, and the settings `fxopt.distributed.ddp.not_one_graph` names, with
-a warning) gradients are reduced by DDP's own reducer: its hooks on the parameters' gradient
+ranks, as functional collectives the plan counts and prices, coalesced into DDP's buckets
+(`fxopt.passes.coalesce`); each bucket's is issued in the backward as its last gradient is
+complete. Otherwise (the first order, a step that starts with gradients held, the user's own
+``no_sync()``, a DDP that has run under ``Join``, and the settings
+`fxopt.distributed.ddp.not_one_graph` names, with a warning) gradients are reduced by DDP's own
+reducer: its hooks on the parameters' gradient
 accumulators fire as autograd accumulates each gradient the compiled backward returns, so those
 all-reduces start only after the whole backward has run (they overlap only the accumulation of
 later gradients): the all-reduce time eager DDP would have hidden behind the backward.
