@@ -11,8 +11,9 @@ layer's forward under ``torch.utils.checkpoint``, non-reentrant, as `benchmarks.
 wraps it); fxopt with that checkpointing's measured per-rank peak as its budget, in bytes
 (``fxopt.optimize(DDP(model), budget)``; ``fxopt.optimize(fsdp2_model, budget)``, whose step is
 one graph, `fxopt.distributed.fsdp2`), and, for DDP, when fxopt cannot plan at that peak, fxopt
-at the smallest budget it names (tried again at most ``--retries`` times), and, if none fits,
-fxopt at eager's measured peak. For FSDP: fxopt on FSDP2's model, and on the same model sharded
+at the smallest budget it names (tried again at most ``--retries`` times), and fxopt at eager's
+measured peak (nothing to recompute: the step time of fxopt's graph, the gradients' all-reduces
+inside it, `fxopt.distributed.ddp`, beside eager DDP's). For FSDP: fxopt on FSDP2's model, and on the same model sharded
 with `fxopt.distributed.fully_shard` instead, each at checkpointing's peak and at ``"min"``.
 
 Per row and rank: the measured peak (`fxopt.measure_peak` of the third step, with DDP's buckets
@@ -201,8 +202,9 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
             if not need:
                 break
             row = attempt("fxopt@min", need)
-        if "peak_bytes" not in row and eager.get("peak_bytes"):
-            # No budget down there could be planned: fxopt at eager's peak, to show what it does there.
+        if eager.get("peak_bytes"):
+            # fxopt at eager's peak (nothing to recompute): its step time beside eager DDP's, the
+            # gradients' all-reduces in fxopt's graph (fxopt.distributed.ddp).
             attempt("fxopt@eager", _agreed_max(eager["peak_bytes"], device))
     ref = eager.get("grads")
     for r in rows:
@@ -297,7 +299,7 @@ def report(data: dict[str, Any]) -> str:
         "timings on a shared machine are noisy: see the load). Checkpointing: each decoder layer's forward under "
         "`torch.utils.checkpoint` (non-reentrant). fxopt@checkpoint: that row's measured peak as fxopt's budget, in "
         "bytes; fxopt@min: the smallest budget fxopt named when that one did not fit (`min`: fxopt's smallest "
-        "budget, `\"min\"`); fxopt@eager: eager's measured peak as the budget, when no smaller one fitted. "
+        "budget, `\"min\"`); fxopt@eager (DDP): eager's measured peak as the budget (nothing to recompute). "
         f"{FSDP2_ONE_GRAPH}: fxopt.optimize of FSDP2's model, its step one graph (fxopt.distributed.fsdp2); "
         f"{FULLY_SHARD}: the model sharded with fxopt.distributed.fully_shard instead. Ratio: fxopt's extra FLOPs / "
         "checkpointing's (target ≤ 0.5).",

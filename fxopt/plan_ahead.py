@@ -29,7 +29,7 @@ from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
 from fxopt.capture.dynamo import PlanReady, make_backend
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
 from fxopt.devices import DeviceProfile
-from fxopt.distributed import data_parallel
+from fxopt.distributed import data_parallel, ddp as ddp_graph
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError
 from fxopt.options import Options
 from fxopt.planner import meta_device_message
@@ -55,6 +55,8 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
     held = 0
     if data_parallel.is_ddp(model):  # the step DDP runs, with DDP's buckets beside it
         data_parallel.check_ddp(model)
+        if ddp_graph.not_one_graph(model) is None:  # its all-reduces in the graph, as fxopt.optimize runs it
+            gathering = ddp_graph.OneGraph(model).reducing()
         held, model = data_parallel.bucket_bytes(model), model.module
     backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held)
     compiled = compile_step(model, backend, fullgraph=True, dynamic=False)

@@ -31,6 +31,7 @@ from fxopt.errors import CaptureError, InfeasibleBudgetError
 from fxopt.fxgraph import copy_module
 from fxopt.options import Options
 from fxopt.passes import masks
+from fxopt.passes.coalesce import coalesce_all_reduces
 from fxopt.passes.dropout import alias_identity_dropouts, recompute_dropout_from_mask
 from fxopt.passes.reorder import in_plan_order, reorder_step
 from fxopt.solvers.plan import Plan
@@ -116,6 +117,7 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
     budget of ``"min"``: `smallest_budget`, then planned at it."""
     refuse_device(options)  # (`fxopt.plan` plans it on fake tensors, with device=None)
     refuse_meta_tensors(joint)
+    coalesce_all_reduces(joint)  # DDP's gradients reduced in buckets, as its reducer does (eager too)
     if options.budget.minimum and options.plan is None:
         least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
         options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
@@ -284,6 +286,7 @@ def analyze_for_planning(joint: fx.GraphModule, num_fwd_outputs: int, options: O
     (`fxopt.max_batch` reads it)."""
     codecs = _codecs(options, unread_resident_bytes, sizes)
     analyze = _analyzer(joint, options)
+    coalesce_all_reduces(joint)  # (as `make_plan`)
     alias_identity_dropouts(joint)  # (as `make_plan`: eager makes no copy there)
     eager = analyze(copy_module(joint), num_fwd_outputs, options.cost_model, **codecs)
     rewritten, _ = _rewrite_for_planning(joint, options)

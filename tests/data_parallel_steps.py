@@ -141,6 +141,8 @@ def ddp(rank: int, world: int) -> dict:
                 plans = lambda: wrapped.plans  # noqa: E731
             result = _check_and_measure(wrapped, model, inputs, reference, rank, world, plans)
             result["buckets"] = bucket_bytes(ddp_module)
+            # The second order reduces in fxopt's graph (fxopt.distributed.ddp), the first by DDP's reducer.
+            result["all_reduces"] = sum(n.name.startswith("all_reduce") for p in plans() for n in p.graph.nodes)
             result["seconds"] = round(time.monotonic() - t0, 1)
             out[f"{name}/{order}"] = result
     return out

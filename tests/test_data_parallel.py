@@ -34,15 +34,17 @@ def _check(results: list[dict], *, recompute: bool = True) -> None:
 
 def test_ddp_both_orders():
     """DDP(fxopt.optimize(model)) and fxopt.optimize(DDP(model)) on GPT-2, the second order on
-    ConvNeXt: one plan for the whole step, with DDP's gradient buckets counted; on GPT-2 the
-    second order captures the same graph (its plan is the first's, read from the rank's plan
-    cache) and measures the same peak."""
+    ConvNeXt: one plan for the whole step, with DDP's gradient buckets counted. The second order
+    has the gradients' all-reduces inside its graph (`fxopt.distributed.ddp`), the first leaves
+    them to DDP's reducer; on GPT-2 both measure the same peak and plan the same bound (the
+    all-reduces' buffers, late in the backward, are not at the peak)."""
     results = run("ddp")
     _check(results)
     for cases in results:
         assert set(cases) == {"gpt2/inner", "gpt2/outer", "convnext/outer"}
         inner, outer = cases["gpt2/inner"], cases["gpt2/outer"]
         assert inner["buckets"] > 0 and cases["convnext/outer"]["buckets"] > 0
+        assert inner["all_reduces"] == 0 and outer["all_reduces"] > 0 and cases["convnext/outer"]["all_reduces"] > 0
         assert (inner["measured"], inner["predicted"]) == (outer["measured"], outer["predicted"])
 
 

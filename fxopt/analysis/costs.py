@@ -59,21 +59,44 @@ COMM_BYTES_PER_SECOND = {"gloo": 1e9, "nccl": 1e11}
 # communicating again), and the wait that makes their output readable.
 GATHERS = ("all_gather_into_tensor",)
 WAITS = ("wait_tensor",)
+# The all-reduces (DDP's gradients in the graph, `fxopt.distributed.ddp`): never recomputed, as
+# every other collective but the gathers.
+REDUCES = ("all_reduce",)
 
 
 def comm_bytes_of(node: fx.Node) -> int:
-    """Bytes this rank receives to make ``node``: an all-gather's output less its own share."""
+    """Bytes this rank receives to make ``node``: an all-gather's output less its own share; for
+    an all-reduce over n ranks, a ring's 2 (n - 1) / n of its output (reduce-scatter, then
+    all-gather)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
         return 0
-    if target._opname not in GATHERS:
-        return 0
     val = node.meta.get("val")
-    size = node.args[1] if len(node.args) > 1 else 1
-    if not isinstance(val, torch.Tensor) or not isinstance(size, int):
+    if not isinstance(val, torch.Tensor):
         return 0
     nbytes = val.numel() * val.element_size()
+    if target._opname in REDUCES:
+        size = group_size(node)
+        return 2 * (nbytes - nbytes // size) if size > 1 else 0
+    if target._opname not in GATHERS:
+        return 0
+    size = node.args[1] if len(node.args) > 1 else 1
+    if not isinstance(size, int):
+        return 0
     return nbytes - nbytes // max(1, size)
+
+
+def group_size(node: fx.Node) -> int:
+    """The number of ranks of the process group a functional collective names (1 when unknown)."""
+    name = node.args[-1] if node.args else None
+    if not isinstance(name, str):
+        return 1
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return int(_resolve_process_group(name).size())
+    except Exception:  # noqa: BLE001 - a group not in this process (a replayed graph): unknown
+        return 1
 
 
 def group_backend(node: fx.Node) -> str | None:

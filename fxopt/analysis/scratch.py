@@ -122,7 +122,9 @@ def _collective_increase(node: fx.Node) -> int | None:
     """A functional collective's bytes while it runs (it is never run alone: every rank would
     have to run it too): its outputs, and a copy of them for an all-gather over gloo (which
     gathers into a flat buffer of its own, then copies out), or of its input for a reduce-scatter,
-    which gloo reduces in (a bound for backends that reduce in place). None for any other op."""
+    which gloo reduces in (a bound for backends that reduce in place). An all-reduce allocates its
+    output only (the copy of its input it reduces in place; measured with the profiler on 2 gloo
+    ranks, 1 and 4 MiB: exactly the output) and leaves nothing past its wait. None for any other op."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
         return None

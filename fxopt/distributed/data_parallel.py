@@ -12,11 +12,18 @@ compiles ``ddp.module`` and routes DDP's call of it to the compiled step (`route
 boundaries so that each bucket's all-reduce overlaps the rest of the backward, is off while fxopt
 compiles (``torch._dynamo.config.optimize_ddp=False``): fxopt plans the whole step.
 
-Gradients are reduced by DDP's own reducer: its hooks on the parameters' gradient accumulators
-fire as autograd accumulates each gradient the compiled backward returns. So the all-reduces start
-only after the whole backward has run: communication does not overlap the backward's compute
-(it overlaps only the accumulation of later gradients). That is the cost of one plan for the whole
-step: the all-reduce time eager DDP would have hidden behind the backward.
+In the second order the gradients' all-reduces are inside fxopt's graph (`fxopt.distributed.ddp`):
+DDP's forward runs under its own ``no_sync()`` (its reducer's hooks do nothing), and each
+parameter is read through an identity whose backward all-reduces its gradient, averaged over the
+ranks, as functional collectives the plan counts and prices, coalesced into DDP's buckets
+(`fxopt.passes.coalesce`); each bucket's is issued in the backward as its last gradient is
+complete. Otherwise (the first order, a step that starts with gradients held, the user's own
+``no_sync()``, a DDP that has run under ``Join``, and the settings
+`fxopt.distributed.ddp.not_one_graph` names, with a warning) gradients are reduced by DDP's own
+reducer: its hooks on the parameters' gradient
+accumulators fire as autograd accumulates each gradient the compiled backward returns, so those
+all-reduces start only after the whole backward has run (they overlap only the accumulation of
+later gradients): the all-reduce time eager DDP would have hidden behind the backward.
 
 What DDP adds to the peak: its gradient buckets, one flat tensor per bucket, together as large as
 the gradients of the parameters it reduces, allocated when the DDP is built and alive through
@@ -49,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxopt.distributed import fsdp2
+from fxopt.distributed import ddp as ddp_graph, fsdp2
 from fxopt.errors import BudgetError, CaptureError
 from fxopt.storage import local, storage_bytes, storage_key
 
@@ -297,6 +304,17 @@ class DistributedStep:
                 warnings.warn(f"fxopt plans this FSDP2 model's step in pieces, around FSDP2's hooks, not as one "
                               f"graph: {why}", stacklevel=3)
         self.eager_modules = eager_modules(model, self.piece_units) if self.piece_units else []
+        # fxopt.optimize(DDP(model)): the gradients' all-reduces in the graph (`fxopt.distributed.ddp`),
+        # unless a setting needs DDP's reducer.
+        self.ddp_graph = None
+        if self.ddp is not None:
+            check_ddp(self.ddp)
+            why = ddp_graph.not_one_graph(self.ddp)
+            if why is None:
+                self.ddp_graph = ddp_graph.OneGraph(self.ddp)
+            else:
+                warnings.warn(f"fxopt leaves this DDP's gradients to its reducer, which all-reduces them after "
+                              f"fxopt's whole backward (no overlap): {why}", stacklevel=3)
 
     glue_nodes = GLUE_NODES
 
@@ -349,7 +367,8 @@ class DistributedStep:
         with routes(self.eager_modules, between), \
                 (self.one_graph.gathering() if self.one_graph is not None else contextlib.nullcontext()):
             if self.ddp is not None:
-                with routed(self.model.module, compiled):
+                with routed(self.model.module, compiled), \
+                        (self.ddp_graph.reducing() if self.ddp_graph is not None else contextlib.nullcontext()):
                     return run(self.model, args, kwargs)
             return run(compiled, args, kwargs)
 
