@@ -53,6 +53,8 @@ import torch
 import torch.nn as nn
 from torch.distributed import _functional_collectives as funcol
 
+from fxopt.distributed.fsdp import reading_through
+
 
 class _AverageInBackward(torch.autograd.Function):
     """The identity; its backward all-reduces the gradient over ``group_name``, scaled by ``scale``."""
@@ -121,24 +123,12 @@ class OneGraph:
             for module in ddp.module.modules():
                 names = [n for n, p in module._parameters.items() if p is not None and p.requires_grad]
                 if names:
-                    stack.enter_context(self._reading_reduced(module, names, group.group_name, scale))
+                    stack.enter_context(reading_through(module, self._classes, lambda cls: _reducing_class(cls, names),
+                                                        "_fxopt_ddp_reduce", (group.group_name, scale)))
             yield
         # What DDP's post-forward sets after a synchronized forward (under no_sync it cleared it):
         # the next forward broadcasts the buffers (broadcast_buffers=True) as eager DDP's would.
         ddp.require_forward_param_sync = torch.is_grad_enabled()
-
-    @contextlib.contextmanager
-    def _reading_reduced(self, module: nn.Module, names: list[str], group_name: str, scale: float):
-        cls = type(module)
-        if id(module) not in self._classes:
-            self._classes[id(module)] = _reducing_class(cls, names)
-        module.__dict__["_fxopt_ddp_reduce"] = (group_name, scale)
-        module.__class__ = self._classes[id(module)]
-        try:
-            yield
-        finally:
-            module.__class__ = cls
-            del module.__dict__["_fxopt_ddp_reduce"]
 
 
 def _reducing_class(cls: type, names: list[str]) -> type:

@@ -22,12 +22,32 @@ dimensions. FSDP2's own ``fully_shard`` models are gathered the same way (`gathe
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import _functional_collectives as funcol
+
+
+@contextlib.contextmanager
+def reading_through(module: nn.Module, classes: dict[int, type], make: Callable[[type], type], key: str, value):
+    """``module`` as an instance of ``make(type(module))`` while inside, with ``value`` under ``key``
+    in its ``__dict__`` (what the subclass's parameter properties read). The subclass is made once
+    per module and kept in ``classes``, so Dynamo's guards see the same class on every call. Used
+    by FSDP2's one graph (`fxopt.distributed.fsdp2`) and DDP's (`fxopt.distributed.ddp`)."""
+    cls = type(module)
+    if id(module) not in classes:
+        classes[id(module)] = make(cls)
+    module.__dict__[key] = value
+    module.__class__ = classes[id(module)]
+    try:
+        yield
+    finally:
+        module.__class__ = cls
+        del module.__dict__[key]
 
 
 def gather(shard: torch.Tensor, numel: int, shape: torch.Size, group) -> torch.Tensor:

@@ -48,7 +48,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from fxopt.distributed.fsdp import gather
+from fxopt.distributed.fsdp import gather, reading_through
 from fxopt.errors import CaptureError
 
 
@@ -168,7 +168,8 @@ class OneGraph:
                 for module, name in s.uses:
                     reads.setdefault(id(module), (module, {}))[1][name] = leaf
             for module, shards in reads.values():
-                stack.enter_context(self._reading_gathered(module, shards))
+                stack.enter_context(reading_through(module, self._classes, lambda cls: _gathering_class(cls, list(shards)),
+                                                    "_fxopt_fsdp2_shards", shards))
             yield
 
     def _lazy_init(self) -> None:
@@ -191,19 +192,6 @@ class OneGraph:
                     p.sharded_param._local_tensor.untyped_storage().data_ptr() != \
                     p._sharded_param_data.untyped_storage().data_ptr():
                 p.reset_sharded_param()
-
-    @contextlib.contextmanager
-    def _reading_gathered(self, module: nn.Module, shards: dict):
-        cls = type(module)
-        if id(module) not in self._classes:
-            self._classes[id(module)] = _gathering_class(cls, list(shards))
-        module.__dict__["_fxopt_fsdp2_shards"] = shards
-        module.__class__ = self._classes[id(module)]
-        try:
-            yield
-        finally:
-            module.__class__ = cls
-            del module.__dict__["_fxopt_fsdp2_shards"]
 
 
 def _leaf(s: Sharded):
