@@ -201,6 +201,22 @@ def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None
     Path(out_dir, f"{config}-{rank}.json").write_text(json.dumps(results))
 
 
+def configured_worker(rank: int, world: int, port: int, target: str, out_dir: str) -> None:
+    """`spawn`'s worker for a configuration ``target`` ("module:config", a key of that module's
+    ``CONFIGS``): one torch thread, the plan cache off; writes ``<target>-<rank>.json``."""
+    import importlib
+
+    module, config = target.split(":", 1)
+    torch.set_num_threads(1)
+    os.environ.update(FXOPT_CACHE="0")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = importlib.import_module(module).CONFIGS[config](rank, world)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"{target}-{rank}.json").write_text(json.dumps(results))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import fxopt
-from data_parallel_steps import share_of, spawn, step
+from data_parallel_steps import configured_worker, share_of, spawn, step
 from fsdp_steps import HFLoss, TIME_LIMIT, blocks, llama, max_over_ranks
 
 
@@ -109,21 +107,10 @@ def llama_under_ddp(rank: int, world: int) -> dict:
 CONFIGS = {"llama": llama_under_ddp}
 
 
-def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(FXOPT_CACHE="0")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        results = CONFIGS[config](rank, world)
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"{config}-{rank}.json").write_text(json.dumps(results))
-
-
 def run(config: str, world: int = 2, timeout: float = 1800.0) -> list[dict]:
     """Spawn ``world`` processes running ``config``; what each rank measured, by rank (the
     timeout is a safety stop against a hang, not a speed requirement)."""
-    return spawn(_worker, config, world, timeout)
+    return spawn(configured_worker, f"ddp_steps:{config}", world, timeout)
 
 
 if __name__ == "__main__":

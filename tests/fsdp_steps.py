@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 import fxopt
-from data_parallel_steps import share_of, spawn, step
+from data_parallel_steps import configured_worker, share_of, spawn, step
 from fxopt.distributed import fsdp as sharding
 
 BATCH = 4  # the whole batch; each rank takes an equal share
@@ -192,36 +190,30 @@ def _uneven_fsdp2(world: int) -> dict:
     return {"plans": len(optimized.plans), "recomputed": len(optimized.plans[-1].recomputed)}
 
 
+def _against_checkpointing(name: str, rank: int, world: int, fxopt_row, prefix: str) -> dict:
+    """FSDP2 eager and with checkpointing, then ``fxopt_row(hf, share, reference, world, budget)`` at
+    checkpointing's measured peak (the largest over the ranks) and at "min"."""
+    hf, inputs = MODELS[name]()
+    ref = copy.deepcopy(hf)
+    ref_loss = step(HFLoss(ref), inputs).detach()
+    reference = ref_loss, {n: p.grad for n, p in ref.named_parameters()}
+    share = share_of(inputs, rank, world)
+    rows = {"fsdp2": _fsdp2(hf, share, False), "fsdp2+ckpt": _fsdp2(hf, share, True)}
+    ckpt = max_over_ranks(rows["fsdp2+ckpt"]["measured"])
+    rows[f"{prefix}@ckpt"] = fxopt_row(hf, share, reference, world, ckpt)
+    rows[f"{prefix}@min"] = fxopt_row(hf, share, reference, world, "min")
+    return rows
+
+
 def fsdp2_one_graph(rank: int, world: int, names=("llama-2",)) -> dict:
     out = {"uneven": _uneven_fsdp2(world)}
     for name in names:
-        hf, inputs = MODELS[name]()
-        ref = copy.deepcopy(hf)
-        ref_loss = step(HFLoss(ref), inputs).detach()
-        reference = ref_loss, {n: p.grad for n, p in ref.named_parameters()}
-        share = share_of(inputs, rank, world)
-        rows = {"fsdp2": _fsdp2(hf, share, False), "fsdp2+ckpt": _fsdp2(hf, share, True)}
-        ckpt = max_over_ranks(rows["fsdp2+ckpt"]["measured"])
-        rows["fxopt-fsdp2@ckpt"] = _fxopt_on_fsdp2(hf, share, reference, world, ckpt)
-        rows["fxopt-fsdp2@min"] = _fxopt_on_fsdp2(hf, share, reference, world, "min")
-        out[name] = rows
+        out[name] = _against_checkpointing(name, rank, world, _fxopt_on_fsdp2, "fxopt-fsdp2")
     return out
 
 
 def sharded(rank: int, world: int, names=("llama", "gpt2")) -> dict:
-    out = {}
-    for name in names:
-        hf, inputs = MODELS[name]()
-        ref = copy.deepcopy(hf)
-        ref_loss = step(HFLoss(ref), inputs).detach()
-        reference = ref_loss, {n: p.grad for n, p in ref.named_parameters()}
-        share = share_of(inputs, rank, world)
-        rows = {"fsdp2": _fsdp2(hf, share, False), "fsdp2+ckpt": _fsdp2(hf, share, True)}
-        ckpt = max_over_ranks(rows["fsdp2+ckpt"]["measured"])
-        rows["fxopt@ckpt"] = _fxopt(hf, share, reference, world, ckpt)
-        rows["fxopt@min"] = _fxopt(hf, share, reference, world, "min")
-        out[name] = rows
-    return out
+    return {name: _against_checkpointing(name, rank, world, _fxopt, "fxopt") for name in names}
 
 
 def named_minimum(rank: int, world: int, names=("llama-2",), budget: int = 1_000_000) -> dict:
@@ -257,20 +249,10 @@ CONFIGS = {"sharded": sharded, "named-min": named_minimum, "fsdp2-llama-2": fsdp
 # ("llama-2", the test's: two layers, half the compiles' time)
 
 
-def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(FXOPT_CACHE="0")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        results = CONFIGS[config](rank, world)
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"{config}-{rank}.json").write_text(json.dumps(results))
-
-
-def run(config: str, world: int = 2, timeout: float = 600.0) -> list[dict]:
-    """Spawn ``world`` processes running ``config``; what each rank measured, by rank."""
-    return spawn(_worker, config, world, timeout)
+def run(config: str, world: int = 2, timeout: float = 1800.0) -> list[dict]:
+    """Spawn ``world`` processes running ``config``; what each rank measured, by rank (the
+    timeout is a safety stop against a hang, not a speed requirement)."""
+    return spawn(configured_worker, f"fsdp_steps:{config}", world, timeout)
 
 
 if __name__ == "__main__":
