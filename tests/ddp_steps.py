@@ -18,27 +18,13 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import torch
 import torch.distributed as dist
 
 import fxopt
 from data_parallel_steps import configured_worker, share_of, spawn, step
-from fsdp_steps import HFLoss, TIME_LIMIT, blocks, llama, max_over_ranks
-
-
-def _measure(module, params, share) -> tuple[int, float, torch.Tensor]:
-    """Two steps, then the third's measured peak; the second's seconds."""
-    params.zero_grad(set_to_none=True)
-    step(module, share)
-    params.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    step(module, share)
-    seconds = time.perf_counter() - t0
-    params.zero_grad(set_to_none=True)
-    peak = fxopt.measure_peak(step, module, share, resident=[module])
-    return peak.peak_bytes, seconds, peak.result.detach().clone()
+from fsdp_steps import HFLoss, TIME_LIMIT, _measure, blocks, llama, max_over_ranks
 
 
 def _ddp(hf, checkpointing: bool = False):

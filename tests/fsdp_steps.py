@@ -88,7 +88,7 @@ def blocks(hf: nn.Module) -> list[nn.Module]:
 
 
 def _measure(module, params: nn.Module, share) -> tuple[int, float, torch.Tensor]:
-    """Two steps, then the third's measured peak; the mean time of steps 2 and 3."""
+    """Two steps, then the third's measured peak; the second's seconds."""
     params.zero_grad(set_to_none=True)
     step(module, share)
     params.zero_grad(set_to_none=True)

@@ -28,6 +28,26 @@ def worker_thread_lag() -> int:
     return max(p.numel() * p.element_size() for p in hf.parameters())
 
 
+def against_checkpointing(results: list[dict], prefix: str):
+    """What both slow tests check of the two-layer Llama's rows on every rank: fxopt's step at
+    FSDP2-with-checkpointing's measured peak (the largest over the ranks) within its plan and its
+    budget, at "min" below that peak and within its plan and `worker_thread_lag`, and the same
+    plans on both ranks; yields each rank's rows for the test's own checks."""
+    assert len(results) == 2
+    lag = worker_thread_lag()
+    ckpt = max(r["llama-2"]["fsdp2+ckpt"]["measured"] for r in results)
+    for rank, cases in enumerate(results):
+        rows = cases["llama-2"]
+        at_ckpt, smallest = rows[f"{prefix}@ckpt"], rows[f"{prefix}@min"]
+        where = f"rank {rank}: {rows}"
+        assert at_ckpt["budget"] == ckpt and smallest["budget"] < ckpt, where
+        assert at_ckpt["measured"] <= at_ckpt["predicted"] <= at_ckpt["budget"], where
+        assert smallest["measured"] <= smallest["predicted"] + lag and smallest["predicted"] <= smallest["budget"], where
+        yield rank, cases, rows, at_ckpt, smallest, where
+    for row in (f"{prefix}@ckpt", f"{prefix}@min"):
+        assert results[0]["llama-2"][row]["recomputed"] == results[1]["llama-2"][row]["recomputed"]
+
+
 @pytest.mark.slow  # two processes, four compiles each
 def test_llama_one_graph():
     """One graph on every rank (not pieces), the same plan on both ranks, loss and gradients equal
@@ -42,23 +62,9 @@ def test_llama_one_graph():
     at "min" (4,334,984 planned). `test_budget_holds.py::test_a_block_freed_on_another_thread_is_freed`
     is the same without processes."""
     results = run("llama-2", timeout=1800.0)  # a safety stop for a hang: ~35 s on 2 quiet cores
-    lag = worker_thread_lag()
-    assert len(results) == 2
-    ckpt = max(r["llama-2"]["fsdp2+ckpt"]["measured"] for r in results)
-    for rank, cases in enumerate(results):
-        rows = cases["llama-2"]
-        at_ckpt, smallest = rows["fxopt@ckpt"], rows["fxopt@min"]
-        where = f"rank {rank}: {rows}"
+    for rank, cases, rows, at_ckpt, smallest, where in against_checkpointing(results, "fxopt"):
         assert at_ckpt["plans"] == 1 and smallest["plans"] == 1, where
-        assert at_ckpt["budget"] == ckpt, where
-        for row in (at_ckpt, smallest):
-            assert row["predicted"] <= row["budget"], where
-        assert at_ckpt["measured"] <= at_ckpt["predicted"], where
-        assert smallest["measured"] <= smallest["predicted"] + lag, where
-        assert smallest["budget"] < ckpt, where
         assert rows["fsdp2+ckpt"]["measured"] < rows["fsdp2"]["measured"], where
-    for row in ("fxopt@ckpt", "fxopt@min"):
-        assert results[0]["llama-2"][row]["recomputed"] == results[1]["llama-2"][row]["recomputed"]
 
 
 @pytest.mark.slow  # two processes, four compiles each
@@ -74,23 +80,12 @@ def test_fsdp2_llama_one_graph():
     `worker_thread_lag` (the open part of issue 26, docs/multi-device.md): one run at 577bab3
     measured rank 0 at 4,663,688 B for its plan's 4,334,984 (rank 1: 4,334,984)."""
     results = run("fsdp2-llama-2", timeout=1800.0)  # a safety stop for a hang, not a speed requirement
-    lag = worker_thread_lag()
-    assert len(results) == 2
-    ckpt = max(r["llama-2"]["fsdp2+ckpt"]["measured"] for r in results)
-    for rank, cases in enumerate(results):
-        rows = cases["llama-2"]
-        at_ckpt, smallest = rows["fxopt-fsdp2@ckpt"], rows["fxopt-fsdp2@min"]
-        where = f"rank {rank}: {rows}"
+    for rank, cases, rows, at_ckpt, smallest, where in against_checkpointing(results, "fxopt-fsdp2"):
         for row in (at_ckpt, smallest):
             assert row["plans"] == 1 and row["gathers"] == row["params"], where
-            assert row["predicted"] == row["bound"] <= row["budget"], where
-        assert at_ckpt["measured"] <= at_ckpt["predicted"], where
-        assert smallest["measured"] <= smallest["predicted"] + lag, where
-        assert at_ckpt["budget"] == ckpt, where
-        assert smallest["budget"] < ckpt and smallest["regathered_bytes"] > 0, where
+            assert row["predicted"] == row["bound"], where
+        assert smallest["regathered_bytes"] > 0, where
         assert cases["uneven"]["plans"] == 2, where  # a step, then one with gradients held
-    for row in ("fxopt-fsdp2@ckpt", "fxopt-fsdp2@min"):
-        assert results[0]["llama-2"][row]["recomputed"] == results[1]["llama-2"][row]["recomputed"]
 
 
 def test_shards_gather_and_regather_is_offered(one_process_group):
