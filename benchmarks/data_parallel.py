@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import fxopt
+from fxopt.distributed.fsdp import held_for_gloo
 from benchmarks.harness import (checkpoint_blocks, error_line, load_average, log, median_step_seconds, report_head,
                                 run_meta, write_results)
 from fxopt.measure import count_flops
@@ -214,6 +215,7 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
 
 def _agreed_max(value: int, device: torch.device) -> int:
     t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    held_for_gloo(t)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 

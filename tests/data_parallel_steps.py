@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from fxopt.solvers import DEFAULT_TIME_LIMIT
 import fxopt
+from fxopt.distributed.fsdp import held_for_gloo
 from fxopt.distributed.data_parallel import bucket_bytes
 
 BATCH = 8  # the whole batch; each of the ranks takes an equal share
@@ -101,6 +102,7 @@ def _check_and_measure(wrapped, model, inputs, reference, rank, world, plan_of, 
     model.zero_grad(set_to_none=True)
     peak = fxopt.measure_peak(step, wrapped, share, resident=[wrapped])
     loss = peak.result.detach().clone()
+    held_for_gloo(loss)
     dist.all_reduce(loss)
     torch.testing.assert_close(loss / world, ref_loss)
     grads = grads(model)

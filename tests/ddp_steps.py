@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import fxopt
+from fxopt.distributed.fsdp import held_for_gloo
 from data_parallel_steps import configured_worker, share_of, spawn, step
 from fsdp_steps import HFLoss, TIME_LIMIT, _measure, blocks, llama, max_over_ranks
 
@@ -72,6 +73,7 @@ def llama_under_ddp(rank: int, world: int) -> dict:
     model, ddp = _ddp(hf)
     optimized = fxopt.optimize(ddp, budget, time_limit=TIME_LIMIT)
     peak, seconds, loss = _measure(optimized, model, share)
+    held_for_gloo(loss)
     dist.all_reduce(loss)
     torch.testing.assert_close(loss / world, ref_loss)
     for name, p in model.named_parameters():

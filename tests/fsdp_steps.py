@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fxopt
+from fxopt.distributed.fsdp import held_for_gloo
 from data_parallel_steps import configured_worker, share_of, spawn, step
 from fxopt.distributed import fsdp as sharding
 
@@ -125,6 +126,7 @@ def _fxopt(hf: nn.Module, share, reference, world: int, budget, time_limit: floa
     model = HFLoss(hf, scale=world)
     optimized = fxopt.optimize(model, budget, time_limit=time_limit)
     peak, seconds, loss = _measure(optimized, model, share)
+    held_for_gloo(loss)
     dist.all_reduce(loss)
     torch.testing.assert_close(loss, ref_loss)
     for name, p in hf.named_parameters():
@@ -156,6 +158,7 @@ def _fxopt_on_fsdp2(hf: nn.Module, share, reference, world: int, budget, time_li
     model = HFLoss(hf)
     optimized = fxopt.optimize(model, budget, time_limit=time_limit)
     peak, seconds, loss = _measure(optimized, model, share)
+    held_for_gloo(loss)
     dist.all_reduce(loss)
     torch.testing.assert_close(loss / world, ref_loss)
     for name, p in hf.named_parameters():
@@ -240,6 +243,7 @@ def named_minimum(rank: int, world: int, names=("llama-2",), budget: int = 1_000
 
 def max_over_ranks(n: int) -> int:
     t = torch.tensor([n])
+    held_for_gloo(t)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t)
 

@@ -269,3 +269,17 @@ def test_fsdp2_settings_refused_or_in_pieces(one_process_group):
     model.set_requires_gradient_sync(False)
     with pytest.raises(fxopt.CaptureError, match="set it before fxopt.optimize"):
         optimized(_ids())
+
+
+def test_a_broadcast_object_keeps_its_tensors_referenced(one_process_group):
+    """`agreed_plan`'s broadcast of rank 0's plan keeps the tensors it hands to gloo referenced
+    (`fsdp._HANDED_TO_GLOO`): gloo's worker thread may drop the last other reference a moment
+    after the wait, holding its queue's lock, and freeing a Python-made tensor there needs the GIL
+    that the next collective's caller holds (a hang both ranks met with `broadcast_object_list`)."""
+    import torch.distributed as dist
+
+    from fxopt.distributed import fsdp
+
+    before = len(fsdp._HANDED_TO_GLOO)
+    assert fsdp.broadcast_object({"plan": [1, 2]}, 0, dist.group.WORLD) == {"plan": [1, 2]}
+    assert len(fsdp._HANDED_TO_GLOO) == min(before + 2, fsdp._HANDED_TO_GLOO.maxlen)

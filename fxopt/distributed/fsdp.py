@@ -22,8 +22,10 @@ dimensions. FSDP2's own ``fully_shard`` models are gathered the same way (`gathe
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
+import pickle
 from collections.abc import Callable
 
 import torch
@@ -133,6 +135,35 @@ def collective_group(joint) -> str | None:
     return None
 
 
+# The tensors this process handed to gloo from Python, kept referenced for a while. gloo's worker
+# thread drops its work (its references to them) a moment after the wait returns, holding its
+# queue's lock; if that was a tensor's last reference, freeing it needs the GIL, which the main
+# thread holds while it queues the next collective on that lock: both ranks then hang (seen on
+# torch 2.13 with two broadcasts back to back, `broadcast_object_list`'s). Referenced here, a
+# tensor outlives the worker's release.
+_HANDED_TO_GLOO: collections.deque = collections.deque(maxlen=64)
+
+
+def held_for_gloo(*tensors: torch.Tensor) -> None:
+    """Keep referenced, for a while, tensors handed to a gloo collective from Python (see
+    `_HANDED_TO_GLOO`)."""
+    _HANDED_TO_GLOO.extend(tensors)
+
+
+def broadcast_object(obj, src: int, group):
+    """``obj`` (picklable) from global rank ``src`` on every rank of ``group``: its pickle's size,
+    then its bytes, each a broadcast of a tensor kept referenced (`_HANDED_TO_GLOO`)."""
+    payload = pickle.dumps(obj) if dist.get_rank() == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.long)
+    held_for_gloo(size)
+    dist.broadcast(size, src=src, group=group)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+            else torch.empty(int(size), dtype=torch.uint8))
+    held_for_gloo(data)
+    dist.broadcast(data, src=src, group=group)
+    return obj if dist.get_rank() == src else pickle.loads(data.numpy().tobytes())
+
+
 def agreed_plan(joint, plan):
     """Rank 0's plan of a step with collectives inside, on every rank of their group: the ranks
     must run the same collectives in the same order, and a plan the solvers' safety stop cut short
@@ -148,10 +179,8 @@ def agreed_plan(joint, plan):
         return plan
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    box = [plan]
     with unset_fake_temporarily():  # (planning runs inside Dynamo's fake mode; the broadcast is real)
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    agreed = box[0]
+        agreed = broadcast_object(plan, dist.get_global_rank(group, 0), group)
     # (A plan with its ops reordered has another fingerprint: the planner puts the step in the
     # agreed plan's order, and checks the graph then.)
     if agreed.fingerprint != plan.fingerprint and not (agreed.reordered or plan.reordered):
