@@ -20,12 +20,9 @@ import copy
 import json
 
 import torch
-import torch.distributed as dist
 
-import fxopt
-from fxopt.distributed.fsdp import held_for_gloo
 from data_parallel_steps import configured_worker, share_of, spawn, step
-from fsdp_steps import HFLoss, TIME_LIMIT, _measure, blocks, llama, max_over_ranks
+from fsdp_steps import HFLoss, _measure, blocks, llama, max_over_ranks, optimized_step
 
 
 def _ddp(hf, checkpointing: bool = False):
@@ -71,10 +68,7 @@ def llama_under_ddp(rank: int, world: int) -> dict:
             rows["ddp order"] = _issue_order(ddp, share)
     budget = max_over_ranks(rows["ddp+ckpt"]["measured"])
     model, ddp = _ddp(hf)
-    optimized = fxopt.optimize(ddp, budget, time_limit=TIME_LIMIT)
-    peak, seconds, loss = _measure(optimized, model, share)
-    held_for_gloo(loss)
-    dist.all_reduce(loss)
+    optimized, peak, seconds, loss = optimized_step(ddp, budget, share, params=model)
     torch.testing.assert_close(loss / world, ref_loss)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], msg=lambda m: f"gradient of {name}: {m}")

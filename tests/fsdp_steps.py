@@ -120,14 +120,20 @@ def _fsdp2(hf: nn.Module, share, checkpointing: bool) -> dict:
     return {"measured": peak, "seconds": round(seconds, 3)}
 
 
+def optimized_step(module: nn.Module, budget, share, time_limit: float = TIME_LIMIT, params: nn.Module | None = None):
+    """``module`` under ``fxopt.optimize`` at ``budget``, measured (`_measure`, gradients of
+    ``params``, by default its own, zeroed between steps); with the loss summed over the ranks."""
+    optimized = fxopt.optimize(module, budget, time_limit=time_limit)
+    peak, seconds, loss = _measure(optimized, module if params is None else params, share)
+    held_for_gloo(loss)
+    dist.all_reduce(loss)
+    return optimized, peak, seconds, loss
+
+
 def _fxopt(hf: nn.Module, share, reference, world: int, budget, time_limit: float = TIME_LIMIT) -> dict:
     ref_loss, ref_grads = reference
     hf = sharding.fully_shard(copy.deepcopy(hf))
-    model = HFLoss(hf, scale=world)
-    optimized = fxopt.optimize(model, budget, time_limit=time_limit)
-    peak, seconds, loss = _measure(optimized, model, share)
-    held_for_gloo(loss)
-    dist.all_reduce(loss)
+    optimized, peak, seconds, loss = optimized_step(HFLoss(hf, scale=world), budget, share, time_limit)
     torch.testing.assert_close(loss, ref_loss)
     for name, p in hf.named_parameters():
         grad = sharding.full_tensor(hf, name, p.grad)
@@ -155,11 +161,7 @@ def _fxopt_on_fsdp2(hf: nn.Module, share, reference, world: int, budget, time_li
 
     ref_loss, ref_grads = reference
     hf = _fsdp2_model(hf)
-    model = HFLoss(hf)
-    optimized = fxopt.optimize(model, budget, time_limit=time_limit)
-    peak, seconds, loss = _measure(optimized, model, share)
-    held_for_gloo(loss)
-    dist.all_reduce(loss)
+    optimized, peak, seconds, loss = optimized_step(HFLoss(hf), budget, share, time_limit)
     torch.testing.assert_close(loss / world, ref_loss)
     for name, p in hf.named_parameters():
         assert isinstance(p, DTensor) and isinstance(p.grad, DTensor), name
