@@ -10,6 +10,7 @@ the second is where DDP rebuilds its buckets). Each rank writes what it measured
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import os
 import socket
@@ -195,6 +196,7 @@ def _worker(rank: int, world: int, port: int, config: str, out_dir: str) -> None
     # Each rank's own plan cache: a step captured again (DDP's other order) replays its plan, which
     # it finds only if it captured the same graph.
     os.environ.update(FXOPT_CACHE="1", FXOPT_CACHE_DIR=str(Path(out_dir, f"plans-{rank}")))
+    torch.set_num_threads(1)  # two ranks on two cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = CONFIGS[config](rank, world)
@@ -225,23 +227,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(worker, config: str, world: int, timeout: float) -> list[dict]:
+# A safety stop against a hang, never a speed requirement: a quiet 2-core run of any configuration
+# takes well under a minute. Each rank prints its threads' Python stacks to stderr a little before
+# it, so a hang says where it was (the output pytest captured shows them).
+SAFETY_STOP = 900.0
+
+
+def _guarded(rank: int, worker, stop: float, *args) -> None:
+    faulthandler.dump_traceback_later(max(1.0, stop - 30.0), exit=False)
+    try:
+        worker(rank, *args)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def spawn(worker, config: str, world: int, timeout: float = SAFETY_STOP) -> list[dict]:
     """Spawn ``world`` processes running ``worker(rank, world, port, config, out_dir)`` (a
     module-level function, which writes ``<config>-<rank>.json`` into ``out_dir``); what each
-    rank measured, by rank."""
+    rank measured, by rank. ``timeout`` is a safety stop against a hang (see `SAFETY_STOP`)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(worker, args=(world, free_port(), config, out_dir), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(_guarded, args=(worker, timeout, world, free_port(), config, out_dir), nprocs=world,
+                                 join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
-                raise TimeoutError(f"{config}: {world} processes still running after {timeout:.0f} s")
+                raise TimeoutError(f"{config}: {world} processes still running after {timeout:.0f} s "
+                                   "(a safety stop: each rank's stacks are printed above)")
         return [json.loads(Path(out_dir, f"{config}-{r}.json").read_text()) for r in range(world)]
 
 
-def run(config: str, world: int = 2, timeout: float = 240.0) -> list[dict]:
+def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:
     """Spawn ``world`` processes running ``config``; what each rank measured, by rank."""
     return spawn(_worker, config, world, timeout)
 

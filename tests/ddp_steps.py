@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from data_parallel_steps import configured_worker, share_of, spawn, step
+from data_parallel_steps import SAFETY_STOP, configured_worker, share_of, spawn, step
 from fsdp_steps import HFLoss, _measure, blocks, llama, max_over_ranks, optimized_step
 
 
@@ -89,7 +89,7 @@ def llama_under_ddp(rank: int, world: int) -> dict:
 CONFIGS = {"llama": llama_under_ddp}
 
 
-def run(config: str, world: int = 2, timeout: float = 1800.0) -> list[dict]:
+def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:
     """Spawn ``world`` processes running ``config``; what each rank measured, by rank (the
     timeout is a safety stop against a hang, not a speed requirement)."""
     return spawn(configured_worker, f"ddp_steps:{config}", world, timeout)

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 import fxopt
 from fxopt.distributed.fsdp import held_for_gloo
-from data_parallel_steps import configured_worker, share_of, spawn, step
+from data_parallel_steps import SAFETY_STOP, configured_worker, share_of, spawn, step
 from fxopt.distributed import fsdp as sharding
 
 BATCH = 4  # the whole batch; each rank takes an equal share
@@ -255,7 +255,7 @@ CONFIGS = {"sharded": sharded, "named-min": named_minimum, "fsdp2-llama-2": fsdp
 # ("llama-2", the test's: two layers, half the compiles' time)
 
 
-def run(config: str, world: int = 2, timeout: float = 1800.0) -> list[dict]:
+def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:
     """Spawn ``world`` processes running ``config``; what each rank measured, by rank (the
     timeout is a safety stop against a hang, not a speed requirement)."""
     return spawn(configured_worker, f"fsdp_steps:{config}", world, timeout)

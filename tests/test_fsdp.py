@@ -61,7 +61,7 @@ def test_llama_one_graph():
     no free, and the measured curve kept them: with main's measurement, rank 0 read 7,288,200 B
     at "min" (4,334,984 planned). `test_budget_holds.py::test_a_block_freed_on_another_thread_is_freed`
     is the same without processes."""
-    results = run("llama-2", timeout=1800.0)  # a safety stop for a hang: ~35 s on 2 quiet cores
+    results = run("llama-2")
     for rank, cases, rows, at_ckpt, smallest, where in against_checkpointing(results, "fxopt"):
         assert at_ckpt["plans"] == 1 and smallest["plans"] == 1, where
         assert rows["fsdp2+ckpt"]["measured"] < rows["fsdp2"]["measured"], where
@@ -79,7 +79,7 @@ def test_fsdp2_llama_one_graph():
     At "min" (319 recomputations, 11 MB re-gathered) the measured peak may exceed the plan by
     `worker_thread_lag` (the open part of issue 26, docs/multi-device.md): one run at 577bab3
     measured rank 0 at 4,663,688 B for its plan's 4,334,984 (rank 1: 4,334,984)."""
-    results = run("fsdp2-llama-2", timeout=1800.0)  # a safety stop for a hang, not a speed requirement
+    results = run("fsdp2-llama-2")
     for rank, cases, rows, at_ckpt, smallest, where in against_checkpointing(results, "fxopt-fsdp2"):
         for row in (at_ckpt, smallest):
             assert row["plans"] == 1 and row["gathers"] == row["params"], where
