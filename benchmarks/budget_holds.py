@@ -139,19 +139,20 @@ def model_row(name: str, route: str, budget: float | int | str, size: str, time_
         model.zero_grad(set_to_none=True)
         peak = fxopt.measure_peak(lambda *i: train_step(fn, i), *inputs, resident=[model])
         plans = plans_of()
-        row.update(plan_columns(plans, peak.peak_bytes))
+        # A step in pieces: each plan's budget is what the rest of the step left it; the step's is the user's.
+        row.update(plan_columns(plans, peak.peak_bytes, budget if route == "pieces" else None))
         row.update(compare_grads(model, eager.grads))
         row["loss_abs_diff"] = abs(float(peak.result) - eager.loss)
-    torch._dynamo.reset()
     return row
 
 
-def plan_columns(plans: list[fxopt.Plan], measured: int) -> dict[str, Any]:
-    """The row's plan figures: budget, predicted and measured peaks, recompute against the best
-    simple policy, the decisions' digest (one per piece)."""
+def plan_columns(plans: list[fxopt.Plan], measured: int, step_budget: int | None = None) -> dict[str, Any]:
+    """The row's plan figures: budget (``step_budget``, bytes, for a step in pieces; else the one
+    the plan resolved), predicted and measured peaks, recompute against the best simple policy, the
+    decisions' digest (one per piece)."""
     if not plans:
         return {"error": "no plan was made (the step ran unplanned)"}
-    budget = max(p.budget_bytes for p in plans)
+    budget = step_budget if step_budget is not None else max(p.budget_bytes for p in plans)
     flops, cost = sum(p.recompute_flops for p in plans), sum(p.cost for p in plans)
     policies = [best_policy(p) for p in plans]
     unmet = any(p.get("best_policy") is None for p in policies)
@@ -262,6 +263,8 @@ class Run:
         except Exception as err:  # noqa: BLE001 - one failing row must not stop the others
             log(traceback.format_exc(limit=6))
             return {"model": name, "route": route, "error": error_line(err)}
+        finally:
+            torch._dynamo.reset()  # each row starts from a process that compiled nothing (a failed one too)
 
     def mark_same(self, row: dict[str, Any]) -> None:
         if self.other is None or not self.other.exists():

@@ -242,8 +242,7 @@ class FxoptModule(nn.Module):
 
 def _with_detail(err: InfeasibleBudgetError, detail: str) -> InfeasibleBudgetError:
     """``err`` saying ``detail`` too."""
-    return InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [err.detail, detail])),
-                                 err.lower_bound)
+    return err.with_detail(detail)
 
 
 class _BackwardRefused(torch.autograd.Function):

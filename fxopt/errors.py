@@ -39,6 +39,11 @@ class InfeasibleBudgetError(FxoptError, ValueError):
     def __reduce__(self):
         return (type(self), (self.budget, self.min_budget, self.detail, self.lower_bound, self.exact))
 
+    def with_detail(self, detail: str) -> InfeasibleBudgetError:
+        """This error saying ``detail`` too (its figures, and whether its minimum is exact, kept)."""
+        return InfeasibleBudgetError(self.budget, self.min_budget, " ".join(filter(None, [self.detail, detail])),
+                                     self.lower_bound, self.exact)
+
 
 class CaptureError(FxoptError, RuntimeError):
     """The model's training step could not be captured as one graph."""

@@ -159,7 +159,7 @@ def with_accumulation_note(err: InfeasibleBudgetError, model: nn.Module) -> Infe
             f"starts with them held (gradient accumulation, or zero_grad(set_to_none=False)) also holds "
             f"{format_bytes(grads)} of gradients through it and needs at least {format_bytes(err.min_budget + grads)} "
             f"({err.min_budget + grads} bytes).")
-    return InfeasibleBudgetError(err.budget, err.min_budget, " ".join(filter(None, [err.detail, note])), err.lower_bound)
+    return err.with_detail(note)
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

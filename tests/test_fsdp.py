@@ -271,15 +271,25 @@ def test_fsdp2_settings_refused_or_in_pieces(one_process_group):
         optimized(_ids())
 
 
-def test_a_broadcast_object_keeps_its_tensors_referenced(one_process_group):
-    """`agreed_plan`'s broadcast of rank 0's plan keeps the tensors it hands to gloo referenced
-    (`fsdp._HANDED_TO_GLOO`): gloo's worker thread may drop the last other reference a moment
-    after the wait, holding its queue's lock, and freeing a Python-made tensor there needs the GIL
-    that the next collective's caller holds (a hang both ranks met with `broadcast_object_list`)."""
+def test_rank_0s_plan_reaches_the_others_through_the_store_not_gloo(one_process_group):
+    """`agreed_plan`'s exchange of rank 0's plan goes through c10d's store, one key per agreement,
+    so it never queues a gloo collective (a gloo broadcast there hung both ranks in CI: gloo's
+    worker thread freeing an FSDP2 collective's tensor needs the GIL the broadcast's caller holds
+    while it waits for the worker's queue lock). Each agreement takes the next key."""
     import torch.distributed as dist
 
     from fxopt.distributed import fsdp
 
-    before = len(fsdp._HANDED_TO_GLOO)
-    assert fsdp.broadcast_object({"plan": [1, 2]}, 0, dist.group.WORLD) == {"plan": [1, 2]}
-    assert len(fsdp._HANDED_TO_GLOO) == min(before + 2, fsdp._HANDED_TO_GLOO.maxlen)
+    calls = []
+    real = dist.broadcast
+    dist.broadcast = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        group = dist.group.WORLD
+        before = fsdp._AGREEMENTS[group.group_name]
+        assert fsdp.broadcast_object({"plan": [1, 2]}, 0, group) == {"plan": [1, 2]}
+        assert fsdp.broadcast_object({"plan": [3]}, 0, group) == {"plan": [3]}
+    finally:
+        dist.broadcast = real
+    assert not calls
+    assert fsdp._AGREEMENTS[group.group_name] == before + 2
+    assert dist.distributed_c10d._get_default_store().check([f"fxopt/agreed/{group.group_name}/{before}"])

@@ -84,6 +84,9 @@ def test_pieces_that_cannot_fit_name_a_larger_budget():
         step(optimized, inputs)
     assert info.value.min_budget > info.value.budget
     assert "captured in pieces" in str(info.value)
+    # What the pieces name is a bound (the pieces before were planned first), never "the smallest
+    # feasible budget": at it, a later piece may need more (issue 24, item 8).
+    assert not info.value.exact and "at least" in str(info.value) and "smallest feasible" not in str(info.value)
 
 
 def test_graph_breaks_error_refuses_with_the_location():

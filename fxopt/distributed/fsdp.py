@@ -150,18 +150,33 @@ def held_for_gloo(*tensors: torch.Tensor) -> None:
     _HANDED_TO_GLOO.extend(tensors)
 
 
+# How many objects each process group has agreed on through the store so far: every rank counts
+# the same agreements in the same order (each compile of a step with collectives makes one), so
+# the count names the store key both sides use.
+_AGREEMENTS: collections.Counter = collections.Counter()
+
+
 def broadcast_object(obj, src: int, group):
-    """``obj`` (picklable) from global rank ``src`` on every rank of ``group``: its pickle's size,
-    then its bytes, each a broadcast of a tensor kept referenced (`_HANDED_TO_GLOO`)."""
-    payload = pickle.dumps(obj) if dist.get_rank() == src else b""
-    size = torch.tensor([len(payload)], dtype=torch.long)
-    held_for_gloo(size)
-    dist.broadcast(size, src=src, group=group)
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
-            else torch.empty(int(size), dtype=torch.uint8))
-    held_for_gloo(data)
-    dist.broadcast(data, src=src, group=group)
-    return obj if dist.get_rank() == src else pickle.loads(data.numpy().tobytes())
+    """``obj`` (picklable) from global rank ``src`` on every rank of ``group``, through c10d's
+    store rather than a collective: rank ``src`` sets a key, the others read it (the store's reads
+    release the GIL while they wait) and the last reader deletes it. A gloo broadcast here could
+    hang both ranks: gloo's worker thread drops a finished work's tensors holding its queue's lock,
+    and where that is a Python-made tensor's last reference (an FSDP2 hook's collective, one of
+    the step's), freeing it needs the GIL, which the caller of the next collective holds while it
+    waits for that lock (seen in CI: one rank in ``ProcessGroupGloo::enqueue`` of the plan's
+    broadcast, the other in its wait)."""
+    store = dist.distributed_c10d._get_default_store()  # (torch has no public getter for it)
+    name = group.group_name
+    key = f"fxopt/agreed/{name}/{_AGREEMENTS[name]}"
+    _AGREEMENTS[name] += 1
+    if dist.get_rank() == src:
+        store.set(key, pickle.dumps(obj))
+        return obj
+    agreed = pickle.loads(store.get(key))
+    if store.add(f"{key}/read", 1) == dist.get_world_size(group) - 1:
+        store.delete_key(key)
+        store.delete_key(f"{key}/read")
+    return agreed
 
 
 def agreed_plan(joint, plan):
