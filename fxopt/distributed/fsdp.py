@@ -194,7 +194,7 @@ def agreed_plan(joint, plan):
         return plan
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily():  # (planning runs inside Dynamo's fake mode; the broadcast is real)
+    with unset_fake_temporarily():  # (planning runs inside Dynamo's fake mode; the exchange is real)
         agreed = broadcast_object(plan, dist.get_global_rank(group, 0), group)
     # (A plan with its ops reordered has another fingerprint: the planner puts the step in the
     # agreed plan's order, and checks the graph then.)
