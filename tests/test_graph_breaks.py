@@ -158,3 +158,29 @@ def test_a_graph_compiled_from_another_frame_than_the_steps_is_a_piece():
     torch.compile(inner, backend=backend)(torch.randn(3))
     as_piece, own, unknown = seen[0]
     assert as_piece is not None and as_piece.startswith("inner (") and own is None and unknown is None
+
+
+class _Looped(nn.Module):
+    """A forward that loops over its layers (as decoders do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return h.pow(2).mean()
+
+
+def test_a_break_inside_a_loop_is_refused_saying_why():
+    """A graph break inside a layer makes Dynamo run the whole looping forward eagerly (it cannot
+    resume inside a loop): nothing is planned, and the refusal names that cause first, not a
+    process state it does not depend on (seen on ViT, a diffusers UNet and DiT in budget_holds)."""
+    model = _Looped()
+    model.layers[1].register_forward_hook(lambda *_: torch._dynamo.graph_break())
+    optimized = fxopt.optimize(model, "10MiB")
+    with pytest.raises(fxopt.CaptureError, match="loops over a graph break"):
+        optimized(torch.randn(8, 16)).backward()

@@ -38,11 +38,13 @@ from fxopt.storage import storage_key, tensors_in
 HOOK_NODES = ("BackwardHookFunctionBackward",)
 
 SKIP_ADVICE = (
-    "Dynamo ran that code eagerly. It does for a function an earlier torch.compile in this process marked "
-    "to skip (one that ran under a TorchDispatchMode such as FlopCounterMode marks the frames it met for "
-    "good: call torch._dynamo.reset() before planning), a function torch.compiler.disable wraps, and the "
-    "Python between graph breaks; run the model once under torch.compile(model, fullgraph=True) to see "
-    "where it breaks.")
+    "Dynamo ran that code eagerly. It does for the whole of a function that loops over a graph break "
+    "(a break inside a layer makes the model's forward that loops over the layers run eagerly around "
+    "them: Dynamo cannot resume inside a loop), for the Python between graph breaks, for a function "
+    "torch.compiler.disable wraps, and for one an earlier torch.compile in this process marked to skip "
+    "(one that ran under a TorchDispatchMode such as FlopCounterMode marks the frames it met for good: "
+    "call torch._dynamo.reset() before planning); run the model once under "
+    "torch.compile(model, fullgraph=True) to see where it breaks.")
 
 
 def sequence_number() -> int:
