@@ -188,7 +188,7 @@ class FxoptModule(nn.Module):
         except InfeasibleBudgetError as err:
             if not held:
                 raise with_accumulation_note(err, self._model) from None
-            err = _with_detail(err, f"This step starts with {format_bytes(held)} of gradients already there "
+            err = err.with_detail(f"This step starts with {format_bytes(held)} of gradients already there "
                                "(gradient accumulation, or zero_grad(set_to_none=False)), alive through the whole "
                                "step; optimizer.zero_grad() (set_to_none, the default) before it frees them.")
             if not forward_only:
@@ -216,7 +216,7 @@ class FxoptModule(nn.Module):
         backward through its outputs raises ``refusal``."""
         with torch.no_grad():
             out = self._run_step(0, args, kwargs)
-        err = _with_detail(refusal, "This call ran in eval mode with gradients held, so fxopt ran its forward "
+        err = refusal.with_detail("This call ran in eval mode with gradients held, so fxopt ran its forward "
                            "only; to train in eval mode, zero the gradients first or raise the budget.")
         anchor = torch.empty(0, requires_grad=True)  # makes the outputs need a backward, as eager's do
         return tree_map_only(torch.Tensor, lambda t: _BackwardRefused.apply(err, t, anchor)
@@ -238,11 +238,6 @@ class FxoptModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"budget={self._options.budget!r}, solver={self._options.solver!r}"
-
-
-def _with_detail(err: InfeasibleBudgetError, detail: str) -> InfeasibleBudgetError:
-    """``err`` saying ``detail`` too."""
-    return err.with_detail(detail)
 
 
 class _BackwardRefused(torch.autograd.Function):

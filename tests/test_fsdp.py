@@ -286,8 +286,8 @@ def test_rank_0s_plan_reaches_the_others_through_the_store_not_gloo(one_process_
     try:
         group = dist.group.WORLD
         before = fsdp._AGREEMENTS[group.group_name]
-        assert fsdp.broadcast_object({"plan": [1, 2]}, 0, group) == {"plan": [1, 2]}
-        assert fsdp.broadcast_object({"plan": [3]}, 0, group) == {"plan": [3]}
+        assert fsdp.object_from_rank({"plan": [1, 2]}, 0, group) == {"plan": [1, 2]}
+        assert fsdp.object_from_rank({"plan": [3]}, 0, group) == {"plan": [3]}
     finally:
         dist.broadcast = real
     assert not calls

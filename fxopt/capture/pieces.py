@@ -331,11 +331,10 @@ class PiecewiseBackend:
 
     def _compile(self, gm, example_inputs, budget, reserve: int, *, whole: bool = False):
         """The compiled graph, and its plan (None without a backward)."""
+        beside = (f"The step is captured in pieces, and the rest of the step holds {format_bytes(reserve)} while "
+                  "this piece runs.")
         if reserve and budget <= 0:
-            raise InfeasibleBudgetError(
-                budget + reserve, reserve + 1,
-                f"The step is captured in pieces, and the rest of the step holds {format_bytes(reserve)} "
-                "while this piece runs.", exact=False)
+            raise InfeasibleBudgetError(budget + reserve, reserve + 1, beside, exact=False)
         plans: list[Plan] = []
         try:
             compiled = self.make_piece_backend(budget, plans.append, whole)(gm, example_inputs)
@@ -344,13 +343,11 @@ class PiecewiseBackend:
                 raise
             # In pieces, what a piece needs is a bound for the step, never its smallest feasible
             # budget: at it, a later piece may need more.
-            raise InfeasibleBudgetError(
-                budget + reserve, err.min_budget + reserve,
-                f"{err.detail + ' ' if err.detail else ''}The step is captured in pieces, and the rest of the "
-                f"step holds {format_bytes(reserve)} while this piece runs. The pieces before it were planned "
-                "first, keeping what fitted beside them; at a larger budget they may keep more, so the budget "
-                "named is what this piece needs beside them as planned now, not a promise for the step.",
-                exact=False) from None
+            bound = InfeasibleBudgetError(budget + reserve, err.min_budget + reserve, err.detail, exact=False)
+            raise bound.with_detail(
+                f"{beside} The pieces before it were planned first, keeping what fitted beside them; at a larger "
+                "budget they may keep more, so the budget named is what this piece needs beside them as planned "
+                "now, not a promise for the step.") from None
         if plans:
             self.bounds.append(reserve + plans[-1].peak_bytes)
         return compiled, (plans[-1] if plans else None)

@@ -156,7 +156,7 @@ def held_for_gloo(*tensors: torch.Tensor) -> None:
 _AGREEMENTS: collections.Counter = collections.Counter()
 
 
-def broadcast_object(obj, src: int, group):
+def object_from_rank(obj, src: int, group):
     """``obj`` (picklable) from global rank ``src`` on every rank of ``group``, through c10d's
     store rather than a collective: rank ``src`` sets a key, the others read it (the store's reads
     release the GIL while they wait) and the last reader deletes it. A gloo broadcast here could
@@ -195,7 +195,7 @@ def agreed_plan(joint, plan):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # (planning runs inside Dynamo's fake mode; the exchange is real)
-        agreed = broadcast_object(plan, dist.get_global_rank(group, 0), group)
+        agreed = object_from_rank(plan, dist.get_global_rank(group, 0), group)
     # (A plan with its ops reordered has another fingerprint: the planner puts the step in the
     # agreed plan's order, and checks the graph then.)
     if agreed.fingerprint != plan.fingerprint and not (agreed.reordered or plan.reordered):
