@@ -58,6 +58,7 @@ import fxopt
 import benchmarks.library_zoo  # noqa: F401 - registers the "library" and "hf" sets
 from benchmarks.harness import (best_policy, choose, compare_grads, error_line, log, mib, report_head, restore_settings,
                                 run_meta, saved_settings, train_step, write_results)
+from fxopt.capture.dynamo import unwrap_compile_error
 from fxopt.models import MODELS, zoo
 from fxopt.solvers import DEFAULT_TIME_LIMIT
 
@@ -257,10 +258,12 @@ class Run:
                 if route == "pipeline":
                     return pipeline_row(budget, self.args.time_limit)
                 return model_row(name, route, budget, self.args.size, self.args.time_limit)
-        except fxopt.InfeasibleBudgetError as err:
-            return {"model": name, "route": route, "infeasible": True, "budget_bytes": err.budget,
-                    "min_budget_bytes": err.min_budget}
         except Exception as err:  # noqa: BLE001 - one failing row must not stop the others
+            # (torch.compile wraps what the backend route's planner raises: BackendCompilerFailed)
+            inner = unwrap_compile_error(err)
+            if isinstance(inner, fxopt.InfeasibleBudgetError):
+                return {"model": name, "route": route, "infeasible": True, "budget_bytes": inner.budget,
+                        "min_budget_bytes": inner.min_budget}
             log(traceback.format_exc(limit=6))
             return {"model": name, "route": route, "error": error_line(err)}
         finally:

@@ -116,16 +116,17 @@ class FxoptModule(nn.Module):
                 # A given plan was made for a step without them: planned anew where it does not fit.
                 options = dataclasses.replace(options, plan_from_examples=True)
 
-            def piece_backend(budget, on_plan, whole):
+            def piece_backend(budget, on_plan, whole, backward_bytes):
                 def both(plan):
                     on_plan(plan)
                     self.plans.append(plan)
                 # A whole step counts the parameters, buffers and gradients it does not read, and
-                # what DDP holds; a piece's reserve counts everything it does not take (see
-                # fxopt.capture.pieces).
+                # what DDP holds; a piece's reserve counts everything it does not take, the
+                # gradients later pieces make beside its backward only (see fxopt.capture.pieces).
                 held = backend.step.held if backend.step is not None else 0
                 return make_backend(dataclasses.replace(options, budget=budget), both,
-                                    resident=model if whole else None, held_bytes=held if whole else 0)
+                                    resident=model if whole else None, held_bytes=held if whole else 0,
+                                    backward_bytes=backward_bytes)
 
             backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks)
             distributed = self._distributed

@@ -111,17 +111,19 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
 
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
-              sizes: Sizes | None = None):
+              sizes: Sizes | None = None, *, backward_bytes: int = 0):
     """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
-    captured with dynamic shapes, planned at ``sizes.point``): see `fxopt.analysis.analyze`. A
-    budget of ``"min"``: `smallest_budget`, then planned at it."""
+    captured with dynamic shapes, planned at ``sizes.point``), ``backward_bytes`` (held beside its
+    backward only): see `fxopt.analysis.analyze`. A budget of ``"min"``: `smallest_budget`, then
+    planned at it."""
     refuse_device(options)  # (`fxopt.plan` plans it on fake tensors, with device=None)
     refuse_meta_tensors(joint)
     coalesce_all_reduces(joint)  # DDP's gradients reduced in buckets, as its reducer does (eager too)
     if options.budget.minimum and options.plan is None:
-        least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+        least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes,
+                                backward_bytes=backward_bytes)
         options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
-    jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes)
+    jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes, backward_bytes)
     if options.planned_for is not None:  # (also on a plan from the cache: two profiles may make one graph)
         plan = dataclasses.replace(plan, planned_for=options.planned_for.planning_note())
     agreed = agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
@@ -135,10 +137,10 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
 
 
 def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
-               sizes: Sizes | None):
+               sizes: Sizes | None, backward_bytes: int = 0):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
-    codecs = _codecs(options, unread_resident_bytes, sizes)
+    codecs = _codecs(options, unread_resident_bytes, sizes, backward_bytes)
     analyze = _analyzer(joint, options)
     alias_identity_dropouts(joint)  # (eager makes no copy there: neither does the step, planned or not)
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
@@ -166,7 +168,8 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
             eager_graph = before.graph
             options = dataclasses.replace(options, plan=None, plan_from_examples=False)
             if options.budget.minimum:  # this graph's own minimum, planned from the graph as captured
-                return make_plan(pristine, num_fwd_outputs, options, unread_resident_bytes, sizes)
+                return make_plan(pristine, num_fwd_outputs, options, unread_resident_bytes, sizes,
+                                 backward_bytes=backward_bytes)
         elif given is None:
             raise CaptureError(
                 "the given plan was made for a different graph (another model, input shape, dtype, "
@@ -213,7 +216,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
 
 
 def smallest_budget(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
-                    sizes: Sizes | None = None) -> int:
+                    sizes: Sizes | None = None, *, backward_bytes: int = 0) -> int:
     """``budget="min"``: the smallest budget the solvers meet for this step, asked as a user
     would: a plan within one byte is infeasible, and the error names the smallest budget they
     reached (`InfeasibleBudgetError.min_budget`; its plan is kept in the plan cache, so planning
@@ -221,7 +224,8 @@ def smallest_budget(joint: fx.GraphModule, num_fwd_outputs: int, options: Option
     change the graph they plan."""
     one_byte = dataclasses.replace(options, budget=Budget(bytes=1, text="1"))
     try:
-        make_plan(copy_module(joint), num_fwd_outputs, one_byte, unread_resident_bytes, sizes)
+        make_plan(copy_module(joint), num_fwd_outputs, one_byte, unread_resident_bytes, sizes,
+                  backward_bytes=backward_bytes)
     except InfeasibleBudgetError as err:
         return err.min_budget
     return 1  # a step that holds nothing
@@ -253,10 +257,10 @@ def meta_device_message(what: str) -> str:
             "pass device='cpu' to fxopt.plan: the step is then planned on fake tensors of its shapes.")
 
 
-def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None) -> dict:
+def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None, backward_bytes: int = 0) -> dict:
     """The analysis' settings besides the cost model (see `fxopt.analysis.analyze`)."""
     return dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
-                sizes=sizes, device=options.planned_for)
+                sizes=sizes, device=options.planned_for, backward_held_bytes=backward_bytes)
 
 
 def _analyzer(joint: fx.GraphModule, options: Options):

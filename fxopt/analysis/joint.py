@@ -173,6 +173,8 @@ def _check_constant(joint: fx.GraphModule, node: fx.Node) -> None:
 
 # The name of the input node standing for resident memory the step does not read.
 UNREAD_RESIDENT = "<resident, not read by the step>"
+# The name of the tangent node standing for memory held beside the step's backward only.
+HELD_IN_BACKWARD = "<held beside the backward>"
 
 
 def unread_resident(nbytes: int) -> Node:
@@ -201,7 +203,7 @@ def with_unread_resident(plan: Plan, extra_bytes: int) -> Plan:
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,
             compress: bool = True, quantize: Quantize | None = None,
             unread_resident_bytes: int = 0, sizes: Sizes | None = None,
-            device: DeviceProfile | None = None) -> JointGraph:
+            device: DeviceProfile | None = None, backward_held_bytes: int = 0) -> JointGraph:
     """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
     tensors, int32 for max-pooling indices); ``quantize``: offer this lossy codec for floating-point
     activations (see `fxopt.analysis.codecs`). ``unread_resident_bytes``: memory alive through the
@@ -213,7 +215,10 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     profile (`fxopt.devices`) the step is planned for where it was captured on fake tensors of
     the host: every storage counted as its allocator holds it (rounded to its blocks), the cuBLAS
     workspace resident through the step where a matrix product runs, the ops' scratch its
-    (`fxopt.analysis.scratch.op_memory`)."""
+    (`fxopt.analysis.scratch.op_memory`). ``backward_held_bytes``: memory alive beside the step's
+    backward only (a step in pieces: the gradients later pieces' backwards made first, see
+    `fxopt.capture.pieces`); the graph gets one more tangent node of that size, last, which every
+    peak holds from the backward's start to its end."""
     cost_model = cost_model or CostModel()
     sizes = sizes or Sizes()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
@@ -252,6 +257,15 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         node_sizes.append(NodeSizes(bytes=unread_resident_bytes))
         measured.append(0)
         names.append(UNREAD_RESIDENT)
+        module_paths.append("")
+    if backward_held_bytes > 0:
+        # An incoming gradient nothing reads: the solvers and the simulator hold it from the start
+        # of the backward to its end, as the autograd engine holds tangents.
+        nodes.append(Node(name=HELD_IN_BACKWARD, kind="input", bytes=backward_held_bytes, recomputable=False,
+                          tangent=True))
+        node_sizes.append(NodeSizes(bytes=backward_held_bytes))
+        measured.append(0)
+        names.append(HELD_IN_BACKWARD)
         module_paths.append("")
     symbolic = SymbolicGraph(Graph(tuple(nodes)), tuple(node_sizes), sizes.ranges, sizes.point, cost_model, sizes.names,
                              tuple(measured), round_bytes=1 if device is None else device.round_bytes)

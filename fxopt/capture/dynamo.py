@@ -109,12 +109,13 @@ def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
 
 
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
-                 resident: torch.nn.Module | None = None, held_bytes: int = 0):
+                 resident: torch.nn.Module | None = None, held_bytes: int = 0, backward_bytes: int = 0):
     """A torch.compile backend that plans each captured graph and runs the rewritten step.
     ``resident``: the module being compiled, when known: its parameters and buffers the step does
     not read are counted in every peak too (a backend given to torch.compile does not see them).
     ``held_bytes``: memory alive through the step that no tensor of the module shows (DDP's
-    gradient buckets, `fxopt.distributed.data_parallel`), counted with those."""
+    gradient buckets, `fxopt.distributed.data_parallel`), counted with those. ``backward_bytes``:
+    memory alive beside the step's backward only (a piece's: `fxopt.capture.pieces.Reserve`)."""
     unread = {"bytes": 0}
     # The state of each step's OFFLOAD copies (`fxopt.ops.offload.HostCopies`), which its ops find
     # by key: kept as long as this backend (and so the steps it compiled), because Inductor does
@@ -123,7 +124,7 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
         t0 = time.perf_counter()
-        jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"])
+        jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"], backward_bytes=backward_bytes)
         on_plan(plan)
         fw, bw = split_with_recompute(jg, plan.schedule)
         if hasattr(fw, "_fxopt_host_copies"):

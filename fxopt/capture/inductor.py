@@ -37,6 +37,7 @@ from eager's by float rounding only (fused reductions sum in another order).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +50,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
 
-from fxopt.passes.decompose import decompose
+from fxopt.passes.decompose import OP, decompose
 
 log = logging.getLogger("fxopt")
 
@@ -94,8 +95,12 @@ class _Partitioner(CustomPartitionerFn):
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         fw, bw = self.partition(joint, joint_inputs, **kwargs)
+        held = _held_through_backward(fw, bw, kwargs.get("num_fwd_outputs"))
         table = select_decomp_table()
-        return decompose(_materialize_in_place(fw), table), decompose(_materialize_in_place(bw), table)
+        fw, bw = decompose(_materialize_in_place(fw), table), decompose(_materialize_in_place(bw), table)
+        names = [n.target for n in bw.graph.find_nodes(op="placeholder")]
+        _HELD_THROUGH_BACKWARD[frozenset(names)] = frozenset(name for name, keep in zip(names, held) if keep)
+        return fw, bw
 
     def uuid(self) -> bytes:
         return _uuid()
@@ -107,7 +112,9 @@ class _Partitioner(CustomPartitionerFn):
 
 
 class _KeepSchedule(InductorChoices):
-    """No horizontal fusion; vertical fusion only of kernels adjacent in the schedule."""
+    """No horizontal fusion; vertical fusion only of kernels adjacent in the schedule: those of
+    one op's decomposition, and others where the fused kernel holds no more than the graph's peak
+    run kernel by kernel (`_KernelMemory`)."""
 
     @staticmethod
     def can_fuse_horizontal(scheduler, node1, node2, shared_data_score) -> bool:
@@ -115,10 +122,145 @@ class _KeepSchedule(InductorChoices):
 
     @staticmethod
     def can_fuse_vertical(scheduler, node1, node2, shared_data_score) -> bool:
-        return node2.min_order == node1.max_order + 1
+        if node2.min_order != node1.max_order + 1:
+            return False
+        if len(_ops_of(node1) | _ops_of(node2)) == 1:
+            return True  # the kernels of one op's decomposition: one kernel in the simulator's step
+        memory = getattr(scheduler, "_fxopt_memory", None)
+        if memory is None:  # (once per graph, from its kernels before any fusion: their orders stay)
+            memory = scheduler._fxopt_memory = _KernelMemory(scheduler, _COMPILING_BACKWARD.get())
+        return memory.fused_fits(node1.min_order, node2.max_order)
 
     def uuid(self) -> bytes:
         return _uuid()
+
+
+# Whether the graph Inductor compiles now is a backward (its inputs, the saved values, are freed
+# after their last read; a forward's are the caller's).
+_COMPILING_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("fxopt_compiling_backward", default=False)
+
+# For each backward fxopt partitioned, by its inputs' names: those alive through its whole run
+# (`_held_through_backward`). Kept for the latest few: Inductor may compile a backward late, at
+# its first run.
+_HELD_THROUGH_BACKWARD: dict[frozenset[str], frozenset[str]] = {}
+
+
+def _held_through_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int | None) -> list[bool]:
+    """For each input of the backward ``bw``, whether something outside it holds it through its run:
+    a parameter or user input (``primals``), an incoming gradient (``tangents``: the autograd engine
+    holds them), a forward output (the caller holds it). The rest, the values the forward SAVEd,
+    die at their last read (as fxopt's simulator frees them)."""
+    outs = list(next(iter(fw.graph.find_nodes(op="output"))).args[0])
+    returned = {o.name for o in outs[:num_fwd_outputs if num_fwd_outputs is not None else len(outs)]
+                if isinstance(o, fx.Node)}
+    return [n.name.startswith(("primals", "tangents")) or n.name in returned
+            for n in bw.graph.find_nodes(op="placeholder")]
+
+
+class _KernelMemory:
+    """The bytes a graph holds as its kernels run one by one, in their order, each buffer from the
+    kernel that writes it to its last reader (a graph output for good; an input of a backward from
+    its start to its last reader, a forward's for good, outside this count), and the peak of that.
+
+    Kernels run one by one are what fxopt's simulator predicts. A fused kernel allocates the
+    outputs of all its members before it runs and frees their inputs after, so it holds the
+    buffers alive before its first member plus every member's outputs: more than either member
+    run alone wherever a buffer dies inside it (fusing the kernel that last reads ``x`` with the
+    next one keeps ``x`` beside the next one's output; a transformers GPT-2 at its smallest budget
+    measured 514 KB over the plan). `fused_fits` allows a fusion where that stays within the
+    graph's peak run kernel by kernel, so that fusion never raises the peak the plan predicted.
+    A buffer whose size cannot be read counts its kernel as unfusable."""
+
+    def __init__(self, scheduler, backward: bool):
+        from torch._inductor.virtualized import V
+
+        nodes = scheduler.nodes
+        steps = max((n.max_order for n in nodes), default=-1) + 1
+        alloc, freed = [0] * steps, [0] * (steps + 1)
+        self.unknown = set()
+        last: dict[str, int] = {}
+        for n in nodes:
+            for dep in n.read_writes.reads:
+                last[dep.name] = max(last.get(dep.name, -1), n.max_order)
+        outputs = set(V.graph.get_output_names())
+        for n in nodes:
+            for buf in n.get_outputs():
+                name = buf.get_name()
+                size = _buffer_bytes(buf.node)
+                if size is None:
+                    self.unknown.add(n.min_order)
+                    size = 0
+                end = steps if name in outputs else max(last.get(name, n.max_order), n.max_order)
+                alloc[n.min_order] += size
+                if end < steps:
+                    freed[end] += size
+        base = 0
+        if backward:
+            inputs = V.graph.graph_inputs
+            held = _HELD_THROUGH_BACKWARD.get(frozenset(inputs))
+            if held is None:  # (not a backward fxopt partitioned: which inputs die is not known)
+                self.unknown.update(range(steps))
+            for name, value in inputs.items():
+                if name not in last or name in (held or ()) or name in outputs:
+                    continue  # alive for good, outside this count: it changes no fusion
+                size = _buffer_bytes(value)
+                if size is None:  # (freed by a kernel whose fusions then cannot be judged)
+                    self.unknown.add(last[name])
+                    continue
+                base += size
+                freed[last[name]] += size
+        self.before = []
+        alive, self.peak = base, base
+        for k in range(steps):
+            self.before.append(alive)
+            self.peak = max(self.peak, alive + alloc[k])
+            alive += alloc[k] - freed[k]
+        self.alloc = alloc
+
+    def fused_fits(self, first: int, last: int) -> bool:
+        """Whether the kernels ``first`` to ``last`` (orders), fused, hold no more than the peak.
+        (Every buffer they write counts, those only they read too: Inductor may keep such a buffer
+        inside the kernel, and did not always where fxopt counted on it, 514 KB over on GPT-2.)"""
+        members = range(first, last + 1)
+        if any(k in self.unknown for k in members):
+            return False
+        return self.before[first] + sum(self.alloc[first:last + 1]) <= self.peak
+
+
+def _ops_of(snode) -> set:
+    """The ops (before `fxopt.passes.decompose`) a scheduler node computes part of, the views it
+    reads through aside; an unmarked node counts as an op of its own."""
+    ops = set()
+    for sub in snode.get_nodes():
+        origins = [o for o in getattr(sub.node, "origins", None) or () if not _is_view(o)]
+        marks = {o.meta.get(OP) for o in origins}
+        ops |= marks if marks and None not in marks else {id(sub)}
+    return ops
+
+
+def _is_view(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val._is_view()
+
+
+def _buffer_bytes(node) -> int | None:
+    """Bytes of the storage Inductor allocates for ``node`` (0 for a view or a mutation of another
+    buffer, or no tensor); None where it cannot say."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    try:
+        layout = node.get_layout()
+    except Exception:  # noqa: BLE001 - no layout: no tensor (a multi-output's tuple)
+        return 0
+    if isinstance(layout, (ir.NoneLayout, ir.MultiOutputLayout, ir.NonOwningLayout)) or "Mutation" in type(layout).__name__:
+        return 0
+    sizevars = V.graph.sizevars
+    hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint  # (the name before torch 2.13)
+    try:
+        return int(hint(layout.storage_size())) * layout.dtype.itemsize
+    except Exception:  # noqa: BLE001 - an unbacked size, or a layout of another kind
+        return None
 
 
 def _materialize_in_place(gm: fx.GraphModule) -> fx.GraphModule:
@@ -131,8 +273,12 @@ def _materialize_in_place(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _compile_one_kernel_per_call(gm: fx.GraphModule, example_inputs, **kwargs):
-    with _flush_each_cpp_kernel():
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+    token = _COMPILING_BACKWARD.set(bool(kwargs.get("is_backward", False)))
+    try:
+        with _flush_each_cpp_kernel():
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+    finally:
+        _COMPILING_BACKWARD.reset(token)
 
 
 @contextlib.contextmanager

@@ -14,10 +14,13 @@ also holds:
   - what holds memory through the step beside the model's tensors: DDP's gradient buckets
     (`fxopt.distributed.data_parallel`).
 
-fxopt plans piece k against ``budget − reserve_k``, the sum of the above, so that the peak of
-every piece, counted with everything else alive, is within the budget:
+fxopt plans piece k against ``budget − reserve_k``, the sum of the above but the later pieces'
+gradients, which exist only once the backward has reached piece k: those are held through piece
+k's backward alone, as its plan counts its incoming gradients (`fxopt.analysis.analyze`'s
+``backward_held_bytes``). So the peak of every piece, counted with everything else alive, is
+within the budget:
 
-    budget 100 MiB:  piece 0 [embeddings]  reserve 40 (other pieces' weights, their grads)
+    budget 100 MiB:  piece 0 [embeddings]  reserve 40 (other pieces' weights; their grads, in its backward)
                      piece 1 [blocks]      reserve 55 (piece 0's weights and what it saved...)
 
 The reserve is a bound, not an estimate: an earlier piece's outputs count as alive until the step
@@ -96,6 +99,20 @@ class Wrapping(Protocol):
         """Whether a graph break at ``where`` is the wrapping's own (no warning for those)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Reserve:
+    """What the rest of the step holds while a piece runs: ``bytes`` through its forward and its
+    backward, and ``backward_bytes`` more through its backward only (the gradients later pieces'
+    backwards made first)."""
+
+    bytes: int
+    backward_bytes: int = 0
+
+    def __str__(self) -> str:
+        more = f" (and {format_bytes(self.backward_bytes)} more in its backward)" if self.backward_bytes else ""
+        return f"{format_bytes(self.bytes)}{more}"
+
+
 @dataclasses.dataclass
 class Step:
     """One call of the optimized module: what is resident, and the pieces that ran so far."""
@@ -154,18 +171,18 @@ class Step:
             out |= set(p.outputs)
         return out
 
-    def reserve(self, inputs: frozenset[StorageKey]) -> int:
-        """Bytes alive beside a piece taking ``inputs``, at any time while it runs: each storage
-        counted once (`fxopt.solvers.liveness.LiveBytes`, the solvers' own live-bytes count),
-        those the piece takes left to its own plan."""
+    def reserve(self, inputs: frozenset[StorageKey]) -> Reserve:
+        """Bytes alive beside a piece taking ``inputs``, at any time while it runs (and those alive
+        through its backward only): each storage counted once (`fxopt.solvers.liveness.LiveBytes`,
+        the solvers' own live-bytes count), those the piece takes left to its own plan."""
         alive = LiveBytes(Graph(()), base=self.held)
         parts = []
 
-        def hold(name: str, sizes) -> None:
-            before = alive.bytes
+        def hold(name: str, sizes, into: LiveBytes = alive) -> None:
+            before = into.bytes
             for key, n in sizes:
-                alive.hold(key, n)
-            parts.append(f"{alive.bytes - before} {name}")
+                into.hold(key, n)
+            parts.append(f"{into.bytes - before} {name}")
 
         hold("other resident", ((("storage", k), n) for k, n in self.resident.items() if k not in inputs))
         # Parameters the model holds now and did not at the start: FSDP2's unsharded parameters of
@@ -177,10 +194,13 @@ class Step:
         # (those it takes, it counts itself).
         hold("from earlier pieces", [(("saved", i), p.saved_bytes) for i, p in enumerate(self.pieces)] + [
             (("storage", k), n) for p in self.pieces for k, n in p.outputs_alive().items() if k not in inputs])
-        later = self._grads_to_come(inputs)
-        hold("later gradients", ((("gradient", k), n) for k, n in self.trainable.items() if k in later))
+        # Gradients later pieces' backwards produce: none exists before the backward reaches this
+        # piece, so they are held beside its backward only.
+        later, grads = self._grads_to_come(inputs), LiveBytes(Graph(()))
+        hold("later gradients (backward only)", ((("gradient", k), n) for k, n in self.trainable.items() if k in later),
+             grads)
         log.debug("fxopt: reserve beside a piece: %s, %d held", ", ".join(parts), self.held)
-        return alive.bytes
+        return Reserve(alive.bytes, grads.bytes)
 
     def _grads_to_come(self, inputs: frozenset[StorageKey]) -> set[StorageKey]:
         """The trainable parameters whose gradients later pieces' backwards produce before the
@@ -241,10 +261,12 @@ def nested_frame(entries: frozenset[types.CodeType]) -> str | None:
 class PiecewiseBackend:
     """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
     piece against the budget minus what the rest of the step holds (see the module docstring).
-    ``make_piece_backend(budget, on_plan, whole)`` builds the planning backend of one piece
-    (``whole``: the piece is the whole step)."""
+    ``make_piece_backend(budget, on_plan, whole, backward_bytes)`` builds the planning backend of
+    one piece (``whole``: the piece is the whole step; ``backward_bytes``: held beside its backward
+    only, `Reserve.backward_bytes`)."""
 
-    def __init__(self, budget: Budget, make_piece_backend: Callable[[Any, Callable[[Plan], None], bool], Callable],
+    def __init__(self, budget: Budget,
+                 make_piece_backend: Callable[[Any, Callable[[Plan], None], bool, int], Callable],
                  graph_breaks: str):
         self.budget = budget
         self.make_piece_backend = make_piece_backend
@@ -260,7 +282,7 @@ class PiecewiseBackend:
             where = f"a graph break inside {nested}, which Dynamo compiled on its own"
         in_pieces = where is not None or bool(self.step and (self.step.pieces or self.step.every_graph_a_piece))
         if not in_pieces:  # the whole step in one graph
-            compiled, plan = self._compile(gm, example_inputs, self.budget, reserve=0, whole=True)
+            compiled, plan = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
             return self._recorded(lambda args, inputs: (compiled, plan), whole=True)
         if self.graph_breaks == "error":
             raise CaptureError(
@@ -298,15 +320,15 @@ class PiecewiseBackend:
         split inside a loop every iteration), each time beside a different rest of the step. The
         plan for the first reserve is made now; one for another reserve, at the first run that
         meets it (with Dynamo off: the graph is compiled again outside Dynamo's own compile)."""
-        variants: dict[int, tuple[Callable, Plan | None]] = {}
+        variants: dict[Reserve, tuple[Callable, Plan | None]] = {}
 
         def variant(args, inputs: frozenset[StorageKey]):
-            reserve = self.step.reserve(inputs) if self.step is not None else min(variants)
+            reserve = self.step.reserve(inputs) if self.step is not None else min(variants, key=dataclasses.astuple)
             if reserve not in variants:
                 log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
-                         format_bytes(budget - reserve), format_bytes(reserve))
+                         format_bytes(budget - reserve.bytes), reserve)
                 compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
-                variants[reserve] = compile_now(gm, args, budget - reserve, reserve)
+                variants[reserve] = compile_now(gm, args, budget - reserve.bytes, reserve)
             return variants[reserve]
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
@@ -329,25 +351,26 @@ class PiecewiseBackend:
 
         return run
 
-    def _compile(self, gm, example_inputs, budget, reserve: int, *, whole: bool = False):
+    def _compile(self, gm, example_inputs, budget, reserve: Reserve, *, whole: bool = False):
         """The compiled graph, and its plan (None without a backward)."""
-        beside = (f"The step is captured in pieces, and the rest of the step holds {format_bytes(reserve)} while "
-                  "this piece runs.")
-        if reserve and budget <= 0:
-            raise InfeasibleBudgetError(budget + reserve, reserve + 1, beside, exact=False)
+        beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
+        if reserve.bytes and budget <= 0:
+            raise InfeasibleBudgetError(budget + reserve.bytes, reserve.bytes + 1, beside, exact=False)
         plans: list[Plan] = []
         try:
-            compiled = self.make_piece_backend(budget, plans.append, whole)(gm, example_inputs)
+            compiled = self.make_piece_backend(budget, plans.append, whole, reserve.backward_bytes)(gm, example_inputs)
         except InfeasibleBudgetError as err:
             if whole:
                 raise
             # In pieces, what a piece needs is a bound for the step, never its smallest feasible
-            # budget: at it, a later piece may need more.
-            bound = InfeasibleBudgetError(budget + reserve, err.min_budget + reserve, err.detail, exact=False)
+            # budget: at it, a later piece may need more. (Its own minimum counts what the rest
+            # holds beside its backward only.)
+            bound = InfeasibleBudgetError(budget + reserve.bytes, err.min_budget + reserve.bytes, err.detail,
+                                          exact=False)
             raise bound.with_detail(
                 f"{beside} The pieces before it were planned first, keeping what fitted beside them; at a larger "
                 "budget they may keep more, so the budget named is what this piece needs beside them as planned "
                 "now, not a promise for the step.") from None
         if plans:
-            self.bounds.append(reserve + plans[-1].peak_bytes)
+            self.bounds.append(reserve.bytes + plans[-1].peak_bytes)
         return compiled, (plans[-1] if plans else None)

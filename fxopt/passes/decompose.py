@@ -11,7 +11,9 @@ the order the schedule chose and the values the forward saves do not change.
     after:   le = le(a, 0); s = scalar_tensor(0); b = where(le, s, g)
 
 Random ops are left whole, so they draw the same numbers as eager. Annotations of a node's value
-(`MARKS`) move to the node that now produces it.
+(`MARKS`) move to the node that now produces it. Every node is marked with the op it comes from
+(``meta[OP]``: the name of the node it decomposes, or its own), the one kernel the simulator
+counts for all of them (`fxopt.capture.inductor` fuses within it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 # Node annotations that belong to the value, not to the op: the decomposition's result inherits them.
 MARKS = ("inductor_realize_to_strides",)
+# The node annotation naming the op (before decomposition) a node computes part of.
+OP = "fxopt_op"
 
 
 def decompose(gm: fx.GraphModule, table: Mapping[torch._ops.OpOverload, Callable]) -> fx.GraphModule:
@@ -34,6 +38,7 @@ def decompose(gm: fx.GraphModule, table: Mapping[torch._ops.OpOverload, Callable
     changed = False
     for node in list(graph.nodes):
         target = node.target
+        node.meta.setdefault(OP, node.name)
         if node.op != "call_function" or target not in table:
             continue
         if torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
@@ -44,7 +49,11 @@ def decompose(gm: fx.GraphModule, table: Mapping[torch._ops.OpOverload, Callable
         sub = make_fx(_call_with(node, inputs), table, tracing_mode="real")(*[n.meta["val"] for n in inputs])
         placeholders = list(sub.graph.find_nodes(op="placeholder"))
         with graph.inserting_before(node):
+            before = set(graph.nodes)
             out = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
+        for made in graph.nodes:
+            if made not in before:
+                made.meta[OP] = node.meta[OP]
         if isinstance(out, fx.Node):
             _keep_marks(node, out)
             node.replace_all_uses_with(out)
