@@ -32,6 +32,7 @@ from fxopt.fxgraph import copy_module
 from fxopt.options import Options
 from fxopt.passes import masks
 from fxopt.passes.coalesce import coalesce_all_reduces
+from fxopt.passes.decompose import reduction_scratch
 from fxopt.passes.dropout import alias_identity_dropouts, recompute_dropout_from_mask
 from fxopt.passes.reorder import in_plan_order, reorder_step
 from fxopt.solvers.plan import Plan
@@ -152,7 +153,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
 
     def without_relu_masks():
         masks.undo_relu_masks(joint)
-        return analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+        return _as_compiled(analyze(joint, num_fwd_outputs, options.cost_model, **codecs), options)
 
     eager_graph = before.graph if before is not None else None
     if options.plan is not None:
@@ -180,6 +181,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
             return given
     eager = eager_timeline(eager_graph)
     budget = options.budget.resolve(eager.peak_bytes)
+    jg = _as_compiled(jg, options)  # (after eager's peak: a share is of the step eager runs)
     cache_key = cache.key(jg.graph, budget, options.solver_key(), effort_of(options.effort))
     cached = cache.load(cache_key)
     if cached is not None:
@@ -272,6 +274,25 @@ def _analyzer(joint: fx.GraphModule, options: Options):
         return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
 
     return analyze
+
+
+def _as_compiled(jg, options: Options):
+    """``jg`` as ``options.compiler`` runs it: with Inductor, each op's workspace at least the
+    reductions its decomposition writes to memory (`fxopt.passes.decompose.reduction_scratch`)."""
+    if options.compiler != "inductor":
+        return jg
+    from torch._inductor.decomposition import select_decomp_table
+
+    table, memo = select_decomp_table(), {}
+    by_name = {n.name: n for n in jg.module.graph.nodes}
+    nodes = list(jg.graph.nodes)
+    for i, name in enumerate(jg.names):
+        extra = reduction_scratch(by_name[name], table, memo) if name in by_name else 0
+        if extra > nodes[i].workspace:
+            nodes[i] = dataclasses.replace(nodes[i], workspace=extra)
+    if nodes == list(jg.graph.nodes):
+        return jg
+    return dataclasses.replace(jg, graph=Graph(tuple(nodes), jg.graph.transfers))
 
 
 def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool, int]:
