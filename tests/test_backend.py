@@ -334,3 +334,5 @@ def test_inductor_counts_the_reductions_an_ops_decomposition_writes():
     assert scratch(lambda x: torch.ops.aten._log_softmax(x, -1, False), torch.randn(rows, 16)) == 3 * rows * 4
     assert scratch(lambda x: torch.ops.aten.relu(x), torch.randn(rows, 16)) == 0
     assert scratch(lambda x, w: torch.ops.aten.mm(x, w), torch.randn(rows, 16), torch.randn(16, 4)) == 0
+    # A mean, lowered as a sum then a division, holds the sum.
+    assert scratch(lambda x: torch.ops.aten.mean.dim(x, [-1], True), torch.randn(rows, 16)) == rows * 4

@@ -90,15 +90,25 @@ def _call_with(node: fx.Node, inputs: list[fx.Node]) -> Callable:
     return call
 
 
+# Ops Inductor lowers (not decomposes) into a reduction written to memory, then a pointwise kernel
+# over it: a mean is a sum, then a division (a transformers Llama's RMSNorm: 2,048 B over the plan
+# at its smallest budget).
+_REDUCED_THEN_SCALED = (torch.ops.aten.mean.dim, torch.ops.aten.mean.default)
+
+
 def reduction_scratch(node: fx.Node, table: Mapping[torch._ops.OpOverload, Callable], memo: dict | None = None) -> int:
     """Bytes of the reductions inside the decomposition of ``node``'s op (as `decompose` makes
     it): values smaller than the op's largest input or output that its other pieces read (a
     log-softmax's per-row maximum and sum, a norm's mean and inverse deviation). Inductor fuses an
     op's pointwise pieces and keeps them in registers, but writes such a reduction to memory (a
     transformers GPT-2 at bench size: 6,144 B beyond the simulator's count at its eager peak); the
-    eager kernel the simulator measures holds none. 0 for an op that is not decomposed.
-    ``memo``: answers by op and input metadata."""
+    eager kernel the simulator measures holds none; a mean, lowered as a sum then a division, holds
+    its sum (`_REDUCED_THEN_SCALED`). 0 for an op that is not decomposed. ``memo``: answers by op
+    and input metadata."""
     target = node.target
+    val = node.meta.get("val")
+    if node.op == "call_function" and target in _REDUCED_THEN_SCALED and isinstance(val, torch.Tensor):
+        return val.untyped_storage().nbytes()
     if node.op != "call_function" or target not in table or torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
         return 0
     inputs = node.all_input_nodes
