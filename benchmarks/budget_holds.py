@@ -83,8 +83,14 @@ def decisions_digest(plan: fxopt.Plan) -> str:
 
 @contextlib.contextmanager
 def graph_break_in_the_middle(model: nn.Module) -> Iterator[str]:
-    """A graph break after the middle module with parameters of its own (the step in two pieces)."""
-    leaves = [name for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    """A graph break after the middle module with parameters of its own that no container holds
+    (the step in pieces). A module of a ``ModuleList``, ``ModuleDict`` or ``Sequential`` runs in a
+    loop, and a break inside a loop makes Dynamo run the looping frame eagerly, a step fxopt
+    refuses (`docs/real-models.md`): for a transformer, the break falls after its last norm."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    held = {name for name, m in model.named_modules() if isinstance(m, containers)}
+    leaves = [name for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))
+              and not any(name.startswith(c + ".") for c in held)]
     name = leaves[len(leaves) // 2]
     handle = model.get_submodule(name).register_forward_hook(lambda *_: torch._dynamo.graph_break())
     try:
