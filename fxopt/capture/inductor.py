@@ -19,7 +19,12 @@ raised a plan's peak above the prediction, so each is changed here:
   as its inputs exist, long before the schedule needs it (Inductor's comment on
   ``are_long_distant_nodes`` names activation checkpointing): refused. Vertical fusion places the
   fused kernel at its first member, pulling consumers earlier: allowed only between kernels
-  adjacent in the schedule.
+  adjacent in the schedule, and there only within one op's decomposition or where the fused
+  kernel stays within the graph's peak run kernel by kernel (`_KernelMemory`: a fused kernel
+  holds every member's outputs at once).
+- An op's decomposition may write reductions to memory (a log-softmax's per-row maximum and sum)
+  that its eager kernel does not: planned for Inductor, they are the op's workspace
+  (`fxopt.planner._as_compiled`).
 - ``reorder_for_peak_memory`` reorders by Inductor's own estimate: off. ``allow_buffer_reuse``
   keeps a dead buffer until a later one of the same size can take it over: off (the allocator
   reuses memory anyway).
@@ -100,6 +105,8 @@ class _Partitioner(CustomPartitionerFn):
         fw, bw = decompose(_materialize_in_place(fw), table), decompose(_materialize_in_place(bw), table)
         names = [n.target for n in bw.graph.find_nodes(op="placeholder")]
         _HELD_THROUGH_BACKWARD[frozenset(names)] = frozenset(name for name, keep in zip(names, held) if keep)
+        while len(_HELD_THROUGH_BACKWARD) > _HELD_KEPT:
+            del _HELD_THROUGH_BACKWARD[next(iter(_HELD_THROUGH_BACKWARD))]
         return fw, bw
 
     def uuid(self) -> bytes:
@@ -143,6 +150,7 @@ _COMPILING_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("fxop
 # (`_held_through_backward`). Kept for the latest few: Inductor may compile a backward late, at
 # its first run.
 _HELD_THROUGH_BACKWARD: dict[frozenset[str], frozenset[str]] = {}
+_HELD_KEPT = 64
 
 
 def _held_through_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int | None) -> list[bool]:
