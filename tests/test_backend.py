@@ -336,3 +336,6 @@ def test_inductor_counts_the_reductions_an_ops_decomposition_writes():
     assert scratch(lambda x, w: torch.ops.aten.mm(x, w), torch.randn(rows, 16), torch.randn(16, 4)) == 0
     # A mean, lowered as a sum then a division, holds the sum.
     assert scratch(lambda x: torch.ops.aten.mean.dim(x, [-1], True), torch.randn(rows, 16)) == rows * 4
+    # A decomposition that makes a constant (nll_loss's zero for ignored targets) is traced too.
+    targets = torch.randint(0, 16, (rows,))
+    assert scratch(lambda x, y: torch.ops.aten.nll_loss_forward(x, y, None, 1, -100), torch.randn(rows, 16), targets) > 0

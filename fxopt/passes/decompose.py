@@ -18,6 +18,7 @@ counts for all of them (`fxopt.capture.inductor` fuses within it).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Mapping
 
@@ -118,8 +119,12 @@ def reduction_scratch(node: fx.Node, table: Mapping[torch._ops.OpOverload, Calla
            tuple((tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype) for n in inputs))
     if memo is not None and key in memo:
         return memo[key]
+    vals = [n.meta["val"] for n in inputs]
+    # (Under the inputs' fake mode: a decomposition may make a constant, nll_loss's zero.)
+    mode = next((v.fake_mode for v in vals if getattr(v, "fake_mode", None) is not None), None)
     try:
-        sub = make_fx(_call_with(node, inputs), table, tracing_mode="real")(*[n.meta["val"] for n in inputs])
+        with mode if mode is not None else contextlib.nullcontext():
+            sub = make_fx(_call_with(node, inputs), table, tracing_mode="real")(*vals)
     except Exception:  # noqa: BLE001 - a decomposition that cannot be traced here: decompose leaves it too
         return 0
     values = [n.meta.get("val") for n in sub.graph.nodes if n.op in ("placeholder", "call_function")]
