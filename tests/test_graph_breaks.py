@@ -89,6 +89,21 @@ def test_pieces_that_cannot_fit_name_a_larger_budget():
     assert not info.value.exact and "at least" in str(info.value) and "smallest feasible" not in str(info.value)
 
 
+def test_min_plans_each_piece_at_its_smallest_budget():
+    """``"min"`` for a step in pieces: each piece at its own smallest budget, and the step within
+    the bound `peak_bound_bytes` names (what a user tries after an infeasible budget), well below
+    the budget at which the pieces found no plan, gradients as eager's."""
+    model, inputs = _model_and_inputs()
+    eager_peak = _eager_peak(model, inputs)
+    eager, optimized = copy.deepcopy(model), fxopt.optimize(copy.deepcopy(model), "min")
+    with pytest.warns(GraphBreakWarning):
+        loss_o = step(optimized, inputs)
+    assert_same_step(eager, optimized, step(eager, inputs), loss_o)
+    assert len(optimized.plans) == 2 and all(p.budget_bytes == p.peak_bytes for p in optimized.plans)
+    bound = optimized.peak_bound_bytes
+    assert measured_peak(optimized, inputs) <= bound < 0.6 * eager_peak
+
+
 def test_graph_breaks_error_refuses_with_the_location():
     model, inputs = _model_and_inputs()
     optimized = fxopt.optimize(copy.deepcopy(model), "100MiB", graph_breaks="error")

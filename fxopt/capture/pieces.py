@@ -30,7 +30,9 @@ gradient a later piece may accumulate before this piece's backward adds its own,
 gradient counted twice. What fxopt cannot see: tensors that the Python between pieces allocates
 and keeps (ops run eagerly there), and a parameter shared across pieces without being registered
 twice (one module called on both sides of a break). Budgets
-must be in bytes: a fraction of the step's eager peak is not known until every piece has run.
+are bytes, or "min" (each piece at its own smallest budget: the step then holds at most what
+`fxopt.FxoptModule.peak_bound_bytes` says); a fraction of the step's eager peak is not known until
+every piece has run.
 """
 
 from __future__ import annotations
@@ -292,12 +294,12 @@ class PiecewiseBackend:
                 "(the default) to plan the pieces in order within the budget."
             )
         budget = self.budget.bytes
-        if budget is None:
+        if budget is None and not self.budget.minimum:
             raise BudgetError(
                 f"this training step is captured in pieces (a graph break at {where or 'an earlier piece'}), "
                 f"so fxopt plans it piece by piece and needs the budget in bytes, not {str(self.budget)!r}: the "
-                "step's eager peak and its smallest budget are not known until every piece has run. Pass bytes "
-                "or a size such as '2GiB' "
+                "step's eager peak is not known until every piece has run. Pass bytes, a size such as '2GiB', or "
+                "'min' (each piece planned at its own smallest budget) "
                 "(for a share of the eager peak, measure one eager step: peak = fxopt.measure_peak(step, model, "
                 "batch).peak_bytes, then budget=int(0.5 * peak))."
             )
@@ -314,21 +316,25 @@ class PiecewiseBackend:
             raise CaptureError("fxopt: a piece of the step was compiled outside an fxopt module's call")
         return self._piece(gm, example_inputs, budget)
 
-    def _piece(self, gm: fx.GraphModule, example_inputs, budget: int):
+    def _piece(self, gm: fx.GraphModule, example_inputs, budget: int | None):
         """A piece, planned for each reserve it runs beside: Dynamo compiles a graph once, and it
         may run several times in one step (one FSDP2 block's forward serves every block, a frame
         split inside a loop every iteration), each time beside a different rest of the step. The
         plan for the first reserve is made now; one for another reserve, at the first run that
-        meets it (with Dynamo off: the graph is compiled again outside Dynamo's own compile)."""
+        meets it (with Dynamo off: the graph is compiled again outside Dynamo's own compile).
+        ``budget`` None: the budget is "min", and each piece is planned at its own smallest budget
+        (the lowest peak its solvers reach), whatever the rest holds; `peak_bound_bytes` then says
+        what the step holds at most."""
         variants: dict[Reserve, tuple[Callable, Plan | None]] = {}
 
         def variant(args, inputs: frozenset[StorageKey]):
             reserve = self.step.reserve(inputs) if self.step is not None else min(variants, key=dataclasses.astuple)
             if reserve not in variants:
-                log.info("fxopt: planning a piece of the step within %s (the rest of the step holds %s)",
-                         format_bytes(budget - reserve.bytes), reserve)
+                within = "at its smallest budget" if budget is None else f"within {format_bytes(budget - reserve.bytes)}"
+                log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)", within, reserve)
                 compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
-                variants[reserve] = compile_now(gm, args, budget - reserve.bytes, reserve)
+                variants[reserve] = compile_now(gm, args, self.budget if budget is None else budget - reserve.bytes,
+                                                reserve)
             return variants[reserve]
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
@@ -354,13 +360,13 @@ class PiecewiseBackend:
     def _compile(self, gm, example_inputs, budget, reserve: Reserve, *, whole: bool = False):
         """The compiled graph, and its plan (None without a backward)."""
         beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
-        if reserve.bytes and budget <= 0:
+        if reserve.bytes and isinstance(budget, int) and budget <= 0:
             raise InfeasibleBudgetError(budget + reserve.bytes, reserve.bytes + 1, beside, exact=False)
         plans: list[Plan] = []
         try:
             compiled = self.make_piece_backend(budget, plans.append, whole, reserve.backward_bytes)(gm, example_inputs)
         except InfeasibleBudgetError as err:
-            if whole:
+            if whole or not isinstance(budget, int):
                 raise
             # In pieces, what a piece needs is a bound for the step, never its smallest feasible
             # budget: at it, a later piece may need more. (Its own minimum counts what the rest
