@@ -146,8 +146,10 @@ def model_row(name: str, route: str, budget: float | int | str, size: str, time_
         model.zero_grad(set_to_none=True)
         peak = fxopt.measure_peak(lambda *i: train_step(fn, i), *inputs, resident=[model])
         plans = plans_of()
-        # A step in pieces: each plan's budget is what the rest of the step left it; the step's is the user's.
-        row.update(plan_columns(plans, peak.peak_bytes, budget if route == "pieces" else None))
+        # A step in pieces: each plan's budget is what the rest of the step left it; the step's is the user's
+        # (at "min": the bound fxopt names for the step, `FxoptModule.peak_bound_bytes`).
+        step_budget = (fn.peak_bound_bytes if budget == "min" else budget) if route == "pieces" else None
+        row.update(plan_columns(plans, peak.peak_bytes, step_budget))
         row.update(compare_grads(model, eager.grads))
         row["loss_abs_diff"] = abs(float(peak.result) - eager.loss)
     return row

@@ -87,6 +87,7 @@ def test_pieces_that_cannot_fit_name_a_larger_budget():
     # What the pieces name is a bound (the pieces before were planned first), never "the smallest
     # feasible budget": at it, a later piece may need more (issue 24, item 8).
     assert not info.value.exact and "at least" in str(info.value) and "smallest feasible" not in str(info.value)
+    assert "budget='min'" in str(info.value)  # the way out (`test_min_plans_each_piece_at_its_smallest_budget`)
 
 
 def test_min_plans_each_piece_at_its_smallest_budget():
