@@ -285,14 +285,12 @@ def _as_compiled(jg, options: Options):
 
     table, memo = select_decomp_table(), {}
     by_name = {n.name: n for n in jg.module.graph.nodes}
-    nodes = list(jg.graph.nodes)
+    nodes, changed = list(jg.graph.nodes), False
     for i, name in enumerate(jg.names):
         extra = reduction_scratch(by_name[name], table, memo) if name in by_name else 0
         if extra > nodes[i].workspace:
-            nodes[i] = dataclasses.replace(nodes[i], workspace=extra)
-    if nodes == list(jg.graph.nodes):
-        return jg
-    return dataclasses.replace(jg, graph=Graph(tuple(nodes), jg.graph.transfers))
+            nodes[i], changed = dataclasses.replace(nodes[i], workspace=extra), True
+    return dataclasses.replace(jg, graph=Graph(tuple(nodes), jg.graph.transfers)) if changed else jg
 
 
 def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool, int]:

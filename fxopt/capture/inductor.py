@@ -161,6 +161,8 @@ def _held_through_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outpu
     outs = list(next(iter(fw.graph.find_nodes(op="output"))).args[0])
     returned = {o.name for o in outs[:num_fwd_outputs if num_fwd_outputs is not None else len(outs)]
                 if isinstance(o, fx.Node)}
+    # (By name: in a backward every input that is not a tangent is a "primal" to torch's
+    # `partitioners._is_primal`, the saved values too.)
     return [n.name.startswith(("primals", "tangents")) or n.name in returned
             for n in bw.graph.find_nodes(op="placeholder")]
 

@@ -38,23 +38,19 @@ def decompose(gm: fx.GraphModule, table: Mapping[torch._ops.OpOverload, Callable
     graph = gm.graph
     changed = False
     for node in list(graph.nodes):
-        target = node.target
         node.meta.setdefault(OP, node.name)
-        if node.op != "call_function" or target not in table:
-            continue
-        if torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
+        if not _decomposable(node, table):
             continue
         inputs = node.all_input_nodes
-        if any("val" not in n.meta for n in inputs):
-            continue
-        sub = make_fx(_call_with(node, inputs), table, tracing_mode="real")(*[n.meta["val"] for n in inputs])
+        sub = _decomposition(node, table)
         placeholders = list(sub.graph.find_nodes(op="placeholder"))
+        anchor = node.prev  # (the copy goes between it and the node: those nodes are the decomposition's)
         with graph.inserting_before(node):
-            before = set(graph.nodes)
             out = graph.graph_copy(sub.graph, dict(zip(placeholders, inputs)))
-        for made in graph.nodes:
-            if made not in before:
-                made.meta[OP] = node.meta[OP]
+        made = node.prev
+        while made is not anchor:
+            made.meta[OP] = node.meta[OP]
+            made = made.prev
         if isinstance(out, fx.Node):
             _keep_marks(node, out)
             node.replace_all_uses_with(out)
@@ -77,6 +73,23 @@ def _keep_marks(old: fx.Node, new: fx.Node) -> None:
     for key in MARKS:
         if key in old.meta:
             new.meta[key] = old.meta[key]
+
+
+def _decomposable(node: fx.Node, table: Mapping[torch._ops.OpOverload, Callable]) -> bool:
+    """Whether ``decompose`` replaces ``node``: an op of ``table``, not a random one, its inputs' values known."""
+    return (node.op == "call_function" and node.target in table
+            and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+            and all("val" in n.meta for n in node.all_input_nodes))
+
+
+def _decomposition(node: fx.Node, table: Mapping[torch._ops.OpOverload, Callable]) -> fx.GraphModule:
+    """``node``'s op decomposed by ``table``, traced on its inputs' values (under their fake mode: a
+    decomposition may make a constant, nll_loss's zero)."""
+    inputs = node.all_input_nodes
+    values = [n.meta["val"] for n in inputs]
+    mode = next((v.fake_mode for v in values if getattr(v, "fake_mode", None) is not None), None)
+    with mode if mode is not None else contextlib.nullcontext():
+        return make_fx(_call_with(node, inputs), table, tracing_mode="real")(*values)
 
 
 def _call_with(node: fx.Node, inputs: list[fx.Node]) -> Callable:
@@ -110,21 +123,17 @@ def reduction_scratch(node: fx.Node, table: Mapping[torch._ops.OpOverload, Calla
     val = node.meta.get("val")
     if node.op == "call_function" and target in _REDUCED_THEN_SCALED and isinstance(val, torch.Tensor):
         return val.untyped_storage().nbytes()
-    if node.op != "call_function" or target not in table or torch.Tag.nondeterministic_seeded in getattr(target, "tags", ()):
+    if not _decomposable(node, table):
         return 0
     inputs = node.all_input_nodes
-    if any(not isinstance(n.meta.get("val"), torch.Tensor) for n in inputs):
+    if any(not isinstance(n.meta["val"], torch.Tensor) for n in inputs):
         return 0
     key = (target, str(node.args), str(node.kwargs),
            tuple((tuple(n.meta["val"].shape), tuple(n.meta["val"].stride()), n.meta["val"].dtype) for n in inputs))
     if memo is not None and key in memo:
         return memo[key]
-    vals = [n.meta["val"] for n in inputs]
-    # (Under the inputs' fake mode: a decomposition may make a constant, nll_loss's zero.)
-    mode = next((v.fake_mode for v in vals if getattr(v, "fake_mode", None) is not None), None)
     try:
-        with mode if mode is not None else contextlib.nullcontext():
-            sub = make_fx(_call_with(node, inputs), table, tracing_mode="real")(*vals)
+        sub = _decomposition(node, table)
     except Exception:  # noqa: BLE001 - a decomposition that cannot be traced here: decompose leaves it too
         return 0
     values = [n.meta.get("val") for n in sub.graph.nodes if n.op in ("placeholder", "call_function")]
