@@ -40,14 +40,14 @@ import torch.nn as nn
 
 from fxopt.api import FxoptModule
 from fxopt.budget import Budget, BudgetLike
-from fxopt.errors import BudgetError, CaptureError, FxoptError, check_choice
+from fxopt.errors import CaptureError, FxoptError, check_choice
 from fxopt.fxgraph import module_name
 from fxopt.options import Options
 from fxopt.plan_ahead import plan_and_rewrite
 from fxopt.solvers import Solution
 from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
 from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, cut_and_plan,
-                                  cut_model, pipeline_timing, plan_split, split_at, stage_in_flight)
+                                  cut_model, pipeline_timing, plan_at_minimum, plan_split, split_at, stage_in_flight)
 from fxopt.storage import tensors_in
 
 SCHEDULE_CLASSES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
@@ -281,7 +281,7 @@ class _StagePlanner:
     """Plans the stages of the DP's splits exactly: builds the stage modules of a split (once per
     split), captures each stage's part and plans it with what its device holds beside."""
 
-    def __init__(self, model, mb_args, mb_target, loss_fn, points: SplitPoints, cut: CutModel, budget: int,
+    def __init__(self, model, mb_args, mb_target, loss_fn, points: SplitPoints, cut: CutModel, budget: int | None,
                  options: Options, return_outputs: bool):
         self.model, self.mb_args, self.mb_target, self.loss_fn = model, mb_args, mb_target, loss_fn
         self.points, self.cut, self.budget, self.options = points, cut, budget, options
@@ -372,9 +372,11 @@ def pipeline(
     **options: Any,
 ) -> PipelinePlan:
     """Cut ``model``'s training step into ``stages`` pipeline stages and plan each within
-    ``budget`` per device (bytes, a size such as ``"2GiB"``, or a fraction of the unsplit step's
-    eager peak on one microbatch), for torch's ``schedule`` (``"1F1B"`` or ``"GPipe"``) over
-    ``microbatches`` microbatches.
+    ``budget`` per device (bytes, a size such as ``"2GiB"``, a fraction of the unsplit step's
+    eager peak on one microbatch, or ``"min"``: the split with the lowest modelled memory, or the
+    ``split_points`` given, at the smallest per-device budget its stages meet, in
+    `PipelinePlan.budget_bytes`), for torch's
+    ``schedule`` (``"1F1B"`` or ``"GPipe"``) over ``microbatches`` microbatches.
 
     ``example_inputs``: the model's positional inputs for the whole batch (as ``schedule.step``
     gets them; split along dimension 0). ``loss_fn(output, target)``: the loss the schedule
@@ -390,9 +392,6 @@ def pipeline(
     """
     t0 = time.perf_counter()
     options = Options.of(budget, **options)
-    if options.budget.minimum:
-        raise BudgetError("fxopt.pipeline takes the per-device budget in bytes, a size or a share, not 'min'; "
-                          "a budget no split fits raises InfeasibleBudgetError naming the smallest one fxopt found")
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     batch = next((t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.dim()), None)
     check_pipeline(stages, microbatches, schedule, batch)
@@ -404,7 +403,7 @@ def pipeline(
     whole = ready.plan
     fx_nodes = {n.name: n for n in ready.joint.module.graph.nodes}
     origins = [fx_nodes[name].meta.get("seq_nr") if name in fx_nodes else None for name in ready.joint.names]
-    budget_bytes = options.budget.resolve(whole.eager_peak_bytes)
+    budget_bytes = None if options.budget.minimum else options.budget.resolve(whole.eager_peak_bytes)
     points = SplitPoints(model, whole.graph, whole.module_paths)
     with torch.no_grad():
         out_bytes = _bytes(model(*mb_args))
@@ -416,12 +415,18 @@ def pipeline(
                     origins=origins)
     planner = _StagePlanner(model, mb_args, mb_target, loss_fn, points, cut, budget_bytes, options, return_outputs)
     if split_points is None:
-        split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
+        if budget_bytes is None:
+            split, results, planner.budget = plan_at_minimum(cut, planner.plan_stage)
+        else:
+            split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
     else:
         cuts = _given_cuts(cut, points, split_points, stages)
         planner.given[cuts] = [tuple(p) for p in split_points]
         split = split_at(cut, cuts, budget_bytes)
-        results = plan_split(cut, split, budget_bytes, planner.plan_stage)
+        if budget_bytes is None:
+            split, results, planner.budget = plan_at_minimum(cut, planner.plan_stage, split)
+        else:
+            results = plan_split(cut, split, budget_bytes, planner.plan_stage)
     return _pipeline_plan(planner, whole, split, results, time.perf_counter() - t0)
 
 

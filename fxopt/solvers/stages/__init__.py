@@ -16,7 +16,9 @@ five modules, one per job:
   - `dp`: the dynamic program over cut points (`best_split`), minimizing the slowest stage's time
     with every stage's modelled memory within the budget;
   - `plans`: from the DP's split to exact stage plans (`cut_and_plan`, the DP run again with a
-    margin where a stage's exact plan is over), and the schedule's predicted timing
+    margin where a stage's exact plan is over; `plan_at_minimum`, for ``budget="min"``: the split
+    of lowest modelled memory at the smallest budget its stages meet), and the schedule's
+    predicted timing
     (`pipeline_timing`, `replay`).
 
 What is approximate: inside the DP a stage's plan is not solved (the atoms' options are composed,
@@ -34,8 +36,8 @@ from fxopt.solvers.stages.in_flight import (SCHEDULES, STAGE_SOLVES, STAGE_TOLER
                                             in_flight_count, runtime_fixed, solve_stage, stage_in_flight,
                                             stage_min_budget)
 from fxopt.solvers.stages.plans import (FEEDBACK_ROUNDS, StageResult, Timing, cut_and_plan, graph_in_flight,
-                                        pipeline_timing, plan_simulated, plan_split, plan_split_graph, replay,
-                                        schedule_order, stage_result, timing_of)
+                                        pipeline_timing, plan_at_minimum, plan_simulated, plan_split,
+                                        plan_split_graph, replay, schedule_order, stage_result, timing_of)
 
 __all__ = ["eager_schedule", "ATOM_LEVELS", "SAVED_LEVELS", "Atom", "atom_of", "atom_options", "MAX_CROSSING", "MAX_POINTS",
            "POINTS_PER_STAGE", "CutPoint", "assign_stages", "choose_points", "cut_points", "forward_order",
@@ -43,5 +45,5 @@ __all__ = ["eager_schedule", "ATOM_LEVELS", "SAVED_LEVELS", "Atom", "atom_of", "
            "cut_model", "min_peak_split", "split_at", "SCHEDULES", "STAGE_SOLVES", "STAGE_TOLERANCE", "InFlight",
            "accumulation", "in_flight_count", "runtime_fixed", "solve_stage", "stage_in_flight", "stage_min_budget",
            "FEEDBACK_ROUNDS", "StageResult", "Timing", "cut_and_plan", "graph_in_flight", "pipeline_timing",
-           "plan_simulated", "plan_split", "plan_split_graph", "replay", "schedule_order", "stage_result",
-           "timing_of"]
+           "plan_at_minimum", "plan_simulated", "plan_split", "plan_split_graph", "replay", "schedule_order",
+           "stage_result", "timing_of"]
