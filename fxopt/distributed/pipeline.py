@@ -418,7 +418,8 @@ def pipeline(
     `ValueError` for more stages than the step has places to cut or a microbatch count torch's
     schedule refuses, and `InfeasibleBudgetError` (with ``.min_budget``, per device) when no split
     fits. ``budget`` may be a whole `fxopt.Options`; ``options``: its other fields by name, as for
-    `fxopt.plan` (``time_limit`` is per stage plan).
+    `fxopt.plan` (``time_limit``, the safety stop, is each solve's: a stage's search and the cut
+    model make several, each with counted effort and a stop of its own).
     ``return_outputs``: plan for ``schedule.step(..., return_outputs=True)`` (the last stage
     keeps every microbatch's output). ``split_points``: cut there instead of where the DP would,
     as ``(module name, "BEGINNING" or "END")`` pairs in forward order (torch's `SplitPoint`), and
