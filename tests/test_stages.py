@@ -185,6 +185,29 @@ def test_device_peak_counts_the_microbatches_in_flight():
     assert three.device_peak(g, schedule) == timeline.peak_bytes + max(2 * (timeline.saved_bytes + 2), 1000) + 5
 
 
+def test_device_peak_counts_an_output_saved_in_name_only_as_held():
+    """A schedule may SAVE a forward output that the backward does not read (the generated code
+    drops that SAVE, `as_generated`): each other microbatch in flight then holds its SAVEd ``a``
+    and its output ``o``, 16 + 16 bytes. The output was subtracted as SAVEd twice before (16), and
+    stage 0 of a skip CNN under GPipe measured 3,324 B over the budget named for it (issue 24)."""
+    from fxopt.solvers.schedule import Schedule
+    from solver_graphs import ids
+
+    b = GraphBuilder()
+    b.input("x", 8)
+    b.input("w", 4)
+    b.input("tan", 16, tangent=True)
+    b.fwd("a", ["x", "w"], 16)
+    b.fwd("o", ["a"], 16, output=True)
+    b.bwd("g_a", ["tan", "a"], 16)
+    b.bwd("g_w", ["x", "g_a"], 4, output=True)
+    g = b.build()
+    schedule = Schedule(frozenset(ids(g, "a", "o")), ids(g, "g_a", "g_w"))
+    timeline = simulate(g, schedule)
+    assert timeline.saved_bytes == 16  # a: the SAVE of o is dropped
+    assert st.InFlight(2, held_bytes=16).device_peak(g, schedule, timeline) == timeline.peak_bytes + 16 + 16
+
+
 # ---------------------------------------------------------------- the DP
 
 def atoms_model(options, stages=2, microbatches=2, count=4):

@@ -23,7 +23,7 @@ from fxopt.solvers.effort import Deadline, Effort, effort_of, now
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS
 from fxopt.solvers.minimum import Memo, infeasible, lowest_plan
-from fxopt.solvers.schedule import Schedule, Timeline, simulate
+from fxopt.solvers.schedule import Schedule, Timeline, as_generated, simulate
 from fxopt.errors import InfeasibleBudgetError
 
 SCHEDULES = ("1F1B", "GPipe")
@@ -77,7 +77,11 @@ class InFlight:
 
 
 def _saved_outputs(graph: Graph, schedule: Schedule) -> int:
-    """Bytes of the forward's outputs that are also SAVEd on the device (counted in both)."""
+    """Bytes of the forward's outputs that are also SAVEd on the device (counted in both), as the
+    generated code SAVEs (`as_generated`, as `Timeline.saved_bytes` counts): a SAVE the backward
+    does not read before it recomputes the value is dropped there, and an output it was is held
+    as the output only."""
+    schedule = as_generated(graph, schedule)
     on_device = schedule.saved - schedule.compressed - schedule.offloaded - graph.free
     roots = {graph.roots[i] for i in on_device} & {graph.roots[i] for i in graph.forward_outputs}
     return sum(graph.nodes[r].bytes for r in roots)
