@@ -110,3 +110,18 @@ def test_constants_traced_on_the_cpu_are_made_where_the_stage_runs():
     (node,) = [n for n in outer[0].graph.nodes if n.target is torch.ones]
     assert node.kwargs["device"] == torch.device("meta")
     assert outer(torch.zeros(4, device="meta")).device.type == "meta"
+
+
+def test_the_loss_memory_leaves_out_the_batch_its_target_is_a_view_of():
+    """torch's schedule gives the loss a microbatch of the target, a view of the caller's batch:
+    the loss's memory beyond its output and target is the same as for a target of its own (it
+    counted the rest of the batch before, issue 24; the last stage counts the caller's target
+    itself, every microbatch of it)."""
+    from fxopt.distributed.pipeline import _loss_memory
+    from fxopt.options import Options
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 8, 32), torch.randint(0, 32, (8, 8))
+    view = target[:2]
+    options = Options.of(1.0)
+    assert _loss_memory(lm_loss, logits, view, options) == _loss_memory(lm_loss, logits, view.clone(), options)

@@ -227,14 +227,14 @@ def plan_simulated(graph: Graph, stages: int, microbatches: int, budget: int, *,
                    time_limit: Deadline | float | None = None,
                    cuts: Sequence[int] | None = None) -> tuple[CutModel, Split, list[StageResult], Timing]:
     """Cuts and exact stage plans for ``graph`` without processes or capture, each stage planned on
-    its part of the graph with ``effort`` (all within ``time_limit``, the safety stop); ``cuts``
-    (indices into the cut points): plan this split instead of the DP's. Returns the model, the
-    split, the stages' results and the predicted timing."""
-    effort, deadline = effort_of(effort), Deadline.of(time_limit)
-    model = cut_model(graph, stages, microbatches, schedule, solver=solver, effort=effort, time_limit=deadline)
+    its part of the graph with ``effort`` (each solve with ``time_limit``, its own safety stop:
+    `SolveStops`); ``cuts`` (indices into the cut points): plan this split instead of the DP's.
+    Returns the model, the split, the stages' results and the predicted timing."""
+    effort = effort_of(effort)
+    model = cut_model(graph, stages, microbatches, schedule, solver=solver, effort=effort, time_limit=time_limit)
 
     def plan_stage(s: int, split: Split, budget: int) -> StageResult:
-        return plan_split_graph(graph, model, budget, split, s, solver=solver, effort=effort, time_limit=deadline)
+        return plan_split_graph(graph, model, budget, split, s, solver=solver, effort=effort, time_limit=time_limit)
 
     if cuts is not None:
         split = split_at(model, cuts, budget)
