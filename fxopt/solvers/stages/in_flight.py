@@ -165,7 +165,8 @@ class SolveStops:
 
 def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "auto", *,
                 effort: Effort | float | None = None, time_limit: Deadline | float | None = None,
-                on_progress: Callable[[str], None] | None = None, mip_solver: str | None = None) -> Solution:
+                on_progress: Callable[[str], None] | None = None, mip_solver: str | None = None,
+                memo: Memo | None = None) -> Solution:
     """The cheapest schedule of one microbatch's step whose memory on the device with
     ``in_flight`` (`InFlight.device_peak`) is within ``budget``. `solve` bounds the step's peak,
     not what it SAVEs, so: first at the budget less what the other microbatches would hold if
@@ -173,10 +174,12 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
     and the heuristics' schedules (`_candidates`) are checked, and the step budget is bisected
     between the cheapest fitting one's peak and the first (`STAGE_SOLVES` solves in all, each
     with ``effort`` and ``time_limit``, its own safety stop: `SolveStops`; the lowest-peak search
-    done once, kept for them all); the cheapest plan that fits wins. A stop is said once (a
-    `SolverTimeoutWarning`, the phases in `Solution.stopped`). Raises `InfeasibleBudgetError`
-    naming the least device memory of those schedules."""
-    effort, stops, memo, t0 = effort_of(effort), SolveStops(time_limit), Memo(), now()
+    done once, kept for them all, and in ``memo`` for later calls on the same graph: the planner's,
+    so that ``budget="min"``'s second plan of a stage does not search again); the cheapest plan
+    that fits wins. A stop is said once (a `SolverTimeoutWarning`, the phases in
+    `Solution.stopped`). Raises `InfeasibleBudgetError` naming the least device memory of those
+    schedules."""
+    effort, stops, memo, t0 = effort_of(effort), SolveStops(time_limit), Memo() if memo is None else memo, now()
     k, ka = in_flight.microbatches, in_flight.accumulating
     held = in_flight.held_bytes
     high = budget - in_flight.fixed_bytes - max((k - 1) * held, (ka - 1) * held + in_flight.accumulated_bytes)
