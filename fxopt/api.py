@@ -117,18 +117,17 @@ class FxoptModule(nn.Module):
                 options = dataclasses.replace(options, plan_from_examples=True)
 
             def piece_backend(budget, on_plan, whole, backward_bytes):
-                def both(plan):
-                    on_plan(plan)
-                    self.plans.append(plan)
                 # A whole step counts the parameters, buffers and gradients it does not read, and
                 # what DDP holds; a piece's reserve counts everything it does not take, the
                 # gradients later pieces make beside its backward only (see fxopt.capture.pieces).
                 held = backend.step.held if backend.step is not None else 0
-                return make_backend(dataclasses.replace(options, budget=budget), both,
+                return make_backend(dataclasses.replace(options, budget=budget), on_plan,
                                     resident=model if whole else None, held_bytes=held if whole else 0,
                                     backward_bytes=backward_bytes)
 
-            backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks)
+            # (The plans a run of the step runs with; a piece may be planned again once the whole step
+            # is known, `fxopt.capture.pieces.PiecewiseBackend`.)
+            backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks, on_plan=self.plans.append)
             distributed = self._distributed
             compiled = compile_step(distributed.target(), backend, fullgraph=self._graph_breaks == "error",
                                     dynamic=False)
@@ -209,6 +208,7 @@ class FxoptModule(nn.Module):
         finally:
             backend.step = None
         step.check_covered(out)
+        backend.learn(step)
         return out
 
     def _forward_only(self, refusal: InfeasibleBudgetError, args: tuple, kwargs: dict) -> Any:

@@ -60,6 +60,10 @@ from fxopt.units import format_bytes
 
 log = logging.getLogger("fxopt")
 
+# A piece's plan, by what it was made for: the budget given to the piece (bytes; None: its own
+# smallest) and the bytes held beside its backward only (`Reserve.backward_bytes`).
+VariantKey = tuple[int | None, int]
+
 # What `fxopt.optimize` does with a step Dynamo captures in pieces: plan the pieces in order
 # within the budget, or refuse.
 GRAPH_BREAKS = ("split", "error")
@@ -80,6 +84,10 @@ class Piece:
     refs: dict[StorageKey, Any] = dataclasses.field(default_factory=dict)  # weak references to them
     made: tuple[int, int] = (0, 0)  # the autograd node numbers its call made, from and to (`fxopt.capture.coverage`)
     whole: bool = False  # planned as the whole step
+    graph: int = -1  # which graph ran (`PiecewiseBackend`'s numbering)
+    key: VariantKey | None = None  # the plan it ran with (`Variant`)
+    reserve: Reserve | None = None  # what the rest of the step held beside it
+    at_floor: bool = False  # planned at its smallest budget, the step not known yet (`PiecewiseBackend`)
 
     def outputs_alive(self) -> dict[StorageKey, int]:
         """Its outputs whose storage is still alive (one freed since never comes back)."""
@@ -127,6 +135,7 @@ class Step:
     wrapping: Wrapping | None = None
     since: int = 0  # autograd's node count when the call started (`fxopt.capture.coverage`)
     pieces: list[Piece] = dataclasses.field(default_factory=list)
+    at_floors: bool | None = None  # every piece of this call planned at its smallest budget (`PiecewiseBackend`)
 
     @classmethod
     def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None) -> Step:
@@ -260,23 +269,96 @@ def nested_frame(entries: frozenset[types.CodeType]) -> str | None:
     return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A piece's graph compiled with one plan (None: no backward)."""
+
+    compiled: Callable
+    plan: Plan | None
+    saved_bytes: int  # what its forward keeps for its backward, as the plan keeps it
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.plan.peak_bytes if self.plan is not None else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of a piece in a call the backend learned the step from (`PiecewiseBackend.learn`):
+    which graph ran, what the rest of the step held beside it but what the earlier runs saved
+    (their plans decide that), and the plan it ran with, within the budget."""
+
+    graph: int
+    backward_bytes: int
+    beside: int
+    key: VariantKey
+    saved_bytes: int
+    peak_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The plan a run of a piece runs with, and what it was chosen beside."""
+
+    graph: int
+    key: VariantKey
+    variant: Variant
+    reserve: Reserve
+    at_floor: bool = False
+
+
 class PiecewiseBackend:
     """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
     piece against the budget minus what the rest of the step holds (see the module docstring).
     ``make_piece_backend(budget, on_plan, whole, backward_bytes)`` builds the planning backend of
     one piece (``whole``: the piece is the whole step; ``backward_bytes``: held beside its backward
-    only, `Reserve.backward_bytes`)."""
+    only, `Reserve.backward_bytes`); ``on_plan`` is given each plan a run of the step runs with.
+
+    A byte budget is planned across the pieces, not greedily in order. An earlier piece's plan is
+    made before the later pieces are seen, and what it keeps for its backward stays alive while
+    they run: planned to keep all that fits, it may leave a later piece no room (a transformers
+    GPT-2 with a break before its head: refused at eager's own peak, 23.1 MiB, where every piece at
+    its smallest budget needs 17.1). So:
+
+      - the first call (and any call that runs pieces in an order not seen yet) plans every piece at
+        its own smallest budget, as ``"min"`` does, and refuses where even that does not fit: the
+        step holds the budget from its first call on;
+      - it then knows every piece (`learn`): for each run, what the rest of the step holds beside it
+        but what the earlier runs saved, what its smallest-budget plan needs and keeps;
+      - the next calls plan each run again, in order, as large as leaves every later run room for
+        the plan it ran with: its budget is what the rest holds beside it now, and what it keeps
+        for its backward (the later runs' reserves) at most ``room``, the least over the later runs
+        of the budget less what they needed beside the rest. A plan within the budget that keeps
+        more is refused, and the run planned within ``room`` plus its resident inputs (what it
+        keeps is alive beside them at its forward's end, so within its peak); where that does not
+        plan either, it keeps the plan it ran with. So each call holds the budget, by induction
+        over the runs: what every later run needs is left to it.
+
+    FSDP2's pieces are planned in order (their plans are agreed between ranks, one plan per piece,
+    not a choice each rank makes). ``"min"`` plans every piece at its smallest budget on every call.
+    """
 
     def __init__(self, budget: Budget,
                  make_piece_backend: Callable[[Any, Callable[[Plan], None], bool, int], Callable],
-                 graph_breaks: str):
+                 graph_breaks: str, on_plan: Callable[[Plan], None] | None = None):
         self.budget = budget
         self.make_piece_backend = make_piece_backend
         self.graph_breaks = graph_breaks
+        self.on_plan = on_plan or (lambda plan: None)
         self.step: Step | None = None
         self.warned: set[str] = set()
-        self.bounds: list[int] = []  # per plan made: the most the step holds while it runs
         self.entries: frozenset[types.CodeType] = frozenset()  # the code objects the step is entered through
+        self.graphs: list[dict[VariantKey, Variant]] = []  # each piece's graph: its plans so far
+        self.paths: list[tuple[Run, ...]] = []  # the calls learned from, each run by run
+        self.floors_next = False  # the next call plans every piece at its smallest budget (and is learned)
+        self._bounds: dict[tuple, int] = {}  # per plan and reserve met: the most the step holds while it runs
+        self._given: set[tuple[int, VariantKey]] = set()  # plans given to on_plan
+        self._infeasible: set[tuple[int, VariantKey]] = set()  # plans tried that found no schedule
+
+    @property
+    def bounds(self) -> list[int]:
+        """Per plan run, beside each reserve it met: the most the step holds while it runs."""
+        return list(self._bounds.values())
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         where = break_location(gm)
@@ -284,17 +366,17 @@ class PiecewiseBackend:
             where = f"a graph break inside {nested}, which Dynamo compiled on its own"
         in_pieces = where is not None or bool(self.step and (self.step.pieces or self.step.every_graph_a_piece))
         if not in_pieces:  # the whole step in one graph
-            compiled, plan = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
-            return self._recorded(lambda args, inputs: (compiled, plan), whole=True)
+            variant = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
+            choice = self._chosen(Choice(-1, (self.budget.bytes, 0), variant, Reserve(0)))
+            return self._recorded(lambda args, inputs: choice, whole=True)
         if self.graph_breaks == "error":
             raise CaptureError(
                 f"torch.compile split this training step at a graph break at {where or 'an earlier piece'}; "
                 "with graph_breaks='error' fxopt refuses a step it does not see whole. Remove the break "
                 "(data-dependent Python such as .item() is the usual cause), or use graph_breaks='split' "
-                "(the default) to plan the pieces in order within the budget."
+                "(the default) to plan the pieces within the budget."
             )
-        budget = self.budget.bytes
-        if budget is None and not self.budget.minimum:
+        if self.budget.bytes is None and not self.budget.minimum:
             raise BudgetError(
                 f"this training step is captured in pieces (a graph break at {where or 'an earlier piece'}), "
                 f"so fxopt plans it piece by piece and needs the budget in bytes, not {str(self.budget)!r}: the "
@@ -309,56 +391,174 @@ class PiecewiseBackend:
         if where is not None and where not in self.warned and not own:
             self.warned.add(where)
             message = (f"torch.compile split this training step at a graph break at {where}; fxopt plans "
-                       "the pieces in order, each within what the budget leaves beside the others")
+                       "the pieces so that each fits within what the budget leaves beside the others")
             log.warning("fxopt: %s", message)
             warnings.warn(message, GraphBreakWarning, stacklevel=2)
         if self.step is None:
             raise CaptureError("fxopt: a piece of the step was compiled outside an fxopt module's call")
-        return self._piece(gm, example_inputs, budget)
+        return self._piece(gm, example_inputs)
 
-    def _piece(self, gm: fx.GraphModule, example_inputs, budget: int | None):
-        """A piece, planned for each reserve it runs beside: Dynamo compiles a graph once, and it
-        may run several times in one step (one FSDP2 block's forward serves every block, a frame
-        split inside a loop every iteration), each time beside a different rest of the step. The
-        plan for the first reserve is made now; one for another reserve, at the first run that
-        meets it (with Dynamo off: the graph is compiled again outside Dynamo's own compile).
-        ``budget`` None: the budget is "min", and each piece is planned at its own smallest budget
-        (the lowest peak its solvers reach), whatever the rest holds; `peak_bound_bytes` then says
-        what the step holds at most."""
-        variants: dict[Reserve, tuple[Callable, Plan | None]] = {}
+    def _piece(self, gm: fx.GraphModule, example_inputs):
+        """A piece: Dynamo compiles a graph once, and it may run several times in one step (one
+        FSDP2 block's forward serves every block, a frame split inside a loop every iteration),
+        each time beside a different rest of the step, and in later calls with more room than in
+        the first. Each run gets its plan (`_choose`): the first now, inside Dynamo's compile;
+        others at the first run that needs them (with Dynamo off: the graph is compiled again
+        outside Dynamo's own compile)."""
+        graph = len(self.graphs)
+        self.graphs.append({})
 
-        def variant(args, inputs: frozenset[StorageKey]):
-            reserve = self.step.reserve(inputs) if self.step is not None else min(variants, key=dataclasses.astuple)
-            if reserve not in variants:
-                within = "at its smallest budget" if budget is None else f"within {format_bytes(budget - reserve.bytes)}"
-                log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)", within, reserve)
-                compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
-                variants[reserve] = compile_now(gm, args, self.budget if budget is None else budget - reserve.bytes,
-                                                reserve)
-            return variants[reserve]
+        def variant(args, inputs: frozenset[StorageKey]) -> Choice:
+            return self._choose(graph, gm, args, inputs)
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
         return self._recorded(variant)
 
-    def _recorded(self, variant: Callable, whole: bool = False):
-        """Run the compiled graph ``variant(args, inputs)`` gives, and record it in the step, with
-        the autograd nodes its call made."""
+    def _choose(self, graph: int, gm: fx.GraphModule, args, inputs: frozenset[StorageKey]) -> Choice:
+        """The plan this run of ``graph`` runs with, beside what the rest of the step holds now (see
+        the class docstring)."""
+        step, variants = self.step, self.graphs[graph]
+        if step is None:  # run outside a call of the module: no reserve to plan for, the first plan made
+            key = next(iter(variants))
+            return Choice(graph, key, variants[key], Reserve(0))
+        if step.at_floors is None:  # (the call's first piece)
+            step.at_floors, self.floors_next = self.floors_next, False
+        reserve = step.reserve(inputs)
+        if self.budget.bytes is None:  # "min": every piece at its own smallest budget
+            return self._chosen(self._at(graph, gm, args, (None, reserve.backward_bytes), reserve))
+        budget = self.budget.bytes
+        if step.every_graph_a_piece:  # FSDP2: in order, each within what the rest leaves it
+            return self._chosen(self._at(graph, gm, args, (budget - reserve.bytes, reserve.backward_bytes), reserve))
+        paths = [] if step.at_floors else self._paths_through(step, graph, reserve.backward_bytes)
+        if not paths:
+            floor = self._at(graph, gm, args, (None, reserve.backward_bytes), reserve)
+            floor = dataclasses.replace(floor, at_floor=True)
+            self._check_fits(floor, learned=False)
+            return self._chosen(floor)
+        room = min(self._room(path, step) for path in paths)
+        ran = {path[len(step.pieces)].key for path in paths}
+        for key in self._candidates(graph, reserve, room):
+            if (graph, key) in self._infeasible:
+                continue
+            try:
+                choice = self._at(graph, gm, args, key, reserve)
+            except InfeasibleBudgetError:
+                self._infeasible.add((graph, key))
+                continue
+            if choice.variant.saved_bytes <= room:
+                break
+        else:  # keep a plan it ran with: the one that keeps least
+            key = min(ran, key=lambda k: (variants[k].saved_bytes, k[0] is None, k[0] or 0))
+            choice = self._at(graph, gm, args, key, reserve)
+        self._check_fits(choice, learned=True)
+        return self._chosen(choice)
+
+    def _candidates(self, graph: int, reserve: Reserve, room: float) -> list[VariantKey]:
+        """The plans to try for a run, in order, each taken if it keeps at most ``room`` for its
+        backward: within what the rest of the step leaves it; within ``room`` plus its resident
+        inputs (at its forward's end, what it keeps is alive beside those, so within its peak)."""
+        budget = self.budget.bytes - reserve.bytes
+        out = [(budget, reserve.backward_bytes)]
+        if room < budget:
+            plan = next((v.plan for v in self.graphs[graph].values() if v.plan is not None), None)
+            capped = int(room) + (resident_bytes(plan.graph) if plan is not None else 0)
+            if capped < budget:
+                out.append((capped, reserve.backward_bytes))
+        return out
+
+    def _paths_through(self, step: Step, graph: int, backward_bytes: int) -> list[tuple[Run, ...]]:
+        """The calls learned from that ran as this one so far, and run ``graph`` next."""
+        here = [(p.graph, p.reserve.backward_bytes if p.reserve is not None else 0) for p in step.pieces]
+        here.append((graph, backward_bytes))
+        return [path for path in self.paths
+                if len(path) >= len(here) and [(r.graph, r.backward_bytes) for r in path[:len(here)]] == here]
+
+    def _room(self, path: tuple[Run, ...], step: Step) -> float:
+        """The most the run now starting may keep for its backward so that every later run of
+        ``path`` still fits with the plan it ran with: the budget, less what that run needed beside
+        the rest, what the rest held beside it but the earlier runs' saved values, and what the
+        other earlier runs keep (this call's as planned, the later ones' as they ran)."""
+        kept = sum(p.saved_bytes for p in step.pieces)
+        room, between = float("inf"), 0
+        for run in path[len(step.pieces) + 1:]:
+            room = min(room, self.budget.bytes - run.peak_bytes - run.beside - kept - between)
+            between += run.saved_bytes
+        return room
+
+    def _check_fits(self, choice: Choice, learned: bool) -> None:
+        """Refuse a run whose plan, beside what the rest of the step holds, is over the budget."""
+        budget, reserve = self.budget.bytes, choice.reserve
+        need = reserve.bytes + choice.variant.peak_bytes
+        if need <= budget:
+            return
+        self.floors_next = True
+        beside = (f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece "
+                  "runs.")
+        if learned:
+            why = ("This call ran differently from the calls fxopt learned the step from (another path through "
+                   "the Python between the pieces, or more held beside them), so the pieces before this one kept "
+                   "what fitted beside the pieces those calls ran. The next call plans every piece at its own "
+                   "smallest budget again, and learns this path too.")
+        else:
+            why = ("fxopt plans every piece at its own smallest budget until it has seen the whole step, and at "
+                   "that this piece needs this much beside the ones before it, so no plan of the step within the "
+                   "budget is known; later pieces may need more. budget='min' plans every piece at its own "
+                   "smallest budget; the module's peak_bound_bytes then says what the step holds.")
+        raise InfeasibleBudgetError(budget, need, f"{beside} {why}", exact=False)
+
+    def _at(self, graph: int, gm: fx.GraphModule, args, key: VariantKey, reserve: Reserve) -> Choice:
+        """The run of ``graph`` with the plan ``key`` names, compiled now if it was not yet."""
+        variants = self.graphs[graph]
+        if key not in variants:
+            budget = Budget(minimum=True) if key[0] is None else key[0]
+            log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)",
+                     "at its smallest budget" if key[0] is None else f"within {format_bytes(key[0])}", reserve)
+            # (Dynamo compiles the graph once: a plan made later is compiled again, outside Dynamo's compile.)
+            compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
+            variants[key] = compile_now(gm, args, budget, reserve)
+        return Choice(graph, key, variants[key], reserve)
+
+    def _chosen(self, choice: Choice) -> Choice:
+        """``choice``, its plan given to ``on_plan`` once, and the most the step holds while it runs."""
+        plan = choice.variant.plan
+        if plan is not None:
+            if (choice.graph, choice.key) not in self._given:
+                self._given.add((choice.graph, choice.key))
+                self.on_plan(plan)
+            self._bounds[choice.graph, choice.key, choice.reserve] = choice.reserve.bytes + plan.peak_bytes
+        return choice
+
+    def learn(self, step: Step) -> None:
+        """Learn the step from a call that planned some of its pieces at their smallest budget, once
+        the call has run (see the class docstring)."""
+        if not any(p.at_floor for p in step.pieces) or any(p.reserve is None for p in step.pieces):
+            return
+        runs, kept = [], 0
+        for p in step.pieces:
+            runs.append(Run(p.graph, p.reserve.backward_bytes, p.reserve.bytes - kept, p.key, p.saved_bytes,
+                            p.plan.peak_bytes if p.plan is not None else 0))
+            kept += p.saved_bytes
+        self.paths.append(tuple(runs))
+
+    def _recorded(self, variant: Callable[[Any, frozenset[StorageKey]], Choice], whole: bool = False):
+        """Run the compiled graph of the plan ``variant(args, inputs)`` chooses, and record it in the
+        step, with the autograd nodes its call made."""
         def run(*args):
             inputs = frozenset(storages(list(args)))
-            compiled, plan = variant(args, inputs)
+            choice = variant(args, inputs)
             since = coverage.sequence_number()
-            outputs = compiled(*args)
+            outputs = choice.variant.compiled(*args)
             if self.step is not None:
-                saved = plan.timeline().saved_bytes if plan is not None else 0
                 made = (since, coverage.sequence_number())
-                self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs), storage_refs(outputs),
-                                              made, whole))
+                self.step.pieces.append(Piece(choice.variant.plan, inputs, choice.variant.saved_bytes,
+                                              storages(outputs), storage_refs(outputs), made, whole, choice.graph,
+                                              choice.key, choice.reserve, choice.at_floor))
             return outputs
 
         return run
 
-    def _compile(self, gm, example_inputs, budget, reserve: Reserve, *, whole: bool = False):
-        """The compiled graph, and its plan (None without a backward)."""
+    def _compile(self, gm, example_inputs, budget, reserve: Reserve, *, whole: bool = False) -> Variant:
+        """The graph compiled with its plan for ``budget`` (bytes, or a `Budget`)."""
         beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
         if reserve.bytes and isinstance(budget, int) and budget <= 0:
             raise InfeasibleBudgetError(budget + reserve.bytes, reserve.bytes + 1, beside, exact=False)
@@ -378,8 +578,14 @@ class PiecewiseBackend:
                 "budget they may keep more, so the budget named is what this piece needs beside them as planned "
                 "now, not a promise for the step. budget='min' plans every piece at its own smallest budget "
                 "instead, so that the earlier ones keep less; the module's peak_bound_bytes then says what the "
-                "step holds (a transformers GPT-2 with a break before its head: 17.1 MiB, where 23.1 found no "
-                "plan).") from None
-        if plans:
-            self.bounds.append(reserve.bytes + plans[-1].peak_bytes)
-        return compiled, (plans[-1] if plans else None)
+                "step holds.") from None
+        plan = plans[-1] if plans else None
+        return Variant(compiled, plan, plan.timeline().saved_bytes if plan is not None else 0)
+
+
+def resident_bytes(graph: Graph) -> int:
+    """Bytes of the storages a piece's graph holds from its start to its end: its inputs but the
+    incoming gradients (parameters, the tensors it takes). What its forward keeps for its
+    backward is alive beside them at the forward's end (`fxopt.solvers.schedule.simulate`: saved
+    values that alias them are free)."""
+    return sum(graph.nodes[r].bytes for r in {graph.roots[i] for i in graph.resident})
