@@ -127,7 +127,8 @@ class FxoptModule(nn.Module):
 
             # (The plans a run of the step runs with; a piece may be planned again once the whole step
             # is known, `fxopt.capture.pieces.PiecewiseBackend`.)
-            backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks, on_plan=self.plans.append)
+            backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks, on_plan=self.plans.append,
+                                       unreached_gradients_undefined=options.compiler == "eager")
             distributed = self._distributed
             compiled = compile_step(distributed.target(), backend, fullgraph=self._graph_breaks == "error",
                                     dynamic=False)
@@ -154,6 +155,14 @@ class FxoptModule(nn.Module):
         if self._dynamic is not None:
             return self.buckets[-1].plan if self.buckets else None
         return self.plans[-1] if self.plans else self._options.plan
+
+    @property
+    def step_plans(self) -> list[Plan]:
+        """The plans the latest call ran with, one per piece of its step in the order they ran
+        (one for a step captured whole; a step in pieces is planned again once its first call has
+        shown every piece, `fxopt.capture.pieces.PiecewiseBackend`); [] before a call, and with
+        ``dynamic=``."""
+        return list(self.__dict__.get("_step_plans", ()))
 
     @property
     def peak_bound_bytes(self) -> int | None:
@@ -201,6 +210,7 @@ class FxoptModule(nn.Module):
         backend, compiled, between = self._step_for(held_gradient_bytes)
         distributed = self._distributed
         beside = distributed.held_beside(distributed.running_ddp(self))
+        backend.prepare()  # (a step in pieces learned from its last call: planned again before this one)
         step = backend.step = Step.start(self._model, [args, kwargs], held=beside, wrapping=distributed)
         try:
             out = distributed.call(functools.partial(run_compiled, compiler=self._options.compiler), compiled,
@@ -209,6 +219,7 @@ class FxoptModule(nn.Module):
             backend.step = None
         step.check_covered(out)
         backend.learn(step)
+        self.__dict__["_step_plans"] = [p.plan for p in step.pieces if p.plan is not None]
         return out
 
     def _forward_only(self, refusal: InfeasibleBudgetError, args: tuple, kwargs: dict) -> Any:

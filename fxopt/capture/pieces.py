@@ -38,6 +38,7 @@ every piece has run.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import types
 import warnings
@@ -51,6 +52,7 @@ import torch.nn as nn
 
 from fxopt.budget import Budget
 from fxopt.capture import coverage
+from fxopt.capture.dynamo import unreached_gradients_stay_undefined
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import LiveBytes
@@ -63,6 +65,12 @@ log = logging.getLogger("fxopt")
 # A piece's plan, by what it was made for: the budget given to the piece (bytes; None: its own
 # smallest) and the bytes held beside its backward only (`Reserve.backward_bytes`).
 VariantKey = tuple[int | None, int]
+
+# Planning a run of a piece again once the step is known (`PiecewiseBackend._within_room`): at most
+# this many budgets tried between the plan it ran with and the largest the rest of the step leaves
+# it, and none closer than this share of the budget to one tried already (counted work, not time).
+SEARCH_STEPS = 4
+SEARCH_RESOLUTION = 64
 
 # What `fxopt.optimize` does with a step Dynamo captures in pieces: plan the pieces in order
 # within the budget, or refuse.
@@ -88,6 +96,7 @@ class Piece:
     key: VariantKey | None = None  # the plan it ran with (`Variant`)
     reserve: Reserve | None = None  # what the rest of the step held beside it
     at_floor: bool = False  # planned at its smallest budget, the step not known yet (`PiecewiseBackend`)
+    example: tuple | None = None  # then: its inputs, as fake tensors (`fake_copies`)
 
     def outputs_alive(self) -> dict[StorageKey, int]:
         """Its outputs whose storage is still alive (one freed since never comes back)."""
@@ -286,7 +295,8 @@ class Variant:
 class Run:
     """One run of a piece in a call the backend learned the step from (`PiecewiseBackend.learn`):
     which graph ran, what the rest of the step held beside it but what the earlier runs saved
-    (their plans decide that), and the plan it ran with, within the budget."""
+    (their plans decide that), the plan it ran with, within the budget, and its inputs as fake
+    tensors (their shapes, strides, dtypes and aliasing, no data) to plan it again with."""
 
     graph: int
     backward_bytes: int
@@ -294,6 +304,11 @@ class Run:
     key: VariantKey
     saved_bytes: int
     peak_bytes: int
+    inputs: tuple = ()
+
+    @property
+    def step(self) -> tuple[int, int]:
+        return self.graph, self.backward_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,22 +332,26 @@ class PiecewiseBackend:
     A byte budget is planned across the pieces, not greedily in order. An earlier piece's plan is
     made before the later pieces are seen, and what it keeps for its backward stays alive while
     they run: planned to keep all that fits, it may leave a later piece no room (a transformers
-    GPT-2 with a break before its head: refused at eager's own peak, 23.1 MiB, where every piece at
-    its smallest budget needs 17.1). So:
+    GPT-2 with a break after its decoder: refused at eager's own peak, 23.1 MiB, where every piece
+    at its smallest budget needs 17.1). So:
 
-      - the first call (and any call that runs pieces in an order not seen yet) plans every piece at
-        its own smallest budget, as ``"min"`` does, and refuses where even that does not fit: the
+      - the first call (and any call that runs pieces in an order not seen yet) plans every piece
+        at its own smallest budget, as ``"min"`` does, and refuses where even that does not fit: the
         step holds the budget from its first call on;
-      - it then knows every piece (`learn`): for each run, what the rest of the step holds beside it
-        but what the earlier runs saved, what its smallest-budget plan needs and keeps;
-      - the next calls plan each run again, in order, as large as leaves every later run room for
-        the plan it ran with: its budget is what the rest holds beside it now, and what it keeps
-        for its backward (the later runs' reserves) at most ``room``, the least over the later runs
-        of the budget less what they needed beside the rest. A plan within the budget that keeps
-        more is refused, and the run planned within ``room`` plus its resident inputs (what it
-        keeps is alive beside them at its forward's end, so within its peak); where that does not
-        plan either, it keeps the plan it ran with. So each call holds the budget, by induction
-        over the runs: what every later run needs is left to it.
+      - once it has run, every piece is known (`learn`): for each run, what the rest of the step
+        held beside it but what the earlier runs saved, what its plan needed and kept;
+      - before the next call (`prepare`), each run is planned again, in order, keeping for its
+        backward at most ``room``: the least, over the later runs, of the budget less what each
+        needed beside the rest and what the other runs keep. That is the plan within what the rest
+        of the step leaves it where it keeps so little; else the plan at the largest budget found
+        that does (by bisection, `SEARCH_STEPS` plans at most), or the plan it ran with. By
+        induction over the runs, every later run still has the room its plan needs, so each call
+        holds the budget.
+
+    The plans are made before the call, from the inputs the learning call gave each piece, as fake
+    tensors: a graph compiled while a piece runs, inside the frame Dynamo runs for the model, left
+    frames of that frame behind that crashed the cycle collector later (measured: 1 test run in 3).
+    A run whose reserve differs from the learned one takes the plan it ran with.
 
     FSDP2's pieces are planned in order (their plans are agreed between ranks, one plan per piece,
     not a choice each rank makes). ``"min"`` plans every piece at its smallest budget on every call.
@@ -340,16 +359,20 @@ class PiecewiseBackend:
 
     def __init__(self, budget: Budget,
                  make_piece_backend: Callable[[Any, Callable[[Plan], None], bool, int], Callable],
-                 graph_breaks: str, on_plan: Callable[[Plan], None] | None = None):
+                 graph_breaks: str, on_plan: Callable[[Plan], None] | None = None,
+                 unreached_gradients_undefined: bool = False):
         self.budget = budget
         self.make_piece_backend = make_piece_backend
         self.graph_breaks = graph_breaks
         self.on_plan = on_plan or (lambda plan: None)
+        self.unreached_gradients_undefined = unreached_gradients_undefined
         self.step: Step | None = None
         self.warned: set[str] = set()
         self.entries: frozenset[types.CodeType] = frozenset()  # the code objects the step is entered through
-        self.graphs: list[dict[VariantKey, Variant]] = []  # each piece's graph: its plans so far
+        self.graphs: list[fx.GraphModule] = []  # each piece's graph
+        self.variants: list[dict[VariantKey, Variant]] = []  # each piece's graph: its plans so far
         self.paths: list[tuple[Run, ...]] = []  # the calls learned from, each run by run
+        self.unprepared: list[tuple[Run, ...]] = []  # paths learned whose runs are not planned again yet
         self.floors_next = False  # the next call plans every piece at its smallest budget (and is learned)
         self._bounds: dict[tuple, int] = {}  # per plan and reserve met: the most the step holds while it runs
         self._given: set[tuple[int, VariantKey]] = set()  # plans given to on_plan
@@ -402,22 +425,21 @@ class PiecewiseBackend:
         """A piece: Dynamo compiles a graph once, and it may run several times in one step (one
         FSDP2 block's forward serves every block, a frame split inside a loop every iteration),
         each time beside a different rest of the step, and in later calls with more room than in
-        the first. Each run gets its plan (`_choose`): the first now, inside Dynamo's compile;
-        others at the first run that needs them (with Dynamo off: the graph is compiled again
-        outside Dynamo's own compile)."""
+        the first. Each run gets its plan (`_choose`): the first now, inside Dynamo's compile."""
         graph = len(self.graphs)
-        self.graphs.append({})
+        self.graphs.append(gm)
+        self.variants.append({})
 
         def variant(args, inputs: frozenset[StorageKey]) -> Choice:
-            return self._choose(graph, gm, args, inputs)
+            return self._choose(graph, args, inputs)
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
         return self._recorded(variant)
 
-    def _choose(self, graph: int, gm: fx.GraphModule, args, inputs: frozenset[StorageKey]) -> Choice:
+    def _choose(self, graph: int, args, inputs: frozenset[StorageKey]) -> Choice:
         """The plan this run of ``graph`` runs with, beside what the rest of the step holds now (see
         the class docstring)."""
-        step, variants = self.step, self.graphs[graph]
+        step, variants = self.step, self.variants[graph]
         if step is None:  # run outside a call of the module: no reserve to plan for, the first plan made
             key = next(iter(variants))
             return Choice(graph, key, variants[key], Reserve(0))
@@ -425,63 +447,93 @@ class PiecewiseBackend:
             step.at_floors, self.floors_next = self.floors_next, False
         reserve = step.reserve(inputs)
         if self.budget.bytes is None:  # "min": every piece at its own smallest budget
-            return self._chosen(self._at(graph, gm, args, (None, reserve.backward_bytes), reserve))
-        budget = self.budget.bytes
+            return self._chosen(self._at(graph, args, (None, reserve.backward_bytes), reserve))
         if step.every_graph_a_piece:  # FSDP2: in order, each within what the rest leaves it
-            return self._chosen(self._at(graph, gm, args, (budget - reserve.bytes, reserve.backward_bytes), reserve))
-        paths = [] if step.at_floors else self._paths_through(step, graph, reserve.backward_bytes)
+            key = (self.budget.bytes - reserve.bytes, reserve.backward_bytes)
+            return self._chosen(self._at(graph, args, key, reserve))
+        done = [(p.graph, p.reserve.backward_bytes if p.reserve is not None else 0) for p in step.pieces]
+        paths = [] if step.at_floors else self._paths_through([*done, (graph, reserve.backward_bytes)])
         if not paths:
-            floor = self._at(graph, gm, args, (None, reserve.backward_bytes), reserve)
+            floor = self._at(graph, args, (None, reserve.backward_bytes), reserve)
             floor = dataclasses.replace(floor, at_floor=True)
             self._check_fits(floor, learned=False)
             return self._chosen(floor)
-        room = min(self._room(path, step) for path in paths)
-        ran = {path[len(step.pieces)].key for path in paths}
-        for key in self._candidates(graph, reserve, room):
-            if (graph, key) in self._infeasible:
-                continue
-            try:
-                choice = self._at(graph, gm, args, key, reserve)
-            except InfeasibleBudgetError:
-                self._infeasible.add((graph, key))
-                continue
-            if choice.variant.saved_bytes <= room:
-                break
-        else:  # keep a plan it ran with: the one that keeps least
-            key = min(ran, key=lambda k: (variants[k].saved_bytes, k[0] is None, k[0] or 0))
-            choice = self._at(graph, gm, args, key, reserve)
+        # (planned before the call, `prepare`: a plan not made then is not made now)
+        choice = self._within_room(graph, None, reserve, paths, [p.saved_bytes for p in step.pieces])
         self._check_fits(choice, learned=True)
         return self._chosen(choice)
 
-    def _candidates(self, graph: int, reserve: Reserve, room: float) -> list[VariantKey]:
-        """The plans to try for a run, in order, each taken if it keeps at most ``room`` for its
-        backward: within what the rest of the step leaves it; within ``room`` plus its resident
-        inputs (at its forward's end, what it keeps is alive beside those, so within its peak)."""
-        budget = self.budget.bytes - reserve.bytes
-        out = [(budget, reserve.backward_bytes)]
-        if room < budget:
-            plan = next((v.plan for v in self.graphs[graph].values() if v.plan is not None), None)
-            capped = int(room) + (resident_bytes(plan.graph) if plan is not None else 0)
-            if capped < budget:
-                out.append((capped, reserve.backward_bytes))
-        return out
+    def prepare(self) -> None:
+        """Before a call: plan again the runs of the paths learned since the last (see the class
+        docstring), each beside the reserve its learning call met, less what the earlier runs saved
+        there, plus what they keep now."""
+        planned = False
+        while self.unprepared:
+            path = self.unprepared.pop(0)
+            kept: list[int] = []
+            for r, run in enumerate(path):
+                reserve = Reserve(run.beside + sum(kept), run.backward_bytes)
+                paths = self._paths_through([x.step for x in path[:r + 1]])
+                choice = self._within_room(run.graph, run.inputs, reserve, paths, kept)
+                kept.append(choice.variant.saved_bytes)
+                planned = True
+        if planned:
+            # Planning leaves reference cycles through its frames (an error a solver raised and
+            # another caught, with its traceback); collected now, before the step runs.
+            gc.collect()
 
-    def _paths_through(self, step: Step, graph: int, backward_bytes: int) -> list[tuple[Run, ...]]:
-        """The calls learned from that ran as this one so far, and run ``graph`` next."""
-        here = [(p.graph, p.reserve.backward_bytes if p.reserve is not None else 0) for p in step.pieces]
-        here.append((graph, backward_bytes))
-        return [path for path in self.paths
-                if len(path) >= len(here) and [(r.graph, r.backward_bytes) for r in path[:len(here)]] == here]
+    def _within_room(self, graph: int, example_inputs, reserve: Reserve, paths: list[tuple[Run, ...]],
+                     kept: list[int]) -> Choice:
+        """The plan of run ``len(kept)`` of ``paths`` (``kept``: what the runs before it keep), beside
+        ``reserve``, that keeps at most the room the later runs leave it (`_room`): the plan within
+        what the rest of the step leaves it, if it keeps that little; else the plan at the largest
+        budget found that does, by bisection (`SEARCH_STEPS` plans at most) between the plan it ran
+        with when the step was learned, which does, and that budget. Plans are made only with
+        ``example_inputs`` (`prepare`); without, only those made already are taken."""
+        variants, backward_bytes = self.variants[graph], reserve.backward_bytes
+        room = min(self._room(path, kept) for path in paths)
 
-    def _room(self, path: tuple[Run, ...], step: Step) -> float:
-        """The most the run now starting may keep for its backward so that every later run of
-        ``path`` still fits with the plan it ran with: the budget, less what that run needed beside
-        the rest, what the rest held beside it but the earlier runs' saved values, and what the
-        other earlier runs keep (this call's as planned, the later ones' as they ran)."""
-        kept = sum(p.saved_bytes for p in step.pieces)
+        def planned_at(budget: int) -> Choice | None:
+            key = (budget, backward_bytes)
+            if (graph, key) in self._infeasible or (example_inputs is None and key not in variants):
+                return None
+            try:
+                return self._at(graph, example_inputs, key, reserve)
+            except InfeasibleBudgetError:
+                self._infeasible.add((graph, key))
+                return None
+
+        high = self.budget.bytes - reserve.bytes
+        largest = planned_at(high)
+        if largest is not None and largest.variant.saved_bytes <= room:
+            return largest
+        ran = {path[len(kept)].key for path in paths}
+        key = min(ran, key=lambda k: (variants[k].saved_bytes, k[0] is None, k[0] or 0))
+        best = self._at(graph, None, key, reserve)
+        low = best.variant.peak_bytes
+        for _ in range(SEARCH_STEPS):
+            if high - low <= self.budget.bytes // SEARCH_RESOLUTION:
+                break
+            middle = (low + high) // 2
+            choice = planned_at(middle)
+            if choice is not None and choice.variant.saved_bytes <= room:
+                best, low = choice, middle
+            else:
+                high = middle
+        return best
+
+    def _paths_through(self, runs: list[tuple[int, int]]) -> list[tuple[Run, ...]]:
+        """The paths learned that start with ``runs`` (each as (graph, backward bytes))."""
+        return [path for path in self.paths if len(path) >= len(runs) and [r.step for r in path[:len(runs)]] == runs]
+
+    def _room(self, path: tuple[Run, ...], kept: list[int]) -> float:
+        """The most run ``len(kept)`` of ``path`` may keep for its backward so that every later run
+        still fits with the plan it ran with: the budget, less what that run needed beside the
+        rest, what the rest held beside it but the earlier runs' saved values, and what the other
+        earlier runs keep (``kept``, then the later ones' as they ran)."""
         room, between = float("inf"), 0
-        for run in path[len(step.pieces) + 1:]:
-            room = min(room, self.budget.bytes - run.peak_bytes - run.beside - kept - between)
+        for run in path[len(kept) + 1:]:
+            room = min(room, self.budget.bytes - run.peak_bytes - run.beside - sum(kept) - between)
             between += run.saved_bytes
         return room
 
@@ -506,16 +558,18 @@ class PiecewiseBackend:
                    "smallest budget; the module's peak_bound_bytes then says what the step holds.")
         raise InfeasibleBudgetError(budget, need, f"{beside} {why}", exact=False)
 
-    def _at(self, graph: int, gm: fx.GraphModule, args, key: VariantKey, reserve: Reserve) -> Choice:
-        """The run of ``graph`` with the plan ``key`` names, compiled now if it was not yet."""
-        variants = self.graphs[graph]
+    def _at(self, graph: int, example_inputs, key: VariantKey, reserve: Reserve) -> Choice:
+        """The run of ``graph`` with the plan ``key`` names, compiled now if it was not yet (on
+        ``example_inputs``)."""
+        variants = self.variants[graph]
         if key not in variants:
             budget = Budget(minimum=True) if key[0] is None else key[0]
             log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)",
                      "at its smallest budget" if key[0] is None else f"within {format_bytes(key[0])}", reserve)
-            # (Dynamo compiles the graph once: a plan made later is compiled again, outside Dynamo's compile.)
+            # (Dynamo compiles a graph once, inside its compile; a plan for another reserve (FSDP2's
+            # blocks) is compiled while the piece runs, outside Dynamo's compile.)
             compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
-            variants[key] = compile_now(gm, args, budget, reserve)
+            variants[key] = compile_now(self.graphs[graph], example_inputs, budget, reserve)
         return Choice(graph, key, variants[key], reserve)
 
     def _chosen(self, choice: Choice) -> Choice:
@@ -530,29 +584,35 @@ class PiecewiseBackend:
 
     def learn(self, step: Step) -> None:
         """Learn the step from a call that planned some of its pieces at their smallest budget, once
-        the call has run (see the class docstring)."""
-        if not any(p.at_floor for p in step.pieces) or any(p.reserve is None for p in step.pieces):
+        the call has run: its path, planned again before the next call (`prepare`)."""
+        if not any(p.at_floor for p in step.pieces) or any(p.reserve is None or p.example is None
+                                                          for p in step.pieces):
             return
         runs, kept = [], 0
         for p in step.pieces:
             runs.append(Run(p.graph, p.reserve.backward_bytes, p.reserve.bytes - kept, p.key, p.saved_bytes,
-                            p.plan.peak_bytes if p.plan is not None else 0))
+                            p.plan.peak_bytes if p.plan is not None else 0, p.example))
             kept += p.saved_bytes
         self.paths.append(tuple(runs))
+        self.unprepared.append(tuple(runs))
 
     def _recorded(self, variant: Callable[[Any, frozenset[StorageKey]], Choice], whole: bool = False):
         """Run the compiled graph of the plan ``variant(args, inputs)`` chooses, and record it in the
-        step, with the autograd nodes its call made."""
+        step, with the autograd nodes its call made (and, where planned at its smallest budget
+        before the step was known, its inputs as fake tensors, to plan it again with)."""
         def run(*args):
             inputs = frozenset(storages(list(args)))
             choice = variant(args, inputs)
+            example = fake_copies(args) if choice.at_floor else None
             since = coverage.sequence_number()
             outputs = choice.variant.compiled(*args)
+            if self.unreached_gradients_undefined and not whole:
+                unreached_gradients_stay_undefined(outputs)
             if self.step is not None:
                 made = (since, coverage.sequence_number())
                 self.step.pieces.append(Piece(choice.variant.plan, inputs, choice.variant.saved_bytes,
                                               storages(outputs), storage_refs(outputs), made, whole, choice.graph,
-                                              choice.key, choice.reserve, choice.at_floor))
+                                              choice.key, choice.reserve, choice.at_floor, example))
             return outputs
 
         return run
@@ -568,24 +628,24 @@ class PiecewiseBackend:
         except InfeasibleBudgetError as err:
             if whole or not isinstance(budget, int):
                 raise
-            # In pieces, what a piece needs is a bound for the step, never its smallest feasible
-            # budget: at it, a later piece may need more. (Its own minimum counts what the rest
-            # holds beside its backward only.)
+            # In pieces planned in order (FSDP2's), what a piece needs is a bound for the step, never
+            # its smallest feasible budget: at it, a later piece may need more. (Its own minimum
+            # counts what the rest holds beside its backward only.)
             bound = InfeasibleBudgetError(budget + reserve.bytes, err.min_budget + reserve.bytes, err.detail,
                                           exact=False)
             raise bound.with_detail(
                 f"{beside} The pieces before it were planned first, keeping what fitted beside them; at a larger "
                 "budget they may keep more, so the budget named is what this piece needs beside them as planned "
-                "now, not a promise for the step. budget='min' plans every piece at its own smallest budget "
-                "instead, so that the earlier ones keep less; the module's peak_bound_bytes then says what the "
-                "step holds.") from None
+                "now, not a promise for the step.") from None
         plan = plans[-1] if plans else None
         return Variant(compiled, plan, plan.timeline().saved_bytes if plan is not None else 0)
 
 
-def resident_bytes(graph: Graph) -> int:
-    """Bytes of the storages a piece's graph holds from its start to its end: its inputs but the
-    incoming gradients (parameters, the tensors it takes). What its forward keeps for its
-    backward is alive beside them at the forward's end (`fxopt.solvers.schedule.simulate`: saved
-    values that alias them are free)."""
-    return sum(graph.nodes[r].bytes for r in {graph.roots[i] for i in graph.resident})
+def fake_copies(args) -> tuple:
+    """``args`` with each tensor as a fake tensor of one fake mode (shapes, strides, dtypes,
+    ``requires_grad`` and the storages they share, no data): a piece's example inputs to plan it
+    again with once it has run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    return tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
