@@ -14,7 +14,7 @@ also holds:
   - what holds memory through the step beside the model's tensors: DDP's gradient buckets
     (`fxopt.distributed.data_parallel`).
 
-fxopt plans piece k against ``budget − reserve_k``, the sum of the above but the later pieces'
+fxopt plans piece k within ``budget − reserve_k``, the sum of the above but the later pieces'
 gradients, which exist only once the backward has reached piece k: those are held through piece
 k's backward alone, as its plan counts its incoming gradients (`fxopt.analysis.analyze`'s
 ``backward_held_bytes``). So the peak of every piece, counted with everything else alive, is
@@ -33,6 +33,15 @@ twice (one module called on both sides of a break). Budgets
 are bytes, or "min" (each piece at its own smallest budget: the step then holds at most what
 `fxopt.FxoptModule.peak_bound_bytes` says); a fraction of the step's eager peak is not known until
 every piece has run.
+
+What an earlier piece keeps for its backward is part of every later piece's reserve, and it is
+planned before they are seen: planned to keep all that fits, it may leave a later piece no room.
+So a byte budget is planned across the pieces (`PiecewiseBackend`): the first call plans every
+piece at its smallest budget (within the budget, or refused), and once the call has shown every
+piece, each is planned again to keep no more than leaves every later piece the room it needed:
+
+    budget 100:  first call   piece 0 keeps 10, needs 60   piece 1 (beside 30 + 10) needs 50
+                 next calls   piece 0 keeps at most 100 - 50 - 30 = 20   piece 1 planned within 100 - 30 - 20
 """
 
 from __future__ import annotations
@@ -293,7 +302,7 @@ class Variant:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One run of a piece in a call the backend learned the step from (`PiecewiseBackend.learn`):
+    """One run of a piece in a call the backend learned the step from (`Learned.learn`):
     which graph ran, what the rest of the step held beside it but what the earlier runs saved
     (their plans decide that), the plan it ran with, within the budget, and its inputs as fake
     tensors (their shapes, strides, dtypes and aliasing, no data) to plan it again with."""
@@ -322,66 +331,277 @@ class Choice:
     at_floor: bool = False
 
 
+class Learned:
+    """The calls a step in pieces was learned from (`PiecewiseBackend`), each as its runs in order
+    (`Run`), and the room each run leaves the ones before it."""
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.paths: list[tuple[Run, ...]] = []
+        self.unprepared: list[tuple[Run, ...]] = []  # learned, their runs not planned again yet
+
+    def learn(self, step: Step) -> None:
+        """Learn the path of a call that planned some of its pieces at their smallest budget, once
+        it has run."""
+        if not any(p.at_floor for p in step.pieces) or any(p.reserve is None or p.example is None
+                                                          for p in step.pieces):
+            return
+        runs, kept = [], 0
+        for p in step.pieces:
+            runs.append(Run(p.graph, p.reserve.backward_bytes, p.reserve.bytes - kept, p.key, p.saved_bytes,
+                            p.plan.peak_bytes if p.plan is not None else 0, p.example))
+            kept += p.saved_bytes
+        self.paths.append(tuple(runs))
+        self.unprepared.append(tuple(runs))
+
+    def through(self, runs: list[tuple[int, int]]) -> list[tuple[Run, ...]]:
+        """The paths learned that start with ``runs`` (each as (graph, backward bytes))."""
+        return [path for path in self.paths if len(path) >= len(runs) and [r.step for r in path[:len(runs)]] == runs]
+
+    def room(self, path: tuple[Run, ...], kept: list[int]) -> float:
+        """The most run ``len(kept)`` of ``path`` may keep for its backward so that every later run
+        still fits with the plan it ran with: the budget, less what that run needed beside the
+        rest, what the rest held beside it but the earlier runs' saved values, and what the other
+        earlier runs keep (``kept``, then the later ones' as they ran)."""
+        room, between = float("inf"), 0
+        for run in path[len(kept) + 1:]:
+            room = min(room, self.budget - run.peak_bytes - run.beside - sum(kept) - between)
+            between += run.saved_bytes
+        return room
+
+
+def refusal(choice: Choice, budget: int, learned: bool) -> InfeasibleBudgetError:
+    """The error for a run whose plan, beside what the rest of the step holds, is over ``budget``:
+    planned at its smallest budget before the step was known, or in a call that ran differently
+    from those ``learned`` from."""
+    reserve = choice.reserve
+    beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
+    if learned:
+        why = ("This call ran differently from the calls fxopt learned the step from (another path through "
+               "the Python between the pieces, or more held beside them), so the pieces before this one kept "
+               "what fitted beside the pieces those calls ran. The next call plans every piece at its own "
+               "smallest budget again, and learns this path too.")
+    else:
+        why = ("fxopt plans every piece at its own smallest budget until it has seen the whole step, and at "
+               "that this piece needs this much beside the ones before it, so no plan of the step within the "
+               "budget is known; later pieces may need more. budget='min' plans every piece at its own "
+               "smallest budget; the module's peak_bound_bytes then says what the step holds.")
+    return InfeasibleBudgetError(budget, reserve.bytes + choice.variant.peak_bytes, f"{beside} {why}", exact=False)
+
+
+class RunPlans:
+    """The plans the runs of a step's pieces run with (`PiecewiseBackend`; the module docstring
+    says how a byte budget is planned across the pieces): the first call (and one that runs pieces
+    in an order not seen yet) plans every piece at its smallest budget, within the budget or
+    refused (`_check_fits`); once it has run, its path is learned (`Learned`); before the next call,
+    each run is planned again (`prepare`, `_within_room`), from the learning call's inputs as fake
+    tensors: a graph compiled while a piece runs, inside the frame Dynamo runs for the model, left
+    frames of it behind that crashed the cycle collector later (1 test run in 3). A run whose
+    reserve differs from the learned one takes the plan it ran with. FSDP2's pieces are planned in
+    order (their plans are agreed between ranks, one per piece, not chosen by each rank); ``"min"``
+    plans every piece at its smallest budget on every call. ``make_piece_backend``, ``on_plan``: as
+    for `PiecewiseBackend`."""
+
+    def __init__(self, budget: Budget, make_piece_backend: Callable, on_plan: Callable[[Plan], None]):
+        self.budget = budget
+        self.make_piece_backend = make_piece_backend
+        self.on_plan = on_plan
+        self.graphs: list[fx.GraphModule] = []  # each piece's graph
+        self.variants: list[dict[VariantKey, Variant]] = []  # each piece's graph: its plans so far
+        self.learned = Learned(budget.bytes)
+        self.floors_next = False  # the next call plans every piece at its smallest budget (and is learned)
+        self.bounds: dict[tuple, int] = {}  # per plan and reserve met: the most the step holds while it runs
+        self._given: set[tuple[int, VariantKey]] = set()  # plans given to on_plan
+        self._infeasible: set[tuple[int, VariantKey]] = set()  # plans tried that found no schedule
+
+    def add(self, gm: fx.GraphModule) -> int:
+        """A piece's graph, by its number."""
+        self.graphs.append(gm)
+        self.variants.append({})
+        return len(self.graphs) - 1
+
+    def whole(self, gm: fx.GraphModule, example_inputs) -> Choice:
+        """The plan of a graph that is the whole step."""
+        variant = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
+        return self._chosen(Choice(-1, (self.budget.bytes, 0), variant, Reserve(0)))
+
+    def choose(self, step: Step | None, graph: int, args, inputs: frozenset[StorageKey]) -> Choice:
+        """The plan this run of ``graph`` in ``step`` runs with, beside what the rest of the step
+        holds now (see the class docstring)."""
+        variants = self.variants[graph]
+        if step is None:  # run outside a call of the module: no reserve to plan for, the first plan made
+            key = next(iter(variants))
+            return Choice(graph, key, variants[key], Reserve(0))
+        if step.at_floors is None:  # (the call's first piece)
+            step.at_floors, self.floors_next = self.floors_next, False
+        reserve = step.reserve(inputs)
+        if self.budget.bytes is None:  # "min": every piece at its own smallest budget
+            return self._chosen(self._at(graph, args, (None, reserve.backward_bytes), reserve))
+        if step.every_graph_a_piece:  # FSDP2: in order, each within what the rest leaves it
+            key = (self.budget.bytes - reserve.bytes, reserve.backward_bytes)
+            return self._chosen(self._at(graph, args, key, reserve))
+        done = [(p.graph, p.reserve.backward_bytes if p.reserve is not None else 0) for p in step.pieces]
+        paths = [] if step.at_floors else self.learned.through([*done, (graph, reserve.backward_bytes)])
+        if not paths:
+            floor = self._at(graph, args, (None, reserve.backward_bytes), reserve)
+            floor = dataclasses.replace(floor, at_floor=True)
+            self._check_fits(floor, learned=False)
+            return self._chosen(floor)
+        # (planned before the call, `prepare`: a plan not made then is not made now)
+        choice = self._within_room(graph, None, reserve, paths, [p.saved_bytes for p in step.pieces])
+        self._check_fits(choice, learned=True)
+        return self._chosen(choice)
+
+    def prepare(self) -> None:
+        """Before a call: plan again the runs of the paths learned since the last (see the class
+        docstring), each beside the reserve its learning call met, less what the earlier runs saved
+        there, plus what they keep now."""
+        planned = False
+        while self.learned.unprepared:
+            path = self.learned.unprepared.pop(0)
+            kept: list[int] = []
+            for r, run in enumerate(path):
+                reserve = Reserve(run.beside + sum(kept), run.backward_bytes)
+                paths = self.learned.through([x.step for x in path[:r + 1]])
+                choice = self._within_room(run.graph, run.inputs, reserve, paths, kept)
+                kept.append(choice.variant.saved_bytes)
+                planned = True
+        if planned:
+            # Planning leaves reference cycles through its frames (an error a solver raised and
+            # another caught, with its traceback); collected now, before the step runs.
+            gc.collect()
+
+    def _within_room(self, graph: int, example_inputs, reserve: Reserve, paths: list[tuple[Run, ...]],
+                     kept: list[int]) -> Choice:
+        """The plan of run ``len(kept)`` of ``paths`` (``kept``: what the runs before it keep), beside
+        ``reserve``, that keeps at most the room the later runs leave it (`Learned.room`): the plan within
+        what the rest of the step leaves it, if it keeps that little; else the plan at the largest
+        budget found that does, by bisection (`SEARCH_STEPS` plans at most) between the plan it ran
+        with when the step was learned, which does, and that budget. Plans are made only with
+        ``example_inputs`` (`prepare`); without, only those made already are taken."""
+        variants, backward_bytes = self.variants[graph], reserve.backward_bytes
+        room = min(self.learned.room(path, kept) for path in paths)
+
+        def planned_at(budget: int) -> Choice | None:
+            key = (budget, backward_bytes)
+            if (graph, key) in self._infeasible or (example_inputs is None and key not in variants):
+                return None
+            try:
+                return self._at(graph, example_inputs, key, reserve)
+            except InfeasibleBudgetError:
+                self._infeasible.add((graph, key))
+                return None
+
+        high = self.budget.bytes - reserve.bytes
+        largest = planned_at(high)
+        if largest is not None and largest.variant.saved_bytes <= room:
+            return largest
+        ran = {path[len(kept)].key for path in paths}
+        key = min(ran, key=lambda k: (variants[k].saved_bytes, k[0] is None, k[0] or 0))
+        best = self._at(graph, None, key, reserve)
+        low = best.variant.peak_bytes
+        for _ in range(SEARCH_STEPS):
+            if high - low <= self.budget.bytes // SEARCH_RESOLUTION:
+                break
+            middle = (low + high) // 2
+            choice = planned_at(middle)
+            if choice is not None and choice.variant.saved_bytes <= room:
+                best, low = choice, middle
+            else:
+                high = middle
+        return best
+
+    def _check_fits(self, choice: Choice, learned: bool) -> None:
+        """Refuse a run whose plan, beside what the rest of the step holds, is over the budget (the
+        next call then plans every piece at its smallest budget, and is learned from)."""
+        if choice.reserve.bytes + choice.variant.peak_bytes > self.budget.bytes:
+            self.floors_next = True
+            raise refusal(choice, self.budget.bytes, learned)
+
+    def _at(self, graph: int, example_inputs, key: VariantKey, reserve: Reserve) -> Choice:
+        """The run of ``graph`` with the plan ``key`` names, compiled now if it was not yet (on
+        ``example_inputs``)."""
+        variants = self.variants[graph]
+        if key not in variants:
+            budget = Budget(minimum=True) if key[0] is None else key[0]
+            log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)",
+                     "at its smallest budget" if key[0] is None else f"within {format_bytes(key[0])}", reserve)
+            # (Dynamo compiles a graph once, inside its compile; a plan for another reserve (FSDP2's
+            # blocks) is compiled while the piece runs, outside Dynamo's compile.)
+            compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
+            variants[key] = compile_now(self.graphs[graph], example_inputs, budget, reserve)
+        return Choice(graph, key, variants[key], reserve)
+
+    def _chosen(self, choice: Choice) -> Choice:
+        """``choice``, its plan given to ``on_plan`` once, and the most the step holds while it runs."""
+        plan = choice.variant.plan
+        if plan is not None:
+            if (choice.graph, choice.key) not in self._given:
+                self._given.add((choice.graph, choice.key))
+                self.on_plan(plan)
+            self.bounds[choice.graph, choice.key, choice.reserve] = choice.reserve.bytes + plan.peak_bytes
+        return choice
+
+    def _compile(self, gm, example_inputs, budget, reserve: Reserve, *, whole: bool = False) -> Variant:
+        """The graph compiled with its plan for ``budget`` (bytes, or a `Budget`)."""
+        beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
+        if reserve.bytes and isinstance(budget, int) and budget <= 0:
+            raise InfeasibleBudgetError(budget + reserve.bytes, reserve.bytes + 1, beside, exact=False)
+        plans: list[Plan] = []
+        try:
+            compiled = self.make_piece_backend(budget, plans.append, whole, reserve.backward_bytes)(gm, example_inputs)
+        except InfeasibleBudgetError as err:
+            if whole or not isinstance(budget, int):
+                raise
+            # In pieces planned in order (FSDP2's), what a piece needs is a bound for the step, never
+            # its smallest feasible budget: at it, a later piece may need more. (Its own minimum
+            # counts what the rest holds beside its backward only.)
+            bound = InfeasibleBudgetError(budget + reserve.bytes, err.min_budget + reserve.bytes, err.detail,
+                                          exact=False)
+            raise bound.with_detail(
+                f"{beside} The pieces before it were planned first, keeping what fitted beside them; at a larger "
+                "budget they may keep more, so the budget named is what this piece needs beside them as planned "
+                "now, not a promise for the step.") from None
+        plan = plans[-1] if plans else None
+        return Variant(compiled, plan, plan.timeline().saved_bytes if plan is not None else 0)
+
+
+
+
 class PiecewiseBackend:
     """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
-    piece against the budget minus what the rest of the step holds (see the module docstring).
-    ``make_piece_backend(budget, on_plan, whole, backward_bytes)`` builds the planning backend of
-    one piece (``whole``: the piece is the whole step; ``backward_bytes``: held beside its backward
-    only, `Reserve.backward_bytes`); ``on_plan`` is given each plan a run of the step runs with.
-
-    A byte budget is planned across the pieces, not greedily in order. An earlier piece's plan is
-    made before the later pieces are seen, and what it keeps for its backward stays alive while
-    they run: planned to keep all that fits, it may leave a later piece no room (a transformers
-    GPT-2 with a break after its decoder: refused at eager's own peak, 23.1 MiB, where every piece
-    at its smallest budget needs 17.1). So:
-
-      - the first call (and any call that runs pieces in an order not seen yet) plans every piece
-        at its own smallest budget, as ``"min"`` does, and refuses where even that does not fit: the
-        step holds the budget from its first call on;
-      - once it has run, every piece is known (`learn`): for each run, what the rest of the step
-        held beside it but what the earlier runs saved, what its plan needed and kept;
-      - before the next call (`prepare`), each run is planned again, in order, keeping for its
-        backward at most ``room``: the least, over the later runs, of the budget less what each
-        needed beside the rest and what the other runs keep. That is the plan within what the rest
-        of the step leaves it where it keeps so little; else the plan at the largest budget found
-        that does (by bisection, `SEARCH_STEPS` plans at most), or the plan it ran with. By
-        induction over the runs, every later run still has the room its plan needs, so each call
-        holds the budget.
-
-    The plans are made before the call, from the inputs the learning call gave each piece, as fake
-    tensors: a graph compiled while a piece runs, inside the frame Dynamo runs for the model, left
-    frames of that frame behind that crashed the cycle collector later (measured: 1 test run in 3).
-    A run whose reserve differs from the learned one takes the plan it ran with.
-
-    FSDP2's pieces are planned in order (their plans are agreed between ranks, one plan per piece,
-    not a choice each rank makes). ``"min"`` plans every piece at its smallest budget on every call.
-    """
+    piece against the budget minus what the rest of the step holds (see the module docstring; the
+    plans of its runs: `RunPlans`). ``make_piece_backend(budget, on_plan, whole, backward_bytes)``
+    builds the planning backend of one piece (``whole``: the piece is the whole step;
+    ``backward_bytes``: held beside its backward only, `Reserve.backward_bytes`); ``on_plan`` is
+    given each plan a run of the step runs with; ``unreached_gradients_undefined``: the pieces'
+    outputs the loss does not reach get no zero-filled gradient (the eager compiler:
+    `fxopt.capture.dynamo.unreached_gradients_stay_undefined`)."""
 
     def __init__(self, budget: Budget,
                  make_piece_backend: Callable[[Any, Callable[[Plan], None], bool, int], Callable],
                  graph_breaks: str, on_plan: Callable[[Plan], None] | None = None,
                  unreached_gradients_undefined: bool = False):
         self.budget = budget
-        self.make_piece_backend = make_piece_backend
         self.graph_breaks = graph_breaks
-        self.on_plan = on_plan or (lambda plan: None)
+        self.runs = RunPlans(budget, make_piece_backend, on_plan or (lambda plan: None))
         self.unreached_gradients_undefined = unreached_gradients_undefined
         self.step: Step | None = None
         self.warned: set[str] = set()
         self.entries: frozenset[types.CodeType] = frozenset()  # the code objects the step is entered through
-        self.graphs: list[fx.GraphModule] = []  # each piece's graph
-        self.variants: list[dict[VariantKey, Variant]] = []  # each piece's graph: its plans so far
-        self.paths: list[tuple[Run, ...]] = []  # the calls learned from, each run by run
-        self.unprepared: list[tuple[Run, ...]] = []  # paths learned whose runs are not planned again yet
-        self.floors_next = False  # the next call plans every piece at its smallest budget (and is learned)
-        self._bounds: dict[tuple, int] = {}  # per plan and reserve met: the most the step holds while it runs
-        self._given: set[tuple[int, VariantKey]] = set()  # plans given to on_plan
-        self._infeasible: set[tuple[int, VariantKey]] = set()  # plans tried that found no schedule
 
     @property
     def bounds(self) -> list[int]:
         """Per plan run, beside each reserve it met: the most the step holds while it runs."""
-        return list(self._bounds.values())
+        return list(self.runs.bounds.values())
+
+    def prepare(self) -> None:
+        """Before a call: the runs of the calls learned from planned again (`RunPlans.prepare`)."""
+        self.runs.prepare()
+
+    def learn(self, step: Step) -> None:
+        """After a call: its path learned where it planned pieces at their smallest budget (`Learned`)."""
+        self.runs.learned.learn(step)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         where = break_location(gm)
@@ -389,8 +609,7 @@ class PiecewiseBackend:
             where = f"a graph break inside {nested}, which Dynamo compiled on its own"
         in_pieces = where is not None or bool(self.step and (self.step.pieces or self.step.every_graph_a_piece))
         if not in_pieces:  # the whole step in one graph
-            variant = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
-            choice = self._chosen(Choice(-1, (self.budget.bytes, 0), variant, Reserve(0)))
+            choice = self.runs.whole(gm, example_inputs)
             return self._recorded(lambda args, inputs: choice, whole=True)
         if self.graph_breaks == "error":
             raise CaptureError(
@@ -425,176 +644,14 @@ class PiecewiseBackend:
         """A piece: Dynamo compiles a graph once, and it may run several times in one step (one
         FSDP2 block's forward serves every block, a frame split inside a loop every iteration),
         each time beside a different rest of the step, and in later calls with more room than in
-        the first. Each run gets its plan (`_choose`): the first now, inside Dynamo's compile."""
-        graph = len(self.graphs)
-        self.graphs.append(gm)
-        self.variants.append({})
+        the first. Each run gets its plan (`RunPlans.choose`): the first now, inside Dynamo's compile."""
+        graph = self.runs.add(gm)
 
         def variant(args, inputs: frozenset[StorageKey]) -> Choice:
-            return self._choose(graph, args, inputs)
+            return self.runs.choose(self.step, graph, args, inputs)
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
         return self._recorded(variant)
-
-    def _choose(self, graph: int, args, inputs: frozenset[StorageKey]) -> Choice:
-        """The plan this run of ``graph`` runs with, beside what the rest of the step holds now (see
-        the class docstring)."""
-        step, variants = self.step, self.variants[graph]
-        if step is None:  # run outside a call of the module: no reserve to plan for, the first plan made
-            key = next(iter(variants))
-            return Choice(graph, key, variants[key], Reserve(0))
-        if step.at_floors is None:  # (the call's first piece)
-            step.at_floors, self.floors_next = self.floors_next, False
-        reserve = step.reserve(inputs)
-        if self.budget.bytes is None:  # "min": every piece at its own smallest budget
-            return self._chosen(self._at(graph, args, (None, reserve.backward_bytes), reserve))
-        if step.every_graph_a_piece:  # FSDP2: in order, each within what the rest leaves it
-            key = (self.budget.bytes - reserve.bytes, reserve.backward_bytes)
-            return self._chosen(self._at(graph, args, key, reserve))
-        done = [(p.graph, p.reserve.backward_bytes if p.reserve is not None else 0) for p in step.pieces]
-        paths = [] if step.at_floors else self._paths_through([*done, (graph, reserve.backward_bytes)])
-        if not paths:
-            floor = self._at(graph, args, (None, reserve.backward_bytes), reserve)
-            floor = dataclasses.replace(floor, at_floor=True)
-            self._check_fits(floor, learned=False)
-            return self._chosen(floor)
-        # (planned before the call, `prepare`: a plan not made then is not made now)
-        choice = self._within_room(graph, None, reserve, paths, [p.saved_bytes for p in step.pieces])
-        self._check_fits(choice, learned=True)
-        return self._chosen(choice)
-
-    def prepare(self) -> None:
-        """Before a call: plan again the runs of the paths learned since the last (see the class
-        docstring), each beside the reserve its learning call met, less what the earlier runs saved
-        there, plus what they keep now."""
-        planned = False
-        while self.unprepared:
-            path = self.unprepared.pop(0)
-            kept: list[int] = []
-            for r, run in enumerate(path):
-                reserve = Reserve(run.beside + sum(kept), run.backward_bytes)
-                paths = self._paths_through([x.step for x in path[:r + 1]])
-                choice = self._within_room(run.graph, run.inputs, reserve, paths, kept)
-                kept.append(choice.variant.saved_bytes)
-                planned = True
-        if planned:
-            # Planning leaves reference cycles through its frames (an error a solver raised and
-            # another caught, with its traceback); collected now, before the step runs.
-            gc.collect()
-
-    def _within_room(self, graph: int, example_inputs, reserve: Reserve, paths: list[tuple[Run, ...]],
-                     kept: list[int]) -> Choice:
-        """The plan of run ``len(kept)`` of ``paths`` (``kept``: what the runs before it keep), beside
-        ``reserve``, that keeps at most the room the later runs leave it (`_room`): the plan within
-        what the rest of the step leaves it, if it keeps that little; else the plan at the largest
-        budget found that does, by bisection (`SEARCH_STEPS` plans at most) between the plan it ran
-        with when the step was learned, which does, and that budget. Plans are made only with
-        ``example_inputs`` (`prepare`); without, only those made already are taken."""
-        variants, backward_bytes = self.variants[graph], reserve.backward_bytes
-        room = min(self._room(path, kept) for path in paths)
-
-        def planned_at(budget: int) -> Choice | None:
-            key = (budget, backward_bytes)
-            if (graph, key) in self._infeasible or (example_inputs is None and key not in variants):
-                return None
-            try:
-                return self._at(graph, example_inputs, key, reserve)
-            except InfeasibleBudgetError:
-                self._infeasible.add((graph, key))
-                return None
-
-        high = self.budget.bytes - reserve.bytes
-        largest = planned_at(high)
-        if largest is not None and largest.variant.saved_bytes <= room:
-            return largest
-        ran = {path[len(kept)].key for path in paths}
-        key = min(ran, key=lambda k: (variants[k].saved_bytes, k[0] is None, k[0] or 0))
-        best = self._at(graph, None, key, reserve)
-        low = best.variant.peak_bytes
-        for _ in range(SEARCH_STEPS):
-            if high - low <= self.budget.bytes // SEARCH_RESOLUTION:
-                break
-            middle = (low + high) // 2
-            choice = planned_at(middle)
-            if choice is not None and choice.variant.saved_bytes <= room:
-                best, low = choice, middle
-            else:
-                high = middle
-        return best
-
-    def _paths_through(self, runs: list[tuple[int, int]]) -> list[tuple[Run, ...]]:
-        """The paths learned that start with ``runs`` (each as (graph, backward bytes))."""
-        return [path for path in self.paths if len(path) >= len(runs) and [r.step for r in path[:len(runs)]] == runs]
-
-    def _room(self, path: tuple[Run, ...], kept: list[int]) -> float:
-        """The most run ``len(kept)`` of ``path`` may keep for its backward so that every later run
-        still fits with the plan it ran with: the budget, less what that run needed beside the
-        rest, what the rest held beside it but the earlier runs' saved values, and what the other
-        earlier runs keep (``kept``, then the later ones' as they ran)."""
-        room, between = float("inf"), 0
-        for run in path[len(kept) + 1:]:
-            room = min(room, self.budget.bytes - run.peak_bytes - run.beside - sum(kept) - between)
-            between += run.saved_bytes
-        return room
-
-    def _check_fits(self, choice: Choice, learned: bool) -> None:
-        """Refuse a run whose plan, beside what the rest of the step holds, is over the budget."""
-        budget, reserve = self.budget.bytes, choice.reserve
-        need = reserve.bytes + choice.variant.peak_bytes
-        if need <= budget:
-            return
-        self.floors_next = True
-        beside = (f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece "
-                  "runs.")
-        if learned:
-            why = ("This call ran differently from the calls fxopt learned the step from (another path through "
-                   "the Python between the pieces, or more held beside them), so the pieces before this one kept "
-                   "what fitted beside the pieces those calls ran. The next call plans every piece at its own "
-                   "smallest budget again, and learns this path too.")
-        else:
-            why = ("fxopt plans every piece at its own smallest budget until it has seen the whole step, and at "
-                   "that this piece needs this much beside the ones before it, so no plan of the step within the "
-                   "budget is known; later pieces may need more. budget='min' plans every piece at its own "
-                   "smallest budget; the module's peak_bound_bytes then says what the step holds.")
-        raise InfeasibleBudgetError(budget, need, f"{beside} {why}", exact=False)
-
-    def _at(self, graph: int, example_inputs, key: VariantKey, reserve: Reserve) -> Choice:
-        """The run of ``graph`` with the plan ``key`` names, compiled now if it was not yet (on
-        ``example_inputs``)."""
-        variants = self.variants[graph]
-        if key not in variants:
-            budget = Budget(minimum=True) if key[0] is None else key[0]
-            log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)",
-                     "at its smallest budget" if key[0] is None else f"within {format_bytes(key[0])}", reserve)
-            # (Dynamo compiles a graph once, inside its compile; a plan for another reserve (FSDP2's
-            # blocks) is compiled while the piece runs, outside Dynamo's compile.)
-            compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
-            variants[key] = compile_now(self.graphs[graph], example_inputs, budget, reserve)
-        return Choice(graph, key, variants[key], reserve)
-
-    def _chosen(self, choice: Choice) -> Choice:
-        """``choice``, its plan given to ``on_plan`` once, and the most the step holds while it runs."""
-        plan = choice.variant.plan
-        if plan is not None:
-            if (choice.graph, choice.key) not in self._given:
-                self._given.add((choice.graph, choice.key))
-                self.on_plan(plan)
-            self._bounds[choice.graph, choice.key, choice.reserve] = choice.reserve.bytes + plan.peak_bytes
-        return choice
-
-    def learn(self, step: Step) -> None:
-        """Learn the step from a call that planned some of its pieces at their smallest budget, once
-        the call has run: its path, planned again before the next call (`prepare`)."""
-        if not any(p.at_floor for p in step.pieces) or any(p.reserve is None or p.example is None
-                                                          for p in step.pieces):
-            return
-        runs, kept = [], 0
-        for p in step.pieces:
-            runs.append(Run(p.graph, p.reserve.backward_bytes, p.reserve.bytes - kept, p.key, p.saved_bytes,
-                            p.plan.peak_bytes if p.plan is not None else 0, p.example))
-            kept += p.saved_bytes
-        self.paths.append(tuple(runs))
-        self.unprepared.append(tuple(runs))
 
     def _recorded(self, variant: Callable[[Any, frozenset[StorageKey]], Choice], whole: bool = False):
         """Run the compiled graph of the plan ``variant(args, inputs)`` chooses, and record it in the
@@ -616,29 +673,6 @@ class PiecewiseBackend:
             return outputs
 
         return run
-
-    def _compile(self, gm, example_inputs, budget, reserve: Reserve, *, whole: bool = False) -> Variant:
-        """The graph compiled with its plan for ``budget`` (bytes, or a `Budget`)."""
-        beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
-        if reserve.bytes and isinstance(budget, int) and budget <= 0:
-            raise InfeasibleBudgetError(budget + reserve.bytes, reserve.bytes + 1, beside, exact=False)
-        plans: list[Plan] = []
-        try:
-            compiled = self.make_piece_backend(budget, plans.append, whole, reserve.backward_bytes)(gm, example_inputs)
-        except InfeasibleBudgetError as err:
-            if whole or not isinstance(budget, int):
-                raise
-            # In pieces planned in order (FSDP2's), what a piece needs is a bound for the step, never
-            # its smallest feasible budget: at it, a later piece may need more. (Its own minimum
-            # counts what the rest holds beside its backward only.)
-            bound = InfeasibleBudgetError(budget + reserve.bytes, err.min_budget + reserve.bytes, err.detail,
-                                          exact=False)
-            raise bound.with_detail(
-                f"{beside} The pieces before it were planned first, keeping what fitted beside them; at a larger "
-                "budget they may keep more, so the budget named is what this piece needs beside them as planned "
-                "now, not a promise for the step.") from None
-        plan = plans[-1] if plans else None
-        return Variant(compiled, plan, plan.timeline().saved_bytes if plan is not None else 0)
 
 
 def fake_copies(args) -> tuple:
