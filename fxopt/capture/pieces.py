@@ -422,8 +422,9 @@ class RunPlans:
 
     def whole(self, gm: fx.GraphModule, example_inputs) -> Choice:
         """The plan of a graph that is the whole step."""
-        variant = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
-        return self._chosen(Choice(-1, (self.budget.bytes, 0), variant, Reserve(0)))
+        graph, key = self.add(gm), (self.budget.bytes, 0)
+        self.variants[graph][key] = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
+        return self._chosen(Choice(graph, key, self.variants[graph][key], Reserve(0)))
 
     def choose(self, step: Step | None, graph: int, args, inputs: frozenset[StorageKey]) -> Choice:
         """The plan this run of ``graph`` in ``step`` runs with, beside what the rest of the step
