@@ -395,9 +395,12 @@ class RunPlans:
     in an order not seen yet) plans every piece at its smallest budget, within the budget or
     refused (`_check_fits`); once it has run, its path is learned (`Learned`); before the next call,
     each run is planned again (`prepare`, `_within_room`), from the learning call's inputs as fake
-    tensors: a graph compiled while a piece runs, inside the frame Dynamo runs for the model, left
-    frames of it behind that crashed the cycle collector later (1 test run in 3). A run whose
-    reserve differs from the learned one takes the plan it ran with. FSDP2's pieces are planned in
+    tensors, not while a piece runs: compiled mid-step, inside the frame Dynamo runs for the model,
+    the new plans made a later full collection crash the interpreter on corrupted memory, 1 test
+    run in 3 (the cause is not found; graphs that run several times a step are still compiled
+    mid-step for their later runs, and transformers' Longformer, split several times a layer,
+    crashes so at `1f2eb34` too, in the CPU profiler's destructor). A run whose reserve differs
+    from the learned one takes the plan it ran with. FSDP2's pieces are planned in
     order (their plans are agreed between ranks, one per piece, not chosen by each rank); ``"min"``
     plans every piece at its smallest budget on every call. ``make_piece_backend``, ``on_plan``: as
     for `PiecewiseBackend`."""
@@ -527,8 +530,9 @@ class RunPlans:
             budget = Budget(minimum=True) if key[0] is None else key[0]
             log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)",
                      "at its smallest budget" if key[0] is None else f"within {format_bytes(key[0])}", reserve)
-            # (Dynamo compiles a graph once, inside its compile; a plan for another reserve (FSDP2's
-            # blocks) is compiled while the piece runs, outside Dynamo's compile.)
+            # (Dynamo compiles a graph once, inside its compile: the first plan then. Another (a run
+            # beside another reserve, FSDP2's blocks; at another floor; `prepare`) is compiled
+            # outside Dynamo's compile.)
             compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
             variants[key] = compile_now(self.graphs[graph], example_inputs, budget, reserve)
         return Choice(graph, key, variants[key], reserve)
@@ -684,3 +688,4 @@ def fake_copies(args) -> tuple:
 
     mode = FakeTensorMode()
     return tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+
