@@ -688,4 +688,3 @@ def fake_copies(args) -> tuple:
 
     mode = FakeTensorMode()
     return tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
-
