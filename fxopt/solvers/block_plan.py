@@ -44,7 +44,9 @@ peak is over the budget anyway is tried again with the budget lowered by the exc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import warnings
 from collections import deque
 from collections.abc import Callable
 
@@ -70,8 +72,6 @@ KIND_SOLVER = "instant"
 # A plan leaving more than this beyond the least any plan of its kind leaves alive after its
 # backward is no plan of the curve (see `KindCurve.add`); less is left to the simulator to count.
 LEFTOVER_SLACK = 4096
-# The most of the first segment's values the variants recompute one by one (`_saved_variants`).
-MAX_RECOMPUTED_FIRST = 4
 # The most (kept bytes, cost) pairs `_cheapest` carries from a segment to the next; beyond it,
 # evenly thinned.
 PARETO_CAP = 4000
@@ -283,6 +283,15 @@ class BlockChain:
     def keep(self, s: int) -> np.ndarray:
         return np.array([p.keep for p in self.points(s)], dtype=np.int64)
 
+    def copy(self) -> BlockChain:
+        """The same chain, its curves drawn further apart from this one's (a solve refines its own)."""
+        kinds = []
+        for kind in self.kinds:
+            other = copy.copy(kind)
+            other.points, other.asked = list(kind.points), set(kind.asked)
+            kinds.append(other)
+        return BlockChain(self.blocks, kinds, self.variants)
+
     def cost(self, s: int) -> np.ndarray:
         return np.array([p.cost for p in self.points(s)])
 
@@ -318,13 +327,10 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
 
 def _saved_variants(blocks: Blocks) -> list[frozenset[int]]:
     """What the step may SAVE for the segments: all that segments read from one another
-    (`Blocks.forced`), then less the first segment's such values, the most bytes per second of
-    recomputation first, one more each time (at most `MAX_RECOMPUTED_FIRST`), then less all."""
-    nodes = blocks.graph.nodes
-    first = sorted(blocks.forced & frozenset(blocks.segments[0].members),
-                   key=lambda i: (-nodes[i].bytes / max(nodes[i].cost, 1e-12), i))
-    out = [blocks.forced - frozenset(first[:k]) for k in range(min(len(first), MAX_RECOMPUTED_FIRST) + 1)]
-    return list(dict.fromkeys(out + [blocks.forced - frozenset(first)]))
+    (`Blocks.forced`), or that less the first segment's values, which are then recomputed
+    where read (before a language model's layers: the embedding, RoPE's tables, the mask, each
+    made again at little cost)."""
+    return list(dict.fromkeys((blocks.forced, blocks.forced - frozenset(blocks.segments[0].members))))
 
 
 def _offsets(blocks: Blocks, kinds: list[KindCurve], probe: list[int], timeline: Timeline):
@@ -466,23 +472,23 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
     with the budget lowered by the excess."""
     if chain is None:
         return []
-    graph = chain.blocks.graph
-    out: list[Candidate] = []
+    runs: dict[tuple, Candidate] = {}
 
     def run(found: Choice) -> Timeline:
-        variant, choice = found
-        schedule = expand(chain.blocks, chain.kinds, choice, variant.saved)
-        out.append((schedule, simulate(graph, schedule)))
-        return out[-1][1]
+        key = (chain.variants.index(found[0]), tuple(found[1]))
+        if key not in runs:
+            runs[key] = _run(chain, found)
+        return runs[key][1]
 
     lowest = _cheapest(chain, _lowest(chain))
     if lowest is not None:
         run(lowest)
-    target, rounds = budget, 0
+    target, rounds, tries = budget, 0, 0
     while (found := _cheapest(chain, target)) is not None:
         timeline = run(found)
         if timeline.peak_bytes > budget:
-            if target <= budget - 2 * (timeline.peak_bytes - budget) or len(out) > REFINE_ROUNDS + 3:
+            tries += 1
+            if tries > 2:
                 break
             target -= timeline.peak_bytes - budget
             continue
@@ -493,22 +499,58 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
         refinements -= solved
         if not added:
             break
-    return out
+    return list(runs.values())
 
 
-def solver_for(effort: Effort, deadline: Deadline, mip_solver: str | None) -> tuple[Solve, Callable[[Graph], Schedule]]:
-    """The kinds' solvers: `fxopt.solvers.solve` at a budget (None where nothing fits), and its
-    lowest-peak plan, with the effort and safety stop of the solve that asks."""
-    from fxopt.solvers.auto import solve  # (auto runs this module's phase: imported when it runs)
-    from fxopt.solvers.minimum import lowest_schedule
+def _run(chain: BlockChain, found: Choice) -> Candidate:
+    variant, choice = found
+    schedule = expand(chain.blocks, chain.kinds, choice, variant.saved)
+    return schedule, simulate(chain.blocks.graph, schedule)
 
+
+def lowest_block_plan(chain: BlockChain | None) -> Candidate | None:
+    """The chain's plan of the least predicted peak (the cheapest of those), simulated."""
+    found = None if chain is None else _cheapest(chain, _lowest(chain))
+    return None if found is None else _run(chain, found)
+
+
+def memo_chain(graph: Graph, solvers: tuple[Solve, Callable[[Graph], Schedule]], key: tuple,
+               memo=None) -> BlockChain | None:
+    """`block_chain` with the kinds' ``solvers`` (`solver_for`), kept in ``memo`` (a
+    `fxopt.solvers.minimum.Memo`, by the graph's content and ``key``: what the solvers' answers
+    depend on) and given as a copy, which a solve may refine without changing what the next one
+    starts from."""
+    key = ("blocks", *key)
+    known = memo.get(graph, key) if memo is not None else None
+    if known is None:
+        known = (block_chain(graph, *solvers),)
+        if memo is not None:
+            memo.put(graph, key, known)
+    return None if known[0] is None else known[0].copy()
+
+
+def solver_for(solve, lowest, effort: Effort, deadline: Deadline,
+               mip_solver: str | None) -> tuple[Solve, Callable[[Graph], Schedule]]:
+    """The kinds' solvers, from ``solve`` (`fxopt.solvers.solve`: here with `KIND_SOLVER`, None
+    where nothing fits) and ``lowest`` (`fxopt.solvers.minimum.lowest_schedule`: a lowest-peak
+    plan), with the effort and safety stop of the solve that asks. (Given, not imported: they run
+    this module's phase.)"""
     def at(graph: Graph, budget: int) -> Schedule | None:
-        try:
-            return solve(graph, budget, KIND_SOLVER, effort=effort, time_limit=deadline, mip_solver=mip_solver).schedule
-        except InfeasibleBudgetError:
-            return None
+        # (Said once, by the solve that asks: a phase the time limit stops is named in its shared
+        # ``deadline``, and so in its answer and warning.)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                return solve(graph, budget, KIND_SOLVER, effort=effort, time_limit=deadline, mip_solver=mip_solver,
+                             on_progress=_quiet).schedule
+            except InfeasibleBudgetError:
+                return None
 
-    def lowest(graph: Graph) -> Schedule:
-        return lowest_schedule(graph, effort=effort, time_limit=deadline, mip_solver=mip_solver).schedule
+    def lowest_of(graph: Graph) -> Schedule:
+        return lowest(graph, effort=effort, time_limit=deadline, mip_solver=mip_solver).schedule
 
-    return at, lowest
+    return at, lowest_of
+
+
+def _quiet(message: str) -> None:
+    """(A kind's solves say nothing: the step's solve says what it does.)"""
