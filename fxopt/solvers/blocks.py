@@ -43,6 +43,10 @@ from fxopt.solvers.heuristics import checkpoint_cuts
 from fxopt.solvers.policies import block_of
 
 
+# The copies of one kind that make a step one of repeated blocks (`Blocks.repeated`).
+MIN_COPIES = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Segment:
     index: tuple[int, ...]  # per node of its own graph, the step's node: its inputs, then its members
@@ -68,13 +72,14 @@ class Blocks:
 
     @property
     def repeated(self) -> bool:
-        """Whether some kind has two copies or more (else there is nothing to solve once)."""
-        return len(self.kinds) < len(self.segments)
+        """Whether some kind has `MIN_COPIES` copies or more: a deep step (a shallower one is
+        planned whole, as fast and never worse)."""
+        return max(len(self.copies(k)) for k in range(len(self.kinds))) >= MIN_COPIES
 
 
 def find_blocks(graph: Graph) -> Blocks | None:
     """The step as a chain of segments, its identical ones grouped; None where the forward is not
-    cut into at least three segments or no two segments are copies."""
+    cut into at least three segments or no kind has `MIN_COPIES` copies."""
     if not graph.backward_nodes or len({n.name for n in graph.nodes}) < len(graph.nodes):
         return None  # (names are how a timeline's events are read back)
     segment_of = _forward_segments(graph)
@@ -90,8 +95,9 @@ def find_blocks(graph: Graph) -> Blocks | None:
     kinds: dict[tuple, int] = {}
     graphs: list[Graph] = []
     segments = []
+    live = set(segment_of) | set(graph.backward_nodes)  # (a forward value nothing needs never runs)
     for mine in members:
-        index, inputs, local = _cut_out(graph, sorted(mine))
+        index, inputs, local = _cut_out(graph, sorted(mine), live)
         kind = kinds.setdefault(_shape(local), len(kinds))
         if kind == len(graphs):
             graphs.append(local)
@@ -123,14 +129,10 @@ def _forward_segments(graph: Graph) -> dict[int, int]:
 
 
 def _exported(graph: Graph, segment_of: dict[int, int]) -> frozenset[int]:
-    """Forward values a node of another segment reads (forward values, and backward nodes once
-    assigned: here, any backward node), through views to what they are made from."""
+    """Forward values the forward of another segment reads."""
     out = set()
-    for i, node in enumerate(graph.nodes):
-        mine = segment_of.get(i)
-        for j in node.inputs:
-            if j in segment_of and (mine is None or mine != segment_of[j]) and node.kind == "forward":
-                out.add(j)
+    for i, mine in segment_of.items():
+        out.update(j for j in graph.nodes[i].inputs if j in segment_of and segment_of[j] != mine)
     return frozenset(out)
 
 
@@ -165,9 +167,9 @@ def _assign_backward(graph: Graph, segment_of: dict[int, int], exported: frozens
     return out
 
 
-def _cut_out(graph: Graph, members: list[int]) -> tuple[tuple[int, ...], int, Graph]:
+def _cut_out(graph: Graph, members: list[int], live: set[int]) -> tuple[tuple[int, ...], int, Graph]:
     """A segment as a graph of its own (see the module): (its nodes' indices in the step, how many
-    are inputs, the graph)."""
+    are inputs, the graph). ``live``: the nodes that run (a reader outside them reads nothing)."""
     nodes = graph.nodes
     inside = set(members)
     outside: dict[int, None] = {}
@@ -191,7 +193,7 @@ def _cut_out(graph: Graph, members: list[int]) -> tuple[tuple[int, ...], int, Gr
     for i in members:
         n = nodes[i]
         storage = None if n.storage is None or n.storage == i else local[n.storage]
-        read_outside = any(u not in inside for u in users[i])
+        read_outside = any(u not in inside and u in live for u in users[i])
         out.append(dataclasses.replace(
             n, inputs=tuple(local[j] for j in n.inputs), storage=storage, output=n.output or read_outside,
             blocks=(), eager_reads=(), backward_formula=None if n.backward_formula is None else 0))

@@ -708,18 +708,20 @@ def bound_where_tight(graph: Graph, budget: int, plan: tuple[Schedule, Timeline]
                       effort: Effort | float | None = None, time_limit: Deadline | float | None = None,
                       mip_solver: str | None = None) -> float | None:
     """A lower bound on the recompute cost of every schedule within ``budget``, for a plan found
-    elsewhere (`fxopt.solvers.block_plan`'s): one round of the program, at the instant with the
-    most fixed memory and where ``plan`` is tightest, started from ``plan`` (its rows are those of
+    elsewhere (`fxopt.solvers.block_plan`'s): one round of the program, at the instants where
+    ``plan`` and the eager schedule are tightest, started from ``plan`` (its rows are those of
     `instant_solve`'s rounds, so the bound holds for every schedule the simulator accepts).
     None where nothing is proven within the effort's `instant_work`."""
     effort, deadline = effort_of(effort), Deadline.of(time_limit)
     if not graph.backward_nodes:
         return None
     prog = _Program(graph, budget, byte_unit(graph))
-    fixed = prog.fixed
-    instants = [max(range(len(fixed)), key=lambda k: (fixed[k], -k))]
-    spots = _tight_spots(graph, plan[1], budget)
-    instants, forward_steps = _with_spots(prog, instants, [], [w for w in spots if w[0] == "forward" or w[1] not in instants])
+    eager = simulate(graph, on_demand(graph, save_all_set(graph)))
+    spots = list(dict.fromkeys([*_tight_spots(graph, plan[1], budget), *_tight_spots(graph, eager, budget)[:1]]))
+    instants, forward_steps = _with_spots(prog, [], [], spots)
+    if not instants:
+        fixed = prog.fixed
+        instants = [max(range(len(fixed)), key=lambda k: (fixed[k], -k))]
     m, _, _ = prog.build(sorted(set(instants)), forward_steps)
     res = solve_mip(m, limits=effort.mip(deadline, effort.instant_work, m.num_integer), mip_solver=mip_solver,
                     rel_gap=1e-4, warm_start=prog.values_of(plan[0]))
