@@ -122,3 +122,21 @@ def test_the_predicted_peak_is_the_simulated_one_or_above(shared):
             kept += chained.points(s)[p].keep
         timeline = simulate(g, expand(chained.blocks, chained.kinds, choice, variant.saved))
         assert timeline.peak_bytes <= predicted <= budget
+
+
+def test_a_model_of_repeated_layers_is_planned_per_block_within_its_budget_and_exact():
+    """The zoo's ``gpt2_tiny`` (`fxopt.models.gpt2`) with 4 layers instead of 2, at 60% of its
+    eager peak: planned through the blocks (each layer's graph solved once), its measured peak
+    within the budget, its loss and gradients eager's."""
+    import torch
+
+    from fxopt.models import gpt2
+    from helpers import assert_same_step, measured_peak, run_pair
+
+    torch.manual_seed(0)
+    model, inputs = gpt2(layers=4, dim=64, heads=4, seq=128, batch=8, vocab=512)
+    eager, optimized, loss_e, loss_o = run_pair(model, inputs, 0.6)
+    plan = optimized.plan
+    assert plan.solver == "blocks" and plan.peak_bytes <= plan.budget_bytes
+    assert_same_step(eager, optimized, loss_e, loss_o)
+    assert measured_peak(optimized, inputs) <= plan.budget_bytes

@@ -327,10 +327,13 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
 
 def _saved_variants(blocks: Blocks) -> list[frozenset[int]]:
     """What the step may SAVE for the segments: all that segments read from one another
-    (`Blocks.forced`), or that less the first segment's values, which are then recomputed
-    where read (before a language model's layers: the embedding, RoPE's tables, the mask, each
-    made again at little cost)."""
-    return list(dict.fromkeys((blocks.forced, blocks.forced - frozenset(blocks.segments[0].members))))
+    (`Blocks.forced`); or that less the first segment's values, which are then recomputed where
+    read (before a language model's layers: the embedding, RoPE's tables, the mask, each made
+    again at little cost); or none of it, every value a segment hands the next recomputed from
+    the one before where the backward reads it (what a layer cannot recompute, its attention, is
+    SAVEd by its plan: the rest of each layer is made again, layer after layer, at the lowest
+    peak; rotor's multi-level checkpointing, in its simplest form)."""
+    return list(dict.fromkeys((blocks.forced, blocks.forced - frozenset(blocks.segments[0].members), frozenset())))
 
 
 def _offsets(blocks: Blocks, kinds: list[KindCurve], probe: list[int], timeline: Timeline):
@@ -467,9 +470,9 @@ def _refine(chain: BlockChain, choice: list[int], solve: Solve, most: int) -> tu
 
 def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refinements: int) -> list[Candidate]:
     """For `fxopt.solvers.solve`: the chain's lowest-peak plan and its cheapest within
-    ``budget``, simulated. The cheapest is refined (`_refine`: `REFINE_ROUNDS` rounds and
-    ``refinements`` solves at most); where it is over the budget when simulated, chosen again
-    with the budget lowered by the excess."""
+    ``budget``, simulated. The curves are refined around the cheapest (`_refine`: `REFINE_ROUNDS`
+    rounds and ``refinements`` solves at most); where the choice is over the budget when
+    simulated, it is made again with the budget lowered by the excess, twice at most."""
     if chain is None:
         return []
     runs: dict[tuple, Candidate] = {}
@@ -483,22 +486,20 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
     lowest = _cheapest(chain, _lowest(chain))
     if lowest is not None:
         run(lowest)
-    target, rounds, tries = budget, 0, 0
-    while (found := _cheapest(chain, target)) is not None:
-        timeline = run(found)
-        if timeline.peak_bytes > budget:
-            tries += 1
-            if tries > 2:
-                break
-            target -= timeline.peak_bytes - budget
-            continue
-        rounds += 1
-        if rounds > REFINE_ROUNDS or refinements <= 0:
+    for _ in range(REFINE_ROUNDS):  # (on the predictions: only the choice it ends with is simulated)
+        found = _cheapest(chain, budget)
+        if found is None or refinements <= 0:
             break
         added, solved = _refine(chain, found[1], solve, refinements)
         refinements -= solved
         if not added:
             break
+    target = budget
+    for _ in range(3):
+        found = _cheapest(chain, target)
+        if found is None or (timeline := run(found)).peak_bytes <= budget:
+            break
+        target -= timeline.peak_bytes - budget
     return list(runs.values())
 
 

@@ -97,10 +97,10 @@ def find_blocks(graph: Graph) -> Blocks | None:
     segments = []
     live = set(segment_of) | set(graph.backward_nodes)  # (a forward value nothing needs never runs)
     for mine in members:
-        index, inputs, local = _cut_out(graph, sorted(mine), live)
-        kind = kinds.setdefault(_shape(local), len(kinds))
+        index, inputs, fields = _cut_out(graph, sorted(mine), live)
+        kind = kinds.setdefault(_shape(fields), len(kinds))
         if kind == len(graphs):
-            graphs.append(local)
+            graphs.append(_local(fields))
         segments.append(Segment(index, inputs, kind))
     blocks = Blocks(graph, tuple(segments), tuple(graphs), _forced(graph, segments))
     return blocks if blocks.repeated else None
@@ -167,9 +167,10 @@ def _assign_backward(graph: Graph, segment_of: dict[int, int], exported: frozens
     return out
 
 
-def _cut_out(graph: Graph, members: list[int], live: set[int]) -> tuple[tuple[int, ...], int, Graph]:
+def _cut_out(graph: Graph, members: list[int], live: set[int]) -> tuple[tuple[int, ...], int, list[dict]]:
     """A segment as a graph of its own (see the module): (its nodes' indices in the step, how many
-    are inputs, the graph). ``live``: the nodes that run (a reader outside them reads nothing)."""
+    are inputs, each node's fields as a dict: `_local` makes the graph, `_shape` compares them).
+    ``live``: the nodes that run (a reader outside them reads nothing)."""
     nodes = graph.nodes
     inside = set(members)
     outside: dict[int, None] = {}
@@ -182,24 +183,28 @@ def _cut_out(graph: Graph, members: list[int], live: set[int]) -> tuple[tuple[in
             outside.setdefault(s)
     index = (*outside, *members)
     local = {g: k for k, g in enumerate(index)}
-    out: list[Node] = []
+    out: list[dict] = []
     for k, j in enumerate(outside):
         root = graph.roots[j]
         shares = root != j and local.get(root, k) < k
-        out.append(Node(name=nodes[j].name, kind="input", bytes=0 if shares else nodes[root].bytes,
-                        storage=local[root] if shares else None, tensor=nodes[j].tensor,
-                        tangent=nodes[j].kind == "backward" or nodes[j].tangent))
+        out.append(vars(Node(name=nodes[j].name, kind="input", bytes=0 if shares else nodes[root].bytes,
+                             storage=local[root] if shares else None, tensor=nodes[j].tensor,
+                             tangent=nodes[j].kind == "backward" or nodes[j].tangent)))
     users = graph.users
     for i in members:
         n = nodes[i]
-        storage = None if n.storage is None or n.storage == i else local[n.storage]
         read_outside = any(u not in inside and u in live for u in users[i])
-        out.append(dataclasses.replace(
-            n, inputs=tuple(local[j] for j in n.inputs), storage=storage, output=n.output or read_outside,
-            blocks=(), eager_reads=(), backward_formula=None if n.backward_formula is None else 0))
-    return index, len(outside), Graph(tuple(out))
+        out.append({**vars(n), "inputs": tuple(local[j] for j in n.inputs),
+                    "storage": None if n.storage is None or n.storage == i else local[n.storage],
+                    "output": n.output or read_outside, "blocks": (), "eager_reads": (),
+                    "backward_formula": None if n.backward_formula is None else 0})
+    return index, len(outside), out
 
 
-def _shape(local: Graph) -> tuple:
+def _local(fields: list[dict]) -> Graph:
+    return Graph(tuple(Node(**f) for f in fields))
+
+
+def _shape(fields: list[dict]) -> tuple:
     """What makes two segments copies: their graphs but for names."""
-    return tuple(dataclasses.replace(n, name="") for n in local.nodes)
+    return tuple(tuple(v for k, v in f.items() if k != "name") for f in fields)

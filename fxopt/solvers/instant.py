@@ -709,7 +709,7 @@ def bound_where_tight(graph: Graph, budget: int, plan: tuple[Schedule, Timeline]
                       mip_solver: str | None = None) -> float | None:
     """A lower bound on the recompute cost of every schedule within ``budget``, for a plan found
     elsewhere (`fxopt.solvers.block_plan`'s): one round of the program, at the instants where
-    ``plan`` and the eager schedule are tightest, started from ``plan`` (its rows are those of
+    ``plan`` and (in its backward) the eager schedule are tightest, started from ``plan`` (its rows are those of
     `instant_solve`'s rounds, so the bound holds for every schedule the simulator accepts).
     None where nothing is proven within the effort's `instant_work`."""
     effort, deadline = effort_of(effort), Deadline.of(time_limit)
@@ -717,7 +717,9 @@ def bound_where_tight(graph: Graph, budget: int, plan: tuple[Schedule, Timeline]
         return None
     prog = _Program(graph, budget, byte_unit(graph))
     eager = simulate(graph, on_demand(graph, save_all_set(graph)))
-    spots = list(dict.fromkeys([*_tight_spots(graph, plan[1], budget), *_tight_spots(graph, eager, budget)[:1]]))
+    # (Eager's only in the backward: modelling the forward's steps costs seconds on a deep step.)
+    worst = [w for w in _tight_spots(graph, eager, budget)[:1] if w[0] == "backward"]
+    spots = list(dict.fromkeys([*_tight_spots(graph, plan[1], budget), *worst]))
     instants, forward_steps = _with_spots(prog, [], [], spots)
     if not instants:
         fixed = prog.fixed

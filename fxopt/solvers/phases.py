@@ -30,7 +30,7 @@ from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import bound_where_tight, instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.policies import policy_candidates
-from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES
+from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES, lowest_plan
 from fxopt.solvers.schedule import InvalidScheduleError, simulate
 from fxopt.solvers.search import ILP_REL_GAP, Search, fmt_cost
 
@@ -93,16 +93,23 @@ def sources(when: str) -> Phase:
 
 def run_blocks(search: Search) -> None:
     """The step as a chain of repeated blocks (`fxopt.solvers.block_plan`): each kind solved
-    once, a plan chosen per copy, simulated. Where one fits, or where none can (proven), the
-    phases of the whole graph are not run (`by_blocks`); the bound then comes from
-    `run_block_bound`."""
+    once, a plan chosen per copy, simulated; below the lowest of those, the step's lowest-peak
+    plan where it fits. Where a plan fits, or none can (proven), the phases of the whole graph
+    are not run (`by_blocks`); the bound then comes from `run_block_bound`."""
     chain = search.chain()
     search.progress(f"repeated blocks: {len(chain.blocks.segments)} segments of {len(chain.blocks.kinds)} kinds")
     for schedule, timeline in block_candidates(chain, search.budget, search.kind_solvers()[0],
                                                search.effort.block_refinements):
         search.consider(schedule, timeline, "blocks", "heuristic", keep_over=True)
+    if not search.fitting and not search.proven_infeasible:
+        # Below the blocks' lowest plan: the step's lowest-peak plan (the search for the smallest
+        # budget, which takes the blocks' too) where it fits: at the smallest budget fxopt named.
+        lowest = lowest_plan(search.graph, "auto", effort=search.effort, time_limit=search.deadline, memo=search.memo,
+                             runs=search.runs, mip_solver=search.mip_solver, blocks=chain)
+        if lowest.peak <= search.budget:
+            search.consider(lowest.schedule, simulate(search.graph, lowest.schedule), lowest.name, "heuristic")
     # (Where no plan can fit, proven, the search for the smallest budget uses the blocks too.)
-    search.by_blocks = search.proven_infeasible or any(s.solver == "blocks" for s in search.fitting)
+    search.by_blocks = search.proven_infeasible or bool(search.fitting)
 
 
 def run_block_bound(search: Search) -> None:
