@@ -35,7 +35,7 @@ class Counted:
         return self.lowest_of(graph)
 
     def chain(self, graph):
-        return block_chain(graph, self.solve, self.lowest)
+        return block_chain(graph, self.solve, self.lowest, find_blocks(graph, min_copies=3))
 
 
 @pytest.mark.parametrize("n, modules, shared, kinds", [
@@ -46,7 +46,7 @@ class Counted:
 ])
 def test_the_repeated_block_is_found(n, modules, shared, kinds):
     g = repeated_blocks(n, modules=modules, shared=shared)
-    blocks = find_blocks(g)
+    blocks = find_blocks(g, min_copies=3)
     assert len(blocks.kinds) == kinds
     kind = blocks.segments[1].kind
     assert blocks.copies(kind) == list(range(1, n + 1))
@@ -61,11 +61,12 @@ def test_the_repeated_block_is_found(n, modules, shared, kinds):
 def test_no_repeated_block_no_blocks():
     """A graph with no two segments alike, or one block, has nothing to solve once; a chain of
     identical layers has (their copies, whatever is around them)."""
-    assert find_blocks(diamond()) is None
-    assert find_blocks(mlp2()) is None
-    assert find_blocks(repeated_blocks(1)) is None
-    layers = find_blocks(chain(4))
-    assert max(len(layers.copies(k)) for k in range(len(layers.kinds))) >= 3
+    assert find_blocks(diamond(), min_copies=2) is None
+    assert find_blocks(mlp2(), min_copies=2) is None
+    assert find_blocks(repeated_blocks(1), min_copies=2) is None
+    assert find_blocks(chain(4), min_copies=3).depth >= 3
+    # A shallow step is planned whole (`MIN_COPIES`): 5 blocks are not, 6 are.
+    assert find_blocks(repeated_blocks(5)) is None and find_blocks(repeated_blocks(6)).depth == 6
 
 
 def test_each_kind_is_solved_once_whatever_the_depth():
@@ -76,7 +77,7 @@ def test_each_kind_is_solved_once_whatever_the_depth():
         counted = Counted()
         g = repeated_blocks(n)
         counted.chain(g)
-        kinds = find_blocks(g).kinds
+        kinds = find_blocks(g, min_copies=3).kinds
         assert all(any(len(solved) in (len(k), len(k) + 1) for k in kinds) for solved in counted.graphs)
         counts.append(len(counted.graphs))
     assert counts[0] == counts[1]
@@ -125,7 +126,7 @@ def test_the_predicted_peak_is_the_simulated_one_or_above(shared):
 
 
 def test_a_model_of_repeated_layers_is_planned_per_block_within_its_budget_and_exact():
-    """The zoo's ``gpt2_tiny`` (`fxopt.models.gpt2`) with 4 layers instead of 2, at 60% of its
+    """The zoo's ``gpt2_tiny`` (`fxopt.models.gpt2`) with 8 layers instead of 2, at 60% of its
     eager peak: planned through the blocks (each layer's graph solved once), its measured peak
     within the budget, its loss and gradients eager's."""
     import torch
@@ -134,7 +135,7 @@ def test_a_model_of_repeated_layers_is_planned_per_block_within_its_budget_and_e
     from helpers import assert_same_step, measured_peak, run_pair
 
     torch.manual_seed(0)
-    model, inputs = gpt2(layers=4, dim=64, heads=4, seq=128, batch=8, vocab=512)
+    model, inputs = gpt2(layers=8, dim=64, heads=4, seq=128, batch=8, vocab=512)
     eager, optimized, loss_e, loss_o = run_pair(model, inputs, 0.6)
     plan = optimized.plan
     assert plan.solver == "blocks" and plan.peak_bytes <= plan.budget_bytes

@@ -43,8 +43,10 @@ from fxopt.solvers.heuristics import checkpoint_cuts
 from fxopt.solvers.policies import block_of
 
 
-# The copies of one kind that make a step one of repeated blocks (`Blocks.repeated`).
-MIN_COPIES = 3
+# The copies of one kind that make a step one of repeated blocks (`find_blocks`): a deep step.
+# A shallower one is planned whole, fast enough, and better where a layer is little more than
+# the value it hands the next (the blocks' plans SAVE those, or recompute them all).
+MIN_COPIES = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +73,14 @@ class Blocks:
         return [s for s, seg in enumerate(self.segments) if seg.kind == kind]
 
     @property
-    def repeated(self) -> bool:
-        """Whether some kind has `MIN_COPIES` copies or more: a deep step (a shallower one is
-        planned whole, as fast and never worse)."""
-        return max(len(self.copies(k)) for k in range(len(self.kinds))) >= MIN_COPIES
+    def depth(self) -> int:
+        """The most copies of one kind."""
+        return max(len(self.copies(k)) for k in range(len(self.kinds)))
 
 
-def find_blocks(graph: Graph) -> Blocks | None:
+def find_blocks(graph: Graph, min_copies: int | None = None) -> Blocks | None:
     """The step as a chain of segments, its identical ones grouped; None where the forward is not
-    cut into at least three segments or no kind has `MIN_COPIES` copies."""
+    cut into at least three segments or no kind has ``min_copies`` copies (`MIN_COPIES`)."""
     if not graph.backward_nodes or len({n.name for n in graph.nodes}) < len(graph.nodes):
         return None  # (names are how a timeline's events are read back)
     segment_of = _forward_segments(graph)
@@ -103,7 +104,7 @@ def find_blocks(graph: Graph) -> Blocks | None:
             graphs.append(_local(fields))
         segments.append(Segment(index, inputs, kind))
     blocks = Blocks(graph, tuple(segments), tuple(graphs), _forced(graph, segments))
-    return blocks if blocks.repeated else None
+    return blocks if blocks.depth >= (MIN_COPIES if min_copies is None else min_copies) else None
 
 
 def _forward_segments(graph: Graph) -> dict[int, int]:
