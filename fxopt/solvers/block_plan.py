@@ -9,37 +9,44 @@ backward in reverse. While segment s runs, forward or backward, the step holds
                                     to their backward: the sum of keep(p_j), j < s
   + what s holds in its own graph   as its plan p_s runs (`Point`: its memory per step)
   + the rest                        parameters, the gradients made so far, what segments read
-                                    from one another: the same whatever the plans (``offset_s``)
+                                    from one another: the same whatever the plans (the offsets)
 
 so a choice of plans (p_s) peaks at  max_s ( sum_{j<s} keep(p_j) + need_s(p_s) ), need_s(p) being
 the most of "p's own memory + offset_s" over s's steps, and costs the sum of their costs. That is
 Rockmate's hierarchical approach (Zhao et al., 2023) over rotor's chain (Beaumont et al., 2019;
-`fxopt.solvers.chain`) with one level of checkpointing: each segment starts from the value the
-segment before hands it, which is SAVEd, and recomputes nothing of the others.
+`fxopt.solvers.chain`): a plan per block from a curve solved once, the blocks chained by
+dynamic programming.
 
   - A kind's curve (`KindCurve`): plans of its own graph from `fxopt.solvers.solve` (the instant
     program and the heuristics: counted effort, as everywhere), each asked to keep at most so
     many bytes through the step: its graph with a ballast at the end of its forward, which stands
-    for the segments after it (`_with_ballast`), planned at that many bytes above the ballast. Also eager's plan, the plan keeping nothing, and the kind's lowest-peak plan. Each
-    is simulated in the kind's graph: its keep (`Timeline.saved_bytes`), cost, memory per step.
-  - The offsets (`BlockChain.offsets`): one plan of the whole step (each segment at its kind's
-    plan keeping least) simulated; at each step of a segment, the step's memory less the segment's own
-    and less what the segments before keep. Steps are matched by node: a forward value, or the
-    backward node a recomputation runs before (`_read`).
+    for the segments after it (`_with_ballast`), planned at that many bytes above the ballast;
+    the last segment's kind, which keeps nothing for another, is asked for its own peak instead.
+    Also eager's plan, the plan keeping nothing, and the kind's lowest-peak plan. Each is
+    simulated in the kind's graph: its keep (`Timeline.saved_bytes`), cost, memory per step.
+  - What the segments hand one another (`Variant`): all SAVEd; or the first segment's values
+    (a language model's embedding, RoPE tables, mask) recomputed where read; or none, each
+    segment's input recomputed from the one before where read (the lowest peaks: each layer made
+    again, layer after layer, around what it cannot recompute, its attention, which its plan
+    SAVEs). Each variant's offsets come from one plan of the whole step (each segment at its
+    kind's plan keeping least, which reads most of what others hand it) simulated: at each step
+    of a segment, the step's memory less the segment's own and less what the segments before
+    keep. Steps are matched by node: a forward value, or the backward node a recomputation runs
+    before (`_read`); its cost beyond the segments' own is the variant's.
   - The choice (`_cheapest`): the cheapest choice predicted within the budget, the (kept so far,
     cost) pairs no other beats carried from segment to segment; the lowest peak (`_lowest`):
     the least budget at which choosing, segment by segment, the plan keeping least among those
     that fit gets through (keeping less never hurts a later segment).
-  - Refinement (`block_candidates`): where the cheapest choice mixes plans of one kind, the kind
-    is solved again to keep what they keep on average, and the choice made again: the curve is
-    drawn finely where the budget needs it, not everywhere.
-  - The schedule (`expand`): SAVE what each chosen plan saves, and what segments read from one
-    another that the backward needs; the backward runs each plan's backward (its recomputations
-    in it), in the step's backward order. Simulated, like every plan.
+  - Refinement (`block_candidates`): each kind solved again halfway from the plans the cheapest
+    choice takes to their neighbours on its curve, and the choice made again: the curve drawn
+    finely where the budget needs it, `Effort.block_refinements` solves at most.
+  - The schedule (`expand`): SAVE what each chosen plan saves and what the variant SAVEs; the
+    backward runs each plan's backward (its recomputations in it), in the step's backward order,
+    recomputing just before it what a segment reads from another and is not SAVEd.
 
-The prediction is exact for the plan the offsets were read from, and for others as far as what
-a segment's memory is made of does not depend on the plans of the others; a plan whose simulated
-peak is over the budget anyway is tried again with the budget lowered by the excess.
+Nothing is trusted without the simulator: the prediction is exact for the plan the offsets were
+read from, above it where another plan lets go sooner of what segments share, and a choice whose
+simulated peak is over the budget anyway is made again with the budget lowered by the excess.
 """
 
 from __future__ import annotations
@@ -446,11 +453,16 @@ def expand(blocks: Blocks, kinds: list[KindCurve], choice: list[int], saved: fro
         queues.append(deque(seg.index[i] for i in local.backward))
         where.update((g, s) for g in seg.members if graph.nodes[g].kind == "backward")
     builder = OnDemand(graph, frozenset(keep) & (graph.saveable | graph.free))
+    made: set[int] = set()  # made again for what another segment reads, and kept since
     for b in graph.backward_nodes:
         queue = queues[where[b]]
         while queue:
             i = queue.popleft()
+            if i in made and graph.nodes[i].kind == "forward":
+                continue  # (a plan's recomputation of what is there already: not made twice)
+            count = len(builder.events)
             builder.run(i)
+            made.update(builder.events[count:-1])
             if i == b:
                 break
     return prune(graph, Schedule(builder.saved, builder.backward(), frozenset(compressed) & builder.saved))
