@@ -87,8 +87,10 @@ def sources(when: str) -> Phase:
     def run(search: Search) -> None:
         run_sources(search, [name for name, source in SOURCES.items()
                              if source.auto == when and (source.with_blocks or not search.by_blocks)])
-    return Phase(f"sources ({when})", run, (lambda s: True) if when == "first" else
-                 (lambda s: s.proven_infeasible or not s.settled()))  # (also a check on a proof)
+    # ("first": not where the blocks claim a step proven infeasible: the search for its smallest
+    # budget runs the policies itself. "unsettled": also a check on a proof.)
+    return Phase(f"sources ({when})", run, (lambda s: not (s.by_blocks and s.proven_infeasible)) if when == "first"
+                 else (lambda s: s.proven_infeasible or not s.settled()))
 
 
 def run_blocks(search: Search) -> None:
