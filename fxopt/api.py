@@ -399,4 +399,4 @@ def plan(model: nn.Module, budget: BudgetLike | Options, example_inputs: Sequenc
     schedule fits. ``compiler``: the one the plan is for (Inductor's graph passes may change the
     captured graph a little, so a plan replays on its own compiler).
     """
-    return plan_and_rewrite(model, budget, example_inputs, **options).plan
+    return plan_and_rewrite(model, budget, example_inputs, plan_only=True, **options).plan

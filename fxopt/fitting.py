@@ -221,7 +221,7 @@ def fit(model: nn.Module, example_inputs: Sequence[Any] | dict, *, device: str |
         return min_plan, stopped, at_budget
 
     started = time.perf_counter()
-    min_plan, stopped, plan = plan_each(model, base, example_inputs, ask)
+    min_plan, stopped, plan = plan_each(model, base, example_inputs, ask, plan_only=True)
 
     t0 = time.perf_counter()
     largest, why = None, ""

@@ -211,6 +211,15 @@ class Options:
         "cpu", "H100-80GB", "A100-40GB", "H200") or the path of a profile's JSON. The step is captured
         on fake tensors (FakeTensorMode), so a model built under torch.device("meta") is planned too.
         None: plan on the model's own tensors, measuring on its device.""")
+    stamp: bool = option(True, check=_instance("stamp", bool), flag=Flag(
+        choices=("on", "off"), parse=lambda text: text == "on", help="on: a run of 8 or more identical blocks is "
+        "captured as 3 and 4 blocks and stamped out (plans ahead of a run only; default on)"), doc="""
+        Where fxopt plans a step without running it (`fxopt.plan`, `fxopt.fit`, ``fxopt inspect``)
+        and the model holds a run of 8 or more identical blocks (a transformer's layers), capture
+        the step with the run cut to 3 blocks and to 4, and make the graph of all of them from
+        those two (`fxopt.capture.repeat`): the same graph, node for node, in a fraction of the
+        capture's time; checked on the 4-block capture, and captured whole where the check fails.
+        Off: capture every block.""")
 
     planned_for: DeviceProfile | None = option(None, internal=True, doc="""
         The profile the analysis counts memory and prices ops for: set by ``device`` once the

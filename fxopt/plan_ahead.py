@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -26,7 +27,8 @@ from fxopt.analysis.costs import CostModel
 from fxopt.budget import BudgetLike
 from fxopt.capture.compiled import compile_step, run_compiled
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
-from fxopt.capture.dynamo import Answered, PlanReady, make_backend
+from fxopt.capture.dynamo import Answered, CapturedStep, PlanReady, make_backend
+from fxopt.capture.repeat import LONG, SHORT, NotStamped, Run, repeated_run, stamped_joint
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
 from fxopt.devices import DeviceProfile
 from fxopt.distributed import data_parallel, ddp as ddp_graph
@@ -37,28 +39,32 @@ from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
 
 T = TypeVar("T")
+log = logging.getLogger("fxopt")
 
 
-def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inputs: Sequence[Any],
-                     **options: Any) -> PlanReady:
+def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inputs: Sequence[Any], *,
+                     plan_only: bool = False, **options: Any) -> PlanReady:
     """Like `plan`, and also the rewritten forward and backward modules (before any compiler):
-    ``.plan``, ``.forward``, ``.backward``."""
-    return _capture_and_plan(model, Options.of(budget, **options), example_inputs)
+    ``.plan``, ``.forward``, ``.backward``. ``plan_only``: the caller only plans (the modules
+    returned do not run), so a run of identical blocks may be captured as three and four and
+    stamped out (`fxopt.capture.repeat`, where ``options.stamp``)."""
+    return _capture_and_plan(model, Options.of(budget, **options), example_inputs, None, plan_only)
 
 
 def plan_each(model: nn.Module, options: Options, example_inputs: Sequence[Any],
-              ask: Callable[[Callable[[Options], PlanReady]], T]) -> T:
+              ask: Callable[[Callable[[Options], PlanReady]], T], *, plan_only: bool = False) -> T:
     """Several plans of one capture: ``model``'s step captured once (as ``options`` says: its
     ``device``, ``compiler``), then ``ask(plan)`` is called, and ``plan(asked)`` plans a copy of
     the captured step for the `Options` ``asked`` as `plan_and_rewrite` would (its `PlanReady`,
     or its `InfeasibleBudgetError` raised); what ``ask`` returns. ``asked.device`` must be
-    ``options.device``. (`fxopt.fit` asks for the smallest budget and a budget of one capture.)"""
-    return _capture_and_plan(model, options, example_inputs, ask)
+    ``options.device``. (`fxopt.fit` asks for the smallest budget and a budget of one capture.)
+    ``plan_only``: as for `plan_and_rewrite`."""
+    return _capture_and_plan(model, options, example_inputs, ask, plan_only)
 
 
-def _capture_and_plan(model: nn.Module, options: Options, example_inputs: Sequence[Any], ask=None):
+def _capture_and_plan(model: nn.Module, options: Options, example_inputs: Sequence[Any], ask, plan_only: bool):
     if options.device is not None:
-        return _plan_on_fake_tensors(model, options, example_inputs, ask)
+        return _plan_on_fake_tensors(model, options, example_inputs, ask, plan_only)
     check_model(model)
     distributed = data_parallel.DistributedStep(model) if data_parallel.fsdp_units(model) else None
     if distributed is not None and distributed.in_pieces:
@@ -73,9 +79,23 @@ def _capture_and_plan(model: nn.Module, options: Options, example_inputs: Sequen
         if ddp_graph.not_one_graph(model) is None:  # its all-reduces in the graph, as fxopt.optimize runs it
             gathering = ddp_graph.OneGraph(model).reducing()
         held, model = data_parallel.bucket_bytes(model), model.module
+    args, kwargs = split_inputs(example_inputs)
+    answer = None if ask is None else lambda step: ask(step.plan)
+    run = repeated_run(model) if plan_only and options.stamp and distributed is None and not held else None
+    if run is not None:
+        try:
+            return _stamped(model, run, options, args, kwargs, answer or (lambda step: step.plan(options)))
+        except NotStamped as why:
+            log.info("fxopt: capturing all %d blocks of %s: %s", len(run.keys), type(run.holder).__name__, why)
+    return _capture(model, options, args, kwargs, answer, gathering, held)
+
+
+def _capture(model: nn.Module, options: Options, args: tuple, kwargs: dict, ask, gathering=contextlib.nullcontext(),
+             held: int = 0):
+    """``model``'s step captured and planned for ``options`` (its `PlanReady`), or, with ``ask``,
+    what ``ask`` returns for the `CapturedStep`."""
     backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held, ask=ask)
     compiled = compile_step(model, backend, fullgraph=True, dynamic=False)
-    args, kwargs = split_inputs(example_inputs)
     try:
         with gathering:
             run_compiled(compiled, args, kwargs, options.compiler)
@@ -93,7 +113,40 @@ def _capture_and_plan(model: nn.Module, options: Options, example_inputs: Sequen
     )
 
 
-def _plan_on_fake_tensors(model: nn.Module, options: Options, example_inputs: Any, ask=None):
+def _stamped(model: nn.Module, run: Run, options: Options, args: tuple, kwargs: dict, answer):
+    """``answer(step)`` for the step of the whole ``run``, stamped out from its captures cut to
+    three blocks and to four (`fxopt.capture.repeat`); `NotStamped` where it cannot be, before
+    ``answer`` is called (whatever ``answer`` raises is the answer's)."""
+    blocks = run.blocks
+    answering = []
+
+    def whole(long: CapturedStep):
+        joint = stamped_joint(short, long, run)
+        per_block = _unread(blocks[1], long.inputs)
+        step = dataclasses.replace(long, joint=joint, unread_bytes=long.unread_bytes + (len(blocks) - LONG) * per_block)
+        answering.append(True)
+        return answer(step)
+
+    try:
+        with run.cut_to(SHORT):
+            short = _capture(model, options, args, kwargs, lambda step: step)
+        with run.cut_to(LONG):
+            return _capture(model, options, args, kwargs, whole)
+    except NotStamped:
+        raise
+    except Exception as err:  # noqa: BLE001 - a model that does not run cut short: captured whole
+        if answering:
+            raise
+        raise NotStamped(f"its step did not capture with the run cut short ({type(err).__name__}: {err})") from err
+
+
+def _unread(block: nn.Module, inputs: list) -> int:
+    """Bytes of ``block``'s parameters, buffers and gradients its step does not read."""
+    read = storages(list(inputs))
+    return sum(n for key, n in storages(block, grads=True).items() if key not in read)
+
+
+def _plan_on_fake_tensors(model: nn.Module, options: Options, example_inputs: Any, ask, plan_only: bool):
     """`plan_and_rewrite` (or `plan_each`) for ``options.device``: the step captured and planned
     on fake tensors of the host (`FakeStep`), counted and priced as the profile says
     (`for_profile`)."""
@@ -101,7 +154,7 @@ def _plan_on_fake_tensors(model: nn.Module, options: Options, example_inputs: An
     inputs = fake.inputs(example_inputs)
     on_fake = None if ask is None else lambda plan: ask(lambda asked: plan(for_profile(asked, model)))
     with fake.mode:
-        return _capture_and_plan(fake.model, for_profile(options, model), inputs, on_fake)
+        return _capture_and_plan(fake.model, for_profile(options, model), inputs, on_fake, plan_only)
 
 
 @dataclasses.dataclass(frozen=True)

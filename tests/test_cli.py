@@ -169,7 +169,7 @@ def test_inspect_planning_flags_reach_the_planner(flags, planned, monkeypatch, c
 
     calls = []
 
-    def plan_and_rewrite(model, options, inputs):
+    def plan_and_rewrite(model, options, inputs, plan_only=False):
         calls.append(options)
         raise fxopt.InfeasibleBudgetError(1000, 2000)  # stop here: planning is not what is tested
 

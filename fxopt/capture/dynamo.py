@@ -10,6 +10,7 @@ saved tensors are released as soon as the backward has used them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -92,6 +93,24 @@ class PlanReady(Exception):
         self.joint = joint
 
 
+@dataclasses.dataclass(frozen=True)
+class CapturedStep:
+    """A step captured and not yet planned (`make_backend`'s ``ask``): its joint graph, as
+    `make_plan` takes it, and the graph's example inputs (Dynamo's: parameters and inputs)."""
+
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    unread_bytes: int
+    inputs: list
+    backward_bytes: int = 0
+
+    def plan(self, options: Options) -> PlanReady:
+        """A copy of the step planned for ``options`` (`InfeasibleBudgetError` where nothing fits)."""
+        jg, plan = make_plan(copy_module(self.joint), self.num_fwd_outputs, options, self.unread_bytes,
+                             backward_bytes=self.backward_bytes)
+        return PlanReady(plan, *split_with_recompute(jg, plan.schedule), jg)
+
+
 def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     """Run `gm` as FX Python code that takes its inputs as a list and clears it, so each input
     (a saved activation, a tangent) is freed after its last use, like every intermediate. An
@@ -146,17 +165,16 @@ def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
 
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
                  resident: torch.nn.Module | None = None, held_bytes: int = 0, backward_bytes: int = 0,
-                 ask: Callable[[Callable[[Options], PlanReady]], Any] | None = None):
+                 ask: Callable[[CapturedStep], Any] | None = None):
     """A torch.compile backend that plans each captured graph and runs the rewritten step.
     ``resident``: the module being compiled, when known: its parameters and buffers the step does
     not read are counted in every peak too (a backend given to torch.compile does not see them).
     ``held_bytes``: memory alive through the step that no tensor of the module shows (DDP's
     gradient buckets, `fxopt.distributed.data_parallel`), counted with those. ``backward_bytes``:
     memory alive beside the step's backward only (a piece's: `fxopt.capture.pieces.Reserve`).
-    ``ask(plan)``: instead, the captured step is planned for each `Options` ``ask`` gives ``plan``
-    (each on a copy of the captured graph: a `PlanReady`, or `InfeasibleBudgetError` raised), and
-    capture stops with what ``ask`` returns (`Answered`): several questions, one capture."""
-    unread = {"bytes": 0}
+    ``ask(step)``: instead, capture stops with what ``ask`` returns for the `CapturedStep`
+    (`Answered`): several plans of one capture, say."""
+    unread = {"bytes": 0, "inputs": []}
     # The state of each step's OFFLOAD copies (`fxopt.ops.offload.HostCopies`), which its ops find
     # by key: kept as long as this backend (and so the steps it compiled), because Inductor does
     # not keep the modules that hold it.
@@ -164,12 +182,7 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
         if ask is not None:
-            def plan_copy(asked: Options) -> PlanReady:
-                jg, plan = make_plan(copy_module(joint), num_fwd_outputs, asked, unread["bytes"],
-                                     backward_bytes=backward_bytes)
-                return PlanReady(plan, *split_with_recompute(jg, plan.schedule), jg)
-
-            raise Answered(ask(plan_copy))
+            raise Answered(ask(CapturedStep(joint, num_fwd_outputs, unread["bytes"], unread["inputs"], backward_bytes)))
         t0 = time.perf_counter()
         jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"], backward_bytes=backward_bytes)
         on_plan(plan)
@@ -183,6 +196,7 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
 
     def count_unread(gm: fx.GraphModule, example_inputs) -> None:
         unread["bytes"] = unread_resident_bytes(resident, example_inputs) + held_bytes
+        unread["inputs"] = list(example_inputs)
 
     return step_backend(partition, options, count_unread if resident is not None else None)
 

@@ -307,7 +307,7 @@ def inspect(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         with _progress(err, "capturing and planning the training step"):
-            ready = plan_and_rewrite(model, options, inputs)
+            ready = plan_and_rewrite(model, options, inputs, plan_only=not args.run)
     except fxopt.InfeasibleBudgetError as e:
         out.print(f"[red]infeasible budget:[/] {e}")
         out.print(f"try: fxopt inspect {args.model} --budget {e.min_budget} (or --budget min)")

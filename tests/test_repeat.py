@@ -1,0 +1,144 @@
+"""A run of identical blocks captured as three and four blocks and stamped out
+(`fxopt.capture.repeat`): the stamped joint graph is the whole capture's, node for node, and so
+is every plan made from it; where the blocks are not one block N times, the step is captured
+whole."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxopt
+import fxopt.capture.repeat as repeat
+from fxopt.capture.repeat import NotStamped, check_same, repeated_run
+from fxopt.models import gpt2
+from fxopt.options import Options
+from fxopt.plan_ahead import _capture, _stamped, plan_and_rewrite, split_inputs
+
+
+def tiny_llama(layers: int = 6):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      max_position_embeddings=16, use_cache=False)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (1, 16))
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
+def tiny_gpt(layers: int = 6):
+    torch.manual_seed(0)
+    return gpt2(layers=layers, dim=32, heads=2, seq=16, batch=2, vocab=64)
+
+
+def decisions(plan: fxopt.Plan) -> dict:
+    return {k: v for k, v in plan.to_dict().items() if k != "solve_seconds"}
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt], ids=["llama", "gpt2"])
+def test_a_stamped_step_is_the_whole_capture_node_for_node(build, monkeypatch):
+    """Six blocks stamped from three and four: every node's name, op, arguments, tags, seq_nr,
+    module path and fake value (shape, strides, which share storage) is the six-block
+    capture's, the memory the step does not read too, and the plans made from the two are one
+    plan."""
+    monkeypatch.setattr(repeat, "STAMP_FROM", 6)
+    model, inputs = build()
+    run = repeated_run(model)
+    assert run is not None and len(run.keys) == 6
+    args, kwargs = split_inputs(inputs)
+    options = Options.of("min")
+    whole = _capture(model, options, args, kwargs, lambda step: step)
+    stamped = _stamped(model, run, options, args, kwargs, lambda step: step)
+    check_same(stamped.joint, whole.joint)
+    assert stamped.unread_bytes == whole.unread_bytes
+    assert len(list(model.parameters())) == len(list(run.holder.parameters())) + sum(
+        1 for name, _ in model.named_parameters() if not name.startswith(_prefix(model, run.holder)))
+    assert decisions(stamped.plan(options).plan) == decisions(whole.plan(options).plan)
+
+
+def _prefix(model: nn.Module, holder: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is holder)
+
+
+def test_fxopt_plan_stamps_and_gives_the_plan_of_the_whole_capture(monkeypatch):
+    """`fxopt.plan` stamps a run (counted: `stamped_joint` called once) and plans what the whole
+    capture plans, at the smallest budget; ``stamp=False`` captures every block."""
+    import fxopt.plan_ahead
+
+    monkeypatch.setattr(repeat, "STAMP_FROM", 6)
+    calls = []
+    real = fxopt.plan_ahead.stamped_joint
+    monkeypatch.setattr(fxopt.plan_ahead, "stamped_joint", lambda *a: calls.append(1) or real(*a))
+    model, inputs = tiny_gpt()
+    stamped = fxopt.plan(model, "min", inputs)
+    assert calls == [1]
+    torch._dynamo.reset()
+    whole = fxopt.plan(model, "min", inputs, stamp=False)
+    assert calls == [1] and decisions(stamped) == decisions(whole)
+
+
+class Alternating(nn.Module):
+    """Every other block adds a tanh: the same class, parameters and attributes, another graph."""
+
+    def __init__(self, index: int, width: int = 16):
+        super().__init__()
+        self.layer_idx, self.fc = index, nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return x + (torch.tanh(h) if self.layer_idx % 2 else h)
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: list[nn.Module], width: int = 16):
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(blocks), nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).sum()
+
+
+def test_blocks_whose_graph_changes_with_their_index_are_captured_whole(monkeypatch, caplog):
+    """A run whose every other block differs passes the attribute check (the index is an int
+    that counts the blocks) and fails the stamping check on four blocks: planned from the whole
+    capture, the same plan as without stamping."""
+    monkeypatch.setattr(repeat, "STAMP_FROM", 6)
+    torch.manual_seed(0)
+    model, x = Stack([Alternating(i) for i in range(6)]), torch.randn(8, 16, requires_grad=True)
+    run = repeated_run(model)
+    assert run is not None
+    args, kwargs = split_inputs((x,))
+    with pytest.raises(NotStamped):
+        _stamped(model, run, Options.of("min"), args, kwargs, lambda step: step)
+    with caplog.at_level(logging.INFO, logger="fxopt"):
+        planned = plan_and_rewrite(model, "min", (x,), plan_only=True).plan
+    assert "capturing all 6 blocks" in caplog.text
+    torch._dynamo.reset()
+    assert decisions(planned) == decisions(fxopt.plan(model, "min", (x,), stamp=False))
+
+
+def test_a_run_is_only_identical_blocks_sharing_nothing():
+    """Blocks of other shapes, other attributes, with hooks or with tied weights are not a run."""
+    def blocks(n=8, width=16):
+        torch.manual_seed(0)
+        return [Alternating(i, width) for i in range(n)]
+
+    assert repeated_run(Stack(blocks())) is not None
+    assert repeated_run(Stack(blocks(7))) is None  # (fewer than STAMP_FROM)
+    odd = blocks()
+    odd[3].fc = nn.Linear(16, 16, bias=False)
+    assert repeated_run(Stack(odd)) is None
+    odd = blocks()
+    odd[5].scale = 2.0
+    assert repeated_run(Stack(odd)) is None
+    hooked = blocks()
+    hooked[2].register_forward_hook(lambda *a: None)
+    assert repeated_run(Stack(hooked)) is None
+    tied = blocks()
+    tied[4].fc.weight = tied[0].fc.weight
+    assert repeated_run(Stack(tied)) is None
