@@ -52,7 +52,7 @@ def test_a_stamped_step_is_the_whole_capture_node_for_node(build, monkeypatch):
     options = Options.of("min")
     whole = _capture(model, options, args, kwargs, lambda step: step)
     stamped = _stamped(model, run, options, args, kwargs, lambda step: step)
-    check_same(stamped.joint, whole.joint)
+    check_same(stamped.joint.graph, whole.joint.graph)
     assert stamped.unread_bytes == whole.unread_bytes
     assert len(list(model.parameters())) == len(list(run.holder.parameters())) + sum(
         1 for name, _ in model.named_parameters() if not name.startswith(_prefix(model, run.holder)))

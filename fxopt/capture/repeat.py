@@ -6,7 +6,7 @@ where a model holds a run of `STAMP_FROM` or more identical blocks (`repeated_ru
 same parameters' shapes and dtypes, the same attributes but for their index, no hooks, nothing
 shared), and fxopt only plans the step (`fxopt.plan`, `fxopt.fit`: nothing captured here runs),
 the step is captured with the run cut to its first three blocks, and to its first four, and the
-joint graph of all N is made from those two (`stamp`):
+joint graph of all N is made from those two (`stamped_joint`):
 
     captured, 3 blocks:  P0 | p0 p1 p2 | P1 ‖ F0 | f0 f1 f2 | F1 | b2 b1 b0 | B1
     captured, 4 blocks:  P0 | p0 p1 p2 p3 | P1 ‖ F0 | f0 f1 f2 f3 | F1 | b3 b2 b1 b0 | B1
@@ -279,13 +279,6 @@ def _filled(labels: list[int | None]) -> list[int | None]:
 # ------------------------------------------------------------------------------------ stamping
 
 
-def stamp(short: Layout, long: Layout, blocks: list[nn.Module], keys: tuple[str, ...]) -> fx.GraphModule:
-    """The joint graph of the whole run (``blocks``, the holder's ``keys``) from its captures cut to
-    `SHORT` and `LONG` blocks (see the module). `NotStamped` where the two do not tell it."""
-    _check_parts(short, long)
-    return _Stamper(short, long, blocks, keys).graph(len(blocks))
-
-
 def _sig(n: fx.Node):
     return n.op, n.target if n.op != "placeholder" else _SUFFIX.sub(r"\1", n.name)
 
@@ -317,11 +310,19 @@ class _Stamper:
         self.paths = [self._path_of(i) for i in range(SHORT)]
         self.numbers = {x: self._numbers(x) for x in nodes if x.op != "output"}
         # Each tensor's storage: the (node, item) that shows it first, its owner.
+        # Each tensor's layout, and its storage's owner: the (node, item) that shows it first.
+        # (Read once: a fake tensor's metadata is slow to read, and each is stamped N/3 times.)
         first: dict[StorageWeakRef, tuple[fx.Node, int | None]] = {}
         self.owner: dict[tuple[fx.Node, int | None], tuple[fx.Node, int | None]] = {}
+        self.layout_of: dict[tuple[fx.Node, int | None], tuple] = {}
+        self.is_view = {x: isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"]._is_view() for x in nodes}
         for x in nodes:
             for item, t in _items(x.meta.get("val")):
-                self.owner[(x, item)] = first.setdefault(StorageWeakRef(t.untyped_storage()), (x, item))
+                storage = t.untyped_storage()
+                self.owner[(x, item)] = first.setdefault(StorageWeakRef(storage), (x, item))
+                self.layout_of[(x, item)] = (storage.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                                             t.dtype, t.device, t.requires_grad)
+        self.storages: dict[tuple[fx.Node, int | None], Any] = {}  # a new node's (item's) storage
         self.moves: dict[tuple[int, int], tuple[str, str, dict]] = {}
 
     def _path_of(self, i: int) -> str:
@@ -373,7 +374,7 @@ class _Stamper:
         return out
 
     # -- the graph
-    def graph(self, n: int) -> fx.GraphModule:
+    def graph(self, n: int) -> fx.Graph:
         short = self.short
         g = fx.Graph()
         env: dict[tuple, fx.Node] = {}
@@ -394,7 +395,7 @@ class _Stamper:
         output = g.output(type(captured.args[0])(outs))
         if "desc" in captured.meta and len(captured.meta["desc"]) == len(short.outputs):
             output.meta["desc"] = self._outputs(n, env, list(captured.meta["desc"]))
-        return fx.GraphModule(short.module, g)
+        return g
 
     def _lookup(self, y: fx.Node, x_origin: int | None, j: int | None, n: int, env: dict) -> fx.Node:
         part, block, pos = self.short.slot[y]
@@ -442,27 +443,31 @@ class _Stamper:
         val = x.meta["val"]
         if x.op == "get_attr" or not _items(val):
             return val
-        if x.target is operator.getitem or (isinstance(val, torch.Tensor) and val._is_view()):
+        if x.target is operator.getitem or self.is_view[x]:
             args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda a: a.meta.get("val"))
             with self.fake_mode:
                 try:
-                    return new.target(*args, **kwargs)
+                    out = new.target(*args, **kwargs)
                 except Exception as err:  # noqa: BLE001 - an op that will not run again on fake values
                     raise NotStamped(f"{x.name} does not run on the copy's values: {err}") from None
+            for item, t in _items(out):
+                self.storages[(new, item)] = t.untyped_storage()
+            return out
 
-        def clone(item: int | None, t: torch.Tensor) -> torch.Tensor:
+        def clone(item: int | None) -> torch.Tensor:
             owner, owner_item = self.owner[(x, item)]
+            nbytes, offset, shape, stride, dtype, device, requires_grad = self.layout_of[(x, item)]
             if (owner, owner_item) == (x, item):
-                storage = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device="meta").untyped_storage()
+                storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
             else:
-                held = self._lookup(owner, origin, j, n, env).meta["val"]
-                storage = (held if owner_item is None else held[owner_item]).untyped_storage()
-            meta = torch.empty(0, dtype=t.dtype, device="meta").set_(storage, t.storage_offset(), t.shape, t.stride())
-            return FakeTensor(self.fake_mode, meta, t.device).requires_grad_(t.requires_grad)
+                storage = self.storages[(self._lookup(owner, origin, j, n, env), owner_item)]
+            self.storages[(new, item)] = storage
+            meta = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
+            return FakeTensor(self.fake_mode, meta, device, requires_grad=requires_grad)
 
         if isinstance(val, torch.Tensor):
-            return clone(None, val)
-        return type(val)(clone(k, t) if isinstance(t, torch.Tensor) else t for k, t in enumerate(val))
+            return clone(None)
+        return type(val)(clone(k) if isinstance(t, torch.Tensor) else t for k, t in enumerate(val))
 
     def _outputs(self, n: int, env: dict, items: list | None = None) -> list:
         """The graph's outputs (or ``items``, one per output, as the outputs are): those of the
@@ -512,12 +517,12 @@ def _items(val) -> list[tuple[int | None, torch.Tensor]]:
     return []
 
 
-def check_same(stamped: fx.GraphModule, captured: fx.GraphModule) -> None:
+def check_same(stamped: fx.Graph, captured: fx.Graph) -> None:
     """`NotStamped` unless ``stamped`` is ``captured`` node for node: names, ops, arguments,
     tags, module paths, fake values (shape, strides, dtype, which share storage) and ``seq_nr``
     (counted from the graph's first: autograd numbers its nodes process-wide, so two captures of
     one step differ by where the count stood)."""
-    a, b = list(stamped.graph.nodes), list(captured.graph.nodes)
+    a, b = list(stamped.nodes), list(captured.nodes)
     if len(a) != len(b):
         raise NotStamped(f"stamped {len(a)} nodes where the capture has {len(b)}")
     keys_a, keys_b = _NodeKeys(a), _NodeKeys(b)
@@ -562,5 +567,6 @@ def stamped_joint(short, long, run: Run) -> fx.GraphModule:
     with _disable_current_modes():
         shape = (layout(short.joint, short.num_fwd_outputs, blocks[:SHORT]),
                  layout(long.joint, long.num_fwd_outputs, blocks[:LONG]))
-        check_same(stamp(*shape, blocks[:LONG], run.keys[:LONG]), long.joint)
-        return stamp(*shape, blocks, run.keys)
+        _check_parts(*shape)
+        check_same(_Stamper(*shape, blocks[:LONG], run.keys[:LONG]).graph(LONG), long.joint.graph)
+        return fx.GraphModule(short.joint, _Stamper(*shape, blocks, run.keys).graph(len(blocks)))
