@@ -34,7 +34,8 @@ from fxopt.devices import DeviceProfile
 from fxopt.distributed import data_parallel, ddp as ddp_graph
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError
 from fxopt.options import Options
-from fxopt.planner import meta_device_message
+from fxopt.analysis.symbolic import Sizes
+from fxopt.planner import analyze_for_planning, meta_device_message
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
 
@@ -265,7 +266,8 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
     planning starts from), as `fxopt.analysis.JointGraph`s; ``options``: how it is analysed (the
     defaults if None; the budget is not read). A range the captured graph holds for only in part (a size of 1 set
     apart) is narrowed to the part holding ``point``, once. With ``options.device``: on fake
-    tensors, for that profile (as `plan_and_rewrite`)."""
+    tensors, for that profile (as `plan_and_rewrite`). A run of identical blocks is stamped out
+    as for a plan (`fxopt.capture.repeat`, where ``options.stamp``: nothing captured here runs)."""
     if options is not None and options.device is not None:
         fake = FakeStep.of(model, options.device)
         inputs = fake.inputs(example_inputs)
@@ -274,21 +276,70 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
     check_model(model)
     args, kwargs = split_inputs(example_inputs)
     options = dataclasses.replace(options or Options(budget=1), offload=False)
+    run = repeated_run(model) if options.stamp else None
     for attempt in range(2):
-        state = DynamicState(dims)
-        state.analyze_at = point
-        state.call_dims = dims.dims(model, args, kwargs)
-        compiled = compile_step(model, make_dynamic_backend(options, state, model), fullgraph=True, dynamic=None)
         try:
-            with capture_settings():
-                mark(state.call_dims, dims.ranges)
-                run_compiled(compiled, args, kwargs, options.compiler)
-        except Analyzed as done:
-            return done.eager, done.rewritten
+            if run is not None:
+                try:
+                    return _symbolic_stamped(model, run, args, kwargs, dims, point, options)
+                except NotStamped as why:
+                    log.info("fxopt: capturing all %d blocks of %s: %s", len(run.keys), type(run.holder).__name__,
+                             why)
+                    run = None
+            return _capture_symbolic(model, args, kwargs, dims, options, point=point)
         except SpecializedError as err:
             name, (lo, hi) = err.holds if err.holds is not None else (None, (0, -1))
             if attempt or name not in dims.ranges.bounds or not lo <= point[name] <= hi:
                 raise
             dims = dataclasses.replace(dims, ranges=dims.ranges.with_bound(name, lo, hi))
+
+
+def _capture_symbolic(model: nn.Module, args: tuple, kwargs: dict, dims: DynamicDims, options: Options, *,
+                      point: dict | None = None, ask=None):
+    """One capture of `capture_symbolic`: the analysed graphs at ``point``, or what ``ask``
+    returns for the step captured (see `fxopt.capture.dynamic.DynamicState.ask`)."""
+    state = DynamicState(dims)
+    state.analyze_at, state.ask = point, ask
+    state.call_dims = dims.dims(model, args, kwargs)
+    compiled = compile_step(model, make_dynamic_backend(options, state, model), fullgraph=True, dynamic=None)
+    try:
+        with capture_settings():
+            mark(state.call_dims, dims.ranges)
+            run_compiled(compiled, args, kwargs, options.compiler)
+    except Analyzed as done:
+        return done.eager, done.rewritten
+    except Answered as answered:
+        return answered.answer
     raise CaptureError("nothing to analyse: the captured step has no backward (no input or parameter requires "
                        "grad, or it ran under torch.no_grad())")
+
+
+def _symbolic_stamped(model: nn.Module, run: Run, args: tuple, kwargs: dict, dims: DynamicDims, point: dict,
+                      options: Options):
+    """`capture_symbolic` of the whole ``run`` stamped out from its captures cut to three blocks
+    and to four (as `_stamped`): the stamped graph is the three-block capture's, its sizes in that
+    capture's symbols, analysed as the capture's partitioner would."""
+    blocks = run.blocks
+    answering = []
+
+    def analysed(long: CapturedStep, names: dict, shape_env):
+        joint = stamped_joint(short[0], long, run)
+        unread = long.unread_bytes + (len(blocks) - LONG) * _unread(blocks[1], long.inputs)
+        answering.append(True)
+        _, short_names, short_env = short
+        guards = short_env.error_on_new_guards() if short_env is not None else contextlib.nullcontext()
+        with guards:
+            return analyze_for_planning(joint, long.num_fwd_outputs, options, unread,
+                                        Sizes(short_names, point, dims.ranges))
+
+    try:
+        with run.cut_to(SHORT):
+            short = _capture_symbolic(model, args, kwargs, dims, options, ask=lambda *captured: captured)
+        with run.cut_to(LONG):
+            return _capture_symbolic(model, args, kwargs, dims, options, ask=analysed)
+    except (NotStamped, SpecializedError):  # (a range to narrow: `capture_symbolic` narrows it, and stamps again)
+        raise
+    except Exception as err:  # noqa: BLE001 - a model that does not capture cut short: captured whole
+        if answering:
+            raise
+        raise NotStamped(f"its step did not capture with the run cut short ({type(err).__name__}: {err})") from err

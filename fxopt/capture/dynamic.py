@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -20,7 +21,7 @@ from torch._guards import detect_fake_mode
 from fxopt.analysis import JointGraph
 from fxopt.analysis.symbolic import Sizes
 from fxopt.buckets import Bucket, bucket_of
-from fxopt.capture.dynamo import PlanReady, step_backend, unread_resident_bytes
+from fxopt.capture.dynamo import Answered, CapturedStep, PlanReady, step_backend, unread_resident_bytes
 from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.planner import Options, analyze_for_planning, make_plan, plan_range
@@ -41,6 +42,9 @@ class DynamicState:
     plans: int = 0  # plans made (a bucket replaying its plan makes none)
     stop_after_plan: bool = False  # raise `PlanReady` once planned (`fxopt.optimize` with example inputs)
     analyze_at: dict | None = None  # only analyse, at this shape, and raise `Analyzed` (`fxopt.max_batch`)
+    # Instead, stop with what this returns for the step captured (a `CapturedStep`), its symbols'
+    # names and its shape environment: `Answered` (`fxopt.plan_ahead.capture_symbolic`'s stamping).
+    ask: Callable | None = None
 
 
 class Analyzed(Exception):
@@ -59,7 +63,7 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         raise ValueError("OFFLOAD is not offered with dynamic shapes (its copies take time that depends "
                          "on the shape, so one plan is not proven for a range); pass offload=False")
     options = dataclasses.replace(options, offload=False)
-    seen = {"names": {}, "unread": 0}
+    seen = {"names": {}, "unread": 0, "inputs": []}
     ranges = state.dims.ranges
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
@@ -69,6 +73,9 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         if shape_env is None:
             return plan_and_split(joint, num_fwd_outputs)
         check_symbolic(shape_env, seen["names"], ranges)
+        if state.ask is not None:
+            raise Answered(state.ask(CapturedStep(joint, num_fwd_outputs, seen["unread"], seen["inputs"]),
+                                     seen["names"], shape_env))
         # Nothing fxopt does to the step (its rewrites, analysis, plans) may add a guard: that
         # would narrow the shapes the compiled step accepts.
         with shape_env.error_on_new_guards():
@@ -100,5 +107,6 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
     def name_symbols(gm: fx.GraphModule, example_inputs) -> None:
         seen["names"] = symbol_names(gm, state.call_dims)
         seen["unread"] = unread_resident_bytes(resident, example_inputs)
+        seen["inputs"] = list(example_inputs)
 
     return step_backend(partition, options, name_symbols)

@@ -327,6 +327,14 @@ class _Stamper:
                 self.layout_of[(x, item)] = (storage.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                                              t.dtype, t.device, t.requires_grad)
         self.storages: dict[tuple[fx.Node, int | None], Any] = {}  # a new node's (item's) storage
+        # Where the first or last block holds a node more or less than the middle one (a size
+        # the first block works out and every later one reads), each block's nodes matched to
+        # the others' by their ops' order; a node of the first block that a block past the next
+        # reads is the whole run's, read from the first block by every copy.
+        self.aligned = {(part, a, b): _matched(short.inside[(part, a)], short.inside[(part, b)])
+                        for part in PARTS for a in range(SHORT) for b in range(SHORT) if a != b}
+        self.shared = {y for y in short.inside[("F", 0)] + short.inside[("B", 0)]
+                       if any((short.slot.get(u, (None, None))[1] or 0) >= 2 for u in y.users)}
         self.moves: dict[tuple[int, int], tuple[str, str, dict]] = {}
 
     def _path_of(self, i: int) -> str:
@@ -407,8 +415,12 @@ class _Stamper:
             return env[(part, None, pos)]
         if j is None and block not in (0, SHORT - 1):
             raise NotStamped(f"the step around the run reads {y.name} of a middle block")
+        if y in self.shared:
+            return env[(part, 0, pos)]
         jy = (0 if block == 0 else n - 1) if j is None else j + block - x_origin
-        found = env.get((part, jy, pos))
+        there = self.origin(jy, n) if 0 <= jy < n else None
+        at = pos if there == block else self.aligned.get((part, block, there), {}).get(pos)
+        found = env.get((part, jy, at))
         if found is None or _sig(self.source[found]) != _sig(y):
             raise NotStamped(f"{y.name} of block {block} has no counterpart in block {jy} of {n}")
         return found
@@ -499,6 +511,14 @@ class _Stamper:
         return out
 
 
+def _matched(a: list[fx.Node], b: list[fx.Node]) -> dict[int, int]:
+    """Positions in ``a`` matched to those in ``b`` holding the same op in the same order."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(None, [_sig(n) for n in a], [_sig(n) for n in b], autojunk=False)
+    return {i + k: j + k for i, j, size in matcher.get_matching_blocks() for k in range(size)}
+
+
 def _affine(values: list[int]) -> tuple[int, int, int]:
     """(value at 3 blocks, growth per block added, growth per middle block) from the values of a
     node at 3 blocks, its counterpart at 4, and (for a middle block) the next block's at 4."""
@@ -536,7 +556,8 @@ def check_same(stamped: fx.Graph, captured: fx.Graph) -> None:
 
 
 class _NodeKeys:
-    """What `check_same` compares of each node of one graph."""
+    """What `check_same` compares of each node of one graph (sizes as text: a symbolic size of
+    one capture is not comparable with another's)."""
 
     def __init__(self, nodes: list[fx.Node]):
         self.owners: dict = {}
@@ -551,7 +572,7 @@ class _NodeKeys:
         values = []
         for _, t in _items(n.meta.get("val")):
             storage = StorageWeakRef(t.untyped_storage())
-            values.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, str(t.device), t._is_view(),
+            values.append((str(tuple(t.shape)), str(t.stride()), str(t.storage_offset()), t.dtype, str(t.device), t._is_view(),
                            t.requires_grad, self.owners.setdefault(storage, n.name)))
         return n.name, n.op, str(n.target), repr(args), meta, tuple(values)
 
