@@ -126,7 +126,7 @@ class FxoptModule(nn.Module):
                 held = backend.step.held if backend.step is not None else 0
                 return make_backend(dataclasses.replace(options, budget=budget), both,
                                     resident=model if whole else None, held_bytes=held if whole else 0,
-                                    backward_bytes=backward_bytes)
+                                    backward_bytes=backward_bytes, whole_step=whole)
 
             backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks)
             distributed = self._distributed
