@@ -305,7 +305,16 @@ class _KernelMemory:
     next one keeps ``x`` beside the next one's output; a transformers GPT-2 at its smallest budget
     measured 514 KB over the plan). `fused_fits` allows a fusion where that stays within the
     graph's peak run kernel by kernel, so that fusion never raises the peak the plan predicted.
-    A buffer whose size cannot be read counts its kernel as unfusable."""
+
+    That peak is the least the kernels run one by one can hold: Inductor writes a kernel's output
+    into an input that dies there (``buf4 = buf2; del buf2  # reuse``), so a kernel may allocate
+    nothing, and a peak counted without that was one no run reached: a log-softmax's backward
+    written into the nll_loss gradient it reads let the nll_loss backward's last kernel fuse with
+    the log-softmax's reduction, over the plan (the test-size transformers Llama, 128 B). So here
+    each kernel may reuse, for an output, any buffer or input of the same bytes that dies there
+    (`_reusable`: more than Inductor reuses), while what a fused kernel holds counts no reuse: a
+    fusion is allowed only where its most stays within that least. A buffer whose size cannot be
+    read counts its kernel as unfusable."""
 
     def __init__(self, scheduler, backward: bool):
         from torch._inductor.virtualized import V
@@ -313,6 +322,8 @@ class _KernelMemory:
         nodes = scheduler.nodes
         steps = max((n.max_order for n in nodes), default=-1) + 1
         alloc, freed = [0] * steps, [0] * (steps + 1)
+        written: list[list[int]] = [[] for _ in range(steps)]  # bytes of each output, by kernel
+        dying: list[list[tuple[int, bool]]] = [[] for _ in range(steps + 1)]  # (bytes, freed here), by last reader
         self.unknown = set()
         last: dict[str, int] = {}
         for n in nodes:
@@ -328,29 +339,36 @@ class _KernelMemory:
                     size = 0
                 end = steps if name in outputs else max(last.get(name, n.max_order), n.max_order)
                 alloc[n.min_order] += size
+                written[n.min_order].append(size)
                 if end < steps:
                     freed[end] += size
+                    dying[end].append((size, True))
         base = 0
-        if backward:
-            inputs = V.graph.graph_inputs
-            held = _HELD_THROUGH_BACKWARD.get(frozenset(inputs))
-            if held is None:  # (not a backward fxopt partitioned: which inputs die is not known)
-                self.unknown.update(range(steps))
-            for name, value in inputs.items():
-                if name not in last or name in (held or ()) or name in outputs:
-                    continue  # alive for good, outside this count: it changes no fusion
-                size = _buffer_bytes(value)
-                if size is None:  # (freed by a kernel whose fusions then cannot be judged)
+        inputs = V.graph.graph_inputs
+        held = _HELD_THROUGH_BACKWARD.get(frozenset(inputs)) if backward else None
+        if backward and held is None:  # (not a backward fxopt partitioned: which inputs die is not known)
+            self.unknown.update(range(steps))
+        for name, value in inputs.items():
+            if name not in last or name in outputs:
+                continue  # alive for good, outside this count: it changes no fusion
+            size = _buffer_bytes(value)
+            dies = backward and name not in (held or ())
+            if size is None:
+                if dies:  # (freed by a kernel whose fusions then cannot be judged)
                     self.unknown.add(last[name])
-                    continue
+                continue
+            dying[last[name]].append((size, dies))  # (reusable where it is read last, held or not)
+            if dies:
                 base += size
                 freed[last[name]] += size
         self.before = []
-        alive, self.peak = base, base
+        alive, least, self.peak = base, base, base
         for k in range(steps):
             self.before.append(alive)
-            self.peak = max(self.peak, alive + alloc[k])
+            reused, reused_freed = _reusable(written[k], dying[k])
+            self.peak = max(self.peak, least + alloc[k] - reused)
             alive += alloc[k] - freed[k]
+            least += alloc[k] - reused - (freed[k] - reused_freed)
         self.alloc = alloc
 
     def fused_fits(self, first: int, last: int) -> bool:
@@ -361,6 +379,22 @@ class _KernelMemory:
         if any(k in self.unknown for k in members):
             return False
         return self.before[first] + sum(self.alloc[first:last + 1]) <= self.peak
+
+
+def _reusable(written: list[int], dying: list[tuple[int, bool]]) -> tuple[int, int]:
+    """Of a kernel's outputs (``written``, bytes each), those that may take over the storage of a
+    buffer or input dying there (``dying``: bytes, and whether the count frees it there), one
+    each, of equal bytes: (their bytes, the bytes of those taken over that the count frees)."""
+    free = sorted(dying, reverse=True)
+    reused = reused_freed = 0
+    for size in sorted(written, reverse=True):
+        match = next((i for i, (bytes_, _) in enumerate(free) if bytes_ == size), None)
+        if match is None or size == 0:
+            continue
+        reused += size
+        reused_freed += size if free[match][1] else 0
+        del free[match]
+    return reused, reused_freed
 
 
 def _ops_of(snode) -> set:
