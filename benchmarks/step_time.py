@@ -27,8 +27,10 @@ entries or recompile limit). Its first step compiles (and plans): its seconds ar
 profiler's allocation events, which see Inductor's code too) and its loss and gradients against
 eager's (``rtol=1e-4, atol=1e-5``: Inductor sums in another order). Then the timed steps, round
 robin: each round steps every variant once, in an order rotated by one each round, gradients
-cleared before each; a row's step time is the median of its ``--steps`` rounds, and its ratios are
-of medians (to eager's, and to ``compile``'s). A recompile during the timed rounds is reported.
+cleared before each; a row's step time is the median of its ``--steps`` rounds (and its fastest),
+and its ratios to eager's and to ``compile``'s are the medians of each round's ratio (the two
+steps of a round run seconds apart, so the ratio holds where a shared machine's load drifts
+between rounds; the ratio of the medians is in the JSON too). A recompile during the timed rounds is reported.
 The load average is read as each model starts and ends. Inductor's and AOTAutograd's caches and
 fxopt's plan cache are off for the run, and Inductor's compiled kernels go to a folder of the
 run's own (``TORCHINDUCTOR_CACHE_DIR``), so every compile is made in it, none read from an earlier
@@ -247,10 +249,12 @@ class ModelRun:
         plain = next((v for v in ready if v.name == "compile"), None)
         for v in ready:
             v.row["step_ms"] = 1e3 * statistics.median(v.times)
+            v.row["min_step_ms"] = 1e3 * min(v.times)
             v.row["step_times_ms"] = [round(1e3 * t, 3) for t in v.times]
             for ref, key in ((eager, "vs_eager"), (plain, "vs_compile")):
-                if ref is not None:
-                    v.row[key] = statistics.median(v.times) / statistics.median(ref.times)
+                if ref is not None:  # (each round's ratio, then their median: the load drifts between rounds)
+                    v.row[key] = statistics.median(a / b for a, b in zip(v.times, ref.times))
+                    v.row[key + "_of_medians"] = statistics.median(v.times) / statistics.median(ref.times)
         self.info["load_end"] = load_average()
         return [dict(model=self.name, **v.row) for v in self.variants]
 
@@ -302,7 +306,7 @@ def _ratio(x: float | None) -> str:
 def markdown(result: dict[str, Any]) -> str:
     meta = result["meta"]
     lines = report_head("Step time: fxopt against torch.compile (issue 28)", meta,
-                        f"median of {meta['steps']} interleaved rounds, text {meta['batch']}×{meta['seq']}, "
+                        f"median of {meta['steps']} interleaved rounds (ratios: median of each round's), text {meta['batch']}×{meta['seq']}, "
                         f"images {meta['image_batch'] or 'bench'} per step")
     infos = {m["model"]: m for m in result["models"]}
     for name in dict.fromkeys(r["model"] for r in result["rows"]):
@@ -313,16 +317,17 @@ def markdown(result: dict[str, Any]) -> str:
                   f"start, {info.get('load_end', '?')} at the end"
                   + ("; **Dynamo recompiled during the timed rounds**" if info.get("recompiled_while_timed") else "")
                   + ".", "",
-                  "| variant | step ms (median) | × eager | × torch.compile | measured peak MiB | budget MiB | within "
-                  "| compile s | loss, grads equal | notes |",
-                  "|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
+                  "| variant | step ms (median) | fastest | × eager | × torch.compile | measured peak MiB | budget MiB "
+                  "| within | compile s | loss, grads equal | notes |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
         for r in (r for r in result["rows"] if r["model"] == name):
             if "error" in r:
-                lines.append(f"| {r['variant']} | {r['error']} ||||||||| ")
+                lines.append(f"| {r['variant']} | {r['error']} |||||||||| ")
                 continue
             within = {True: "yes", False: "**NO**"}.get(r.get("within_budget"), "–")
             lines.append(
-                f"| {r['variant']} | {r['step_ms']:.1f} | {_ratio(r.get('vs_eager'))} | {_ratio(r.get('vs_compile'))} | "
+                f"| {r['variant']} | {r['step_ms']:.1f} | {r['min_step_ms']:.1f} | {_ratio(r.get('vs_eager'))} | "
+                f"{_ratio(r.get('vs_compile'))} | "
                 f"{mib(r['measured_peak_bytes'])} | {mib(r.get('budget_bytes'))} | {within} | {r['compile_s']:.0f} | "
                 f"{'yes' if r['loss_equal'] and r['grads_equal'] else '**no**'} | {'; '.join(r['notes'])} |")
         lines.append("")
