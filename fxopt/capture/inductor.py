@@ -143,7 +143,7 @@ def _own_step(gm: fx.GraphModule, example_inputs, bound: int, inductor_config: d
     log.info("fxopt: the budget admits Inductor's own step, if it measures within it; compiling it to measure it")
     # (Its backward compiled now, not at its first run: a compile inside the run would be measured,
     # and a compile nested in Dynamo's fails.)
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), _own_choices():
         compiled = compile_fx(gm, example_inputs, config_patches=dict(inductor_config or {}))
     inputs = sum(storages(list(example_inputs)).values())
     held = inputs + _run_increase(compiled, example_inputs)
@@ -445,10 +445,38 @@ def _materialize_in_place(gm: fx.GraphModule) -> fx.GraphModule:
 def _compile_one_kernel_per_call(gm: fx.GraphModule, example_inputs, **kwargs):
     token = _COMPILING_BACKWARD.set(bool(kwargs.get("is_backward", False)))
     try:
-        with _flush_each_cpp_kernel():
+        with _flush_each_cpp_kernel(), _own_choices():
             return compile_fx_inner(gm, example_inputs, **kwargs)
     finally:
         _COMPILING_BACKWARD.reset(token)
+
+
+@contextlib.contextmanager
+def _own_choices():
+    """Inside, Inductor's heuristics (``V.choices``: which kernels fuse) are made anew from the
+    settings in force (``inductor_choices_class``: `_KeepSchedule` in fxopt's compiles, Inductor's
+    own in Inductor's own step), and after, they are what they were. Inductor makes them once per
+    thread, at the thread's first compile, and keeps them: a process whose first compile was a
+    plain ``torch.compile`` compiled fxopt's modules with no fusion guard (the bench transformers
+    Llama at HF checkpointing's peak: 44.65 MiB against a 42.30 MiB budget, within it alone), and
+    one whose first compile was fxopt's compiled later plain ones under fxopt's guard."""
+    from torch._inductor import virtualized
+
+    local, key = virtualized.threadlocal, getattr(virtualized._choices, "_key", None)
+    if key is None:  # pragma: no cover - another torch: no per-thread heuristics to reset
+        log.warning("fxopt: this torch keeps Inductor's heuristics elsewhere; a compile may use another's")
+        yield
+        return
+    had, prior = hasattr(local, key), getattr(local, key, None)
+    if had:
+        delattr(local, key)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(local, key, prior)
+        elif hasattr(local, key):
+            delattr(local, key)
 
 
 @contextlib.contextmanager
