@@ -65,6 +65,7 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
 
+from fxopt.cpu_memory import allocation_events, peak_increase, profile_cpu_memory
 from fxopt.fxgraph import copy_module
 from fxopt.passes.decompose import OP, decompose
 from fxopt.storage import storages, tensors_in
@@ -102,7 +103,12 @@ def inductor_backend(partition: Callable, inductor_config: dict[str, Any] | None
         try:
             return _compile_planned(_copy(gm), example_inputs, partitioner, patches)
         except _OwnStepOffered as offer:
-            own = _own_step(_copy(gm), example_inputs, offer.bound, inductor_config)
+            try:
+                own = _own_step(_copy(gm), example_inputs, offer.bound, inductor_config)
+            except Exception as err:  # noqa: BLE001 - where Inductor's own step fails, fxopt's plan runs
+                log.warning("fxopt: Inductor's own step could not be compiled or measured (%s: %s); compiling "
+                            "fxopt's plan instead", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                own = None
             if own is not None:
                 return own
             partitioner.offered = offer  # (its modules, without planning again)
@@ -165,12 +171,11 @@ def _run_increase(compiled: Callable, example_inputs) -> int:
     does not reach gets a gradient autograd fills, of the same bytes); inputs the step changes
     (a norm's running statistics) and the random state are put back. Run twice, the second
     measured (a first run may allocate what later ones do not)."""
-    from fxopt.cpu_memory import allocation_events, peak_increase, profile_cpu_memory
-
     inputs = list(example_inputs)
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     wrt = [t for t in tensors if t.requires_grad]
-    kept = [(t, t.detach().clone(), t._version) for t in tensors if not t.requires_grad]
+    # (Compared, not told by their versions: a kernel that writes into an input bumps none.)
+    kept = [(t, t.detach().clone()) for t in tensors if not t.requires_grad]
     device = next((t.device for t in tensors), torch.device("cpu"))
 
     def run():
@@ -179,28 +184,26 @@ def _run_increase(compiled: Callable, example_inputs) -> int:
         if need and wrt:
             torch.autograd.grad(need, wrt, [torch.ones_like(o) for o in need], allow_unused=True)
 
-    def put_back():
-        with torch.no_grad():
-            for t, value, version in kept:
-                if t._version != version:
-                    t.copy_(value)
-
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type), \
             torch.enable_grad():
-        run()
-        put_back()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            start = torch.cuda.memory_allocated(device)
+        try:
             run()
-            torch.cuda.synchronize(device)
-            increase = torch.cuda.max_memory_allocated(device) - start
-        else:
-            with profile_cpu_memory(collect=False, every_thread=True) as prof:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                start = torch.cuda.memory_allocated(device)
                 run()
-            increase = peak_increase(allocation_events(prof))
-        put_back()
+                torch.cuda.synchronize(device)
+                increase = torch.cuda.max_memory_allocated(device) - start
+            else:
+                with profile_cpu_memory(collect=False, every_thread=True) as prof:
+                    run()
+                increase = peak_increase(allocation_events(prof))
+        finally:
+            with torch.no_grad():
+                for t, value in kept:
+                    if not torch.equal(t, value):
+                        t.copy_(value)
     return increase
 
 
