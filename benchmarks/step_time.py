@@ -37,6 +37,9 @@ run's own (``TORCHINDUCTOR_CACHE_DIR``), so every compile is made in it, none re
 run (a kernel one variant compiled, another may reuse; this is why a run takes minutes per model on a 2-core CPU: narrow it with ``--models`` and
 ``--variants``).
 
+``--device cuda`` runs the same on a GPU (peaks from the allocator's statistics):
+`benchmarks/gpu_step_time.sh`, prepared for a lent GPU, not run on one yet.
+
 Writes ``<out>.json`` and ``<out>.md`` after every model.
 """
 
@@ -106,7 +109,9 @@ class ModelRun:
     def __init__(self, name: str, args: argparse.Namespace):
         self.name, self.args = name, args
         torch.manual_seed(0)
-        self.model, self.inputs = MODELS[name](args.size)
+        self.model, inputs = MODELS[name](args.size)
+        self.model.to(args.device)
+        self.inputs = tuple(x.to(args.device) for x in inputs)
         self.entry = MODELS[name]
         self.info: dict[str, Any] = {"model": name, "input_shapes": [list(x.shape) for x in self.inputs],
                                      "params_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
@@ -265,7 +270,7 @@ class Run:
         self.t0 = time.perf_counter()
         command = "python -m benchmarks.step_time " + shlex.join(args.argv)
         self.result: dict[str, Any] = {
-            "meta": run_meta(command.strip(), size=args.size, steps=args.steps, seq=args.seq, batch=args.batch,
+            "meta": run_meta(command.strip(), device=args.device, size=args.size, steps=args.steps, seq=args.seq, batch=args.batch,
                              image_batch=args.image_batch, amb=list(args.amb)),
             "models": [], "rows": []}
 
@@ -345,6 +350,7 @@ def main(argv: list[str] | None = None) -> Run:
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (text models)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (text models)")
     parser.add_argument("--image-batch", type=int, default=None, help="images per step (default: hf_zoo's bench)")
+    parser.add_argument("--device", default="cpu", help="where the models run (cuda: benchmarks/gpu_step_time.sh)")
     parser.add_argument("--size", default="bench", choices=hf_zoo.SIZES, help="the zoo's size (test: a quick check)")
     parser.add_argument("--time-limit", type=float, default=60.0, help="fxopt's planning safety stop, seconds")
     parser.add_argument("--out", default="benchmarks/results/step_time", help="results path, without suffix")
