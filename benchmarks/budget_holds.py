@@ -27,7 +27,8 @@ fxopt meets), one row:
   budget on the same graph (`benchmarks.harness.best_policy`), by that cost; ``not_worse`` where
   none fits is "–";
 - an infeasible budget: the minimum fxopt names is planned and measured in turn (it must hold);
-- the plan's decisions digest (SAVE/RECOMPUTE/COMPRESS/OFFLOAD of every value, its solver): two
+- the plan's decisions digest (SAVE/RECOMPUTE/COMPRESS/OFFLOAD of every value, its solver; on the
+  pipeline route also its cuts, each stage's; never the seconds planning took): two
   runs, one with ``--load`` (another fxopt planning job runs beside it for the whole run), compared
   with ``--compare`` (the other run's JSON), must give the same digests.
 
@@ -60,7 +61,7 @@ from benchmarks.harness import (best_policy, choose, compare_grads, error_line, 
                                 run_meta, saved_settings, train_step, write_results)
 from fxopt.capture.dynamo import unwrap_compile_error
 from fxopt.models import MODELS, zoo
-from fxopt.solvers import DEFAULT_TIME_LIMIT
+from fxopt.solvers import DEFAULT_TIME_LIMIT, SolverTimeoutWarning
 
 ROUTES = ("optimize", "inductor", "backend", "pieces", "dynamic", "pipeline")
 BUDGETS = ("1.0", "0.5", "min")
@@ -78,6 +79,20 @@ def decisions_digest(plan: fxopt.Plan) -> str:
     """What the plan decided (not how long it took): a short hash of its JSON without the timing."""
     record = plan.to_dict()
     record.pop("solve_seconds", None)
+    return _digest(record)
+
+
+def pipeline_digest(plan: fxopt.PipelinePlan) -> str:
+    """`decisions_digest` of a pipeline's plan: its cuts, budget and every stage's plan and
+    memory, without the seconds planning took (the whole plan's and each stage plan's)."""
+    record = plan.to_dict()
+    record.pop("solve_seconds", None)
+    for stage in record["stages"]:
+        stage["plan"].pop("solve_seconds", None)
+    return _digest(record)
+
+
+def _digest(record: dict) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -111,7 +126,8 @@ def build_route(route: str, model: nn.Module, budget: float | str, batch: int,
     if route == "dynamic":
         options["dynamic"] = {"batch": (2, 2 * max(batch, 2))}  # (sizes 0 and 1 specialize in Dynamo)
     optimized = fxopt.optimize(model, budget, **options)
-    return optimized, lambda: optimized.plans
+    # (a step in pieces is planned again after its first call: the plans its measured call ran with)
+    return optimized, lambda: optimized.step_plans or optimized.plans
 
 
 class Eager:
@@ -182,14 +198,20 @@ def pipeline_row(budget: float | int | str, time_limit: float) -> dict[str, Any]
 
     row: dict[str, Any] = {"model": "pipeline-gpt2", "route": "pipeline", "budget": str(budget)}
     model, inputs, target = bp.workload(4)
-    plan = fxopt.pipeline(model, inputs, stages=bp.STAGES, microbatches=bp.MICROBATCHES, budget=budget,
-                          loss_fn=bp.lm_loss, target=target, time_limit=time_limit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SolverTimeoutWarning)
+        plan = fxopt.pipeline(model, inputs, stages=bp.STAGES, microbatches=bp.MICROBATCHES, budget=budget,
+                              loss_fn=bp.lm_loss, target=target, time_limit=time_limit)
+    # A safety stop that cut a solve says so (its plan may differ on another run).
+    row["stopped"] = [str(w.message) for w in caught if issubclass(w.category, SolverTimeoutWarning)]
     ranks = bp.run_ranks(4, plan=plan)
     budget = plan.budget_bytes
     measured = max(r["peak"] for r in ranks)
     row.update({"pieces": len(plan.stages), "budget_bytes": budget, "measured_peak_bytes": measured,
                 "within": measured <= budget, "predicted_peak_bytes": max(s.peak_bytes for s in plan.stages),
-                "digest": hashlib.sha256(plan.to_json().encode()).hexdigest()[:12]})
+                "predicted_peaks": [s.peak_bytes for s in plan.stages], "measured_peaks": [r["peak"] for r in ranks],
+                "solver": ",".join(s.plan.solver for s in plan.stages),
+                "status": ",".join(s.plan.status for s in plan.stages), "digest": pipeline_digest(plan)})
     return row
 
 

@@ -387,7 +387,7 @@ def _solve_one(graph: Graph, budget: int, options: Options, deadline: Deadline, 
     effort = effort_of(options.effort)
     if options.in_flight is not None:
         return solve_stage(graph, budget, options.in_flight, options.solver, effort=effort, time_limit=deadline,
-                           on_progress=report, mip_solver=options.mip_solver)
+                           on_progress=report, mip_solver=options.mip_solver, memo=cache.lowest_peaks)
     return solve(graph, budget, options.solver, effort=effort, time_limit=deadline, memo=cache.lowest_peaks,
                  on_progress=report, mip_solver=options.mip_solver)
 

@@ -26,6 +26,9 @@ def workload(name: str):
     if name == "gpt2":
         model, (idx,) = gpt2_lm(layers=8, dim=32, heads=2, seq=32, batch=8, vocab=128)
         return model, (idx,), torch.roll(idx, -1, 1), lm_loss
+    if name == "gpt2_head":  # the head and the loss bind the last stage's memory
+        model, (idx,) = gpt2_lm(layers=2, dim=32, heads=2, seq=32, batch=8, vocab=1024)
+        return model, (idx,), torch.roll(idx, -1, 1), lm_loss
     model, (x,) = skip_cnn(batch=8, size=16, channels=8)
     return model, (x,), torch.randint(0, 10, (8,)), torch.nn.functional.cross_entropy
 

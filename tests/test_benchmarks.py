@@ -208,6 +208,28 @@ def test_planning_time_splits_one_answer(monkeypatch):
     assert row["analysis_s"] > 0 and row["solve_s"] > 0 and row["capture_s"] > 0
 
 
+def test_the_pipeline_digest_is_of_decisions_not_of_planning_time():
+    """budget_holds' pipeline rows compare a quiet run's plan with a busy one's by this digest: the
+    seconds planning took (the whole plan's, each stage plan's) are not in it, the decisions are.
+    It hashed the plan's whole JSON before, so two runs could never agree (issue 24)."""
+    import dataclasses
+
+    import torch.nn as nn
+
+    import fxopt
+    from benchmarks.budget_holds import pipeline_digest
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    plan = fxopt.pipeline(model, (torch.randn(8, 8),), stages=2, microbatches=2, budget="min", solver="greedy")
+    slower = dataclasses.replace(plan, solve_seconds=plan.solve_seconds + 60, stages=tuple(
+        dataclasses.replace(s, plan=dataclasses.replace(s.plan, solve_seconds=s.plan.solve_seconds + 30))
+        for s in plan.stages))
+    assert pipeline_digest(slower) == pipeline_digest(plan)
+    other = dataclasses.replace(plan, cuts=tuple(dataclasses.replace(c, split_point="END") for c in plan.cuts))
+    assert pipeline_digest(other) != pipeline_digest(plan)
+
+
 @pytest.mark.slow
 def test_hf_breadth_benchmark_runs_a_row_and_reports_errors(tmp_path, monkeypatch):
     """One architecture the test suite does not otherwise train (RegNet) through the breadth

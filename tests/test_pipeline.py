@@ -60,7 +60,7 @@ def test_module_of(path, within, expected):
 
 def test_every_stage_is_planned_with_the_options_given(monkeypatch):
     """The options reach every stage's plan (issue 25: a plain dict of three of them before, so
-    quantize, offload and the compiler could not be set); unknown ones and 'min' are refused."""
+    quantize, offload and the compiler could not be set); unknown ones are refused."""
     import fxopt.distributed.pipeline
     from fxopt.analysis.codecs import Quantize
 
@@ -78,8 +78,24 @@ def test_every_stage_is_planned_with_the_options_given(monkeypatch):
     assert all(o.budget.bytes == plan.budget_bytes for o in stages)
     with pytest.raises(ValueError, match="unknown fxopt option.*'sovler'"):
         fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget=0.9, sovler="greedy")
-    with pytest.raises(fxopt.BudgetError, match="not 'min'"):
-        fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget="min")
+
+
+@pytest.mark.parametrize("split_points", [None, [("2", "BEGINNING")]])
+def test_min_plans_at_the_smallest_budget_an_infeasible_one_names(split_points):
+    """``budget="min"`` (refused before: issue 24's "every named minimum plans", on the pipeline's
+    route) plans at the per-device budget an infeasible budget names, every stage within it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    inputs = (torch.randn(32, 64),)
+    kwargs = dict(stages=2, microbatches=2, solver="greedy", split_points=split_points)
+    with pytest.raises(fxopt.InfeasibleBudgetError) as refused:
+        fxopt.pipeline(model, inputs, budget=1, **kwargs)
+    plan = fxopt.pipeline(model, inputs, budget="min", **kwargs)
+    assert plan.budget_bytes == refused.value.min_budget
+    assert max(s.peak_bytes for s in plan.stages) <= plan.budget_bytes
+    assert all(s.plan.budget_bytes == plan.budget_bytes for s in plan.stages)
+    with pytest.raises(fxopt.InfeasibleBudgetError):
+        fxopt.pipeline(model, inputs, budget=plan.budget_bytes // 2, **kwargs)
 
 
 def test_constants_traced_on_the_cpu_are_made_where_the_stage_runs():
@@ -94,3 +110,18 @@ def test_constants_traced_on_the_cpu_are_made_where_the_stage_runs():
     (node,) = [n for n in outer[0].graph.nodes if n.target is torch.ones]
     assert node.kwargs["device"] == torch.device("meta")
     assert outer(torch.zeros(4, device="meta")).device.type == "meta"
+
+
+def test_the_loss_memory_leaves_out_the_batch_its_target_is_a_view_of():
+    """torch's schedule gives the loss a microbatch of the target, a view of the caller's batch:
+    the loss's memory beyond its output and target is the same as for a target of its own (it
+    counted the rest of the batch before, issue 24; the last stage counts the caller's target
+    itself, every microbatch of it)."""
+    from fxopt.distributed.pipeline import _loss_memory
+    from fxopt.options import Options
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 8, 32), torch.randint(0, 32, (8, 8))
+    view = target[:2]
+    options = Options.of(1.0)
+    assert _loss_memory(lm_loss, logits, view, options) == _loss_memory(lm_loss, logits, view.clone(), options)

@@ -74,6 +74,19 @@ def test_skip_cnn_two_stages_gpipe_at_the_smallest_budget(tmp_path):
     assert all(r["peak"] <= err.value.min_budget for r in results)
 
 
+def test_the_last_rank_at_the_smallest_budget(tmp_path):
+    """At ``budget="min"`` with the head and the loss binding the last stage, its rank measured
+    524 B over the budget before (issue 24): the caller's target (every microbatch of it) and the
+    losses torch's schedule keeps until the step ends were not counted, and the loss's memory
+    counted its target's whole batch (a view's storage) instead. Every rank within it now (checked
+    there), the last one the stage at the budget."""
+    model, inputs, target, loss_fn = pipeline_worker.workload("gpt2_head")
+    plan = fxopt.pipeline(model, inputs, target=target, loss_fn=loss_fn, stages=2, microbatches=4, budget="min")
+    assert plan.stages[-1].peak_bytes == plan.budget_bytes
+    results = run_ranks("gpt2_head", plan, tmp_path)
+    assert results[-1]["peak"] <= plan.budget_bytes
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one NCCL rank per stage)")
 def test_gpt2_two_stages_nccl(tmp_path):

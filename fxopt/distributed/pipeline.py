@@ -37,17 +37,18 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 from fxopt.api import FxoptModule
 from fxopt.budget import Budget, BudgetLike
-from fxopt.errors import BudgetError, CaptureError, FxoptError, check_choice
+from fxopt.errors import CaptureError, FxoptError, check_choice
 from fxopt.fxgraph import module_name
 from fxopt.options import Options
 from fxopt.plan_ahead import plan_and_rewrite
 from fxopt.solvers import Solution
 from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
 from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, cut_and_plan,
-                                  cut_model, pipeline_timing, plan_split, split_at, stage_in_flight)
+                                  cut_model, pipeline_timing, plan_at_minimum, plan_split, split_at, stage_in_flight)
 from fxopt.storage import tensors_in
 
 SCHEDULE_CLASSES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
@@ -281,15 +282,12 @@ class _StagePlanner:
     """Plans the stages of the DP's splits exactly: builds the stage modules of a split (once per
     split), captures each stage's part and plans it with what its device holds beside."""
 
-    def __init__(self, model, mb_args, mb_target, loss_fn, points: SplitPoints, cut: CutModel, budget: int,
+    def __init__(self, model, mb_args, last: _LastStage, points: SplitPoints, cut: CutModel, budget: int | None,
                  options: Options, return_outputs: bool):
-        self.model, self.mb_args, self.mb_target, self.loss_fn = model, mb_args, mb_target, loss_fn
+        self.model, self.mb_args, self.last = model, mb_args, last
         self.points, self.cut, self.budget, self.options = points, cut, budget, options
         self.return_outputs = return_outputs
-        with torch.no_grad():
-            output = model(*mb_args)
-        self.single_output = isinstance(output, torch.Tensor)
-        self.loss_peak, self.loss_saved = _loss_memory(loss_fn, output, mb_target, options)
+        self.single_output = last.single_output
         self.splits: dict[tuple[int, ...], tuple[list[StageModule], list[tuple]]] = {}
         self.plans: dict[tuple[tuple[int, ...], int], Any] = {}
         self.given: dict[tuple[int, ...], list[tuple[str, str]]] = {}  # cuts -> the split points asked for
@@ -314,15 +312,16 @@ class _StagePlanner:
     def in_flight(self, s: int, part: nn.Module, inputs: tuple, outputs: tuple) -> InFlight:
         """What the device of stage ``s`` holds beside one microbatch (`runtime_fixed`); on the
         last stage also the loss, which torch runs after its forward, outside its plan (and what
-        it SAVEs for each microbatch in flight; every microbatch's output, with
-        ``return_outputs``)."""
+        it SAVEs for each microbatch in flight), and what the last rank holds outside the stage
+        and the loss (`_LastStage.outside`: the caller's target, the losses kept; every
+        microbatch's output, with ``return_outputs``)."""
         m, last = self.cut.microbatches, s == self.cut.stages - 1
         sent = _bytes(outputs)
         grads = sum(p.numel() * p.element_size() for p in part.parameters() if p.requires_grad)
         return stage_in_flight(self.cut.schedule, self.cut.stages, m, s, _bytes(inputs), sent, grads,
-                               held=sent + (self.loss_saved if last else 0),
-                               extra=m * sent if last and self.return_outputs else 0,
-                               after_forward=self.loss_peak if last else 0)
+                               held=sent + (self.last.loss_saved if last else 0),
+                               extra=self.last.outside(m, self.return_outputs) if last else 0,
+                               after_forward=self.last.loss_peak if last else 0)
 
     def plan_stage(self, s: int, split: Split, budget: int) -> StageResult:
         stages, inputs = self.modules(split.cuts)
@@ -342,14 +341,49 @@ class _StagePlanner:
                            sum(graph.nodes[i].cost for i in graph.backward_nodes))
 
 
+@dataclasses.dataclass(frozen=True)
+class _LastStage:
+    """What the last rank runs and holds beside its stage's plan, from one microbatch's model
+    output, target and loss (`of`)."""
+
+    single_output: bool  # the model returns one tensor
+    output_bytes: int  # the model's output on one microbatch (what the last stage sends to the loss)
+    loss_peak: int  # the loss's eager memory beyond the output and target it reads (`_loss_memory`)
+    loss_saved: int  # what the loss SAVEs until its backward
+    loss_bytes: int  # the loss itself, one microbatch's
+    target_bytes: int  # one microbatch's target (0: none given)
+
+    @classmethod
+    def of(cls, model: nn.Module, mb_args: tuple, mb_target: Any, loss_fn: Callable, options: Options,
+           target_given: bool) -> _LastStage:
+        with torch.no_grad():
+            output = model(*mb_args)
+            loss = loss_fn(output, mb_target)
+        peak, saved = _loss_memory(loss_fn, output, mb_target, options)
+        return cls(isinstance(output, torch.Tensor), _bytes(output), peak, saved, _bytes(loss),
+                   _bytes(mb_target) if target_given else 0)
+
+    def outside(self, microbatches: int, return_outputs: bool) -> int:
+        """What the last rank holds beside its stage's step and the loss's, whatever the plan: the
+        caller's target, every microbatch of it (torch's schedule splits it into views and the
+        loss reads each; as the first rank holds the caller's batch); the losses of the other
+        microbatches, which torch's schedule keeps (``_internal_losses``) until the step ends; with
+        ``return_outputs``, every microbatch's output."""
+        m = microbatches
+        return m * self.target_bytes + (m - 1) * self.loss_bytes + (m * self.output_bytes if return_outputs else 0)
+
+
 def _loss_memory(loss_fn, output, target, options: Options) -> tuple[int, int]:
     """The loss's eager memory beyond the output and target it reads (it runs outside the last
     stage's plan, on its output, the gradient it makes included), and what it SAVEs until its
-    backward (held per microbatch in flight on GPipe's last stage)."""
+    backward (held per microbatch in flight on GPipe's last stage). The target is planned as a
+    copy with storage of its own: torch's microbatch of it is a view of the caller's batch, whose
+    whole storage the plan would count (`_LastStage.outside` counts the caller's target)."""
     outputs = [t for t in tensors_in(output) if t.is_floating_point()]
     if not outputs:
         return 0, 0
     leaf = _receivable([output])[0] if isinstance(output, torch.Tensor) else output
+    target = tree_map_only(torch.Tensor, torch.clone, target)
     try:
         plan = plan_and_rewrite(_Loss(loss_fn), _unbounded(options), (leaf, target)).plan
     except CaptureError:  # no backward of its own (the output is the loss): nothing beyond it
@@ -372,9 +406,11 @@ def pipeline(
     **options: Any,
 ) -> PipelinePlan:
     """Cut ``model``'s training step into ``stages`` pipeline stages and plan each within
-    ``budget`` per device (bytes, a size such as ``"2GiB"``, or a fraction of the unsplit step's
-    eager peak on one microbatch), for torch's ``schedule`` (``"1F1B"`` or ``"GPipe"``) over
-    ``microbatches`` microbatches.
+    ``budget`` per device (bytes, a size such as ``"2GiB"``, a fraction of the unsplit step's
+    eager peak on one microbatch, or ``"min"``: the split with the lowest modelled memory, or the
+    ``split_points`` given, at the smallest per-device budget its stages meet, in
+    `PipelinePlan.budget_bytes`), for torch's
+    ``schedule`` (``"1F1B"`` or ``"GPipe"``) over ``microbatches`` microbatches.
 
     ``example_inputs``: the model's positional inputs for the whole batch (as ``schedule.step``
     gets them; split along dimension 0). ``loss_fn(output, target)``: the loss the schedule
@@ -382,7 +418,8 @@ def pipeline(
     `ValueError` for more stages than the step has places to cut or a microbatch count torch's
     schedule refuses, and `InfeasibleBudgetError` (with ``.min_budget``, per device) when no split
     fits. ``budget`` may be a whole `fxopt.Options`; ``options``: its other fields by name, as for
-    `fxopt.plan` (``time_limit`` is per stage plan).
+    `fxopt.plan` (``time_limit``, the safety stop, is each solve's: a stage's search and the cut
+    model make several, each with counted effort and a stop of its own).
     ``return_outputs``: plan for ``schedule.step(..., return_outputs=True)`` (the last stage
     keeps every microbatch's output). ``split_points``: cut there instead of where the DP would,
     as ``(module name, "BEGINNING" or "END")`` pairs in forward order (torch's `SplitPoint`), and
@@ -390,38 +427,42 @@ def pipeline(
     """
     t0 = time.perf_counter()
     options = Options.of(budget, **options)
-    if options.budget.minimum:
-        raise BudgetError("fxopt.pipeline takes the per-device budget in bytes, a size or a share, not 'min'; "
-                          "a budget no split fits raises InfeasibleBudgetError naming the smallest one fxopt found")
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     batch = next((t.shape[0] for t in args if isinstance(t, torch.Tensor) and t.dim()), None)
     check_pipeline(stages, microbatches, schedule, batch)
     loss_fn = loss_fn or sum_loss
-    if target is None:
+    target_given = target is not None
+    if not target_given:
         target = torch.zeros(batch or microbatches)
     mb_args, mb_target = _microbatch(args, target, microbatches)
     ready = plan_and_rewrite(_WithLoss(model, loss_fn), _unbounded(options), (*mb_args, mb_target))
     whole = ready.plan
     fx_nodes = {n.name: n for n in ready.joint.module.graph.nodes}
     origins = [fx_nodes[name].meta.get("seq_nr") if name in fx_nodes else None for name in ready.joint.names]
-    budget_bytes = options.budget.resolve(whole.eager_peak_bytes)
+    budget_bytes = None if options.budget.minimum else options.budget.resolve(whole.eager_peak_bytes)
     points = SplitPoints(model, whole.graph, whole.module_paths)
-    with torch.no_grad():
-        out_bytes = _bytes(model(*mb_args))
+    last = _LastStage.of(model, mb_args, mb_target, loss_fn, options, target_given)
     extra = [0] * stages
+    # Beside what the graph shows (the first and last stages' own microbatch of the inputs and target).
     extra[0] = (microbatches - 1) * _bytes(mb_args)
-    extra[-1] = microbatches * out_bytes if return_outputs else 0
+    extra[-1] = last.outside(microbatches, return_outputs) - last.target_bytes
     cut = cut_model(whole.graph, stages, microbatches, schedule, allowed=points.allowed, solver=options.solver,
-                    time_limit=options.time_limit, effort=options.effort, extra_fixed=extra, last_held=out_bytes,
-                    origins=origins)
-    planner = _StagePlanner(model, mb_args, mb_target, loss_fn, points, cut, budget_bytes, options, return_outputs)
+                    time_limit=options.time_limit, effort=options.effort, extra_fixed=extra,
+                    last_held=last.output_bytes, origins=origins)
+    planner = _StagePlanner(model, mb_args, last, points, cut, budget_bytes, options, return_outputs)
     if split_points is None:
-        split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
+        if budget_bytes is None:
+            split, results, planner.budget = plan_at_minimum(cut, planner.plan_stage)
+        else:
+            split, results = cut_and_plan(cut, budget_bytes, planner.plan_stage)
     else:
         cuts = _given_cuts(cut, points, split_points, stages)
         planner.given[cuts] = [tuple(p) for p in split_points]
         split = split_at(cut, cuts, budget_bytes)
-        results = plan_split(cut, split, budget_bytes, planner.plan_stage)
+        if budget_bytes is None:
+            split, results, planner.budget = plan_at_minimum(cut, planner.plan_stage, split)
+        else:
+            results = plan_split(cut, split, budget_bytes, planner.plan_stage)
     return _pipeline_plan(planner, whole, split, results, time.perf_counter() - t0)
 
 

@@ -13,13 +13,13 @@ import dataclasses
 
 from fxopt.solvers.auto import eager_schedule
 from fxopt.solvers.chain import chain_candidates
-from fxopt.solvers.effort import Deadline, Effort
+from fxopt.solvers.effort import Effort
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS
-from fxopt.solvers.minimum import lowest_plan
+from fxopt.solvers.minimum import Memo, lowest_plan
 from fxopt.solvers.schedule import simulate
 from fxopt.solvers.stages.cuts import stage_graph
-from fxopt.solvers.stages.in_flight import _solve_quietly
+from fxopt.solvers.stages.in_flight import SolveStops, _solve_quietly
 
 # The shares of the way from an atom's eager peak to its lowest peak at which it is solved, and
 # the remat levels of the DP: shares of what eager SAVEs (see `atom_options`).
@@ -46,10 +46,11 @@ def _structure(graph: Graph) -> tuple:
                   n.tangent, n.tensor, n.codec, n.compressed_bytes, round(n.codec_cost, 12)) for n in graph.nodes)
 
 
-def atom_of(graph: Graph, stage: list[int], s: int, solver: str, effort: Effort, deadline: Deadline,
+def atom_of(graph: Graph, stage: list[int], s: int, solver: str, effort: Effort, stops: SolveStops,
             known: dict | None = None) -> Atom:
-    """Atom ``s`` of a split at every cut point (``stage`` from `assign_stages`); ``known``: the
-    options of the atoms planned so far, by structure (`atom_options`)."""
+    """Atom ``s`` of a split at every cut point (``stage`` from `assign_stages`); ``stops``: each
+    of its solves' safety stop; ``known``: the options of the atoms planned so far, by structure
+    (`atom_options`)."""
     sub = stage_graph(graph, stage, s)
     sub_nodes, index = sub.nodes, {n.name: i for i, n in enumerate(graph.nodes)}
     fwd = sum(n.cost for n in sub_nodes if n.kind == "forward")
@@ -61,19 +62,20 @@ def atom_of(graph: Graph, stage: list[int], s: int, solver: str, effort: Effort,
                 and graph.nodes[index[n.name]].output)
     out = sum(sub_nodes[r].bytes for r in {sub.roots[i] for i in sub.forward_outputs})
     fixed = params + crossing_in + grads + out
-    options = atom_options(sub, fixed, solver, effort, deadline, known)
+    options = atom_options(sub, fixed, solver, effort, stops, known)
     return Atom(fwd, bwd, params, grads, out, options)
 
 
-def atom_options(sub: Graph, fixed: int, solver: str, effort: Effort, deadline: Deadline,
+def atom_options(sub: Graph, fixed: int, solver: str, effort: Effort, stops: SolveStops,
                  known: dict | None = None) -> tuple:
     """An atom's remat options, one per `SAVED_LEVELS` share: the cheapest schedule found that
     SAVEs at most that share of what eager SAVEs (the one SAVEing least where none does), as
     (SAVEd bytes, transient bytes, recompute cost); transient is the peak beyond ``fixed``
     (parameters, gradients, what it receives and sends) and the SAVEd bytes. The schedules found:
     eager's, every heuristic's (greedy drops the cheapest values per byte one by one: a whole
-    curve), the chain solver's and `solve`'s at `ATOM_LEVELS` of the way to its lowest peak.
-    Kept in ``known`` by the atom's structure, so that a model's repeated blocks are solved once."""
+    curve), the chain solver's and `solve`'s at `ATOM_LEVELS` of the way to its lowest peak (each
+    solve with the next of ``stops``, its safety stop). Kept in ``known`` by the atom's structure,
+    so that a model's repeated blocks are solved once."""
     key = (_structure(sub), fixed, solver)
     if known is not None and key in known:
         return known[key]
@@ -82,10 +84,11 @@ def atom_options(sub: Graph, fixed: int, solver: str, effort: Effort, deadline: 
         for name in HEURISTICS:
             timelines.extend(t for _, t in HEURISTICS[name](sub, 0, effort=effort))
         timelines.extend(t for _, t in chain_candidates(sub, 0))
-        low = lowest_plan(sub, solver, effort=effort, time_limit=deadline).peak
+        memo = Memo()
+        low = lowest_plan(sub, solver, effort=effort, time_limit=stops.next(), memo=memo).peak
         high = timelines[0].peak_bytes
         for share in ATOM_LEVELS:
-            sol = _solve_quietly(sub, int(low + share * (high - low)), solver, effort, deadline, None, None)
+            sol = _solve_quietly(sub, int(low + share * (high - low)), solver, effort, stops, None, None, memo)
             if sol is not None:
                 timelines.append(sol.timeline)
     points = [(t.saved_bytes, max(0, t.peak_bytes - fixed - t.saved_bytes), t.cost) for t in timelines]

@@ -19,7 +19,7 @@ from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.stages.atoms import Atom, atom_of
 from fxopt.solvers.stages.cuts import MAX_CROSSING, CutPoint, assign_stages, choose_points, forward_order, input_spans
-from fxopt.solvers.stages.in_flight import accumulation, in_flight_count, runtime_fixed
+from fxopt.solvers.stages.in_flight import SolveStops, accumulation, in_flight_count, runtime_fixed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +49,8 @@ def cut_model(graph: Graph, stages: int, microbatches: int, schedule: str = "1F1
               extra_fixed: Sequence[int] = (), last_held: int | None = None, origins: Sequence | None = None
               ) -> CutModel:
     """The `CutModel` of a step's graph: its cut points (`choose_points`) and their atoms
-    (`atom_of`, each distinct one planned with ``effort``, all within ``time_limit``, the safety
-    stop; ``origins`` as for `assign_stages`). Raises `ValueError` when there are fewer than
+    (`atom_of`, each distinct one planned with ``effort``, each of its solves with ``time_limit``,
+    its own safety stop, `SolveStops`; said once if one stopped; ``origins`` as for `assign_stages`). Raises `ValueError` when there are fewer than
     ``stages - 1`` cut points."""
     points = choose_points(graph, stages, allowed)
     if len(points) < stages - 1:
@@ -68,8 +68,9 @@ def cut_model(graph: Graph, stages: int, microbatches: int, schedule: str = "1F1
         raise ValueError(f"this step has {len(points)} place(s) to cut the forward at where every backward node "
                          f"finds what it reads, so it cannot be split into {stages} stages; ask for at most "
                          f"{len(points) + 1} stages")
-    effort, deadline, known = effort_of(effort), Deadline.of(time_limit), {}
-    atoms = tuple(atom_of(graph, stage, s, solver, effort, deadline, known) for s in range(len(points) + 1))
+    effort, stops, known = effort_of(effort), SolveStops(time_limit), {}
+    atoms = tuple(atom_of(graph, stage, s, solver, effort, stops, known) for s in range(len(points) + 1))
+    stops.warn("the cut solver's model of a stage")
     return CutModel(tuple(points), atoms, stages, microbatches, schedule, tuple(extra_fixed), last_held,
                     None if origins is None else tuple(origins))
 

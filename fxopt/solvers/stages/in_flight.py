@@ -7,7 +7,8 @@ microbatches in flight, its SAVEd values (``Timeline.saved_bytes``) and its outp
 backward), plus what torch's runtime holds whatever the plan (`runtime_fixed`: receive buffers per
 microbatch, sends in flight), the gradients accumulated from earlier microbatches, and on the
 last stage the loss after its forward. `solve_stage` finds the cheapest schedule for which that
-is within the budget, with `solve` at step budgets it searches.
+is within the budget, with `solve` at step budgets it searches, each solve with a safety stop of
+its own (`SolveStops`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from fxopt.solvers.chain import chain_candidates
 from fxopt.solvers.effort import Deadline, Effort, effort_of, now
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS
-from fxopt.solvers.minimum import infeasible, lowest_plan
-from fxopt.solvers.schedule import Schedule, Timeline, simulate
+from fxopt.solvers.minimum import Memo, infeasible, lowest_plan
+from fxopt.solvers.schedule import Schedule, Timeline, as_generated, simulate
 from fxopt.errors import InfeasibleBudgetError
 
 SCHEDULES = ("1F1B", "GPipe")
@@ -76,7 +77,11 @@ class InFlight:
 
 
 def _saved_outputs(graph: Graph, schedule: Schedule) -> int:
-    """Bytes of the forward's outputs that are also SAVEd on the device (counted in both)."""
+    """Bytes of the forward's outputs that are also SAVEd on the device (counted in both), as the
+    generated code SAVEs (`as_generated`, as `Timeline.saved_bytes` counts): a SAVE the backward
+    does not read before it recomputes the value is dropped there, and an output it was is held
+    as the output only."""
+    schedule = as_generated(graph, schedule)
     on_device = schedule.saved - schedule.compressed - schedule.offloaded - graph.free
     roots = {graph.roots[i] for i in on_device} & {graph.roots[i] for i in graph.forward_outputs}
     return sum(graph.nodes[r].bytes for r in roots)
@@ -129,35 +134,74 @@ def stage_in_flight(schedule: str, stages: int, microbatches: int, s: int, recei
                     accumulation(schedule, stages, microbatches, s), after_forward)
 
 
+class SolveStops:
+    """The safety stops of a search made of several solves (`solve_stage`'s, an atom's): each
+    solve gets one of its own, as long as the time limit (``time_limit``'s length where it is a
+    `Deadline` already running). A solve's work is counted (`fxopt.solvers.effort`) and its time
+    limit sized for one solve: one stop shared by all of a search's solves would cut the later
+    ones on a busy machine, and the plan would depend on the machine's load. The phases any of
+    them stopped are kept (`stopped`), so that the search's answer says so (`warn`)."""
+
+    def __init__(self, time_limit: Deadline | float | None):
+        self.seconds = Deadline.of(time_limit).seconds
+        self.deadlines: list[Deadline] = []
+
+    def next(self) -> Deadline:
+        """The safety stop of the next solve, from now."""
+        self.deadlines.append(Deadline(self.seconds))
+        return self.deadlines[-1]
+
+    @property
+    def stopped(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(phase for d in self.deadlines for phase in d.stopped))
+
+    def warn(self, what: str) -> None:
+        """A `SolverTimeoutWarning`, once, if any solve was stopped."""
+        if self.stopped:
+            warnings.warn(f"the solvers stopped at the time limit ({self.seconds:.1f} s per solve) in: "
+                          f"{', '.join(self.stopped)}; {what} is the best found by then, and another run may find "
+                          "another (raise time_limit, or lower the effort)", SolverTimeoutWarning, stacklevel=3)
+
+
 def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "auto", *,
                 effort: Effort | float | None = None, time_limit: Deadline | float | None = None,
-                on_progress: Callable[[str], None] | None = None, mip_solver: str | None = None) -> Solution:
+                on_progress: Callable[[str], None] | None = None, mip_solver: str | None = None,
+                memo: Memo | None = None) -> Solution:
     """The cheapest schedule of one microbatch's step whose memory on the device with
     ``in_flight`` (`InFlight.device_peak`) is within ``budget``. `solve` bounds the step's peak,
     not what it SAVEs, so: first at the budget less what the other microbatches would hold if
     nothing were SAVEd; if that plan's device memory is over, the step's lowest-peak schedule
     and the heuristics' schedules (`_candidates`) are checked, and the step budget is bisected
     between the cheapest fitting one's peak and the first (`STAGE_SOLVES` solves in all, each
-    with ``effort``, all within ``time_limit``, the safety stop); the cheapest plan that fits
-    wins. Raises `InfeasibleBudgetError` naming the least device memory of those schedules."""
-    effort, deadline, t0 = effort_of(effort), Deadline.of(time_limit), now()
+    with ``effort`` and ``time_limit``, its own safety stop: `SolveStops`; the lowest-peak search
+    done once, kept for them all, and in ``memo`` for later calls on the same graph: the planner's,
+    so that ``budget="min"``'s second plan of a stage does not search again); the cheapest plan
+    that fits wins. A stop is said once (a `SolverTimeoutWarning`, the phases in
+    `Solution.stopped`). Raises `InfeasibleBudgetError` naming the least device memory of those
+    schedules."""
+    effort, stops, memo, t0 = effort_of(effort), SolveStops(time_limit), Memo() if memo is None else memo, now()
     k, ka = in_flight.microbatches, in_flight.accumulating
     held = in_flight.held_bytes
     high = budget - in_flight.fixed_bytes - max((k - 1) * held, (ka - 1) * held + in_flight.accumulated_bytes)
 
     def attempt(target: int) -> tuple[Solution | None, bool]:
-        sol = _solve_quietly(graph, target, solver, effort, deadline, mip_solver, on_progress)
+        sol = _solve_quietly(graph, target, solver, effort, stops, mip_solver, on_progress, memo)
         return sol, sol is not None and in_flight.device_peak(graph, sol.schedule, sol.timeline) <= budget
+
+    def answer(found: Solution) -> Solution:
+        stops.warn("this pipeline stage's plan")
+        return dataclasses.replace(found, solve_seconds=now() - t0, stopped=stops.stopped)
 
     found, fits = attempt(high)  # most often it fits
     if fits:
-        return dataclasses.replace(found, solve_seconds=now() - t0)
+        return answer(found)
     # The step's budget bounds its peak, not what it SAVEs. The heuristics' schedules (greedy's
     # whole curve of fewer SAVEd values) give a plan that fits, if one does; then the step budget
     # is bisected between its peak and the first one's.
-    candidates = _candidates(graph, in_flight, solver, effort, deadline)
+    candidates = _candidates(graph, in_flight, solver, effort, stops.next(), mip_solver, memo)
     fitting = [sol for sol, device in candidates if device <= budget]
     if not fitting:
+        stops.warn("the smallest budget this pipeline stage names")
         raise infeasible(budget, min(device for _, device in candidates), None,
                          f"(A pipeline stage holding {k} microbatches.)")
     found = min(fitting, key=lambda sol: sol.timeline.cost)
@@ -173,15 +217,15 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
                 found = sol
         else:
             high = target
-    return dataclasses.replace(found, solve_seconds=now() - t0)
+    return answer(found)
 
 
-def _candidates(graph: Graph, in_flight: InFlight, solver: str, effort: Effort, deadline: Deadline
-                ) -> list[tuple[Solution, int]]:
+def _candidates(graph: Graph, in_flight: InFlight, solver: str, effort: Effort, deadline: Deadline,
+                mip_solver: str | None = None, memo: Memo | None = None) -> list[tuple[Solution, int]]:
     """Schedules to start a stage's search from, with their device memory: every heuristic's
     (greedy's whole curve of fewer SAVEd values among them), the chain solver's, and the lowest-
     peak schedule `lowest_plan` finds."""
-    lowest = lowest_plan(graph, solver, effort=effort, time_limit=deadline)
+    lowest = lowest_plan(graph, solver, effort=effort, time_limit=deadline, memo=memo, mip_solver=mip_solver)
     found = [(name, *c) for name in HEURISTICS for c in HEURISTICS[name](graph, 0, effort=effort)]
     found += [("chain", *c) for c in chain_candidates(graph, 0)]
     found.append((lowest.name, lowest.schedule, simulate(graph, lowest.schedule)))
@@ -189,17 +233,17 @@ def _candidates(graph: Graph, in_flight: InFlight, solver: str, effort: Effort, 
             for name, schedule, timeline in found if not timeline.over_host_budget]
 
 
-def _solve_quietly(graph: Graph, budget: int, solver: str, effort: Effort, deadline: Deadline, mip_solver,
-                   on_progress) -> Solution | None:
-    """`solve`, None where nothing fits; the stage's search reports a time limit once, not each
-    of its solves."""
+def _solve_quietly(graph: Graph, budget: int, solver: str, effort: Effort, stops: SolveStops, mip_solver,
+                   on_progress, memo: Memo | None = None) -> Solution | None:
+    """`solve` with the next of ``stops``, None where nothing fits; the search reports a time
+    limit once (`SolveStops.warn`), not each of its solves."""
     if budget <= 0:
         return None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SolverTimeoutWarning)
-            return solve(graph, budget, solver, effort=effort, time_limit=deadline, mip_solver=mip_solver,
-                         on_progress=on_progress)
+            return solve(graph, budget, solver, effort=effort, time_limit=stops.next(), memo=memo,
+                         mip_solver=mip_solver, on_progress=on_progress)
     except InfeasibleBudgetError:
         return None
 

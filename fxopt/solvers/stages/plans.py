@@ -133,14 +133,37 @@ def cut_and_plan(model: CutModel, budget: int, plan_stage: Callable[[int, Split,
         return split, [_within(plan_stage(s, split, budget), budget) for s in range(model.stages)]
     except InfeasibleBudgetError:
         pass
-    need = 0
-    for s in range(model.stages):
-        try:
-            need = max(need, plan_stage(s, split, 1).device_bytes)
-        except InfeasibleBudgetError as err:
-            need = max(need, err.min_budget)
+    need = max(_smallest(plan_stage, s, split) for s in range(model.stages))
     raise infeasible(budget, need, None, f"(Split into {model.stages} pipeline stages, {model.microbatches} "
                      f"microbatches, {model.schedule}; the budget is per device.)")
+
+
+def plan_at_minimum(model: CutModel, plan_stage: Callable[[int, Split, int], StageResult], split: Split | None = None,
+                    *, rounds: int = FEEDBACK_ROUNDS) -> tuple[Split, list[StageResult], int]:
+    """``split`` (by default the one with the lowest modelled memory) planned at the smallest
+    per-device budget its stages meet (``budget="min"``): each stage asked for its own smallest
+    device budget (planned at 1 byte, the error names it), then every stage planned at the
+    largest of them. Where a stage's named minimum is only a bound and the stage does not fit at
+    it, the budget rises to what that stage then names, ``rounds`` times at most; returns the
+    split, its stages' results and that budget."""
+    split = split or min_peak_split(model)
+    need = max(_smallest(plan_stage, s, split) for s in range(model.stages))
+    for _ in range(rounds):
+        try:
+            return split, plan_split(model, split, need, plan_stage), need
+        except InfeasibleBudgetError as err:
+            if err.min_budget <= need:
+                raise
+            need = err.min_budget
+    return split, plan_split(model, split, need, plan_stage), need
+
+
+def _smallest(plan_stage: Callable[[int, Split, int], StageResult], s: int, split: Split) -> int:
+    """Stage ``s``'s smallest device budget: what planning it at 1 byte names."""
+    try:
+        return plan_stage(s, split, 1).device_bytes
+    except InfeasibleBudgetError as err:
+        return err.min_budget
 
 
 def _within(result: StageResult, budget: int) -> StageResult:
@@ -204,14 +227,14 @@ def plan_simulated(graph: Graph, stages: int, microbatches: int, budget: int, *,
                    time_limit: Deadline | float | None = None,
                    cuts: Sequence[int] | None = None) -> tuple[CutModel, Split, list[StageResult], Timing]:
     """Cuts and exact stage plans for ``graph`` without processes or capture, each stage planned on
-    its part of the graph with ``effort`` (all within ``time_limit``, the safety stop); ``cuts``
-    (indices into the cut points): plan this split instead of the DP's. Returns the model, the
-    split, the stages' results and the predicted timing."""
-    effort, deadline = effort_of(effort), Deadline.of(time_limit)
-    model = cut_model(graph, stages, microbatches, schedule, solver=solver, effort=effort, time_limit=deadline)
+    its part of the graph with ``effort`` (each solve with ``time_limit``, its own safety stop:
+    `SolveStops`); ``cuts`` (indices into the cut points): plan this split instead of the DP's.
+    Returns the model, the split, the stages' results and the predicted timing."""
+    effort = effort_of(effort)
+    model = cut_model(graph, stages, microbatches, schedule, solver=solver, effort=effort, time_limit=time_limit)
 
     def plan_stage(s: int, split: Split, budget: int) -> StageResult:
-        return plan_split_graph(graph, model, budget, split, s, solver=solver, effort=effort, time_limit=deadline)
+        return plan_split_graph(graph, model, budget, split, s, solver=solver, effort=effort, time_limit=time_limit)
 
     if cuts is not None:
         split = split_at(model, cuts, budget)
