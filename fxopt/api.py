@@ -123,7 +123,7 @@ class FxoptModule(nn.Module):
                 held = backend.step.held if backend.step is not None else 0
                 return make_backend(dataclasses.replace(options, budget=budget), on_plan,
                                     resident=model if whole else None, held_bytes=held if whole else 0,
-                                    backward_bytes=backward_bytes)
+                                    backward_bytes=backward_bytes, whole_step=whole)
 
             # (The plans a run of the step runs with; a piece may be planned again once the whole step
             # is known, `fxopt.capture.pieces.PiecewiseBackend`.)

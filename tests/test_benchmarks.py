@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import harness, hf_models, hf_zoo, pareto
+from benchmarks import harness, hf_models, hf_zoo, pareto, step_time
 from benchmarks.harness import checkpoint_blocks
 from fxopt.models import MODELS, ZOO, zoo
 
@@ -127,6 +127,30 @@ def test_hf_models_benchmark_tiny(tmp_path):
     hf_models.main(["--report", "--out", str(out)])
     assert "| bert | fxopt | hf-peak |" in out.with_suffix(".md").read_text()
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
+
+
+def test_step_time_benchmark_tiny(tmp_path):
+    """Variants of one tiny model timed round robin in one process: each row has its median step,
+    its ratio to eager's, its measured peak and its parity; fxopt's rows their budget; the run's
+    settings are undone (Inductor's rows are the same code path, minutes each: not here)."""
+    pytest.importorskip("transformers")
+    threads, cache = torch.get_num_threads(), os.environ.get("FXOPT_CACHE")
+    out = tmp_path / "step_time"
+    step_time.main(["--size", "test", "--models", "hf-gpt2", "--variants", "eager,fxopt-eager@1.0", "--steps", "3",
+                    "--seq", "16", "--batch", "2", "--out", str(out)])
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert set(rows) == {"eager", "fxopt-eager@1.0"}
+    assert all(len(r["step_times_ms"]) == 3 and r["step_ms"] > 0 and r["loss_equal"] and r["grads_equal"]
+               for r in rows.values())
+    assert rows["eager"]["vs_eager"] == 1.0
+    fx = rows["fxopt-eager@1.0"]
+    assert fx["within_budget"] and fx["measured_peak_bytes"] <= fx["budget_bytes"]
+    assert fx["predicted_peak_bytes"] <= fx["budget_bytes"]
+    assert data["models"][0]["load_start"] and data["meta"]["steps"] == 3
+    assert "| fxopt-eager@1.0 |" in out.with_suffix(".md").read_text()
+    assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") is None or "step_time" not in os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def test_library_checkpointing_benchmark_tiny(tmp_path):
