@@ -126,7 +126,8 @@ def build_route(route: str, model: nn.Module, budget: float | str, batch: int,
     if route == "dynamic":
         options["dynamic"] = {"batch": (2, 2 * max(batch, 2))}  # (sizes 0 and 1 specialize in Dynamo)
     optimized = fxopt.optimize(model, budget, **options)
-    return optimized, lambda: optimized.plans
+    # (a step in pieces is planned again after its first call: the plans its measured call ran with)
+    return optimized, lambda: optimized.step_plans or optimized.plans
 
 
 class Eager:

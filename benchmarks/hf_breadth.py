@@ -286,7 +286,7 @@ def bench(name: str, time_limit: float) -> dict[str, Any]:
     row["first_call_s"] = time.perf_counter() - t0
     measured, loss_o = _measured(optimized, batch)
     _, loss_e = _measured(eager, batch)
-    plans = optimized.plans
+    plans = optimized.step_plans or optimized.plans  # (a step in pieces: the plans its last call ran with)
     row.update(budget=budget, measured=measured, plans=len(plans),
                nodes=sum(len(p.graph.nodes) for p in plans), predicted=max(p.peak_bytes for p in plans),
                recompute_flops=sum(p.recompute_flops for p in plans), solver="+".join(sorted({p.solver for p in plans})))

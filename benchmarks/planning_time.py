@@ -4,6 +4,17 @@ built-in zoo and the `transformers` models of `benchmarks.hf_zoo`.
 
     python -m benchmarks.planning_time [--models zoo,hf] [--only gpt2_tiny,bert] [--time-limit 10]
                                        [--device cpu] [--out benchmarks/results]
+    python -m benchmarks.planning_time --depth 8,16,32 [--whole 8,16] [--measure 8]
+
+``--depth``: issue 27's Llama (transformers ``LlamaConfig``: hidden 256, FFN 1024, 4 heads, 2
+key-value heads, vocabulary 32000; one sequence of 512 tokens, real tensors) at each number of
+layers: the answer at 50% of its eager peak (infeasible here: the smallest budget, found through
+its repeated layers, `fxopt.solvers.block_plan`), the plan at that smallest budget (run and
+measured at the depths in ``--measure``), and how planning time grows with depth (a line fitted
+through the depths). At the depths in ``--whole``, the step's solver graph is also solved at 90%
+and 80% of its eager peak and at the smallest budget by the blocks and by the whole-graph
+solvers alone (the blocks switched off), in this process: costs, bounds and seconds side by side.
+Written to ``planning_time_depth.{md,json}``.
 
 Each row is one call of `fxopt.plan` in this process, with the plan cache off (a cold plan cache:
 every answer is solved) and the scratch-memory cache in a fresh directory per model (so each
@@ -33,9 +44,10 @@ import torch
 
 import fxopt
 import fxopt.planner as planner
+import fxopt.solvers.blocks as blocks
 from benchmarks.harness import log, meta_line, mib, run_meta, write_results
 from fxopt.models import MODELS, ZOO, loss_of
-from fxopt.solvers import DEFAULT_TIME_LIMIT, SolverTimeoutWarning
+from fxopt.solvers import DEFAULT_TIME_LIMIT, Memo, SolverTimeoutWarning, eager_timeline, solve
 
 TARGET_SECONDS = {"small": 5.0, "gpt2-12": 15.0}  # issue 13: <= 1,000 nodes / the 12-layer GPT-2 at 50%
 
@@ -111,7 +123,7 @@ def measured_peak(model, inputs, plan) -> int:
     optimized = fxopt.optimize(copy.deepcopy(model), plan.budget_bytes, plan=plan)
 
     def step():
-        loss = loss_of(optimized(*inputs))
+        loss = loss_of(optimized(**inputs) if isinstance(inputs, dict) else optimized(*inputs))
         loss.backward()
         return loss.detach()
 
@@ -178,6 +190,180 @@ def write(rows: list[dict], out: Path, meta: dict, device: str | None = None) ->
     write_results(out / ("planning_time" if device is None else f"planning_time_fake_{device}"), {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
+# ---------------------------------------------------------------- planning time against depth
+
+DEPTH_TARGET_SECONDS = 10.0  # issue 27: the 32-layer Llama, answer at 50% and plan at the smallest budget
+
+
+def llama(layers: int):
+    """Issue 27's Llama: hidden 256, FFN 1024, vocabulary 32000, one sequence of 512 tokens."""
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=256, intermediate_size=1024,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
+                                      max_position_embeddings=512, use_cache=False)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+@contextlib.contextmanager
+def whole_graph():
+    """The solvers without the repeated blocks' plans (`fxopt.solvers.blocks.MIN_COPIES` out of
+    reach): the whole graph's phases, as before them."""
+    saved = blocks.MIN_COPIES
+    blocks.MIN_COPIES = 1 << 30
+    try:
+        yield
+    finally:
+        blocks.MIN_COPIES = saved
+
+
+def compare(graph, budget: int, time_limit: float) -> dict:
+    """One solver graph at one budget, by "auto" with its blocks and without them."""
+    out = {"budget": budget}
+    for label, context in (("blocks", contextlib.nullcontext), ("whole", whole_graph)):
+        t0 = time.perf_counter()
+        with context(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", SolverTimeoutWarning)
+            try:
+                found = solve(graph, budget, time_limit=time_limit, memo=Memo())
+            except fxopt.InfeasibleBudgetError as err:
+                out[label] = {"seconds": time.perf_counter() - t0, "infeasible": err.min_budget}
+                continue
+        out[label] = {"seconds": time.perf_counter() - t0, "solver": found.solver, "status": found.status,
+                      "cost": found.timeline.cost, "bound": found.lower_bound_cost, "peak": found.timeline.peak_bytes,
+                      "stopped": list(found.stopped)}
+    b, w = out["blocks"].get("cost"), out["whole"].get("cost")
+    out["cost_ratio"] = None if b is None or not w else b / w
+    return out
+
+
+def run_depth(layers: int, time_limit: float, whole: bool, measure: bool) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as cache_dir:
+        os.environ["FXOPT_CACHE_DIR"] = cache_dir
+        torch.manual_seed(0)
+        model, inputs = llama(layers)
+        name = f"llama-{layers}"
+        row, plan = one_answer(model, inputs, 0.5, time_limit)
+        row.update(model=name, layers=layers, row="50%")
+        rows.append(row)
+        log(json.dumps(row))
+        least = row.get("infeasible_min_budget", row.get("budget"))
+        for old in Path(cache_dir).glob("*.json"):
+            old.unlink()
+        minimum, plan = one_answer(model, inputs, least, time_limit)
+        minimum.update(model=name, layers=layers, row="min")
+        if plan is not None and measure:
+            minimum["measured_peak"] = measured_peak(model, inputs, plan)
+        rows.append(minimum)
+        log(json.dumps(minimum))
+        if plan is not None:  # the same two answers from the solver graph alone, in a fresh memo
+            alone = {"model": name, "layers": layers, "row": "solver graph alone"}
+            memo, t0 = Memo(), time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", SolverTimeoutWarning)
+                try:
+                    solve(plan.graph, 1, time_limit=time_limit, memo=memo)
+                except fxopt.InfeasibleBudgetError as err:
+                    alone["min_budget"] = err.min_budget
+                alone["infeasible_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+                alone["min_solver"] = solve(plan.graph, least, time_limit=time_limit, memo=memo).solver
+            alone["min_s"], alone["load1"] = time.perf_counter() - t0, os.getloadavg()[0]
+            rows.append(alone)
+            log(json.dumps(alone))
+        if whole and plan is not None:
+            eager = eager_timeline(plan.graph).peak_bytes
+            for label, budget in (("90%", int(0.9 * eager)), ("80%", int(0.8 * eager)), ("min", least)):
+                found = compare(plan.graph, budget, time_limit)
+                found.update(model=name, layers=layers, row=f"solver graph at {label}")
+                rows.append(found)
+                log(json.dumps(found))
+    return rows
+
+
+def fit(rows: list[dict], which: str, field: str) -> dict | None:
+    """A least-squares line through (layers, ``field``) of the ``which`` rows, and the exponent k
+    of layers^k between the shallowest and deepest (1: linear)."""
+    import math
+
+    points = sorted((r["layers"], r[field]) for r in rows if r.get("row") == which and field in r)
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    exponent = math.log(y1 / y0) / math.log(x1 / x0) if y0 > 0 and y1 > 0 else None
+    return {"row": which, "field": field, "per_layer_s": slope, "at_zero_s": my - slope * mx, "exponent": exponent}
+
+
+def write_depth(rows: list[dict], out: Path, meta: dict) -> None:
+    s = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
+    e = lambda v: "–" if v is None else f"{v:.3e}"  # noqa: E731
+    answers = [r for r in rows if r["row"] in ("50%", "min")]
+    fits = [f for which, field in (("50%", "wall_s"), ("50%", "solve_s"), ("min", "wall_s"), ("min", "solve_s"),
+                                   ("solver graph alone", "infeasible_s"), ("solver graph alone", "min_s"))
+            if (f := fit(rows, which, field))]
+    lines = [
+        "# Planning time against depth: a repeated block solved once", "",
+        f"{meta_line(meta)} · {meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads · load average "
+        f"(1 min) {min(r['load1'] for r in answers):.1f}–{max(r['load1'] for r in answers):.1f} as the answers came "
+        "(a shared machine: more than the 2 cores' worth slows every row)", "",
+        "Issue 27's Llama (hidden 256, FFN 1024, vocabulary 32000, one sequence of 512 tokens, real tensors), "
+        "plan cache off. `50%`: the answer at 50% of the eager peak (infeasible: the smallest budget fxopt finds, "
+        "and the floor no schedule goes below); `min`: the plan at that budget. Target (issue 27): each "
+        f"≤ {DEPTH_TARGET_SECONDS:.0f} s at 32 layers, time at most linear in depth.", "",
+        "| layers | row | nodes | wall s | capture s | analysis s | solve s | budget MiB | peak MiB | measured MiB "
+        "| solver (status) | cost s | bound s | gap |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in answers:
+        budget = r.get("budget", r.get("infeasible_min_budget"))
+        note = mib(budget)
+        if "infeasible_min_budget" in r:
+            note = f"min {mib(budget)}" + ("" if r.get("floor") is None else f" (floor {mib(r['floor'])})")
+        solver = f"{r['solver']} ({r['status']})" if "solver" in r else "infeasible"
+        gap = "–" if r.get("gap") is None else f"{100 * r['gap']:.1f}%"
+        lines.append(f"| {r['layers']} | {r['row']} | {r.get('nodes', '–')} | {s(r['wall_s'])} | {s(r['capture_s'])} | "
+                     f"{s(r['analysis_s'])} | {s(r['solve_s'])} | {note} | {mib(r.get('peak'))} | "
+                     f"{mib(r.get('measured_peak'))} | {solver} | {e(r.get('cost'))} | {e(r.get('bound'))} | {gap} |")
+    alone = [r for r in rows if r["row"] == "solver graph alone"]
+    lines += ["", "The same two answers from the step's solver graph alone (`fxopt.solvers.solve` at 1 byte, then at "
+              "the smallest budget, a fresh lowest-peak memo; no capture in between), in the same process:", "",
+              "| layers | smallest budget MiB | 1 byte s | at the smallest s | its solver | load |",
+              "|---:|---:|---:|---:|---|---:|"]
+    for r in alone:
+        lines.append(f"| {r['layers']} | {mib(r.get('min_budget'))} | {r['infeasible_s']:.1f} | {r['min_s']:.1f} | "
+                     f"{r['min_solver']} | {r['load1']:.1f} |")
+    lines += ["", "Time against depth: a line through the rows' seconds (least squares), and k in layers^k from the "
+              "shallowest to the deepest (1 is linear).", "",
+              "| row | seconds | per layer s | at 0 layers s | k |", "|---|---|---:|---:|---:|"]
+    for f in fits:
+        k = "–" if f["exponent"] is None else f"{f['exponent']:.2f}"
+        field = {"infeasible_s": "1 byte", "min_s": "at the smallest"}.get(f["field"], f["field"].removesuffix("_s"))
+        lines.append(f"| {f['row']} | {field} | {f['per_layer_s']:.3f} | {f['at_zero_s']:.1f} | {k} |")
+    compared = [r for r in rows if r["row"].startswith("solver graph at")]
+    if compared:
+        lines += ["", "The same solver graph by the blocks and by the whole-graph solvers alone (the blocks switched "
+                  "off), in this process. Target (issue 27): the blocks' cost within 2% of the whole graph's.", "",
+                  "| layers | budget | MiB | blocks: solver (status) | cost s | bound s | s | whole: solver (status) | "
+                  "cost s | bound s | s | blocks / whole |",
+                  "|---:|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+        for r in compared:
+            cells = []
+            for label in ("blocks", "whole"):
+                x = r[label]
+                name = (f"infeasible (min {mib(x['infeasible'])})" if "infeasible" in x else
+                        f"{x['solver']} ({x['status']}{', stopped' if x['stopped'] else ''})")
+                cells.append(f"{name} | {e(x.get('cost'))} | {e(x.get('bound'))} | {x['seconds']:.1f}")
+            ratio = "–" if r["cost_ratio"] is None else f"{r['cost_ratio']:.4f}"
+            lines.append(f"| {r['layers']} | {r['row'].removeprefix('solver graph at ')} | {mib(r['budget'])} | "
+                         f"{cells[0]} | {cells[1]} | {ratio} |")
+    write_results(out / "planning_time_depth", {"meta": meta, "rows": rows, "fits": fits}, "\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="zoo,hf", help="comma-separated from zoo, hf, gpt2-12 (default zoo,hf)")
@@ -185,10 +371,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
                         help=f"the planner's time limit, s (default {DEFAULT_TIME_LIMIT:g}, fxopt's)")
     parser.add_argument("--device", help="plan on fake tensors for this device profile (fxopt.devices.names())")
+    parser.add_argument("--depth", help="comma-separated numbers of layers of issue 27's Llama (instead of --models)")
+    parser.add_argument("--whole", default="", help="of those, the depths also solved by the whole-graph solvers")
+    parser.add_argument("--measure", default="", help="of those, the depths whose smallest-budget plan is run and measured")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     os.environ["FXOPT_CACHE"] = "1"
     meta = run_meta("python -m benchmarks.planning_time " + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.depth:
+        depths = lambda text: {int(x) for x in text.split(",") if x}  # noqa: E731
+        whole, measure = depths(args.whole), depths(args.measure)
+        rows = []
+        for layers in sorted(depths(args.depth)):
+            log(f"== llama-{layers}")
+            rows += run_depth(layers, args.time_limit, layers in whole, layers in measure)
+            write_depth(rows, Path(args.out), meta)
+        return 0
     rows: list[dict] = []
     only = set(args.only.split(",")) if args.only else None
     for name, build in models(args.models.split(","), only):

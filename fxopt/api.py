@@ -117,18 +117,18 @@ class FxoptModule(nn.Module):
                 options = dataclasses.replace(options, plan_from_examples=True)
 
             def piece_backend(budget, on_plan, whole, backward_bytes):
-                def both(plan):
-                    on_plan(plan)
-                    self.plans.append(plan)
                 # A whole step counts the parameters, buffers and gradients it does not read, and
                 # what DDP holds; a piece's reserve counts everything it does not take, the
                 # gradients later pieces make beside its backward only (see fxopt.capture.pieces).
                 held = backend.step.held if backend.step is not None else 0
-                return make_backend(dataclasses.replace(options, budget=budget), both,
+                return make_backend(dataclasses.replace(options, budget=budget), on_plan,
                                     resident=model if whole else None, held_bytes=held if whole else 0,
                                     backward_bytes=backward_bytes)
 
-            backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks)
+            # (The plans a run of the step runs with; a piece may be planned again once the whole step
+            # is known, `fxopt.capture.pieces.PiecewiseBackend`.)
+            backend = PiecewiseBackend(options.budget, piece_backend, self._graph_breaks, on_plan=self.plans.append,
+                                       unreached_gradients_undefined=options.compiler == "eager")
             distributed = self._distributed
             compiled = compile_step(distributed.target(), backend, fullgraph=self._graph_breaks == "error",
                                     dynamic=False)
@@ -155,6 +155,14 @@ class FxoptModule(nn.Module):
         if self._dynamic is not None:
             return self.buckets[-1].plan if self.buckets else None
         return self.plans[-1] if self.plans else self._options.plan
+
+    @property
+    def step_plans(self) -> list[Plan]:
+        """The plans the latest call ran with, one per piece of its step in the order they ran
+        (one for a step captured whole; a step in pieces is planned again once its first call has
+        shown every piece, `fxopt.capture.pieces.PiecewiseBackend`); [] before a call, and with
+        ``dynamic=``."""
+        return list(self.__dict__.get("_step_plans", ()))
 
     @property
     def peak_bound_bytes(self) -> int | None:
@@ -202,6 +210,7 @@ class FxoptModule(nn.Module):
         backend, compiled, between = self._step_for(held_gradient_bytes)
         distributed = self._distributed
         beside = distributed.held_beside(distributed.running_ddp(self))
+        backend.prepare()  # (a step in pieces learned from its last call: planned again before this one)
         step = backend.step = Step.start(self._model, [args, kwargs], held=beside, wrapping=distributed)
         try:
             out = distributed.call(functools.partial(run_compiled, compiler=self._options.compiler), compiled,
@@ -209,6 +218,8 @@ class FxoptModule(nn.Module):
         finally:
             backend.step = None
         step.check_covered(out)
+        backend.learn(step)
+        self.__dict__["_step_plans"] = [p.plan for p in step.pieces if p.plan is not None]
         return out
 
     def _forward_only(self, refusal: InfeasibleBudgetError, args: tuple, kwargs: dict) -> Any:

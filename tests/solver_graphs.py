@@ -298,3 +298,62 @@ def with_random_lossy_codecs(draw, st, graph: Graph) -> Graph:
             codec_cost=draw(st.sampled_from([0.01, 0.05, 0.2])),
             codec_workspace=draw(st.sampled_from([0, 1, node.bytes, 2 * node.bytes])))
     return Graph(tuple(nodes))
+
+
+def repeated_blocks(n: int, *, shared: bool = True, modules: bool = True) -> Graph:
+    """A language model of ``n`` identical blocks, as a joint graph. Before the blocks: the
+    embedding ``e`` of the token ids (resident) and, with ``shared``, a table ``rope`` every
+    block reads (RoPE's cos and sin). Block k, from ``a{k-1}`` (``e`` for the first)::
+
+        n{k} = norm(a, w)        16 bytes, cost 1
+        u{k} = up(n, rope)       32 bytes, cost 2     (reads the table)
+        s{k} = attn(u)           8 bytes, cost 6      (cannot be recomputed: a random op)
+        v{k} = act(u)            32 bytes, cost 0.5
+        o{k} = down(v, s)        16 bytes, cost 3
+        a{k} = a + o             16 bytes, cost 0.1
+
+    After them the head: ``logits`` (64 bytes) and the loss (an output). The backward reads
+    what each op's gradient needs; the residual's gradient is a sum, and each block's weight
+    gradient is an output. ``modules``: record each block's values as a repeated module
+    (`Node.blocks`), as the analysis does for a model's layers; without, the blocks are found
+    between articulation values (then without the table, which every block reads)."""
+    b = GraphBuilder()
+    b.input("ids", 4)
+    b.input("emb", 64)
+    b.input("head", 64)
+    for k in range(1, n + 1):
+        b.input(f"w{k}", 8)
+    b.input("tan", 1, tangent=True)
+    b.fwd("e", ["ids", "emb"], 16, cost=0.5)
+    if shared:
+        b.fwd("rope", ["ids"], 4, cost=0.2)
+    prev = "e"
+    for k in range(1, n + 1):
+        tag = dict(blocks=(k - 1,)) if modules else {}
+        rope = ["rope"] if shared else []
+        b.fwd(f"n{k}", [prev, f"w{k}"], 16, cost=1.0, **tag)
+        b.fwd(f"u{k}", [f"n{k}", *rope], 32, cost=2.0, **tag)
+        b.fwd(f"s{k}", [f"u{k}"], 8, cost=6.0, recomputable=False, **tag)
+        b.fwd(f"v{k}", [f"u{k}"], 32, cost=0.5, **tag)
+        b.fwd(f"o{k}", [f"v{k}", f"s{k}"], 16, cost=3.0, **tag)
+        b.fwd(f"a{k}", [prev, f"o{k}"], 16, cost=0.1, **tag)
+        prev = f"a{k}"
+    b.fwd("logits", [prev, "head"], 64, cost=2.0)
+    b.fwd("loss", ["logits"], 1, cost=0.1, output=True)
+    b.bwd("dlogits", ["tan", "logits"], 64)
+    b.bwd("dhead", ["dlogits", prev], 64, output=True)
+    grad = "dlogits"
+    b.bwd(f"da{n}", [grad, "head"], 16)
+    grad = f"da{n}"
+    for k in range(n, 0, -1):
+        a_in = f"a{k - 1}" if k > 1 else "e"
+        rope = ["rope"] if shared else []
+        b.bwd(f"dv{k}", [grad, f"s{k}", f"v{k}"], 32)
+        b.bwd(f"du{k}", [f"dv{k}", f"u{k}", *rope], 32)
+        b.bwd(f"dn{k}", [f"du{k}", f"n{k}"], 16)
+        b.bwd(f"dw{k}", [f"dn{k}", a_in], 8, output=True)
+        b.bwd(f"dx{k}", [f"dn{k}", a_in, f"w{k}"], 16)
+        b.bwd(f"g{k}", [f"dx{k}", grad], 16)
+        grad = f"g{k}"
+    b.bwd("demb", [grad, "ids"], 64, output=True)
+    return b.build()

@@ -24,7 +24,7 @@ from fxopt.measuring import not_measured, step_runs
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.solvers.plan import Plan
 from fxopt.planner import Options, make_plan
-from fxopt.storage import storages
+from fxopt.storage import storages, tensors_in
 
 log = logging.getLogger("fxopt")
 
@@ -83,20 +83,45 @@ class PlanReady(Exception):
 
 def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     """Run `gm` as FX Python code that takes its inputs as a list and clears it, so each input
-    (a saved activation, a tangent) is freed after its last use, like every intermediate."""
+    (a saved activation, a tangent) is freed after its last use, like every intermediate. An
+    incoming gradient that autograd left undefined (None: see `unreached_gradients_stay_undefined`)
+    is given as zeros that hold one element, expanded to its shape: the same values, and no
+    storage the size of the output it is the gradient of."""
     codegen = getattr(fx.graph, "_BoxedCodeGen", None)
     if codegen is not None:
         gm.graph.set_codegen(codegen())
         gm.recompile()
 
-        def run(args):
+        def call(args):
             return gm(args)
     else:  # older torch: the interpreter also frees values after their last use
-        def run(args):
+        def call(args):
             return fx.Interpreter(gm).boxed_run(args)
+
+    zeros = {k: v for k, n in enumerate(gm.graph.find_nodes(op="placeholder"))
+             if n.name.startswith("tangents") and isinstance(v := n.meta.get("val"), torch.Tensor)}
+
+    def run(args):
+        for k, v in zeros.items():
+            if k < len(args) and args[k] is None:
+                args[k] = torch.zeros((), dtype=v.dtype, device=v.device).expand(v.shape)
+        return call(args)
 
     run._boxed_call = True
     return run
+
+
+def unreached_gradients_stay_undefined(outputs) -> None:
+    """Let autograd pass None, not zeros, to the backward of a graph compiled by `eager_backend`
+    for those of its outputs the loss does not reach. By default an autograd function gets a
+    zero-filled gradient for each output that needs one and got none (``materialize_grads``), so
+    a step that returns the logits beside the loss computed from them (a transformers LM given
+    labels) would allocate a gradient the size of the logits that eager autograd never makes;
+    AOTAutograd turns that off only for outputs that need no gradient. `_boxed` makes the zeros
+    without that storage. (A graph compiled by Inductor expects real tensors: not for those.)"""
+    for node in {id(t.grad_fn): t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None}.values():
+        if type(node).__name__ == "CompiledFunctionBackward" and hasattr(node, "set_materialize_grads"):
+            node.set_materialize_grads(False)
 
 
 def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:

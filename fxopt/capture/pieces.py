@@ -14,7 +14,7 @@ also holds:
   - what holds memory through the step beside the model's tensors: DDP's gradient buckets
     (`fxopt.distributed.data_parallel`).
 
-fxopt plans piece k against ``budget − reserve_k``, the sum of the above but the later pieces'
+fxopt plans piece k within ``budget − reserve_k``, the sum of the above but the later pieces'
 gradients, which exist only once the backward has reached piece k: those are held through piece
 k's backward alone, as its plan counts its incoming gradients (`fxopt.analysis.analyze`'s
 ``backward_held_bytes``). So the peak of every piece, counted with everything else alive, is
@@ -33,11 +33,21 @@ twice (one module called on both sides of a break). Budgets
 are bytes, or "min" (each piece at its own smallest budget: the step then holds at most what
 `fxopt.FxoptModule.peak_bound_bytes` says); a fraction of the step's eager peak is not known until
 every piece has run.
+
+What an earlier piece keeps for its backward is part of every later piece's reserve, and it is
+planned before they are seen: planned to keep all that fits, it may leave a later piece no room.
+So a byte budget is planned across the pieces (`PiecewiseBackend`): the first call plans every
+piece at its smallest budget (within the budget, or refused), and once the call has shown every
+piece, each is planned again to keep no more than leaves every later piece the room it needed:
+
+    budget 100:  first call   piece 0 keeps 10, needs 60   piece 1 (beside 30 + 10) needs 50
+                 next calls   piece 0 keeps at most 100 - 50 - 30 = 20   piece 1 planned within 100 - 30 - 20
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import types
 import warnings
@@ -51,6 +61,7 @@ import torch.nn as nn
 
 from fxopt.budget import Budget
 from fxopt.capture import coverage
+from fxopt.capture.dynamo import unreached_gradients_stay_undefined
 from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import LiveBytes
@@ -59,6 +70,16 @@ from fxopt.storage import StorageKey, local, storage_key, storage_refs, storages
 from fxopt.units import format_bytes
 
 log = logging.getLogger("fxopt")
+
+# A piece's plan, by what it was made for: the budget given to the piece (bytes; None: its own
+# smallest) and the bytes held beside its backward only (`Reserve.backward_bytes`).
+VariantKey = tuple[int | None, int]
+
+# Planning a run of a piece again once the step is known (`PiecewiseBackend._within_room`): at most
+# this many budgets tried between the plan it ran with and the largest the rest of the step leaves
+# it, and none closer than this share of the budget to one tried already (counted work, not time).
+SEARCH_STEPS = 4
+SEARCH_RESOLUTION = 64
 
 # What `fxopt.optimize` does with a step Dynamo captures in pieces: plan the pieces in order
 # within the budget, or refuse.
@@ -80,6 +101,11 @@ class Piece:
     refs: dict[StorageKey, Any] = dataclasses.field(default_factory=dict)  # weak references to them
     made: tuple[int, int] = (0, 0)  # the autograd node numbers its call made, from and to (`fxopt.capture.coverage`)
     whole: bool = False  # planned as the whole step
+    graph: int = -1  # which graph ran (`PiecewiseBackend`'s numbering)
+    key: VariantKey | None = None  # the plan it ran with (`Variant`)
+    reserve: Reserve | None = None  # what the rest of the step held beside it
+    at_floor: bool = False  # planned at its smallest budget, the step not known yet (`PiecewiseBackend`)
+    example: tuple | None = None  # then: its inputs, as fake tensors (`fake_copies`)
 
     def outputs_alive(self) -> dict[StorageKey, int]:
         """Its outputs whose storage is still alive (one freed since never comes back)."""
@@ -127,6 +153,7 @@ class Step:
     wrapping: Wrapping | None = None
     since: int = 0  # autograd's node count when the call started (`fxopt.capture.coverage`)
     pieces: list[Piece] = dataclasses.field(default_factory=list)
+    at_floors: bool | None = None  # every piece of this call planned at its smallest budget (`PiecewiseBackend`)
 
     @classmethod
     def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None) -> Step:
@@ -260,23 +287,326 @@ def nested_frame(entries: frozenset[types.CodeType]) -> str | None:
     return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A piece's graph compiled with one plan (None: no backward)."""
+
+    compiled: Callable
+    plan: Plan | None
+    saved_bytes: int  # what its forward keeps for its backward, as the plan keeps it
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.plan.peak_bytes if self.plan is not None else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run of a piece in a call the backend learned the step from (`Learned.learn`):
+    which graph ran, what the rest of the step held beside it but what the earlier runs saved
+    (their plans decide that), the plan it ran with, within the budget, and its inputs as fake
+    tensors (their shapes, strides, dtypes and aliasing, no data) to plan it again with."""
+
+    graph: int
+    backward_bytes: int
+    beside: int
+    key: VariantKey
+    saved_bytes: int
+    peak_bytes: int
+    inputs: tuple = ()
+
+    @property
+    def step(self) -> tuple[int, int]:
+        return self.graph, self.backward_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The plan a run of a piece runs with, and what it was chosen beside."""
+
+    graph: int
+    key: VariantKey
+    variant: Variant
+    reserve: Reserve
+    at_floor: bool = False
+
+
+class Learned:
+    """The calls a step in pieces was learned from (`PiecewiseBackend`), each as its runs in order
+    (`Run`), and the room each run leaves the ones before it."""
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.paths: list[tuple[Run, ...]] = []
+        self.unprepared: list[tuple[Run, ...]] = []  # learned, their runs not planned again yet
+
+    def learn(self, step: Step) -> None:
+        """Learn the path of a call that planned some of its pieces at their smallest budget, once
+        it has run."""
+        if not any(p.at_floor for p in step.pieces) or any(p.reserve is None or p.example is None
+                                                          for p in step.pieces):
+            return
+        runs, kept = [], 0
+        for p in step.pieces:
+            runs.append(Run(p.graph, p.reserve.backward_bytes, p.reserve.bytes - kept, p.key, p.saved_bytes,
+                            p.plan.peak_bytes if p.plan is not None else 0, p.example))
+            kept += p.saved_bytes
+        self.paths.append(tuple(runs))
+        self.unprepared.append(tuple(runs))
+
+    def through(self, runs: list[tuple[int, int]]) -> list[tuple[Run, ...]]:
+        """The paths learned that start with ``runs`` (each as (graph, backward bytes))."""
+        return [path for path in self.paths if len(path) >= len(runs) and [r.step for r in path[:len(runs)]] == runs]
+
+    def room(self, path: tuple[Run, ...], kept: list[int]) -> float:
+        """The most run ``len(kept)`` of ``path`` may keep for its backward so that every later run
+        still fits with the plan it ran with: the budget, less what that run needed beside the
+        rest, what the rest held beside it but the earlier runs' saved values, and what the other
+        earlier runs keep (``kept``, then the later ones' as they ran)."""
+        room, between = float("inf"), 0
+        for run in path[len(kept) + 1:]:
+            room = min(room, self.budget - run.peak_bytes - run.beside - sum(kept) - between)
+            between += run.saved_bytes
+        return room
+
+
+def refusal(choice: Choice, budget: int, learned: bool) -> InfeasibleBudgetError:
+    """The error for a run whose plan, beside what the rest of the step holds, is over ``budget``:
+    planned at its smallest budget before the step was known, or in a call that ran differently
+    from those ``learned`` from."""
+    reserve = choice.reserve
+    beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
+    if learned:
+        why = ("This call ran differently from the calls fxopt learned the step from (another path through "
+               "the Python between the pieces, or more held beside them), so the pieces before this one kept "
+               "what fitted beside the pieces those calls ran. The next call plans every piece at its own "
+               "smallest budget again, and learns this path too.")
+    else:
+        why = ("fxopt plans every piece at its own smallest budget until it has seen the whole step, and at "
+               "that this piece needs this much beside the ones before it, so no plan of the step within the "
+               "budget is known; later pieces may need more. budget='min' plans every piece at its own "
+               "smallest budget; the module's peak_bound_bytes then says what the step holds.")
+    return InfeasibleBudgetError(budget, reserve.bytes + choice.variant.peak_bytes, f"{beside} {why}", exact=False)
+
+
+class RunPlans:
+    """The plans the runs of a step's pieces run with (`PiecewiseBackend`; the module docstring
+    says how a byte budget is planned across the pieces): the first call (and one that runs pieces
+    in an order not seen yet) plans every piece at its smallest budget, within the budget or
+    refused (`_check_fits`); once it has run, its path is learned (`Learned`); before the next call,
+    each run is planned again (`prepare`, `_within_room`), from the learning call's inputs as fake
+    tensors, not while a piece runs: compiled mid-step, inside the frame Dynamo runs for the model,
+    the new plans made a later full collection crash the interpreter on corrupted memory, 1 test
+    run in 3 (the cause is not found; graphs that run several times a step are still compiled
+    mid-step for their later runs, and transformers' Longformer, split several times a layer,
+    crashes so at `1f2eb34` too, in the CPU profiler's destructor). A run whose reserve differs
+    from the learned one takes the plan it ran with. FSDP2's pieces are planned in
+    order (their plans are agreed between ranks, one per piece, not chosen by each rank); ``"min"``
+    plans every piece at its smallest budget on every call. ``make_piece_backend``, ``on_plan``: as
+    for `PiecewiseBackend`."""
+
+    def __init__(self, budget: Budget, make_piece_backend: Callable, on_plan: Callable[[Plan], None]):
+        self.budget = budget
+        self.make_piece_backend = make_piece_backend
+        self.on_plan = on_plan
+        self.graphs: list[fx.GraphModule] = []  # each piece's graph
+        self.variants: list[dict[VariantKey, Variant]] = []  # each piece's graph: its plans so far
+        self.learned = Learned(budget.bytes)
+        self.floors_next = False  # the next call plans every piece at its smallest budget (and is learned)
+        self.bounds: dict[tuple, int] = {}  # per plan and reserve met: the most the step holds while it runs
+        self._given: set[tuple[int, VariantKey]] = set()  # plans given to on_plan
+        self._infeasible: set[tuple[int, VariantKey]] = set()  # plans tried that found no schedule
+
+    def add(self, gm: fx.GraphModule) -> int:
+        """A piece's graph, by its number."""
+        self.graphs.append(gm)
+        self.variants.append({})
+        return len(self.graphs) - 1
+
+    def whole(self, gm: fx.GraphModule, example_inputs) -> Choice:
+        """The plan of a graph that is the whole step."""
+        graph, key = self.add(gm), (self.budget.bytes, 0)
+        self.variants[graph][key] = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
+        return self._chosen(Choice(graph, key, self.variants[graph][key], Reserve(0)))
+
+    def choose(self, step: Step | None, graph: int, args, inputs: frozenset[StorageKey]) -> Choice:
+        """The plan this run of ``graph`` in ``step`` runs with, beside what the rest of the step
+        holds now (see the class docstring)."""
+        variants = self.variants[graph]
+        if step is None:  # run outside a call of the module: no reserve to plan for, the first plan made
+            key = next(iter(variants))
+            return Choice(graph, key, variants[key], Reserve(0))
+        if step.at_floors is None:  # (the call's first piece)
+            step.at_floors, self.floors_next = self.floors_next, False
+        reserve = step.reserve(inputs)
+        if self.budget.bytes is None:  # "min": every piece at its own smallest budget
+            return self._chosen(self._at(graph, args, (None, reserve.backward_bytes), reserve))
+        if step.every_graph_a_piece:  # FSDP2: in order, each within what the rest leaves it
+            key = (self.budget.bytes - reserve.bytes, reserve.backward_bytes)
+            return self._chosen(self._at(graph, args, key, reserve))
+        done = [(p.graph, p.reserve.backward_bytes if p.reserve is not None else 0) for p in step.pieces]
+        paths = [] if step.at_floors else self.learned.through([*done, (graph, reserve.backward_bytes)])
+        if not paths:
+            floor = self._at(graph, args, (None, reserve.backward_bytes), reserve)
+            floor = dataclasses.replace(floor, at_floor=True)
+            self._check_fits(floor, learned=False)
+            return self._chosen(floor)
+        # (planned before the call, `prepare`: a plan not made then is not made now)
+        choice = self._within_room(graph, None, reserve, paths, [p.saved_bytes for p in step.pieces])
+        self._check_fits(choice, learned=True)
+        return self._chosen(choice)
+
+    def prepare(self) -> None:
+        """Before a call: plan again the runs of the paths learned since the last (see the class
+        docstring), each beside the reserve its learning call met, less what the earlier runs saved
+        there, plus what they keep now."""
+        planned = False
+        while self.learned.unprepared:
+            path = self.learned.unprepared.pop(0)
+            kept: list[int] = []
+            for r, run in enumerate(path):
+                reserve = Reserve(run.beside + sum(kept), run.backward_bytes)
+                paths = self.learned.through([x.step for x in path[:r + 1]])
+                choice = self._within_room(run.graph, run.inputs, reserve, paths, kept)
+                kept.append(choice.variant.saved_bytes)
+                planned = True
+        if planned:
+            # Planning leaves reference cycles through its frames (an error a solver raised and
+            # another caught, with its traceback); collected now, before the step runs.
+            gc.collect()
+
+    def _within_room(self, graph: int, example_inputs, reserve: Reserve, paths: list[tuple[Run, ...]],
+                     kept: list[int]) -> Choice:
+        """The plan of run ``len(kept)`` of ``paths`` (``kept``: what the runs before it keep), beside
+        ``reserve``, that keeps at most the room the later runs leave it (`Learned.room`): the plan within
+        what the rest of the step leaves it, if it keeps that little; else the plan at the largest
+        budget found that does, by bisection (`SEARCH_STEPS` plans at most) between the plan it ran
+        with when the step was learned, which does, and that budget. Plans are made only with
+        ``example_inputs`` (`prepare`); without, only those made already are taken."""
+        variants, backward_bytes = self.variants[graph], reserve.backward_bytes
+        room = min(self.learned.room(path, kept) for path in paths)
+
+        def planned_at(budget: int) -> Choice | None:
+            key = (budget, backward_bytes)
+            if (graph, key) in self._infeasible or (example_inputs is None and key not in variants):
+                return None
+            try:
+                return self._at(graph, example_inputs, key, reserve)
+            except InfeasibleBudgetError:
+                self._infeasible.add((graph, key))
+                return None
+
+        high = self.budget.bytes - reserve.bytes
+        largest = planned_at(high)
+        if largest is not None and largest.variant.saved_bytes <= room:
+            return largest
+        ran = {path[len(kept)].key for path in paths}
+        key = min(ran, key=lambda k: (variants[k].saved_bytes, k[0] is None, k[0] or 0))
+        best = self._at(graph, None, key, reserve)
+        low = best.variant.peak_bytes
+        for _ in range(SEARCH_STEPS):
+            if high - low <= self.budget.bytes // SEARCH_RESOLUTION:
+                break
+            middle = (low + high) // 2
+            choice = planned_at(middle)
+            if choice is not None and choice.variant.saved_bytes <= room:
+                best, low = choice, middle
+            else:
+                high = middle
+        return best
+
+    def _check_fits(self, choice: Choice, learned: bool) -> None:
+        """Refuse a run whose plan, beside what the rest of the step holds, is over the budget (the
+        next call then plans every piece at its smallest budget, and is learned from)."""
+        if choice.reserve.bytes + choice.variant.peak_bytes > self.budget.bytes:
+            self.floors_next = True
+            raise refusal(choice, self.budget.bytes, learned)
+
+    def _at(self, graph: int, example_inputs, key: VariantKey, reserve: Reserve) -> Choice:
+        """The run of ``graph`` with the plan ``key`` names, compiled now if it was not yet (on
+        ``example_inputs``)."""
+        variants = self.variants[graph]
+        if key not in variants:
+            budget = Budget(minimum=True) if key[0] is None else key[0]
+            log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)",
+                     "at its smallest budget" if key[0] is None else f"within {format_bytes(key[0])}", reserve)
+            # (Dynamo compiles a graph once, inside its compile: the first plan then. Another (a run
+            # beside another reserve, FSDP2's blocks; at another floor; `prepare`) is compiled
+            # outside Dynamo's compile.)
+            compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
+            variants[key] = compile_now(self.graphs[graph], example_inputs, budget, reserve)
+        return Choice(graph, key, variants[key], reserve)
+
+    def _chosen(self, choice: Choice) -> Choice:
+        """``choice``, its plan given to ``on_plan`` once, and the most the step holds while it runs."""
+        plan = choice.variant.plan
+        if plan is not None:
+            if (choice.graph, choice.key) not in self._given:
+                self._given.add((choice.graph, choice.key))
+                self.on_plan(plan)
+            self.bounds[choice.graph, choice.key, choice.reserve] = choice.reserve.bytes + plan.peak_bytes
+        return choice
+
+    def _compile(self, gm, example_inputs, budget, reserve: Reserve, *, whole: bool = False) -> Variant:
+        """The graph compiled with its plan for ``budget`` (bytes, or a `Budget`)."""
+        beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
+        if reserve.bytes and isinstance(budget, int) and budget <= 0:
+            raise InfeasibleBudgetError(budget + reserve.bytes, reserve.bytes + 1, beside, exact=False)
+        plans: list[Plan] = []
+        try:
+            compiled = self.make_piece_backend(budget, plans.append, whole, reserve.backward_bytes)(gm, example_inputs)
+        except InfeasibleBudgetError as err:
+            if whole or not isinstance(budget, int):
+                raise
+            # In pieces planned in order (FSDP2's), what a piece needs is a bound for the step, never
+            # its smallest feasible budget: at it, a later piece may need more. (Its own minimum
+            # counts what the rest holds beside its backward only.)
+            bound = InfeasibleBudgetError(budget + reserve.bytes, err.min_budget + reserve.bytes, err.detail,
+                                          exact=False)
+            raise bound.with_detail(
+                f"{beside} The pieces before it were planned first, keeping what fitted beside them; at a larger "
+                "budget they may keep more, so the budget named is what this piece needs beside them as planned "
+                "now, not a promise for the step.") from None
+        plan = plans[-1] if plans else None
+        return Variant(compiled, plan, plan.timeline().saved_bytes if plan is not None else 0)
+
+
+
+
 class PiecewiseBackend:
     """The backend of an `fxopt.FxoptModule` whose step may be captured in pieces: it plans each
-    piece against the budget minus what the rest of the step holds (see the module docstring).
-    ``make_piece_backend(budget, on_plan, whole, backward_bytes)`` builds the planning backend of
-    one piece (``whole``: the piece is the whole step; ``backward_bytes``: held beside its backward
-    only, `Reserve.backward_bytes`)."""
+    piece against the budget minus what the rest of the step holds (see the module docstring; the
+    plans of its runs: `RunPlans`). ``make_piece_backend(budget, on_plan, whole, backward_bytes)``
+    builds the planning backend of one piece (``whole``: the piece is the whole step;
+    ``backward_bytes``: held beside its backward only, `Reserve.backward_bytes`); ``on_plan`` is
+    given each plan a run of the step runs with; ``unreached_gradients_undefined``: the pieces'
+    outputs the loss does not reach get no zero-filled gradient (the eager compiler:
+    `fxopt.capture.dynamo.unreached_gradients_stay_undefined`)."""
 
     def __init__(self, budget: Budget,
                  make_piece_backend: Callable[[Any, Callable[[Plan], None], bool, int], Callable],
-                 graph_breaks: str):
+                 graph_breaks: str, on_plan: Callable[[Plan], None] | None = None,
+                 unreached_gradients_undefined: bool = False):
         self.budget = budget
-        self.make_piece_backend = make_piece_backend
         self.graph_breaks = graph_breaks
+        self.runs = RunPlans(budget, make_piece_backend, on_plan or (lambda plan: None))
+        self.unreached_gradients_undefined = unreached_gradients_undefined
         self.step: Step | None = None
         self.warned: set[str] = set()
-        self.bounds: list[int] = []  # per plan made: the most the step holds while it runs
         self.entries: frozenset[types.CodeType] = frozenset()  # the code objects the step is entered through
+
+    @property
+    def bounds(self) -> list[int]:
+        """Per plan run, beside each reserve it met: the most the step holds while it runs."""
+        return list(self.runs.bounds.values())
+
+    def prepare(self) -> None:
+        """Before a call: the runs of the calls learned from planned again (`RunPlans.prepare`)."""
+        self.runs.prepare()
+
+    def learn(self, step: Step) -> None:
+        """After a call: its path learned where it planned pieces at their smallest budget (`Learned`)."""
+        self.runs.learned.learn(step)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         where = break_location(gm)
@@ -284,17 +614,16 @@ class PiecewiseBackend:
             where = f"a graph break inside {nested}, which Dynamo compiled on its own"
         in_pieces = where is not None or bool(self.step and (self.step.pieces or self.step.every_graph_a_piece))
         if not in_pieces:  # the whole step in one graph
-            compiled, plan = self._compile(gm, example_inputs, self.budget, Reserve(0), whole=True)
-            return self._recorded(lambda args, inputs: (compiled, plan), whole=True)
+            choice = self.runs.whole(gm, example_inputs)
+            return self._recorded(lambda args, inputs: choice, whole=True)
         if self.graph_breaks == "error":
             raise CaptureError(
                 f"torch.compile split this training step at a graph break at {where or 'an earlier piece'}; "
                 "with graph_breaks='error' fxopt refuses a step it does not see whole. Remove the break "
                 "(data-dependent Python such as .item() is the usual cause), or use graph_breaks='split' "
-                "(the default) to plan the pieces in order within the budget."
+                "(the default) to plan the pieces within the budget."
             )
-        budget = self.budget.bytes
-        if budget is None and not self.budget.minimum:
+        if self.budget.bytes is None and not self.budget.minimum:
             raise BudgetError(
                 f"this training step is captured in pieces (a graph break at {where or 'an earlier piece'}), "
                 f"so fxopt plans it piece by piece and needs the budget in bytes, not {str(self.budget)!r}: the "
@@ -309,77 +638,53 @@ class PiecewiseBackend:
         if where is not None and where not in self.warned and not own:
             self.warned.add(where)
             message = (f"torch.compile split this training step at a graph break at {where}; fxopt plans "
-                       "the pieces in order, each within what the budget leaves beside the others")
+                       "the pieces so that each fits within what the budget leaves beside the others")
             log.warning("fxopt: %s", message)
             warnings.warn(message, GraphBreakWarning, stacklevel=2)
         if self.step is None:
             raise CaptureError("fxopt: a piece of the step was compiled outside an fxopt module's call")
-        return self._piece(gm, example_inputs, budget)
+        return self._piece(gm, example_inputs)
 
-    def _piece(self, gm: fx.GraphModule, example_inputs, budget: int | None):
-        """A piece, planned for each reserve it runs beside: Dynamo compiles a graph once, and it
-        may run several times in one step (one FSDP2 block's forward serves every block, a frame
-        split inside a loop every iteration), each time beside a different rest of the step. The
-        plan for the first reserve is made now; one for another reserve, at the first run that
-        meets it (with Dynamo off: the graph is compiled again outside Dynamo's own compile).
-        ``budget`` None: the budget is "min", and each piece is planned at its own smallest budget
-        (the lowest peak its solvers reach), whatever the rest holds; `peak_bound_bytes` then says
-        what the step holds at most."""
-        variants: dict[Reserve, tuple[Callable, Plan | None]] = {}
+    def _piece(self, gm: fx.GraphModule, example_inputs):
+        """A piece: Dynamo compiles a graph once, and it may run several times in one step (one
+        FSDP2 block's forward serves every block, a frame split inside a loop every iteration),
+        each time beside a different rest of the step, and in later calls with more room than in
+        the first. Each run gets its plan (`RunPlans.choose`): the first now, inside Dynamo's compile."""
+        graph = self.runs.add(gm)
 
-        def variant(args, inputs: frozenset[StorageKey]):
-            reserve = self.step.reserve(inputs) if self.step is not None else min(variants, key=dataclasses.astuple)
-            if reserve not in variants:
-                within = "at its smallest budget" if budget is None else f"within {format_bytes(budget - reserve.bytes)}"
-                log.info("fxopt: planning a piece of the step %s (the rest of the step holds %s)", within, reserve)
-                compile_now = self._compile if not variants else torch._dynamo.disable(self._compile)
-                variants[reserve] = compile_now(gm, args, self.budget if budget is None else budget - reserve.bytes,
-                                                reserve)
-            return variants[reserve]
+        def variant(args, inputs: frozenset[StorageKey]) -> Choice:
+            return self.runs.choose(self.step, graph, args, inputs)
 
         variant(example_inputs, frozenset(storages(list(example_inputs))))
         return self._recorded(variant)
 
-    def _recorded(self, variant: Callable, whole: bool = False):
-        """Run the compiled graph ``variant(args, inputs)`` gives, and record it in the step, with
-        the autograd nodes its call made."""
+    def _recorded(self, variant: Callable[[Any, frozenset[StorageKey]], Choice], whole: bool = False):
+        """Run the compiled graph of the plan ``variant(args, inputs)`` chooses, and record it in the
+        step, with the autograd nodes its call made (and, where planned at its smallest budget
+        before the step was known, its inputs as fake tensors, to plan it again with)."""
         def run(*args):
             inputs = frozenset(storages(list(args)))
-            compiled, plan = variant(args, inputs)
+            choice = variant(args, inputs)
+            example = fake_copies(args) if choice.at_floor else None
             since = coverage.sequence_number()
-            outputs = compiled(*args)
+            outputs = choice.variant.compiled(*args)
+            if self.unreached_gradients_undefined and not whole:
+                unreached_gradients_stay_undefined(outputs)
             if self.step is not None:
-                saved = plan.timeline().saved_bytes if plan is not None else 0
                 made = (since, coverage.sequence_number())
-                self.step.pieces.append(Piece(plan, inputs, saved, storages(outputs), storage_refs(outputs),
-                                              made, whole))
+                self.step.pieces.append(Piece(choice.variant.plan, inputs, choice.variant.saved_bytes,
+                                              storages(outputs), storage_refs(outputs), made, whole, choice.graph,
+                                              choice.key, choice.reserve, choice.at_floor, example))
             return outputs
 
         return run
 
-    def _compile(self, gm, example_inputs, budget, reserve: Reserve, *, whole: bool = False):
-        """The compiled graph, and its plan (None without a backward)."""
-        beside = f"The step is captured in pieces, and the rest of the step holds {reserve} while this piece runs."
-        if reserve.bytes and isinstance(budget, int) and budget <= 0:
-            raise InfeasibleBudgetError(budget + reserve.bytes, reserve.bytes + 1, beside, exact=False)
-        plans: list[Plan] = []
-        try:
-            compiled = self.make_piece_backend(budget, plans.append, whole, reserve.backward_bytes)(gm, example_inputs)
-        except InfeasibleBudgetError as err:
-            if whole or not isinstance(budget, int):
-                raise
-            # In pieces, what a piece needs is a bound for the step, never its smallest feasible
-            # budget: at it, a later piece may need more. (Its own minimum counts what the rest
-            # holds beside its backward only.)
-            bound = InfeasibleBudgetError(budget + reserve.bytes, err.min_budget + reserve.bytes, err.detail,
-                                          exact=False)
-            raise bound.with_detail(
-                f"{beside} The pieces before it were planned first, keeping what fitted beside them; at a larger "
-                "budget they may keep more, so the budget named is what this piece needs beside them as planned "
-                "now, not a promise for the step. budget='min' plans every piece at its own smallest budget "
-                "instead, so that the earlier ones keep less; the module's peak_bound_bytes then says what the "
-                "step holds (a transformers GPT-2 with a break before its head: 17.1 MiB, where 23.1 found no "
-                "plan).") from None
-        if plans:
-            self.bounds.append(reserve.bytes + plans[-1].peak_bytes)
-        return compiled, (plans[-1] if plans else None)
+
+def fake_copies(args) -> tuple:
+    """``args`` with each tensor as a fake tensor of one fake mode (shapes, strides, dtypes,
+    ``requires_grad`` and the storages they share, no data): a piece's example inputs to plan it
+    again with once it has run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    return tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)

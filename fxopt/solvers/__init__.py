@@ -18,15 +18,18 @@ The whole package imports without torch (a test blocks ``import torch`` and impo
   - `auto`: `solve`, the one entry point; `phases`: the strategies it runs, as tables of phases
     over one `search.Search`; `minimum`: the smallest budget that plans (`lowest_plan`, its
     `Memo`) and the answer "infeasible".
+  - `blocks`: a step's repeated blocks found (identical segments of a chain); `block_plan`: each
+    kind solved once, a plan chosen per copy by dynamic programming, "auto"'s first phase.
   - `plan`: `Plan`, a solution as the user sees it (decisions, peak, costs; JSON).
   - `stages`: pipeline stage cuts and each stage's plan; `stage_plan`: `PipelinePlan`.
 """
 
 from fxopt.solvers.auto import (DEFAULT_TIME_LIMIT, ILP_REL_GAP, REVISION, SOLVERS, Solution, SolverTimeoutWarning,
-                                check_solver, eager_schedule, eager_timeline, solve)
+                                check_solver, eager_schedule, eager_timeline, lowest_plan, lowest_schedule,
+                                min_feasible_budget, solve)
 from fxopt.solvers.effort import DEFAULT_EFFORT, Effort
 from fxopt.solvers.graph import Graph, Node
-from fxopt.solvers.minimum import Memo, lowest_plan, lowest_schedule, min_feasible_budget
+from fxopt.solvers.minimum import Memo
 from fxopt.solvers.schedule import Schedule, Timeline, simulate
 from fxopt.solvers.transfers import Transfers
 

@@ -19,7 +19,9 @@ from fxopt.errors import check_choice
 from fxopt.solvers.effort import DEFAULT_TIME_LIMIT, Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.instant import peak_lower_bound
-from fxopt.solvers.minimum import Memo, infeasible, lowest_plan, lowest_schedule, memo_key, min_feasible_budget
+from fxopt.solvers import minimum
+from fxopt.solvers.block_plan import memo_chain, solver_for
+from fxopt.solvers.minimum import Memo, infeasible, memo_key
 from fxopt.solvers.phases import strategies
 from fxopt.solvers.schedule import Schedule, Timeline, on_demand, save_all_set, simulate
 from fxopt.solvers.search import ILP_REL_GAP, Search, Solution
@@ -29,7 +31,7 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 16
+REVISION = 17
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)
@@ -98,7 +100,8 @@ def solve(
     `InfeasibleBudgetError` when nothing fits, naming the smallest budget that plans and the peak
     no schedule goes below."""
     check_solver(solver)
-    search = Search(graph, budget, solver, effort_of(effort), Deadline.of(time_limit), memo, on_progress, mip_solver)
+    search = Search(graph, budget, solver, effort_of(effort), Deadline.of(time_limit), memo, on_progress, mip_solver,
+                    solve)
     floor, where = peak_lower_bound(graph)
     known = memo.get(graph, memo_key(solver, search.effort, True, mip_solver)) if memo is not None else None
     if budget < floor:
@@ -120,14 +123,36 @@ def solve(
     return solution
 
 
+def lowest_plan(graph: Graph, solver: str = "auto", **kwargs) -> minimum.Lowest:
+    """`fxopt.solvers.minimum.lowest_plan`, for "auto" on a step of repeated blocks with their
+    plans (`fxopt.solvers.block_plan`, the blocks' graphs solved by `solve`)."""
+    if solver == "auto" and "blocks" not in kwargs:
+        effort, deadline = effort_of(kwargs.get("effort")), Deadline.of(kwargs.get("time_limit"))
+        kwargs = {**kwargs, "effort": effort, "time_limit": deadline}
+        solvers = solver_for(solve, minimum.lowest_schedule, effort, deadline, kwargs.get("mip_solver"))
+        kwargs["blocks"] = memo_chain(graph, solvers, (effort, kwargs.get("mip_solver")), kwargs.get("memo"))
+    return minimum.lowest_plan(graph, solver, **kwargs)
+
+
+def min_feasible_budget(graph: Graph, solver: str = "auto", **kwargs) -> int:
+    """The smallest peak ``solver`` reaches for this graph: `lowest_plan`'s (the same keywords)."""
+    return lowest_plan(graph, solver, **kwargs).peak
+
+
+def lowest_schedule(graph: Graph, solver: str = "auto", **kwargs) -> minimum.Lowest:
+    """`lowest_plan` without the ILP's search unless ``run_ilp`` is given (the cheap one)."""
+    return lowest_plan(graph, solver, **{"run_ilp": False, **kwargs})
+
+
 def _nothing_fits(search: Search) -> Solution:
     """The lowest-peak plan where it fits (a plan the phases missed); else `InfeasibleBudgetError`
     naming its peak, the smallest budget that plans."""
     graph, budget = search.graph, search.budget
     search.progress("no plan fits; searching for the smallest budget")
     # (Nothing fits: the heuristics' schedules here are theirs at any lower budget.)
-    lowest = lowest_plan(graph, search.solver, effort=search.effort, time_limit=search.deadline, memo=search.memo,
-                         runs=search.runs, mip_solver=search.mip_solver)
+    lowest = minimum.lowest_plan(graph, search.solver, effort=search.effort, time_limit=search.deadline,
+                                 memo=search.memo, runs=search.runs, mip_solver=search.mip_solver,
+                                 blocks=search.chain() if search.solver == "auto" else None)
     if lowest.peak <= budget:
         search.consider(lowest.schedule, simulate(graph, lowest.schedule), lowest.name, "heuristic")
         if search.fitting:

@@ -9,7 +9,8 @@ Every phase of `fxopt.solvers.solve` is bounded by work it counts, never by the 
     each weighted by the model's size (`Effort`);
     CBC, the fallback solver, counts nodes only;
   - an LP relaxation: simplex iterations;
-  - a search of fxopt's own: the rounds it runs, the schedules it simulates.
+  - a search of fxopt's own: the rounds it runs, the schedules it simulates, the solves of a
+    repeated block's graph (`fxopt.solvers.block_plan`).
 
 HiGHS runs on one thread: with more, its parallel symmetry detection ends at another moment on
 another run, and the progress checks land elsewhere. With one, the same model and limits give the
@@ -56,6 +57,7 @@ class Effort:
     instant_rounds: int = 6  # rounds of the instant program (`fxopt.solvers.instant`)
     greedy_steps: int = 64  # values `greedy` drops one at a time before it bisects the rest
     save_more_tries: int = 60  # schedules `save_more` simulates
+    block_refinements: int = 24  # solves of a repeated block's graph beyond its first curve (`block_plan`)
 
     def scaled(self, factor: float) -> Effort:
         """Every count times ``factor`` (at least 1 each)."""

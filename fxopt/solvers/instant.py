@@ -76,7 +76,7 @@ from fxopt.solvers.mip import Mip, byte_unit, cost_scale_for, solve_mip
 from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, as_generated, backward_steps,
                                     must_save, on_demand, read_before_recompute, save_all_set, simulate)
 
-__all__ = ["InstantResult", "fixed_backward_bytes", "instant_solve"]
+__all__ = ["InstantResult", "bound_where_tight", "fixed_backward_bytes", "instant_solve"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -702,6 +702,34 @@ def instant_solve(graph: Graph, budget: int, *, effort: Effort | float | None = 
             break
         instants, forward_steps = _with_spots(prog, instants, forward_steps, spots)
     return InstantResult(bound, tuple(plans), tuple(instants), time.perf_counter() - t0, infeasible)
+
+
+def bound_where_tight(graph: Graph, budget: int, plan: tuple[Schedule, Timeline], *,
+                      effort: Effort | float | None = None, time_limit: Deadline | float | None = None,
+                      mip_solver: str | None = None) -> float | None:
+    """A lower bound on the recompute cost of every schedule within ``budget``, for a plan found
+    elsewhere (`fxopt.solvers.block_plan`'s): one round of the program, at the instants where
+    ``plan`` and (in its backward) the eager schedule are tightest, started from ``plan`` (its rows are those of
+    `instant_solve`'s rounds, so the bound holds for every schedule the simulator accepts).
+    None where nothing is proven within the effort's `instant_work`."""
+    effort, deadline = effort_of(effort), Deadline.of(time_limit)
+    if not graph.backward_nodes:
+        return None
+    prog = _Program(graph, budget, byte_unit(graph))
+    eager = simulate(graph, on_demand(graph, save_all_set(graph)))
+    # (Eager's only in the backward: modelling the forward's steps costs seconds on a deep step.)
+    worst = [w for w in _tight_spots(graph, eager, budget)[:1] if w[0] == "backward"]
+    spots = list(dict.fromkeys([*_tight_spots(graph, plan[1], budget), *worst]))
+    instants, forward_steps = _with_spots(prog, [], [], spots)
+    if not instants:
+        fixed = prog.fixed
+        instants = [max(range(len(fixed)), key=lambda k: (fixed[k], -k))]
+    m, _, _ = prog.build(sorted(set(instants)), forward_steps)
+    res = solve_mip(m, limits=effort.mip(deadline, effort.instant_work, m.num_integer), mip_solver=mip_solver,
+                    rel_gap=1e-4, warm_start=prog.values_of(plan[0]))
+    if res.limit == "time":
+        deadline.stop("bound")
+    return None if res.bound is None else max(0.0, res.bound / prog.cost_scale)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from fxopt.errors import InfeasibleBudgetError
+from fxopt.solvers.block_plan import BlockChain, lowest_block_plan
 from fxopt.solvers.chain import min_peak_schedule
 from fxopt.solvers.policies import policy_candidates
 from fxopt.solvers.effort import Deadline, Effort, effort_of
@@ -106,11 +107,6 @@ def infeasible(budget: int, lowest: Lowest | int | None, floor: int | None, deta
     return InfeasibleBudgetError(budget, peak, detail, lower_bound=floor, exact=exact)
 
 
-def min_feasible_budget(graph: Graph, solver: str = "auto", **kwargs) -> int:
-    """The smallest peak ``solver`` reaches for this graph: `lowest_plan`'s (the same keywords)."""
-    return lowest_plan(graph, solver, **kwargs).peak
-
-
 def lowest_schedule(graph: Graph, solver: str = "auto", **kwargs) -> Lowest:
     """`lowest_plan` without the ILP's search unless ``run_ilp`` is given (the cheap one)."""
     return lowest_plan(graph, solver, **{"run_ilp": False, **kwargs})
@@ -118,22 +114,33 @@ def lowest_schedule(graph: Graph, solver: str = "auto", **kwargs) -> Lowest:
 
 def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | None = None,
                 time_limit: Deadline | float | None = None, memo: Memo | None = None, run_ilp: bool = True,
-                runs: dict[str, list[Candidate]] | None = None, mip_solver: str | None = None) -> Lowest:
+                runs: dict[str, list[Candidate]] | None = None, mip_solver: str | None = None,
+                blocks: BlockChain | None | bool = False) -> Lowest:
     """The lowest peak ``solver`` reaches for this graph, and its schedule: for a heuristic its
     lowest peak; for the ILP, the instant program and "auto", the lowest of the chain solver's
     (`fxopt.solvers.chain`: checkpointing at the articulation values), the simple policies' (for
     "auto", `fxopt.solvers.policies`), the heuristics', the ILP's
     solved for the peak (warm-started from the lowest so far; not with ``run_ilp`` False) and the
     instant program's lowest peak, each skipped once the lowest so far is within
-    `LOWEST_PEAK_SLACK` of the floor. It does not depend on any budget. ``memo``: where answers
-    are kept and looked up. ``runs``: heuristics already run on this graph at a budget none of
-    their schedules met (they then gave what they give at budget 0: not run again)."""
+    `LOWEST_PEAK_SLACK` of the floor. For "auto" on a step of repeated blocks
+    (`fxopt.solvers.block_plan`), the blocks' lowest plan instead of the heuristics not run
+    yet, the ILP's and the instant program's (whose work grows faster than the step). It does
+    not depend on any budget. ``memo``: where answers are kept and looked up. ``runs``:
+    heuristics already run on this graph at a budget none of their schedules met (they then gave
+    what they give at budget 0: not run again). ``blocks``: the step's chain of repeated blocks
+    (`fxopt.solvers.auto.lowest_plan` finds it; None or False: none)."""
     effort, deadline = effort_of(effort), Deadline.of(time_limit)
     key = memo_key(solver, effort, run_ilp, mip_solver)
     if memo is not None and (known := memo.get(graph, key)) is not None:
         return known
     reached = _Reached(graph)
     exact = solver in EXACT_SOLVERS
+    # A step of repeated blocks: the blocks' lowest plan (`fxopt.solvers.block_plan`) stands for
+    # the searches over the whole graph, whose work grows faster than the step.
+    blocks = blocks if solver == "auto" and blocks is not False else None
+    if (lowest := lowest_block_plan(blocks)) is not None:
+        reached.add(lowest[0], "blocks", lowest[1])
+    whole = blocks is None
     if exact and (chain := min_peak_schedule(graph)) is not None:
         reached.add(chain.schedule, "chain")
         if chain.schedule.saved & graph.compressible:
@@ -143,6 +150,8 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
         for schedule, timeline in policy_candidates(graph, 0):
             reached.add(schedule, "policies", timeline)
     for name in ("checkpoint", "greedy", "segments") if exact else (solver,):
+        if not whole and not (runs and name in runs):
+            continue
         candidates = runs[name] if runs and name in runs else HEURISTICS[name](graph, 0, effort=effort)
         for schedule, timeline in candidates:
             reached.add(schedule, name, timeline)
@@ -151,7 +160,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
             reached.add(compress_all(graph, schedule), f"{name}+compress")
         reached.offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], name)
     floor = peak_lower_bound(graph)[0]
-    if run_ilp and solver in ("ilp", "auto") and reached.best[0] > floor * (1 + LOWEST_PEAK_SLACK):
+    if whole and run_ilp and solver in ("ilp", "auto") and reached.best[0] > floor * (1 + LOWEST_PEAK_SLACK):
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
             found = lowest_peak_schedules(graph, effort, deadline, mip_solver, model, reached.best,
@@ -159,7 +168,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
             for schedule in found:
                 reached.add(schedule, "ilp")
             reached.offloaded(found, "ilp")
-    if exact and reached.best[0] > floor * (1 + LOWEST_PEAK_SLACK):
+    if whole and exact and reached.best[0] > floor * (1 + LOWEST_PEAK_SLACK):
         # The instant program's lowest peak: a floor for every schedule, and plans near it.
         low = lowest_peak(graph, effort=effort, time_limit=deadline, mip_solver=mip_solver)
         floor = max(floor, low.floor)

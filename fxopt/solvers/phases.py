@@ -23,13 +23,14 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+from fxopt.solvers.block_plan import block_candidates
 from fxopt.solvers.chain import chain_candidates
 from fxopt.solvers.heuristics import checkpoint, compress_to_fit, greedy, offload_to_fit, save_all, save_more, segments
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
-from fxopt.solvers.instant import instant_solve
+from fxopt.solvers.instant import bound_where_tight, instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.policies import policy_candidates
-from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES
+from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES, lowest_plan
 from fxopt.solvers.schedule import InvalidScheduleError, simulate
 from fxopt.solvers.search import ILP_REL_GAP, Search, fmt_cost
 
@@ -43,14 +44,15 @@ class Source:
     run: Callable  # (graph, budget, effort) -> list of (schedule, timeline)
     auto: str | None = "first"  # when "auto" runs it: "first", "unsettled" or None (never)
     solver: bool = True  # also a strategy of its own name
+    with_blocks: bool = False  # "auto" runs it also where the repeated blocks' plans fit (`run_blocks`)
 
 
 SOURCES: dict[str, Source] = {
-    "save_all": Source(lambda graph, budget, effort: save_all(graph, budget, effort=effort)),
+    "save_all": Source(lambda graph, budget, effort: save_all(graph, budget, effort=effort), with_blocks=True),
     "checkpoint": Source(lambda graph, budget, effort: checkpoint(graph, budget, effort=effort)),
     "chain": Source(lambda graph, budget, effort: chain_candidates(graph, budget), solver=False),
     # What a user already has (checkpoint each block, selective checkpointing): never worse than it.
-    "policies": Source(lambda graph, budget, effort: policy_candidates(graph, budget), solver=False),
+    "policies": Source(lambda graph, budget, effort: policy_candidates(graph, budget), solver=False, with_blocks=True),
     "greedy": Source(lambda graph, budget, effort: greedy(graph, budget, effort=effort), auto="unsettled"),
     "segments": Source(lambda graph, budget, effort: segments(graph, budget, effort=effort), auto="unsettled"),
 }
@@ -80,11 +82,47 @@ HEURISTIC_NAMES = ("save_all", "checkpoint", "greedy", "segments")  # (`lowest_p
 
 
 def sources(when: str) -> Phase:
-    """The phase running every source "auto" runs ``when``."""
+    """The phase running every source "auto" runs ``when`` (where the repeated blocks' plans fit,
+    only those marked ``with_blocks``)."""
     def run(search: Search) -> None:
-        run_sources(search, [name for name, source in SOURCES.items() if source.auto == when])
-    return Phase(f"sources ({when})", run, (lambda s: True) if when == "first" else
-                 (lambda s: s.proven_infeasible or not s.settled()))  # (also a check on a proof)
+        run_sources(search, [name for name, source in SOURCES.items()
+                             if source.auto == when and (source.with_blocks or not search.by_blocks)])
+    # ("first": not where the blocks claim a step proven infeasible: the search for its smallest
+    # budget runs the policies itself. "unsettled": also a check on a proof.)
+    return Phase(f"sources ({when})", run, (lambda s: not (s.by_blocks and s.proven_infeasible)) if when == "first"
+                 else (lambda s: s.proven_infeasible or not s.settled()))
+
+
+def run_blocks(search: Search) -> None:
+    """The step as a chain of repeated blocks (`fxopt.solvers.block_plan`): each kind solved
+    once, a plan chosen per copy, simulated; below the lowest of those, at the smallest budget,
+    the step's lowest-peak plan. Where a plan fits, or none can (proven), the phases of the
+    whole graph are not run (`by_blocks`); the bound then comes from `run_block_bound`."""
+    chain = search.chain()
+    search.progress(f"repeated blocks: {len(chain.blocks.segments)} segments of {len(chain.blocks.kinds)} kinds")
+    for schedule, timeline in block_candidates(chain, search.budget, search.kind_solvers()[0],
+                                               search.effort.block_refinements):
+        search.consider(schedule, timeline, "blocks", "heuristic", keep_over=True)
+    if not search.fitting and not search.proven_infeasible:
+        # Below the blocks' lowest plan: at the smallest budget fxopt names (an error's, or
+        # budget="min"), the step's lowest-peak plan; at any other budget, the whole graph's phases.
+        lowest = lowest_plan(search.graph, "auto", effort=search.effort, time_limit=search.deadline, memo=search.memo,
+                             runs=search.runs, mip_solver=search.mip_solver, blocks=chain)
+        if lowest.peak == search.budget:
+            search.consider(lowest.schedule, simulate(search.graph, lowest.schedule), lowest.name, "heuristic")
+    # (Where no plan can fit, proven, the search for the smallest budget uses the blocks too.)
+    search.by_blocks = search.proven_infeasible or bool(search.fitting)
+
+
+def run_block_bound(search: Search) -> None:
+    """The proven bound for the repeated blocks' plan: one round of the instant program where
+    that plan is tightest (`fxopt.solvers.instant.bound_where_tight`)."""
+    best = search.cheapest()
+    search.progress("bound for the blocks' plan")
+    search.raise_bound(bound_where_tight(search.graph, search.budget, (best.schedule, best.timeline),
+                                         effort=search.effort, time_limit=search.deadline,
+                                         mip_solver=search.mip_solver), "instant")
+    search.report_gap("blocks")
 
 
 def run_instant(search: Search) -> None:
@@ -242,14 +280,24 @@ _SAVE_ALL = Phase("save_all", lambda s: run_sources(s, ["save_all"]))  # optimal
 _INSTANT = Phase("instant", run_instant, _unproven)
 
 
+def _unless_by_blocks(phase: Phase) -> Phase:
+    """``phase``, skipped where the repeated blocks' plans fit (`run_blocks`)."""
+    return dataclasses.replace(phase, when=lambda s, when=phase.when: not s.by_blocks and when(s))
+
+
 def strategies() -> dict[str, tuple[Phase, ...]]:
     """Each solver's phases (a source with ``solver=True`` is one of its own)."""
+    whole = (_INSTANT, sources("unsettled"), *_COMPLETE,
+             # (Past the time limit, what only improves a plan that fits is skipped.)
+             Phase("save more", run_save_more, lambda s: not s.settled() and not s.deadline.check("save more")),
+             Phase("ilp", run_ilp, lambda s: not s.settled() and not (s.fitting and s.deadline.check("ILP"))),
+             *_LAST)
     out = {
-        "auto": (sources("first"), _INSTANT, sources("unsettled"), *_COMPLETE,
-                 # (Past the time limit, what only improves a plan that fits is skipped.)
-                 Phase("save more", run_save_more, lambda s: not s.settled() and not s.deadline.check("save more")),
-                 Phase("ilp", run_ilp, lambda s: not s.settled() and not (s.fitting and s.deadline.check("ILP"))),
-                 *_LAST),
+        # A step of repeated blocks is planned per block where that fits: the phases of the
+        # whole graph then give way to the bound for that plan (`_unless_by_blocks`).
+        "auto": (Phase("blocks", run_blocks, lambda s: s.chain() is not None), sources("first"),
+                 Phase("bound", run_block_bound, lambda s: s.by_blocks and bool(s.fitting) and not s.settled()),
+                 *map(_unless_by_blocks, whole)),
         "ilp": (_SAVE_ALL, *_COMPLETE, Phase("ilp", run_ilp, _unproven),
                 Phase("fallback", fallback, _without_plan_of("ilp")), *_LAST),
         "instant": (_SAVE_ALL, _INSTANT, *_COMPLETE, Phase("fallback", fallback, _without_plan_of("instant")), *_LAST),

@@ -12,11 +12,12 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+from fxopt.solvers.block_plan import BlockChain, memo_chain, solver_for
 from fxopt.solvers.effort import Deadline, Effort, now
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import Candidate
-from fxopt.solvers.minimum import Memo
+from fxopt.solvers.minimum import Memo, lowest_schedule
 from fxopt.solvers.schedule import Schedule, Timeline
 
 log = logging.getLogger("fxopt")
@@ -58,14 +59,16 @@ class Search:
     """One `solve`: the schedules it has found (those within the budget, and the over-budget ones
     compression or offloading may bring within), the best lower bound proven, and what it may
     spend (``effort``, and ``deadline``, the safety stop). ``memo``: the lowest-peak answers kept
-    across calls (`fxopt.solvers.minimum.Memo`)."""
+    across calls (`fxopt.solvers.minimum.Memo`). ``solve``: `fxopt.solvers.solve`, which the
+    graphs of the step's repeated blocks are solved with (`chain`)."""
 
     def __init__(self, graph: Graph, budget: int, solver: str, effort: Effort, deadline: Deadline,
                  memo: Memo | None = None, on_progress: Callable[[str], None] | None = None,
-                 mip_solver: str | None = None):
+                 mip_solver: str | None = None, solve: Callable | None = None):
         self.t0 = now()
         self.graph, self.budget, self.solver = graph, budget, solver
         self.effort, self.deadline, self.memo, self.mip_solver = effort, deadline, memo, mip_solver
+        self.solve = solve  # `fxopt.solvers.solve`, for the graphs of a step's repeated blocks
         self.progress = on_progress or (lambda msg: log.info("fxopt: %s", msg))
         self.fitting: list[Solution] = []
         self.over: list[tuple[Schedule, Timeline, str]] = []  # over the budget: compression may fit them
@@ -75,6 +78,22 @@ class Search:
         self.ilp_status: str | None = None
         self.model = None  # the ILP (`fxopt.solvers.ilp.RematIlp`), once built
         self.runs: dict[str, list[Candidate]] = {}  # each heuristic's schedules
+        # The step as a chain of repeated blocks (`fxopt.solvers.block_plan`), once asked for;
+        # ``by_blocks``: its plans fit, and the phases of the whole graph are not run.
+        self._chain: BlockChain | None | bool = False
+        self.by_blocks = False
+
+    def chain(self) -> BlockChain | None:
+        """The step's chain of repeated blocks, each kind solved once (None where it has none),
+        with this search's effort and safety stop; built the first time it is asked for (or
+        taken from ``memo``)."""
+        if self._chain is False:
+            self._chain = memo_chain(self.graph, self.kind_solvers(), (self.effort, self.mip_solver), self.memo)
+        return self._chain
+
+    def kind_solvers(self):
+        """How the graphs of the step's repeated blocks are solved (`block_plan.solver_for`)."""
+        return solver_for(self.solve, lowest_schedule, self.effort, self.deadline, self.mip_solver)
 
     def consider(self, schedule: Schedule, timeline: Timeline, name: str, status: str, *,
                  keep_over: bool = False) -> None:
