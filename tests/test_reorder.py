@@ -258,8 +258,9 @@ def test_the_benchmark_measures_both_orders(tmp_path):
 
 def test_the_benchmark_says_when_a_safety_stop_makes_two_plans_incomparable():
     """Only a plan the time limit cut short may differ between runs: a reordered plan costlier than
-    the captured one is then no verdict on reordering (transformers Swin at bench size, load 7: the
-    ILP stopped in both solves, 3.57 against 3.19 ms), and the report says so."""
+    the captured one is then no verdict on reordering (transformers Swin at bench size, load 7: three
+    of its four solves stopped at the time limit, one of them at HF's peak; there the reordered plan
+    cost 3.57 against 3.19 ms), and the report says so."""
     from benchmarks import reorder
 
     def row(method, cost, stopped):
