@@ -115,9 +115,10 @@ def storage_key(t: torch.Tensor) -> StorageKey | None:
 
 def _key(t: torch.Tensor, storage) -> StorageKey | None:
     try:
+        device = t.device  # (made anew at each access)
         if isinstance(t, FakeTensor):  # (no data pointer: the storage object is what is shared)
-            return t.device.type, t.device.index, ("fake", storage._cdata)
-        return t.device.type, t.device.index, storage.data_ptr()
+            return device.type, device.index, ("fake", storage._cdata)
+        return device.type, device.index, storage.data_ptr()
     except Exception:  # noqa: BLE001 - fake, meta or sparse tensors: nothing to match
         return None
 

@@ -157,11 +157,12 @@ class Step:
 
     @classmethod
     def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None) -> Step:
-        resident = storages([model, *args], grads=True)
-        # (One walk of the parameters, each registered name once: this runs at every call.)
+        # (One walk of the model, each parameter under each of its names: this runs at every call.)
+        params, buffers = module_tensors(model, remove_duplicate=False)
+        resident = storages([params, buffers, *args], grads=True)
         trainable: dict[StorageKey, int] = {}
         names: dict[StorageKey, int] = {}
-        for p in module_tensors(model, remove_duplicate=False)[0]:
+        for p in params:
             shard = local(p)
             key = storage_key(shard)
             names[key] = names.get(key, 0) + 1
