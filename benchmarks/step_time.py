@@ -18,14 +18,17 @@ dropout 0, one torch thread; ``--size test`` for a quick check), the variants (`
   ``torch._functorch.config.activation_memory_budget = X`` (torch's own partitioner trading
   recompute for memory; X is a share of the activations it saves, not of the peak);
 - ``hf-ckpt-compile``: ``torch.compile`` of the model with HF's gradient checkpointing on;
-- ``fxopt-eager@1.0``: ``fxopt.optimize(model, 1.0)``, the eager compiler (FX code, op by op).
+- ``fxopt-eager@1.0``: ``fxopt.optimize(model, 1.0)``, the eager compiler (FX code, op by op);
+- ``aot-eager`` (only where ``--variants`` names it): ``torch.compile(model, backend="aot_eager")``,
+  the same capture and AOTAutograd as the eager compiler's without fxopt's plan and bookkeeping.
 
 Each variant steps its own deep copy of the model (the same weights), compiled through a code
 object of its own (`fxopt.capture.compiled.own_frame`: no variant meets another's Dynamo cache
 entries or recompile limit). Its first step compiles (and plans): its seconds are the row's
 ``compile s``. Then its peak (`fxopt.measure_peak`: parameters, inputs and gradients resident, the
 profiler's allocation events, which see Inductor's code too) and its loss and gradients against
-eager's (``rtol=1e-4, atol=1e-5``: Inductor sums in another order). Then the timed steps, round
+eager's (``rtol=1e-4, atol=1e-5``: Inductor sums in another order), and the Python function calls
+one step makes (``Python calls``: counted, the Python beside the kernels). Then the timed steps, round
 robin: each round steps every variant once, in an order rotated by one each round, gradients
 cleared before each; a row's step time is the median of its ``--steps`` rounds (and its fastest),
 and its ratios to eager's and to ``compile``'s are the medians of each round's ratio (the two
@@ -76,7 +79,9 @@ DEFAULT_MODELS = ("hf-gpt2", "hf-llama", "hf-vit", "hf-resnet")
 DEFAULT_AMB = (0.25, 0.5, 0.75)
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 BASE_VARIANTS = ("eager", "compile", "fxopt-inductor@1.0", "fxopt-inductor@hf", "compile-amb", "hf-ckpt-compile",
-                 "fxopt-eager@1.0")
+                 "fxopt-eager@1.0", "aot-eager")
+# Not run unless asked for (``--variants``): a reference for the eager compiler's overhead.
+OPTIONAL_VARIANTS = ("aot-eager",)
 
 
 class Variant:
@@ -103,6 +108,24 @@ class _Notes(logging.Handler):
         message = record.getMessage()
         if "Inductor's own step" in message and ("running" in message or "instead" in message):
             self.lines.append(message.removeprefix("fxopt: "))
+
+
+def python_calls(fn: Callable[[], Any]) -> int:
+    """Python function calls (generator resumptions too) while ``fn()`` runs: the Python a step
+    runs beside its kernels, counted (the same on a busy machine and a quiet one)."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(previous)
+    return calls
 
 
 class ModelRun:
@@ -184,6 +207,9 @@ class ModelRun:
                     self.variants.append(Variant(f"compile-amb@{amb:g}", m, compiled(m),
                                                  lambda amb=amb: torch._functorch.config.patch(
                                                      activation_memory_budget=amb)))
+            elif base == "aot-eager":
+                m = copy_of()
+                self.variants.append(Variant("aot-eager", m, lambda m=m: torch.compile(own_frame(m), backend="aot_eager")))
             elif base == "hf-ckpt-compile" and hf is not None:
                 m = copy_of(checkpointing=True)
                 self.variants.append(Variant("hf-ckpt-compile", m, compiled(m)))
@@ -217,6 +243,8 @@ class ModelRun:
             p.grad is not None and torch.allclose(p.grad, self.ref_grads[n], **TOLERANCE)
             for n, p in v.model.named_parameters() if n in self.ref_grads)
         v.row["measured_peak_bytes"] = peak = self.measured_peak(v.fn, v.model)
+        v.model.zero_grad(set_to_none=True)
+        v.row["python_calls"] = python_calls(lambda: train_step(v.fn, self.inputs))
         if v.row.get("budget_bytes") is not None:
             v.row["within_budget"] = peak <= v.row["budget_bytes"]
         log(f"    compiled in {v.row['compile_s']} s; measured {mib(peak)} MiB"
@@ -322,17 +350,17 @@ def markdown(result: dict[str, Any]) -> str:
                   f"start, {info.get('load_end', '?')} at the end"
                   + ("; **Dynamo recompiled during the timed rounds**" if info.get("recompiled_while_timed") else "")
                   + ".", "",
-                  "| variant | step ms (median) | fastest | × eager | × torch.compile | measured peak MiB | budget MiB "
-                  "| within | compile s | loss, grads equal | notes |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
+                  "| variant | step ms (median) | fastest | × eager | × torch.compile | Python calls | measured peak MiB "
+                  "| budget MiB | within | compile s | loss, grads equal | notes |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
         for r in (r for r in result["rows"] if r["model"] == name):
             if "error" in r:
-                lines.append(f"| {r['variant']} | {r['error']} |||||||||| ")
+                lines.append(f"| {r['variant']} | {r['error']} ||||||||||| ")
                 continue
             within = {True: "yes", False: "**NO**"}.get(r.get("within_budget"), "–")
             lines.append(
                 f"| {r['variant']} | {r['step_ms']:.1f} | {r['min_step_ms']:.1f} | {_ratio(r.get('vs_eager'))} | "
-                f"{_ratio(r.get('vs_compile'))} | "
+                f"{_ratio(r.get('vs_compile'))} | {r.get('python_calls', '–')} | "
                 f"{mib(r['measured_peak_bytes'])} | {mib(r.get('budget_bytes'))} | {within} | {r['compile_s']:.0f} | "
                 f"{'yes' if r['loss_equal'] and r['grads_equal'] else '**no**'} | {'; '.join(r['notes'])} |")
         lines.append("")
@@ -342,7 +370,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> Run:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated zoo names")
-    parser.add_argument("--variants", default=",".join(BASE_VARIANTS),
+    parser.add_argument("--variants", default=",".join(v for v in BASE_VARIANTS if v not in OPTIONAL_VARIANTS),
                         help=f"comma-separated, of {', '.join(BASE_VARIANTS)}")
     parser.add_argument("--amb", default=",".join(f"{a:g}" for a in DEFAULT_AMB),
                         help="activation_memory_budget values of the compile-amb rows")

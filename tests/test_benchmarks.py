@@ -148,6 +148,8 @@ def test_step_time_benchmark_tiny(tmp_path):
     assert fx["within_budget"] and fx["measured_peak_bytes"] <= fx["budget_bytes"]
     assert fx["predicted_peak_bytes"] <= fx["budget_bytes"]
     assert data["models"][0]["load_start"] and data["meta"]["steps"] == 3
+    # (Counted: the eager compiler's step runs no more than twice eager's Python at this size.)
+    assert 0 < rows["eager"]["python_calls"] and 0 < fx["python_calls"] <= 2 * rows["eager"]["python_calls"]
     assert "| fxopt-eager@1.0 |" in out.with_suffix(".md").read_text()
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") is None or "step_time" not in os.environ["TORCHINDUCTOR_CACHE_DIR"]
