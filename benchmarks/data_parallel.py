@@ -65,6 +65,11 @@ MODELS = ("llama", "gpt2", "gpt-neox")
 CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt-neox": "GPTNeoXForCausalLM"}
 FSDP2_ONE_GRAPH = "fxopt on FSDP2 (one graph)"  # fxopt.optimize(FSDP2's model): fxopt.distributed.fsdp2
 FULLY_SHARD = "fxopt fully_shard (one graph)"  # fxopt.distributed.fully_shard, then fxopt.optimize
+FORMS = {"fsdp2": FSDP2_ONE_GRAPH, "fully_shard": FULLY_SHARD}
+# A row planned with communication priced at NCCL's rate (`fxopt.analysis.costs.COMM_BYTES_PER_SECOND`),
+# the plan a GPU would get, run on this backend: its FLOPs and peak are counted and measured as any
+# row's; its step time is of this backend's communication, not NCCL's.
+NCCL_PRICED = " (comm priced as NCCL)"
 
 
 class Loss(nn.Module):
@@ -220,7 +225,7 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
             elif method == "checkpoint":
                 fn = checkpoint_blocks(wrapped, blocks)
             else:
-                fn = fxopt.optimize(wrapped, budget, time_limit=args.time_limit)
+                fn = fxopt.optimize(wrapped, budget, time_limit=args.time_limit, **_pricing(method))
             row.update(measure(fn, model, wrapped, inputs, args.timed_steps, device))
             if method.startswith("fxopt"):
                 row.update(_plan_fields(fn))
@@ -242,9 +247,11 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
     if setting == "fsdp":
         # FSDP2's own model, its step one graph (fxopt.distributed.fsdp); then the same step with
         # fxopt's own sharding (fxopt.distributed.fully_shard).
-        for form in (FSDP2_ONE_GRAPH, FULLY_SHARD):
+        for form in (FORMS[f] for f in args.forms.split(",")):
             attempt(f"{form}@checkpoint", budget)
             attempt(f"{form}@min", "min")
+            if args.backend != "nccl" and args.nccl_priced:
+                attempt(f"{form}@checkpoint{NCCL_PRICED}", budget)
     else:
         row = attempt("fxopt@checkpoint", budget)
         for _ in range(args.retries):
@@ -260,6 +267,15 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
     for r in rows:
         _compare(r, eager, single)
     return rows
+
+
+def _pricing(method: str) -> dict[str, Any]:
+    """fxopt's options for a row's pricing: communication at NCCL's rate for an `NCCL_PRICED` row."""
+    if not method.endswith(NCCL_PRICED):
+        return {}
+    from fxopt.analysis.costs import COMM_BYTES_PER_SECOND, CostModel
+
+    return {"cost_model": CostModel(comm_bytes_per_second=COMM_BYTES_PER_SECOND["nccl"])}
 
 
 def _agreed_max(value: int, device: torch.device) -> int:
@@ -364,7 +380,9 @@ def report(data: dict[str, Any]) -> str:
         "bytes; fxopt@min: the smallest budget fxopt named when that one did not fit (`min`: fxopt's smallest "
         "budget, `\"min\"`); fxopt@eager (DDP): eager's measured peak as the budget (nothing to recompute). "
         f"{FSDP2_ONE_GRAPH}: fxopt.optimize of FSDP2's model, its step one graph (fxopt.distributed.fsdp2); "
-        f"{FULLY_SHARD}: the model sharded with fxopt.distributed.fully_shard instead. Ratio: fxopt's extra FLOPs / "
+        f"{FULLY_SHARD}: the model sharded with fxopt.distributed.fully_shard instead; {NCCL_PRICED.strip()}: "
+        "planned with communication priced at NCCL's rate (100 GB/s, not gloo's 1 GB/s: the plan a GPU would get), "
+        "run here. Ratio: fxopt's extra FLOPs / "
         "checkpointing's (target ≤ 0.5). Grads equal: on every rank, the loss (its mean over the ranks) and every "
         "gradient equal single-process eager's on the whole batch (the gradient of its mean loss), within "
         "torch.testing's float32 tolerance.",
@@ -372,10 +390,11 @@ def report(data: dict[str, Any]) -> str:
         "| setting | method | budget MiB | per-rank peak MiB | extra GFLOP | ratio | step s | plans | grads equal | note |",
         "|---|---|---:|---:|---:|---:|---:|---:|:---:|---|",
     ]
-    ckpt_extra = {}
+    ckpt_extra, ckpt_peak = {}, {}
     for r in data["rows"]:
         if r["method"] == "checkpoint":
             ckpt_extra[r["setting"]] = r.get("extra_flops")
+            ckpt_peak[r["setting"]] = r.get("peak_bytes")
     for r in data["rows"]:
         ratio = "–"
         ref = ckpt_extra.get(r["setting"])
@@ -386,7 +405,8 @@ def report(data: dict[str, Any]) -> str:
             planned = r.get("planned_budget_bytes") if r["budget_bytes"] == "min" else r["budget_bytes"]
             within = "within budget" if planned and r["peak_bytes"] <= planned else "**over budget**"
             if r["budget_bytes"] == "min":
-                within += f" (the smallest budget: planned {_mib(planned)} MiB)"
+                share = f" = {planned / ckpt_peak[r['setting']]:.2f}× checkpointing's peak" if ckpt_peak.get(r["setting"]) else ""
+                within += f" (the smallest budget: planned {_mib(planned)} MiB{share})"
             if r.get("regathered_bytes"):
                 within += f"; {_mib(r['regathered_bytes'])} MiB re-gathered (communication, not in GFLOP)"
         unequal = [f"not equal: {r['grads_error']}"] if r.get("grads_equal") is False and r.get("grads_error") else []
@@ -404,6 +424,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="bench")
     parser.add_argument("--model", choices=MODELS, default="llama")
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--forms", default=",".join(FORMS),
+                        help="the FSDP forms fxopt plans: fsdp2 (FSDP2's model), fully_shard (fxopt's own)")
+    parser.add_argument("--nccl-priced", action=argparse.BooleanOptionalAction, default=True,
+                        help="on gloo, also each form at checkpointing's peak planned with communication priced at "
+                             "NCCL's rate (the plan a GPU would get), counted and measured here")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

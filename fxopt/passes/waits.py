@@ -16,6 +16,11 @@ when it was issued and which lives to the end as a gradient; the simulator count
 all-reduce on (`fxopt.analysis.scratch`). Only the all-reduces' waits move: a reduce-scatter's
 gloo copy is freed late by the waits that follow it (`fxopt.solvers.graph.Node.lingers`), which
 the simulator models at the traced positions.
+
+On gloo, each all-gather's and reduce-scatter's wait is followed by ``fxopt::released``
+(`wait_for_release`): the step goes on once gloo's worker thread has let go of the collective's
+work, so that a gathered parameter is freed at its last read, as the plan counts it, not later at
+a moment the OS scheduler decides (see `fxopt.ops.collectives`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.analysis.costs import REDUCES, WAITS
+from fxopt.analysis.costs import GATHERS, REDUCES, WAITS, group_backend
+
+# The collectives whose outputs gloo's worker thread may hold past their wait (`wait_for_release`).
+RELEASED = GATHERS + ("reduce_scatter_tensor",)
 
 
 def _is_all_reduce_wait(node: fx.Node) -> bool:
@@ -44,4 +52,33 @@ def sink_all_reduce_waits(graph: fx.Graph) -> fx.Graph:
         first = min(wait.users, key=order.__getitem__, default=None)
         if first is not None and order[first] > order[wait] + 1:
             first.prepend(wait)
+    return graph
+
+
+def _collective_waited(node: fx.Node) -> fx.Node | None:
+    """The functional collective ``node`` waits on, where ``node`` is a wait."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace != "_c10d_functional" or target._opname not in WAITS or not node.args:
+        return None
+    source = node.args[0]
+    if not isinstance(source, fx.Node) or not isinstance(source.target, torch._ops.OpOverload):
+        return None
+    return source if source.target.namespace == "_c10d_functional" else None
+
+
+def wait_for_release(graph: fx.Graph) -> fx.Graph:
+    """``graph`` with ``fxopt::released`` right after the wait of each all-gather and
+    reduce-scatter on a gloo group (or a group this process cannot name, as the analysis assumes
+    gloo there), in place: each collective's output is then the step's alone before anything
+    reads it."""
+    import fxopt.ops.collectives  # noqa: F401 - registers torch.ops.fxopt.released
+
+    for wait in list(graph.nodes):
+        source = _collective_waited(wait)
+        if source is None or source.target._opname not in RELEASED or group_backend(source) not in ("gloo", None):
+            continue
+        with graph.inserting_after(wait):
+            graph.call_function(torch.ops.fxopt.released.default, (wait,))
     return graph
