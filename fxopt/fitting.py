@@ -16,8 +16,9 @@ Three questions, each asked of fxopt's own entry points on fake tensors for the 
 
 Each answer is only as good as the profile's: every storage rounded to the allocator's blocks,
 the cuBLAS workspace resident, the scratch of ops not known to allocate only their outputs a
-formula bound (`Fit.planned_for` says which). Each question captures the step again (a capture
-for a plan, one with the batch symbolic for the batch): ``Fit.seconds`` says what each took.
+formula bound (`Fit.planned_for` says which). The step is captured twice: once for the two plans
+(`fxopt.plan_ahead.plan_each`: each plans its own copy of one capture), once with the batch
+symbolic for the batch. ``Fit.seconds`` says what each took.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from fxopt.devices import DeviceProfile, load as load_device
 from fxopt.errors import BudgetError, InfeasibleBudgetError
 from fxopt.maxbatch import MaxBatch, max_batch
 from fxopt.options import Options, check_names
-from fxopt.plan_ahead import plan_and_rewrite
+from fxopt.plan_ahead import plan_each
 from fxopt.solvers.auto import SolverTimeoutWarning
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.plan import Plan
@@ -58,7 +59,8 @@ class Fit:
     adds to). ``largest``: `fxopt.max_batch`'s answer at ``budget_bytes`` (None where not even
     batch 1 fits: then ``largest_error`` says why), ``batch`` the example inputs' batch.
     ``planned_for``: how the memory was counted (`fxopt.devices.DeviceProfile.planning_note`).
-    ``seconds``: wall time of each question, capture included."""
+    ``seconds``: wall time of the plans' capture and of each question (the largest batch's
+    capture included)."""
 
     device: str
     budget_bytes: int
@@ -199,21 +201,27 @@ def fit(model: nn.Module, example_inputs: Sequence[Any] | dict, *, device: str |
     base = Options.of(budget_bytes, device=profile, **options)
     seconds: dict[str, float] = {}
 
-    t0 = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", SolverTimeoutWarning)
-        min_plan = plan_and_rewrite(model, dataclasses.replace(base, budget=Budget.parse("min")), example_inputs).plan
-    seconds["smallest budget"] = time.perf_counter() - t0
-    stopped = any(issubclass(w.category, SolverTimeoutWarning) for w in caught)
+    def ask(plan) -> tuple[Plan, bool, Plan | None]:
+        """The two plans of one capture: at the smallest budget, and at the budget where that fits."""
+        t0 = time.perf_counter()
+        seconds["capture"] = t0 - started
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", SolverTimeoutWarning)
+            min_plan = plan(dataclasses.replace(base, budget=Budget.parse("min"))).plan
+        stopped = any(issubclass(w.category, SolverTimeoutWarning) for w in caught)
+        t1 = time.perf_counter()
+        seconds["smallest budget"] = t1 - t0
+        at_budget = None
+        if min_plan.budget_bytes <= budget_bytes:
+            try:
+                at_budget = plan(base).plan
+            except InfeasibleBudgetError:  # (a budget the "min" search met, missed by the search at it)
+                at_budget = None
+        seconds["at the budget"] = time.perf_counter() - t1
+        return min_plan, stopped, at_budget
 
-    t0 = time.perf_counter()
-    plan = None
-    if min_plan.budget_bytes <= budget_bytes:
-        try:
-            plan = plan_and_rewrite(model, base, example_inputs).plan
-        except InfeasibleBudgetError:  # (a budget the "min" search met, missed by the search at it)
-            plan = None
-    seconds["at the budget"] = time.perf_counter() - t0
+    started = time.perf_counter()
+    min_plan, stopped, plan = plan_each(model, base, example_inputs, ask)
 
     t0 = time.perf_counter()
     largest, why = None, ""

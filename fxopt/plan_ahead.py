@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -26,7 +26,7 @@ from fxopt.analysis.costs import CostModel
 from fxopt.budget import BudgetLike
 from fxopt.capture.compiled import compile_step, run_compiled
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
-from fxopt.capture.dynamo import PlanReady, make_backend
+from fxopt.capture.dynamo import Answered, PlanReady, make_backend
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
 from fxopt.devices import DeviceProfile
 from fxopt.distributed import data_parallel, ddp as ddp_graph
@@ -36,14 +36,29 @@ from fxopt.planner import meta_device_message
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
 
+T = TypeVar("T")
+
 
 def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inputs: Sequence[Any],
                      **options: Any) -> PlanReady:
     """Like `plan`, and also the rewritten forward and backward modules (before any compiler):
     ``.plan``, ``.forward``, ``.backward``."""
-    options = Options.of(budget, **options)
+    return _capture_and_plan(model, Options.of(budget, **options), example_inputs)
+
+
+def plan_each(model: nn.Module, options: Options, example_inputs: Sequence[Any],
+              ask: Callable[[Callable[[Options], PlanReady]], T]) -> T:
+    """Several plans of one capture: ``model``'s step captured once (as ``options`` says: its
+    ``device``, ``compiler``), then ``ask(plan)`` is called, and ``plan(asked)`` plans a copy of
+    the captured step for the `Options` ``asked`` as `plan_and_rewrite` would (its `PlanReady`,
+    or its `InfeasibleBudgetError` raised); what ``ask`` returns. ``asked.device`` must be
+    ``options.device``. (`fxopt.fit` asks for the smallest budget and a budget of one capture.)"""
+    return _capture_and_plan(model, options, example_inputs, ask)
+
+
+def _capture_and_plan(model: nn.Module, options: Options, example_inputs: Sequence[Any], ask=None):
     if options.device is not None:
-        return _plan_on_fake_tensors(model, options, example_inputs)
+        return _plan_on_fake_tensors(model, options, example_inputs, ask)
     check_model(model)
     distributed = data_parallel.DistributedStep(model) if data_parallel.fsdp_units(model) else None
     if distributed is not None and distributed.in_pieces:
@@ -58,7 +73,7 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
         if ddp_graph.not_one_graph(model) is None:  # its all-reduces in the graph, as fxopt.optimize runs it
             gathering = ddp_graph.OneGraph(model).reducing()
         held, model = data_parallel.bucket_bytes(model), model.module
-    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held)
+    backend = make_backend(options, lambda plan: None, stop_after_plan=True, resident=model, held_bytes=held, ask=ask)
     compiled = compile_step(model, backend, fullgraph=True, dynamic=False)
     args, kwargs = split_inputs(example_inputs)
     try:
@@ -66,6 +81,8 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
             run_compiled(compiled, args, kwargs, options.compiler)
     except PlanReady as ready:
         return ready
+    except Answered as answered:
+        return answered.answer
     except InfeasibleBudgetError as err:
         if any(p.grad is not None for p in model.parameters()):
             raise
@@ -76,13 +93,15 @@ def plan_and_rewrite(model: nn.Module, budget: BudgetLike | Options, example_inp
     )
 
 
-def _plan_on_fake_tensors(model: nn.Module, options: Options, example_inputs: Any) -> PlanReady:
-    """`plan_and_rewrite` for ``options.device``: the step captured and planned on fake tensors
-    of the host (`FakeStep`), counted and priced as the profile says (`for_profile`)."""
+def _plan_on_fake_tensors(model: nn.Module, options: Options, example_inputs: Any, ask=None):
+    """`plan_and_rewrite` (or `plan_each`) for ``options.device``: the step captured and planned
+    on fake tensors of the host (`FakeStep`), counted and priced as the profile says
+    (`for_profile`)."""
     fake = FakeStep.of(model, options.device)
     inputs = fake.inputs(example_inputs)
+    on_fake = None if ask is None else lambda plan: ask(lambda asked: plan(for_profile(asked, model)))
     with fake.mode:
-        return plan_and_rewrite(fake.model, for_profile(options, model), inputs)
+        return _capture_and_plan(fake.model, for_profile(options, model), inputs, on_fake)
 
 
 @dataclasses.dataclass(frozen=True)

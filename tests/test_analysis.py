@@ -195,3 +195,53 @@ def test_a_backward_tagged_constant_that_a_forward_value_reads_is_a_forward_valu
     backward = _backward_nodes(g, nodes, {out}, {grad})
     assert read_by_forward not in backward and view not in backward
     assert read_by_backward in backward and grad in backward and out not in backward
+
+
+class _SavingBlock(torch.nn.Module):
+    """Ops whose autograd nodes save inputs, outputs, views and items of a tuple."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.fc(self.norm(x)).view(x.shape[0], 2, -1)
+        h = torch.nn.functional.gelu(h).max(dim=1).values  # (max saves its indices, an item)
+        return x + self.drop(torch.tanh(h) * x.sigmoid())
+
+
+def _eager_saves_of(blocks: int):
+    from fxopt.analysis.eager_saves import eager_saves
+    from fxopt.analysis.joint import _backward_nodes
+    from fxopt.plan_ahead import plan_and_rewrite
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_SavingBlock() for _ in range(blocks)])
+    joint = plan_and_rewrite(model, 1.0, (torch.randn(4, 32, requires_grad=True),)).joint
+    nodes = [n for n in joint.module.graph.nodes if n.op != "output"]
+    outs = list(next(iter(joint.module.graph.find_nodes(op="output"))).args[0])
+    fwd = {o for o in outs[:joint.num_fwd_outputs] if isinstance(o, fx.Node)}
+    bwd = {o for o in outs[joint.num_fwd_outputs:] if isinstance(o, fx.Node)}
+    return lambda: eager_saves(nodes, _backward_nodes(joint.module.graph, nodes, fwd, bwd), outs[joint.num_fwd_outputs:])
+
+
+def test_eager_saves_runs_each_op_of_a_repeated_block_once(monkeypatch):
+    """A step of N copies of one block runs each forward op once per signature, not once per
+    copy (counted: the ops run on fake tensors do not grow with N), and its answer is the one
+    running every op gives."""
+    import fxopt.analysis.eager_saves as saves
+
+    run, runs = saves._run, []
+    monkeypatch.setattr(saves, "_run", lambda n, rg: runs.append(n) or run(n, rg))
+    counts = {}
+    for blocks in (2, 6):
+        answer = _eager_saves_of(blocks)
+        runs.clear()
+        once = answer()
+        counts[blocks] = len(runs)
+        with monkeypatch.context() as every:
+            every.setattr(saves, "_run_once", lambda n, rg, answers: saves._run(n, rg))
+            assert answer() == once
+        assert any(len(saved) > 1 for saved in once.values())
+    assert counts[6] == counts[2] > 0

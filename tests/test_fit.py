@@ -110,3 +110,27 @@ def test_below_the_batches_max_batch_searched_the_examples_own_answer_stands(tin
     failed = dict(dataclasses.replace(found, largest=None, largest_error="fxopt found no plan at any batch from 2 up.").rows())
     assert failed["largest batch"].startswith("fxopt 1, the example's (planned above)")
     assert "fxopt found no plan at any batch from 2 up." in failed["largest batch"]
+
+
+def test_fit_plans_both_budgets_from_one_capture(tiny, monkeypatch):
+    """The smallest budget and the budget are planned from one capture of the step (each on its
+    own copy of it): two captures in all with the largest batch's, not three; and the two plans
+    are those `fxopt.plan` makes alone, decision for decision."""
+    import fxopt.plan_ahead
+
+    model, inputs = tiny
+    captures = []
+    compile_step = fxopt.plan_ahead.compile_step
+    monkeypatch.setattr(fxopt.plan_ahead, "compile_step", lambda *a, **k: captures.append(a) or compile_step(*a, **k))
+    budget = 64 << 20
+    found = fxopt.fit(model, inputs, device="H100-80GB", budget=budget, time_limit=TIME_LIMIT, limit=8)
+    assert len(captures) == 2 and found.fits and set(found.seconds) >= {"capture", "smallest budget"}
+    monkeypatch.undo()
+
+    def decisions(plan):
+        return {k: v for k, v in plan.to_dict().items() if k != "solve_seconds"}
+
+    for asked, planned in (("min", found.min_plan), (budget, found.plan)):
+        torch._dynamo.reset()
+        alone = fxopt.plan(model, asked, inputs, device="H100-80GB", time_limit=TIME_LIMIT)
+        assert decisions(alone) == decisions(planned)

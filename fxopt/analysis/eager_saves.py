@@ -16,6 +16,11 @@ storage, to the op's inputs and outputs. `eager_saves` gives, per autograd node
 (`fxopt.solvers.Node.eager_reads`, `fxopt.solvers.eager_timeline`): fxopt's own backward holds
 what its graph reads. An op that cannot be run so is taken to save every tensor input and output
 (an autograd node saves nothing else): the eager peak may be above eager's, never below it.
+
+A step of N copies of one block runs the same ops on the same shapes N times: an op is run once
+per signature (`_signature`: its target, its arguments with each tensor's metadata, which of them
+require grad and which share a storage), and its answer, in positions (the k-th input storage,
+the j-th output item), is read for every later op of that signature.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def eager_saves(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list
     formulas = {n.meta.get("seq_nr") for n in backward
                 if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward"}
     requires_grad = _primals_requiring_grad(fx_nodes, gradients)
+    answers: dict[tuple, tuple[list[tuple[str, int]], list[bool | None]]] = {}
     out: dict[int, list[fx.Node]] = {}
     for n in fx_nodes:
         if (n in backward or n.op != "call_function" or n.target is operator.getitem  # (with its op, below)
@@ -51,7 +57,7 @@ def eager_saves(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list
                 requires_grad.add(n)
             continue
         recorded = n.meta.get("partitioner_tag") == "is_forward"
-        saved, items = _run(n, requires_grad)
+        saved, items = _run_once(n, requires_grad, answers)
         for item, taker in zip(items, _takers(n, n.meta.get("val"))):
             if item is None or item:  # (None: not run, an upper bound)
                 requires_grad.add(taker)
@@ -70,6 +76,74 @@ def _primals_requiring_grad(fx_nodes: list[fx.Node], gradients: list[fx.Node | N
 
 def _differentiable(val) -> bool:
     return any(t.is_floating_point() or t.is_complex() for t in tensors_in(val))
+
+
+def _run_once(n: fx.Node, requires_grad: set[fx.Node], answers: dict) -> tuple[list[fx.Node], list[bool | None]]:
+    """`_run`'s answer for ``n``, read from ``answers`` where an op of its signature was run
+    before (and kept there where not: an op that would not run is run again each time)."""
+    signature = _signature(n, requires_grad)
+    if signature is None:
+        return _run(n, requires_grad)
+    key, inputs = signature
+    if key in answers:
+        positions, grads = answers[key]
+        takers = _takers(n, n.meta.get("val"))
+        return [inputs[k] if where == "in" else takers[k] for where, k in positions], list(grads)
+    saved, grads = _run(n, requires_grad)
+    takers = _takers(n, n.meta.get("val"))
+    positions = []
+    for s in saved:
+        if s in inputs:
+            positions.append(("in", inputs.index(s)))
+        elif s in takers:
+            positions.append(("out", takers.index(s)))
+        else:  # (not an input nor an output of ``n``: nothing to read for another op)
+            return saved, grads
+    if None not in grads:  # (None: not run, see `_run`)
+        answers[key] = (positions, grads)
+    return saved, grads
+
+
+def _signature(n: fx.Node, requires_grad: set[fx.Node]) -> tuple[tuple, list[fx.Node]] | None:
+    """What `_run`'s answer for ``n`` depends on, hashable, and the node owning each input
+    storage in the order `_run` meets them (the first to show it); None where an argument is
+    not one this can key (then ``n`` is run). Two ops of one signature run the same kernel's
+    autograd formula on tensors of the same metadata, the same of them requiring grad and the
+    same of them sharing storage: their autograd nodes save the same positions."""
+    storages: dict[StorageWeakRef, int] = {}
+    owners: list[fx.Node] = []
+
+    def key_of(a):
+        if isinstance(a, (list, tuple)):
+            return tuple(key_of(b) for b in a)
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, (int, float, bool, torch.SymInt, torch.SymFloat)):
+                return ("value", str(v))
+            if not isinstance(v, torch.Tensor):
+                raise _Unkeyed
+            storage = StorageWeakRef(v.untyped_storage())
+            if storage not in storages:
+                storages[storage] = len(owners)
+                owners.append(a)
+            return ("tensor", storages[storage], a in requires_grad and (v.is_floating_point() or v.is_complex()),
+                    str(tuple(v.shape)), str(v.stride()), str(v.storage_offset()), str(v.untyped_storage().nbytes()),
+                    v.dtype, v.device, v.layout)
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return (type(a).__name__, repr(a))  # (repr: -0.0 and 0.0 apart)
+        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return (type(a).__name__, a)
+        raise _Unkeyed
+
+    try:  # (args, then kwargs in their order: the order `_run` meets the storages in)
+        key = (n.target, key_of(n.args), key_of(list(n.kwargs.items())))
+    except Exception:  # noqa: BLE001 - an argument this cannot key, or a tensor without storage: run it
+        return None
+    return key, owners
+
+
+class _Unkeyed(Exception):
+    """An argument `_signature` cannot key."""
 
 
 def _run(n: fx.Node, requires_grad: set[fx.Node]) -> tuple[list[fx.Node], list[bool | None]]:

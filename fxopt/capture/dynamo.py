@@ -15,11 +15,13 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
+from fxopt.fxgraph import copy_module
 from fxopt.measuring import not_measured, step_runs
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.solvers.plan import Plan
@@ -65,6 +67,15 @@ def install_logging_switches() -> None:
     the backend turns them on when it is made or looked up (`fxopt.capture.backend`)."""
     for name, value in _switched_on().items():
         setattr(torch._dynamo.config, name, value)
+
+
+class Answered(Exception):
+    """Raised from the partitioner to stop after answering questions about one captured step
+    (`make_backend`'s ``ask``): ``answer``, what ``ask`` returned."""
+
+    def __init__(self, answer):
+        super().__init__("answered")
+        self.answer = answer
 
 
 class PlanReady(Exception):
@@ -135,7 +146,7 @@ def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
 
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
                  resident: torch.nn.Module | None = None, held_bytes: int = 0, backward_bytes: int = 0,
-                 whole_step: bool = True):
+                 whole_step: bool = True, ask: Callable[[Callable[[Options], PlanReady]], Any] | None = None):
     """A torch.compile backend that plans each captured graph and runs the rewritten step.
     ``resident``: the module being compiled, when known: its parameters and buffers the step does
     not read are counted in every peak too (a backend given to torch.compile does not see them).
@@ -145,7 +156,10 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
     ``whole_step``: each graph is a whole step, not a piece of one planned in order (whose saved
     bytes the later pieces' reserves count from its plan): with ``compiler="inductor"``, where the
     budget admits eager's step or the plan changes nothing, Inductor's own step may run instead
-    (`own_step_bound`)."""
+    (`own_step_bound`). ``ask(plan)``: instead, the captured step is planned for each `Options`
+    ``ask`` gives ``plan`` (each on a copy of the captured graph: a `PlanReady`, or
+    `InfeasibleBudgetError` raised), and capture stops with what ``ask`` returns (`Answered`):
+    several questions, one capture."""
     unread = {"bytes": 0}
     # The state of each step's OFFLOAD copies (`fxopt.ops.offload.HostCopies`), which its ops find
     # by key: kept as long as this backend (and so the steps it compiled), because Inductor does
@@ -153,6 +167,13 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
     host_copies = []
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+        if ask is not None:
+            def plan_copy(asked: Options) -> PlanReady:
+                jg, plan = make_plan(copy_module(joint), num_fwd_outputs, asked, unread["bytes"],
+                                     backward_bytes=backward_bytes)
+                return PlanReady(plan, *split_with_recompute(jg, plan.schedule), jg)
+
+            raise Answered(ask(plan_copy))
         t0 = time.perf_counter()
         jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"], backward_bytes=backward_bytes)
         on_plan(plan)
@@ -264,7 +285,7 @@ def unwrap_compile_error(err: BaseException) -> BaseException:
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, (PlanReady,)) or type(err).__module__.startswith("fxopt"):
+        if isinstance(err, (PlanReady, Answered)) or type(err).__module__.startswith("fxopt"):
             return err
         err = getattr(err, "inner_exception", None) or err.__cause__
     return None
