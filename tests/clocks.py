@@ -7,11 +7,12 @@ import time
 
 
 class FastClock:
-    """`time.perf_counter` running ``factor`` times fast from now on (a machine that many times
-    slower, as far as any clock the solvers read can tell; a factor below 1, a faster machine)."""
+    """``clock`` (`time.perf_counter` unless given) running ``factor`` times fast from now on (a
+    machine that many times slower, as far as that clock can tell; a factor below 1, a faster
+    machine)."""
 
-    def __init__(self, factor: float):
-        self.real, self.factor = time.perf_counter, factor
+    def __init__(self, factor: float, clock=None):
+        self.real, self.factor = clock or time.perf_counter, factor
         self.t0 = self.real()
 
     def __call__(self) -> float:

@@ -1070,6 +1070,24 @@ def test_the_time_limit_is_a_safety_stop_that_says_so(monkeypatch):
     assert all(seconds <= 5.0 for seconds in given)
 
 
+def test_a_smallest_budget_search_the_time_limit_cut_says_so(monkeypatch):
+    """Where nothing fits and the search for the smallest budget reaches the safety stop, a
+    `SolverTimeoutWarning` says so beside the error: budget="min" keeps only the budget the error
+    names, so without it the search's cut was silent (issue 24: budget_holds' bench UNet at "min"
+    named blocks-1's 29.40 MiB on a loaded machine, 22.42 on a quiet one, and nothing said why)."""
+    graph = chain(12)
+    monkeypatch.setattr(time, "perf_counter", FastClock(1e6))
+    monkeypatch.setattr(time, "process_time", FastClock(1e6, time.process_time))
+    with pytest.warns(SolverTimeoutWarning, match="smallest budget named is the smallest found by then"):
+        with pytest.raises(InfeasibleBudgetError):
+            solve(graph, 1, time_limit=1.0)
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SolverTimeoutWarning)
+        with pytest.raises(InfeasibleBudgetError):
+            solve(graph, 1)  # (not stopped: no warning)
+
+
 def test_a_busy_machine_gets_the_same_plan(tmp_path):
     """A plan made while two other processes burn the CPU is the one made without them."""
     import multiprocessing
