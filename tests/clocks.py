@@ -1,5 +1,6 @@
 """A clock that runs fast or slow, for the tests that show counted effort, not the clock, decides
-an answer (the solvers', `fxopt.max_batch`'s): patch ``time.perf_counter`` with it."""
+an answer (the solvers', `fxopt.max_batch`'s): `every_clock` patches the clocks Python code reads
+with it (the safety stop's is the planning thread's CPU time, `fxopt.solvers.effort.now`)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,14 @@ class FastClock:
 
     def __call__(self) -> float:
         return self.t0 + (self.real() - self.t0) * self.factor
+
+
+CLOCKS = ("perf_counter", "process_time", "thread_time")
+
+
+def every_clock(monkeypatch, factor: float, clocks=CLOCKS) -> None:
+    """Each of ``clocks`` (names in `time`) running ``factor`` times fast from now on."""
+    import time as _time
+
+    for name in clocks:
+        monkeypatch.setattr(_time, name, FastClock(factor, getattr(_time, name)))

@@ -292,16 +292,14 @@ def test_budget_holds_says_which_rows_the_safety_stop_cut(monkeypatch):
     the same graph plans at 0.435 GFLOP and 22.42 MiB uncut). The clock the safety stop reads runs
     a million times fast here: every row is cut."""
     import argparse
-    import time
 
     from benchmarks import budget_holds
-    from clocks import FastClock
+    from clocks import every_clock
 
     args = argparse.Namespace(models="hf-gpt2", routes="optimize", budgets="1.0", compare=None, argv=[],
                               size="test", load=False, time_limit=60.0)
     run = budget_holds.Run(args)
-    monkeypatch.setattr(time, "perf_counter", FastClock(1e6))
-    monkeypatch.setattr(time, "process_time", FastClock(1e6, time.process_time))
+    every_clock(monkeypatch, 1e6)
     cut = run.attempt("hf-gpt2", "optimize", 1.0)
     monkeypatch.undo()
     assert "within" in cut and cut["stopped"], cut.get("error")
