@@ -27,6 +27,9 @@ fxopt meets), one row:
   budget on the same graph (`benchmarks.harness.best_policy`), by that cost; ``not_worse`` where
   none fits is "–";
 - an infeasible budget: the minimum fxopt names is planned and measured in turn (it must hold);
+- the safety stop: every `SolverTimeoutWarning` of the row, on every route (``stopped``); a row
+  the time limit cut is marked "(cut by the time limit)" and named under the table (its plan, or
+  the minimum named, is the best found by then, not the counted effort's: another run may differ);
 - the plan's decisions digest (SAVE/RECOMPUTE/COMPRESS/OFFLOAD of every value, its solver; on the
   pipeline route also its cuts, each stage's; never the seconds planning took): two
   runs, one with ``--load`` (another fxopt planning job runs beside it for the whole run), compared
@@ -198,12 +201,8 @@ def pipeline_row(budget: float | int | str, time_limit: float) -> dict[str, Any]
 
     row: dict[str, Any] = {"model": "pipeline-gpt2", "route": "pipeline", "budget": str(budget)}
     model, inputs, target = bp.workload(4)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", SolverTimeoutWarning)
-        plan = fxopt.pipeline(model, inputs, stages=bp.STAGES, microbatches=bp.MICROBATCHES, budget=budget,
-                              loss_fn=bp.lm_loss, target=target, time_limit=time_limit)
-    # A safety stop that cut a solve says so (its plan may differ on another run).
-    row["stopped"] = [str(w.message) for w in caught if issubclass(w.category, SolverTimeoutWarning)]
+    plan = fxopt.pipeline(model, inputs, stages=bp.STAGES, microbatches=bp.MICROBATCHES, budget=budget,
+                          loss_fn=bp.lm_loss, target=target, time_limit=time_limit)
     ranks = bp.run_ranks(4, plan=plan)
     budget = plan.budget_bytes
     measured = max(r["peak"] for r in ranks)
@@ -213,6 +212,19 @@ def pipeline_row(budget: float | int | str, time_limit: float) -> dict[str, Any]
                 "solver": ",".join(s.plan.solver for s in plan.stages),
                 "status": ",".join(s.plan.status for s in plan.stages), "digest": pipeline_digest(plan)})
     return row
+
+
+@contextlib.contextmanager
+def safety_stops() -> Iterator[list[str]]:
+    """The messages of every `SolverTimeoutWarning` raised inside (a solve the safety stop,
+    ``time_limit``, cut short: its plan, or the smallest budget it named, may differ on another
+    run); every other warning silenced."""
+    stopped: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", SolverTimeoutWarning)
+        yield stopped
+    stopped += [str(w.message) for w in caught if issubclass(w.category, SolverTimeoutWarning)]
 
 
 def _busy(stop: Any) -> None:
@@ -272,7 +284,7 @@ class Run:
                     # The minimum the error names must plan, and measure within itself (item 8).
                     at_min = self.attempt(name, route, row["min_budget_bytes"])
                     row["named_min"] = {k: at_min.get(k) for k in ("within", "measured_peak_bytes", "error",
-                                                                   "infeasible", "min_budget_bytes")}
+                                                                   "infeasible", "min_budget_bytes", "stopped")}
                 row["row_s"] = round(time.perf_counter() - t0, 1)
                 self.mark_same(row)
                 log(f"  {row.get('within')} {mib(row.get('measured_peak_bytes'))} / {mib(row.get('budget_bytes'))} "
@@ -281,13 +293,18 @@ class Run:
                 write_results(self.args.out, self.result, report(self.result))
 
     def attempt(self, name: str, route: str, budget: float | int | str) -> dict[str, Any]:
-        """The row, or what stopped it: infeasible (with the minimum fxopt names), or the error."""
+        """The row, or what stopped it: infeasible (with the minimum fxopt names), or the error;
+        on every route, what the safety stop said (``stopped``; see `safety_stops`)."""
+        with safety_stops() as stopped:
+            row = self._attempt(name, route, budget)
+        row["stopped"] = stopped
+        return row
+
+    def _attempt(self, name: str, route: str, budget: float | int | str) -> dict[str, Any]:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if route == "pipeline":
-                    return pipeline_row(budget, self.args.time_limit)
-                return model_row(name, route, budget, self.args.size, self.args.time_limit)
+            if route == "pipeline":
+                return pipeline_row(budget, self.args.time_limit)
+            return model_row(name, route, budget, self.args.size, self.args.time_limit)
         except Exception as err:  # noqa: BLE001 - one failing row must not stop the others
             # (torch.compile wraps what the backend route's planner raises: BackendCompilerFailed)
             inner = unwrap_compile_error(err)
@@ -329,7 +346,7 @@ def report(result: dict[str, Any]) -> str:
                          if named.get("within") is not None else
                          f", which does not plan: {named.get('error') or 'infeasible, ' + mib(named.get('min_budget_bytes'))}")
             lines.append(f"| {r['model']} | {r['route']} | {r['budget']} | {mib(r.get('budget_bytes'))} | "
-                         f"{what} ||||||||||")
+                         f"{what}{_cut(r)} ||||||||||")
             continue
         policy = "–" if r.get("best_policy_flops") is None else f"{r['best_policy']} ({r['best_policy_flops'] / 1e9:.3f})"
         flops = "–" if r.get("extra_flops") is None else f"{r['extra_flops'] / 1e9:.3f}"
@@ -337,14 +354,28 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['route']} | {r['budget']} | {mib(r['budget_bytes'])} | "
                      f"{mib(r.get('predicted_peak_bytes'))} | {mib(r['measured_peak_bytes'])} | {_yes(r['within'])} | "
                      f"{_yes(r.get('grads_equal'))} | {flops} | {policy} | {ratio} | {_yes(r.get('not_worse'))} | "
-                     f"`{r['digest']}` | {_yes(r.get('same_plan_as_other_run'))} |")
+                     f"`{r['digest']}`{_cut(r)} | {_yes(r.get('same_plan_as_other_run'))} |")
     held = [r for r in rows if "within" in r]
     named = [r["named_min"] for r in rows if r.get("named_min")]
     lines += ["", f"{sum(r['within'] for r in held)} of {len(held)} planned rows measured within their budget; "
               f"{sum(1 for r in rows if r.get('not_worse') is False)} rows recompute more than the best simple "
               f"policy; {sum(1 for r in rows if 'error' in r)} rows failed to run; of the minimums the infeasible rows "
-              f"named, {sum(1 for n in named if n.get('within'))} of {len(named)} planned and measured within themselves."]
+              f"named, {sum(1 for n in named if n.get('within'))} of {len(named)} planned and measured within themselves; "
+              f"{_stops(rows, meta.get('time_limit'))}."]
     return "\n".join(lines) + "\n"
+
+
+def _cut(row: dict[str, Any]) -> str:
+    return " (cut by the time limit)" if row.get("stopped") or (row.get("named_min") or {}).get("stopped") else ""
+
+
+def _stops(rows: list[dict[str, Any]], time_limit: float | None) -> str:
+    """How many rows the safety stop cut (their plans, or the minimum named, may differ on another
+    run: not the counted effort's answer), and which."""
+    cut = [f"{r['model']} {r['route']} {r['budget']}" for r in rows if _cut(r)]
+    limit = f" (time_limit {time_limit:g} s)" if time_limit else ""
+    return (f"{len(cut)} rows cut by the safety stop{limit}: {', '.join(cut)}" if cut
+            else "no row reached the safety stop")
 
 
 def main(argv: list[str] | None = None) -> None:
