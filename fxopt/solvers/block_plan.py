@@ -51,8 +51,10 @@ simulated peak is over the budget anyway is made again with the budget lowered b
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
+import math
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -60,12 +62,13 @@ from collections.abc import Callable
 import numpy as np
 
 from fxopt.errors import InfeasibleBudgetError
+from fxopt.solvers.block_rotor import Menu, RotorChain, Tree, actions, cheapest_tree, evaluate, min_peak_tree, plans
 from fxopt.solvers.blocks import Blocks, find_blocks
 from fxopt.solvers.effort import Deadline, Effort
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.heuristics import Candidate
-from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, as_generated, on_demand, prune,
-                                    required_saves, save_all_set, simulate)
+from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, as_generated, must_save,
+                                    on_demand, prune, required_saves, save_all_set, simulate, to_recompute)
 
 # The shares of the way from a kind's plan keeping least to eager's that it is first solved at.
 LEVELS = (0.2, 0.5, 0.8)
@@ -152,6 +155,14 @@ class KindCurve:
         self.points: list[Point] = []
         self.asked: set[int] = set()  # the axis values solved at
         self.ballast = _with_ballast(graph) if by_keep else None
+        # What it cannot recompute, SAVEd by every plan (rotor counts it apart): its bytes, and
+        # how much of it is made by each forward anchor.
+        self.musts = must_save(graph)
+        roots = {graph.roots[i] for i in self.musts} - graph.resident
+        self.must = sum(graph.nodes[r].bytes for r in roots)
+        self.musts_made = np.zeros(len(self.forward_anchors))
+        for r in roots:
+            self.musts_made[bisect.bisect_left(self.forward_anchors, r):] += graph.nodes[r].bytes
 
     def axis(self, point: Point) -> int:
         return point.keep if self.by_keep else point.peak
@@ -258,37 +269,73 @@ def _with_ballast(graph: Graph) -> tuple[Graph, int] | None:
 # ---------------------------------------------------------------- the chain
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Links:
+    """What each segment hands the next (rotor's links, `fxopt.solvers.block_rotor`): per
+    segment s, the forward values of segment s-1 that s reads and no later segment does (a
+    layer's input), as the step SAVEs them where kept (``values``), and their bytes; and whether
+    segment s's backward reads its link to the next (``read_back``: a Llama layer's does, where
+    the next norm's ``pow(x, 1)`` goes with it), which is then held until that backward. The
+    first segment's link is empty."""
+
+    values: tuple[frozenset[int], ...]
+    bytes: tuple[int, ...]
+    read_back: tuple[bool, ...]
+
+    @property
+    def all(self) -> frozenset[int]:
+        return frozenset().union(*self.values)
+
+
+def _links(blocks: Blocks) -> Links:
+    graph = blocks.graph
+    segments = blocks.segments
+    segment_of = {i: s for s, seg in enumerate(segments) for i in seg.members}
+    reads = [{v for v in seg.index[:seg.inputs] if graph.nodes[v].kind == "forward"} for seg in segments]
+    uncounted = graph.resident | graph.free | must_save(graph)  # (there anyway: no link's bytes)
+    values: list[frozenset[int]] = []
+    later: set[int] = set()
+    for s in reversed(range(len(segments))):
+        mine = {v for v in reads[s] if segment_of.get(v) == s - 1 and v not in later}
+        later |= reads[s]
+        values.append(frozenset(graph.through_aliases(mine) & (graph.saveable | graph.free) - uncounted))
+    values.reverse()
+    read_back = []
+    for s, seg in enumerate(segments):
+        local = blocks.kinds[seg.kind]
+        out = {k for k, g in enumerate(seg.index) if s + 1 < len(segments) and g in values[s + 1]}
+        readers = (*local.backward_nodes, *local.backward_only)
+        read_back.append(any(local.through_aliases(local.nodes[i].inputs) & out for i in readers))
+    return Links(tuple(values), tuple(sum(graph.nodes[r].bytes for r in {graph.roots[v] for v in link}
+                                          if r not in uncounted) for link in values), tuple(read_back))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Variant:
-    """What the step SAVEs for the segments whatever their plans (`Blocks.forced`, less the first
-    segment's values where those are recomputed where needed instead: a language model's
-    embedding and RoPE tables cost little to make again), with the offsets and the cost that
-    come with it."""
+    """What the step SAVEs for the segments besides their links, whatever their plans
+    (`Blocks.forced` less the links; less the first segment's values too where those are
+    recomputed where needed instead: a language model's RoPE tables and mask cost little to make
+    again), with what one simulated plan of the whole step says of the rest of the step around
+    each segment (the probe: see `block_chain`)."""
 
     saved: frozenset[int]
     offsets: tuple[tuple[np.ndarray, np.ndarray], ...]  # per segment: at its forward and backward anchors
+    sweep_fixed: np.ndarray  # per segment t: the step's memory as the sweeps before t's backward start
     extra_cost: float  # the recomputation outside the segments' plans (of what is not SAVEd)
 
 
 @dataclasses.dataclass(eq=False)
 class BlockChain:
-    """The step's segments, its kinds' curves, and the variants of what the step SAVEs for them."""
+    """The step's segments, its kinds' curves, what the segments hand one another, and the
+    variants of what the step SAVEs for them."""
 
     blocks: Blocks
     kinds: list[KindCurve]
+    links: Links
     variants: list[Variant]
+    _sweeps: dict = dataclasses.field(default_factory=dict)  # (`_again`'s answers)
 
     def points(self, s: int) -> list[Point]:
         return self.kinds[self.blocks.segments[s].kind].points
-
-    def need(self, variant: Variant, s: int) -> np.ndarray:
-        """Per point of segment s's kind: the most the step holds while it runs, less what the
-        segments before keep."""
-        off_f, off_b = variant.offsets[s]
-        return np.array([max(np.max(p.forward + off_f, initial=0.0), np.max(p.backward + off_b, initial=0.0))
-                         for p in self.points(s)])
-
-    def keep(self, s: int) -> np.ndarray:
-        return np.array([p.keep for p in self.points(s)], dtype=np.int64)
 
     def copy(self) -> BlockChain:
         """The same chain, its curves drawn further apart from this one's (a solve refines its own)."""
@@ -297,17 +344,66 @@ class BlockChain:
             other = copy.copy(kind)
             other.points, other.asked = list(kind.points), set(kind.asked)
             kinds.append(other)
-        return BlockChain(self.blocks, kinds, self.variants)
+        return BlockChain(self.blocks, kinds, self.links, self.variants, dict(self._sweeps))
 
-    def cost(self, s: int) -> np.ndarray:
-        return np.array([p.cost for p in self.points(s)])
+    def rotor(self, variant: Variant) -> RotorChain:
+        """The chain as rotor's dynamic program sees it with ``variant`` (`fxopt.solvers.block_rotor`):
+        per segment, a menu of its kind's plans (see the module)."""
+        return RotorChain(tuple(self._menu(variant, s) for s in range(len(self.blocks.segments))), variant.sweep_fixed)
+
+    def _menu(self, variant: Variant, s: int) -> Menu:
+        seg = self.blocks.segments[s]
+        kind = self.kinds[seg.kind]
+        points, link = kind.points, self.links.bytes[s]
+        off_f, off_b = variant.offsets[s]
+        resident = self._resident_inputs(variant, s)
+        keep = np.array([max(0, p.keep - kind.must) for p in points], dtype=np.int64)
+        return Menu(
+            keep=keep,
+            cost=np.array([p.cost for p in points]),
+            forward=np.array([np.max(p.forward + off_f, initial=0.0) for p in points]) - link,
+            backward=np.array([np.max(p.backward + off_b, initial=0.0) for p in points]) - link,
+            sweep=np.array([np.max(p.forward - kind.musts_made, initial=0.0) for p in points]) - resident - link,
+            again=np.array([self._again(variant, s, p, False) for p in points]),
+            again_link=np.array([self._again(variant, s, p, True) for p in points]),
+            ck=int(np.argmin(keep)), link_cost=self._again(variant, s, None, True), link=link,
+            holds_link=self.links.read_back[s])
+
+    def _again(self, variant: Variant, s: int, point: Point | None, with_link: bool) -> float:
+        """The cost of making segment s again in a sweep, from its link and what the step holds
+        anyway (`expand`): what ``point`` keeps (None: nothing), and its link to the next with
+        ``with_link``; what it reads of another segment that the variant does not SAVE (RoPE's
+        tables) made again with it. Infinite where that needs what cannot be made again."""
+        key = (id(variant), s, None if point is None else id(point.schedule), with_link)
+        if key not in self._sweeps:
+            graph, links, seg = self.blocks.graph, self.links, self.blocks.segments[s]
+            wanted = set(links.values[s + 1]) if with_link and s + 1 < len(links.values) else set()
+            if point is not None:
+                wanted |= {seg.index[i] for i in point.schedule.saved} - links.all
+            there = (graph.resident | graph.forward_outputs | variant.saved | must_save(graph) | links.values[s]
+                     | {i for i, n in enumerate(graph.nodes) if n.tangent})
+            try:
+                self._sweeps[key] = sum(graph.nodes[i].cost for i in to_recompute(graph, wanted, there))
+            except InvalidScheduleError:
+                self._sweeps[key] = np.inf
+        return self._sweeps[key]
+
+    def _resident_inputs(self, variant: Variant, s: int) -> int:
+        """Bytes of segment s's inputs that the step holds anyway while it is made again in the
+        backward (parameters, what the variant SAVEs, what cannot be recomputed): counted in the
+        sweep's fixed part, not again in the segment's own memory."""
+        graph, seg = self.blocks.graph, self.blocks.segments[s]
+        local = self.kinds[seg.kind].graph
+        there = graph.resident | graph.free | variant.saved | must_save(graph)
+        return sum(local.nodes[k].bytes for k in range(seg.inputs)
+                   if not local.nodes[k].tangent and graph.through_aliases({seg.index[k]}) <= there)
 
 
 def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
                 blocks: Blocks | None = None) -> BlockChain | None:
     """The step's chain of segments, each kind solved once (`kind_curve`), and the variants'
-    offsets, each read from one simulated plan; None where the step has no repeated block or
-    no such plan runs."""
+    offsets, each read from one simulated plan (the probe); None where the step has no repeated
+    block or no such plan runs."""
     blocks = blocks or find_blocks(graph)
     if blocks is None:
         return None
@@ -316,37 +412,55 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
              for k, kind in enumerate(blocks.kinds)]
     if not all(k.points for k in kinds):
         return None
+    links = _links(blocks)
     # The probe: each segment at the plan keeping least, which recomputes most, so reads in its
-    # backward all that another plan would of what it reads from other segments: what those
-    # hold is counted until their last possible reader (other choices may let it go sooner).
+    # backward all that another plan would of what it reads from other segments (what those hold
+    # is counted until their last possible reader: other choices may let it go sooner), every
+    # link kept.
     least = [min(range(len(k.points)), key=lambda p: k.points[p].keep) for k in kinds]
     probe = [least[seg.kind] for seg in blocks.segments]
-    variants = []
-    for saved in _saved_variants(blocks):
+    chain = BlockChain(blocks, kinds, links, [])
+    tree = _all_kept(probe)
+    for saved in _saved_variants(blocks, links):
         try:
-            timeline = simulate(graph, expand(blocks, kinds, probe, saved))
+            schedule = expand(chain, saved, tree)
+            timeline = simulate(graph, schedule)
         except InvalidScheduleError:
             continue
         own = sum(kinds[seg.kind].points[probe[s]].cost for s, seg in enumerate(blocks.segments))
-        variants.append(Variant(saved, _offsets(blocks, kinds, probe, timeline), max(0.0, timeline.cost - own)))
-    return BlockChain(blocks, kinds, variants) if variants else None
+        offsets, sweep_fixed = _offsets(chain, probe, schedule, timeline)
+        chain.variants.append(Variant(saved, offsets, sweep_fixed, max(0.0, timeline.cost - own)))
+    return chain if chain.variants else None
 
 
-def _saved_variants(blocks: Blocks) -> list[frozenset[int]]:
-    """What the step may SAVE for the segments: all that segments read from one another
-    (`Blocks.forced`); or that less the first segment's values, which are then recomputed where
-    read (before a language model's layers: the embedding, RoPE's tables, the mask, each made
-    again at little cost); or none of it, every value a segment hands the next recomputed from
-    the one before where the backward reads it (what a layer cannot recompute, its attention, is
-    SAVEd by its plan: the rest of each layer is made again, layer after layer, at the lowest
-    peak; rotor's multi-level checkpointing, in its simplest form)."""
-    return list(dict.fromkeys((blocks.forced, blocks.forced - frozenset(blocks.segments[0].members), frozenset())))
+def _all_kept(plans: list[int]) -> Tree:
+    """The decisions running each segment at its plan in ``plans`` in the forward, every link
+    kept (no segment made again)."""
+    last = len(plans) - 1
+    tree: Tree = (last, last, ("all", plans[last]), ())
+    for s in reversed(range(last)):
+        tree = (s, last, ("all", plans[s]), (tree,))
+    return tree
 
 
-def _offsets(blocks: Blocks, kinds: list[KindCurve], probe: list[int], timeline: Timeline):
-    """Per segment, the step's memory at each of its anchors in ``timeline`` (the ``probe``
-    choice's), less the segment's own there and less what the segments before it keep."""
+def _saved_variants(blocks: Blocks, links: Links) -> list[frozenset[int]]:
+    """What the step may SAVE for the segments besides their links: all else they read from one
+    another (`Blocks.forced`); or that less the first segment's values, which are then recomputed
+    where read (before a language model's layers: RoPE's tables, the mask, each made again at
+    little cost); or none of it."""
+    shared = blocks.forced - links.all
+    return list(dict.fromkeys((shared, shared - frozenset(blocks.segments[0].members), frozenset())))
+
+
+def _offsets(chain: BlockChain, probe: list[int], schedule: Schedule, timeline: Timeline):
+    """From the probe's ``timeline``: per segment, the step's memory at each of its anchors less
+    the segment's own there, less what the segments before it keep beyond what cannot be
+    recomputed, and less the links alive then (rotor counts those); and per segment t, the
+    step's memory as the sweeps before t's backward would start (at the end of the backward of
+    the segment after it), less the same."""
+    blocks, kinds = chain.blocks, chain.kinds
     graph = blocks.graph
+    count = len(blocks.segments)
     anchor: dict[str, tuple[int, str, int]] = {}  # (a kind's anchors, through each copy's `Segment.index`)
     for s, seg in enumerate(blocks.segments):
         kind = kinds[seg.kind]
@@ -356,123 +470,163 @@ def _offsets(blocks: Blocks, kinds: list[KindCurve], probe: list[int], timeline:
             anchor[graph.nodes[seg.index[i]].name] = (s, "b", k)
     shapes = [(len(kinds[seg.kind].forward_anchors), len(kinds[seg.kind].backward_anchors)) for seg in blocks.segments]
     read = _read(timeline.events, anchor.get, shapes)
+    alive_f, alive_b, alive_sweep = _links_alive(chain, schedule)
     out, kept = [], 0
     for s, seg in enumerate(blocks.segments):
         p = kinds[seg.kind].points[probe[s]]
-        out.append((read[s][0] - p.forward - kept, read[s][1] - p.backward - kept))
-        kept += p.keep
-    return tuple(out)
+        out.append((read[s][0] - p.forward - kept - alive_f[s], read[s][1] - p.backward - kept - alive_b[s]))
+        kept += max(0, p.keep - kinds[seg.kind].must)
+    # The sweeps before t's backward: at the last backward anchor of a later segment.
+    sweep = np.full(count, np.inf)
+    at = None
+    kept_after = np.cumsum([max(0, kinds[seg.kind].points[probe[s]].keep - kinds[seg.kind].must)
+                            for s, seg in enumerate(blocks.segments)])
+    for phase, name, live in timeline.events:
+        if phase != "backward":
+            continue
+        where = anchor.get(name)
+        if where is not None and where[1] == "b":
+            if at is not None and where[0] < at[0]:
+                for t in range(where[0], at[0]):
+                    sweep[t] = min(sweep[t], at[1] - kept_after[t] - alive_sweep[t])
+            at = (where[0], live)
+    return tuple(out), sweep
 
 
-Choice = tuple[Variant, list[int]]
+def _links_alive(chain: BlockChain, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes of the links a schedule SAVEs that are alive (made, not yet read for the last time)
+    at each segment's forward anchors, at its backward anchors (its own input aside: it is in its
+    own graph), and as the sweeps before its backward start."""
+    blocks, links = chain.blocks, chain.links
+    graph = blocks.graph
+    count = len(blocks.segments)
+    generated = as_generated(graph, schedule)
+    where = {i: s for s, seg in enumerate(blocks.segments) for i in seg.members if graph.nodes[i].kind == "backward"}
+    # Each backward step's segment: a recomputation's is that of the backward node it runs before.
+    segment_at, nxt = [0] * len(generated.backward), 0
+    for e in reversed(range(len(generated.backward))):
+        nxt = where.get(generated.backward[e], nxt)
+        segment_at[e] = nxt
+    last_reader: dict[int, int] = {}  # root -> the segment whose backward reads it last
+    for e, i in enumerate(generated.backward):
+        for j in graph.nodes[i].inputs:
+            last_reader[graph.roots[j]] = segment_at[e]
+    alive_f, alive_b, alive_sweep = np.zeros(count), np.zeros(count), np.zeros(count)
+    saved_roots = {graph.roots[i] for i in generated.saved}
+    for k in range(1, count):
+        roots = {graph.roots[v] for v in links.values[k]} & saved_roots
+        for r in roots:
+            size, reader = graph.nodes[r].bytes, last_reader.get(r)
+            alive_f[k + 1:] += size
+            if reader is not None:
+                alive_b[max(reader, k + 1):] += size
+                alive_sweep[reader:] += size
+    return alive_f, alive_b, alive_sweep
+
+
+Choice = tuple[Variant, Tree]
 
 
 def _cheapest(chain: BlockChain, budget: int) -> Choice | None:
-    """The least-cost choice (a variant, a point per segment) whose predicted peak is within
-    ``budget``, or None: per variant, the (kept so far, cost) pairs no other beats, carried
-    segment by segment."""
-    found = [(cost + variant.extra_cost, k, variant, choice) for k, variant in enumerate(chain.variants)
-             for cost, choice in [_cheapest_in(chain, variant, budget)] if choice is not None]
+    """The least-cost choice (a variant, rotor's decisions) whose predicted peak is within
+    ``budget``, or None."""
+    found = []
+    for k, variant in enumerate(chain.variants):
+        rotor = chain.rotor(variant)
+        tree = cheapest_tree(rotor, budget)
+        if tree is not None:
+            found.append((evaluate(rotor, tree)[1] + variant.extra_cost, k, variant, tree))
     return min(found, key=lambda f: f[:2])[2:] if found else None
 
 
-def _cheapest_in(chain: BlockChain, variant: Variant, budget: int) -> tuple[float, list[int] | None]:
-    kept, spent = np.zeros(1, dtype=np.int64), np.zeros(1)
-    back: list[tuple[np.ndarray, np.ndarray]] = []
-    for s in range(len(chain.blocks.segments)):
-        need, keep, cost = chain.need(variant, s), chain.keep(s), chain.cost(s)
-        fits = kept[:, None] + need[None, :] <= budget  # (state, point)
-        state, point = np.nonzero(fits)
-        if not len(state):
-            return 0.0, None
-        k, c = kept[state] + keep[point], spent[state] + cost[point]
-        order = np.lexsort((c, k))
-        k, c, state, point = k[order], c[order], state[order], point[order]
-        best_before = np.concatenate(([np.inf], np.minimum.accumulate(c)[:-1]))
-        front = c < best_before - 1e-15  # (no state with less kept costs as little)
-        k, c, state, point = k[front], c[front], state[front], point[front]
-        if len(k) > PARETO_CAP:  # (thinned evenly; the least-kept and the cheapest stay)
-            pick = np.unique(np.linspace(0, len(k) - 1, PARETO_CAP).round().astype(int))
-            k, c, state, point = k[pick], c[pick], state[pick], point[pick]
-        kept, spent = k, c
-        back.append((state, point))
-    k = int(np.argmin(spent))
-    total = float(spent[k])
-    choice = []
-    for state, point in reversed(back):
-        choice.append(int(point[k]))
-        k = int(state[k])
-    return total, choice[::-1]
+def _lowest(chain: BlockChain) -> tuple[int, Choice]:
+    """The least budget at which some choice's predicted peak fits, and the cheapest choice
+    there (rotor's lowest-peak decisions where the slots' rounding misses it)."""
+    best = None
+    for k, variant in enumerate(chain.variants):
+        peak, cost, tree = min_peak_tree(chain.rotor(variant))
+        if best is None or (math.ceil(peak), cost + variant.extra_cost, k) < best[:3]:
+            best = (math.ceil(peak), cost + variant.extra_cost, k, variant, tree)
+    budget = best[0]
+    return budget, _cheapest(chain, budget) or best[3:]
 
 
-def _lowest(chain: BlockChain) -> int:
-    """The least budget at which some choice's predicted peak fits (see the module)."""
-    return min(_lowest_in(chain, variant) for variant in chain.variants)
+def predicted_peak(chain: BlockChain, found: Choice) -> int:
+    """The peak the model gives a choice (`block_rotor.evaluate`)."""
+    variant, tree = found
+    return math.ceil(evaluate(chain.rotor(variant), tree)[0])
 
 
-def _lowest_in(chain: BlockChain, variant: Variant) -> int:
-    count = len(chain.blocks.segments)
-    needs, keeps = [chain.need(variant, s) for s in range(count)], [chain.keep(s) for s in range(count)]
-
-    def fits(budget: int) -> bool:
-        kept = 0
-        for need, keep in zip(needs, keeps):
-            ok = need + kept <= budget
-            if not ok.any():
-                return False
-            kept += int(keep[ok].min())
-        return True
-
-    lo, hi, kept = int(max(n.min() for n in needs)), 0, 0
-    for need, keep in zip(needs, keeps):  # every segment at the point keeping least fits here
-        p = int(np.argmin(keep))
-        hi = max(hi, int(np.ceil(kept + need[p])))
-        kept += int(keep[p])
-    hi = max(hi, lo)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def expand(blocks: Blocks, kinds: list[KindCurve], choice: list[int], saved: frozenset[int] | None = None) -> Schedule:
-    """The step's schedule for a point per segment (see the module), SAVEing ``saved`` (by
-    default `Blocks.forced`) besides what the points save; what a segment reads from another
-    that is not SAVEd (nor made fresh, a view) is recomputed just before it is read."""
+def expand(chain: BlockChain, saved: frozenset[int], tree: Tree) -> Schedule:
+    """The step's schedule for rotor's decisions (see the module), SAVEing ``saved`` besides
+    what the plans run in the forward save and the links kept there: in the backward, each sweep
+    makes again what its segments' plans keep and the links it keeps (from the nearest values
+    available), just before the backward of the segment it serves."""
+    blocks, links = chain.blocks, chain.links
     graph = blocks.graph
-    keep, compressed = set(blocks.forced if saved is None else saved), set()
-    queues: list[deque] = []
+    steps = actions(tree)
+    last = len(blocks.segments) - 1
+    first = next(k for k, a in enumerate(steps) if a[0] == "B")
+    everything_linked = links.all
+
+    def kept_by(s: int, plan: int) -> set[int]:
+        seg = blocks.segments[s]
+        return {seg.index[i] for i in chain.points(s)[plan].schedule.saved} - everything_linked
+
+    keep, compressed = set(saved), set()
+    for action in steps[:first]:
+        if action[0] == "all":
+            s, plan, with_link = action[1:]
+            keep |= kept_by(s, plan) | (links.values[s + 1] if with_link else set())
+            seg = blocks.segments[s]
+            compressed |= {seg.index[i] for i in chain.points(s)[plan].schedule.compressed}
+        elif action[0] == "ck":
+            keep |= links.values[action[1] + 1]
+    assert steps[first][:2] == ("B", last)
+    builder = OnDemand(graph, frozenset(keep) & (graph.saveable | graph.free))
     where: dict[int, int] = {}
     for s, seg in enumerate(blocks.segments):
-        local = kinds[seg.kind].points[choice[s]].schedule
-        keep |= {seg.index[i] for i in local.saved}
-        compressed |= {seg.index[i] for i in local.compressed}
-        queues.append(deque(seg.index[i] for i in local.backward))
         where.update((g, s) for g in seg.members if graph.nodes[g].kind == "backward")
-    builder = OnDemand(graph, frozenset(keep) & (graph.saveable | graph.free))
+    queue = deque(steps[first:])
+    current, local = None, deque()
     # (A plan's own recomputations are made as it makes them, even of a value made again just
     # before for what another segment reads: reusing that copy would hold it, and all made with
     # it, from the first backward that needed it to the segment's own: on a 32-layer Llama, a
     # peak of 775 MB where 537 MB do.)
     for b in graph.backward_nodes:
-        queue = queues[where[b]]
-        while queue:
-            i = queue.popleft()
+        s = where[b]
+        if s != current:
+            plan = None
+            while queue and plan is None:
+                action = queue.popleft()
+                if action[0] == "B":
+                    plan = action[2] if action[1] == s else None
+                elif action[0] == "all":
+                    wanted = kept_by(action[1], action[2]) | (links.values[action[1] + 1] if action[3] else set())
+                    builder.recompute(wanted, keep=wanted)
+                elif action[0] == "ck":
+                    builder.recompute(links.values[action[1] + 1], keep=links.values[action[1] + 1])
+                elif not links.read_back[action[1]]:  # (else its backward reads it: kept until then)
+                    builder.forget(links.values[action[1] + 1])
+            if plan is None:
+                raise InvalidScheduleError(f"no backward of segment {s} in the decisions")
+            current, seg = s, blocks.segments[s]
+            local = deque(seg.index[i] for i in chain.points(s)[plan].schedule.backward)
+        while local:
+            i = local.popleft()
             builder.run(i)
             if i == b:
                 break
     return prune(graph, Schedule(builder.saved, builder.backward(), frozenset(compressed) & builder.saved))
 
 
-def _refine(chain: BlockChain, choice: list[int], solve: Solve, most: int) -> tuple[int, int]:
-    """Draw each kind's curve finer around the plans ``choice`` takes (`KindCurve.between`),
+def _refine(chain: BlockChain, tree: Tree, solve: Solve, most: int) -> tuple[int, int]:
+    """Draw each kind's curve finer around the plans ``tree`` runs (`KindCurve.between`),
     solving ``most`` times at most: (points added, solves)."""
     added = solved = 0
+    chosen_plans = plans(tree)
     for k, kind in enumerate(chain.kinds):
-        chosen = {p for s, p in enumerate(choice) if chain.blocks.segments[s].kind == k}
+        chosen = {p for s, p in chosen_plans.items() if chain.blocks.segments[s].kind == k}
         for value in kind.between(chosen)[:most - solved]:
             solved += 1
             added += kind.at(value, solve) is not None
@@ -489,7 +643,7 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
     runs: dict[tuple, Candidate] = {}
 
     def run(found: Choice) -> Timeline | None:
-        key = (chain.variants.index(found[0]), tuple(found[1]))
+        key = (chain.variants.index(found[0]), found[1])
         if key not in runs:
             try:
                 runs[key] = _run(chain, found)
@@ -497,9 +651,7 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
                 return None
         return runs[key][1]
 
-    lowest = _cheapest(chain, _lowest(chain))
-    if lowest is not None:
-        run(lowest)
+    run(_lowest(chain)[1])
     for _ in range(REFINE_ROUNDS):  # (on the predictions: only the choice it ends with is simulated)
         found = _cheapest(chain, budget)
         if found is None or refinements <= 0:
@@ -519,16 +671,17 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
 
 
 def _run(chain: BlockChain, found: Choice) -> Candidate:
-    variant, choice = found
-    schedule = expand(chain.blocks, chain.kinds, choice, variant.saved)
+    variant, tree = found
+    schedule = expand(chain, variant.saved, tree)
     return schedule, simulate(chain.blocks.graph, schedule)
 
 
 def lowest_block_plan(chain: BlockChain | None) -> Candidate | None:
     """The chain's plan of the least predicted peak (the cheapest of those), simulated."""
-    found = None if chain is None else _cheapest(chain, _lowest(chain))
+    if chain is None:
+        return None
     try:
-        return None if found is None else _run(chain, found)
+        return _run(chain, _lowest(chain)[1])
     except InvalidScheduleError:
         return None
 
