@@ -62,7 +62,8 @@ from collections.abc import Callable
 import numpy as np
 
 from fxopt.errors import InfeasibleBudgetError
-from fxopt.solvers.block_rotor import Menu, RotorChain, Tree, actions, cheapest_tree, evaluate, min_peak_tree, plans
+from fxopt.solvers.block_rotor import (Menu, RotorChain, Tree, actions, all_kept, cheapest_tree, evaluate, kept_tree,
+                                      min_peak_tree, plans)
 from fxopt.solvers.blocks import Blocks, find_blocks
 from fxopt.solvers.effort import Deadline, Effort
 from fxopt.solvers.graph import Graph, Node
@@ -71,7 +72,7 @@ from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Ti
                                     on_demand, prune, required_saves, save_all_set, simulate, to_recompute)
 
 # The shares of the way from a kind's plan keeping least to eager's that it is first solved at.
-LEVELS = (0.2, 0.5, 0.8)
+LEVELS = (0.0, 0.2, 0.5, 0.8)
 # Rounds of `block_candidates`' refinement: each solves a kind again halfway from each plan the
 # choice takes to its neighbours on the curve, where they are over REFINE_GAP of its span apart.
 REFINE_ROUNDS = 4
@@ -82,9 +83,6 @@ KIND_SOLVER = "instant"
 # A plan leaving more than this beyond the least any plan of its kind leaves alive after its
 # backward is no plan of the curve (see `KindCurve.add`); less is left to the simulator to count.
 LEFTOVER_SLACK = 4096
-# The most (kept bytes, cost) pairs `_cheapest` carries from a segment to the next; beyond it,
-# evenly thinned.
-PARETO_CAP = 4000
 
 # A solver of a kind's graph: (graph, budget) -> a schedule, or None where nothing fits.
 Solve = Callable[[Graph, int], "Schedule | None"]
@@ -352,6 +350,13 @@ class BlockChain:
         return RotorChain(tuple(self._menu(variant, s) for s in range(len(self.blocks.segments))), variant.sweep_fixed)
 
     def _menu(self, variant: Variant, s: int) -> Menu:
+        # (A kind's points are only ever added to: a menu of its first n points stays right.)
+        key = (id(variant), s, len(self.points(s)))
+        if key not in self._sweeps:
+            self._sweeps[key] = self._new_menu(variant, s)
+        return self._sweeps[key]
+
+    def _new_menu(self, variant: Variant, s: int) -> Menu:
         seg = self.blocks.segments[s]
         kind = self.kinds[seg.kind]
         points, link = kind.points, self.links.bytes[s]
@@ -380,12 +385,21 @@ class BlockChain:
             wanted = set(links.values[s + 1]) if with_link and s + 1 < len(links.values) else set()
             if point is not None:
                 wanted |= {seg.index[i] for i in point.schedule.saved} - links.all
-            there = (graph.resident | graph.forward_outputs | variant.saved | must_save(graph) | links.values[s]
-                     | {i for i, n in enumerate(graph.nodes) if n.tangent})
+            there = self._there(variant) | links.values[s]
             try:
                 self._sweeps[key] = sum(graph.nodes[i].cost for i in to_recompute(graph, wanted, there))
             except InvalidScheduleError:
                 self._sweeps[key] = np.inf
+        return self._sweeps[key]
+
+    def _there(self, variant: Variant) -> frozenset[int]:
+        """What a sweep finds available whatever the decisions (`OnDemand`'s start, and what
+        ``variant`` SAVEs): what it makes again is what it needs beyond these."""
+        key = (id(variant), "there")
+        if key not in self._sweeps:
+            graph = self.blocks.graph
+            self._sweeps[key] = (graph.resident | graph.forward_outputs | variant.saved | must_save(graph)
+                                 | {i for i, n in enumerate(graph.nodes) if n.tangent})
         return self._sweeps[key]
 
     def _resident_inputs(self, variant: Variant, s: int) -> int:
@@ -394,7 +408,7 @@ class BlockChain:
         sweep's fixed part, not again in the segment's own memory."""
         graph, seg = self.blocks.graph, self.blocks.segments[s]
         local = self.kinds[seg.kind].graph
-        there = graph.resident | graph.free | variant.saved | must_save(graph)
+        there = self._there(variant) | graph.free
         return sum(local.nodes[k].bytes for k in range(seg.inputs)
                    if not local.nodes[k].tangent and graph.through_aliases({seg.index[k]}) <= there)
 
@@ -420,7 +434,7 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
     least = [min(range(len(k.points)), key=lambda p: k.points[p].keep) for k in kinds]
     probe = [least[seg.kind] for seg in blocks.segments]
     chain = BlockChain(blocks, kinds, links, [])
-    tree = _all_kept(probe)
+    tree = all_kept(probe)
     for saved in _saved_variants(blocks, links):
         try:
             schedule = expand(chain, saved, tree)
@@ -431,16 +445,6 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
         offsets, sweep_fixed = _offsets(chain, probe, schedule, timeline)
         chain.variants.append(Variant(saved, offsets, sweep_fixed, max(0.0, timeline.cost - own)))
     return chain if chain.variants else None
-
-
-def _all_kept(plans: list[int]) -> Tree:
-    """The decisions running each segment at its plan in ``plans`` in the forward, every link
-    kept (no segment made again)."""
-    last = len(plans) - 1
-    tree: Tree = (last, last, ("all", plans[last]), ())
-    for s in reversed(range(last)):
-        tree = (s, last, ("all", plans[s]), (tree,))
-    return tree
 
 
 def _saved_variants(blocks: Blocks, links: Links) -> list[frozenset[int]]:
@@ -527,28 +531,34 @@ def _links_alive(chain: BlockChain, schedule: Schedule) -> tuple[np.ndarray, np.
 Choice = tuple[Variant, Tree]
 
 
-def _cheapest(chain: BlockChain, budget: int) -> Choice | None:
-    """The least-cost choice (a variant, rotor's decisions) whose predicted peak is within
-    ``budget``, or None."""
+def _choices(chain: BlockChain, budget: int) -> list[tuple[float, int, Variant, Tree]]:
+    """Per variant, the cheapest decisions within ``budget`` that make nothing again (exact in
+    bytes) and rotor's (with sweeps; what the callers hold in slots), with their predicted cost."""
     found = []
     for k, variant in enumerate(chain.variants):
         rotor = chain.rotor(variant)
-        tree = cheapest_tree(rotor, budget)
-        if tree is not None:
-            found.append((evaluate(rotor, tree)[1] + variant.extra_cost, k, variant, tree))
-    return min(found, key=lambda f: f[:2])[2:] if found else None
+        for tree in dict.fromkeys((kept_tree(rotor, budget), cheapest_tree(rotor, budget))):
+            if tree is not None:
+                found.append((evaluate(rotor, tree)[1] + variant.extra_cost, k, variant, tree))
+    return sorted(found, key=lambda f: f[:2])
+
+
+def _cheapest(chain: BlockChain, budget: int) -> Choice | None:
+    """The least-cost choice (a variant, rotor's decisions) whose predicted peak is within
+    ``budget``, or None."""
+    found = _choices(chain, budget)
+    return found[0][2:] if found else None
 
 
 def _lowest(chain: BlockChain) -> tuple[int, Choice]:
-    """The least budget at which some choice's predicted peak fits, and the cheapest choice
-    there (rotor's lowest-peak decisions where the slots' rounding misses it)."""
+    """The least budget at which some choice's predicted peak fits, and the choice (rotor's
+    lowest-peak decisions, the cheapest of them)."""
     best = None
     for k, variant in enumerate(chain.variants):
         peak, cost, tree = min_peak_tree(chain.rotor(variant))
         if best is None or (math.ceil(peak), cost + variant.extra_cost, k) < best[:3]:
             best = (math.ceil(peak), cost + variant.extra_cost, k, variant, tree)
-    budget = best[0]
-    return budget, _cheapest(chain, budget) or best[3:]
+    return best[0], best[3:]
 
 
 def predicted_peak(chain: BlockChain, found: Choice) -> int:
@@ -620,13 +630,13 @@ def expand(chain: BlockChain, saved: frozenset[int], tree: Tree) -> Schedule:
     return prune(graph, Schedule(builder.saved, builder.backward(), frozenset(compressed) & builder.saved))
 
 
-def _refine(chain: BlockChain, tree: Tree, solve: Solve, most: int) -> tuple[int, int]:
-    """Draw each kind's curve finer around the plans ``tree`` runs (`KindCurve.between`),
+def _refine(chain: BlockChain, trees: list[Tree], solve: Solve, most: int) -> tuple[int, int]:
+    """Draw each kind's curve finer around the plans ``trees`` run (`KindCurve.between`),
     solving ``most`` times at most: (points added, solves)."""
     added = solved = 0
-    chosen_plans = plans(tree)
+    chosen_plans = [(s, p) for tree in trees for s, p in plans(tree).items()]
     for k, kind in enumerate(chain.kinds):
-        chosen = {p for s, p in chosen_plans.items() if chain.blocks.segments[s].kind == k}
+        chosen = {p for s, p in chosen_plans if chain.blocks.segments[s].kind == k}
         for value in kind.between(chosen)[:most - solved]:
             solved += 1
             added += kind.at(value, solve) is not None
@@ -652,22 +662,32 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
         return runs[key][1]
 
     run(_lowest(chain)[1])
-    for _ in range(REFINE_ROUNDS):  # (on the predictions: only the choice it ends with is simulated)
-        found = _cheapest(chain, budget)
-        if found is None or refinements <= 0:
+    for _ in range(REFINE_ROUNDS):  # (on the predictions: only the choices it ends with are simulated)
+        found = _leads(chain, budget)
+        if not found or refinements <= 0:
             break
-        added, solved = _refine(chain, found[1], solve, refinements)
+        added, solved = _refine(chain, [tree for _, tree in found], solve, refinements)
         refinements -= solved
         if not added:
             break
     target = budget
     for _ in range(3):
-        found = _cheapest(chain, target)
-        timeline = None if found is None else run(found)
-        if timeline is None or timeline.peak_bytes <= budget:
+        found = _leads(chain, target)
+        timelines = [run(f) for f in found]
+        over = [t.peak_bytes for t in timelines if t is not None and t.peak_bytes > budget]
+        if not found or len(over) < len(found):
             break
-        target -= timeline.peak_bytes - budget
+        target -= min(over) - budget
     return list(runs.values())
+
+
+def _leads(chain: BlockChain, budget: int) -> list[Choice]:
+    """The cheapest choice within ``budget``, and the cheapest making nothing again where that is
+    another (the one a tight budget needs, the other the one whose plans are worth refining
+    where the budget is loose)."""
+    found = _choices(chain, budget)
+    kept = [f for f in found if all(a[0] != "ck" for a in actions(f[3]))]
+    return list(dict.fromkeys(f[2:] for f in found[:1] + kept[:1]))
 
 
 def _run(chain: BlockChain, found: Choice) -> Candidate:

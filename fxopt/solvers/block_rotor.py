@@ -43,10 +43,14 @@ from collections.abc import Iterator
 import numpy as np
 
 # Slots of what the callers hold in `cheapest_tree`, between nothing and the most any segment
-# leaves room for (sizes rounded up to a slot); exact where every size held is a multiple of one
-# unit and at most EXACT_SLOTS of them span that range.
+# leaves room for (sizes rounded to the nearest slot); exact where every size held is a multiple
+# of one unit and at most EXACT_SLOTS of them span that range.
 SLOTS = 2000
 EXACT_SLOTS = 4000
+# How many times `cheapest_tree` asks its DP again, the budget lowered by its answer's excess.
+RETRIES = 2
+# The most (held, cost) pairs `kept_tree` carries from a segment to the next; beyond it, evenly thinned.
+PARETO_CAP = 4000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,29 +79,59 @@ class RotorChain:
 
 # A sub-chain's decision: (s, t, ("all", plan) or ("ck", e), its sub-calls).
 Tree = tuple[int, int, tuple[str, int], tuple]
-Option = tuple[tuple[str, int], float, float, tuple[tuple[int, int, float], ...]]  # choice, need, cost, calls
 
 
-def _options(chain: RotorChain, s: int, t: int) -> Iterator[Option]:
-    """The ways to process s..t from s's link: (choice, bytes it needs beyond the callers',
-    cost, sub-calls (s', t', bytes held for them))."""
+@dataclasses.dataclass(frozen=True)
+class Ways:
+    """The ways to process s..t from s's link, as arrays: ALL(p) for each plan p, then CK(e) for
+    e = s..t-1. For each: the bytes it needs beyond what the callers hold (``need``), its cost,
+    and what it holds for its sub-calls: ALL(p) calls s+1..t holding ``all_held[p]`` (where
+    s < t); CK(e) calls e+1..t holding ``ck_next[e-s]``, then s..e holding ``ck_back[e-s]``."""
+
+    s: int
+    t: int
+    need: np.ndarray
+    cost: np.ndarray
+    all_held: np.ndarray
+    ck_next: np.ndarray
+    ck_back: np.ndarray
+
+    @property
+    def plans(self) -> int:
+        return len(self.all_held)
+
+    def choice(self, o: int) -> tuple[str, int]:
+        return ("all", o) if o < self.plans else ("ck", self.s + o - self.plans)
+
+    def calls(self, o: int) -> tuple[tuple[int, int, float], ...]:
+        s, t = self.s, self.t
+        if o < self.plans:
+            return ((s + 1, t, float(self.all_held[o])),) if s < t else ()
+        e = s + o - self.plans
+        return (e + 1, t, float(self.ck_next[e - s])), (s, e, float(self.ck_back[e - s]))
+
+
+def ways(chain: RotorChain, s: int, t: int) -> Ways:
+    """The ways to process s..t (see the module)."""
     menus, last = chain.menus, len(chain.menus) - 1
     forward = t == last  # (the step's forward: nothing made again)
     m = menus[s]
-    goes_on = s < t
     own = m.forward if forward else chain.sweep_fixed[t] + m.sweep
-    again = 0.0 if forward else (m.again_link if goes_on else m.again)
-    for p in range(len(m.keep)):
-        calls = ((s + 1, t, float(m.keep[p] + menus[s + 1].link)),) if goes_on else ()
-        yield ("all", p), max(float(own[p]), float(m.backward[p])), float(again if forward else again[p]) + float(m.cost[p]), calls
-    need, cost = -math.inf, 0.0
-    for e in range(s, t):
-        me = menus[e]
-        ck = float(me.forward[me.ck] if forward else chain.sweep_fixed[t] + me.sweep[me.ck])
-        need = max(need, ck + (me.link if e > s else 0))  # (a later segment holds its input itself)
-        cost += 0.0 if forward else me.link_cost
-        held = float(menus[e + 1].link)
-        yield ("ck", e), need, cost, ((e + 1, t, held), (s, e, held if me.holds_link else 0.0))
+    again = 0.0 if forward else (m.again_link if s < t else m.again)
+    all_need = np.maximum(own, m.backward).astype(float)
+    all_cost = again + m.cost
+    all_held = (m.keep + menus[s + 1].link).astype(float) if s < t else np.zeros(len(m.keep))
+    # CK(e): s..e run forward (each at the plan keeping least, a later one holding its own input).
+    after = range(s, t)
+    ck_own = np.array([menus[e].forward[menus[e].ck] if forward else chain.sweep_fixed[t] + menus[e].sweep[menus[e].ck]
+                       for e in after], dtype=float)
+    ck_own += np.array([menus[e].link if e > s else 0 for e in after], dtype=float)
+    ck_need = np.maximum.accumulate(ck_own) if len(ck_own) else ck_own
+    ck_cost = np.cumsum([0.0 if forward else menus[e].link_cost for e in after])
+    ck_next = np.array([menus[e + 1].link for e in after], dtype=float)
+    ck_back = np.array([menus[e + 1].link if menus[e].holds_link else 0 for e in after], dtype=float)
+    return Ways(s, t, np.concatenate((all_need, ck_need)), np.concatenate((all_cost, ck_cost)), all_held, ck_next,
+                ck_back)
 
 
 def _sub_chains(count: int) -> Iterator[tuple[int, int]]:
@@ -110,20 +144,39 @@ def min_peak_tree(chain: RotorChain) -> tuple[float, float, Tree]:
     """The decisions with the lowest peak (then the least cost among them): (peak, cost, tree)."""
     best: dict[tuple[int, int], tuple[float, float, Tree]] = {}
     for s, t in _sub_chains(len(chain.menus)):
-        for choice, need, cost, calls in _options(chain, s, t):
-            peak = max([need] + [held + best[(a, b)][0] for a, b, held in calls])
-            total = cost + sum(best[(a, b)][1] for a, b, _ in calls)
-            if (s, t) not in best or (peak, total) < best[(s, t)][:2]:
-                best[(s, t)] = (peak, total, (s, t, choice, tuple(best[(a, b)][2] for a, b, _ in calls)))
+        w = ways(chain, s, t)
+        peak, total = w.need.copy(), w.cost.copy()
+        for o in range(len(peak)):
+            for a, b, held in w.calls(o):
+                peak[o] = max(peak[o], held + best[(a, b)][0])
+                total[o] += best[(a, b)][1]
+        o = min(range(len(peak)), key=lambda o: (peak[o], total[o]))
+        best[(s, t)] = (float(peak[o]), float(total[o]),
+                        (s, t, w.choice(o), tuple(best[(a, b)][2] for a, b, _ in w.calls(o))))
     return best[(0, len(chain.menus) - 1)]
 
 
 def cheapest_tree(chain: RotorChain, budget: float, slots: int = SLOTS) -> Tree | None:
-    """Rotor's DP: the least cost whose peak (the model's) is within ``budget``, what the callers
-    hold counted in slots; None if nothing fits."""
+    """Rotor's DP: the least cost whose peak (the model's, `evaluate`: exact) is within
+    ``budget``; None if none is found. The DP counts what the callers hold in slots, each size
+    rounded to the nearest: where its answer peaks above the budget, it is asked again with the
+    budget lowered by the excess (`RETRIES` times at most)."""
+    all_ways = {(s, t): ways(chain, s, t) for s, t in _sub_chains(len(chain.menus))}
+    target = budget
+    for _ in range(1 + RETRIES):
+        tree = _slotted_tree(chain, all_ways, target, slots)
+        if tree is None:
+            return None
+        peak = evaluate(chain, tree, all_ways)[0]
+        if peak <= budget:
+            return tree
+        target -= peak - budget
+    return None
+
+
+def _slotted_tree(chain: RotorChain, all_ways: dict[tuple[int, int], Ways], budget: float, slots: int) -> Tree | None:
     count = len(chain.menus)
-    options = {(s, t): list(_options(chain, s, t)) for s, t in _sub_chains(count)}
-    floor = min(need for opts in options.values() for _, need, _, _ in opts)
+    floor = min(float(w.need.min()) for w in all_ways.values())
     # The most the callers may hold anywhere: no more than every segment's largest keep and its
     # link (twice: kept for the next and until its own backward) together.
     menus = chain.menus
@@ -131,36 +184,87 @@ def cheapest_tree(chain: RotorChain, budget: float, slots: int = SLOTS) -> Tree 
     room = min(budget - floor, most)
     if room < 0:
         return None
-    unit = _unit(sorted({int(h) for opts in options.values() for _, _, _, calls in opts for _, _, h in calls}),
-                 [m.link for m in menus if m.link > 0], room, slots)
-    top = int(room // unit)  # held slots 0..top
+    held = [w.all_held[w.all_held > 0] for w in all_ways.values()]
+    held += [np.concatenate((w.ck_next, w.ck_back)) for w in all_ways.values()]
+    unit = _unit(sorted({int(x) for h in held for x in h}), [m.link for m in menus if m.link > 0], room, slots)
+    top = int((room + 0.5) // unit)  # held slots 0..top
+    # Each sub-chain's least cost by the slots its callers hold, with as many more slots at
+    # infinity (a call holding k slots reads it from k on); computed only up to the most its
+    # callers can hold (what the segments before keep, and links) and leave it room for.
+    table: dict[tuple[int, int], np.ndarray] = {}
+    arg: dict[tuple[int, int], np.ndarray] = {}
+    before = np.concatenate(([0.0], np.cumsum([float(np.max(m.keep)) for m in menus]))) + sum(m.link for m in menus)
 
-    def size(b: float) -> int:
-        return max(0, math.ceil(b / unit - 1e-9))
+    def size(b) -> np.ndarray:
+        return np.minimum(np.rint(np.asarray(b) / unit).clip(0), top + 1).astype(np.int64)
 
-    h = np.arange(top + 1)
-    table: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-    inf = np.full(top + 2, np.inf)
-    for s, t in _sub_chains(count):
-        rows = []
-        for _, need, cost, calls in options[(s, t)]:
-            total = np.full(top + 1, cost)
-            for a, b, held in calls:
-                k = size(held)
-                sub = table[(a, b)][0]
-                shifted = inf[:top + 1].copy()
-                if k <= top:
-                    shifted[:top + 1 - k] = sub[k:]
-                total = total + shifted
-            fits = budget - need  # the callers may hold this much
-            total[h * unit > fits + 1e-9] = np.inf
-            rows.append(total)
-        stacked = np.vstack(rows)
-        arg = np.argmin(stacked, axis=0)
-        table[(s, t)] = (stacked[arg, h], arg)
-    if not np.isfinite(table[(0, count - 1)][0][0]):
+    for (s, t), w in all_ways.items():
+        reach = int(min(top, (budget - float(w.need.min()) + 0.5) // unit, math.ceil(before[s] / unit) + 2 * count))  # (+: slots rounded up)
+        h = np.arange(max(reach, -1) + 1)
+        rows = np.full((len(w.need), len(h)), np.inf)
+        p = w.plans
+        rows[:p] = w.cost[:p, None]
+        if s < t:
+            rows[:p] += table[(s + 1, t)][size(w.all_held)[:, None] + h[None, :]]
+        for j, (k_next, k_back) in enumerate(zip(size(w.ck_next), size(w.ck_back))):
+            rows[p + j] = w.cost[p + j] + table[(s + j + 1, t)][k_next:k_next + len(h)] \
+                + table[(s, s + j)][k_back:k_back + len(h)]
+        # (Where the callers hold more than leaves room for what an option needs, it does not fit.)
+        rows[h[None, :] * unit > (budget - w.need)[:, None] + 0.5] = np.inf  # (bytes: whole numbers)
+        best = np.argmin(rows, axis=0) if len(h) else np.zeros(0, dtype=np.int64)
+        out = np.full(2 * (top + 1), np.inf)
+        out[:len(h)] = rows[best, h]
+        table[(s, t)], arg[(s, t)] = out, best
+    if not np.isfinite(table[(0, count - 1)][0]):
         return None
-    return _tree_at(options, table, 0, count - 1, 0, size)
+
+    def tree_at(s: int, t: int, slot: int) -> Tree:
+        w, o = all_ways[(s, t)], int(arg[(s, t)][slot])  # (a finite cost's slot is within its reach)
+        return s, t, w.choice(o), tuple(tree_at(a, b, slot + int(size(held))) for a, b, held in w.calls(o))
+
+    return tree_at(0, count - 1, 0)
+
+
+def kept_tree(chain: RotorChain, budget: float, cap: int = PARETO_CAP) -> Tree | None:
+    """The least cost within ``budget`` making nothing again (every segment ALL in the forward:
+    one plan per block, Rockmate's choice without rotor's sweeps), exact in bytes: the (held,
+    cost) pairs no other beats carried from segment to segment (at most ``cap``, evenly thinned,
+    the least held and the cheapest kept); None if nothing fits."""
+    last = len(chain.menus) - 1
+    held, spent = np.zeros(1), np.zeros(1)
+    back: list[tuple[np.ndarray, np.ndarray]] = []
+    for s in range(last + 1):
+        w = ways(chain, s, last)
+        p = w.plans
+        fits = held[:, None] + w.need[None, :p] <= budget  # (state, plan)
+        state, plan = np.nonzero(fits)
+        if not len(state):
+            return None
+        k, c = held[state] + w.all_held[plan], spent[state] + w.cost[plan]
+        order = np.lexsort((c, k))
+        k, c, state, plan = k[order], c[order], state[order], plan[order]
+        front = c < np.concatenate(([np.inf], np.minimum.accumulate(c)[:-1])) - 1e-15  # (none holds less as cheaply)
+        k, c, state, plan = k[front], c[front], state[front], plan[front]
+        if len(k) > cap:
+            pick = np.unique(np.linspace(0, len(k) - 1, cap).round().astype(int))
+            k, c, state, plan = k[pick], c[pick], state[pick], plan[pick]
+        held, spent = k, c
+        back.append((state, plan))
+    k, chosen = int(np.argmin(spent)), []
+    for state, plan in reversed(back):
+        chosen.append(int(plan[k]))
+        k = int(state[k])
+    return all_kept(chosen[::-1])
+
+
+def all_kept(plans: list[int]) -> Tree:
+    """The decisions running each segment at its plan in ``plans`` in the forward, every link
+    kept (no segment made again)."""
+    last = len(plans) - 1
+    tree: Tree = (last, last, ("all", plans[last]), ())
+    for s in reversed(range(last)):
+        tree = (s, last, ("all", plans[s]), (tree,))
+    return tree
 
 
 def _unit(sizes: list[int], links: list[int], room: float, slots: int) -> float:
@@ -176,20 +280,14 @@ def _unit(sizes: list[int], links: list[int], room: float, slots: int) -> float:
     return max(room / slots, 1.0)
 
 
-def _tree_at(options, table, s: int, t: int, held: int, size) -> Tree:
-    choice, _, _, calls = options[(s, t)][int(table[(s, t)][1][held])]
-    return s, t, choice, tuple(_tree_at(options, table, a, b, held + size(h), size) for a, b, h in calls)
-
-
-def evaluate(chain: RotorChain, tree: Tree) -> tuple[float, float]:
-    """The peak (bytes) and cost the model gives a tree."""
+def evaluate(chain: RotorChain, tree: Tree, known: dict[tuple[int, int], Ways] | None = None) -> tuple[float, float]:
+    """The peak (bytes) and cost the model gives a tree (``known``: ways already made)."""
     s, t, choice, subs = tree
-    for c, need, cost, calls in _options(chain, s, t):
-        if c == choice:
-            values = [evaluate(chain, sub) for sub in subs]
-            return (max([need] + [held + v[0] for (_, _, held), v in zip(calls, values)]),
-                    cost + sum(v[1] for v in values))
-    raise AssertionError(f"no option {choice} for segments {s}..{t}")
+    w = known[(s, t)] if known is not None else ways(chain, s, t)
+    o = next(o for o in range(len(w.need)) if w.choice(o) == choice)
+    values = [evaluate(chain, sub, known) for sub in subs]
+    return (max([float(w.need[o])] + [held + v[0] for (_, _, held), v in zip(w.calls(o), values)]),
+            float(w.cost[o]) + sum(v[1] for v in values))
 
 
 def actions(tree: Tree, out: list | None = None) -> list:
