@@ -480,21 +480,31 @@ def _offsets(chain: BlockChain, probe: list[int], schedule: Schedule, timeline: 
         p = kinds[seg.kind].points[probe[s]]
         out.append((read[s][0] - p.forward - kept - alive_f[s], read[s][1] - p.backward - kept - alive_b[s]))
         kept += max(0, p.keep - kinds[seg.kind].must)
-    # The sweeps before t's backward: at the last backward anchor of a later segment.
+    # The sweeps before t's backward: as a later segment's backward ends, the memory just after
+    # its last node (the next step's, less what that step makes).
     sweep = np.full(count, np.inf)
-    at = None
     kept_after = np.cumsum([max(0, kinds[seg.kind].points[probe[s]].keep - kinds[seg.kind].must)
                             for s, seg in enumerate(blocks.segments)])
-    for phase, name, live in timeline.events:
-        if phase != "backward":
-            continue
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    events = [e for e in timeline.events if e[0] == "backward"]
+    last = None  # (the segment whose backward ran last)
+    for k, (_, name, live) in enumerate(events):
         where = anchor.get(name)
-        if where is not None and where[1] == "b":
-            if at is not None and where[0] < at[0]:
-                for t in range(where[0], at[0]):
-                    sweep[t] = min(sweep[t], at[1] - kept_after[t] - alive_sweep[t])
-            at = (where[0], live)
+        if where is None or where[1] != "b":
+            continue
+        if last is not None and where[0] < last[0]:
+            for t in range(where[0], last[0]):
+                sweep[t] = min(sweep[t], last[1] - kept_after[t] - alive_sweep[t])
+        after = events[k + 1] if k + 1 < len(events) else None
+        last = (where[0], live if after is None else after[2] - _made(graph, index[after[1]]))
     return tuple(out), sweep
+
+
+def _made(graph: Graph, i: int) -> int:
+    """The bytes node i's step adds while it runs: its own storage (a view has none) and its
+    workspace."""
+    node = graph.nodes[i]
+    return (node.bytes if graph.roots[i] == i else 0) + node.workspace
 
 
 def _links_alive(chain: BlockChain, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
