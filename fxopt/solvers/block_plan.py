@@ -316,6 +316,7 @@ class Variant:
     each segment (the probe: see `block_chain`)."""
 
     saved: frozenset[int]
+    links: Links  # (the first segment's link to the next is none where its values are made again where read)
     offsets: tuple[tuple[np.ndarray, np.ndarray], ...]  # per segment: at its forward and backward anchors
     sweep_fixed: np.ndarray  # per segment t: the step's memory as the sweeps before t's backward start
     extra_cost: float  # the recomputation outside the segments' plans (of what is not SAVEd)
@@ -328,7 +329,6 @@ class BlockChain:
 
     blocks: Blocks
     kinds: list[KindCurve]
-    links: Links
     variants: list[Variant]
     _sweeps: dict = dataclasses.field(default_factory=dict)  # (`_again`'s answers)
 
@@ -342,7 +342,7 @@ class BlockChain:
             other = copy.copy(kind)
             other.points, other.asked = list(kind.points), set(kind.asked)
             kinds.append(other)
-        return BlockChain(self.blocks, kinds, self.links, self.variants, dict(self._sweeps))
+        return BlockChain(self.blocks, kinds, self.variants, dict(self._sweeps))
 
     def rotor(self, variant: Variant) -> RotorChain:
         """The chain as rotor's dynamic program sees it with ``variant`` (`fxopt.solvers.block_rotor`):
@@ -359,7 +359,7 @@ class BlockChain:
     def _new_menu(self, variant: Variant, s: int) -> Menu:
         seg = self.blocks.segments[s]
         kind = self.kinds[seg.kind]
-        points, link = kind.points, self.links.bytes[s]
+        points, link = kind.points, variant.links.bytes[s]
         off_f, off_b = variant.offsets[s]
         resident = self._resident_inputs(variant, s)
         keep = np.array([max(0, p.keep - kind.must) for p in points], dtype=np.int64)
@@ -372,7 +372,7 @@ class BlockChain:
             again=np.array([self._again(variant, s, p, False) for p in points]),
             again_link=np.array([self._again(variant, s, p, True) for p in points]),
             ck=int(np.argmin(keep)), link_cost=self._again(variant, s, None, True), link=link,
-            holds_link=self.links.read_back[s])
+            holds_link=variant.links.read_back[s])
 
     def _again(self, variant: Variant, s: int, point: Point | None, with_link: bool) -> float:
         """The cost of making segment s again in a sweep, from its link and what the step holds
@@ -381,7 +381,7 @@ class BlockChain:
         tables) made again with it. Infinite where that needs what cannot be made again."""
         key = (id(variant), s, None if point is None else id(point.schedule), with_link)
         if key not in self._sweeps:
-            graph, links, seg = self.blocks.graph, self.links, self.blocks.segments[s]
+            graph, links, seg = self.blocks.graph, variant.links, self.blocks.segments[s]
             wanted = set(links.values[s + 1]) if with_link and s + 1 < len(links.values) else set()
             if point is not None:
                 wanted |= {seg.index[i] for i in point.schedule.saved} - links.all
@@ -433,30 +433,39 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
     # link kept.
     least = [min(range(len(k.points)), key=lambda p: k.points[p].keep) for k in kinds]
     probe = [least[seg.kind] for seg in blocks.segments]
-    chain = BlockChain(blocks, kinds, links, [])
+    chain = BlockChain(blocks, kinds, [])
     tree = all_kept(probe)
-    for saved in _saved_variants(blocks, links):
+    for saved, handed in _saved_variants(blocks, links):
         try:
-            schedule = expand(chain, saved, tree)
+            schedule = expand(chain, tree, saved, handed)
             timeline = simulate(graph, schedule)
         except InvalidScheduleError:
             continue
         own = sum(kinds[seg.kind].points[probe[s]].cost for s, seg in enumerate(blocks.segments))
-        offsets, sweep_fixed = _offsets(chain, probe, schedule, timeline)
-        chain.variants.append(Variant(saved, offsets, sweep_fixed, max(0.0, timeline.cost - own)))
+        offsets, sweep_fixed = _offsets(chain, handed, probe, schedule, timeline)
+        chain.variants.append(Variant(saved, handed, offsets, sweep_fixed, max(0.0, timeline.cost - own)))
     return chain if chain.variants else None
 
 
-def _saved_variants(blocks: Blocks, links: Links) -> list[frozenset[int]]:
-    """What the step may SAVE for the segments besides their links: all else they read from one
-    another (`Blocks.forced`); or that less the first segment's values, which are then recomputed
-    where read (before a language model's layers: RoPE's tables, the mask, each made again at
-    little cost); or none of it."""
+def _saved_variants(blocks: Blocks, links: Links) -> list[tuple[frozenset[int], Links]]:
+    """What the step may SAVE for the segments besides their links, and their links: all else
+    they read from one another (`Blocks.forced`); or that less the first segment's values, its
+    link to the next too, which are then recomputed where read (before a language model's
+    layers: the embedding, RoPE's tables, the mask, each made again at little cost, from what is
+    always there). Not SAVEing a value a later segment made (one read
+    by two segments after it, where the blocks were cut at articulation values) would have it
+    made again from the segments before, at a time the chain's model does not follow; rotor's
+    decisions (`fxopt.solvers.block_rotor`) make the links again instead, where it pays."""
     shared = blocks.forced - links.all
-    return list(dict.fromkeys((shared, shared - frozenset(blocks.segments[0].members), frozenset())))
+    out = [(shared, links)]
+    if len(links.values) > 1 and (links.values[1] or shared - frozenset(blocks.segments[0].members) != shared):
+        out.append((shared - frozenset(blocks.segments[0].members),
+                    Links((frozenset(), frozenset(), *links.values[2:]), (0, 0, *links.bytes[2:]),
+                          (False, *links.read_back[1:]))))
+    return out
 
 
-def _offsets(chain: BlockChain, probe: list[int], schedule: Schedule, timeline: Timeline):
+def _offsets(chain: BlockChain, links: Links, probe: list[int], schedule: Schedule, timeline: Timeline):
     """From the probe's ``timeline``: per segment, the step's memory at each of its anchors less
     the segment's own there, less what the segments before it keep beyond what cannot be
     recomputed, and less the links alive then (rotor counts those); and per segment t, the
@@ -474,7 +483,7 @@ def _offsets(chain: BlockChain, probe: list[int], schedule: Schedule, timeline: 
             anchor[graph.nodes[seg.index[i]].name] = (s, "b", k)
     shapes = [(len(kinds[seg.kind].forward_anchors), len(kinds[seg.kind].backward_anchors)) for seg in blocks.segments]
     read = _read(timeline.events, anchor.get, shapes)
-    alive_f, alive_b, alive_sweep = _links_alive(chain, schedule)
+    alive_f, alive_b, alive_sweep = _links_alive(chain.blocks, links, schedule)
     out, kept = [], 0
     for s, seg in enumerate(blocks.segments):
         p = kinds[seg.kind].points[probe[s]]
@@ -507,11 +516,10 @@ def _made(graph: Graph, i: int) -> int:
     return (node.bytes if graph.roots[i] == i else 0) + node.workspace
 
 
-def _links_alive(chain: BlockChain, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _links_alive(blocks: Blocks, links: Links, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Bytes of the links a schedule SAVEs that are alive (made, not yet read for the last time)
     at each segment's forward anchors, at its backward anchors (its own input aside: it is in its
     own graph), and as the sweeps before its backward start."""
-    blocks, links = chain.blocks, chain.links
     graph = blocks.graph
     count = len(blocks.segments)
     generated = as_generated(graph, schedule)
@@ -577,12 +585,12 @@ def predicted_peak(chain: BlockChain, found: Choice) -> int:
     return math.ceil(evaluate(chain.rotor(variant), tree)[0])
 
 
-def expand(chain: BlockChain, saved: frozenset[int], tree: Tree) -> Schedule:
+def expand(chain: BlockChain, tree: Tree, saved: frozenset[int], links: Links) -> Schedule:
     """The step's schedule for rotor's decisions (see the module), SAVEing ``saved`` besides
     what the plans run in the forward save and the links kept there: in the backward, each sweep
     makes again what its segments' plans keep and the links it keeps (from the nearest values
     available), just before the backward of the segment it serves."""
-    blocks, links = chain.blocks, chain.links
+    blocks = chain.blocks
     graph = blocks.graph
     steps = actions(tree)
     last = len(blocks.segments) - 1
@@ -702,7 +710,7 @@ def _leads(chain: BlockChain, budget: int) -> list[Choice]:
 
 def _run(chain: BlockChain, found: Choice) -> Candidate:
     variant, tree = found
-    schedule = expand(chain, variant.saved, tree)
+    schedule = expand(chain, tree, variant.saved, variant.links)
     return schedule, simulate(chain.blocks.graph, schedule)
 
 
