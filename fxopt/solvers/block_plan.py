@@ -330,7 +330,7 @@ class BlockChain:
     blocks: Blocks
     kinds: list[KindCurve]
     variants: list[Variant]
-    _sweeps: dict = dataclasses.field(default_factory=dict)  # (`_again`'s answers)
+    _memo: dict = dataclasses.field(default_factory=dict)  # (menus, sweeps, the lowest: by what they were made from)
 
     def points(self, s: int) -> list[Point]:
         return self.kinds[self.blocks.segments[s].kind].points
@@ -342,7 +342,7 @@ class BlockChain:
             other = copy.copy(kind)
             other.points, other.asked = list(kind.points), set(kind.asked)
             kinds.append(other)
-        return BlockChain(self.blocks, kinds, self.variants, dict(self._sweeps))
+        return BlockChain(self.blocks, kinds, self.variants, dict(self._memo))
 
     def rotor(self, variant: Variant) -> RotorChain:
         """The chain as rotor's dynamic program sees it with ``variant`` (`fxopt.solvers.block_rotor`):
@@ -352,9 +352,9 @@ class BlockChain:
     def _menu(self, variant: Variant, s: int) -> Menu:
         # (A kind's points are only ever added to: a menu of its first n points stays right.)
         key = (id(variant), s, len(self.points(s)))
-        if key not in self._sweeps:
-            self._sweeps[key] = self._new_menu(variant, s)
-        return self._sweeps[key]
+        if key not in self._memo:
+            self._memo[key] = self._new_menu(variant, s)
+        return self._memo[key]
 
     def _new_menu(self, variant: Variant, s: int) -> Menu:
         seg = self.blocks.segments[s]
@@ -380,27 +380,27 @@ class BlockChain:
         ``with_link``; what it reads of another segment that the variant does not SAVE (RoPE's
         tables) made again with it. Infinite where that needs what cannot be made again."""
         key = (id(variant), s, None if point is None else id(point.schedule), with_link)
-        if key not in self._sweeps:
+        if key not in self._memo:
             graph, links, seg = self.blocks.graph, variant.links, self.blocks.segments[s]
             wanted = set(links.values[s + 1]) if with_link and s + 1 < len(links.values) else set()
             if point is not None:
                 wanted |= {seg.index[i] for i in point.schedule.saved} - links.all
             there = self._there(variant) | links.values[s]
             try:
-                self._sweeps[key] = sum(graph.nodes[i].cost for i in to_recompute(graph, wanted, there))
+                self._memo[key] = sum(graph.nodes[i].cost for i in to_recompute(graph, wanted, there))
             except InvalidScheduleError:
-                self._sweeps[key] = np.inf
-        return self._sweeps[key]
+                self._memo[key] = np.inf
+        return self._memo[key]
 
     def _there(self, variant: Variant) -> frozenset[int]:
         """What a sweep finds available whatever the decisions (`OnDemand`'s start, and what
         ``variant`` SAVEs): what it makes again is what it needs beyond these."""
         key = (id(variant), "there")
-        if key not in self._sweeps:
+        if key not in self._memo:
             graph = self.blocks.graph
-            self._sweeps[key] = (graph.resident | graph.forward_outputs | variant.saved | must_save(graph)
+            self._memo[key] = (graph.resident | graph.forward_outputs | variant.saved | must_save(graph)
                                  | {i for i, n in enumerate(graph.nodes) if n.tangent})
-        return self._sweeps[key]
+        return self._memo[key]
 
     def _resident_inputs(self, variant: Variant, s: int) -> int:
         """Bytes of segment s's inputs that the step holds anyway while it is made again in the
@@ -449,20 +449,21 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
 
 def _saved_variants(blocks: Blocks, links: Links) -> list[tuple[frozenset[int], Links]]:
     """What the step may SAVE for the segments besides their links, and their links: all else
-    they read from one another (`Blocks.forced`); or that less the first segment's values, its
-    link to the next too, which are then recomputed where read (before a language model's
-    layers: the embedding, RoPE's tables, the mask, each made again at little cost, from what is
-    always there). Not SAVEing a value a later segment made (one read
+    they read from one another (`Blocks.forced`); or that less the first segment's values, which
+    are then recomputed where read (before a language model's layers: RoPE's tables, the mask,
+    each made again at little cost, from what is always there); or that and the first
+    segment's link to the next too (the embedding). Not SAVEing a value a later segment made (one read
     by two segments after it, where the blocks were cut at articulation values) would have it
     made again from the segments before, at a time the chain's model does not follow; rotor's
     decisions (`fxopt.solvers.block_rotor`) make the links again instead, where it pays."""
     shared = blocks.forced - links.all
-    out = [(shared, links)]
-    if len(links.values) > 1 and (links.values[1] or shared - frozenset(blocks.segments[0].members) != shared):
-        out.append((shared - frozenset(blocks.segments[0].members),
-                    Links((frozenset(), frozenset(), *links.values[2:]), (0, 0, *links.bytes[2:]),
-                          (False, *links.read_back[1:]))))
-    return out
+    fresh = shared - frozenset(blocks.segments[0].members)
+    out = {(shared, links.values): (shared, links), (fresh, links.values): (fresh, links)}
+    if len(links.values) > 1 and links.values[1]:
+        unlinked = Links((frozenset(), frozenset(), *links.values[2:]), (0, 0, *links.bytes[2:]),
+                         (False, *links.read_back[1:]))
+        out[(fresh, unlinked.values)] = (fresh, unlinked)
+    return list(out.values())
 
 
 def _offsets(chain: BlockChain, links: Links, probe: list[int], schedule: Schedule, timeline: Timeline):
@@ -549,11 +550,15 @@ def _links_alive(blocks: Blocks, links: Links, schedule: Schedule) -> tuple[np.n
 Choice = tuple[Variant, Tree]
 
 
-def _choices(chain: BlockChain, budget: int) -> list[tuple[float, int, Variant, Tree]]:
-    """Per variant, the cheapest decisions within ``budget`` that make nothing again (exact in
-    bytes) and rotor's (with sweeps; what the callers hold in slots), with their predicted cost."""
+def _choices(chain: BlockChain, budget: int, variants: list[Variant] | None = None
+             ) -> list[tuple[float, int, Variant, Tree]]:
+    """Per variant (of ``variants``, by default all), the cheapest decisions within ``budget``
+    that make nothing again (exact in bytes) and rotor's (with sweeps; what the callers hold in
+    slots), with their predicted cost."""
     found = []
     for k, variant in enumerate(chain.variants):
+        if variants is not None and variant not in variants:
+            continue
         rotor = chain.rotor(variant)
         for tree in dict.fromkeys((kept_tree(rotor, budget), cheapest_tree(rotor, budget))):
             if tree is not None:
@@ -571,6 +576,13 @@ def _cheapest(chain: BlockChain, budget: int) -> Choice | None:
 def _lowest(chain: BlockChain) -> tuple[int, Choice]:
     """The least budget at which some choice's predicted peak fits, and the choice (rotor's
     lowest-peak decisions, the cheapest of them)."""
+    key = ("lowest", *(len(kind.points) for kind in chain.kinds))
+    if key not in chain._memo:
+        chain._memo[key] = _new_lowest(chain)
+    return chain._memo[key]
+
+
+def _new_lowest(chain: BlockChain) -> tuple[int, Choice]:
     best = None
     for k, variant in enumerate(chain.variants):
         peak, cost, tree = min_peak_tree(chain.rotor(variant))
@@ -662,10 +674,11 @@ def _refine(chain: BlockChain, trees: list[Tree], solve: Solve, most: int) -> tu
 
 
 def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refinements: int) -> list[Candidate]:
-    """For `fxopt.solvers.solve`: the chain's lowest-peak plan and its cheapest within
-    ``budget``, simulated. The curves are refined around the cheapest (`_refine`: `REFINE_ROUNDS`
-    rounds and ``refinements`` solves at most); where the choice is over the budget when
-    simulated, it is made again with the budget lowered by the excess, twice at most."""
+    """For `fxopt.solvers.solve`: the chain's cheapest plans within ``budget`` (`_leads`),
+    simulated, or where none fits its lowest-peak plan. The curves are refined around the
+    cheapest (`_refine`: `REFINE_ROUNDS` rounds and ``refinements`` solves at most); where the
+    choices are over the budget when simulated, they are made again with the budget lowered by
+    the excess, twice at most."""
     if chain is None:
         return []
     runs: dict[tuple, Candidate] = {}
@@ -679,11 +692,12 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
                 return None
         return runs[key][1]
 
-    run(_lowest(chain)[1])
+    variants = None  # (the rounds after the first: the variants it chose)
     for _ in range(REFINE_ROUNDS):  # (on the predictions: only the choices it ends with are simulated)
-        found = _leads(chain, budget)
+        found = _leads(chain, budget, variants)
         if not found or refinements <= 0:
             break
+        variants = [variant for variant, _ in found]
         added, solved = _refine(chain, [tree for _, tree in found], solve, refinements)
         refinements -= solved
         if not added:
@@ -696,14 +710,16 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
         if not found or len(over) < len(found):
             break
         target -= min(over) - budget
+    if not any(t.peak_bytes <= budget for _, t in runs.values()):
+        run(_lowest(chain)[1])  # (for the phases that complete a plan over the budget)
     return list(runs.values())
 
 
-def _leads(chain: BlockChain, budget: int) -> list[Choice]:
+def _leads(chain: BlockChain, budget: int, variants: list[Variant] | None = None) -> list[Choice]:
     """The cheapest choice within ``budget``, and the cheapest making nothing again where that is
     another (the one a tight budget needs, the other the one whose plans are worth refining
-    where the budget is loose)."""
-    found = _choices(chain, budget)
+    where the budget is loose); of ``variants`` (by default all)."""
+    found = _choices(chain, budget, variants)
     kept = [f for f in found if all(a[0] != "ck" for a in actions(f[3]))]
     return list(dict.fromkeys(f[2:] for f in found[:1] + kept[:1]))
 

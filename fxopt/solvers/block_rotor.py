@@ -45,8 +45,8 @@ import numpy as np
 # Slots of what the callers hold in `cheapest_tree`, between nothing and the most any segment
 # leaves room for (sizes rounded to the nearest slot); exact where every size held is a multiple
 # of one unit and at most EXACT_SLOTS of them span that range.
-SLOTS = 2000
-EXACT_SLOTS = 4000
+SLOTS = 1000
+EXACT_SLOTS = 2000
 # How many times `cheapest_tree` asks its DP again, the budget lowered by its answer's excess.
 RETRIES = 2
 # The most (held, cost) pairs `kept_tree` carries from a segment to the next; beyond it, evenly thinned.
