@@ -1,21 +1,24 @@
 """Plans for a step made of repeated blocks: each kind of segment solved once for a curve of
-plans, one plan chosen per segment by dynamic programming over the chain, and the step's schedule
-made from those choices and simulated.
+plans, the segments' decisions chosen by rotor's dynamic program over the chain (which plan each
+runs, and which are made again from an earlier one's input in the backward), and the step's
+schedule made from those decisions and simulated.
 
 The step is a chain of segments (`fxopt.solvers.blocks`): the forward runs them in order, the
-backward in reverse. While segment s runs, forward or backward, the step holds
+backward in reverse; each reads what the one before hands it (its *link*: a layer's input). While
+segment s runs, forward or backward, the step holds
 
-    what segments before s keep     their SAVEd values, held from the end of their forward
-                                    to their backward: the sum of keep(p_j), j < s
-  + what s holds in its own graph   as its plan p_s runs (`Point`: its memory per step)
+    what the callers hold           the links kept so far, and the values the plans of the
+                                    segments before s keep until their backward
+  + what s holds in its own graph   as its plan p runs (`Point`: its memory per step)
   + the rest                        parameters, the gradients made so far, what segments read
                                     from one another: the same whatever the plans (the offsets)
 
-so a choice of plans (p_s) peaks at  max_s ( sum_{j<s} keep(p_j) + need_s(p_s) ), need_s(p) being
-the most of "p's own memory + offset_s" over s's steps, and costs the sum of their costs. That is
-Rockmate's hierarchical approach (Zhao et al., 2023) over rotor's chain (Beaumont et al., 2019;
-`fxopt.solvers.chain`): a plan per block from a curve solved once, the blocks chained by
-dynamic programming.
+Rockmate's hierarchical approach (Zhao et al., 2023) over rotor's chain (Beaumont et al., 2019):
+each block's plans from a curve solved once, the blocks chained by dynamic programming
+(`fxopt.solvers.block_rotor`, where a segment runs one of its kind's plans, or is run forward
+keeping only its link to the next and made again, from an earlier link, just before its own
+backward: at a tight budget the layers' values are made again after the head's peak instead of
+kept through it).
 
   - A kind's curve (`KindCurve`): plans of its own graph from `fxopt.solvers.solve` (the instant
     program and the heuristics: counted effort, as everywhere), each asked to keep at most so
@@ -24,29 +27,31 @@ dynamic programming.
     the last segment's kind, which keeps nothing for another, is asked for its own peak instead.
     Also eager's plan, the plan keeping nothing, and the kind's lowest-peak plan. Each is
     simulated in the kind's graph: its keep (`Timeline.saved_bytes`), cost, memory per step.
-  - What the segments hand one another (`Variant`): all SAVEd; or the first segment's values
-    (a language model's embedding, RoPE tables, mask) recomputed where read; or none, each
-    segment's input recomputed from the one before where read (the lowest peaks: each layer made
-    again, layer after layer, around what it cannot recompute, its attention, which its plan
-    SAVEs). Each variant's offsets come from one plan of the whole step (each segment at its
-    kind's plan keeping least, which reads most of what others hand it) simulated: at each step
-    of a segment, the step's memory less the segment's own and less what the segments before
-    keep. Steps are matched by node: a forward value, or the backward node a recomputation runs
-    before (`_read`); its cost beyond the segments' own is the variant's.
-  - The choice (`_cheapest`): the cheapest choice predicted within the budget, the (kept so far,
-    cost) pairs no other beats carried from segment to segment; the lowest peak (`_lowest`):
-    the least budget at which choosing, segment by segment, the plan keeping least among those
-    that fit gets through (keeping less never hurts a later segment).
-  - Refinement (`block_candidates`): each kind solved again halfway from the plans the cheapest
-    choice takes to their neighbours on its curve, and the choice made again: the curve drawn
-    finely where the budget needs it, `Effort.block_refinements` solves at most.
-  - The schedule (`expand`): SAVE what each chosen plan saves and what the variant SAVEs; the
-    backward runs each plan's backward (its recomputations in it), in the step's backward order,
-    recomputing just before it what a segment reads from another and is not SAVEd.
+  - The links (`Links`): what each segment hands the next and no later one reads.
+  - What the step SAVEs besides (`Variant`): all else segments read from one another; or that
+    less the first segment's values (RoPE tables, a mask: made again where read); or that and
+    the first segment's link (the embedding) too. Each variant's offsets come from one plan of
+    the whole step (each segment at its kind's plan keeping least, which reads most of what
+    others hand it, every link kept) simulated: at each step of a segment, the step's memory less
+    the segment's own, less what the segments before keep and the links alive then. Steps are
+    matched by node: a forward value, or the backward node a recomputation runs before (`_read`);
+    its cost beyond the segments' own is the variant's. The same plan gives the memory where
+    the backward would make segments again (just after the next segment's backward).
+  - The choice (`_choices`): per variant, rotor's cheapest decisions predicted within the budget
+    (`block_rotor.cheapest_tree`) and the cheapest making nothing again (`kept_tree`: one plan
+    per segment, exact in bytes); the lowest peak (`_lowest`: `min_peak_tree`).
+  - Refinement (`block_candidates`): each kind solved again halfway from the plans the choices
+    run to their neighbours on its curve, and the choice made again: the curve drawn finely where
+    the budget needs it, `Effort.block_refinements` solves at most.
+  - The schedule (`expand`): SAVE what the plans run in the forward save, the links kept there
+    and what the variant SAVEs; the backward runs each plan's backward (its recomputations in
+    it), in the step's backward order, each preceded by what rotor's decisions make again for it
+    (from the nearest values there), and recomputes what a segment reads from another and is
+    not SAVEd just before it is read.
 
 Nothing is trusted without the simulator: the prediction is exact for the plan the offsets were
-read from, above it where another plan lets go sooner of what segments share, and a choice whose
-simulated peak is over the budget anyway is made again with the budget lowered by the excess.
+read from, above it where another lets go sooner of what segments share, and choices whose
+simulated peaks are over the budget anyway are made again with the budget lowered by the excess.
 """
 
 from __future__ import annotations
@@ -506,13 +511,16 @@ def _offsets(chain: BlockChain, links: Links, probe: list[int], schedule: Schedu
             for t in range(where[0], last[0]):
                 sweep[t] = min(sweep[t], last[1] - kept_after[t] - alive_sweep[t])
         after = events[k + 1] if k + 1 < len(events) else None
-        last = (where[0], live if after is None else after[2] - _made(graph, index[after[1]]))
+        last = (where[0], live if after is None else after[2] - _made(graph, index.get(after[1])))
     return tuple(out), sweep
 
 
-def _made(graph: Graph, i: int) -> int:
+def _made(graph: Graph, i: int | None) -> int:
     """The bytes node i's step adds while it runs: its own storage (a view has none) and its
-    workspace."""
+    workspace; none counted for a reload or a decompression (``i`` None: the memory then is
+    counted whole, which is above the memory before it)."""
+    if i is None:
+        return 0
     node = graph.nodes[i]
     return (node.bytes if graph.roots[i] == i else 0) + node.workspace
 

@@ -22,16 +22,22 @@ plan p keeps, and the link when the sub-chain goes on) or ``link_cost`` (CK: its
 
 Memory, at any moment: what the callers hold (links and plans' keeps, the DP's state) + the
 segment's need then, which the menu gives beyond what the callers hold (its own input aside:
-its caller holds it); a CK run's later segments hold their input themselves (``link``). Two
-answers, as in `fxopt.solvers.chain`: the lowest peak (`min_peak_tree`, exact in bytes), and the
-least cost within a budget (`cheapest_tree`, what the callers hold in slots, every size rounded
-up: the model's peak of its answer is within the budget).
+its caller holds it); a CK run's later segments hold their input themselves (``link``). The
+ways of a sub-chain (`ways`: arrays, one definition for every DP and `evaluate`) give three
+answers: the lowest peak (`min_peak_tree`, exact in bytes, the least cost among equals at each
+sub-chain); the least cost within a budget (`cheapest_tree`: what the callers hold counted in
+slots, each size rounded to the nearest, its answer checked exactly and asked again below the
+budget where it is over); and the least cost making nothing again (`kept_tree`: every segment
+ALL in the forward, a Pareto front of (held, cost) exact in bytes: where the budget is loose,
+what a slot's rounding could miss).
 
-For example, a forward keeping only the first layer's input, then one sweep recomputing every
-layer keeping what each plan p keeps, on 3 layers after an embedding (segment 0) and before a
-head (4): CK(0) at 0..4 keeps the link 0 -> 1; 1..4 runs CK(3) forward (free), 4 runs ALL(p);
-then, before 3's backward, 1..3 runs ALL(p1) -> 2..3 ALL(p2) -> 3..3 ALL(p3): each layer made
-again once (``again``), its plan's backward run after.
+For example (`tests/test_block_rotor.py` works it by hand), 3 layers after an embedding
+(segment 0) and before a head (4) whose peak is the step's: keeping each layer's plan's values
+through the head costs nothing and peaks highest; CK(1), CK(2), CK(3) keep only the links 1 -> 2,
+2 -> 3 and 3 -> 4 (the embedding is made again for nothing), and before each layer's backward
+s..s runs ALL(p), its values made again from its link (``again``); CK(3) alone keeps only the
+head's input, and 0..3 is then made again in one sweep before 3's backward, 0..3 ALL -> 1..3
+ALL -> 2..3 ALL -> 3..3 ALL, each keeping its plan's values and its link to the next.
 """
 
 from __future__ import annotations
