@@ -574,13 +574,6 @@ def _choices(chain: BlockChain, budget: int, variants: list[Variant] | None = No
     return sorted(found, key=lambda f: f[:2])
 
 
-def _cheapest(chain: BlockChain, budget: int) -> Choice | None:
-    """The least-cost choice (a variant, rotor's decisions) whose predicted peak is within
-    ``budget``, or None."""
-    found = _choices(chain, budget)
-    return found[0][2:] if found else None
-
-
 def _lowest(chain: BlockChain) -> tuple[int, Choice]:
     """The least budget at which some choice's predicted peak fits, and the choice (rotor's
     lowest-peak decisions, the cheapest of them)."""

@@ -57,7 +57,7 @@ class Effort:
     instant_rounds: int = 6  # rounds of the instant program (`fxopt.solvers.instant`)
     greedy_steps: int = 64  # values `greedy` drops one at a time before it bisects the rest
     save_more_tries: int = 60  # schedules `save_more` simulates
-    block_refinements: int = 12  # solves of a repeated block's graph beyond its first curve (`block_plan`)
+    block_refinements: int = 24  # solves of a repeated block's graph beyond its first curve (`block_plan`)
 
     def scaled(self, factor: float) -> Effort:
         """Every count times ``factor`` (at least 1 each)."""
