@@ -96,13 +96,16 @@ def sources(when: str) -> Phase:
 def run_blocks(search: Search) -> None:
     """The step as a chain of repeated blocks (`fxopt.solvers.block_plan`): each kind solved
     once, a plan chosen per copy, simulated; below the lowest of those, at the smallest budget,
-    the step's lowest-peak plan. Where a plan fits, or none can (proven), the phases of the
-    whole graph are not run (`by_blocks`); the bound then comes from `run_block_bound`."""
+    the step's lowest-peak plan. Where a block plan fits, or none can (proven), the phases of
+    the whole graph are not run (`by_blocks`); the bound then comes from `run_block_bound`.
+    Where only the lowest-peak plan of another source fits (the smallest budget is below the
+    blocks' lowest), they run, from it: that plan is the lowest, not a cheap one."""
     chain = search.chain()
     search.progress(f"repeated blocks: {len(chain.blocks.segments)} segments of {len(chain.blocks.kinds)} kinds")
     for schedule, timeline in block_candidates(chain, search.budget, search.kind_solvers()[0],
                                                search.effort.block_refinements):
         search.consider(schedule, timeline, "blocks", "heuristic", keep_over=True)
+    by_blocks = search.proven_infeasible or bool(search.fitting)
     if not search.fitting and not search.proven_infeasible:
         # Below the blocks' lowest plan: at the smallest budget fxopt names (an error's, or
         # budget="min"), the step's lowest-peak plan; at any other budget, the whole graph's phases.
@@ -111,7 +114,7 @@ def run_blocks(search: Search) -> None:
         if lowest.peak == search.budget:
             search.consider(lowest.schedule, simulate(search.graph, lowest.schedule), lowest.name, "heuristic")
     # (Where no plan can fit, proven, the search for the smallest budget uses the blocks too.)
-    search.by_blocks = search.proven_infeasible or bool(search.fitting)
+    search.by_blocks = by_blocks
 
 
 def run_block_bound(search: Search) -> None:
