@@ -304,11 +304,11 @@ class Run:
 
     def execute(self) -> None:
         saved = saved_settings()
-        caches, cache_dir = torch._inductor.config.force_disable_caches, os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        caches, cache_dir = torch.compiler.config.force_disable_caches, os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         torch.set_num_threads(1)
         os.environ["FXOPT_CACHE"] = "0"
         # Every compile made in this run: no cached graph, and the compiled kernels in a folder of its own.
-        torch._inductor.config.force_disable_caches = True
+        torch.compiler.config.force_disable_caches = True
         kernels = tempfile.TemporaryDirectory(prefix="step_time_inductor_")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = kernels.name
         try:
@@ -323,7 +323,7 @@ class Run:
                 torch._dynamo.reset()
                 write_results(self.args.out, self.result, markdown(self.result))
         finally:
-            torch._inductor.config.force_disable_caches = caches
+            torch.compiler.config.force_disable_caches = caches
             if cache_dir is None:
                 os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
             else:

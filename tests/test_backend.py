@@ -489,6 +489,9 @@ def test_a_random_op_that_draws_nothing_does_not_keep_inductors_own_step_out():
 
 
 @pytest.mark.slow
+# (a cached compile decides nothing; the config's own patch, since pytest 9's monkeypatch deletes a
+# torch config entry on undo, which hides it for the rest of the process)
+@torch.compiler.config.patch(force_disable_caches=True)
 def test_inductors_heuristics_are_each_compiles_own(monkeypatch):
     """Inductor makes its heuristics (which kernels fuse) once per thread, at the first compile,
     from the settings then, and keeps them: a process that had compiled a plain torch.compile first
@@ -497,7 +500,6 @@ def test_inductors_heuristics_are_each_compiles_own(monkeypatch):
     compiles after fxopt's ran under fxopt's guard. Each compile now gets its own."""
     from fxopt.capture import inductor
 
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # (a cached compile decides nothing)
     guarded = []
     original = inductor._KeepSchedule.can_fuse_horizontal
     monkeypatch.setattr(inductor._KeepSchedule, "can_fuse_horizontal",
