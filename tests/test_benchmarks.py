@@ -312,3 +312,46 @@ def test_budget_holds_says_which_rows_the_safety_stop_cut(monkeypatch):
     report = budget_holds.report({"meta": {**run.result["meta"], "commit": "x"}, "rows": [uncut, cut]})
     assert report.count("(cut by the time limit)") == 1
     assert "1 rows cut by the safety stop (time_limit 60 s): hf-gpt2 optimize 1.0" in report
+
+
+class _Kink(torch.nn.Module):
+    """``relu(x * w + b) * v``, summed, with ``w`` = 1/3 and ``b`` = -1 at x = 3: the ReLU's input
+    is 0 in float32 (3 times float32's 1/3 rounds to 1) and 2.98e-8 in float64 (that product is
+    exact there), so one float32 rounding step at the input (one ulp) moves it across the kink."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((4,), 1 / 3))
+        self.b = torch.nn.Parameter(torch.full((4,), -1.0))
+        self.v = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return (torch.relu(x * self.w + self.b) * self.v).sum()
+
+
+@pytest.mark.parametrize("change, verdict", [("rounding", "rounding (yes in float64)"),
+                                             ("loss", "**NO** (in float64 too)")])
+def test_budget_holds_tells_rounding_from_a_wrong_gradient(monkeypatch, change, verdict):
+    """A row whose float32 gradients differ from eager's is run again in float64: a difference
+    from rounding (the step's input one ulp off, a ReLU input within rounding of 0 flipping its
+    mask: the bench ResNet through Inductor, 0.0066 on its stem's weight, equal in float64) reads
+    "rounding"; one in the step's math (the loss scaled by 1.001) reads NO. Before, both read NO."""
+    from benchmarks import budget_holds
+
+    monkeypatch.setitem(MODELS, "kink", lambda size: (_Kink(), (torch.tensor([3.0, 5.0, 7.0, 9.0]),)))
+    routed = budget_holds.build_route
+
+    def changed_route(route, model, budget, batch, time_limit):
+        fn, plans_of = routed(route, model, budget, batch, time_limit)
+        if change == "rounding":
+            return (lambda x: fn(torch.nextafter(x, torch.tensor(float("inf"), dtype=x.dtype)))), plans_of
+        return (lambda x: fn(x) * 1.001), plans_of
+
+    monkeypatch.setattr(budget_holds, "build_route", changed_route)
+    row = budget_holds.model_row("kink", "optimize", 1.0, "test", time_limit=10)
+    assert row["grads_equal"] is False  # float32: b's gradient 0 in eager, 1 in the step
+    assert row["grads_equal_float64"] is (change == "rounding")
+    assert budget_holds._grads(row) == verdict
+    report = budget_holds.report({"meta": harness.run_meta("x", size="test", load_beside=False), "rows": [row]})
+    wrong, rounding = (0, 1) if change == "rounding" else (1, 0)
+    assert f"{wrong} rows' gradients differ from eager's ({rounding} more differ in float32 only" in report
