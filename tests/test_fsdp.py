@@ -133,29 +133,42 @@ def test_shards_gather_and_regather_is_offered(one_process_group):
 
 
 def test_each_gather_and_reduce_scatter_is_waited_for_until_gloo_lets_go(one_process_group):
-    """The rewritten forward and backward follow each gloo all-gather's and reduce-scatter's wait
-    with ``fxopt::released`` before anything reads it (`fxopt.passes.waits.wait_for_release`), so
-    that gloo's worker thread, which holds the collective's output until it drops the work, has let
-    go by then (issue 26: a re-gathered parameter outlived its last read and a rank measured over
-    its plan). Not after a DDP all-reduce's wait, which is the backward's last."""
+    """The rewritten forward and backward follow each gloo all-gather's wait with
+    ``fxopt::released`` before anything reads it, and run each reduce-scatter and its wait as
+    ``fxopt::reduce_scatter`` (`fxopt.passes.waits.wait_for_release`), so that gloo's worker thread,
+    which holds the collective's buffers until it drops the work, has let go by then (issue 26: a
+    re-gathered parameter, or gloo's copy of a gradient, outlived where the plan freed it and a
+    rank measured over its plan). The gradients are the functional reduce-scatter's."""
+    import copy
+
     import torch
 
+    import fxopt
     from fxopt.distributed import fsdp
     from fxopt.plan_ahead import plan_and_rewrite
 
     torch.manual_seed(0)
-    model = fsdp.fully_shard(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1)))
-    ready = plan_and_rewrite(model, 1.0, (torch.randn(3, 6),))
-    for module, collectives in ((ready.forward, ("all_gather_into_tensor",)),
-                                (ready.backward, ("all_gather_into_tensor", "reduce_scatter_tensor"))):
+    base = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+    x = torch.randn(3, 6)
+    ref = copy.deepcopy(base)
+    ref(x).sum().backward()
+    model = fsdp.fully_shard(base)
+    ready = plan_and_rewrite(model, 1.0, (x,))
+    kind = lambda n: getattr(n.target, "_opname", n.op)  # noqa: E731
+    for module in (ready.forward, ready.backward):
         nodes = list(module.graph.nodes)
         # (The backward waits again for a SAVEd gather, a no-op on a placeholder: not a collective's wait.)
-        waits = [n for n in nodes if getattr(n.target, "_opname", "") == "wait_tensor" and n.args[0].op != "placeholder"]
-        assert waits and {w.args[0].target._opname for w in waits} <= set(collectives), module.code
+        waits = [n for n in nodes if kind(n) == "wait_tensor" and n.args[0].op != "placeholder"]
+        assert {kind(w.args[0]) for w in waits} == {"all_gather_into_tensor"} or module is ready.backward, module.code
         for wait in waits:
             after = nodes[nodes.index(wait) + 1]
             assert after.target is torch.ops.fxopt.released.default and after.args == (wait,), module.code
-    assert any(w.args[0].target._opname == "reduce_scatter_tensor" for w in waits)
+    kinds = [kind(n) for n in ready.backward.graph.nodes]
+    assert "reduce_scatter_tensor" not in kinds and kinds.count("reduce_scatter") == 4, kinds
+    optimized = fxopt.optimize(model, 1.0)
+    optimized(x).sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(fsdp.full_tensor(model, name, p.grad), q.grad)
 
 
 def test_released_waits_until_the_storage_is_the_steps_alone():

@@ -1199,6 +1199,56 @@ def test_save_more_saves_what_fits_and_costs_less():
     assert schedule.saved > nothing.saved
 
 
+def _gelu_chain(n: int = 3, act: int = 16):
+    """An n-layer MLP whose activation reads its input in the backward (as GELU does):
+    ``h_k = g_{k-1} @ w_k`` (costly), ``g_k = act(h_k)`` (cheap); the backward of ``g_k`` reads
+    ``h_k``, the weight gradient ``g_{k-1}``."""
+    from solver_graphs import GraphBuilder
+
+    b = GraphBuilder()
+    b.input("x", 8)
+    for k in range(1, n + 1):
+        b.input(f"w{k}", 4)
+    b.input("tan", 1, tangent=True)
+    prev = "x"
+    for k in range(1, n + 1):
+        b.fwd(f"h{k}", [prev, f"w{k}"], act, cost=10.0)
+        b.fwd(f"g{k}", [f"h{k}"], act, cost=1.0)
+        prev = f"g{k}"
+    b.fwd("loss", [prev], 1, cost=1.0, output=True)
+    b.bwd(f"d_g{n}", ["tan"], act)
+    for k in range(n, 0, -1):
+        b.bwd(f"d_h{k}", [f"d_g{k}", f"h{k}"], act)
+        below = "x" if k == 1 else f"g{k - 1}"
+        b.bwd(f"d_w{k}", [below, f"d_h{k}"], 4, output=True)
+        if k > 1:
+            b.bwd(f"d_g{k - 1}", [f"d_h{k}", f"w{k}"], act)
+    return b.build()
+
+
+def test_exchange_saves_the_costly_value_in_the_room_of_a_cheap_one():
+    """A plan that SAVEs the cheap activations and recomputes the matrix products, at its own
+    peak: `save_more` can add only what does not raise the peak (the last product), but
+    `exchange` SAVEs each product in the place of the activation it makes (recomputed from it in
+    the backward), within the same peak, at a tenth of the cost."""
+    from fxopt.solvers.heuristics import exchange, save_more
+    from fxopt.solvers.schedule import on_demand
+    from solver_graphs import ids
+
+    graph = _gelu_chain()
+    start = on_demand(graph, ids(graph, "g1", "g2"))
+    budget = simulate(graph, start).peak_bytes
+    more, more_timeline = save_more(graph, start, budget)
+    assert save_more(graph, more, budget) is None and more_timeline.recompute_cost == 20.0
+    done = exchange(graph, start, budget)
+    assert done is not None
+    schedule, timeline = done
+    assert timeline == simulate(graph, schedule) and timeline.peak_bytes <= budget
+    assert set(ids(graph, "h1", "h2", "h3")) <= schedule.saved and not set(ids(graph, "g1", "g2")) & schedule.saved
+    assert timeline.recompute_cost == 2.0
+    assert exchange(graph, schedule, budget) is None  # nothing left to exchange
+
+
 # ------------------------------------------------------------------ every named minimum plans
 @PROPERTY_SETTINGS
 @given(data=st.data())

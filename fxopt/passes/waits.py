@@ -14,13 +14,14 @@ outputs (or by the sum of a tied parameter's uses), so their waits can go that l
 The memory is the same: ``wait_tensor`` returns the tensor it waits on, which the all-reduce made
 when it was issued and which lives to the end as a gradient; the simulator counts it from the
 all-reduce on (`fxopt.analysis.scratch`). Only the all-reduces' waits move: a reduce-scatter's
-gloo copy is freed late by the waits that follow it (`fxopt.solvers.graph.Node.lingers`), which
-the simulator models at the traced positions.
+gloo copy is held by the simulator until the waits that follow it (`fxopt.solvers.graph.Node.lingers`),
+at the traced positions.
 
-On gloo, each all-gather's and reduce-scatter's wait is followed by ``fxopt::released``
-(`wait_for_release`): the step goes on once gloo's worker thread has let go of the collective's
-work, so that a gathered parameter is freed at its last read, as the plan counts it, not later at
-a moment the OS scheduler decides (see `fxopt.ops.collectives`).
+On gloo, each all-gather's wait is followed by ``fxopt::released``, and each reduce-scatter with
+its wait becomes ``fxopt::reduce_scatter`` (`wait_for_release`): the step goes on once gloo's
+worker thread has let go of the collective's work, so that a gathered parameter, or gloo's copy of
+a gradient it reduces in, is freed where the plan counts it, not later at a moment the OS scheduler
+decides (see `fxopt.ops.collectives`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ import torch.fx as fx
 
 from fxopt.analysis.costs import GATHERS, REDUCES, WAITS, group_backend
 
-# The collectives whose outputs gloo's worker thread may hold past their wait (`wait_for_release`).
-RELEASED = GATHERS + ("reduce_scatter_tensor",)
 
 
 def _is_all_reduce_wait(node: fx.Node) -> bool:
@@ -69,16 +68,24 @@ def _collective_waited(node: fx.Node) -> fx.Node | None:
 
 
 def wait_for_release(graph: fx.Graph) -> fx.Graph:
-    """``graph`` with ``fxopt::released`` right after the wait of each all-gather and
-    reduce-scatter on a gloo group (or a group this process cannot name, as the analysis assumes
-    gloo there), in place: each collective's output is then the step's alone before anything
-    reads it."""
-    import fxopt.ops.collectives  # noqa: F401 - registers torch.ops.fxopt.released
+    """``graph`` with ``fxopt::released`` right after the wait of each all-gather on a gloo group
+    (or a group this process cannot name, as the analysis assumes gloo there), and each such
+    reduce-scatter and its wait replaced by ``fxopt::reduce_scatter`` where the reduce-scatter was
+    issued, in place: each collective's buffers are then freed where the plan frees them."""
+    import fxopt.ops.collectives  # noqa: F401 - registers torch.ops.fxopt.*
 
     for wait in list(graph.nodes):
         source = _collective_waited(wait)
-        if source is None or source.target._opname not in RELEASED or group_backend(source) not in ("gloo", None):
+        if source is None or group_backend(source) not in ("gloo", None):
             continue
-        with graph.inserting_after(wait):
-            graph.call_function(torch.ops.fxopt.released.default, (wait,))
+        if source.target._opname in GATHERS:
+            with graph.inserting_after(wait):
+                graph.call_function(torch.ops.fxopt.released.default, (wait,))
+        elif source.target._opname == "reduce_scatter_tensor" and len(source.users) == 1:
+            with graph.inserting_before(source):
+                both = graph.call_function(torch.ops.fxopt.reduce_scatter.default, source.args)
+            both.meta.update(wait.meta)
+            wait.replace_all_uses_with(both)
+            graph.erase_node(wait)
+            graph.erase_node(source)
     return graph

@@ -62,6 +62,7 @@ class Effort:
     instant_rounds: int = 6  # rounds of the instant program (`fxopt.solvers.instant`)
     greedy_steps: int = 64  # values `greedy` drops one at a time before it bisects the rest
     save_more_tries: int = 60  # schedules `save_more` simulates
+    exchange_tries: int = 100  # schedules `exchange` simulates
     block_refinements: int = 24  # solves of a repeated block's graph beyond its first curve (`block_plan`)
 
     def scaled(self, factor: float) -> Effort:

@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 from fxopt.solvers.block_plan import block_candidates
 from fxopt.solvers.chain import chain_candidates
-from fxopt.solvers.heuristics import checkpoint, compress_to_fit, greedy, offload_to_fit, save_all, save_more, segments
+from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, exchange, greedy, offload_to_fit, save_all, save_more,
+                                      segments)
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import bound_where_tight, instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
@@ -182,6 +183,18 @@ def run_save_more(search: Search) -> None:
         search.consider(*done, f"{best.solver}+save", "heuristic")
 
 
+def run_exchange(search: Search) -> None:
+    """The cheapest plan so far with costly recomputations exchanged for cheap ones where that fits
+    (`exchange`)."""
+    best = search.cheapest()
+    if best is None:
+        return
+    search.progress("exchanging recomputations")
+    done = exchange(search.graph, best.schedule, search.budget, tries=search.effort.exchange_tries)
+    if done is not None:
+        search.consider(*done, f"{best.solver}+exchange", "heuristic")
+
+
 def run_ilp(search: Search) -> None:
     """The ILP: its LP relaxation (a bound, and plans rounded from it), then the exact solve,
     warm-started from the best plan so far, unless a plan is already proven optimal."""
@@ -293,6 +306,7 @@ def strategies() -> dict[str, tuple[Phase, ...]]:
     whole = (_INSTANT, sources("unsettled"), *_COMPLETE,
              # (Past the time limit, what only improves a plan that fits is skipped.)
              Phase("save more", run_save_more, lambda s: not s.settled() and not s.deadline.check("save more")),
+             Phase("exchange", run_exchange, lambda s: not s.settled() and not s.deadline.check("exchange")),
              Phase("ilp", run_ilp, lambda s: not s.settled() and not (s.fitting and s.deadline.check("ILP"))),
              *_LAST)
     out = {
