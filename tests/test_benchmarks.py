@@ -355,3 +355,26 @@ def test_budget_holds_tells_rounding_from_a_wrong_gradient(monkeypatch, change, 
     report = budget_holds.report({"meta": harness.run_meta("x", size="test", load_beside=False), "rows": [row]})
     wrong, rounding = (0, 1) if change == "rounding" else (1, 0)
     assert f"{wrong} rows' gradients differ from eager's ({rounding} more differ in float32 only" in report
+
+
+def test_planning_time_counts_the_nodes_traced_stamped_and_whole(monkeypatch):
+    """`benchmarks.planning_time` counts the nodes of every joint graph traced for one answer: a
+    run stamped traces its 3- and 4-block captures (fewer nodes than the whole step's), one
+    captured whole traces the step once; the two answers are the same (`same_answer`)."""
+    from benchmarks import planning_time
+    import fxopt.capture.repeat as repeat
+    from fxopt.models import gpt2
+
+    monkeypatch.setenv("FXOPT_CACHE", "0")
+    monkeypatch.setattr(repeat, "STAMP_FROM", 6)
+    torch.manual_seed(0)
+    model, inputs = gpt2(layers=6, dim=32, heads=2, seq=16, batch=2, vocab=64)[:2]
+    stamped, stamped_plan = planning_time.one_answer(model, inputs, "min", time_limit=5)
+    torch._dynamo.reset()
+    whole, whole_plan = planning_time.one_answer(model, inputs, "min", time_limit=5, stamp=False)
+    assert whole["traced_graphs"] == 1 and whole["stamp_s"] == 0
+    assert abs(whole["traced_nodes"] - whole["nodes"]) < 0.01 * whole["nodes"]  # (the planner's passes)
+    assert stamped["traced_graphs"] == 2 and stamped["stamp_s"] > 0
+    # 3 blocks and 4, each with the step around them: more nodes than 6 blocks, fewer than 12
+    assert whole["traced_nodes"] < stamped["traced_nodes"] < 2 * whole["traced_nodes"]
+    assert planning_time.same_answer(stamped, whole, (stamped_plan, whole_plan))
