@@ -368,7 +368,7 @@ def fit(rows: list[dict], which: str, field: str) -> dict | None:
     return {"row": which, "field": field, "per_layer_s": slope, "at_zero_s": my - slope * mx, "exponent": exponent}
 
 
-def write_depth(rows: list[dict], out: Path, meta: dict) -> None:
+def write_depth(rows: list[dict], out: Path, meta: dict, name: str = "planning_time_depth") -> None:
     s = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
     e = lambda v: "–" if v is None else f"{v:.3e}"  # noqa: E731
     answers = [r for r in rows if r["row"] in ("50%", "min")]
@@ -450,7 +450,6 @@ def write_depth(rows: list[dict], out: Path, meta: dict) -> None:
             ratio = "–" if r["cost_ratio"] is None else f"{r['cost_ratio']:.4f}"
             lines.append(f"| {r['layers']} | {r['row'].removeprefix('solver graph at ')} | {mib(r['budget'])} | "
                          f"{cells[0]} | {cells[1]} | {ratio} |")
-    name = "planning_time_depth_stamp" if captured else "planning_time_depth"  # (not over the rows without)
     write_results(out / name, {"meta": meta, "rows": rows, "fits": fits}, "\n".join(lines))
 
 
@@ -477,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         for layers in sorted(depths(args.depth)):
             log(f"== llama-{layers}")
             rows += run_depth(layers, args.time_limit, layers in whole, layers in measure, layers in whole_capture)
-            write_depth(rows, Path(args.out), meta)
+            write_depth(rows, Path(args.out), meta, "planning_time_depth_stamp" if whole_capture else "planning_time_depth")
         return 0
     rows: list[dict] = []
     only = set(args.only.split(",")) if args.only else None
