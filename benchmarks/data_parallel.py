@@ -1,10 +1,13 @@
 """fxopt under data parallelism against what those users do today: DDP and FSDP2 with per-block
 ``torch.utils.checkpoint``.
 
-    python -m benchmarks.data_parallel                       # 2 gloo processes on CPU
+    python -m benchmarks.data_parallel                       # 2 gloo processes on CPU, Llama
+    python -m benchmarks.data_parallel --model gpt2 --settings fsdp --world 4   # GPT-2, 4 processes
     python -m benchmarks.data_parallel --device cuda --backend nccl --world 1   # the GPU row
 
-Model: a `transformers` Llama causal LM from a config (random weights, loss from ``labels=``),
+Model (``--model``): a `transformers` causal LM from a config (random weights, dropout off, loss
+from ``labels=``): Llama (the default), GPT-2 (its embedding tied to the output layer) or GPT-NeoX
+(Pythia's: attention and MLP in parallel off one residual, partial rotary embeddings; in no test),
 each rank training on its share of one batch. For each setting (``DDP(model)``; ``fully_shard``
 per decoder layer and at the root) the rows are: eager; per-block checkpointing (each decoder
 layer's forward under ``torch.utils.checkpoint``, non-reentrant, as `benchmarks.harness`
@@ -19,8 +22,11 @@ with `fxopt.distributed.fully_shard` instead, each at checkpointing's peak and a
 Per row and rank: the measured peak (`fxopt.measure_peak` of the third step, with DDP's buckets
 counted on CPU; on CUDA ``max_memory_allocated``), the FLOPs of one step counted by
 `fxopt.measure.count_flops` (extra: above eager's), the median step time of ``--timed-steps``
-steps, and the loss and every gradient against eager's on the same rank. The table reports the
-largest peak and step time over the ranks. Writes ``<out>.json`` and ``<out>.md``.
+steps, and the loss (its mean over the ranks) and every gradient (whole) against single-process
+eager on the whole batch, on every rank: the gradient of the whole batch's mean loss (DDP and FSDP2
+average the ranks' gradients; under `fxopt.distributed.fully_shard`, which sums them, each rank's
+loss is divided by the world size). The table reports the largest peak and step time over the
+ranks. Writes ``<out>.json`` and ``<out>.md``.
 """
 
 from __future__ import annotations
@@ -55,8 +61,15 @@ SIZES = {  # layers, hidden, heads, ffn, seq, batch per rank, vocab
     "quick": dict(layers=2, hidden=64, heads=2, ffn=256, seq=64, batch=2, vocab=512),
 }
 SETTINGS = ("ddp", "fsdp")
+MODELS = ("llama", "gpt2", "gpt-neox")
+CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt-neox": "GPTNeoXForCausalLM"}
 FSDP2_ONE_GRAPH = "fxopt on FSDP2 (one graph)"  # fxopt.optimize(FSDP2's model): fxopt.distributed.fsdp2
 FULLY_SHARD = "fxopt fully_shard (one graph)"  # fxopt.distributed.fully_shard, then fxopt.optimize
+FORMS = {"fsdp2": FSDP2_ONE_GRAPH, "fully_shard": FULLY_SHARD}
+# A row planned with communication priced at NCCL's rate (`fxopt.analysis.costs.COMM_BYTES_PER_SECOND`),
+# the plan a GPU would get, run on this backend: its FLOPs and peak are counted and measured as any
+# row's; its step time is of this backend's communication, not NCCL's.
+NCCL_PRICED = " (comm priced as NCCL)"
 
 
 class Loss(nn.Module):
@@ -73,20 +86,60 @@ class Loss(nn.Module):
         return loss / self.scale if self.scale != 1 else loss
 
 
-def build(size: str, world: int, rank: int, device: torch.device):
-    """The model (same weights on every rank) and this rank's share of the batch."""
+def _config(name: str, c: dict):
     import transformers
 
+    if name == "llama":
+        return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            num_hidden_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
+            num_key_value_heads=max(1, c["heads"] // 2), intermediate_size=c["ffn"], vocab_size=c["vocab"],
+            max_position_embeddings=c["seq"], use_cache=False)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel, transformers.GPT2Config(
+            n_layer=c["layers"], n_embd=c["hidden"], n_head=c["heads"], n_inner=c["ffn"], n_positions=c["seq"],
+            vocab_size=c["vocab"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+            bos_token_id=0, eos_token_id=0)
+    return transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
+        num_hidden_layers=c["layers"], hidden_size=c["hidden"], num_attention_heads=c["heads"],
+        intermediate_size=c["ffn"], vocab_size=c["vocab"], max_position_embeddings=c["seq"],
+        hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of ``model`` (a `Loss`), which FSDP2 shards one by one and per-block
+    checkpointing wraps."""
+    hf = model.hf
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers"):
+        try:
+            return list(hf.get_submodule(path))
+        except AttributeError:
+            continue
+    raise ValueError(f"no decoder blocks found in {type(hf).__name__}")
+
+
+def whole_batch(size: str, world: int) -> torch.Tensor:
+    c = SIZES[size]
+    return torch.randint(0, c["vocab"], (world * c["batch"], c["seq"]), generator=torch.Generator().manual_seed(1))
+
+
+def build(size: str, world: int, rank: int, device: torch.device, name: str = "llama"):
+    """The model (same weights on every rank) and this rank's share of the batch."""
     c = SIZES[size]
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=c["layers"], hidden_size=c["hidden"],
-                                   num_attention_heads=c["heads"], num_key_value_heads=max(1, c["heads"] // 2),
-                                   intermediate_size=c["ffn"], vocab_size=c["vocab"],
-                                   max_position_embeddings=c["seq"], use_cache=False)
-    model = Loss(transformers.LlamaForCausalLM(cfg)).train().to(device)
-    ids = torch.randint(0, c["vocab"], (world * c["batch"], c["seq"]), generator=torch.Generator().manual_seed(1))
-    share = ids[rank * c["batch"]:(rank + 1) * c["batch"]].to(device)
+    cls, cfg = _config(name, c)
+    model = Loss(cls(cfg)).train().to(device)
+    share = whole_batch(size, world)[rank * c["batch"]:(rank + 1) * c["batch"]].to(device)
     return model, (share, share.clone())
+
+
+def single_process(args, world: int, device: torch.device) -> dict[str, Any]:
+    """Single-process eager on the whole batch (every rank's share): its loss (the mean over the
+    batch's tokens) and every gradient."""
+    model, _ = build(args.size, world, 0, device, args.model)
+    ids = whole_batch(args.size, world).to(device)
+    loss = _step(model, (ids, ids.clone()))
+    return {"loss": float(loss), "grads": {n: p.grad.detach().to("cpu", copy=True)
+                                           for n, p in model.named_parameters() if p.grad is not None}}
 
 
 def _wrap(setting: str, model: nn.Module, device: torch.device, one_graph: bool = False) -> nn.Module:
@@ -102,7 +155,7 @@ def _wrap(setting: str, model: nn.Module, device: torch.device, one_graph: bool 
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.hf.model.layers:
+    for layer in blocks_of(model):
         fully_shard(layer)
     fully_shard(model)
     return model
@@ -135,7 +188,7 @@ def measure(fn, model: nn.Module, wrapped: nn.Module, inputs, timed_steps: int, 
         _step(fn, inputs)
     model.zero_grad(set_to_none=True)
     peak = fxopt.measure_peak(_step, fn, inputs, resident=[fn, wrapped, model])
-    row = {"peak_bytes": peak.peak_bytes, "loss": float(peak.result) * getattr(model, "scale", 1),
+    row = {"peak_bytes": peak.peak_bytes, "loss": _mean_over_ranks(float(peak.result) * getattr(model, "scale", 1), device),
            "grads": _grads(model)}
     model.zero_grad(set_to_none=True)
     row["flops"] = count_flops(_step, fn, inputs)
@@ -158,9 +211,11 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
     """Every row of one setting on this rank (the fxopt rows' budgets agreed over the ranks)."""
     rows: list[dict[str, Any]] = []
 
+    single = single_process(args, world, device)
+
     def attempt(method: str, budget: int | str | None = None) -> dict[str, Any]:
-        model, inputs = build(args.size, world, rank, device)
-        blocks = list(model.hf.model.layers)
+        model, inputs = build(args.size, world, rank, device, args.model)
+        blocks = blocks_of(model)
         wrapped = _wrap(setting, model, device, one_graph=method.startswith(FULLY_SHARD))
         row: dict[str, Any] = {"setting": setting, "method": method, "budget_bytes": budget}
         t0 = time.perf_counter()
@@ -170,7 +225,7 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
             elif method == "checkpoint":
                 fn = checkpoint_blocks(wrapped, blocks)
             else:
-                fn = fxopt.optimize(wrapped, budget, time_limit=args.time_limit)
+                fn = fxopt.optimize(wrapped, budget, time_limit=args.time_limit, **_pricing(method))
             row.update(measure(fn, model, wrapped, inputs, args.timed_steps, device))
             if method.startswith("fxopt"):
                 row.update(_plan_fields(fn))
@@ -192,9 +247,11 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
     if setting == "fsdp":
         # FSDP2's own model, its step one graph (fxopt.distributed.fsdp); then the same step with
         # fxopt's own sharding (fxopt.distributed.fully_shard).
-        for form in (FSDP2_ONE_GRAPH, FULLY_SHARD):
+        for form in (FORMS[f] for f in args.forms.split(",")):
             attempt(f"{form}@checkpoint", budget)
             attempt(f"{form}@min", "min")
+            if args.backend != "nccl" and args.nccl_priced:
+                attempt(f"{form}@checkpoint{NCCL_PRICED}", budget)
     else:
         row = attempt("fxopt@checkpoint", budget)
         for _ in range(args.retries):
@@ -207,10 +264,18 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
             # fxopt at eager's peak (nothing to recompute): its step time beside eager DDP's, the
             # gradients' all-reduces in fxopt's graph (fxopt.distributed.ddp).
             attempt("fxopt@eager", _agreed_max(eager["peak_bytes"], device))
-    ref = eager.get("grads")
     for r in rows:
-        _compare(r, eager, ref)
+        _compare(r, eager, single)
     return rows
+
+
+def _pricing(method: str) -> dict[str, Any]:
+    """fxopt's options for a row's pricing: communication at NCCL's rate for an `NCCL_PRICED` row."""
+    if not method.endswith(NCCL_PRICED):
+        return {}
+    from fxopt.analysis.costs import COMM_BYTES_PER_SECOND, CostModel
+
+    return {"cost_model": CostModel(comm_bytes_per_second=COMM_BYTES_PER_SECOND["nccl"])}
 
 
 def _agreed_max(value: int, device: torch.device) -> int:
@@ -220,20 +285,32 @@ def _agreed_max(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def _compare(row: dict[str, Any], eager: dict[str, Any], ref: dict[str, torch.Tensor] | None) -> None:
+def _mean_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    held_for_gloo(t)
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def _compare(row: dict[str, Any], eager: dict[str, Any], single: dict[str, Any]) -> None:
+    """The row's loss (mean over ranks) and gradients against single-process eager's on the whole
+    batch (torch.testing's float32 tolerance); its FLOPs against this setting's eager row."""
     grads = row.pop("grads", None)
-    if grads is None or ref is None:
+    if grads is None:
         return
-    row["loss_diff"] = abs(row["loss"] - eager["loss"])
+    ref = single["grads"]
+    row["loss_diff"] = abs(row["loss"] - single["loss"])
     try:
-        assert grads.keys() == ref.keys()
+        torch.testing.assert_close(torch.tensor(row["loss"]), torch.tensor(single["loss"]))
+        assert grads.keys() == ref.keys(), sorted(set(grads) ^ set(ref))
         for name, g in grads.items():
-            torch.testing.assert_close(g, ref[name])
+            torch.testing.assert_close(g, ref[name], msg=lambda m: f"{name}: {m}")
         row["grads_equal"] = True
     except AssertionError as err:
         row["grads_equal"] = False
         row["grads_error"] = str(err).splitlines()[0]
-    row["extra_flops"] = row["flops"] - eager["flops"]
+    if eager.get("flops") is not None:
+        row["extra_flops"] = row["flops"] - eager["flops"]
 
 
 def _worker(rank: int, world: int, port: int, args, out_dir: str) -> None:
@@ -303,16 +380,21 @@ def report(data: dict[str, Any]) -> str:
         "bytes; fxopt@min: the smallest budget fxopt named when that one did not fit (`min`: fxopt's smallest "
         "budget, `\"min\"`); fxopt@eager (DDP): eager's measured peak as the budget (nothing to recompute). "
         f"{FSDP2_ONE_GRAPH}: fxopt.optimize of FSDP2's model, its step one graph (fxopt.distributed.fsdp2); "
-        f"{FULLY_SHARD}: the model sharded with fxopt.distributed.fully_shard instead. Ratio: fxopt's extra FLOPs / "
-        "checkpointing's (target ≤ 0.5).",
+        f"{FULLY_SHARD}: the model sharded with fxopt.distributed.fully_shard instead; {NCCL_PRICED.strip()}: "
+        "planned with communication priced at NCCL's rate (100 GB/s, not gloo's 1 GB/s: the plan a GPU would get), "
+        "run here. Ratio: fxopt's extra FLOPs / "
+        "checkpointing's (target ≤ 0.5). Grads equal: on every rank, the loss (its mean over the ranks) and every "
+        "gradient equal single-process eager's on the whole batch (the gradient of its mean loss), within "
+        "torch.testing's float32 tolerance.",
         "",
         "| setting | method | budget MiB | per-rank peak MiB | extra GFLOP | ratio | step s | plans | grads equal | note |",
         "|---|---|---:|---:|---:|---:|---:|---:|:---:|---|",
     ]
-    ckpt_extra = {}
+    ckpt_extra, ckpt_peak = {}, {}
     for r in data["rows"]:
         if r["method"] == "checkpoint":
             ckpt_extra[r["setting"]] = r.get("extra_flops")
+            ckpt_peak[r["setting"]] = r.get("peak_bytes")
     for r in data["rows"]:
         ratio = "–"
         ref = ckpt_extra.get(r["setting"])
@@ -323,10 +405,12 @@ def report(data: dict[str, Any]) -> str:
             planned = r.get("planned_budget_bytes") if r["budget_bytes"] == "min" else r["budget_bytes"]
             within = "within budget" if planned and r["peak_bytes"] <= planned else "**over budget**"
             if r["budget_bytes"] == "min":
-                within += f" (the smallest budget: planned {_mib(planned)} MiB)"
+                share = f" = {planned / ckpt_peak[r['setting']]:.2f}× checkpointing's peak" if ckpt_peak.get(r["setting"]) else ""
+                within += f" (the smallest budget: planned {_mib(planned)} MiB{share})"
             if r.get("regathered_bytes"):
                 within += f"; {_mib(r['regathered_bytes'])} MiB re-gathered (communication, not in GFLOP)"
-        note = "; ".join([*([within] if within else []), *r.get("errors", [])])
+        unequal = [f"not equal: {r['grads_error']}"] if r.get("grads_equal") is False and r.get("grads_error") else []
+        note = "; ".join([*([within] if within else []), *unequal, *r.get("errors", [])])
         step = "–" if r.get("step_s") is None else f"{r['step_s']:.3f}"
         grads = {True: "yes", False: "**no**", None: "–"}[r.get("grads_equal")]
         out.append(f"| {r['setting']} | {r['method']} | {_mib(r.get('budget_bytes')) if r.get('budget_bytes') != 'min' else 'min'} | {_mib(r.get('peak_bytes'))} | "
@@ -338,7 +422,13 @@ def report(data: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.data_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="bench")
+    parser.add_argument("--model", choices=MODELS, default="llama")
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--forms", default=",".join(FORMS),
+                        help="the FSDP forms fxopt plans: fsdp2 (FSDP2's model), fully_shard (fxopt's own)")
+    parser.add_argument("--nccl-priced", action=argparse.BooleanOptionalAction, default=True,
+                        help="on gloo, also each form at checkpointing's peak planned with communication priced at "
+                             "NCCL's rate (the plan a GPU would get), counted and measured here")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -357,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     meta.update({"transformers": transformers.__version__, "world": args.world, "backend": args.backend,
-                 "device": args.device, "size": args.size, "model": "LlamaForCausalLM " + json.dumps(SIZES[args.size]),
+                 "device": args.device, "size": args.size, "model": f"{CLASSES[args.model]} " + json.dumps(SIZES[args.size]),
                  "time_limit": args.time_limit, "timed_steps": args.timed_steps})
     gpu = ("python -m benchmarks.data_parallel --device cuda --backend nccl --world 1 "
            "--out benchmarks/results/data_parallel_gpu")

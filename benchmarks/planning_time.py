@@ -4,7 +4,7 @@ built-in zoo and the `transformers` models of `benchmarks.hf_zoo`.
 
     python -m benchmarks.planning_time [--models zoo,hf] [--only gpt2_tiny,bert] [--time-limit 10]
                                        [--device cpu] [--out benchmarks/results]
-    python -m benchmarks.planning_time --depth 8,16,32 [--whole 8,16] [--measure 8]
+    python -m benchmarks.planning_time --depth 8,16,32 [--whole 8,16] [--measure 8] [--whole-capture 32]
 
 ``--depth``: issue 27's Llama (transformers ``LlamaConfig``: hidden 256, FFN 1024, 4 heads, 2
 key-value heads, vocabulary 32000; one sequence of 512 tokens, real tensors) at each number of
@@ -14,7 +14,10 @@ measured at the depths in ``--measure``), and how planning time grows with depth
 through the depths). At the depths in ``--whole``, the step's solver graph is also solved at 90%
 and 80% of its eager peak and at the smallest budget by the blocks and by the whole-graph
 solvers alone (the blocks switched off), in this process: costs, bounds and seconds side by side.
-Written to ``planning_time_depth.{md,json}``.
+At the depths in ``--whole-capture``, both answers are also made with every block captured
+(``stamp=False``; by default a run of identical blocks is captured as 3 and 4 blocks and stamped
+out, `fxopt.capture.repeat`): CPU seconds, traced nodes, and whether the answer is the same.
+Written to ``planning_time_depth.{md,json}`` (``planning_time_depth_stamp.{md,json}`` with ``--whole-capture``).
 
 Each row is one call of `fxopt.plan` in this process, with the plan cache off (a cold plan cache:
 every answer is solved) and the scratch-memory cache in a fresh directory per model (so each
@@ -43,6 +46,10 @@ from pathlib import Path
 import torch
 
 import fxopt
+import fxopt.analysis.scratch as scratch
+import fxopt.cache
+import fxopt.capture.dynamo as dynamo
+import fxopt.plan_ahead as plan_ahead
 import fxopt.planner as planner
 import fxopt.solvers.blocks as blocks
 from benchmarks.harness import log, meta_line, mib, run_meta, write_results
@@ -53,10 +60,13 @@ TARGET_SECONDS = {"small": 5.0, "gpt2-12": 15.0}  # issue 13: <= 1,000 nodes / t
 
 
 class Timers:
-    """Seconds spent in the planner's `analyze` and `solve` during one `fxopt.plan` call."""
+    """Seconds spent in the planner's `analyze` and `solve` during one `fxopt.plan` call; the
+    nodes of every joint graph traced (Dynamo and AOTAutograd: what a capture's work grows with)
+    and the seconds spent stamping a run of blocks out (`fxopt.capture.repeat.stamped_joint`)."""
 
     def __init__(self):
-        self.analysis = self.solve = 0.0
+        self.analysis = self.solve = self.stamp = 0.0
+        self.traced_nodes = self.traced_graphs = 0
 
     @contextlib.contextmanager
     def installed(self):
@@ -65,11 +75,24 @@ class Timers:
         real = {name: getattr(planner, name) for name in ("analyze_step", "solve")}
         for name, fn in real.items():
             setattr(planner, name, self._timed(fn, "analysis" if name == "analyze_step" else "solve"))
+        stamped_joint, step_backend = plan_ahead.stamped_joint, dynamo.step_backend
+        plan_ahead.stamped_joint = self._timed(stamped_joint, "stamp")
+
+        def counted_backend(partition, *args, **kwargs):
+            def counted(joint, *a, **k):
+                self.traced_nodes += len(joint.graph.nodes)
+                self.traced_graphs += 1
+                return partition(joint, *a, **k)
+
+            return step_backend(counted, *args, **kwargs)
+
+        dynamo.step_backend = counted_backend
         try:
             yield self
         finally:
             for name, fn in real.items():
                 setattr(planner, name, fn)
+            plan_ahead.stamped_joint, dynamo.step_backend = stamped_joint, step_backend
 
     def _timed(self, fn, field: str):
         def timed(*args, **kwargs):
@@ -98,19 +121,21 @@ def models(which: list[str], only: set[str] | None):
     return [(n, b) for n, b in out if only is None or n in only or n.removeprefix("hf-") in only]
 
 
-def one_answer(model, inputs, budget, time_limit: float, device: str | None = None) -> dict:
+def one_answer(model, inputs, budget, time_limit: float, device: str | None = None, **options) -> dict:
     timers = Timers()
     row: dict = {"budget_asked": budget}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with timers.installed(), warnings.catch_warnings():
         warnings.simplefilter("ignore", SolverTimeoutWarning)
         try:
-            plan = fxopt.plan(model, budget, inputs, time_limit=time_limit, **({} if device is None else {"device": device}))
+            plan = fxopt.plan(model, budget, inputs, time_limit=time_limit,
+                              **({} if device is None else {"device": device}), **options)
         except fxopt.InfeasibleBudgetError as err:
             plan, row["infeasible_min_budget"], row["floor"] = None, err.min_budget, err.lower_bound
-    row["wall_s"] = time.perf_counter() - t0
+    row["wall_s"], row["cpu_s"] = time.perf_counter() - t0, time.process_time() - cpu0
     row["load1"] = os.getloadavg()[0]  # the machine is shared: how busy it was as the answer came
     row["analysis_s"], row["solve_s"] = timers.analysis, timers.solve
+    row["stamp_s"], row["traced_nodes"], row["traced_graphs"] = timers.stamp, timers.traced_nodes, timers.traced_graphs
     row["capture_s"] = row["wall_s"] - timers.analysis - timers.solve
     if plan is not None:
         row.update(nodes=len(plan.graph), budget=plan.budget_bytes, eager_peak=plan.eager_peak_bytes,
@@ -239,13 +264,54 @@ def compare(graph, budget: int, time_limit: float) -> dict:
     return out
 
 
-def run_depth(layers: int, time_limit: float, whole: bool, measure: bool) -> list[dict]:
+def same_answer(a: dict, b: dict, plans: tuple) -> bool:
+    """Whether two answers are the same: the same smallest budget and floor, or the same plan
+    (budget, peak, cost, and every value's decision)."""
+    keys = ("infeasible_min_budget", "floor", "budget", "peak", "cost", "nodes")
+    if any(a.get(k) != b.get(k) for k in keys):
+        return False
+    x, y = plans
+    if x is None or y is None:
+        return x is None and y is None
+    return (x.saved, x.recomputed, x.compressed, x.offloaded) == (y.saved, y.recomputed, y.compressed, y.offloaded)
+
+
+def fresh_caches() -> None:
+    """Forget this process's lowest-peak schedules (`fxopt.cache.lowest_peaks`) and measured
+    scratch (`fxopt.analysis.scratch`), so two answers compared start alike (not the second
+    from the first's)."""
+    fxopt.cache.lowest_peaks.clear()
+    scratch._cache.clear()
+
+
+def whole_capture_rows(model, inputs, name: str, layers: int, answers: list[tuple[dict, object]],
+                       time_limit: float) -> list[dict]:
+    """The 50% and smallest-budget answers again with every block captured (``stamp=False``), from
+    fresh caches as the stamped answers were: the same answer, and what stamping saves."""
+    rows = []
+    fresh_caches()
+    with tempfile.TemporaryDirectory() as cache_dir:
+        os.environ["FXOPT_CACHE_DIR"] = cache_dir
+        for stamped, stamped_plan in answers:
+            for old in Path(cache_dir).glob("*.json"):
+                old.unlink()
+            row, plan = one_answer(model, inputs, stamped["budget_asked"], time_limit, stamp=False)
+            row.update(model=name, layers=layers, row=f"{stamped['row']} whole capture",
+                       same_as_stamped=same_answer(row, stamped, (plan, stamped_plan)))
+            rows.append(row)
+            log(json.dumps(row))
+    return rows
+
+
+def run_depth(layers: int, time_limit: float, whole: bool, measure: bool, whole_capture: bool = False) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["FXOPT_CACHE_DIR"] = cache_dir
         torch.manual_seed(0)
         model, inputs = llama(layers)
         name = f"llama-{layers}"
+        if whole_capture:
+            fresh_caches()  # as the answers captured whole will start
         row, plan = one_answer(model, inputs, 0.5, time_limit)
         row.update(model=name, layers=layers, row="50%")
         rows.append(row)
@@ -259,6 +325,9 @@ def run_depth(layers: int, time_limit: float, whole: bool, measure: bool) -> lis
             minimum["measured_peak"] = measured_peak(model, inputs, plan)
         rows.append(minimum)
         log(json.dumps(minimum))
+        if whole_capture:
+            rows += whole_capture_rows(model, inputs, name, layers, [(row, None), (minimum, plan)], time_limit)
+            os.environ["FXOPT_CACHE_DIR"] = cache_dir
         if plan is not None:  # the same two answers from the solver graph alone, in a fresh memo
             alone = {"model": name, "layers": layers, "row": "solver graph alone"}
             memo, t0 = Memo(), time.perf_counter()
@@ -299,7 +368,7 @@ def fit(rows: list[dict], which: str, field: str) -> dict | None:
     return {"row": which, "field": field, "per_layer_s": slope, "at_zero_s": my - slope * mx, "exponent": exponent}
 
 
-def write_depth(rows: list[dict], out: Path, meta: dict) -> None:
+def write_depth(rows: list[dict], out: Path, meta: dict, name: str = "planning_time_depth") -> None:
     s = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
     e = lambda v: "–" if v is None else f"{v:.3e}"  # noqa: E731
     answers = [r for r in rows if r["row"] in ("50%", "min")]
@@ -329,6 +398,26 @@ def write_depth(rows: list[dict], out: Path, meta: dict) -> None:
         lines.append(f"| {r['layers']} | {r['row']} | {r.get('nodes', '–')} | {s(r['wall_s'])} | {s(r['capture_s'])} | "
                      f"{s(r['analysis_s'])} | {s(r['solve_s'])} | {note} | {mib(r.get('peak'))} | "
                      f"{mib(r.get('measured_peak'))} | {solver} | {e(r.get('cost'))} | {e(r.get('bound'))} | {gap} |")
+    captured = [r for r in rows if r["row"].endswith("whole capture")]
+    if captured:
+        lines += ["", "Stamped against captured whole: each answer again with every block captured (`stamp=False`), "
+                  "both from fresh caches (no scratch measured, no lowest peak known in the process). CPU s: the process's CPU time for the answer "
+                  "(`time.process_time`); traced nodes: the nodes of every joint graph Dynamo and AOTAutograd traced "
+                  "for it (the capture's counted work: the 3- and 4-block captures when stamped); stamp s: "
+                  "making the whole run's graph from them.", "",
+                  "| layers | answer | capture | traced nodes in graphs | stamp s | CPU s | wall s | capture s | analysis s | "
+                  "solve s | load | same answer |",
+                  "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        by_key = {(r["layers"], r["row"]): r for r in rows}
+        for w in captured:
+            answer = w["row"].removesuffix(" whole capture")
+            for label, r in (("stamped", by_key.get((w["layers"], answer))), ("whole", w)):
+                if r is None:
+                    continue
+                same = ("yes" if w["same_as_stamped"] else "**no**") if label == "whole" else ""
+                lines.append(f"| {r['layers']} | {answer} | {label} | {r.get('traced_nodes', 0):,} in {r.get('traced_graphs', 0)} | "
+                             f"{r.get('stamp_s', 0.0):.1f} | {s(r.get('cpu_s'))} | {s(r['wall_s'])} | "
+                             f"{s(r['capture_s'])} | {s(r['analysis_s'])} | {s(r['solve_s'])} | {r['load1']:.1f} | {same} |")
     alone = [r for r in rows if r["row"] == "solver graph alone"]
     lines += ["", "The same two answers from the step's solver graph alone (`fxopt.solvers.solve` at 1 byte, then at "
               "the smallest budget, a fresh lowest-peak memo; no capture in between), in the same process:", "",
@@ -361,7 +450,7 @@ def write_depth(rows: list[dict], out: Path, meta: dict) -> None:
             ratio = "–" if r["cost_ratio"] is None else f"{r['cost_ratio']:.4f}"
             lines.append(f"| {r['layers']} | {r['row'].removeprefix('solver graph at ')} | {mib(r['budget'])} | "
                          f"{cells[0]} | {cells[1]} | {ratio} |")
-    write_results(out / "planning_time_depth", {"meta": meta, "rows": rows, "fits": fits}, "\n".join(lines))
+    write_results(out / name, {"meta": meta, "rows": rows, "fits": fits}, "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="plan on fake tensors for this device profile (fxopt.devices.names())")
     parser.add_argument("--depth", help="comma-separated numbers of layers of issue 27's Llama (instead of --models)")
     parser.add_argument("--whole", default="", help="of those, the depths also solved by the whole-graph solvers")
+    parser.add_argument("--whole-capture", default="",
+                        help="of those, the depths also answered with every block captured (stamp=False), CPU s side by side")
     parser.add_argument("--measure", default="", help="of those, the depths whose smallest-budget plan is run and measured")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
@@ -380,12 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     meta = run_meta("python -m benchmarks.planning_time " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.depth:
         depths = lambda text: {int(x) for x in text.split(",") if x}  # noqa: E731
-        whole, measure = depths(args.whole), depths(args.measure)
+        whole, measure, whole_capture = depths(args.whole), depths(args.measure), depths(args.whole_capture)
         rows = []
         for layers in sorted(depths(args.depth)):
             log(f"== llama-{layers}")
-            rows += run_depth(layers, args.time_limit, layers in whole, layers in measure)
-            write_depth(rows, Path(args.out), meta)
+            rows += run_depth(layers, args.time_limit, layers in whole, layers in measure, layers in whole_capture)
+            write_depth(rows, Path(args.out), meta, "planning_time_depth_stamp" if whole_capture else "planning_time_depth")
         return 0
     rows: list[dict] = []
     only = set(args.only.split(",")) if args.only else None

@@ -31,6 +31,7 @@ import os
 import shlex
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from benchmarks.harness import (Measurer, error_line, load_average, log, plan_fi
 from benchmarks.library_checkpointing import NAMES
 from benchmarks.library_zoo import SIZES
 from fxopt.models import MODELS, ZOO, ZooModel, loss_of
+from fxopt.solvers.auto import SolverTimeoutWarning
 
 DEFAULT_MODELS = ("sd3", "unet", "dit", "swin", "gpt2@bench", "llama@bench", "residual_mlp", "transformer_block",
                   "inplace_net")
@@ -74,6 +76,24 @@ class LossOf(torch.nn.Module):
         return loss_of(self.model(*inputs))
 
 
+def planned(*args: Any, **options: Any) -> tuple[fxopt.Plan, bool]:
+    """``fxopt.plan(*args, **options)``, and whether its solvers stopped at the time limit (a
+    `SolverTimeoutWarning`: only such an answer may differ from one run to the next, so two of them
+    say nothing about what reordering does). An infeasible budget raises, its error marked the same
+    way (``stopped``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SolverTimeoutWarning)
+        try:
+            plan = fxopt.plan(*args, **options)
+        except fxopt.InfeasibleBudgetError as err:
+            err.stopped = any(issubclass(w.category, SolverTimeoutWarning) for w in caught)
+            raise
+    for w in caught:  # (the others as they would have been shown)
+        if not issubclass(w.category, SolverTimeoutWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return plan, any(issubclass(w.category, SolverTimeoutWarning) for w in caught)
+
+
 def planned_row(m: Measurer, method: str, plan: fxopt.Plan) -> dict[str, Any]:
     """The plan replayed and measured (peak, gradients), with what it predicted."""
     row: dict[str, Any] = {"method": method, **plan_fields(plan), "reordered": plan.reordered,
@@ -101,9 +121,10 @@ def bench_model(text: str, args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = [m.measure_eager({"method": "eager"})]
     for reorder in (False, True):
         t0 = time.perf_counter()
-        plan = fxopt.plan(model, "min", inputs, reorder=reorder, time_limit=args.time_limit)
+        plan, stopped = planned(model, "min", inputs, reorder=reorder, time_limit=args.time_limit)
         row = planned_row(m, f"min{' reorder' if reorder else ''}", plan)
         row["plan_s"] = round(time.perf_counter() - t0, 2)
+        row["stopped"] = stopped
         rows.append(row)
     if entry.checkpointing is None:  # (fxopt's own models: no library checkpointing to compare with)
         torch._dynamo.reset()
@@ -122,13 +143,13 @@ def bench_model(text: str, args: argparse.Namespace) -> dict[str, Any]:
     for reorder in (False, True):
         method = f"at library's peak{' reorder' if reorder else ''}"
         try:
-            plan = fxopt.plan(model, library["measured_peak_bytes"], inputs, reorder=reorder,
-                              time_limit=args.time_limit)
+            plan, stopped = planned(model, library["measured_peak_bytes"], inputs, reorder=reorder,
+                                    time_limit=args.time_limit)
         except fxopt.InfeasibleBudgetError as err:
             rows.append({"method": method, "infeasible": True, "budget_bytes": err.budget,
-                         "min_budget_bytes": err.min_budget})
+                         "min_budget_bytes": err.min_budget, "stopped": err.stopped})
             continue
-        rows.append(planned_row(m, method, plan))
+        rows.append({**planned_row(m, method, plan), "stopped": stopped})
     for r in rows:
         for key in ("step_times_s", "eager_step_times_s"):
             r.pop(key, None)
@@ -189,13 +210,16 @@ def report(data: dict[str, Any]) -> str:
             lines.append(f"| {info['name']} | | {info['error']} | | | | | | |")
             continue
         a, b = _row(rows, "min"), _row(rows, "min reorder")
+        if not a or not b:
+            continue
         if "error" in a or "error" in b:
             lines.append(f"| {info['name']} | {info['size']} | {a.get('error', '')} | {b.get('error', '')} | | | | | |")
             continue
         drop = (a["budget_bytes"] - b["budget_bytes"]) / a["budget_bytes"]
         holds = all(r["measured_peak_bytes"] <= r["predicted_peak_bytes"] <= r["budget_bytes"] for r in (a, b))
+        stopped = "; ".join(what for what, r in (("captured", a), ("reorder", b)) if r.get("stopped"))
         lines.append(f"| {info['name']} | {info['size']} | {_mib3(a['budget_bytes'])} | {_mib3(b['budget_bytes'])} "
-                     f"| {100 * drop:.2f}% | {'reordered' if b['reordered'] else 'captured'} | {_yes(holds)} "
+                     f"| {100 * drop:.2f}%{f' (time limit reached: {stopped})' if stopped else ''} | {'reordered' if b['reordered'] else 'captured'} | {_yes(holds)} "
                      f"| {_yes(a['grads_bit_equal'] and b['grads_bit_equal'])} | {a['plan_s']} / {b['plan_s']} |")
     lines += ["", "At the library's own checkpointing's measured peak: fxopt's predicted cost (`Plan.cost`, "
               "the solvers' seconds) and extra MFLOP, captured order and with `reorder=True`.", "",
@@ -211,8 +235,11 @@ def report(data: dict[str, Any]) -> str:
         flops = ["–" if r.get("infeasible") else f"{r['predicted_extra_flops'] / 1e6:.2f}" for r in (a, b)]
         never_higher = b.get("infeasible") is None and (a.get("infeasible") or b["predicted_cost"] <= a["predicted_cost"])
         kept = "–" if b.get("infeasible") else ("reordered" if b["reordered"] else "captured")
+        stopped = [what for what, r in (("captured", a), ("reorder", b)) if r.get("stopped")]
+        verdict = _yes(never_higher) + (f" (the {' and '.join(stopped)} solve stopped at the time limit: not "
+                                         "comparable)" if stopped else "")
         lines.append(f"| {info['name']} | {_mib3(lib['measured_peak_bytes'])} | {cost[0]} | {cost[1]} | {flops[0]} "
-                     f"| {flops[1]} | {kept} | {_yes(never_higher)} |")
+                     f"| {flops[1]} | {kept} | {verdict} |")
     return "\n".join(lines)
 
 

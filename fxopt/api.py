@@ -27,7 +27,7 @@ from fxopt.options import Options
 from fxopt.plan_ahead import check_model, plan_and_rewrite, split_inputs, with_accumulation_note
 from fxopt.planner import refuse_device
 from fxopt.solvers.plan import Plan
-from fxopt.storage import storages
+from fxopt.storage import module_tensors, storages
 from fxopt.units import format_bytes
 
 
@@ -123,7 +123,7 @@ class FxoptModule(nn.Module):
                 held = backend.step.held if backend.step is not None else 0
                 return make_backend(dataclasses.replace(options, budget=budget), on_plan,
                                     resident=model if whole else None, held_bytes=held if whole else 0,
-                                    backward_bytes=backward_bytes)
+                                    backward_bytes=backward_bytes, whole_step=whole)
 
             # (The plans a run of the step runs with; a piece may be planned again once the whole step
             # is known, `fxopt.capture.pieces.PiecewiseBackend`.)
@@ -180,7 +180,7 @@ class FxoptModule(nn.Module):
 
     def _held_gradient_bytes(self) -> int:
         """Bytes of the gradients already there as a call starts (each storage once)."""
-        return sum(storages([p.grad for p in self._model.parameters() if p.grad is not None]).values())
+        return sum(storages([p.grad for p in module_tensors(self._model)[0] if p.grad is not None]).values())
 
     @_WithTheOriginalsSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:

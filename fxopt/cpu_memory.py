@@ -107,3 +107,12 @@ def allocation_events(prof) -> list[Allocation]:
         if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
             out.append(Allocation(event.start_time_ns, fields.alloc_size, fields.total_allocated))
     return sorted(out, key=lambda a: a.start_ns)
+
+
+def peak_increase(allocations: list[Allocation]) -> int:
+    """The most the allocator's count of live bytes rose above where it stood before the first of
+    ``allocations`` (`allocation_events` of one run): that run's peak above what was there."""
+    if not allocations:
+        return 0
+    start = allocations[0].total_bytes - allocations[0].nbytes
+    return max(0, max(a.total_bytes for a in allocations) - start)

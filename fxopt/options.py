@@ -165,9 +165,10 @@ class Options:
         Replay this plan instead of solving: a `fxopt.Plan`, or the path of its JSON. It must have
         been made for the same graph.""")
     time_limit: float = option(DEFAULT_TIME_LIMIT, check=_time_limit, flag=Flag(parse=float, metavar="SECONDS"), doc="""
-        A safety stop: seconds one answer (a plan, or "infeasible") may take, capture included.
-        The solvers' counted work (``effort``) decides the plan; a plan the limit cuts short says
-        so (a `SolverTimeoutWarning`) and is not cached.""")
+        A safety stop: seconds one answer (a plan, or "infeasible") may take, capture included, in
+        CPU time of the planning thread (a loaded machine does not reach it sooner). The solvers'
+        counted work (``effort``) decides the plan; a plan the limit cuts short says so (a
+        `SolverTimeoutWarning`) and is not cached.""")
     effort: float = option(1.0, check=_effort, flag=Flag(parse=float, metavar="X"), doc="""
         How much counted work the solvers may do (branch-and-bound nodes, rounds, tries), as a
         multiple of the default (`fxopt.solvers.Effort`): the same effort gives the same plan on

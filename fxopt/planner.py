@@ -38,7 +38,7 @@ from fxopt.passes.reorder import in_plan_order, reorder_step
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
 from fxopt.solvers import eager_timeline, simulate, solve
-from fxopt.solvers.effort import Deadline, effort_of
+from fxopt.solvers.effort import Deadline, effort_of, now
 from fxopt.solvers.graph import Graph, is_lossy_codec
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.minimum import infeasible, memo_key
@@ -46,10 +46,11 @@ from fxopt.solvers.stages import solve_stage
 
 log = logging.getLogger("fxopt")
 
-# When the wait for the plan now being made began: the call that captures the step
+# When the wait for the plan now being made began, on the safety stop's clock (the planning
+# thread's CPU time, `fxopt.solvers.effort.now`): the call that captures the step
 # (`capture_clock`), or the end of the previous plan in it (a step in pieces). The solvers get what
 # capture left of the time limit (a safety stop: the solvers' effort is counted, not timed), so
-# that no answer takes much longer than ``time_limit`` seconds end to end.
+# that no answer takes much more than ``time_limit`` seconds of that thread's work end to end.
 _CAPTURE_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar("fxopt_capture_started",
                                                                                default=None)
 
@@ -61,7 +62,7 @@ MIN_SOLVE_SHARE = 0.5
 @contextlib.contextmanager
 def capture_clock():
     """Around a call that may capture and plan a step: planning's time limit counts from here."""
-    token, told = _CAPTURE_STARTED.set(time.perf_counter()), _TOLD.set(False)
+    token, told = _CAPTURE_STARTED.set(now()), _TOLD.set(False)
     try:
         yield
     finally:
@@ -79,15 +80,16 @@ def solve_seconds(options: Options) -> float:
     at least `MIN_SOLVE_SHARE` of it. Where capture left less than that, the answer may take
     longer than the limit: said once per call, with what would shorten the capture."""
     started = _CAPTURE_STARTED.get()
-    spent = 0.0 if started is None else time.perf_counter() - started
+    spent = 0.0 if started is None else now() - started
     least = MIN_SOLVE_SHARE * options.time_limit
     if options.time_limit - spent < least and started is not None and not _TOLD.get():
         _TOLD.set(True)
         fake = "" if options.planned_for is not None else ("plan on fake tensors (fxopt.plan(..., device='cpu'), no "
                                                            "kernel runs), ")
-        log.warning("fxopt: capturing the step took %.1f s of time_limit=%g s; the solvers still get %.1f s, so this "
-                    "answer may take up to %.1f s. A shorter capture: %sa smaller example batch or sequence (the graph "
-                    "is the same), or a larger time_limit.", spent, options.time_limit, least, spent + least, fake)
+        log.warning("fxopt: capturing the step took %.1f s (CPU) of time_limit=%g s; the solvers still get %.1f s, so "
+                    "this answer may take up to %.1f s of CPU. A shorter capture: %sa smaller example batch or sequence "
+                    "(the graph is the same), or a larger time_limit.", spent, options.time_limit, least, spent + least,
+                    fake)
     return max(least, options.time_limit - spent)
 
 def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
@@ -197,7 +199,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
                                        solve_seconds(options))
     finally:
         if _CAPTURE_STARTED.get() is not None:
-            _CAPTURE_STARTED.set(time.perf_counter())  # the next piece's wait starts now
+            _CAPTURE_STARTED.set(now())  # the next piece's wait starts now
     plan = Plan.build(
         graph=jg.graph,
         schedule=solution.schedule,
@@ -359,7 +361,7 @@ def _solve_in_order(jg, options: Options, planned: dict, without_relu_masks, tim
     stage): the better solution of the two (lower cost, then lower peak; the captured order on a
     tie). Infeasible only where both are, naming the smaller of their budgets (each plans) and
     the lower of their floors. The time limit, a safety stop, is shared."""
-    t0 = time.perf_counter()
+    t0 = now()
     moved = None
     if options.reorder and options.in_flight is None:
         moved = reorder_step(jg, options.solver, effort=effort_of(options.effort), memo=cache.lowest_peaks,
@@ -371,7 +373,7 @@ def _solve_in_order(jg, options: Options, planned: dict, without_relu_masks, tim
              order.model, " and ".join(order.phases), order.peak_before, order.peak_after)
     found, errors = [], []
     for tried, undo in ((jg, without_relu_masks), (step, None)):
-        left = max(time_limit - (time.perf_counter() - t0), MIN_SOLVE_SHARE * time_limit)
+        left = max(time_limit - (now() - t0), MIN_SOLVE_SHARE * time_limit)
         try:
             found.append(_solve(tried, options, planned, undo, left))
         except InfeasibleBudgetError as err:

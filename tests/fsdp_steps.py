@@ -18,7 +18,10 @@ compiles) and checks:
     too (`fxopt.distributed.fsdp2`); its loss (averaged over ranks) and every gradient, a
     ``Shard(0)`` DTensor FSDP2 averages over the ranks, equal single-process eager on the whole
     batch; and, first, a small model whose shapes do not divide by the ranks (FSDP2 pads the last
-    shards), its gradients equal FSDP2 eager's after two steps of gradient accumulation.
+    shards), its gradients equal FSDP2 eager's after two steps of gradient accumulation;
+  - mixed precision (config ``mixed-precision``, `mixed_precision`): FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on FSDP2's model and on
+    `fxopt.distributed.fully_shard`'s, against FSDP2 eager with the same policy.
 """
 
 from __future__ import annotations
@@ -61,11 +64,11 @@ def _ids(vocab: int):
     return ids, ids.clone()
 
 
-def llama(layers: int = 4):
+def llama(layers: int = 4, hidden: int = 128):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=128, intermediate_size=256,
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
                                    num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
                                    max_position_embeddings=SEQ, use_cache=False, attn_implementation="eager")
     return transformers.LlamaForCausalLM(cfg).train(), _ids(1024)
@@ -81,7 +84,8 @@ def gpt2():
     return transformers.GPT2LMHeadModel(cfg).train(), _ids(1024)
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "llama-2": lambda: llama(layers=2)}
+MODELS = {"llama": llama, "gpt2": gpt2, "llama-2": lambda: llama(layers=2),
+          "llama-2-64": lambda: llama(layers=2, hidden=64)}
 
 
 def blocks(hf: nn.Module) -> list[nn.Module]:
@@ -101,16 +105,18 @@ def _measure(module, params: nn.Module, share) -> tuple[int, float, torch.Tensor
     return peak.peak_bytes, second, peak.result.detach().clone()
 
 
-def _fsdp2_model(hf: nn.Module, checkpointing: bool = False) -> nn.Module:
-    """A copy of ``hf`` under FSDP2: ``fully_shard`` per block and at the root."""
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2_model(hf: nn.Module, checkpointing: bool = False, mp_policy=None) -> nn.Module:
+    """A copy of ``hf`` under FSDP2: ``fully_shard`` per block and at the root (with ``mp_policy``,
+    FSDP2's ``MixedPrecisionPolicy``, where given)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     hf = copy.deepcopy(hf)
     if checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for block in blocks(hf):
-        fully_shard(block)
-    fully_shard(hf)
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(hf, mp_policy=mp_policy)
     return hf
 
 
@@ -243,6 +249,60 @@ def named_minimum(rank: int, world: int, names=("llama-2",), budget: int = 1_000
     return out
 
 
+def assert_bf16_close(actual, expected, what: str = "") -> None:
+    """Equal within bfloat16's resolution: torch's default bf16 tolerance element by element
+    (rtol 1.6e-2, twice bf16's epsilon), with an absolute tolerance of the same share of the
+    largest entry (a sum of bf16 terms rounds at the scale of its largest term: FSDP2 accumulates
+    a tied parameter's gradients in bf16 before its reduce-scatter, fxopt reduces each use's in
+    ``reduce_dtype`` and adds them there)."""
+    scale = expected.detach().abs().max().float().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=1.6e-2, atol=max(1e-5, 1.6e-2 * scale),
+                               msg=lambda m: f"{what}: {m}")
+
+
+BUDGET_SHARE = 0.6  # of FSDP2 eager's peak, for `mixed_precision`: below it, fxopt re-gathers
+
+
+def mixed_precision(rank: int, world: int, name: str = "llama-2-64") -> dict:
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on ``world`` ranks:
+    FSDP2 eager with it (per block and at the root), then fxopt on that FSDP2 model and on
+    `fxopt.distributed.fully_shard(mp_policy=)`'s, each at `BUDGET_SHARE` of FSDP2 eager's
+    measured peak (the largest over the ranks; a plan that re-gathers): on every rank, the loss and every gradient (float32, on the float32
+    shards) equal FSDP2 eager's on the same share within bf16's resolution (`assert_bf16_close`;
+    fully_shard's gradients are a sum over ranks: its loss is divided by the world size, FSDP2's
+    averaged), one plan whose all-gathers move bf16 and whose reduce-scatters float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    hf, inputs = MODELS[name]()
+    share = share_of(inputs, rank, world)
+    sizes = sorted(p.numel() for p in hf.parameters())
+    eager = _fsdp2_model(hf, mp_policy=mp)
+    peak, _, ref_loss = _measure(HFLoss(eager), eager, share)
+    ref_grads = {n: p.grad.full_tensor() for n, p in eager.named_parameters()}
+    assert all(g.dtype == torch.float32 for g in ref_grads.values())
+    rows = {"fsdp2-mp": {"measured": peak}}
+    budget = int(BUDGET_SHARE * max_over_ranks(peak))
+    fsdp2_model = _fsdp2_model(hf, mp_policy=mp)
+    own_model = sharding.fully_shard(copy.deepcopy(hf), mp_policy=mp)
+    for row, model, scale in (("fxopt-fsdp2-mp", fsdp2_model, 1), ("fxopt-fully_shard-mp", own_model, world)):
+        optimized = fxopt.optimize(HFLoss(model, scale=scale), budget, time_limit=TIME_LIMIT)
+        measured, seconds, loss = _measure(optimized, model, share)
+        assert_bf16_close(loss * scale, ref_loss, f"{row} loss")
+        for n, p in model.named_parameters():
+            grad = p.grad.full_tensor() if scale == 1 else sharding.full_tensor(model, n, p.grad)
+            assert p.grad.dtype == torch.float32, (row, n, p.grad.dtype)
+            assert_bf16_close(grad, ref_grads[n], f"{row} gradient of {n}")
+        plan = optimized.plans[-1]
+        gathers = sorted(n.bytes for n in plan.graph.nodes if n.name.startswith("all_gather_into_tensor"))
+        scatters = sorted(n.bytes for n in plan.graph.nodes if n.name.startswith("reduce_scatter_tensor"))
+        # (each rank's all-gather output is the padded whole parameter; a reduce-scatter's, its shard)
+        assert gathers == sorted(2 * world * -(-n // world) for n in sizes), (row, gathers)
+        assert scatters == sorted(4 * -(-n // world) for n in sizes), (row, scatters)
+        rows[row] = _plan_row(optimized, measured, seconds)
+    return rows
+
+
 def max_over_ranks(n: int) -> int:
     t = torch.tensor([n])
     held_for_gloo(t)
@@ -251,6 +311,7 @@ def max_over_ranks(n: int) -> int:
 
 
 CONFIGS = {"sharded": sharded, "named-min": named_minimum, "fsdp2-llama-2": fsdp2_one_graph,
+           "mixed-precision": mixed_precision,
            **{name: (lambda r, w, name=name: sharded(r, w, (name,))) for name in MODELS}}
 # ("llama-2", the test's: two layers, half the compiles' time)
 

@@ -300,7 +300,7 @@ def with_random_lossy_codecs(draw, st, graph: Graph) -> Graph:
     return Graph(tuple(nodes))
 
 
-def repeated_blocks(n: int, *, shared: bool = True, modules: bool = True) -> Graph:
+def repeated_blocks(n: int, *, shared: bool = True, modules: bool = True, logits: int = 64) -> Graph:
     """A language model of ``n`` identical blocks, as a joint graph. Before the blocks: the
     embedding ``e`` of the token ids (resident) and, with ``shared``, a table ``rope`` every
     block reads (RoPE's cos and sin). Block k, from ``a{k-1}`` (``e`` for the first)::
@@ -312,7 +312,7 @@ def repeated_blocks(n: int, *, shared: bool = True, modules: bool = True) -> Gra
         o{k} = down(v, s)        16 bytes, cost 3
         a{k} = a + o             16 bytes, cost 0.1
 
-    After them the head: ``logits`` (64 bytes) and the loss (an output). The backward reads
+    After them the head: ``logits`` (64 bytes, or ``logits``) and the loss (an output). The backward reads
     what each op's gradient needs; the residual's gradient is a sum, and each block's weight
     gradient is an output. ``modules``: record each block's values as a repeated module
     (`Node.blocks`), as the analysis does for a model's layers; without, the blocks are found
@@ -338,9 +338,9 @@ def repeated_blocks(n: int, *, shared: bool = True, modules: bool = True) -> Gra
         b.fwd(f"o{k}", [f"v{k}", f"s{k}"], 16, cost=3.0, **tag)
         b.fwd(f"a{k}", [prev, f"o{k}"], 16, cost=0.1, **tag)
         prev = f"a{k}"
-    b.fwd("logits", [prev, "head"], 64, cost=2.0)
+    b.fwd("logits", [prev, "head"], logits, cost=2.0)
     b.fwd("loss", ["logits"], 1, cost=0.1, output=True)
-    b.bwd("dlogits", ["tan", "logits"], 64)
+    b.bwd("dlogits", ["tan", "logits"], logits)
     b.bwd("dhead", ["dlogits", prev], 64, output=True)
     grad = "dlogits"
     b.bwd(f"da{n}", [grad, "head"], 16)

@@ -307,12 +307,11 @@ def test_inductor_holds_the_library_checkpointing_peak(name):
         torch.testing.assert_close(q.grad, p.grad, **TOLERANCE["inductor"], msg=lambda m, path=path: f"grad of {path}: {m}")
     measured = measured_peak(optimized, inputs)
     assert measured <= optimized.plan.budget_bytes == budget  # the promise, on every torch
-    # Inductor's kernels run one by one hold a few hundred bytes the simulator does not see
-    # (measured: 269,652 B against a prediction of 269,392 on torch 2.13, with fusion off; its
-    # fusions, kept within that peak by `fxopt.capture.inductor._KernelMemory`, 269,780 B; 132 B
-    # over on torch 2.14.1 before that guard). Open (issue 24, "never below the measurement"): the
-    # test bounds it, so that a larger gap fails.
-    assert measured <= optimized.plan.peak_bytes + 512
+    # Never below the measurement (issue 24): 269,780 B against a prediction of 269,520 before
+    # nll_loss's backward's scatter was counted and the fusion guard judged against a peak a run
+    # reaches (`test_inductor_through_the_plan_holds_what_the_simulator_predicts`); 267,084 against
+    # 267,804 after.
+    assert measured <= optimized.plan.peak_bytes
 
 
 def test_inductor_counts_the_reductions_an_ops_decomposition_writes():
@@ -339,3 +338,180 @@ def test_inductor_counts_the_reductions_an_ops_decomposition_writes():
     # A decomposition that makes a constant (nll_loss's zero for ignored targets) is traced too.
     targets = torch.randint(0, 16, (rows,))
     assert scratch(lambda x, y: torch.ops.aten.nll_loss_forward(x, y, None, 1, -100), torch.randn(rows, 16), targets) > 0
+    # nll_loss's backward scatters into zeros as large as the logits, then scales them into its
+    # output: Inductor writes both, eager's kernel one (the test-size transformers Llama measured
+    # 260 B over the plan at 1.0 with the targets it reads).
+    logits = torch.randn(rows, 16)
+    backward = scratch(lambda g, x, y, w: torch.ops.aten.nll_loss_backward(g, x, y, None, 1, -100, w),
+                       torch.tensor(1.0), logits, targets, torch.tensor(float(rows)))
+    assert backward >= logits.nbytes
+
+
+def test_a_kernel_may_write_its_output_into_an_input_that_dies_there():
+    """`_KernelMemory`'s peak is the least kernels run one by one hold: a kernel may write an output
+    into a buffer or input of the same bytes that dies there (Inductor's in-place reuse), one
+    each; what the count frees there is then not freed (the output holds it)."""
+    from fxopt.capture.inductor import _reusable
+
+    assert _reusable([16384, 128], [(16384, True), (256, True)]) == (16384, 16384)
+    assert _reusable([16384, 16384], [(16384, False)]) == (16384, 0)  # (a held input: nothing freed)
+    assert _reusable([128], [(256, True)]) == (0, 0)
+    assert _reusable([0], [(0, True)]) == (0, 0)
+
+
+@pytest.mark.slow
+def test_inductor_through_the_plan_holds_what_the_simulator_predicts():
+    """Through fxopt's plan (Inductor's own step set aside), the test-size transformers Llama at its
+    eager peak measured 260 B over the prediction: nll_loss's backward wrote two logits-sized
+    buffers (a scatter's, then its output) where the simulator counted one, and its last kernel
+    fused with the log-softmax backward's reduction, which the fusion guard allowed against a peak
+    no run reached (the log-softmax's gradient is written into the nll_loss gradient in place)."""
+    pytest.importorskip("transformers")
+    import benchmarks.hf_zoo  # noqa: F401  (registers the HF models)
+    from fxopt.capture import dynamo
+    from fxopt.models import MODELS as ZOO_MODELS
+
+    torch.manual_seed(0)
+    model, inputs = ZOO_MODELS["hf-llama"]("test")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dynamo, "own_step_bound", lambda *args: None, raising=False)
+        optimized = fxopt.optimize(copy.deepcopy(model), 1.0, example_inputs=inputs, compiler="inductor")
+        eager = copy.deepcopy(model)
+        torch.manual_seed(1)
+        expected = step(eager, inputs)
+        torch.manual_seed(1)
+        _assert_step_close(eager, optimized, expected, step(optimized, inputs))
+    measured = measured_peak(optimized, inputs)
+    assert measured <= optimized.plan.peak_bytes <= optimized.plan.budget_bytes
+
+
+def _inductor_step(model, inputs, budget, caplog):
+    """``model`` (a copy) optimized at ``budget`` with Inductor, its first step run; the step,
+    its loss and fxopt's log of that first call."""
+    import logging
+
+    optimized = fxopt.optimize(copy.deepcopy(model), budget, compiler="inductor")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fxopt"):
+        torch.manual_seed(1)
+        loss = step(optimized, inputs)
+    return optimized, loss, caplog.text
+
+
+@pytest.mark.slow
+def test_inductor_at_the_eager_peak_runs_inductors_own_step(caplog):
+    """At budget 1.0 fxopt + Inductor is torch.compile's own step (its partitioner, its fusions and
+    reorders, none of fxopt's restrictions: issue 28), measured within the budget before it runs:
+    the same peak as ``torch.compile(model)``'s, the step equal to eager's."""
+    torch.manual_seed(0)
+    model, inputs = MODELS["residual_mlp"]()
+    optimized, loss, told = _inductor_step(model, inputs, 1.0, caplog)
+    assert "running Inductor's own step" in told
+    eager = copy.deepcopy(model)
+    torch.manual_seed(1)
+    _assert_step_close(eager, optimized, step(eager, inputs), loss)
+    plain = copy.deepcopy(model)
+    compiled = torch.compile(plain)
+    step(compiled, inputs)
+    measured = measured_peak(optimized, inputs)
+    assert measured == measured_peak(_Step(compiled, plain), inputs)
+    assert measured <= optimized.plan.budget_bytes
+
+
+@pytest.mark.slow
+def test_inductors_own_step_over_the_budget_gives_way_to_the_plan(caplog, monkeypatch):
+    """Where Inductor's own step measures over what the budget leaves it, fxopt's plan is compiled
+    instead, from the modules it already made (one plan, not two), and the budget holds."""
+    from fxopt.capture import inductor
+
+    monkeypatch.setattr(inductor, "_run_increase", lambda compiled, example_inputs: 1 << 40)
+    torch.manual_seed(0)
+    model, inputs = MODELS["residual_mlp"]()
+    optimized, loss, told = _inductor_step(model, inputs, 1.0, caplog)
+    assert "compiling fxopt's plan instead" in told and "running Inductor's own step" not in told
+    assert len(optimized.plans) == 1
+    eager = copy.deepcopy(model)
+    torch.manual_seed(1)
+    _assert_step_close(eager, optimized, step(eager, inputs), loss)
+    measured = measured_peak(optimized, inputs)
+    assert measured <= optimized.plan.peak_bytes + INDUCTOR_SLACK_BYTES
+    assert measured <= optimized.plan.budget_bytes
+
+
+@pytest.mark.slow
+def test_measuring_inductors_own_step_changes_no_state(caplog):
+    """Inductor's own step is run to be measured before the first call's step runs: the batch
+    norms' running statistics it updates and the random state it advances are put back, so after
+    the first call they are as after one eager step."""
+    from fxopt.models import cnn_bn
+
+    torch.manual_seed(0)
+    model, inputs = cnn_bn(batch=4, size=16, channels=8)
+    optimized, loss, told = _inductor_step(model, inputs, 1.0, caplog)
+    assert "Inductor's own step" in told  # (measured: run, or given way to the plan)
+    after = torch.rand(4)
+    eager = copy.deepcopy(model)
+    torch.manual_seed(1)
+    _assert_step_close(eager, optimized, step(eager, inputs), loss)
+    torch.testing.assert_close(after, torch.rand(4))
+    for (name, b_e), b_o in zip(eager.named_buffers(), optimized.buffers()):
+        torch.testing.assert_close(b_o, b_e, **TOLERANCE["inductor"], msg=lambda m, name=name: f"buffer {name}: {m}")
+
+
+def _assert_step_close(eager, optimized, loss_e, loss_o):
+    torch.testing.assert_close(loss_o, loss_e, **TOLERANCE["inductor"])
+    for (name, p_e), p_o in zip(eager.named_parameters(), optimized.parameters()):
+        torch.testing.assert_close(p_o.grad, p_e.grad, **TOLERANCE["inductor"], msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def test_a_random_op_that_draws_nothing_does_not_keep_inductors_own_step_out():
+    """Inductor's own step is not offered for a step whose random ops draw (fxopt's modules keep
+    eager's draws, Inductor's own would not), but CPU attention, a random op by its tags, draws
+    nothing at ``dropout_p=0`` (every transformers model with dropout 0)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxopt.capture.dynamo import _draws
+
+    def ops(x, q):
+        a = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)[0]
+        b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.1)[0]
+        c = torch.ops.aten.native_dropout(x, 0.5, True)[0]
+        return a, b, c, torch.rand_like(x), x.relu()
+
+    gm = make_fx(ops, tracing_mode="fake")(torch.randn(4, 8), torch.randn(1, 2, 4, 8))
+    draws = {n.target: _draws(n) for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
+             and n.target is not torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    sdpa = [_draws(n) for n in gm.graph.nodes
+            if n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
+    assert sdpa == [False, True]
+    assert draws[torch.ops.aten.native_dropout.default] and draws[torch.ops.aten.rand_like.default]
+    assert not draws[torch.ops.aten.relu.default]
+
+
+@pytest.mark.slow
+# (a cached compile decides nothing; the config's own patch, since pytest 9's monkeypatch deletes a
+# torch config entry on undo, which hides it for the rest of the process)
+@torch.compiler.config.patch(force_disable_caches=True)
+def test_inductors_heuristics_are_each_compiles_own(monkeypatch):
+    """Inductor makes its heuristics (which kernels fuse) once per thread, at the first compile,
+    from the settings then, and keeps them: a process that had compiled a plain torch.compile first
+    compiled fxopt's modules with no fusion guard (the bench transformers Llama at HF
+    checkpointing's peak measured 44.65 MiB against its 42.30 MiB budget; 42.18 alone), and plain
+    compiles after fxopt's ran under fxopt's guard. Each compile now gets its own."""
+    from fxopt.capture import inductor
+
+    guarded = []
+    original = inductor._KeepSchedule.can_fuse_horizontal
+    monkeypatch.setattr(inductor._KeepSchedule, "can_fuse_horizontal",
+                        staticmethod(lambda *args: guarded.append(1) or original(*args)))
+    torch.manual_seed(0)
+    model, inputs = MODELS["residual_mlp"]()
+    step(torch.compile(copy.deepcopy(model)), inputs)
+    assert not guarded
+    optimized = fxopt.optimize(copy.deepcopy(model), 0.5, example_inputs=inputs, compiler="inductor")
+    step(optimized, inputs)
+    assert optimized.plan.recomputed and guarded  # (fxopt's modules, compiled under its guard)
+    guarded.clear()
+    torch._dynamo.reset()
+    step(torch.compile(copy.deepcopy(model)), inputs)
+    assert not guarded

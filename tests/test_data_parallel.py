@@ -88,7 +88,8 @@ def test_ddp_refusals_and_buckets(one_process_group):
 def test_fsdp2_refusals(one_process_group):
     """An FSDP2 model planned in pieces (a unit without gradient sync: FSDP2's hooks must run)
     needs a budget in bytes and graph breaks allowed, and has no plan ahead; one planned as one
-    graph has all three; mixed precision is refused either way."""
+    graph has all three; mixed precision is refused in pieces (one graph follows it:
+    tests/test_fsdp.py::test_mixed_precision_as_fsdp2s)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = _mlp()
@@ -108,7 +109,9 @@ def test_fsdp2_refusals(one_process_group):
     fxopt.optimize(model, 0.9, graph_breaks="error")
     mixed = _mlp()
     fully_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    with pytest.raises(fxopt.CaptureError, match="MixedPrecisionPolicy"):
+    fxopt.optimize(mixed, "1MiB", graph_breaks="error")
+    mixed.set_requires_gradient_sync(False)
+    with pytest.warns(UserWarning, match="in pieces"), pytest.raises(fxopt.CaptureError, match="MixedPrecisionPolicy"):
         fxopt.optimize(mixed, "1MiB")
 
 

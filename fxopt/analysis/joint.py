@@ -504,6 +504,17 @@ def _backward_nodes(graph: fx.Graph, fx_nodes: list[fx.Node], fwd_outs: set[fx.N
     return backward
 
 
+def _waited_on(n: fx.Node) -> torch.Tensor | None:
+    """The fake value a functional collective's ``wait_tensor`` waits on (and returns), or None
+    for any other node."""
+    target = n.target
+    if (n.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
+            or target.namespace != "_c10d_functional" or target._opname not in WAITS or not n.args):
+        return None
+    source = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    return source if isinstance(source, torch.Tensor) else None
+
+
 def _storage_of(n: fx.Node, i: int, storage_owner: dict[StorageWeakRef, int], sizes: Sizes) -> tuple[int | None, Size]:
     """(the node owning the storage ``n``'s value aliases, or None; the bytes ``n`` owns), with
     ``storage_owner`` (storage -> owning node index) updated for a new storage."""
@@ -512,6 +523,11 @@ def _storage_of(n: fx.Node, i: int, storage_owner: dict[StorageWeakRef, int], si
     if isinstance(val, torch.Tensor):
         ref = StorageWeakRef(val.untyped_storage())
         if ref in storage_owner:
+            return storage_owner[ref], 0
+        waited = _waited_on(n)
+        if waited is not None and StorageWeakRef(waited.untyped_storage()) in storage_owner:
+            # A collective's wait returns the tensor it waits on (its fake value is a new one).
+            storage_owner[ref] = storage_owner[StorageWeakRef(waited.untyped_storage())]
             return storage_owner[ref], 0
         storage_owner[ref] = i
         return None, sizes.expr(storage_bytes(val))

@@ -165,15 +165,18 @@ def unread_resident_bytes(module: torch.nn.Module, example_inputs) -> int:
 
 def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_after_plan: bool = False,
                  resident: torch.nn.Module | None = None, held_bytes: int = 0, backward_bytes: int = 0,
-                 ask: Callable[[CapturedStep], Any] | None = None):
+                 whole_step: bool = True, ask: Callable[[CapturedStep], Any] | None = None):
     """A torch.compile backend that plans each captured graph and runs the rewritten step.
     ``resident``: the module being compiled, when known: its parameters and buffers the step does
     not read are counted in every peak too (a backend given to torch.compile does not see them).
     ``held_bytes``: memory alive through the step that no tensor of the module shows (DDP's
     gradient buckets, `fxopt.distributed.data_parallel`), counted with those. ``backward_bytes``:
     memory alive beside the step's backward only (a piece's: `fxopt.capture.pieces.Reserve`).
-    ``ask(step)``: instead, capture stops with what ``ask`` returns for the `CapturedStep`
-    (`Answered`): several plans of one capture, say."""
+    ``whole_step``: each graph is a whole step, not a piece of one planned in order (whose saved
+    bytes the later pieces' reserves count from its plan): with ``compiler="inductor"``, where the
+    budget admits eager's step or the plan changes nothing, Inductor's own step may run instead
+    (`own_step_bound`). ``ask(step)``: instead, capture stops with what ``ask`` returns for the
+    `CapturedStep` (`Answered`): several plans of one capture, say."""
     unread = {"bytes": 0, "inputs": []}
     # The state of each step's OFFLOAD copies (`fxopt.ops.offload.HostCopies`), which its ops find
     # by key: kept as long as this backend (and so the steps it compiled), because Inductor does
@@ -189,6 +192,11 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
         fw, bw = split_with_recompute(jg, plan.schedule)
         if hasattr(fw, "_fxopt_host_copies"):
             host_copies.append(fw._fxopt_host_copies)
+        bound = own_step_bound(joint, plan, unread["bytes"] + backward_bytes) if whole_step else None
+        if bound is not None and options.compiler == "inductor":
+            from fxopt.capture.inductor import OWN_STEP_BOUND
+
+            fw.meta[OWN_STEP_BOUND] = bound
         log.debug("fxopt: planned and rewrote the step in %.2f s", time.perf_counter() - t0)
         if stop_after_plan:
             raise PlanReady(plan, fw, bw, jg)
@@ -199,6 +207,44 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
         unread["inputs"] = list(example_inputs)
 
     return step_backend(partition, options, count_unread if resident is not None else None)
+
+
+def own_step_bound(joint: fx.GraphModule, plan: Plan, held_bytes: int) -> int | None:
+    """Where the budget admits the step as eager runs it (at least its predicted eager peak: a
+    fraction of 1.0 or more), or the plan changes nothing in it (nothing RECOMPUTEd, COMPRESSed or
+    OFFLOADed), the most the step's graph may hold for the budget to hold: the budget less
+    ``held_bytes`` (what is alive beside the graph: parameters it does not read, existing
+    gradients, a piece's reserve), its inputs and everything it allocates counted. Another
+    compiler's own step (Inductor's: `fxopt.capture.inductor`) may then run in the plan's place if
+    it measures within that. None where it may not: a step with random ops (their draws are eager's
+    only in fxopt's modules); a step with collectives inside (every rank must run the same code,
+    and each rank would decide on its own measurement)."""
+    changes = plan.recomputed or plan.compressed or plan.offloaded or plan.recompute_comm_bytes
+    if changes and plan.budget_bytes < plan.eager_peak_bytes:
+        return None
+    for n in joint.graph.nodes:
+        target = n.target
+        if isinstance(target, torch._ops.OpOverload) and ("c10d" in target.namespace or _draws(n)):
+            return None
+    return plan.budget_bytes - held_bytes
+
+
+# The arguments of a random op that, at 0, make it draw nothing (attention's dropout).
+_DROP_PROBABILITIES = ("dropout_p", "p")
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: a random op, unless a dropout probability it is
+    given is 0 (CPU attention, ``_scaled_dot_product_flash_attention_for_cpu``, is a random op
+    that draws nothing at ``dropout_p=0``)."""
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name in _DROP_PROBABILITIES:
+            value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else arg.default_value)
+            return value != 0
+    return True
 
 
 def step_backend(partition: Callable, options: Options, before: Callable | None = None) -> Callable:

@@ -1,8 +1,18 @@
 """Compile fxopt's forward and backward with Inductor without losing the plan.
 
-Inductor's own pipeline runs as for any torch.compile (``compile_fx``), with fxopt's planner as its
-partitioner (``custom_partitioner_fn``): Inductor does not choose what to save or recompute. The
-saved tensors are the forward's outputs fxopt chose, and the backward reads exactly those.
+Where the budget admits eager's step, or the plan changes nothing in it, Inductor's own step may
+stand in for the plan (`fxopt.capture.dynamo.own_step_bound`): it is compiled as
+``torch.compile(model)`` compiles it and run once on the example inputs, measured; within the
+budget, it runs (the same code as plain Inductor's, none of the settings below), and over it,
+the plan is compiled as below (`_own_step`)::
+
+    plan (nothing to change) ─▶ Inductor's own step ─▶ one run, measured ─▶ within: run it
+                                                                          └▶ over: fxopt's plan
+
+Otherwise Inductor's own pipeline runs as for any torch.compile (``compile_fx``), with fxopt's
+planner as its partitioner (``custom_partitioner_fn``): Inductor does not choose what to save or
+recompute. The saved tensors are the forward's outputs fxopt chose, and the backward reads
+exactly those.
 
 fxopt's simulator predicts the memory of its modules run op by op in the schedule's order. Left to
 its defaults, Inductor changes what is alive when, and so the peak. Measured on CPU, each of these
@@ -55,7 +65,10 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
 
+from fxopt.cpu_memory import allocation_events, peak_increase, profile_cpu_memory
+from fxopt.fxgraph import copy_module
 from fxopt.passes.decompose import OP, decompose
+from fxopt.storage import storages, tensors_in
 
 log = logging.getLogger("fxopt")
 
@@ -63,12 +76,19 @@ _PACKAGE = Path(__file__).parent.parent
 _SOURCES = tuple(str(_PACKAGE / name) for name in ("capture/inductor.py", "passes/decompose.py"))
 
 
+# Under this key of a forward module's ``meta``, fxopt's partition offers Inductor's own step in
+# place of its plan (a budget that admits eager's step, or a plan that changes nothing:
+# `fxopt.capture.dynamo.own_step_bound`): the most the step's graph may hold, its inputs and all it
+# allocates, for the plan's budget to hold.
+OWN_STEP_BOUND = "fxopt_own_step_bound"
+
+
 def inductor_backend(partition: Callable, inductor_config: dict[str, Any] | None = None) -> Callable:
     """A torch.compile backend: Inductor, with ``partition(joint, joint_inputs, *,
-    num_fwd_outputs, **kw) -> (fw, bw)`` as its partitioner and the settings above.
-    ``inductor_config``: more Inductor settings, applied last."""
+    num_fwd_outputs, **kw) -> (fw, bw)`` as its partitioner and the settings above; or, where the
+    partition offers it (`OWN_STEP_BOUND`), Inductor's own step, if a run of it measures within
+    the bound (`_own_step`). ``inductor_config``: more Inductor settings, applied last (to either)."""
     patches = {
-        "custom_partitioner_fn": _Partitioner(partition),
         "inductor_choices_class": _KeepSchedule,
         "reorder_for_peak_memory": False,
         "allow_buffer_reuse": False,
@@ -79,13 +99,112 @@ def inductor_backend(partition: Callable, inductor_config: dict[str, Any] | None
 
     def compile_inductor(gm: fx.GraphModule, example_inputs):
         log.info("fxopt: compiling the planned step with Inductor")
-        # AOTAutograd's cache would hand back an earlier compile without calling the partitioner:
-        # no plan, and not necessarily this budget's. (Inductor's cache of each module stays on.)
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=_compile_one_kernel_per_call,
-                              config_patches=patches, decompositions={})
+        partitioner = _Partitioner(partition)
+        try:
+            return _compile_planned(_copy(gm), example_inputs, partitioner, patches)
+        except _OwnStepOffered as offer:
+            try:
+                own = _own_step(_copy(gm), example_inputs, offer.bound, inductor_config)
+            except Exception as err:  # noqa: BLE001 - where Inductor's own step fails, fxopt's plan runs
+                log.warning("fxopt: Inductor's own step could not be compiled or measured (%s: %s); compiling "
+                            "fxopt's plan instead", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                own = None
+            if own is not None:
+                return own
+            partitioner.offered = offer  # (its modules, without planning again)
+            return _compile_planned(gm, example_inputs, partitioner, patches)
 
     return compile_inductor
+
+
+def _compile_planned(gm: fx.GraphModule, example_inputs, partitioner: _Partitioner, patches: dict):
+    # AOTAutograd's cache would hand back an earlier compile without calling the partitioner:
+    # no plan, and not necessarily this budget's. (Inductor's cache of each module stays on.)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=_compile_one_kernel_per_call,
+                          config_patches={**patches, "custom_partitioner_fn": partitioner}, decompositions={})
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's module for one compile (``compile_fx`` may change the module it is given)."""
+    copy = copy_module(gm)
+    copy.meta.update(gm.meta)
+    copy.shape_env = getattr(gm, "shape_env", None)
+    return copy
+
+
+class _OwnStepOffered(Exception):
+    """Raised from the partitioner where fxopt's partition offers Inductor's own step: ``bound``
+    (`OWN_STEP_BOUND`), and fxopt's modules for ``joint_code``, to compile if it does not hold."""
+
+    def __init__(self, bound: int, joint_code: str, fw: fx.GraphModule, bw: fx.GraphModule):
+        super().__init__("Inductor's own step offered")
+        self.bound, self.joint_code, self.fw, self.bw = bound, joint_code, fw, bw
+
+
+def _own_step(gm: fx.GraphModule, example_inputs, bound: int, inductor_config: dict[str, Any] | None):
+    """Inductor's own compile of the step (what ``torch.compile(model)`` runs: its decompositions,
+    its partitioner, its fusions and reorders), if one run of it, forward and backward, measures
+    within ``bound`` (its inputs counted); None otherwise."""
+    log.info("fxopt: the budget admits Inductor's own step, if it measures within it; compiling it to measure it")
+    # (Its backward compiled now, not at its first run: a compile inside the run would be measured,
+    # and a compile nested in Dynamo's fails.)
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), _own_choices():
+        compiled = compile_fx(gm, example_inputs, config_patches=dict(inductor_config or {}))
+    inputs = sum(storages(list(example_inputs)).values())
+    held = inputs + _run_increase(compiled, example_inputs)
+    if held > bound:
+        log.info("fxopt: Inductor's own step measured %d bytes, over the %d its budget leaves it: compiling "
+                 "fxopt's plan instead", held, bound)
+        return None
+    log.info("fxopt: running Inductor's own step: it measured %d bytes, within the %d its budget leaves it",
+             held, bound)
+    return compiled
+
+
+def _run_increase(compiled: Callable, example_inputs) -> int:
+    """The most one forward and backward of ``compiled`` (a Dynamo backend's result) allocates at
+    once above what is alive before it, measured (on CPU from the profiler's allocation events, on
+    CUDA from the allocator's peak), on the example inputs. The backward is asked of every input
+    that requires a gradient (gradients returned, not accumulated into ``.grad``), with a
+    gradient of ones for every output that requires one (a loss's backward; an output the loss
+    does not reach gets a gradient autograd fills, of the same bytes); inputs the step changes
+    (a norm's running statistics) and the random state are put back. Run twice, the second
+    measured (a first run may allocate what later ones do not)."""
+    inputs = list(example_inputs)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    wrt = [t for t in tensors if t.requires_grad]
+    # (Compared, not told by their versions: a kernel that writes into an input bumps none.)
+    kept = [(t, t.detach().clone()) for t in tensors if not t.requires_grad]
+    device = next((t.device for t in tensors), torch.device("cpu"))
+
+    def run():
+        outs = compiled(*inputs)  # (as Dynamo calls it)
+        need = [o for o in tensors_in(outs) if o.requires_grad]
+        if need and wrt:
+            torch.autograd.grad(need, wrt, [torch.ones_like(o) for o in need], allow_unused=True)
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type), \
+            torch.enable_grad():
+        try:
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                start = torch.cuda.memory_allocated(device)
+                run()
+                torch.cuda.synchronize(device)
+                increase = torch.cuda.max_memory_allocated(device) - start
+            else:
+                with profile_cpu_memory(collect=False, every_thread=True) as prof:
+                    run()
+                increase = peak_increase(allocation_events(prof))
+        finally:
+            with torch.no_grad():
+                for t, value in kept:
+                    if not torch.equal(t, value):
+                        t.copy_(value)
+    return increase
 
 
 def _uuid() -> bytes:
@@ -93,13 +212,23 @@ def _uuid() -> bytes:
 
 
 class _Partitioner(CustomPartitionerFn):
-    """fxopt's planner as Inductor's partitioner; the modules it returns are marked and decomposed."""
+    """fxopt's planner as Inductor's partitioner; the modules it returns are marked and decomposed.
+    Where the partition offers Inductor's own step (`OWN_STEP_BOUND`), raises `_OwnStepOffered`
+    instead, once; ``offered``: the modules of that offer, returned without planning again."""
 
     def __init__(self, partition: Callable):
         self.partition = partition
+        self.offered: _OwnStepOffered | None = None
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
-        fw, bw = self.partition(joint, joint_inputs, **kwargs)
+        offered, code = self.offered, joint.code  # (before planning, which rewrites the joint graph)
+        if offered is not None and offered.joint_code == code:
+            fw, bw = offered.fw, offered.bw
+        else:
+            fw, bw = self.partition(joint, joint_inputs, **kwargs)
+            bound = fw.meta.pop(OWN_STEP_BOUND, None)
+            if bound is not None and offered is None:
+                raise _OwnStepOffered(bound, code, fw, bw)
         held = _held_through_backward(fw, bw, kwargs.get("num_fwd_outputs"))
         table = select_decomp_table()
         fw, bw = decompose(_materialize_in_place(fw), table), decompose(_materialize_in_place(bw), table)
@@ -179,7 +308,16 @@ class _KernelMemory:
     next one keeps ``x`` beside the next one's output; a transformers GPT-2 at its smallest budget
     measured 514 KB over the plan). `fused_fits` allows a fusion where that stays within the
     graph's peak run kernel by kernel, so that fusion never raises the peak the plan predicted.
-    A buffer whose size cannot be read counts its kernel as unfusable."""
+
+    That peak is the least the kernels run one by one can hold: Inductor writes a kernel's output
+    into an input that dies there (``buf4 = buf2; del buf2  # reuse``), so a kernel may allocate
+    nothing, and a peak counted without that was one no run reached: a log-softmax's backward
+    written into the nll_loss gradient it reads let the nll_loss backward's last kernel fuse with
+    the log-softmax's reduction, over the plan (the test-size transformers Llama, 128 B). So here
+    each kernel may reuse, for an output, any buffer or input of the same bytes that dies there
+    (`_reusable`: more than Inductor reuses), while what a fused kernel holds counts no reuse: a
+    fusion is allowed only where its most stays within that least. A buffer whose size cannot be
+    read counts its kernel as unfusable."""
 
     def __init__(self, scheduler, backward: bool):
         from torch._inductor.virtualized import V
@@ -187,6 +325,8 @@ class _KernelMemory:
         nodes = scheduler.nodes
         steps = max((n.max_order for n in nodes), default=-1) + 1
         alloc, freed = [0] * steps, [0] * (steps + 1)
+        written: list[list[int]] = [[] for _ in range(steps)]  # bytes of each output, by kernel
+        dying: list[list[tuple[int, bool]]] = [[] for _ in range(steps + 1)]  # (bytes, freed here), by last reader
         self.unknown = set()
         last: dict[str, int] = {}
         for n in nodes:
@@ -202,29 +342,36 @@ class _KernelMemory:
                     size = 0
                 end = steps if name in outputs else max(last.get(name, n.max_order), n.max_order)
                 alloc[n.min_order] += size
+                written[n.min_order].append(size)
                 if end < steps:
                     freed[end] += size
+                    dying[end].append((size, True))
         base = 0
-        if backward:
-            inputs = V.graph.graph_inputs
-            held = _HELD_THROUGH_BACKWARD.get(frozenset(inputs))
-            if held is None:  # (not a backward fxopt partitioned: which inputs die is not known)
-                self.unknown.update(range(steps))
-            for name, value in inputs.items():
-                if name not in last or name in (held or ()) or name in outputs:
-                    continue  # alive for good, outside this count: it changes no fusion
-                size = _buffer_bytes(value)
-                if size is None:  # (freed by a kernel whose fusions then cannot be judged)
+        inputs = V.graph.graph_inputs
+        held = _HELD_THROUGH_BACKWARD.get(frozenset(inputs)) if backward else None
+        if backward and held is None:  # (not a backward fxopt partitioned: which inputs die is not known)
+            self.unknown.update(range(steps))
+        for name, value in inputs.items():
+            if name not in last or name in outputs:
+                continue  # alive for good, outside this count: it changes no fusion
+            size = _buffer_bytes(value)
+            dies = backward and name not in (held or ())
+            if size is None:
+                if dies:  # (freed by a kernel whose fusions then cannot be judged)
                     self.unknown.add(last[name])
-                    continue
+                continue
+            dying[last[name]].append((size, dies))  # (reusable where it is read last, held or not)
+            if dies:
                 base += size
                 freed[last[name]] += size
         self.before = []
-        alive, self.peak = base, base
+        alive, least, self.peak = base, base, base
         for k in range(steps):
             self.before.append(alive)
-            self.peak = max(self.peak, alive + alloc[k])
+            reused, reused_freed = _reusable(written[k], dying[k])
+            self.peak = max(self.peak, least + alloc[k] - reused)
             alive += alloc[k] - freed[k]
+            least += alloc[k] - reused - (freed[k] - reused_freed)
         self.alloc = alloc
 
     def fused_fits(self, first: int, last: int) -> bool:
@@ -235,6 +382,22 @@ class _KernelMemory:
         if any(k in self.unknown for k in members):
             return False
         return self.before[first] + sum(self.alloc[first:last + 1]) <= self.peak
+
+
+def _reusable(written: list[int], dying: list[tuple[int, bool]]) -> tuple[int, int]:
+    """Of a kernel's outputs (``written``, bytes each), those that may take over the storage of a
+    buffer or input dying there (``dying``: bytes, and whether the count frees it there), one
+    each, of equal bytes: (their bytes, the bytes of those taken over that the count frees)."""
+    free = sorted(dying, reverse=True)
+    reused = reused_freed = 0
+    for size in sorted(written, reverse=True):
+        match = next((i for i, (bytes_, _) in enumerate(free) if bytes_ == size), None)
+        if match is None or size == 0:
+            continue
+        reused += size
+        reused_freed += size if free[match][1] else 0
+        del free[match]
+    return reused, reused_freed
 
 
 def _ops_of(snode) -> set:
@@ -285,10 +448,38 @@ def _materialize_in_place(gm: fx.GraphModule) -> fx.GraphModule:
 def _compile_one_kernel_per_call(gm: fx.GraphModule, example_inputs, **kwargs):
     token = _COMPILING_BACKWARD.set(bool(kwargs.get("is_backward", False)))
     try:
-        with _flush_each_cpp_kernel():
+        with _flush_each_cpp_kernel(), _own_choices():
             return compile_fx_inner(gm, example_inputs, **kwargs)
     finally:
         _COMPILING_BACKWARD.reset(token)
+
+
+@contextlib.contextmanager
+def _own_choices():
+    """Inside, Inductor's heuristics (``V.choices``: which kernels fuse) are made anew from the
+    settings in force (``inductor_choices_class``: `_KeepSchedule` in fxopt's compiles, Inductor's
+    own in Inductor's own step), and after, they are what they were. Inductor makes them once per
+    thread, at the thread's first compile, and keeps them: a process whose first compile was a
+    plain ``torch.compile`` compiled fxopt's modules with no fusion guard (the bench transformers
+    Llama at HF checkpointing's peak: 44.65 MiB against a 42.30 MiB budget, within it alone), and
+    one whose first compile was fxopt's compiled later plain ones under fxopt's guard."""
+    from torch._inductor import virtualized
+
+    local, key = virtualized.threadlocal, getattr(virtualized._choices, "_key", None)
+    if key is None:  # pragma: no cover - another torch: no per-thread heuristics to reset
+        log.warning("fxopt: this torch keeps Inductor's heuristics elsewhere; a compile may use another's")
+        yield
+        return
+    had, prior = hasattr(local, key), getattr(local, key, None)
+    if had:
+        delattr(local, key)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(local, key, prior)
+        elif hasattr(local, key):
+            delattr(local, key)
 
 
 @contextlib.contextmanager

@@ -66,7 +66,7 @@ from fxopt.errors import BudgetError, CaptureError, InfeasibleBudgetError
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import LiveBytes
 from fxopt.solvers.plan import Plan
-from fxopt.storage import StorageKey, local, storage_key, storage_refs, storages, tensors_in
+from fxopt.storage import StorageKey, local, module_tensors, storage_key, storage_refs, storages, tensors_in
 from fxopt.units import format_bytes
 
 log = logging.getLogger("fxopt")
@@ -157,12 +157,17 @@ class Step:
 
     @classmethod
     def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None) -> Step:
-        resident = storages([model, *args], grads=True)
-        trainable = {storage_key(local(p)): local(p).numel() * p.element_size() for p in model.parameters()
-                     if p.requires_grad}
+        # (One walk of the model, each parameter under each of its names: this runs at every call.)
+        params, buffers = module_tensors(model, remove_duplicate=False)
+        resident = storages([params, buffers, *args], grads=True)
+        trainable: dict[StorageKey, int] = {}
         names: dict[StorageKey, int] = {}
-        for _, p in model.named_parameters(remove_duplicate=False):
-            names[storage_key(local(p))] = names.get(storage_key(local(p)), 0) + 1
+        for p in params:
+            shard = local(p)
+            key = storage_key(shard)
+            names[key] = names.get(key, 0) + 1
+            if p.requires_grad:
+                trainable[key] = shard.numel() * p.element_size()
         return cls(resident, trainable, frozenset(ptr for ptr, n in names.items() if n > 1), model, held,
                    wrapping, coverage.sequence_number())
 

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxopt.distributed import ddp as ddp_graph, fsdp2
+from fxopt.distributed import ddp as ddp_graph, fsdp, fsdp2
 from fxopt.errors import BudgetError, CaptureError
 from fxopt.storage import local, storage_bytes, storage_key
 
@@ -192,8 +192,10 @@ def unsharded_bytes(unit: nn.Module, units: list[nn.Module]) -> int:
 
 def check_fsdp(units: list[nn.Module], graph_breaks: str) -> None:
     """Refuse FSDP2 settings whose memory fxopt does not count (`fxopt.distributed.fsdp2.check`),
-    and pieces where they are refused (for a step FSDP2's own hooks must run)."""
+    or does not count in pieces (`fxopt.distributed.fsdp2.check_pieces`: mixed precision), and
+    pieces where they are refused (for a step FSDP2's own hooks must run)."""
     fsdp2.check(units)
+    fsdp2.check_pieces(units)
     if graph_breaks == "error":
         raise CaptureError(
             "this FSDP2 model's step is captured in pieces (FSDP's hooks run between them, outside any graph: "
@@ -340,8 +342,19 @@ class DistributedStep:
 
     def target(self) -> Callable:
         """What fxopt compiles: the model, or the call of the module a DDP wraps (DDP's own forward
-        runs as it is; see `call`)."""
-        return module_call(self.model.module) if self.ddp is not None else self.model
+        runs as it is; see `call`), or the call of the model where its own hooks cast for mixed
+        precision (FSDP2's policy on the root unit, `fxopt.distributed.fully_shard`'s): Dynamo
+        runs the hooks of the module it compiles outside the graph, and traces a call's."""
+        if self.ddp is not None:
+            return module_call(self.model.module)
+        if self._casts_at_root():
+            return module_call(self.model)
+        return self.model
+
+    def _casts_at_root(self) -> bool:
+        if self.one_graph is not None:
+            return self.one_graph.casts(self.model)
+        return fsdp.casts_at(self.model)
 
     def compile_between(self, compile_call: Callable[[Callable], Callable]) -> list[Callable]:
         """The compiled calls of the submodules between FSDP2 units (`eager_modules`)."""

@@ -15,9 +15,21 @@ step like any activation.
 Gradients are a sum over ranks; for the mean of the ranks' losses, divide each rank's loss by the
 world size (or average as a mean loss over the whole batch would). Buffers stay replicated.
 
-What this is not (yet): mixed precision (gather in the parameters' dtype), or meshes of several
-dimensions. FSDP2's own ``fully_shard`` models are gathered the same way (`gather`) by
-`fxopt.distributed.fsdp2`, their state kept FSDP2's.
+Mixed precision as FSDP2 does it (``mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)``, FSDP2's own policy class): each shard is cast to ``param_dtype``
+before its all-gather (gathered in bf16), the gathered parameter's gradient cast to
+``reduce_dtype`` before its reduce-scatter, and the reduced shard cast back to the shard's dtype:
+
+    x -> layer(x, view(all_gather(to(shard, bf16))[:numel], shape))
+         backward: to(reduce_scatter(to(g_W, fp32)), shard dtype)
+
+one ``torch.autograd.Function`` (`_GatherCast`) that Dynamo traces into the step's one graph, so
+the casts, the bf16 all-gathers and the fp32 reduce-scatters are nodes the plan sizes and prices
+in their own dtypes. The model's floating-point inputs are cast to ``param_dtype`` as FSDP2's root
+casts them (``cast_forward_inputs``), its outputs to ``output_dtype`` where one is set.
+
+What this is not (yet): meshes of several dimensions. FSDP2's own ``fully_shard`` models are
+gathered the same way (`gather`) by `fxopt.distributed.fsdp2`, their state kept FSDP2's.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import contextlib
 import math
 import pickle
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,10 +65,74 @@ def reading_through(module: nn.Module, classes: dict[int, type], make: Callable[
         del module.__dict__[key]
 
 
-def gather(shard: torch.Tensor, numel: int, shape: torch.Size, group) -> torch.Tensor:
-    """The whole parameter from each rank's shard (its backward reduce-scatters the gradient)."""
-    full = funcol.all_gather_tensor_autograd(shard, 0, group)
-    return full[:numel].view(shape)
+class Gathered(NamedTuple):
+    """What reading one sharded parameter gathers: its whole size and shape, and the dtypes it is
+    gathered and its gradient reduced in (None: the shard's own, as FSDP2 clamps them:
+    `dtypes_of`)."""
+
+    numel: int
+    shape: torch.Size
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+def dtypes_of(orig: torch.dtype, policy) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param_dtype, reduce_dtype) of a parameter of dtype ``orig`` under a
+    ``MixedPrecisionPolicy`` (or None), clamped as FSDP2 clamps them (``FSDPParam.init_dtype_attrs``):
+    no reduce dtype where it is the param dtype, no param dtype where it is the parameter's own or
+    the parameter is not floating-point."""
+    if policy is None:
+        return None, None
+    param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
+    if reduce_dtype == param_dtype:
+        reduce_dtype = None
+    if param_dtype == orig or not orig.is_floating_point:
+        param_dtype = None
+    return param_dtype, reduce_dtype
+
+
+class _GatherCast(torch.autograd.Function):
+    """The whole parameter from each rank's shard cast to ``param_dtype``; its backward casts the
+    gradient to ``reduce_dtype``, reduce-scatters it (a sum over ranks) and returns it in the
+    shard's dtype. FSDP2's mixed precision as functional collectives: Dynamo traces both
+    directions into the step's graph (a cast, an all-gather and its wait; a cast, a
+    reduce-scatter and its wait)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group_name: str, param_dtype, reduce_dtype) -> torch.Tensor:
+        ctx.group_name, ctx.reduce_dtype, ctx.shard_dtype = group_name, reduce_dtype, shard.dtype
+        return funcol.all_gather_tensor(shard if param_dtype is None else shard.to(param_dtype), 0, group_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.reduce_dtype is not None:
+            grad = grad.to(ctx.reduce_dtype)
+        reduced = funcol.reduce_scatter_tensor(grad, "sum", 0, ctx.group_name)
+        return reduced.to(ctx.shard_dtype), None, None, None
+
+
+def gather(shard: torch.Tensor, gathered: Gathered, group) -> torch.Tensor:
+    """The whole parameter from each rank's shard (its backward reduce-scatters the gradient), in
+    ``gathered.param_dtype`` where one is set (`_GatherCast`)."""
+    if gathered.param_dtype is None and gathered.reduce_dtype is None:
+        full = funcol.all_gather_tensor_autograd(shard, 0, group)
+    else:
+        name = group if isinstance(group, str) else group.group_name
+        full = _GatherCast.apply(shard, name, gathered.param_dtype, gathered.reduce_dtype)
+    return full[:gathered.numel].view(gathered.shape)
+
+
+def cast_floating(dtype: torch.dtype | None, tree):
+    """``tree`` with every floating-point tensor in it cast to ``dtype`` (FSDP2's
+    ``cast_forward_inputs``, its own helpers); unchanged for None."""
+    if dtype is None:
+        return tree
+    import functools
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
+    from torch.distributed.utils import _apply_to_tensors
+
+    return _apply_to_tensors(functools.partial(_cast_fp_tensor, dtype), tree)
 
 
 def _shard_of(p: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -65,14 +142,14 @@ def _shard_of(p: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return padded[rank * rows:(rank + 1) * rows].clone()
 
 
-def _sharded_class(cls: type, names: dict[str, tuple[int, torch.Size]], group) -> type:
+def _sharded_class(cls: type, names: dict[str, Gathered], group) -> type:
     """A subclass of ``cls`` whose parameters ``names`` read gathered from their shards."""
-    def reader(name: str, numel: int, shape: torch.Size):
+    def reader(name: str, gathered: Gathered):
         def get(self):
-            return gather(self._parameters[name], numel, shape, group)
+            return gather(self._parameters[name], gathered, group)
         return property(get)
 
-    attrs = {name: reader(name, numel, shape) for name, (numel, shape) in names.items()}
+    attrs = {name: reader(name, gathered) for name, gathered in names.items()}
     return type(f"Sharded{cls.__name__}", (cls,), attrs)
 
 
@@ -81,20 +158,25 @@ def is_sharded(model: nn.Module) -> bool:
     return any(getattr(m, "_fxopt_sharded", None) for m in model.modules())
 
 
-def fully_shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+def fully_shard(model: nn.Module, group: dist.ProcessGroup | None = None, *, mp_policy=None) -> nn.Module:
     """Shard every parameter of ``model`` over ``group`` (default: the world), in place; returns
     ``model``. Every rank must pass the same model (the same parameters, as after the same seed or
     a broadcast): each keeps its own part. Tied parameters (one tensor under several names) keep
-    one shard."""
+    one shard. ``mp_policy``: FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``, followed as
+    FSDP2 follows it (see the module docstring): parameters gathered in ``param_dtype``, gradients
+    reduced in ``reduce_dtype`` and kept in the shards' dtype, the model's floating-point inputs
+    cast to ``param_dtype`` (``cast_forward_inputs``) and its outputs to ``output_dtype``."""
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("fxopt.distributed.fully_shard needs a process group: call "
                            "torch.distributed.init_process_group first")
     if is_sharded(model):
         raise ValueError("this model is sharded already (fxopt.distributed.fully_shard was called on it)")
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("this model is sharded by FSDP2's fully_shard already: shard it with one of the two")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, not {type(mp_policy).__name__}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     shards: dict[int, nn.Parameter] = {}
     for module in list(model.modules()):
@@ -105,11 +187,53 @@ def fully_shard(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.
             if id(p) not in shards:
                 shards[id(p)] = nn.Parameter(_shard_of(p, rank, world), requires_grad=p.requires_grad)
             module._parameters[name] = shards[id(p)]
-            names[name] = (p.numel(), p.shape)
+            names[name] = Gathered(p.numel(), p.shape, *dtypes_of(p.dtype, mp_policy))
         if names:
             module.__class__ = _sharded_class(module.__class__, names, group)
             module._fxopt_sharded = names
+    if mp_policy is not None:
+        _cast_at_root(model, mp_policy)
     return model
+
+
+def _cast_at_root(model: nn.Module, policy) -> None:
+    """Hooks on ``model`` that cast its floating-point inputs to ``policy.param_dtype`` and its
+    outputs to ``policy.output_dtype``, as FSDP2's root unit does (its
+    ``_cast_forward_inputs``/``_cast_output_dtype``). Hooks, not a forward wrapper, so that Dynamo
+    traces them into the step."""
+    pre, post = casting_hooks(policy)
+    if pre is not None:
+        model.register_forward_pre_hook(pre, with_kwargs=True)
+    if post is not None:
+        model.register_forward_hook(post)
+
+
+def casting_hooks(policy) -> tuple:
+    """(pre, post): forward hooks that cast as FSDP2's unit hooks do under ``policy``
+    (``_cast_forward_inputs``: floating-point inputs to ``param_dtype`` where
+    ``cast_forward_inputs``; ``_cast_output_dtype``: outputs to ``output_dtype``), each None where
+    FSDP2's casts nothing. ``pre`` takes keyword arguments (``with_kwargs=True``)."""
+    pre = post = None
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        in_dtype = policy.param_dtype
+
+        def pre(module, args, kwargs):
+            return cast_floating(in_dtype, (args, kwargs))
+        pre.casts = True
+    if policy.output_dtype is not None:
+        out_dtype = policy.output_dtype
+
+        def post(module, args, output):
+            return cast_floating(out_dtype, output)
+        post.casts = True
+    return pre, post
+
+
+def casts_at(module: nn.Module) -> bool:
+    """Whether ``module`` has one of `casting_hooks`'s hooks now. Dynamo runs the hooks of the
+    module it compiles outside the graph, unless it compiles a call of the module (as
+    `fxopt.distributed.data_parallel.module_call` makes), which it traces hooks and all."""
+    return any(getattr(h, "casts", False) for d in (module._forward_pre_hooks, module._forward_hooks) for h in d.values())
 
 
 def full_tensor(model: nn.Module, name: str, tensor: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,11 +241,11 @@ def full_tensor(model: nn.Module, name: str, tensor: torch.Tensor | None = None)
     such as its gradient), gathered from every rank outside any graph."""
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
-    numel, shape = module._fxopt_sharded[attr]
+    gathered = module._fxopt_sharded[attr]
     shard = module._parameters[attr] if tensor is None else tensor
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, shard.detach().contiguous())
-    return torch.cat(parts)[:numel].view(shape)
+    return torch.cat(parts)[:gathered.numel].view(gathered.shape)
 
 
 def collective_group(joint) -> str | None:

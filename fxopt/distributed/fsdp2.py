@@ -17,6 +17,12 @@ could only plan piece by piece. While an fxopt step runs (its capture and every 
         FSDP2:  x -[pre-hook: all-gather, copy out]-> layer(x, W) -[post-hook: free W]->
         fxopt:  x -> layer(x, view(all_gather(shard)[:numel], shape))     (one graph, planned)
 
+  - with a ``MixedPrecisionPolicy`` (``param_dtype``/``reduce_dtype``), the shard is cast to
+    ``param_dtype`` before its all-gather and the gradient to ``reduce_dtype`` before its
+    reduce-scatter, back to the shard's dtype after (`fxopt.distributed.fsdp._GatherCast`), and
+    FSDP2's casts of each unit's floating-point inputs (``cast_forward_inputs``) and outputs
+    (``output_dtype``) run in hooks in the place of FSDP2's own forward hooks, so the step computes
+    in the dtypes FSDP2's would;
   - the shard is a new autograd leaf over the same storage; once autograd has accumulated its
     gradient (the reduce-scatter's sum over ranks), a hook divides it by FSDP2's gradient divide
     factor (the world size by default: FSDP2 averages) and puts it, unpadded, on the DTensor
@@ -31,11 +37,13 @@ fxopt's decision (SAVE or RECOMPUTE of the gathered value, `fxopt.analysis.joint
 A tied parameter (FSDP2's shared modules) is one leaf, read gathered under each of its names, so
 its uses' gradients accumulate into one.
 
-Refused (`check`), each with what to do, in one graph and in pieces alike: a
-``MixedPrecisionPolicy`` with ``param_dtype`` or ``reduce_dtype``, a ``CPUOffloadPolicy``, a mesh
-of several dimensions (HSDP); in one graph also a unit FSDP2 holds unsharded when the step starts. Planned in pieces instead, around FSDP2's own hooks, with a warning
-naming why (`not_one_graph`): a placement other than ``Shard(0)``, custom all-gather or
-reduce-scatter communication, an all-reduce hook, ``set_requires_gradient_sync(False)``.
+Refused (`check`), each with what to do, in one graph and in pieces alike: a ``CPUOffloadPolicy``,
+a mesh of several dimensions (HSDP); in one graph also a unit FSDP2 holds unsharded when the step
+starts; in pieces (`check_pieces`) a ``MixedPrecisionPolicy`` with ``param_dtype`` or
+``reduce_dtype`` (the pieces' reserve does not count FSDP2's casts). Planned in pieces instead,
+around FSDP2's own hooks, with a warning naming why (`not_one_graph`): a placement other than
+``Shard(0)``, custom all-gather or reduce-scatter communication, an all-reduce hook,
+``set_requires_gradient_sync(False)``.
 ``reshard_after_forward`` (any value) is FSDP2's choice for its hooks; in one graph fxopt's plan
 makes it.
 """
@@ -48,7 +56,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from fxopt.distributed.fsdp import gather, reading_through
+from fxopt.distributed.fsdp import Gathered, casting_hooks, gather, reading_through
 from fxopt.errors import CaptureError
 
 
@@ -98,15 +106,20 @@ def sharded_params(units: list[nn.Module]) -> list[Sharded]:
 FIX = "shard without it, or run FSDP2 without fxopt"
 
 
-def check(units: list[nn.Module]) -> None:
-    """Refuse the FSDP2 settings whose memory fxopt does not count, in one graph or in pieces."""
+def check_pieces(units: list[nn.Module]) -> None:
+    """Refuse what fxopt follows in one graph only, for a step FSDP2's hooks run in pieces."""
     for unit in units:
         mp = unit._get_fsdp_state()._mp_policy
         if mp.param_dtype is not None or mp.reduce_dtype is not None:
             raise CaptureError(
-                "an FSDP2 unit has a MixedPrecisionPolicy with param_dtype/reduce_dtype: fxopt gathers and "
-                "reduces in the parameters' dtype and does not count the policy's casts yet; shard without it "
-                "(torch.autocast inside the model is supported)")
+                "an FSDP2 unit has a MixedPrecisionPolicy with param_dtype/reduce_dtype, and this step is planned "
+                "in pieces around FSDP2's hooks, whose reserve does not count the policy's casts: fxopt follows "
+                "mixed precision in one graph only; drop the setting that needs FSDP2's hooks (the warning names "
+                "it), or shard without the policy (torch.autocast inside the model is supported)")
+
+
+def check(units: list[nn.Module]) -> None:
+    """Refuse the FSDP2 settings whose memory fxopt does not count, in one graph or in pieces."""
     for s in sharded_params(units):
         where = f"(parameter {s.name} of {type(s.module).__name__})"
         if type(s.group.offload_policy).__name__ != "OffloadPolicy":
@@ -144,6 +157,14 @@ class OneGraph:
         # One gathering subclass per managed module, made once: Dynamo's guards see the same class
         # at every call.
         self._classes: dict[int, type] = {}
+        # Per unit, the hooks that cast as FSDP2's forward hooks would (mixed precision), made once
+        # for the same reason.
+        self._casts = {id(unit): casting_hooks(unit._get_fsdp_state()._mp_policy) for unit in units}
+
+    def casts(self, unit: nn.Module) -> bool:
+        """Whether ``unit`` casts its inputs or outputs in hooks while the step runs (mixed
+        precision: `fxopt.distributed.fsdp.casting_hooks`)."""
+        return any(h is not None for h in self._casts.get(id(unit), ()))
 
     def __getstate__(self) -> dict:
         # The gathering classes are made at run time, which pickle cannot name: made again.
@@ -161,7 +182,7 @@ class OneGraph:
         self._lazy_init()
         with contextlib.ExitStack() as stack:
             for unit in self.units:
-                stack.enter_context(_without_forward_hooks(unit))
+                stack.enter_context(_without_forward_hooks(unit, *self._casts[id(unit)]))
             reads: dict[int, tuple[nn.Module, dict]] = {}  # module -> (module, its parameters' shards)
             for s in self.params:
                 leaf = _leaf(s)  # one per parameter, so that tied uses accumulate into one gradient
@@ -196,12 +217,14 @@ class OneGraph:
 
 def _leaf(s: Sharded):
     """This rank's padded shard of ``s`` as a new autograd leaf over FSDP2's storage, with what
-    `gather` needs; its accumulated gradient goes to the DTensor parameter (`_to_dtensor_grad`)."""
+    `gather` needs (the dtypes of FSDP2's mixed precision, as its lazy initialization clamped
+    them); its accumulated gradient goes to the DTensor parameter (`_to_dtensor_grad`)."""
     param = s.param.sharded_param
     leaf = s.param._sharded_param_data.detach().requires_grad_(param.requires_grad)
     if param.requires_grad:
         leaf.register_post_accumulate_grad_hook(lambda t: _to_dtensor_grad(t, s))
-    return leaf, param.numel(), param.shape, s.param.mesh_info.shard_process_group
+    gathered = Gathered(param.numel(), param.shape, s.param.param_dtype, s.param.reduce_dtype)
+    return leaf, gathered, s.param.mesh_info.shard_process_group
 
 
 def _to_dtensor_grad(leaf: torch.Tensor, s: Sharded) -> None:
@@ -226,8 +249,8 @@ def _gathering_class(cls: type, names: list[str]) -> type:
     """A subclass of ``cls`` whose parameters ``names`` read gathered from their shards."""
     def reader(name: str):
         def get(self):
-            shard, numel, shape, group = self.__dict__["_fxopt_fsdp2_shards"][name]
-            return gather(shard, numel, shape, group)
+            shard, gathered, group = self.__dict__["_fxopt_fsdp2_shards"][name]
+            return gather(shard, gathered, group)
         return property(get)
 
     return type(f"Gathered{cls.__name__}", (cls,), {name: reader(name) for name in names})
@@ -238,16 +261,20 @@ def _is_fsdp_hook(hook) -> bool:
 
 
 @contextlib.contextmanager
-def _without_forward_hooks(unit: nn.Module):
+def _without_forward_hooks(unit: nn.Module, pre=None, post=None):
     """``unit`` without FSDP2's forward pre- and post-hooks (its own, or those of a grouped
-    ``fully_shard([a, b])``, all defined in torch.distributed.fsdp); the module's hook
-    dictionaries are the same objects after (FSDP2's handles remove from them), every hook in its
-    place."""
+    ``fully_shard([a, b])``, all defined in torch.distributed.fsdp), ``pre`` and ``post`` (its
+    mixed precision's casts, `fxopt.distributed.fsdp.casting_hooks`) in their places, under their ids (FSDP2's pre-hook
+    takes keyword arguments); the module's hook dictionaries are the same objects after (FSDP2's
+    handles remove from them), every hook in its place."""
     hooks = [unit._forward_pre_hooks, unit._forward_hooks]
     saved = [list(d.items()) for d in hooks]
-    for d in hooks:
+    for d, instead in zip(hooks, (pre, post)):
         for i in [i for i, hook in d.items() if _is_fsdp_hook(hook)]:
-            del d[i]
+            if instead is not None:
+                d[i] = instead
+            else:
+                del d[i]
     try:
         yield
     finally:

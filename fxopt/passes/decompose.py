@@ -109,6 +109,15 @@ def _call_with(node: fx.Node, inputs: list[fx.Node]) -> Callable:
 # at its smallest budget).
 _REDUCED_THEN_SCALED = (torch.ops.aten.mean.dim, torch.ops.aten.mean.default)
 
+# Ops Inductor lowers as a copy of their input written to memory, then changed in place: inside a
+# decomposition, their result is a buffer of its own, whatever its size (nll_loss's backward
+# scatters into zeros as large as the logits, then scales them into its output: two such buffers
+# where eager's kernel writes one; the test-size transformers Llama, 132 B over the plan at 1.0
+# with the targets it reads).
+_WRITTEN_IN_PLACE = frozenset(("scatter", "scatter_add", "scatter_reduce", "index_put", "_unsafe_index_put",
+                               "index_add", "index_copy", "index_reduce", "masked_scatter",
+                               "_unsafe_masked_index_put_accumulate"))
+
 
 def reduction_scratch(node: fx.Node, table: Mapping[torch._ops.OpOverload, Callable], memo: dict | None = None) -> int:
     """Bytes of the reductions inside the decomposition of ``node``'s op (as `decompose` makes
@@ -117,8 +126,9 @@ def reduction_scratch(node: fx.Node, table: Mapping[torch._ops.OpOverload, Calla
     op's pointwise pieces and keeps them in registers, but writes such a reduction to memory (a
     transformers GPT-2 at bench size: 6,144 B beyond the simulator's count at its eager peak); the
     eager kernel the simulator measures holds none; a mean, lowered as a sum then a division, holds
-    its sum (`_REDUCED_THEN_SCALED`). 0 for an op that is not decomposed. ``memo``: answers by op
-    and input metadata."""
+    its sum (`_REDUCED_THEN_SCALED`). Besides, the results of the scatters the decomposition makes,
+    whatever their size (`_WRITTEN_IN_PLACE`). 0 for an op that is not decomposed. ``memo``:
+    answers by op and input metadata."""
     target = node.target
     val = node.meta.get("val")
     if node.op == "call_function" and target in _REDUCED_THEN_SCALED and isinstance(val, torch.Tensor):
@@ -142,8 +152,10 @@ def reduction_scratch(node: fx.Node, table: Mapping[torch._ops.OpOverload, Calla
     total = 0
     for n in (m for m in sub.graph.nodes if m.op == "call_function"):
         val = n.meta.get("val")
-        if (isinstance(val, torch.Tensor) and not val._is_view() and 0 < val.numel() < largest and n.users
-                and n not in output.all_input_nodes):
+        if not (isinstance(val, torch.Tensor) and not val._is_view() and n.users and n not in output.all_input_nodes):
+            continue
+        scatter = isinstance(n.target, torch._ops.OpOverload) and n.target._opname in _WRITTEN_IN_PLACE
+        if 0 < val.numel() < largest or scatter:
             total += val.untyped_storage().nbytes()
     if memo is not None:
         memo[key] = total

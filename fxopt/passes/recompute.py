@@ -34,7 +34,7 @@ from fxopt.analysis import JointGraph
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import NodeBuilder
 from fxopt.passes.offload import Reloads, offload_saved, reload_positions
-from fxopt.passes.waits import sink_all_reduce_waits
+from fxopt.passes.waits import sink_all_reduce_waits, wait_for_release
 from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate
 
 
@@ -102,6 +102,8 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
 
     graph = _backward_graph(joint, schedule, sizes + saved + tangents, constants, encoded, reloads, bwd_outputs, dims)
     sink_all_reduce_waits(graph)
+    wait_for_release(fw_graph)
+    wait_for_release(graph)
     next(iter(graph.find_nodes(op="output"))).meta["desc"] = bwd_descs  # AOTAutograd's descriptors
     graph.eliminate_dead_code()
     fw = fx._lazy_graph_module._make_graph_module(module, fw_graph)

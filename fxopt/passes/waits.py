@@ -14,8 +14,14 @@ outputs (or by the sum of a tied parameter's uses), so their waits can go that l
 The memory is the same: ``wait_tensor`` returns the tensor it waits on, which the all-reduce made
 when it was issued and which lives to the end as a gradient; the simulator counts it from the
 all-reduce on (`fxopt.analysis.scratch`). Only the all-reduces' waits move: a reduce-scatter's
-gloo copy is freed late by the waits that follow it (`fxopt.solvers.graph.Node.lingers`), which
-the simulator models at the traced positions.
+gloo copy is held by the simulator until the waits that follow it (`fxopt.solvers.graph.Node.lingers`),
+at the traced positions.
+
+On gloo, each all-gather's wait is followed by ``fxopt::released``, and each reduce-scatter with
+its wait becomes ``fxopt::reduce_scatter`` (`wait_for_release`): the step goes on once gloo's
+worker thread has let go of the collective's work, so that a gathered parameter, or gloo's copy of
+a gradient it reduces in, is freed where the plan counts it, not later at a moment the OS scheduler
+decides (see `fxopt.ops.collectives`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.analysis.costs import REDUCES, WAITS
+from fxopt.analysis.costs import GATHERS, REDUCES, WAITS, group_backend
+
 
 
 def _is_all_reduce_wait(node: fx.Node) -> bool:
@@ -44,4 +51,41 @@ def sink_all_reduce_waits(graph: fx.Graph) -> fx.Graph:
         first = min(wait.users, key=order.__getitem__, default=None)
         if first is not None and order[first] > order[wait] + 1:
             first.prepend(wait)
+    return graph
+
+
+def _collective_waited(node: fx.Node) -> fx.Node | None:
+    """The functional collective ``node`` waits on, where ``node`` is a wait."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace != "_c10d_functional" or target._opname not in WAITS or not node.args:
+        return None
+    source = node.args[0]
+    if not isinstance(source, fx.Node) or not isinstance(source.target, torch._ops.OpOverload):
+        return None
+    return source if source.target.namespace == "_c10d_functional" else None
+
+
+def wait_for_release(graph: fx.Graph) -> fx.Graph:
+    """``graph`` with ``fxopt::released`` right after the wait of each all-gather on a gloo group
+    (or a group this process cannot name, as the analysis assumes gloo there), and each such
+    reduce-scatter and its wait replaced by ``fxopt::reduce_scatter`` where the reduce-scatter was
+    issued, in place: each collective's buffers are then freed where the plan frees them."""
+    import fxopt.ops.collectives  # noqa: F401 - registers torch.ops.fxopt.*
+
+    for wait in list(graph.nodes):
+        source = _collective_waited(wait)
+        if source is None or group_backend(source) not in ("gloo", None):
+            continue
+        if source.target._opname in GATHERS:
+            with graph.inserting_after(wait):
+                graph.call_function(torch.ops.fxopt.released.default, (wait,))
+        elif source.target._opname == "reduce_scatter_tensor" and len(source.users) == 1:
+            with graph.inserting_before(source):
+                both = graph.call_function(torch.ops.fxopt.reduce_scatter.default, source.args)
+            both.meta.update(wait.meta)
+            wait.replace_all_uses_with(both)
+            graph.erase_node(wait)
+            graph.erase_node(source)
     return graph

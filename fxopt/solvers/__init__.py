@@ -19,7 +19,9 @@ The whole package imports without torch (a test blocks ``import torch`` and impo
     over one `search.Search`; `minimum`: the smallest budget that plans (`lowest_plan`, its
     `Memo`) and the answer "infeasible".
   - `blocks`: a step's repeated blocks found (identical segments of a chain); `block_plan`: each
-    kind solved once, a plan chosen per copy by dynamic programming, "auto"'s first phase.
+    kind solved once, the copies' decisions chosen by dynamic programming, "auto"'s first phase;
+    `block_rotor`: that program (rotor's, over menus of plans: a copy runs a plan of its kind's
+    curve, or is made again from an earlier copy's input before its backward).
   - `plan`: `Plan`, a solution as the user sees it (decisions, peak, costs; JSON).
   - `stages`: pipeline stage cuts and each stage's plan; `stage_plan`: `PipelinePlan`.
 """

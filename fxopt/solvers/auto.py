@@ -31,7 +31,7 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 17
+REVISION = 19
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)
@@ -117,10 +117,15 @@ def solve(
             phase.run(search)
     solution = search.best() if search.fitting else _nothing_fits(search)
     if solution.stopped:
-        warnings.warn(f"the solvers stopped at the time limit ({search.deadline.seconds:.1f} s) in: "
-                      f"{', '.join(solution.stopped)}; this plan is the best found by then, and another run "
-                      "may find another (raise time_limit, or lower the effort)", SolverTimeoutWarning, stacklevel=2)
+        _say_stopped(search.deadline, "this plan is the best found by then")
     return solution
+
+
+def _say_stopped(deadline: Deadline, what: str) -> None:
+    """The one warning a solve the safety stop cut short gives (`SolverTimeoutWarning`)."""
+    warnings.warn(f"the solvers stopped at the time limit ({deadline.seconds:.1f} s) in: {', '.join(deadline.stopped)}; "
+                  f"{what}, and another run may find another (raise time_limit, or lower the effort)",
+                  SolverTimeoutWarning, stacklevel=3)
 
 
 def lowest_plan(graph: Graph, solver: str = "auto", **kwargs) -> minimum.Lowest:
@@ -162,4 +167,8 @@ def _nothing_fits(search: Search) -> Solution:
     stopped = search.deadline.stopped
     detail = (f"The search for it stopped at the time limit ({search.deadline.seconds:.1f} s) in: {', '.join(stopped)}; "
               "a longer time_limit may find a smaller one." if stopped and lowest.peak > floor else "")
+    if stopped:
+        # (Said as a warning too: budget="min" plans at the budget the error names, and keeps
+        # no error to say it with.)
+        _say_stopped(search.deadline, "the smallest budget named is the smallest found by then")
     raise infeasible(budget, lowest, min(floor, lowest.peak), detail)

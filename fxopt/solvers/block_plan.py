@@ -1,21 +1,24 @@
 """Plans for a step made of repeated blocks: each kind of segment solved once for a curve of
-plans, one plan chosen per segment by dynamic programming over the chain, and the step's schedule
-made from those choices and simulated.
+plans, the segments' decisions chosen by rotor's dynamic program over the chain (which plan each
+runs, and which are made again from an earlier one's input in the backward), and the step's
+schedule made from those decisions and simulated.
 
 The step is a chain of segments (`fxopt.solvers.blocks`): the forward runs them in order, the
-backward in reverse. While segment s runs, forward or backward, the step holds
+backward in reverse; each reads what the one before hands it (its *link*: a layer's input). While
+segment s runs, forward or backward, the step holds
 
-    what segments before s keep     their SAVEd values, held from the end of their forward
-                                    to their backward: the sum of keep(p_j), j < s
-  + what s holds in its own graph   as its plan p_s runs (`Point`: its memory per step)
+    what the callers hold           the links kept so far, and the values the plans of the
+                                    segments before s keep until their backward
+  + what s holds in its own graph   as its plan p runs (`Point`: its memory per step)
   + the rest                        parameters, the gradients made so far, what segments read
                                     from one another: the same whatever the plans (the offsets)
 
-so a choice of plans (p_s) peaks at  max_s ( sum_{j<s} keep(p_j) + need_s(p_s) ), need_s(p) being
-the most of "p's own memory + offset_s" over s's steps, and costs the sum of their costs. That is
-Rockmate's hierarchical approach (Zhao et al., 2023) over rotor's chain (Beaumont et al., 2019;
-`fxopt.solvers.chain`): a plan per block from a curve solved once, the blocks chained by
-dynamic programming.
+Rockmate's hierarchical approach (Zhao et al., 2023) over rotor's chain (Beaumont et al., 2019):
+each block's plans from a curve solved once, the blocks chained by dynamic programming
+(`fxopt.solvers.block_rotor`, where a segment runs one of its kind's plans, or is run forward
+keeping only its link to the next and made again, from an earlier link, just before its own
+backward: at a tight budget the layers' values are made again after the head's peak instead of
+kept through it).
 
   - A kind's curve (`KindCurve`): plans of its own graph from `fxopt.solvers.solve` (the instant
     program and the heuristics: counted effort, as everywhere), each asked to keep at most so
@@ -24,35 +27,39 @@ dynamic programming.
     the last segment's kind, which keeps nothing for another, is asked for its own peak instead.
     Also eager's plan, the plan keeping nothing, and the kind's lowest-peak plan. Each is
     simulated in the kind's graph: its keep (`Timeline.saved_bytes`), cost, memory per step.
-  - What the segments hand one another (`Variant`): all SAVEd; or the first segment's values
-    (a language model's embedding, RoPE tables, mask) recomputed where read; or none, each
-    segment's input recomputed from the one before where read (the lowest peaks: each layer made
-    again, layer after layer, around what it cannot recompute, its attention, which its plan
-    SAVEs). Each variant's offsets come from one plan of the whole step (each segment at its
-    kind's plan keeping least, which reads most of what others hand it) simulated: at each step
-    of a segment, the step's memory less the segment's own and less what the segments before
-    keep. Steps are matched by node: a forward value, or the backward node a recomputation runs
-    before (`_read`); its cost beyond the segments' own is the variant's.
-  - The choice (`_cheapest`): the cheapest choice predicted within the budget, the (kept so far,
-    cost) pairs no other beats carried from segment to segment; the lowest peak (`_lowest`):
-    the least budget at which choosing, segment by segment, the plan keeping least among those
-    that fit gets through (keeping less never hurts a later segment).
-  - Refinement (`block_candidates`): each kind solved again halfway from the plans the cheapest
-    choice takes to their neighbours on its curve, and the choice made again: the curve drawn
-    finely where the budget needs it, `Effort.block_refinements` solves at most.
-  - The schedule (`expand`): SAVE what each chosen plan saves and what the variant SAVEs; the
-    backward runs each plan's backward (its recomputations in it), in the step's backward order,
-    recomputing just before it what a segment reads from another and is not SAVEd.
+  - The links (`Links`): what each segment hands the next and no later one reads.
+  - What the step SAVEs besides (`Variant`): all else segments read from one another; or that
+    less the first segment's values (RoPE tables, a mask: made again where read); or that and
+    the first segment's link (the embedding) too. Each variant's offsets come from one plan of
+    the whole step (each segment at its kind's plan keeping least, which reads most of what
+    others hand it, every link kept) simulated: at each step of a segment, the step's memory less
+    the segment's own, less what the segments before keep and the links alive then. Steps are
+    matched by node: a forward value, or the backward node a recomputation runs before (`_read`);
+    its cost beyond the segments' own is the variant's. The same plan gives the memory where
+    the backward would make segments again (just after the next segment's backward).
+  - The choice (`_choices`): per variant, rotor's cheapest decisions predicted within the budget
+    (`block_rotor.cheapest_tree`) and the cheapest making nothing again (`kept_tree`: one plan
+    per segment, exact in bytes); the lowest peak (`_lowest`: `min_peak_tree`).
+  - Refinement (`block_candidates`): each kind solved again halfway from the plans the choices
+    run to their neighbours on its curve, and the choice made again: the curve drawn finely where
+    the budget needs it, `Effort.block_refinements` solves at most.
+  - The schedule (`expand`): SAVE what the plans run in the forward save, the links kept there
+    and what the variant SAVEs; the backward runs each plan's backward (its recomputations in
+    it), in the step's backward order, each preceded by what rotor's decisions make again for it
+    (from the nearest values there), and recomputes what a segment reads from another and is
+    not SAVEd just before it is read.
 
 Nothing is trusted without the simulator: the prediction is exact for the plan the offsets were
-read from, above it where another plan lets go sooner of what segments share, and a choice whose
-simulated peak is over the budget anyway is made again with the budget lowered by the excess.
+read from, above it where another lets go sooner of what segments share, and choices whose
+simulated peaks are over the budget anyway are made again with the budget lowered by the excess.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
+import math
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -60,15 +67,17 @@ from collections.abc import Callable
 import numpy as np
 
 from fxopt.errors import InfeasibleBudgetError
+from fxopt.solvers.block_rotor import (Menu, RotorChain, Tree, actions, all_kept, cheapest_tree, evaluate, kept_tree,
+                                      min_peak_tree, plans)
 from fxopt.solvers.blocks import Blocks, find_blocks
 from fxopt.solvers.effort import Deadline, Effort
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.heuristics import Candidate
-from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, as_generated, on_demand, prune,
-                                    required_saves, save_all_set, simulate)
+from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, as_generated, must_save,
+                                    on_demand, prune, required_saves, save_all_set, simulate, to_recompute)
 
 # The shares of the way from a kind's plan keeping least to eager's that it is first solved at.
-LEVELS = (0.2, 0.5, 0.8)
+LEVELS = (0.0, 0.2, 0.5, 0.8)
 # Rounds of `block_candidates`' refinement: each solves a kind again halfway from each plan the
 # choice takes to its neighbours on the curve, where they are over REFINE_GAP of its span apart.
 REFINE_ROUNDS = 4
@@ -79,9 +88,6 @@ KIND_SOLVER = "instant"
 # A plan leaving more than this beyond the least any plan of its kind leaves alive after its
 # backward is no plan of the curve (see `KindCurve.add`); less is left to the simulator to count.
 LEFTOVER_SLACK = 4096
-# The most (kept bytes, cost) pairs `_cheapest` carries from a segment to the next; beyond it,
-# evenly thinned.
-PARETO_CAP = 4000
 
 # A solver of a kind's graph: (graph, budget) -> a schedule, or None where nothing fits.
 Solve = Callable[[Graph, int], "Schedule | None"]
@@ -152,6 +158,14 @@ class KindCurve:
         self.points: list[Point] = []
         self.asked: set[int] = set()  # the axis values solved at
         self.ballast = _with_ballast(graph) if by_keep else None
+        # What it cannot recompute, SAVEd by every plan (rotor counts it apart): its bytes, and
+        # how much of it is made by each forward anchor.
+        self.musts = must_save(graph)
+        roots = {graph.roots[i] for i in self.musts} - graph.resident
+        self.must = sum(graph.nodes[r].bytes for r in roots)
+        self.musts_made = np.zeros(len(self.forward_anchors))
+        for r in roots:
+            self.musts_made[bisect.bisect_left(self.forward_anchors, r):] += graph.nodes[r].bytes
 
     def axis(self, point: Point) -> int:
         return point.keep if self.by_keep else point.peak
@@ -258,37 +272,73 @@ def _with_ballast(graph: Graph) -> tuple[Graph, int] | None:
 # ---------------------------------------------------------------- the chain
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class Links:
+    """What each segment hands the next (rotor's links, `fxopt.solvers.block_rotor`): per
+    segment s, the forward values of segment s-1 that s reads and no later segment does (a
+    layer's input), as the step SAVEs them where kept (``values``), and their bytes; and whether
+    segment s's backward reads its link to the next (``read_back``: a Llama layer's does, where
+    the next norm's ``pow(x, 1)`` goes with it), which is then held until that backward. The
+    first segment's link is empty."""
+
+    values: tuple[frozenset[int], ...]
+    bytes: tuple[int, ...]
+    read_back: tuple[bool, ...]
+
+    @property
+    def all(self) -> frozenset[int]:
+        return frozenset().union(*self.values)
+
+
+def _links(blocks: Blocks) -> Links:
+    graph = blocks.graph
+    segments = blocks.segments
+    segment_of = {i: s for s, seg in enumerate(segments) for i in seg.members}
+    reads = [{v for v in seg.index[:seg.inputs] if graph.nodes[v].kind == "forward"} for seg in segments]
+    uncounted = graph.resident | graph.free | must_save(graph)  # (there anyway: no link's bytes)
+    values: list[frozenset[int]] = []
+    later: set[int] = set()
+    for s in reversed(range(len(segments))):
+        mine = {v for v in reads[s] if segment_of.get(v) == s - 1 and v not in later}
+        later |= reads[s]
+        values.append(frozenset(graph.through_aliases(mine) & (graph.saveable | graph.free) - uncounted))
+    values.reverse()
+    read_back = []
+    for s, seg in enumerate(segments):
+        local = blocks.kinds[seg.kind]
+        out = {k for k, g in enumerate(seg.index) if s + 1 < len(segments) and g in values[s + 1]}
+        readers = (*local.backward_nodes, *local.backward_only)
+        read_back.append(any(local.through_aliases(local.nodes[i].inputs) & out for i in readers))
+    return Links(tuple(values), tuple(sum(graph.nodes[r].bytes for r in {graph.roots[v] for v in link}
+                                          if r not in uncounted) for link in values), tuple(read_back))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Variant:
-    """What the step SAVEs for the segments whatever their plans (`Blocks.forced`, less the first
-    segment's values where those are recomputed where needed instead: a language model's
-    embedding and RoPE tables cost little to make again), with the offsets and the cost that
-    come with it."""
+    """What the step SAVEs for the segments besides their links, whatever their plans
+    (`Blocks.forced` less the links; less the first segment's values too where those are
+    recomputed where needed instead: a language model's RoPE tables and mask cost little to make
+    again), with what one simulated plan of the whole step says of the rest of the step around
+    each segment (the probe: see `block_chain`)."""
 
     saved: frozenset[int]
+    links: Links  # (the first segment's link to the next is none where its values are made again where read)
     offsets: tuple[tuple[np.ndarray, np.ndarray], ...]  # per segment: at its forward and backward anchors
+    sweep_fixed: np.ndarray  # per segment t: the step's memory as the sweeps before t's backward start
     extra_cost: float  # the recomputation outside the segments' plans (of what is not SAVEd)
 
 
 @dataclasses.dataclass(eq=False)
 class BlockChain:
-    """The step's segments, its kinds' curves, and the variants of what the step SAVEs for them."""
+    """The step's segments, its kinds' curves, what the segments hand one another, and the
+    variants of what the step SAVEs for them."""
 
     blocks: Blocks
     kinds: list[KindCurve]
     variants: list[Variant]
+    _memo: dict = dataclasses.field(default_factory=dict)  # (menus, sweeps, the lowest: by what they were made from)
 
     def points(self, s: int) -> list[Point]:
         return self.kinds[self.blocks.segments[s].kind].points
-
-    def need(self, variant: Variant, s: int) -> np.ndarray:
-        """Per point of segment s's kind: the most the step holds while it runs, less what the
-        segments before keep."""
-        off_f, off_b = variant.offsets[s]
-        return np.array([max(np.max(p.forward + off_f, initial=0.0), np.max(p.backward + off_b, initial=0.0))
-                         for p in self.points(s)])
-
-    def keep(self, s: int) -> np.ndarray:
-        return np.array([p.keep for p in self.points(s)], dtype=np.int64)
 
     def copy(self) -> BlockChain:
         """The same chain, its curves drawn further apart from this one's (a solve refines its own)."""
@@ -297,17 +347,82 @@ class BlockChain:
             other = copy.copy(kind)
             other.points, other.asked = list(kind.points), set(kind.asked)
             kinds.append(other)
-        return BlockChain(self.blocks, kinds, self.variants)
+        return BlockChain(self.blocks, kinds, self.variants, dict(self._memo))
 
-    def cost(self, s: int) -> np.ndarray:
-        return np.array([p.cost for p in self.points(s)])
+    def rotor(self, variant: Variant) -> RotorChain:
+        """The chain as rotor's dynamic program sees it with ``variant`` (`fxopt.solvers.block_rotor`):
+        per segment, a menu of its kind's plans (see the module)."""
+        return RotorChain(tuple(self._menu(variant, s) for s in range(len(self.blocks.segments))), variant.sweep_fixed)
+
+    def _menu(self, variant: Variant, s: int) -> Menu:
+        # (A kind's points are only ever added to: a menu of its first n points stays right.)
+        key = (id(variant), s, len(self.points(s)))
+        if key not in self._memo:
+            self._memo[key] = self._new_menu(variant, s)
+        return self._memo[key]
+
+    def _new_menu(self, variant: Variant, s: int) -> Menu:
+        seg = self.blocks.segments[s]
+        kind = self.kinds[seg.kind]
+        points, link = kind.points, variant.links.bytes[s]
+        off_f, off_b = variant.offsets[s]
+        resident = self._resident_inputs(variant, s)
+        keep = np.array([max(0, p.keep - kind.must) for p in points], dtype=np.int64)
+        return Menu(
+            keep=keep,
+            cost=np.array([p.cost for p in points]),
+            forward=np.array([np.max(p.forward + off_f, initial=0.0) for p in points]) - link,
+            backward=np.array([np.max(p.backward + off_b, initial=0.0) for p in points]) - link,
+            sweep=np.array([np.max(p.forward - kind.musts_made, initial=0.0) for p in points]) - resident - link,
+            again=np.array([self._again(variant, s, p, False) for p in points]),
+            again_link=np.array([self._again(variant, s, p, True) for p in points]),
+            ck=int(np.argmin(keep)), link_cost=self._again(variant, s, None, True), link=link,
+            holds_link=variant.links.read_back[s])
+
+    def _again(self, variant: Variant, s: int, point: Point | None, with_link: bool) -> float:
+        """The cost of making segment s again in a sweep, from its link and what the step holds
+        anyway (`expand`): what ``point`` keeps (None: nothing), and its link to the next with
+        ``with_link``; what it reads of another segment that the variant does not SAVE (RoPE's
+        tables) made again with it. Infinite where that needs what cannot be made again."""
+        key = (id(variant), s, None if point is None else id(point.schedule), with_link)
+        if key not in self._memo:
+            graph, links, seg = self.blocks.graph, variant.links, self.blocks.segments[s]
+            wanted = set(links.values[s + 1]) if with_link and s + 1 < len(links.values) else set()
+            if point is not None:
+                wanted |= {seg.index[i] for i in point.schedule.saved} - links.all
+            there = self._there(variant) | links.values[s]
+            try:
+                self._memo[key] = sum(graph.nodes[i].cost for i in to_recompute(graph, wanted, there))
+            except InvalidScheduleError:
+                self._memo[key] = np.inf
+        return self._memo[key]
+
+    def _there(self, variant: Variant) -> frozenset[int]:
+        """What a sweep finds available whatever the decisions (`OnDemand`'s start, and what
+        ``variant`` SAVEs): what it makes again is what it needs beyond these."""
+        key = (id(variant), "there")
+        if key not in self._memo:
+            graph = self.blocks.graph
+            self._memo[key] = (graph.resident | graph.forward_outputs | variant.saved | must_save(graph)
+                                 | {i for i, n in enumerate(graph.nodes) if n.tangent})
+        return self._memo[key]
+
+    def _resident_inputs(self, variant: Variant, s: int) -> int:
+        """Bytes of segment s's inputs that the step holds anyway while it is made again in the
+        backward (parameters, what the variant SAVEs, what cannot be recomputed): counted in the
+        sweep's fixed part, not again in the segment's own memory."""
+        graph, seg = self.blocks.graph, self.blocks.segments[s]
+        local = self.kinds[seg.kind].graph
+        there = self._there(variant) | graph.free
+        return sum(local.nodes[k].bytes for k in range(seg.inputs)
+                   if not local.nodes[k].tangent and graph.through_aliases({seg.index[k]}) <= there)
 
 
 def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
                 blocks: Blocks | None = None) -> BlockChain | None:
     """The step's chain of segments, each kind solved once (`kind_curve`), and the variants'
-    offsets, each read from one simulated plan; None where the step has no repeated block or
-    no such plan runs."""
+    offsets, each read from one simulated plan (the probe); None where the step has no repeated
+    block or no such plan runs."""
     blocks = blocks or find_blocks(graph)
     if blocks is None:
         return None
@@ -316,37 +431,55 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
              for k, kind in enumerate(blocks.kinds)]
     if not all(k.points for k in kinds):
         return None
+    links = _links(blocks)
     # The probe: each segment at the plan keeping least, which recomputes most, so reads in its
-    # backward all that another plan would of what it reads from other segments: what those
-    # hold is counted until their last possible reader (other choices may let it go sooner).
+    # backward all that another plan would of what it reads from other segments (what those hold
+    # is counted until their last possible reader: other choices may let it go sooner), every
+    # link kept.
     least = [min(range(len(k.points)), key=lambda p: k.points[p].keep) for k in kinds]
     probe = [least[seg.kind] for seg in blocks.segments]
-    variants = []
-    for saved in _saved_variants(blocks):
+    chain = BlockChain(blocks, kinds, [])
+    tree = all_kept(probe)
+    for saved, handed in _saved_variants(blocks, links):
         try:
-            timeline = simulate(graph, expand(blocks, kinds, probe, saved))
+            schedule = expand(chain, tree, saved, handed)
+            timeline = simulate(graph, schedule)
         except InvalidScheduleError:
             continue
         own = sum(kinds[seg.kind].points[probe[s]].cost for s, seg in enumerate(blocks.segments))
-        variants.append(Variant(saved, _offsets(blocks, kinds, probe, timeline), max(0.0, timeline.cost - own)))
-    return BlockChain(blocks, kinds, variants) if variants else None
+        offsets, sweep_fixed = _offsets(chain, handed, probe, schedule, timeline)
+        chain.variants.append(Variant(saved, handed, offsets, sweep_fixed, max(0.0, timeline.cost - own)))
+    return chain if chain.variants else None
 
 
-def _saved_variants(blocks: Blocks) -> list[frozenset[int]]:
-    """What the step may SAVE for the segments: all that segments read from one another
-    (`Blocks.forced`); or that less the first segment's values, which are then recomputed where
-    read (before a language model's layers: the embedding, RoPE's tables, the mask, each made
-    again at little cost); or none of it, every value a segment hands the next recomputed from
-    the one before where the backward reads it (what a layer cannot recompute, its attention, is
-    SAVEd by its plan: the rest of each layer is made again, layer after layer, at the lowest
-    peak; rotor's multi-level checkpointing, in its simplest form)."""
-    return list(dict.fromkeys((blocks.forced, blocks.forced - frozenset(blocks.segments[0].members), frozenset())))
+def _saved_variants(blocks: Blocks, links: Links) -> list[tuple[frozenset[int], Links]]:
+    """What the step may SAVE for the segments besides their links, and their links: all else
+    they read from one another (`Blocks.forced`); or that less the first segment's values, which
+    are then recomputed where read (before a language model's layers: RoPE's tables, the mask,
+    each made again at little cost, from what is always there); or that and the first
+    segment's link to the next too (the embedding). Not SAVEing a value a later segment made (one read
+    by two segments after it, where the blocks were cut at articulation values) would have it
+    made again from the segments before, at a time the chain's model does not follow; rotor's
+    decisions (`fxopt.solvers.block_rotor`) make the links again instead, where it pays."""
+    shared = blocks.forced - links.all
+    fresh = shared - frozenset(blocks.segments[0].members)
+    out = {(shared, links.values): (shared, links), (fresh, links.values): (fresh, links)}
+    if len(links.values) > 1 and links.values[1]:
+        unlinked = Links((frozenset(), frozenset(), *links.values[2:]), (0, 0, *links.bytes[2:]),
+                         (False, *links.read_back[1:]))
+        out[(fresh, unlinked.values)] = (fresh, unlinked)
+    return list(out.values())
 
 
-def _offsets(blocks: Blocks, kinds: list[KindCurve], probe: list[int], timeline: Timeline):
-    """Per segment, the step's memory at each of its anchors in ``timeline`` (the ``probe``
-    choice's), less the segment's own there and less what the segments before it keep."""
+def _offsets(chain: BlockChain, links: Links, probe: list[int], schedule: Schedule, timeline: Timeline):
+    """From the probe's ``timeline``: per segment, the step's memory at each of its anchors less
+    the segment's own there, less what the segments before it keep beyond what cannot be
+    recomputed, and less the links alive then (rotor counts those); and per segment t, the
+    step's memory as the sweeps before t's backward would start (at the end of the backward of
+    the segment after it), less the same."""
+    blocks, kinds = chain.blocks, chain.kinds
     graph = blocks.graph
+    count = len(blocks.segments)
     anchor: dict[str, tuple[int, str, int]] = {}  # (a kind's anchors, through each copy's `Segment.index`)
     for s, seg in enumerate(blocks.segments):
         kind = kinds[seg.kind]
@@ -356,123 +489,185 @@ def _offsets(blocks: Blocks, kinds: list[KindCurve], probe: list[int], timeline:
             anchor[graph.nodes[seg.index[i]].name] = (s, "b", k)
     shapes = [(len(kinds[seg.kind].forward_anchors), len(kinds[seg.kind].backward_anchors)) for seg in blocks.segments]
     read = _read(timeline.events, anchor.get, shapes)
+    alive_f, alive_b, alive_sweep = _links_alive(chain.blocks, links, schedule)
     out, kept = [], 0
     for s, seg in enumerate(blocks.segments):
         p = kinds[seg.kind].points[probe[s]]
-        out.append((read[s][0] - p.forward - kept, read[s][1] - p.backward - kept))
-        kept += p.keep
-    return tuple(out)
+        out.append((read[s][0] - p.forward - kept - alive_f[s], read[s][1] - p.backward - kept - alive_b[s]))
+        kept += max(0, p.keep - kinds[seg.kind].must)
+    # The sweeps before t's backward: as a later segment's backward ends, the memory just after
+    # its last node (the next step's, less what that step makes).
+    sweep = np.full(count, np.inf)
+    kept_after = np.cumsum([max(0, kinds[seg.kind].points[probe[s]].keep - kinds[seg.kind].must)
+                            for s, seg in enumerate(blocks.segments)])
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    events = [e for e in timeline.events if e[0] == "backward"]
+    last = None  # (the segment whose backward ran last)
+    for k, (_, name, live) in enumerate(events):
+        where = anchor.get(name)
+        if where is None or where[1] != "b":
+            continue
+        if last is not None and where[0] < last[0]:
+            for t in range(where[0], last[0]):
+                sweep[t] = min(sweep[t], last[1] - kept_after[t] - alive_sweep[t])
+        after = events[k + 1] if k + 1 < len(events) else None
+        last = (where[0], live if after is None else after[2] - _made(graph, index.get(after[1])))
+    return tuple(out), sweep
 
 
-Choice = tuple[Variant, list[int]]
+def _made(graph: Graph, i: int | None) -> int:
+    """The bytes node i's step adds while it runs: its own storage (a view has none) and its
+    workspace; none counted for a reload or a decompression (``i`` None: the memory then is
+    counted whole, which is above the memory before it)."""
+    if i is None:
+        return 0
+    node = graph.nodes[i]
+    return (node.bytes if graph.roots[i] == i else 0) + node.workspace
 
 
-def _cheapest(chain: BlockChain, budget: int) -> Choice | None:
-    """The least-cost choice (a variant, a point per segment) whose predicted peak is within
-    ``budget``, or None: per variant, the (kept so far, cost) pairs no other beats, carried
-    segment by segment."""
-    found = [(cost + variant.extra_cost, k, variant, choice) for k, variant in enumerate(chain.variants)
-             for cost, choice in [_cheapest_in(chain, variant, budget)] if choice is not None]
-    return min(found, key=lambda f: f[:2])[2:] if found else None
-
-
-def _cheapest_in(chain: BlockChain, variant: Variant, budget: int) -> tuple[float, list[int] | None]:
-    kept, spent = np.zeros(1, dtype=np.int64), np.zeros(1)
-    back: list[tuple[np.ndarray, np.ndarray]] = []
-    for s in range(len(chain.blocks.segments)):
-        need, keep, cost = chain.need(variant, s), chain.keep(s), chain.cost(s)
-        fits = kept[:, None] + need[None, :] <= budget  # (state, point)
-        state, point = np.nonzero(fits)
-        if not len(state):
-            return 0.0, None
-        k, c = kept[state] + keep[point], spent[state] + cost[point]
-        order = np.lexsort((c, k))
-        k, c, state, point = k[order], c[order], state[order], point[order]
-        best_before = np.concatenate(([np.inf], np.minimum.accumulate(c)[:-1]))
-        front = c < best_before - 1e-15  # (no state with less kept costs as little)
-        k, c, state, point = k[front], c[front], state[front], point[front]
-        if len(k) > PARETO_CAP:  # (thinned evenly; the least-kept and the cheapest stay)
-            pick = np.unique(np.linspace(0, len(k) - 1, PARETO_CAP).round().astype(int))
-            k, c, state, point = k[pick], c[pick], state[pick], point[pick]
-        kept, spent = k, c
-        back.append((state, point))
-    k = int(np.argmin(spent))
-    total = float(spent[k])
-    choice = []
-    for state, point in reversed(back):
-        choice.append(int(point[k]))
-        k = int(state[k])
-    return total, choice[::-1]
-
-
-def _lowest(chain: BlockChain) -> int:
-    """The least budget at which some choice's predicted peak fits (see the module)."""
-    return min(_lowest_in(chain, variant) for variant in chain.variants)
-
-
-def _lowest_in(chain: BlockChain, variant: Variant) -> int:
-    count = len(chain.blocks.segments)
-    needs, keeps = [chain.need(variant, s) for s in range(count)], [chain.keep(s) for s in range(count)]
-
-    def fits(budget: int) -> bool:
-        kept = 0
-        for need, keep in zip(needs, keeps):
-            ok = need + kept <= budget
-            if not ok.any():
-                return False
-            kept += int(keep[ok].min())
-        return True
-
-    lo, hi, kept = int(max(n.min() for n in needs)), 0, 0
-    for need, keep in zip(needs, keeps):  # every segment at the point keeping least fits here
-        p = int(np.argmin(keep))
-        hi = max(hi, int(np.ceil(kept + need[p])))
-        kept += int(keep[p])
-    hi = max(hi, lo)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def expand(blocks: Blocks, kinds: list[KindCurve], choice: list[int], saved: frozenset[int] | None = None) -> Schedule:
-    """The step's schedule for a point per segment (see the module), SAVEing ``saved`` (by
-    default `Blocks.forced`) besides what the points save; what a segment reads from another
-    that is not SAVEd (nor made fresh, a view) is recomputed just before it is read."""
+def _links_alive(blocks: Blocks, links: Links, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes of the links a schedule SAVEs that are alive (made, not yet read for the last time)
+    at each segment's forward anchors, at its backward anchors (its own input aside: it is in its
+    own graph), and as the sweeps before its backward start."""
     graph = blocks.graph
-    keep, compressed = set(blocks.forced if saved is None else saved), set()
-    queues: list[deque] = []
+    count = len(blocks.segments)
+    generated = as_generated(graph, schedule)
+    where = {i: s for s, seg in enumerate(blocks.segments) for i in seg.members if graph.nodes[i].kind == "backward"}
+    # Each backward step's segment: a recomputation's is that of the backward node it runs before.
+    segment_at, nxt = [0] * len(generated.backward), 0
+    for e in reversed(range(len(generated.backward))):
+        nxt = where.get(generated.backward[e], nxt)
+        segment_at[e] = nxt
+    last_reader: dict[int, int] = {}  # root -> the segment whose backward reads it last
+    for e, i in enumerate(generated.backward):
+        for j in graph.nodes[i].inputs:
+            last_reader[graph.roots[j]] = segment_at[e]
+    alive_f, alive_b, alive_sweep = np.zeros(count), np.zeros(count), np.zeros(count)
+    saved_roots = {graph.roots[i] for i in generated.saved}
+    for k in range(1, count):
+        roots = {graph.roots[v] for v in links.values[k]} & saved_roots
+        for r in roots:
+            size, reader = graph.nodes[r].bytes, last_reader.get(r)
+            alive_f[k + 1:] += size
+            if reader is not None:
+                alive_b[max(reader, k + 1):] += size
+                alive_sweep[reader:] += size
+    return alive_f, alive_b, alive_sweep
+
+
+Choice = tuple[Variant, Tree]
+
+
+def _choices(chain: BlockChain, budget: int, variants: list[Variant] | None = None
+             ) -> list[tuple[float, int, Variant, Tree]]:
+    """Per variant (of ``variants``, by default all), the cheapest decisions within ``budget``
+    that make nothing again (exact in bytes) and rotor's (with sweeps; what the callers hold in
+    slots), with their predicted cost."""
+    found = []
+    for k, variant in enumerate(chain.variants):
+        if variants is not None and variant not in variants:
+            continue
+        rotor = chain.rotor(variant)
+        for tree in dict.fromkeys((kept_tree(rotor, budget), cheapest_tree(rotor, budget))):
+            if tree is not None:
+                found.append((evaluate(rotor, tree)[1] + variant.extra_cost, k, variant, tree))
+    return sorted(found, key=lambda f: f[:2])
+
+
+def _lowest(chain: BlockChain) -> tuple[int, Choice]:
+    """The least budget at which some choice's predicted peak fits, and the choice (rotor's
+    lowest-peak decisions, the cheapest of them)."""
+    key = ("lowest", *(len(kind.points) for kind in chain.kinds))
+    if key not in chain._memo:
+        chain._memo[key] = _new_lowest(chain)
+    return chain._memo[key]
+
+
+def _new_lowest(chain: BlockChain) -> tuple[int, Choice]:
+    best = None
+    for k, variant in enumerate(chain.variants):
+        peak, cost, tree = min_peak_tree(chain.rotor(variant))
+        if best is None or (math.ceil(peak), cost + variant.extra_cost, k) < best[:3]:
+            best = (math.ceil(peak), cost + variant.extra_cost, k, variant, tree)
+    return best[0], best[3:]
+
+
+def predicted_peak(chain: BlockChain, found: Choice) -> int:
+    """The peak the model gives a choice (`block_rotor.evaluate`)."""
+    variant, tree = found
+    return math.ceil(evaluate(chain.rotor(variant), tree)[0])
+
+
+def expand(chain: BlockChain, tree: Tree, saved: frozenset[int], links: Links) -> Schedule:
+    """The step's schedule for rotor's decisions (see the module), SAVEing ``saved`` besides
+    what the plans run in the forward save and the links kept there: in the backward, each sweep
+    makes again what its segments' plans keep and the links it keeps (from the nearest values
+    available), just before the backward of the segment it serves."""
+    blocks = chain.blocks
+    graph = blocks.graph
+    steps = actions(tree)
+    last = len(blocks.segments) - 1
+    first = next(k for k, a in enumerate(steps) if a[0] == "B")
+    everything_linked = links.all
+
+    def kept_by(s: int, plan: int) -> set[int]:
+        seg = blocks.segments[s]
+        return {seg.index[i] for i in chain.points(s)[plan].schedule.saved} - everything_linked
+
+    keep, compressed = set(saved), set()
+    for action in steps[:first]:
+        if action[0] == "all":
+            s, plan, with_link = action[1:]
+            keep |= kept_by(s, plan) | (links.values[s + 1] if with_link else set())
+            seg = blocks.segments[s]
+            compressed |= {seg.index[i] for i in chain.points(s)[plan].schedule.compressed}
+        elif action[0] == "ck":
+            keep |= links.values[action[1] + 1]
+    assert steps[first][:2] == ("B", last)
+    builder = OnDemand(graph, frozenset(keep) & (graph.saveable | graph.free))
     where: dict[int, int] = {}
     for s, seg in enumerate(blocks.segments):
-        local = kinds[seg.kind].points[choice[s]].schedule
-        keep |= {seg.index[i] for i in local.saved}
-        compressed |= {seg.index[i] for i in local.compressed}
-        queues.append(deque(seg.index[i] for i in local.backward))
         where.update((g, s) for g in seg.members if graph.nodes[g].kind == "backward")
-    builder = OnDemand(graph, frozenset(keep) & (graph.saveable | graph.free))
+    queue = deque(steps[first:])
+    current, local = None, deque()
     # (A plan's own recomputations are made as it makes them, even of a value made again just
     # before for what another segment reads: reusing that copy would hold it, and all made with
     # it, from the first backward that needed it to the segment's own: on a 32-layer Llama, a
     # peak of 775 MB where 537 MB do.)
     for b in graph.backward_nodes:
-        queue = queues[where[b]]
-        while queue:
-            i = queue.popleft()
+        s = where[b]
+        if s != current:
+            plan = None
+            while queue and plan is None:
+                action = queue.popleft()
+                if action[0] == "B":
+                    plan = action[2] if action[1] == s else None
+                elif action[0] == "all":
+                    wanted = kept_by(action[1], action[2]) | (links.values[action[1] + 1] if action[3] else set())
+                    builder.recompute(wanted, keep=wanted)
+                elif action[0] == "ck":
+                    builder.recompute(links.values[action[1] + 1], keep=links.values[action[1] + 1])
+                elif not links.read_back[action[1]]:  # (else its backward reads it: kept until then)
+                    builder.forget(links.values[action[1] + 1])
+            if plan is None:
+                raise InvalidScheduleError(f"no backward of segment {s} in the decisions")
+            current, seg = s, blocks.segments[s]
+            local = deque(seg.index[i] for i in chain.points(s)[plan].schedule.backward)
+        while local:
+            i = local.popleft()
             builder.run(i)
             if i == b:
                 break
     return prune(graph, Schedule(builder.saved, builder.backward(), frozenset(compressed) & builder.saved))
 
 
-def _refine(chain: BlockChain, choice: list[int], solve: Solve, most: int) -> tuple[int, int]:
-    """Draw each kind's curve finer around the plans ``choice`` takes (`KindCurve.between`),
+def _refine(chain: BlockChain, trees: list[Tree], solve: Solve, most: int) -> tuple[int, int]:
+    """Draw each kind's curve finer around the plans ``trees`` run (`KindCurve.between`),
     solving ``most`` times at most: (points added, solves)."""
     added = solved = 0
+    chosen_plans = [(s, p) for tree in trees for s, p in plans(tree).items()]
     for k, kind in enumerate(chain.kinds):
-        chosen = {p for s, p in enumerate(choice) if chain.blocks.segments[s].kind == k}
+        chosen = {p for s, p in chosen_plans if chain.blocks.segments[s].kind == k}
         for value in kind.between(chosen)[:most - solved]:
             solved += 1
             added += kind.at(value, solve) is not None
@@ -480,16 +675,17 @@ def _refine(chain: BlockChain, choice: list[int], solve: Solve, most: int) -> tu
 
 
 def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refinements: int) -> list[Candidate]:
-    """For `fxopt.solvers.solve`: the chain's lowest-peak plan and its cheapest within
-    ``budget``, simulated. The curves are refined around the cheapest (`_refine`: `REFINE_ROUNDS`
-    rounds and ``refinements`` solves at most); where the choice is over the budget when
-    simulated, it is made again with the budget lowered by the excess, twice at most."""
+    """For `fxopt.solvers.solve`: the chain's cheapest plans within ``budget`` (`_leads`),
+    simulated, or where none fits its lowest-peak plan. The curves are refined around the
+    cheapest (`_refine`: `REFINE_ROUNDS` rounds and ``refinements`` solves at most); where the
+    choices are over the budget when simulated, they are made again with the budget lowered by
+    the excess, twice at most."""
     if chain is None:
         return []
     runs: dict[tuple, Candidate] = {}
 
     def run(found: Choice) -> Timeline | None:
-        key = (chain.variants.index(found[0]), tuple(found[1]))
+        key = (chain.variants.index(found[0]), found[1])
         if key not in runs:
             try:
                 runs[key] = _run(chain, found)
@@ -497,38 +693,50 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
                 return None
         return runs[key][1]
 
-    lowest = _cheapest(chain, _lowest(chain))
-    if lowest is not None:
-        run(lowest)
-    for _ in range(REFINE_ROUNDS):  # (on the predictions: only the choice it ends with is simulated)
-        found = _cheapest(chain, budget)
-        if found is None or refinements <= 0:
+    variants = None  # (the rounds after the first: the variants it chose)
+    for _ in range(REFINE_ROUNDS):  # (on the predictions: only the choices it ends with are simulated)
+        found = _leads(chain, budget, variants)
+        if not found or refinements <= 0:
             break
-        added, solved = _refine(chain, found[1], solve, refinements)
+        variants = [variant for variant, _ in found]
+        added, solved = _refine(chain, [tree for _, tree in found], solve, refinements)
         refinements -= solved
         if not added:
             break
     target = budget
     for _ in range(3):
-        found = _cheapest(chain, target)
-        timeline = None if found is None else run(found)
-        if timeline is None or timeline.peak_bytes <= budget:
+        found = _leads(chain, target)
+        timelines = [run(f) for f in found]
+        over = [t.peak_bytes for t in timelines if t is not None and t.peak_bytes > budget]
+        if not found or len(over) < len(found):
             break
-        target -= timeline.peak_bytes - budget
+        target -= min(over) - budget
+    if not any(t.peak_bytes <= budget for _, t in runs.values()):
+        run(_lowest(chain)[1])  # (for the phases that complete a plan over the budget)
     return list(runs.values())
 
 
+def _leads(chain: BlockChain, budget: int, variants: list[Variant] | None = None) -> list[Choice]:
+    """The cheapest choice within ``budget``, and the cheapest making nothing again where that is
+    another (the one a tight budget needs, the other the one whose plans are worth refining
+    where the budget is loose); of ``variants`` (by default all)."""
+    found = _choices(chain, budget, variants)
+    kept = [f for f in found if all(a[0] != "ck" for a in actions(f[3]))]
+    return list(dict.fromkeys(f[2:] for f in found[:1] + kept[:1]))
+
+
 def _run(chain: BlockChain, found: Choice) -> Candidate:
-    variant, choice = found
-    schedule = expand(chain.blocks, chain.kinds, choice, variant.saved)
+    variant, tree = found
+    schedule = expand(chain, tree, variant.saved, variant.links)
     return schedule, simulate(chain.blocks.graph, schedule)
 
 
 def lowest_block_plan(chain: BlockChain | None) -> Candidate | None:
     """The chain's plan of the least predicted peak (the cheapest of those), simulated."""
-    found = None if chain is None else _cheapest(chain, _lowest(chain))
+    if chain is None:
+        return None
     try:
-        return None if found is None else _run(chain, found)
+        return _run(chain, _lowest(chain)[1])
     except InvalidScheduleError:
         return None
 

@@ -213,6 +213,61 @@ def save_more(graph: Graph, schedule: Schedule, budget: int, *,
     return best if best[0] is not schedule else None
 
 
+# Values `exchange` tries to SAVE in each pass: those whose recomputation costs most.
+EXCHANGE_CANDIDATES = 12
+
+
+def exchange(graph: Graph, schedule: Schedule, budget: int, *,
+             tries: int = DEFAULT_EFFORT.exchange_tries) -> Candidate | None:
+    """`schedule` improved by exchanges: SAVE one value it recomputes (those whose recomputation
+    costs most first, `EXCHANGE_CANDIDATES` of them), and where that no longer fits, RECOMPUTE
+    (on demand) SAVEd values, those that cost least to recompute per byte first, each kept where
+    it lowers the simulated peak, until it fits again; the exchange is kept where the plan's cost
+    falls, and the next pass starts from it. `save_more` only adds: where the budget is tight at
+    the peak (the loss's backward, say) the room a costly value needs is held by cheap ones. None
+    if no exchange lowers the cost within ``tries`` simulated schedules (each candidate's SAVE,
+    each RECOMPUTE tried). A schedule that COMPRESSes or OFFLOADs is left as it is."""
+    if schedule.compressed or schedule.offloaded:
+        return None
+    nodes = graph.nodes
+
+    def scored(saved: frozenset[int]) -> Candidate | None:
+        nonlocal tries
+        tries -= 1
+        try:
+            candidate = on_demand(graph, saved)
+            return candidate, simulate(graph, candidate)
+        except InvalidScheduleError:
+            return None
+
+    start = simulate(graph, schedule)
+    best = (schedule, start)
+    while tries > 0:
+        saved = frozenset(best[0].saved)
+        recomputed = sorted((i for i in best[0].recomputed(graph) if i in graph.saveable and graph.roots[i] == i
+                             and nodes[i].bytes > 0 and nodes[i].cost > 0), key=lambda i: (-nodes[i].cost, i))
+        cheap = sorted((i for i in saved if i in graph.saveable and graph.roots[i] == i and nodes[i].bytes > 0
+                        and i not in graph.forward_outputs), key=lambda i: (nodes[i].cost / nodes[i].bytes, i))
+        improved = False
+        for v in recomputed[:EXCHANGE_CANDIDATES]:
+            if tries <= 0:
+                break
+            trial, current = saved | {v}, scored(saved | {v})
+            for u in cheap:
+                if current is None or current[1].peak_bytes <= budget or tries <= 0:
+                    break
+                dropped = scored(trial - {u})
+                if dropped is not None and dropped[1].peak_bytes < current[1].peak_bytes:
+                    trial, current = trial - {u}, dropped
+            if (current is not None and current[1].peak_bytes <= budget and current[1].cost < best[1].cost
+                    and not current[1].over_host_budget):
+                best, improved = current, True
+                break
+        if not improved:
+            break
+    return best if best[0] is not schedule else None
+
+
 def compress_to_fit(graph: Graph, schedule: Schedule, budget: int) -> Candidate | None:
     """`schedule` with the fewest of its SAVEd values COMPRESSed (cheapest per byte saved first)
     that brings its simulated peak within `budget`; None if compressing all of them does not."""

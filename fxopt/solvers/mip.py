@@ -13,7 +13,9 @@ solver:
 Both are bounded by counted work (`fxopt.solvers.effort`): branch-and-bound nodes, HiGHS's
 progress checks, simplex iterations; HiGHS runs on one thread, so that the same limits give the
 same answer on any machine. The time limit is a safety stop only (`MipResult.limit` says which
-limit ended a solve). Both return the best solution found and, where the solver gives it, the
+limit ended a solve), on the clock the caller gives (`Limits.clock`: the solvers give the
+planning thread's CPU time), read at HiGHS's progress checks (`WALL_BACKSTOP`; CBC, a subprocess,
+counts its own CPU seconds). Both return the best solution found and, where the solver gives it, the
 proven lower bound on the objective.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import os
 import signal
 import threading
 import time
@@ -148,12 +151,21 @@ def default_mip_solver() -> str:
     return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
 
 
+# Where the safety stop has a clock of its own (`Limits.clock`: the planning thread's CPU time,
+# read at HiGHS's progress checks), HiGHS's own time limit, which is wall-clock, is this many times
+# its seconds: a backstop for work between two checks (the root's LP) on a machine that gives the
+# thread less than a tenth of a core; on any less loaded one the safety stop's clock stops first.
+WALL_BACKSTOP = 10.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """The counted work one MIP solve may do (see `fxopt.solvers.effort`), and the time limit, a
-    safety stop. None: no such limit."""
+    safety stop: ``seconds`` on ``clock`` (`fxopt.solvers.effort.now`, the planning thread's CPU
+    time; None: the solver's own wall clock). None: no such limit."""
 
     seconds: float
+    clock: Callable[[], float] | None = None
     nodes: int | None = None  # branch-and-bound nodes
     checks: int | None = None  # HiGHS's progress checks (calls of its interrupt callback)
     lp_iterations: int | None = None  # simplex iterations of an LP relaxation
@@ -187,12 +199,13 @@ def solve_mip(
     if limits.seconds <= 0:
         return MipResult("stopped", None, None, None, 0.0, limit="time")
     if mip_solver == "highs":
-        t0 = time.perf_counter()
+        clock = limits.clock or time.perf_counter
+        t0 = clock()
         res = _solve_highs(model, limits, warm_start, relax, rel_gap, on_progress, verbose, target)
         if warm_start is not None and not relax and res.x is not None and not _solution_matches(model, res):
             # HiGHS (1.16) can report a better objective than the solution it returns, which is
             # then the warm start: solve again without it.
-            left = dataclasses.replace(limits, seconds=max(limits.seconds - (time.perf_counter() - t0), 0.01))
+            left = dataclasses.replace(limits, seconds=max(limits.seconds - (clock() - t0), 0.01))
             res = _solve_highs(model, left, None, relax, rel_gap, on_progress, verbose, target)
         return _checked(model, res, rel_gap)
     if mip_solver == "cbc":
@@ -241,12 +254,14 @@ def _solve_highs(model, limits: Limits, warm_start, relax, rel_gap, on_progress,
 
     t0 = time.perf_counter()
     stop = threading.Event()
-    check = _Checks(stop, on_progress, t0, target, limits.checks)
+    check = _Checks(stop, on_progress, t0, target, limits.checks, limits.clock,
+                    limits.clock() + limits.seconds if limits.clock else None)
     # HiGHS prints a banner from C++ whatever its options say.
     with contextlib.nullcontext() if verbose else silenced(1):
         h = highspy.Highs()
         h.setOptionValue("output_flag", bool(verbose))
-        h.setOptionValue("time_limit", float(max(limits.seconds, 0.01)))
+        wall = limits.seconds * (WALL_BACKSTOP if limits.clock else 1.0)
+        h.setOptionValue("time_limit", float(max(wall, 0.01)))
         h.setOptionValue("mip_rel_gap", float(rel_gap))
         h.setOptionValue("threads", 1)
         if limits.nodes is not None:
@@ -283,7 +298,7 @@ def _solve_highs(model, limits: Limits, warm_start, relax, rel_gap, on_progress,
     else:
         name = "feasible" if x is not None else "stopped"
     limit = None
-    if status == S.kTimeLimit:
+    if status == S.kTimeLimit or check.timed_out:
         limit = "time"
     elif status in (S.kSolutionLimit, S.kIterationLimit) or status == S.kInterrupt and not stop.is_set():
         limit = "work"
@@ -341,19 +356,24 @@ def _start_highs(h, warm_start: list[float] | dict[int, float]) -> None:
 
 class _Checks:
     """HiGHS's MIP interrupt callback: stop at the ``most``-th call (the counted work: with one
-    thread HiGHS calls it at the same places on every run), when ``stop`` is set (Ctrl-C) or when a
-    solution reaches ``target``; `Progress` about once a second."""
+    thread HiGHS calls it at the same places on every run), when ``stop`` is set (Ctrl-C), when a
+    solution reaches ``target``, or once the safety stop's ``clock`` (`Limits.clock`, if any)
+    reads ``stop_at`` (``timed_out``); `Progress` about once a second."""
 
     def __init__(self, stop: threading.Event, on_progress: Callable[[Progress], None] | None, t0: float,
-                 target: float | None, most: int | None):
+                 target: float | None, most: int | None, clock: Callable[[], float] | None,
+                 stop_at: float | None):
         self.stop, self.on_progress, self.t0, self.target, self.most = stop, on_progress, t0, target, most
+        self.clock, self.stop_at = clock, stop_at
         self.count = 0
         self.last_report = 0.0
+        self.timed_out = False
 
     def __call__(self, event) -> None:
         self.count += 1
         incumbent = _finite(event.data_out.mip_primal_bound)
-        if (self.stop.is_set() or self.most is not None and self.count >= self.most
+        self.timed_out = self.timed_out or self.clock is not None and self.clock() >= self.stop_at
+        if (self.stop.is_set() or self.timed_out or self.most is not None and self.count >= self.most
                 or self.target is not None and incumbent is not None and incumbent <= self.target):
             event.interrupt()
         if self.on_progress is None:
@@ -397,17 +417,24 @@ def _solve_cbc(model, limits: Limits, warm_start, relax, rel_gap, verbose) -> Mi
     if full_start:
         for v, x0 in zip(xs, warm_start):
             v.setInitialValue(x0)
-    solver = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=max(1, int(round(limits.seconds))), threads=1,
+    solver = pulp.PULP_CBC_CMD(msg=verbose, timeLimit=max(1, int(round(limits.seconds))), timeMode="cpu", threads=1,
                                warmStart=full_start, gapRel=rel_gap, maxNodes=limits.nodes)
+    cpu0 = _children_cpu()
     prob.solve(solver)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
     if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         x = tuple(float(v.varValue or 0.0) for v in xs)
         objective = model.objective(x)
         optimal = prob.sol_status == pulp.LpSolutionOptimal
-        # (CBC does not say which limit stopped it: past its time limit, that one.)
-        limit = None if optimal else "time" if seconds >= limits.seconds else "work"
+        # (CBC does not say which limit stopped it: past its time limit in CPU seconds, that one.)
+        limit = None if optimal else "time" if cpu >= limits.seconds else "work"
         return MipResult("optimal" if optimal else "feasible", x, objective,
                          objective if optimal and relax else None, seconds, limit=limit)
     status = "infeasible" if prob.status == pulp.LpStatusInfeasible else "stopped"
     return MipResult(status, None, None, None, seconds, limit=None if status == "infeasible" else "work")
+
+
+def _children_cpu() -> float:
+    """CPU seconds the finished subprocesses of this process have used (CBC's)."""
+    times = os.times()
+    return times.children_user + times.children_system

@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 from fxopt.solvers.block_plan import block_candidates
 from fxopt.solvers.chain import chain_candidates
-from fxopt.solvers.heuristics import checkpoint, compress_to_fit, greedy, offload_to_fit, save_all, save_more, segments
+from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, exchange, greedy, offload_to_fit, save_all, save_more,
+                                      segments)
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import bound_where_tight, instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
@@ -96,13 +97,16 @@ def sources(when: str) -> Phase:
 def run_blocks(search: Search) -> None:
     """The step as a chain of repeated blocks (`fxopt.solvers.block_plan`): each kind solved
     once, a plan chosen per copy, simulated; below the lowest of those, at the smallest budget,
-    the step's lowest-peak plan. Where a plan fits, or none can (proven), the phases of the
-    whole graph are not run (`by_blocks`); the bound then comes from `run_block_bound`."""
+    the step's lowest-peak plan. Where a block plan fits, or none can (proven), the phases of
+    the whole graph are not run (`by_blocks`); the bound then comes from `run_block_bound`.
+    Where only the lowest-peak plan of another source fits (the smallest budget is below the
+    blocks' lowest), they run, from it: that plan is the lowest, not a cheap one."""
     chain = search.chain()
     search.progress(f"repeated blocks: {len(chain.blocks.segments)} segments of {len(chain.blocks.kinds)} kinds")
     for schedule, timeline in block_candidates(chain, search.budget, search.kind_solvers()[0],
                                                search.effort.block_refinements):
         search.consider(schedule, timeline, "blocks", "heuristic", keep_over=True)
+    by_blocks = search.proven_infeasible or bool(search.fitting)
     if not search.fitting and not search.proven_infeasible:
         # Below the blocks' lowest plan: at the smallest budget fxopt names (an error's, or
         # budget="min"), the step's lowest-peak plan; at any other budget, the whole graph's phases.
@@ -111,7 +115,7 @@ def run_blocks(search: Search) -> None:
         if lowest.peak == search.budget:
             search.consider(lowest.schedule, simulate(search.graph, lowest.schedule), lowest.name, "heuristic")
     # (Where no plan can fit, proven, the search for the smallest budget uses the blocks too.)
-    search.by_blocks = search.proven_infeasible or bool(search.fitting)
+    search.by_blocks = by_blocks
 
 
 def run_block_bound(search: Search) -> None:
@@ -177,6 +181,18 @@ def run_save_more(search: Search) -> None:
     done = save_more(search.graph, best.schedule, search.budget, tries=search.effort.save_more_tries)
     if done is not None:
         search.consider(*done, f"{best.solver}+save", "heuristic")
+
+
+def run_exchange(search: Search) -> None:
+    """The cheapest plan so far with costly recomputations exchanged for cheap ones where that fits
+    (`exchange`)."""
+    best = search.cheapest()
+    if best is None:
+        return
+    search.progress("exchanging recomputations")
+    done = exchange(search.graph, best.schedule, search.budget, tries=search.effort.exchange_tries)
+    if done is not None:
+        search.consider(*done, f"{best.solver}+exchange", "heuristic")
 
 
 def run_ilp(search: Search) -> None:
@@ -290,6 +306,7 @@ def strategies() -> dict[str, tuple[Phase, ...]]:
     whole = (_INSTANT, sources("unsettled"), *_COMPLETE,
              # (Past the time limit, what only improves a plan that fits is skipped.)
              Phase("save more", run_save_more, lambda s: not s.settled() and not s.deadline.check("save more")),
+             Phase("exchange", run_exchange, lambda s: not s.settled() and not s.deadline.check("exchange")),
              Phase("ilp", run_ilp, lambda s: not s.settled() and not (s.fitting and s.deadline.check("ILP"))),
              *_LAST)
     out = {

@@ -761,6 +761,12 @@ def with_fresh_aliases(graph: Graph, events: Iterable[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def to_recompute(graph: Graph, wanted: Iterable[int], available: Iterable[int]) -> list[int]:
+    """Forward values to compute, in order, so that everything in ``wanted`` is available, from
+    the ``available`` values (`InvalidScheduleError` where that needs one that cannot be recomputed)."""
+    return _missing(graph, wanted, set(available))
+
+
 def _missing(graph: Graph, wanted: Iterable[int], avail: set[int]) -> list[int]:
     """Forward values (not aliases) to compute, in order, so that everything in `wanted` can be
     made available."""

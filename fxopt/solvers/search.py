@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 from fxopt.solvers.block_plan import BlockChain, memo_chain, solver_for
-from fxopt.solvers.effort import Deadline, Effort, now
+from fxopt.solvers.effort import Deadline, Effort
 from fxopt.solvers.gap import gap, proven
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import Candidate
@@ -65,7 +66,7 @@ class Search:
     def __init__(self, graph: Graph, budget: int, solver: str, effort: Effort, deadline: Deadline,
                  memo: Memo | None = None, on_progress: Callable[[str], None] | None = None,
                  mip_solver: str | None = None, solve: Callable | None = None):
-        self.t0 = now()
+        self.t0 = time.perf_counter()  # (the seconds a solve took, as its caller waited)
         self.graph, self.budget, self.solver = graph, budget, solver
         self.effort, self.deadline, self.memo, self.mip_solver = effort, deadline, memo, mip_solver
         self.solve = solve  # `fxopt.solvers.solve`, for the graphs of a step's repeated blocks
@@ -137,7 +138,7 @@ class Search:
             best = dataclasses.replace(best, status="heuristic")
         if proven(best.timeline.cost, self.lower_bound, ILP_REL_GAP):
             best = dataclasses.replace(best, status="optimal")
-        return dataclasses.replace(best, solve_seconds=now() - self.t0, lower_bound_cost=self.lower_bound,
+        return dataclasses.replace(best, solve_seconds=time.perf_counter() - self.t0, lower_bound_cost=self.lower_bound,
                                    bound_source=self.bound_source, stopped=tuple(self.deadline.stopped))
 
     def report_gap(self, what: str) -> None:

@@ -14,12 +14,13 @@ its own (`SolveStops`).
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Callable
 
 from fxopt.solvers.auto import Solution, SolverTimeoutWarning, solve
 from fxopt.solvers.chain import chain_candidates
-from fxopt.solvers.effort import Deadline, Effort, effort_of, now
+from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS
 from fxopt.solvers.minimum import Memo, infeasible, lowest_plan
@@ -179,7 +180,7 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
     that fits wins. A stop is said once (a `SolverTimeoutWarning`, the phases in
     `Solution.stopped`). Raises `InfeasibleBudgetError` naming the least device memory of those
     schedules."""
-    effort, stops, memo, t0 = effort_of(effort), SolveStops(time_limit), Memo() if memo is None else memo, now()
+    effort, stops, memo, t0 = effort_of(effort), SolveStops(time_limit), Memo() if memo is None else memo, time.perf_counter()
     k, ka = in_flight.microbatches, in_flight.accumulating
     held = in_flight.held_bytes
     high = budget - in_flight.fixed_bytes - max((k - 1) * held, (ka - 1) * held + in_flight.accumulated_bytes)
@@ -190,7 +191,7 @@ def solve_stage(graph: Graph, budget: int, in_flight: InFlight, solver: str = "a
 
     def answer(found: Solution) -> Solution:
         stops.warn("this pipeline stage's plan")
-        return dataclasses.replace(found, solve_seconds=now() - t0, stopped=stops.stopped)
+        return dataclasses.replace(found, solve_seconds=time.perf_counter() - t0, stopped=stops.stopped)
 
     found, fits = attempt(high)  # most often it fits
     if fits:
