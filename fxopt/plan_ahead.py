@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 from fxopt.analysis.costs import CostModel
+from fxopt.analysis.symbolic import Sizes
 from fxopt.budget import BudgetLike
 from fxopt.capture.compiled import compile_step, run_compiled
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
@@ -34,7 +35,6 @@ from fxopt.devices import DeviceProfile
 from fxopt.distributed import data_parallel, ddp as ddp_graph
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError
 from fxopt.options import Options
-from fxopt.analysis.symbolic import Sizes
 from fxopt.planner import analyze_for_planning, meta_device_message
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes

@@ -16,16 +16,17 @@ import fxopt.capture.repeat as repeat
 from fxopt.capture.repeat import NotStamped, check_same, repeated_run
 from fxopt.models import gpt2
 from fxopt.options import Options
-from fxopt.plan_ahead import _capture, _stamped, plan_and_rewrite, split_inputs
+from fxopt.capture.shapes import DynamicDims
+from fxopt.plan_ahead import _capture, _stamped, _symbolic_stamped, capture_symbolic, plan_and_rewrite, split_inputs
 
 
-def tiny_llama(layers: int = 6):
+def tiny_llama(layers: int = 6, batch: int = 1):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                                       max_position_embeddings=16, use_cache=False)
     torch.manual_seed(0)
-    ids = torch.randint(0, 64, (1, 16))
+    ids = torch.randint(0, 64, (batch, 16))
     return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
 
 
@@ -142,3 +143,61 @@ def test_a_run_is_only_identical_blocks_sharing_nothing():
     tied = blocks()
     tied[4].fc.weight = tied[0].fc.weight
     assert repeated_run(Stack(tied)) is None
+
+
+def symbolic(model: nn.Module, inputs, stamp: bool, *, point: int = 2):
+    """`capture_symbolic` (as `fxopt.max_batch` captures: the batch symbolic, 1 to 64) at batch
+    ``point``: (the step as captured, as rewritten), and the batch's symbol's name."""
+    dims = DynamicDims.parse({"batch": (1, 64)})
+    name = dims.ranges.names[0]
+    torch._dynamo.reset()
+    return capture_symbolic(model, inputs, dims, {name: point}, Options(budget=1, stamp=stamp)), name
+
+
+@pytest.mark.parametrize("build", [lambda: tiny_llama(batch=2), tiny_gpt], ids=["llama", "gpt2"])
+def test_a_stamped_symbolic_capture_is_the_whole_one_node_for_node(build, monkeypatch):
+    """The symbolic capture (`capture_symbolic`, `fxopt.max_batch`'s: sizes as expressions in the
+    batch) stamps six blocks from three and four: the step as captured and as rewritten are the
+    whole capture's node for node (sizes as text in the batch's symbol), the range it holds for
+    is the same (the Llama's batch of 1 set apart in both), and its solver graph is the same at
+    every batch asked."""
+    import fxopt.plan_ahead
+
+    monkeypatch.setattr(repeat, "STAMP_FROM", 6)
+    calls = []
+    real = fxopt.plan_ahead.stamped_joint
+    monkeypatch.setattr(fxopt.plan_ahead, "stamped_joint", lambda *a: calls.append(1) or real(*a))
+    model, inputs = build()[:2]
+    (eager, jg), name = symbolic(model, inputs, True)
+    assert calls == [1]
+    (whole_eager, whole_jg), _ = symbolic(model, inputs, False)
+    assert calls == [1]
+    check_same(eager.module.graph, whole_eager.module.graph)
+    check_same(jg.module.graph, whole_jg.module.graph)
+    assert (jg.names, jg.module_paths, jg.num_fwd_outputs) == (whole_jg.names, whole_jg.module_paths,
+                                                                whole_jg.num_fwd_outputs)
+    assert jg.symbolic.ranges == whole_jg.symbolic.ranges
+    lo, hi = jg.symbolic.ranges.bounds[name]
+    assert jg.graph.nodes == whole_jg.graph.nodes and eager.graph.nodes == whole_eager.graph.nodes
+    for batch in sorted({lo, 3, 17, hi}):
+        assert jg.symbolic.at({name: batch}).nodes == whole_jg.symbolic.at({name: batch}).nodes
+        assert eager.symbolic.at({name: batch}).nodes == whole_eager.symbolic.at({name: batch}).nodes
+
+
+def test_a_symbolic_capture_of_blocks_whose_graph_changes_with_their_index_is_captured_whole(monkeypatch, caplog):
+    """The run whose every other block differs, captured symbolically: the stamping check fails,
+    and `capture_symbolic` captures every block (the whole capture's graphs)."""
+    monkeypatch.setattr(repeat, "STAMP_FROM", 6)
+    torch.manual_seed(0)
+    model, x = Stack([Alternating(i) for i in range(6)]), torch.randn(8, 16, requires_grad=True)
+    run = repeated_run(model)
+    dims = DynamicDims.parse({"batch": (1, 64)})
+    point = {dims.ranges.names[0]: 8}
+    with pytest.raises(NotStamped):
+        _symbolic_stamped(model, run, (x,), {}, dims, point, Options(budget=1, offload=False))
+    with caplog.at_level(logging.INFO, logger="fxopt"):
+        (eager, jg), _ = symbolic(model, (x,), True, point=8)
+    assert "capturing all 6 blocks" in caplog.text
+    (whole_eager, whole_jg), _ = symbolic(model, (x,), False, point=8)
+    check_same(jg.module.graph, whole_jg.module.graph)
+    assert jg.graph.nodes == whole_jg.graph.nodes

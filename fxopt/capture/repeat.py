@@ -32,14 +32,20 @@ a block whose graph depends on its index in a way four blocks show (every other 
 different, a different first or last layer beyond what 3 blocks hold) fails it, and the step is
 captured whole instead (`NotStamped`). What it cannot see: a block whose ops change with its
 index only past the fourth (a Python branch on ``layer_idx > 10``). `Options.stamp` turns this
-off. Not stamped: a step that runs (the graph must be the module's own), and a capture with
-dynamic shapes (`fxopt.max_batch`'s).
+off. Not stamped: a step that runs (the graph must be the module's own).
+
+A capture with dynamic shapes (`fxopt.plan_ahead.capture_symbolic`, `fxopt.max_batch`'s) is
+stamped too, its sizes in the three-block capture's symbols. There the first block may work out
+a size (a ``sym_size``) that every later block reads, and so hold nodes the middle block does
+not: every copy reads such a node from the first block (``shared``), and a block's nodes are
+matched to another's op by op where the two differ in length (`_matched`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import operator
 import re
 from collections.abc import Iterator
@@ -513,8 +519,6 @@ class _Stamper:
 
 def _matched(a: list[fx.Node], b: list[fx.Node]) -> dict[int, int]:
     """Positions in ``a`` matched to those in ``b`` holding the same op in the same order."""
-    import difflib
-
     matcher = difflib.SequenceMatcher(None, [_sig(n) for n in a], [_sig(n) for n in b], autojunk=False)
     return {i + k: j + k for i, j, size in matcher.get_matching_blocks() for k in range(size)}
 
