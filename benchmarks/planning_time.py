@@ -5,6 +5,7 @@ built-in zoo and the `transformers` models of `benchmarks.hf_zoo`.
     python -m benchmarks.planning_time [--models zoo,hf] [--only gpt2_tiny,bert] [--time-limit 10]
                                        [--device cpu] [--out benchmarks/results]
     python -m benchmarks.planning_time --depth 8,16,32 [--whole 8,16] [--measure 8] [--whole-capture 32]
+    python -m benchmarks.planning_time --symbolic 32
 
 ``--depth``: issue 27's Llama (transformers ``LlamaConfig``: hidden 256, FFN 1024, 4 heads, 2
 key-value heads, vocabulary 32000; one sequence of 512 tokens, real tensors) at each number of
@@ -18,6 +19,10 @@ At the depths in ``--whole-capture``, both answers are also made with every bloc
 (``stamp=False``; by default a run of identical blocks is captured as 3 and 4 blocks and stamped
 out, `fxopt.capture.repeat`): CPU seconds, traced nodes, and whether the answer is the same.
 Written to ``planning_time_depth.{md,json}`` (``planning_time_depth_stamp.{md,json}`` with ``--whole-capture``).
+
+``--symbolic 32``: `fxopt.max_batch`'s capture of that Llama (the batch symbolic, 1 to 64, at a
+batch of 2), its run stamped and captured whole: CPU seconds, traced nodes, the same graphs;
+written to ``planning_time_symbolic.{md,json}``.
 
 Each row is one call of `fxopt.plan` in this process, with the plan cache off (a cold plan cache:
 every answer is solved) and the scratch-memory cache in a fresh directory per model (so each
@@ -48,6 +53,7 @@ import torch
 import fxopt
 import fxopt.analysis.scratch as scratch
 import fxopt.cache
+import fxopt.capture.dynamic as dynamic
 import fxopt.capture.dynamo as dynamo
 import fxopt.plan_ahead as plan_ahead
 import fxopt.planner as planner
@@ -75,7 +81,7 @@ class Timers:
         real = {name: getattr(planner, name) for name in ("analyze_step", "solve")}
         for name, fn in real.items():
             setattr(planner, name, self._timed(fn, "analysis" if name == "analyze_step" else "solve"))
-        stamped_joint, step_backend = plan_ahead.stamped_joint, dynamo.step_backend
+        stamped_joint, step_backend = plan_ahead.stamped_joint, dynamo.step_backend  # (dynamic's is dynamo's)
         plan_ahead.stamped_joint = self._timed(stamped_joint, "stamp")
 
         def counted_backend(partition, *args, **kwargs):
@@ -86,13 +92,13 @@ class Timers:
 
             return step_backend(counted, *args, **kwargs)
 
-        dynamo.step_backend = counted_backend
+        dynamo.step_backend = dynamic.step_backend = counted_backend
         try:
             yield self
         finally:
             for name, fn in real.items():
                 setattr(planner, name, fn)
-            plan_ahead.stamped_joint, dynamo.step_backend = stamped_joint, step_backend
+            plan_ahead.stamped_joint, dynamo.step_backend, dynamic.step_backend = stamped_joint, step_backend, step_backend
 
     def _timed(self, fn, field: str):
         def timed(*args, **kwargs):
@@ -453,6 +459,62 @@ def write_depth(rows: list[dict], out: Path, meta: dict, name: str = "planning_t
     write_results(out / name, {"meta": meta, "rows": rows, "fits": fits}, "\n".join(lines))
 
 
+def symbolic_capture(layers: int, batch: int = 2, limit: int = 64) -> dict:
+    """`fxopt.max_batch`'s capture (`fxopt.plan_ahead.capture_symbolic`, the batch symbolic from 1
+    to ``limit``, analysed at ``batch``) of issue 27's Llama, its run stamped and captured whole,
+    from fresh caches: CPU s, the nodes of the joint graphs traced, and whether the two give the
+    same graphs (the solver graph at the batch, at the range's ends and between)."""
+    from fxopt.capture.shapes import DynamicDims
+    from fxopt.options import Options
+
+    torch.manual_seed(0)
+    model, inputs = llama(layers)
+    ids = inputs["input_ids"].expand(batch, -1).contiguous()
+    inputs = {"input_ids": ids, "labels": ids}
+    dims = DynamicDims.parse({"batch": (1, limit)})
+    name = dims.ranges.names[0]
+    row, graphs = {"layers": layers, "batch": batch, "limit": limit}, {}
+    for label, stamp in (("stamped", True), ("whole", False)):
+        fresh_caches()
+        torch._dynamo.reset()
+        timers = Timers()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        with timers.installed():
+            graphs[label] = plan_ahead.capture_symbolic(model, inputs, dims, {name: batch}, Options(budget=1, stamp=stamp))
+        row[label] = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+                      "analysis_s": timers.analysis, "stamp_s": timers.stamp, "traced_nodes": timers.traced_nodes,
+                      "traced_graphs": timers.traced_graphs, "nodes": len(graphs[label][1].graph.nodes),
+                      "load1": os.getloadavg()[0]}
+        log(json.dumps({label: row[label]}))
+    (_, stamped), (_, whole) = graphs["stamped"], graphs["whole"]
+    lo, hi = whole.symbolic.ranges.bounds[name]
+    row["range"] = [lo, hi]
+    row["same_graphs"] = stamped.symbolic.ranges == whole.symbolic.ranges and all(
+        stamped.symbolic.at({name: b}).nodes == whole.symbolic.at({name: b}).nodes for b in sorted({lo, batch, 17, hi}))
+    return row
+
+
+def write_symbolic(rows: list[dict], out: Path, meta: dict) -> None:
+    lines = ["# fxopt.max_batch's capture (symbolic batch): a run of blocks stamped against captured whole", "",
+             f"{meta_line(meta)} · {meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads", "",
+             "Issue 27's Llama (hidden 256, FFN 1024, vocabulary 32000, sequences of 512 tokens, real tensors) "
+             "captured by `fxopt.plan_ahead.capture_symbolic` with the batch symbolic (1 to the limit) and analysed "
+             "at the batch, from fresh caches: stamped (the run cut to 3 and 4 blocks, `fxopt.capture.repeat`) and "
+             "whole (`stamp=False`). CPU s: the process's CPU time (`time.process_time`); traced nodes: the nodes of "
+             "every joint graph Dynamo and AOTAutograd traced; same graphs: the solver graphs equal node for node at "
+             "the range's ends, the batch and 17.", "",
+             "| layers | batch (range) | capture | traced nodes in graphs | stamp s | analysis s | CPU s | wall s | "
+             "load | same graphs |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        for label in ("stamped", "whole"):
+            x = r[label]
+            same = ("yes" if r["same_graphs"] else "**no**") if label == "whole" else ""
+            lines.append(f"| {r['layers']} | {r['batch']} ({r['range'][0]}-{r['range'][1]}) | {label} | "
+                         f"{x['traced_nodes']:,} in {x['traced_graphs']} | {x['stamp_s']:.1f} | {x['analysis_s']:.1f} | "
+                         f"{x['cpu_s']:.1f} | {x['wall_s']:.1f} | {x['load1']:.1f} | {same} |")
+    write_results(out / "planning_time_symbolic", {"meta": meta, "rows": rows}, "\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="zoo,hf", help="comma-separated from zoo, hf, gpt2-12 (default zoo,hf)")
@@ -464,11 +526,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--whole", default="", help="of those, the depths also solved by the whole-graph solvers")
     parser.add_argument("--whole-capture", default="",
                         help="of those, the depths also answered with every block captured (stamp=False), CPU s side by side")
+    parser.add_argument("--symbolic", help="comma-separated numbers of layers of issue 27's Llama: max_batch's "
+                        "symbolic capture, stamped and whole (instead of --models)")
     parser.add_argument("--measure", default="", help="of those, the depths whose smallest-budget plan is run and measured")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     os.environ["FXOPT_CACHE"] = "1"
     meta = run_meta("python -m benchmarks.planning_time " + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.symbolic:
+        rows = []
+        for layers in sorted(int(x) for x in args.symbolic.split(",") if x):
+            log(f"== llama-{layers}, symbolic batch")
+            rows.append(symbolic_capture(layers))
+            write_symbolic(rows, Path(args.out), meta)
+        return 0
     if args.depth:
         depths = lambda text: {int(x) for x in text.split(",") if x}  # noqa: E731
         whole, measure, whole_capture = depths(args.whole), depths(args.measure), depths(args.whole_capture)
