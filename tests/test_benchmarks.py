@@ -360,6 +360,7 @@ def test_budget_holds_tells_rounding_from_a_wrong_gradient(monkeypatch, change, 
     assert f"{wrong} rows' gradients differ from eager's ({rounding} more differ in float32 only" in report
 
 
+@pytest.mark.slow
 def test_planning_time_counts_the_nodes_traced_stamped_and_whole(monkeypatch):
     """`benchmarks.planning_time` counts the nodes of every joint graph traced for one answer: a
     run stamped traces its 3- and 4-block captures (fewer nodes than the whole step's), one
