@@ -3,6 +3,48 @@ import warnings
 import pytest
 import torch
 
+# Cases of parametrized tests that take about 3 s or more on 2 quiet cores (`pytest -m "not slow"
+# --durations=80` at 4f67ab8 quiet, and 3.8 s or more under load 2-4): in the full suite only,
+# marked slow below, so the fast subset for development (`-m "not slow"`) stays under 5 minutes.
+# Whole tests that slow carry `@pytest.mark.slow` themselves. Each entry must name a case that
+# exists (checked at collection).
+SLOW_CASES = {
+    "test_zoo.py::test_budget_and_parity": ("cnn_bn-0.4", "cnn_bn-0.6", "gpt2_tiny-0.4", "gpt2_tiny-0.6",
+                                             "gpt2_tiny-1.0", "inplace_net-0.4", "inplace_net-0.6",
+                                             "residual_mlp-0.4", "residual_mlp-0.6", "transformer_block-0.4",
+                                             "transformer_block-0.6"),
+    "test_zoo.py::test_recompute_lowers_peak": ("cnn_bn", "gpt2_tiny", "inplace_net", "residual_mlp", "tied_lm",
+                                                 "transformer_block"),
+    "test_blocks.py::test_at_the_smallest_budget_the_plan_costs_what_the_whole_graphs_does": ("256-True",),
+    "test_blocks.py::test_the_smallest_budget_through_the_blocks_is_the_whole_graphs": ("256-False", "64-False",
+                                                                                         "64-True"),
+    "test_devices.py::test_every_zoo_model_plans_for_an_h100": ("gpt2_tiny", "residual_mlp", "transformer_block"),
+    "test_devices.py::test_the_fake_tensor_plan_is_the_real_tensor_plan": ("cnn_bn", "gpt2_tiny", "residual_mlp",
+                                                                           "transformer_block"),
+    "test_devices.py::test_the_h100_plan_is_the_host_plan_rounded_with_the_workspace": ("inplace_net",
+                                                                                         "transformer_block"),
+    "test_pipeline.py::test_min_plans_at_the_smallest_budget_an_infeasible_one_names": ("None", "split_points1"),
+    "test_offload_runtime.py::test_offload_everything_is_bit_identical": ("cnn_bn", "gpt2_tiny", "residual_mlp"),
+    "test_solvers.py::test_the_plan_does_not_depend_on_how_fast_the_clock_runs": ("0.6",),
+    "test_offload_runtime.py::test_offload_with_compression_is_bit_identical": ("cnn_bn", "gpt2_tiny"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks `SLOW_CASES` slow (before ``-m`` deselects), and refuses an entry naming no case of a
+    test collected here (a renamed test or case would otherwise silently join the fast subset)."""
+    seen: dict[str, set[str]] = {}
+    for item in items:
+        test = item.nodeid.split("/")[-1].split("[")[0]
+        case = getattr(getattr(item, "callspec", None), "id", None)
+        seen.setdefault(test, set()).add(case)
+        if case in SLOW_CASES.get(test, ()):
+            item.add_marker(pytest.mark.slow)
+    for test, cases in SLOW_CASES.items():
+        if test in seen and not set(cases) <= seen[test]:
+            raise pytest.UsageError(f"tests/conftest.py SLOW_CASES names cases of {test} that do not exist: "
+                                    f"{sorted(set(cases) - seen[test])} (its cases: {sorted(map(str, seen[test]))})")
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

@@ -4,6 +4,7 @@ is never offered for recomputation."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -226,6 +227,7 @@ def _eager_saves_of(blocks: int):
     return lambda: eager_saves(nodes, _backward_nodes(joint.module.graph, nodes, fwd, bwd), outs[joint.num_fwd_outputs:])
 
 
+@pytest.mark.slow
 def test_eager_saves_runs_each_op_of_a_repeated_block_once(monkeypatch):
     """A step of N copies of one block runs each forward op once per signature, not once per
     copy (counted: the ops run on fake tensors do not grow with N), and its answer is the one

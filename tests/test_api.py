@@ -63,6 +63,7 @@ def test_budget_errors_say_what_is_wrong_in_the_users_words(budget, says, not_sa
     assert says in str(info.value) and not_says not in str(info.value)
 
 
+@pytest.mark.slow
 def test_min_plans_the_smallest_budget_fxopt_meets_in_one_call():
     """``"min"``: what a user asks for after an `InfeasibleBudgetError`, in one call: the plan is
     within the budget fxopt names as the smallest, and a budget just below it is infeasible."""
@@ -83,6 +84,7 @@ def test_min_plans_the_smallest_budget_fxopt_meets_in_one_call():
     assert smaller.budget_bytes == fxopt.plan(model, "min", (inputs[0][:512],), time_limit=10).budget_bytes
 
 
+@pytest.mark.slow
 def test_one_options_value_is_taken_by_every_entry_point():
     """`fxopt.Options` as is, or its fields by keyword (issue 25, "one option schema")."""
     model, inputs = small()
@@ -172,6 +174,7 @@ def test_a_step_with_meta_inputs_is_refused_by_the_planner():
         compiled(torch.randn(16, 64, device="meta"))
 
 
+@pytest.mark.slow
 def test_infeasible_budget_names_the_minimum():
     model, inputs = small()
     with pytest.raises(fxopt.InfeasibleBudgetError) as info:
@@ -334,6 +337,7 @@ def test_plans_are_cached_on_disk(tmp_path, monkeypatch):
     assert len(solves) == 3
 
 
+@pytest.mark.slow
 def test_infeasible_names_a_floor_and_a_minimum_that_plans(monkeypatch):
     """"Infeasible" names a proven floor under the minimum; a budget between the two is answered
     the same way (or planned within it); and that minimum plans, in a process that did not search

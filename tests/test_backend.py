@@ -82,14 +82,16 @@ class _Step(nn.Module):
         return self.compiled(*args)
 
 
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_residual_mlp_at_half_the_eager_peak(compiler):
     plan = check_step("residual_mlp", compiler, 0.5)
     assert plan.budget_bytes == int(0.5 * plan.eager_peak_bytes)
     assert plan.recomputed
 
 
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_transformer_block(compiler):
     """Half its eager peak is below what any schedule reaches (the attention matrix, its softmax
     and their gradients are alive together in one op's backward): the error names the smallest
@@ -104,6 +106,7 @@ def test_transformer_block(compiler):
     assert plan.peak_bytes < plan.eager_peak_bytes
 
 
+@pytest.mark.slow
 def test_entry_point_works_without_importing_fxopt(tmp_path):
     """``backend="fxopt"`` resolves through the torch_dynamo_backends entry point in a fresh
     interpreter that never imports fxopt itself; options= reach the planner."""
@@ -256,6 +259,7 @@ class _LanguageModelLoss(nn.Module):
         return self.lm(input_ids=input_ids, labels=labels).loss
 
 
+@pytest.mark.slow
 def test_a_library_model_whose_loss_logs_compiles_as_one_step():
     """GPT-2's loss path logs (``logger.warning_once``): without fxopt's logging switches that is a
     graph break, and the backend refused the step (issue 24, item 13). By name, as users write it:

@@ -129,6 +129,7 @@ def test_hf_models_benchmark_tiny(tmp_path):
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
 
 
+@pytest.mark.slow
 def test_step_time_benchmark_tiny(tmp_path):
     """Variants of one tiny model timed round robin in one process: each row has its median step,
     its ratio to eager's, its measured peak and its parity; fxopt's rows their budget; the run's
@@ -155,6 +156,7 @@ def test_step_time_benchmark_tiny(tmp_path):
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") is None or "step_time" not in os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+@pytest.mark.slow
 def test_library_checkpointing_benchmark_tiny(tmp_path):
     """One tiny diffusers model through the benchmark: eager, its own checkpointing, fxopt at
     that checkpointing's measured peak, with the best simple policy beside it."""
@@ -286,6 +288,7 @@ def test_old_results_files_stay_readable(tmp_path):
     assert harness.commit_of({"git": "abc"}) == "abc" == harness.commit_of({"commit": "abc"})
 
 
+@pytest.mark.slow
 def test_budget_holds_says_which_rows_the_safety_stop_cut(monkeypatch):
     """Every budget_holds row records what the safety stop said (``stopped``), and the report marks
     it: the optimize route silenced every warning, so a plan the time limit cut read as the counted
@@ -357,6 +360,7 @@ def test_budget_holds_tells_rounding_from_a_wrong_gradient(monkeypatch, change, 
     assert f"{wrong} rows' gradients differ from eager's ({rounding} more differ in float32 only" in report
 
 
+@pytest.mark.slow
 def test_planning_time_counts_the_nodes_traced_stamped_and_whole(monkeypatch):
     """`benchmarks.planning_time` counts the nodes of every joint graph traced for one answer: a
     run stamped traces its 3- and 4-block captures (fewer nodes than the whole step's), one

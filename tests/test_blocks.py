@@ -164,6 +164,7 @@ def test_the_smallest_budget_through_the_blocks_is_the_whole_graphs(whole_graph,
     assert smallest_budget(solve, g) <= smallest_budget(whole_graph, g)
 
 
+@pytest.mark.slow
 def test_a_model_of_repeated_layers_is_planned_per_block_within_its_budget_and_exact():
     """The zoo's ``gpt2_tiny`` (`fxopt.models.gpt2`) with 8 layers instead of 2, at 60% of its
     eager peak: planned through the blocks (each layer's graph solved once), its measured peak

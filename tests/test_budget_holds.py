@@ -74,7 +74,8 @@ def _plan(base: Plan, solver: str, budget: int) -> Plan:
     )
 
 
-@pytest.mark.parametrize("name", [n if n == "residual_mlp" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(MODELS)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_solver_keeps_its_smallest_budget(name):
     model, inputs = MODELS[name]()
     base = fxopt.plan(model, 1.0, inputs, solver="save_all", compress=False)
@@ -145,6 +146,7 @@ def test_gradient_accumulation_keeps_every_step_within_the_budget():
         step(tight, inputs)
 
 
+@pytest.mark.slow
 def test_the_named_minimum_says_which_step_it_holds_for_and_names_accumulations():
     """The smallest budget fxopt names for a step that starts without gradients holds for such
     steps; the error also names the minimum of the steps that start with them held (gradient

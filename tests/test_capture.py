@@ -48,6 +48,7 @@ def loss_step(model, inputs):
     return loss
 
 
+@pytest.mark.slow
 def test_the_whole_step_is_planned_after_other_compiles_in_the_process():
     """A user's torch.compile of the same wrapper class, stepped under FlopCounterMode after a
     Dynamo reset, marks the wrapper's forward skipped for good (torch 2.13). fxopt entered the
@@ -123,6 +124,7 @@ def _eager_cross_entropy(logits, y):
     return F.cross_entropy(logits, y)
 
 
+@pytest.mark.slow
 def test_a_step_in_pieces_with_unplanned_eager_work_is_refused():
     torch.manual_seed(0)
     model = EagerLoss()

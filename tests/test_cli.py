@@ -47,6 +47,7 @@ MLP = f"{EXAMPLES}:mlp"
 FAST = ["--time-limit", "5"]
 
 
+@pytest.mark.slow
 def test_inspect_everything_on_an_example(tmp_path, capsys):
     """One run with every output: the summary and table, the code of both modules, a plan that
     reads back, a DOT graph with the decisions, a PNG timeline with the measured curves."""
@@ -86,6 +87,7 @@ def _check_png(path):
     assert pixels[..., :3].std() > 0.05  # not a flat image
 
 
+@pytest.mark.slow
 def test_inspect_offload_shows_the_rows_and_draws_the_channels(tmp_path, capsys):
     """--offload on CPU (a dry run with the default bandwidths) at a budget recomputation alone
     cannot meet: OFFLOAD rows, the host line, a DOT graph and a plot with the copy channels, and
@@ -131,6 +133,7 @@ def test_inspect_bad_budget_is_a_usage_error(capsys):
     assert "budget" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_inspect_infeasible_budget_names_the_minimum(capsys):
     assert main(["inspect", MLP, "--budget", "1MB", "--time-limit", "2"]) == EXIT_INFEASIBLE
     out = capsys.readouterr().out
@@ -229,6 +232,7 @@ def test_verbose_logs_and_quiet_prints_nothing(capsys):
     assert captured.out == "" and captured.err == ""
 
 
+@pytest.mark.slow
 def test_python_dash_m_fxopt():
     done = subprocess.run([sys.executable, "-m", "fxopt", "inspect", f"{EXAMPLES}:nope"],
                           capture_output=True, text=True, timeout=300)
@@ -244,6 +248,7 @@ def tiny():
 """
 
 
+@pytest.mark.slow
 def test_inspect_stages_prints_the_cuts_and_writes_the_plan(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     (tmp_path / "tiny.py").write_text(TINY)
@@ -270,6 +275,7 @@ def test_inspect_stages_refuses_one_step_flags_and_names_the_minimum(monkeypatch
     monkeypatch.setattr(fxopt, "pipeline", pipeline)
     assert main(["inspect", MLP, "--stages", "3", "--microbatches", "6"]) == EXIT_INFEASIBLE
     assert "--stages 3 --microbatches 6 --budget 2000" in capsys.readouterr().out
+@pytest.mark.slow
 def test_inspect_max_batch(tmp_path, monkeypatch, capsys):
     (tmp_path / "tiny_mlp.py").write_text(
         "import torch\nfrom fxopt.models import ResidualMLP\n\n"

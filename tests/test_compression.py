@@ -134,6 +134,7 @@ def _share_of_save_all(model, inputs, share: float) -> int:
     return int(share * fxopt.plan(model, 1.0, inputs, solver="save_all", compress=False).peak_bytes)
 
 
+@pytest.mark.slow
 def test_lossless_compression_is_bit_identical_within_budget_and_cheaper():
     torch.manual_seed(0)
     model, inputs = ReluDropMLP(), (torch.randn(512, 256),)

@@ -85,6 +85,7 @@ def test_the_fake_tensor_plan_is_the_real_tensor_plan(name):
     assert all(not isinstance(p, torch._subclasses.FakeTensor) for p in model.parameters())  # (the model is untouched)
 
 
+@pytest.mark.slow
 def test_a_model_built_on_the_meta_device_is_planned_as_the_real_one():
     """Tied weights stay tied in the fake copy (``to_empty`` would untie them)."""
     shape = dict(layers=2, dim=64, heads=4, seq=64, batch=4, vocab=512)

@@ -133,6 +133,7 @@ def test_one_capture_per_bucket_trains_like_eager_within_the_budget():
         optimized(torch.zeros(2, 200, dtype=torch.long), torch.zeros(2, 200, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_planned_from_example_inputs_then_run_at_other_shapes():
     torch.manual_seed(0)
     model = ResidualMLP(3, 32)
@@ -165,6 +166,7 @@ def test_planned_from_example_inputs_then_run_at_other_shapes():
     assert simulate(jg.at({"batch": 512}), top.plan.schedule).peak_bytes <= top.plan.budget_bytes
 
 
+@pytest.mark.slow
 def test_a_size_that_specializes_is_refused_with_its_line():
     model = _gpt()
     ids = torch.zeros(2, 16, dtype=torch.long)
@@ -184,6 +186,7 @@ def test_a_size_that_specializes_is_refused_with_its_line():
         fxopt.optimize(Fixed(), 0.9, dynamic={"batch": (1, 64)})(torch.randn(16, 8))
 
 
+@pytest.mark.slow
 def test_a_range_the_budget_cannot_hold_names_what_fits():
     torch.manual_seed(0)
     model = GPT(layers=1, dim=16, heads=2, vocab=64, max_seq=128, dropout=0.0)
@@ -251,6 +254,7 @@ def _decisions(plan):
                                       plan.lower_bound_cost, plan.budget_bytes)
 
 
+@pytest.mark.slow
 def test_max_batch_gives_every_solve_its_options(monkeypatch):
     """Every solve and lowest-peak search `max_batch` runs gets the options' solver, effort and MIP
     program, and one safety stop of ``time_limit`` shared by all; ``effort`` also scales the
@@ -283,6 +287,7 @@ def test_max_batch_gives_every_solve_its_options(monkeypatch):
     assert calls[0][2]["time_limit"].seconds == 1e6
 
 
+@pytest.mark.slow
 def test_max_batch_does_not_depend_on_how_fast_the_clock_runs(monkeypatch):
     """The same model and options give the same answer (batch, bracket, plans) with every Python
     clock running 30 times fast (a machine 30 times slower, to every limit `max_batch` and its

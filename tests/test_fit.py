@@ -23,6 +23,7 @@ def tiny():
     return gpt2(**SHAPE)
 
 
+@pytest.mark.slow
 def test_fit_at_the_devices_memory_and_at_a_tight_budget(tiny):
     model, inputs = tiny
     roomy = fxopt.fit(model, inputs, device="H100-80GB", time_limit=TIME_LIMIT, limit=64)
@@ -45,6 +46,7 @@ def test_fit_at_the_devices_memory_and_at_a_tight_budget(tiny):
     assert json.loads(json.dumps(found.to_dict()))["fits"] is True
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_smallest_does_not_fit_and_says_what_it_needs(tiny):
     model, inputs = tiny
     found = fxopt.fit(model, inputs, device="H100-80GB", budget="1MiB", time_limit=TIME_LIMIT, limit=64)
@@ -53,6 +55,7 @@ def test_a_budget_below_the_smallest_does_not_fit_and_says_what_it_needs(tiny):
     assert "does not fit: needs at least" in str(found)
 
 
+@pytest.mark.slow
 def test_fit_refuses_what_it_cannot_answer(tiny):
     model, inputs = tiny
     with pytest.raises(fxopt.BudgetError, match="no fixed memory: give fit a budget"):
@@ -82,6 +85,7 @@ def test_fxopt_fit_on_the_command_line(tmp_path, monkeypatch, capsys):
     assert main(["fit", "tiny_gpt:model", "--device", "H100-80GB", "--budget", "1MiB"]) == EXIT_INFEASIBLE
 
 
+@pytest.mark.slow
 def test_fxopt_inspect_plans_for_a_cuda_profile_and_refuses_to_run_it(tmp_path, monkeypatch, capsys):
     (tmp_path / "tiny_gpt.py").write_text(
         "import torch\nfrom fxopt.models import gpt2\n\n"
@@ -93,6 +97,7 @@ def test_fxopt_inspect_plans_for_a_cuda_profile_and_refuses_to_run_it(tmp_path, 
     assert "--run measures the plan on this machine" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_below_the_batches_max_batch_searched_the_examples_own_answer_stands(tiny):
     """A capture with the batch symbolic sets a batch of 1 apart (`MaxBatch.captured` starts at
     2): where only batch 1 fits, max_batch finds nothing in its range, and the example's own
@@ -112,6 +117,7 @@ def test_below_the_batches_max_batch_searched_the_examples_own_answer_stands(tin
     assert "fxopt found no plan at any batch from 2 up." in failed["largest batch"]
 
 
+@pytest.mark.slow
 def test_fit_plans_both_budgets_from_one_capture(tiny, monkeypatch):
     """The smallest budget and the budget are planned from one capture of the step (each on its
     own copy of it): two captures in all with the largest batch's, not three; and the two plans

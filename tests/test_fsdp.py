@@ -247,6 +247,7 @@ def _ids(n: int = 8):
     return torch.randint(0, 10, (n,), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 def test_fsdp2_step_is_one_graph(one_process_group):
     """fxopt.optimize of FSDP2's model: one plan for the whole step with an all-gather and a
     reduce-scatter per parameter inside; FSDP2's state intact (sharded DTensor parameters, its hooks
@@ -428,6 +429,7 @@ def _mixed_models():
     return [(_small_lm, ids, lambda out: out.float().square().mean()), (_mlp, x, lambda out: out.float().sum())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["bf16, reduce fp32", "bf16", "bf16, reduce fp32, out fp32"])
 def test_mixed_precision_as_fsdp2s(one_process_group, policy):
     """FSDP2's ``MixedPrecisionPolicy`` on FSDP2's model planned as one graph, and on

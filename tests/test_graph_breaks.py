@@ -58,6 +58,7 @@ def _eager_peak(model, inputs) -> int:
     return fxopt.measure_peak(step, copy.deepcopy(model), inputs, resident=[model, inputs]).peak_bytes
 
 
+@pytest.mark.slow
 def test_a_step_in_pieces_stays_within_the_budget():
     model, inputs = _model_and_inputs()
     eager_peak = _eager_peak(model, inputs)
@@ -77,6 +78,7 @@ def test_a_step_in_pieces_stays_within_the_budget():
     assert peak <= budget < eager_peak
 
 
+@pytest.mark.slow
 def test_pieces_that_cannot_fit_name_a_larger_budget():
     model, inputs = _model_and_inputs()
     optimized = fxopt.optimize(copy.deepcopy(model), int(0.3 * _eager_peak(model, inputs)))
@@ -90,6 +92,7 @@ def test_pieces_that_cannot_fit_name_a_larger_budget():
     assert "budget='min'" in str(info.value)  # the way out (`test_min_plans_each_piece_at_its_smallest_budget`)
 
 
+@pytest.mark.slow
 def test_min_plans_each_piece_at_its_smallest_budget():
     """``"min"`` for a step in pieces: each piece at its own smallest budget, and the step within
     the bound `peak_bound_bytes` names (what a user tries after an infeasible budget), well below
@@ -125,6 +128,7 @@ class KeepsThenNeeds(nn.Module):
         return (self.last(x) * spread).pow(2).mean()
 
 
+@pytest.mark.slow
 def test_the_pieces_are_planned_across_not_in_order():
     """A budget at which every piece at its smallest budget fits (``"min"``'s bound) plans: the
     first call plans each piece at its smallest budget, the next ones each piece again, keeping
@@ -152,6 +156,7 @@ def test_the_pieces_are_planned_across_not_in_order():
     assert_same_step(eager, optimized, step(eager, inputs), step(optimized, inputs))
 
 
+@pytest.mark.slow
 def test_once_the_step_is_known_the_pieces_keep_what_fits():
     """The first call plans every piece at its smallest budget (the later pieces are not known
     yet); the next plans them again, and at eager's peak this step then recomputes nothing, as
@@ -186,6 +191,7 @@ class LossAndLogits(nn.Module):
         return nn.functional.cross_entropy(logits, labels), logits
 
 
+@pytest.mark.slow
 def test_a_piece_gets_no_zero_filled_gradient_for_an_output_the_loss_does_not_reach():
     """Autograd gives a compiled piece a zero-filled gradient for each output it returns that
     the loss does not reach (``materialize_grads``), a tensor the size of the logits that eager
@@ -300,6 +306,7 @@ class TemporaryThenWeights(nn.Module):
         return self.big(h[:8]).pow(2).mean()
 
 
+@pytest.mark.slow
 def test_later_pieces_gradients_are_held_beside_a_pieces_backward_only():
     """The reserve holds the gradients later pieces' backwards make beside an earlier piece's
     backward, not its forward: counted through the whole piece, they made the first piece's forward

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fxopt"
 DESIGN = PACKAGE.parent / "docs" / "design.md"
@@ -137,6 +138,7 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
+@pytest.mark.slow
 def test_the_checks_see_function_level_imports_cycles_and_upward_arrows():
     """The checks above are not vacuous: they read imports inside functions and literal
     ``import_module`` names, and they would fail on an upward import and on a cycle."""

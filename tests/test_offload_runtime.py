@@ -183,6 +183,7 @@ def test_offload_under_inductor_changes_no_bit():
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
+@pytest.mark.slow
 def test_the_planner_offloads_where_recomputation_alone_cannot_fit():
     """residual_mlp at half its eager peak: infeasible with SAVE / RECOMPUTE / COMPRESS alone, and
     planned with OFFLOAD when asked (on CPU with the default bandwidths); the step runs exactly."""

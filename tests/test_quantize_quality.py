@@ -24,6 +24,7 @@ def test_synthetic_task_is_a_markov_walk_then_its_copy():
     assert model(*batches[0]).item() == pytest.approx(math.log(32), rel=0.1)  # GPT-2 init: starts near ln(vocab)
 
 
+@pytest.mark.slow
 def test_quantized_training_sqnr_and_report(tmp_path):
     pytest.importorskip("matplotlib")
     torch.manual_seed(0)

@@ -239,6 +239,7 @@ def test_reorder_is_an_option():
         fxopt.Options(budget=0.5, reorder="yes")
 
 
+@pytest.mark.slow
 def test_the_benchmark_measures_both_orders(tmp_path):
     from benchmarks import reorder
 

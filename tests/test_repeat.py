@@ -39,6 +39,7 @@ def decisions(plan: fxopt.Plan) -> dict:
     return {k: v for k, v in plan.to_dict().items() if k != "solve_seconds"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gpt], ids=["llama", "gpt2"])
 def test_a_stamped_step_is_the_whole_capture_node_for_node(build, monkeypatch):
     """Six blocks stamped from three and four: every node's name, op, arguments, tags, seq_nr,
@@ -64,6 +65,7 @@ def _prefix(model: nn.Module, holder: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if m is holder)
 
 
+@pytest.mark.slow
 def test_fxopt_plan_stamps_and_gives_the_plan_of_the_whole_capture(monkeypatch):
     """`fxopt.plan` stamps a run (counted: `stamped_joint` called once) and plans what the whole
     capture plans, at the smallest budget; ``stamp=False`` captures every block."""
@@ -104,6 +106,7 @@ class Stack(nn.Module):
         return self.head(x).sum()
 
 
+@pytest.mark.slow
 def test_blocks_whose_graph_changes_with_their_index_are_captured_whole(monkeypatch, caplog):
     """A run whose every other block differs passes the attribute check (the index is an int
     that counts the blocks) and fails the stamping check on four blocks: planned from the whole

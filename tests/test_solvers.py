@@ -531,6 +531,7 @@ PROPERTY_SETTINGS = settings(max_examples=int(__import__("os").environ.get("FXOP
 
 @PROPERTY_SETTINGS
 @given(graph=training_graphs(), fraction=st.floats(0.3, 1.0))
+@pytest.mark.slow
 def test_random_graph_plans_are_valid(graph, fraction):
     eager = simulate(graph, eager_schedule(graph)).peak_bytes
     for budget in (eager, int(eager * fraction)):
@@ -1043,6 +1044,7 @@ def test_the_plan_does_not_depend_on_how_fast_the_clock_runs(budget_share, monke
     assert _same(quiet, busy)
 
 
+@pytest.mark.slow
 def test_a_loaded_machine_does_not_reach_the_safety_stop_sooner(monkeypatch):
     """On a loaded machine the wall clock runs on while the planning thread waits for a core: here
     it runs 10,000 times fast, the thread's CPU clock as it is. The safety stop reads the thread's
@@ -1111,6 +1113,7 @@ def test_a_smallest_budget_search_the_time_limit_cut_says_so(monkeypatch):
             solve(graph, 1)  # (not stopped: no warning)
 
 
+@pytest.mark.slow
 def test_a_busy_machine_gets_the_same_plan(tmp_path):
     """A plan made while two other processes burn the CPU is the one made without them."""
     import multiprocessing
@@ -1302,6 +1305,7 @@ def test_a_minimum_fxopt_only_bounds_says_at_least():
 
 @PROPERTY_SETTINGS
 @given(graph=training_graphs(), shares=st.lists(st.floats(0.0, 1.2), min_size=1, max_size=4))
+@pytest.mark.slow
 def test_random_graph_plans_do_not_depend_on_what_was_solved_before(graph, shares):
     """The planner's memo of lowest peaks only saves time: the same graph and budget give the same
     answer (a plan, or "infeasible" naming the same minimum and floor) before and after other

@@ -265,6 +265,7 @@ def test_solve_stage_fits_the_device():
     assert in_flight.device_peak(g, sol.schedule, sol.timeline) <= least
 
 
+@pytest.mark.slow
 def test_a_stage_plan_does_not_depend_on_how_long_its_solves_take(monkeypatch):
     """A stage's search makes several solves (`STAGE_SOLVES` and the lowest-peak search), each
     with counted effort. With the safety stop's clock standing still but for 60 s at the end of
