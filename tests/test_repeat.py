@@ -157,6 +157,7 @@ def symbolic(model: nn.Module, inputs, stamp: bool, *, point: int = 2):
     return capture_symbolic(model, inputs, dims, {name: point}, Options(budget=1, stamp=stamp)), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [lambda: tiny_llama(batch=2), tiny_gpt], ids=["llama", "gpt2"])
 def test_a_stamped_symbolic_capture_is_the_whole_one_node_for_node(build, monkeypatch):
     """The symbolic capture (`capture_symbolic`, `fxopt.max_batch`'s: sizes as expressions in the
@@ -187,6 +188,7 @@ def test_a_stamped_symbolic_capture_is_the_whole_one_node_for_node(build, monkey
         assert eager.symbolic.at({name: batch}).nodes == whole_eager.symbolic.at({name: batch}).nodes
 
 
+@pytest.mark.slow
 def test_a_symbolic_capture_of_blocks_whose_graph_changes_with_their_index_is_captured_whole(monkeypatch, caplog):
     """The run whose every other block differs, captured symbolically: the stamping check fails,
     and `capture_symbolic` captures every block (the whole capture's graphs)."""

@@ -319,7 +319,6 @@ class _Stamper:
             raise NotStamped("the captured step has no fake values")
         self.paths = [self._path_of(i) for i in range(SHORT)]
         self.numbers = {x: self._numbers(x) for x in nodes if x.op != "output"}
-        # Each tensor's storage: the (node, item) that shows it first, its owner.
         # Each tensor's layout, and its storage's owner: the (node, item) that shows it first.
         # (Read once: a fake tensor's metadata is slow to read, and each is stamped N/3 times.)
         first: dict[StorageWeakRef, tuple[fx.Node, int | None]] = {}
@@ -333,14 +332,7 @@ class _Stamper:
                 self.layout_of[(x, item)] = (storage.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                                              t.dtype, t.device, t.requires_grad)
         self.storages: dict[tuple[fx.Node, int | None], Any] = {}  # a new node's (item's) storage
-        # Where the first or last block holds a node more or less than the middle one (a size
-        # the first block works out and every later one reads), each block's nodes matched to
-        # the others' by their ops' order; a node of the first block that a block past the next
-        # reads is the whole run's, read from the first block by every copy.
-        self.aligned = {(part, a, b): _matched(short.inside[(part, a)], short.inside[(part, b)])
-                        for part in PARTS for a in range(SHORT) for b in range(SHORT) if a != b}
-        self.shared = {y for y in short.inside[("F", 0)] + short.inside[("B", 0)]
-                       if any((short.slot.get(u, (None, None))[1] or 0) >= 2 for u in y.users)}
+        self.aligned, self.shared = _alignment(short)
         self.moves: dict[tuple[int, int], tuple[str, str, dict]] = {}
 
     def _path_of(self, i: int) -> str:
@@ -515,6 +507,19 @@ class _Stamper:
             out += [mapped(o, item, origin, j) for o, item in by_block[origin]]
         out += [mapped(o, items[i], None, None) for i, (o, _) in enumerate(entries[last + 1:], last + 1)]
         return out
+
+
+def _alignment(short: Layout) -> tuple[dict, set]:
+    """Where the first or last block holds a node more or less than the middle one (a size the
+    first block works out and every later one reads, in a symbolic capture): each block's nodes
+    matched to each other block's by their ops' order, ``(part, block, other) -> {position:
+    position}``; and the first block's nodes that a block past the next reads, the whole run's
+    (every copy reads them from the first block)."""
+    aligned = {(part, a, b): _matched(short.inside[(part, a)], short.inside[(part, b)])
+               for part in PARTS for a in range(SHORT) for b in range(SHORT) if a != b}
+    shared = {y for y in short.inside[("F", 0)] + short.inside[("B", 0)]
+              if any((short.slot.get(u, (None, None))[1] or 0) >= 2 for u in y.users)}
+    return aligned, shared
 
 
 def _matched(a: list[fx.Node], b: list[fx.Node]) -> dict[int, int]:
