@@ -1342,3 +1342,72 @@ def test_a_smallest_budget_the_time_limit_cut_short_says_so():
         solve(graph, 1)
     assert whole.value.min_budget < cut.value.min_budget
     assert "stopped at the time limit" not in str(whole.value)
+
+
+# ------------------------------------------------------------------ lowering the lowest peak
+def _held_across():
+    """A tanh-GELU-like backward: ``h`` (from a wide ``u``) is read by the first backward node
+    and again after a wide temporary ``b2``, with ``t`` (from ``h``) read at the start."""
+    from solver_graphs import GraphBuilder
+
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("u", ["x"], 2, cost=1.0)
+    b.fwd("h", ["u"], 4, cost=1.0)
+    b.fwd("t", ["h"], 4, cost=1.0)
+    b.fwd("loss", ["t"], 1, cost=1.0, output=True)
+    b.bwd("b1", ["tan", "t", "h"], 4)
+    b.bwd("b2", ["b1"], 8)
+    b.bwd("b3", ["b2"], 4)
+    b.bwd("dx", ["b3", "h"], 1, output=True)
+    return b.build()
+
+
+def test_lower_peak_splits_a_value_held_across_the_peak():
+    """Recomputed on demand (nothing SAVEd), ``h`` is made once and held from ``b1`` to ``dx``,
+    across the wide ``b2``: 3 (x, the tangent, the loss) + 4 + 4 + 8 = 19 there. `lower_peak`
+    lets it go after ``b1`` and recomputes it (from ``u``, made again) before ``dx``: the peak is
+    then ``b1`` and ``b2``'s, 15. The smallest budget of a solver whose schedules hold it
+    (``greedy``) is that too (19 before)."""
+    from fxopt.solvers.heuristics import lower_peak
+    from fxopt.solvers.minimum import lowest_plan
+    from fxopt.solvers.schedule import on_demand
+    from solver_graphs import ids
+
+    graph = _held_across()
+    start = on_demand(graph, ())
+    assert simulate(graph, start).peak_bytes == 19
+    schedule, timeline = lower_peak(graph, start)
+    assert timeline == simulate(graph, schedule) and timeline.peak_bytes == 15
+    h, = ids(graph, "h")
+    assert list(schedule.backward).count(h) == 2
+    assert lower_peak(graph, schedule) is None  # (nothing left to move)
+    low = lowest_plan(graph, "greedy")
+    assert low.peak == 15 and simulate(graph, low.schedule).peak_bytes == 15 and low.name.endswith("+lower_peak")
+
+
+def test_lower_peak_keeps_a_value_instead_of_recomputing_it_at_the_peak():
+    """A backward that recomputes ``h`` twice, the second time beside the wide ``b2`` (so the
+    wide ``u`` is made again there: 3 (x, the tangent, the loss) + 8 + 8 + 4 = 23): `lower_peak`
+    keeps the first copy of ``h`` (4) instead, dropping the second recomputation and ``u``'s with
+    it: 19, at ``b2``."""
+    from fxopt.solvers.heuristics import lower_peak
+    from fxopt.solvers.schedule import Schedule
+    from solver_graphs import GraphBuilder, ids
+
+    b = GraphBuilder()
+    b.input("x", 1)
+    b.input("tan", 1, tangent=True)
+    b.fwd("u", ["x"], 8, cost=1.0)
+    b.fwd("h", ["u"], 4, cost=1.0)
+    b.fwd("loss", ["h"], 1, cost=1.0, output=True)
+    b.bwd("b1", ["tan", "h"], 4)
+    b.bwd("b2", ["b1"], 8)
+    b.bwd("dx", ["b2", "h"], 1, output=True)
+    graph = b.build()
+    u, h, b1, b2, dx = ids(graph, "u", "h", "b1", "b2", "dx")
+    twice = Schedule(frozenset(), (u, h, b1, b2, u, h, dx))
+    assert simulate(graph, twice).peak_bytes == 23
+    schedule, timeline = lower_peak(graph, twice)
+    assert schedule.backward == (u, h, b1, b2, dx) and timeline.peak_bytes == 19
