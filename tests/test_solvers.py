@@ -1368,10 +1368,8 @@ def test_lower_peak_splits_a_value_held_across_the_peak():
     """Recomputed on demand (nothing SAVEd), ``h`` is made once and held from ``b1`` to ``dx``,
     across the wide ``b2``: 3 (x, the tangent, the loss) + 4 + 4 + 8 = 19 there. `lower_peak`
     lets it go after ``b1`` and recomputes it (from ``u``, made again) before ``dx``: the peak is
-    then ``b1`` and ``b2``'s, 15. The smallest budget of a solver whose schedules hold it
-    (``greedy``) is that too (19 before)."""
+    then ``b1`` and ``b2``'s, 15."""
     from fxopt.solvers.heuristics import lower_peak
-    from fxopt.solvers.minimum import lowest_plan
     from fxopt.solvers.schedule import on_demand
     from solver_graphs import ids
 
@@ -1383,8 +1381,6 @@ def test_lower_peak_splits_a_value_held_across_the_peak():
     h, = ids(graph, "h")
     assert list(schedule.backward).count(h) == 2
     assert lower_peak(graph, schedule) is None  # (nothing left to move)
-    low = lowest_plan(graph, "greedy")
-    assert low.peak == 15 and simulate(graph, low.schedule).peak_bytes == 15 and low.name.endswith("+lower_peak")
 
 
 def test_lower_peak_keeps_a_value_instead_of_recomputing_it_at_the_peak():
@@ -1411,3 +1407,27 @@ def test_lower_peak_keeps_a_value_instead_of_recomputing_it_at_the_peak():
     assert simulate(graph, twice).peak_bytes == 23
     schedule, timeline = lower_peak(graph, twice)
     assert schedule.backward == (u, h, b1, b2, dx) and timeline.peak_bytes == 19
+
+
+def test_lower_peak_on_the_bench_gpt2_fsdp_step():
+    """The bench GPT-2's 2-rank FSDP2 step (one graph; its solver graph and the lowest-peak
+    search's schedule there before `lower_peak`, `tests/data`): the ILP's lowest peak, 11,238,164
+    B, held three 1 MiB temporaries of an MLP's backward while the whole residual stream was
+    recomputed from the embeddings for one value. `lower_peak` brings it under 0.6x FSDP2-with-
+    checkpointing's measured 16,434,104 B (issue 26's target), above the proven floor."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    from fxopt.solvers.graph import Graph
+    from fxopt.solvers.heuristics import lower_peak
+    from fxopt.solvers.instant import peak_lower_bound
+    from fxopt.solvers.schedule import Schedule
+
+    with gzip.open(Path(__file__).parent / "data" / "fsdp_gpt2_w2_graph.json.gz", "rt") as f:
+        data = json.load(f)
+    graph, start = Graph.from_dict(data["graph"]), Schedule.from_dict(data["lowest_schedule"])
+    assert simulate(graph, start).peak_bytes == 11_238_164
+    schedule, timeline = lower_peak(graph, start)
+    assert timeline == simulate(graph, schedule)
+    assert peak_lower_bound(graph)[0] <= timeline.peak_bytes <= 0.6 * 16_434_104
