@@ -182,7 +182,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     peak, schedule, name = reached.best
     if schedule is None:
         raise ValueError("no schedule of this graph stays within its host memory budget")
-    if solver == "auto" and peak > floor * (1 + LOWEST_PEAK_SLACK) and \
+    if solver == "auto" and peak > floor * (1 + LOWEST_PEAK_SLACK) and not deadline.check("lower_peak") and \
             (lowered := lower_peak(graph, schedule, work=effort.lower_peak_work)):
         schedule, peak, name = lowered[0], lowered[1].peak_bytes, f"{name}+lower_peak"
     found = Lowest(peak, schedule, name, min(floor, peak))
