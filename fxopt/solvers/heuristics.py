@@ -406,14 +406,16 @@ def lower_peak(graph: Graph, schedule: Schedule, *, work: int = DEFAULT_EFFORT.l
 
 
 def _peak_step(timeline: Timeline) -> int | None:
-    """The position, among the backward's steps the simulator ran, of the one at the peak; None
-    where the peak is in the forward."""
+    """The position, among the backward's steps the simulator ran, of the one at the peak (or the
+    last before it, where the peak is a reload or a decompression); None where the peak is in the
+    forward or before the backward's first step."""
     events = timeline.events
     top = max(range(len(events)), key=lambda e: events[e][2])
     if events[top][0] != "backward":
         return None
-    return sum(1 for phase, name, _ in events[:top + 1]
-               if phase == "backward" and name != "<start>" and not name.startswith(("reload ", "decompress "))) - 1
+    at = sum(1 for phase, name, _ in events[:top + 1]
+             if phase == "backward" and name != "<start>" and not name.startswith(("reload ", "decompress "))) - 1
+    return at if at >= 0 else None
 
 
 def _peak_moves(graph: Graph, schedule: Schedule, at: int):
