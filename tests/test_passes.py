@@ -184,3 +184,52 @@ def test_the_backward_reads_a_forward_output_it_does_not_save():
     for p_e, p_o in zip(eager.parameters(), optimized.parameters()):
         torch.testing.assert_close(p_o.grad, p_e.grad)
     assert timeline.peak_bytes <= plan.budget_bytes
+
+
+class _LMHead(nn.Module):
+    """A language model's head: the logits (tokens x vocabulary) are the widest values."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 512)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(torch.tanh(self.l1(x))), y)
+
+
+def test_sparse_loss_backward_lowers_the_smallest_budget_by_a_logits(monkeypatch):
+    """The cross-entropy's backward held the log-probabilities, the dense incoming gradient and
+    its result at once (three logits, 512 KiB each); rewritten (`fxopt.passes.loss`) it holds two
+    at a time: the smallest budget falls by a logits' bytes, and the loss and gradients (ignored
+    rows among them) equal eager's within float32's tolerance."""
+    import fxopt.planner
+
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 32), torch.randint(0, 512, (256,))
+    y[::7] = -100
+    logits = 256 * 512 * 4
+
+    def smallest(rewrite: bool):
+        torch.manual_seed(0)
+        model = _LMHead()
+        monkeypatch.setattr(fxopt.planner, "SPARSE_LOSS", rewrite)  # (off by default: see fxopt.planner)
+        fn = fxopt.optimize(model, "min")
+        loss = fn(x, y)
+        loss.backward()
+        plan = fn.plans[-1]
+        names = {n.name for n in plan.graph.nodes}
+        return plan.budget_bytes, plan.peak_bytes, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, names
+
+    before, _, _, _, names = smallest(False)
+    assert any(n.startswith("_log_softmax_backward_data") for n in names)
+    after, peak, loss, grads, names = smallest(True)
+    assert not any(n.startswith("_log_softmax_backward_data") for n in names)
+    assert peak <= after <= before - 0.98 * logits  # (less the gathered column and its indices)
+    torch.manual_seed(0)
+    eager = _LMHead()
+    expected = eager(x, y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)

@@ -26,8 +26,9 @@ import math
 
 from fxopt.solvers.effort import DEFAULT_EFFORT, Effort
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, must_save, on_demand, prune,
-                                    save_all_set, simulate)
+from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, as_generated, backward_steps,
+                                    forward_set, must_save, on_demand, prune, save_all_set, simulate, to_recompute,
+                                    with_fresh_aliases)
 from fxopt.solvers.transfers import INSTANT
 
 Candidate = tuple[Schedule, Timeline]
@@ -356,3 +357,107 @@ def offload_windows(graph: Graph, schedule: Schedule, values) -> dict[int, tuple
 
 # Each takes (graph, budget, effort=...) and returns its schedules, simulated, fitting or not.
 HEURISTICS = {"save_all": save_all, "checkpoint": checkpoint, "greedy": greedy, "segments": segments}
+
+
+def lower_peak(graph: Graph, schedule: Schedule, *, work: int = DEFAULT_EFFORT.lower_peak_work) -> Candidate | None:
+    """`schedule` with a lower simulated peak, where the backward's recomputations can give one:
+    a local search at the backward step where the peak is, two moves, the first that lowers the
+    peak kept, then again at the new peak:
+
+      keep    a value the peak's run of recomputations makes again, made earlier in the
+              backward too: that copy is kept until here instead (its ancestors, recomputed
+              only for it, go with it);
+      split   a value held across the peak and not read there: let go after its last read
+              before, and recomputed just before its next read after (its views with it), from
+              the latest copies of its inputs, or else from what is alive there.
+
+    The lowest-peak searches decide what to SAVE and recompute per value, recomputing on
+    demand: a value they recompute twice is made twice, and one read on both sides of the peak
+    is held across it. Their lowest peak on the bench GPT-2's 2-rank FSDP step was its MLP's
+    backward with the whole residual stream recomputed from the embeddings inside it. None where
+    no move lowers the peak within ``work`` (simulated steps, each schedule's forward and
+    backward counted), or where the peak is in the forward. A schedule that OFFLOADs is left as
+    it is (its reload points are positions in its backward)."""
+    if schedule.offloaded:
+        return None
+    best = as_generated(graph, schedule)
+    timeline = simulate(graph, best)
+    size = len(forward_set(graph, best.saved))
+    improved = False
+    while work > 0:
+        at = _peak_step(timeline)
+        if at is None:
+            break
+        for backward in _peak_moves(graph, best, at):
+            work -= size + len(backward)
+            try:
+                candidate = as_generated(graph, dataclasses.replace(best, backward=backward))
+                trial = simulate(graph, candidate)
+            except InvalidScheduleError:
+                continue
+            if trial.peak_bytes < timeline.peak_bytes and not trial.over_host_budget:
+                best, timeline, improved = candidate, trial, True
+                break
+            if work <= 0:
+                break
+        else:
+            break  # (no move lowers this peak)
+    return (best, timeline) if improved else None
+
+
+def _peak_step(timeline: Timeline) -> int | None:
+    """The position, among the backward's steps the simulator ran, of the one at the peak (or the
+    last before it, where the peak is a reload or a decompression); None where the peak is in the
+    forward or before the backward's first step."""
+    events = timeline.events
+    top = max(range(len(events)), key=lambda e: events[e][2])
+    if events[top][0] != "backward":
+        return None
+    at = sum(1 for phase, name, _ in events[:top + 1]
+             if phase == "backward" and name != "<start>" and not name.startswith(("reload ", "decompress "))) - 1
+    return at if at >= 0 else None
+
+
+def _peak_moves(graph: Graph, schedule: Schedule, at: int):
+    """The backward orders `lower_peak` tries at step ``at`` of ``schedule`` (as generated: every
+    step of its backward runs): keep, then split, the largest values first."""
+    nodes, roots, backward = graph.nodes, graph.roots, schedule.backward
+    if nodes[backward[at]].kind == "forward":  # keep: the run of recomputations around the peak
+        lo = hi = at
+        while lo > 0 and nodes[backward[lo - 1]].kind == "forward":
+            lo -= 1
+        while hi + 1 < len(backward) and nodes[backward[hi + 1]].kind == "forward":
+            hi += 1
+        before = set(backward[:lo])
+        for q in range(hi, lo - 1, -1):
+            if backward[q] in before and roots[backward[q]] == backward[q] and nodes[backward[q]].bytes:
+                yield backward[:q] + backward[q + 1:]
+    steps = backward_steps(graph, schedule)
+    made = {copy: e for e, (_, copy, _) in enumerate(steps)}
+    last: dict = {}
+    for e, (_, _, args) in enumerate(steps):
+        for a in args:
+            last[a] = e
+    read_at = {roots[j] for j, _ in steps[at][2]}
+    next_read: dict[int, tuple[int, int]] = {}  # storage -> (its first read after the peak, the value read)
+    for e in range(len(steps) - 1, at, -1):
+        for j, n in steps[e][2]:
+            root = roots[j]
+            if made.get((j, n), -1) < at and root not in read_at and nodes[j].kind == "forward" \
+                    and nodes[root].bytes and nodes[root].recomputable:
+                next_read[root] = (e, j)
+    forever = {i for i, n in enumerate(nodes) if n.kind == "input"} | set(graph.forward_outputs)
+    for root, (e, j) in sorted(next_read.items(), key=lambda kv: (-nodes[kv[0]].bytes, kv[0])):
+        # Made again from the latest copies of its inputs (held until then), or from what is
+        # alive there anyway.
+        views = [j]
+        while views[-1] != root:
+            views.append(next(k for k in nodes[views[-1]].inputs if roots[k] == root))
+        yield backward[:e] + tuple(reversed(views)) + backward[e:]
+        alive = {a[0] for a, r in last.items() if made.get(a, -1) < e <= r and roots[a[0]] != root} | forever
+        try:
+            chain = to_recompute(graph, [j], alive)
+        except InvalidScheduleError:
+            continue
+        if chain != [root]:
+            yield with_fresh_aliases(graph, backward[:e] + tuple(chain) + backward[e:])

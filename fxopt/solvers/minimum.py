@@ -3,7 +3,9 @@
 `lowest_plan` searches for the lowest peak a solver reaches: the chain solver's lowest-peak
 checkpointing, the heuristics' schedules (each also with everything compressed and, where
 OFFLOAD is offered, offloaded), the ILP solved with the peak as its objective, and the instant
-program's lowest peak, which also proves a floor no schedule goes below. Every schedule is
+program's lowest peak, which also proves a floor no schedule goes below; the lowest of these
+then lowered where its backward's recomputations can be moved (`fxopt.solvers.heuristics.lower_peak`:
+a value kept from an earlier recomputation, or let go and recomputed after the peak). Every schedule is
 simulated; the lowest-peak one is kept with its peak, so that planning at that peak finds it:
 `solve` falls back on it when nothing else fits. The search does counted work only
 (`fxopt.solvers.effort`), so it finds the same schedule for the same graph every time, and the
@@ -26,7 +28,7 @@ from fxopt.solvers.chain import min_peak_schedule
 from fxopt.solvers.policies import policy_candidates
 from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.heuristics import HEURISTICS, Candidate, offload_all
+from fxopt.solvers.heuristics import HEURISTICS, Candidate, lower_peak, offload_all
 from fxopt.solvers.ilp import build_ilp, default_mip_solver, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import lowest_peak, peak_lower_bound
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, simulate
@@ -180,6 +182,9 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     peak, schedule, name = reached.best
     if schedule is None:
         raise ValueError("no schedule of this graph stays within its host memory budget")
+    if solver == "auto" and peak > floor * (1 + LOWEST_PEAK_SLACK) and not deadline.check("lower_peak") and \
+            (lowered := lower_peak(graph, schedule, work=effort.lower_peak_work)):
+        schedule, peak, name = lowered[0], lowered[1].peak_bytes, f"{name}+lower_peak"
     found = Lowest(peak, schedule, name, min(floor, peak))
     if memo is not None:
         # (Also where the time limit cut the search short, which the solve says: the budget an
