@@ -207,6 +207,15 @@ class Options:
         mutations and collectives keep theirs), and keep the better of the two plans (lower
         cost, then lower peak; the captured order on a tie): a lower smallest budget, never a
         worse plan. Planning takes up to about twice as long. Off: the captured order.""")
+    sparse_loss: bool = option(False, check=_instance("sparse_loss", bool), flag=Flag(
+        choices=("on", "off"), parse=lambda text: text == "on", help="on: the cross-entropy's backward holds two "
+        "logits-sized tensors at a time, not three (gradients within float32 rounding; default off)"), doc="""
+        Plan the step with the cross-entropy's backward rewritten (`fxopt.passes.loss`) to hold two
+        logits-sized tensors at a time, not three: a lower smallest budget where the loss's
+        backward is the peak (a language model's head). Not bit-identical: its gradients match
+        eager's within float32 rounding (another exp kernel, another rounding). Off by default: it
+        is not exact, and it cost the 8-layer gpt2_tiny's blocks plan at 60% (5.72 against 5.03 ms of
+        recomputation).""")
     device: DeviceProfile | None = option(None, check=_device, flag=Flag(metavar="PROFILE"), doc="""
         Plan for this device without running the step: a shipped profile's name (`fxopt.devices.names`:
         "cpu", "H100-80GB", "A100-40GB", "H200") or the path of a profile's JSON. The step is captured

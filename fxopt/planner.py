@@ -296,20 +296,15 @@ def _as_compiled(jg, options: Options):
     return dataclasses.replace(jg, graph=Graph(tuple(nodes), jg.graph.transfers)) if changed else jg
 
 
-# `fxopt.passes.loss` (the cross-entropy's backward holding two logits-sized tensors at a time,
-# not three) is off: with it the 8-layer gpt2_tiny at 60% of its eager peak lost its plan through
-# the repeated blocks (recompute cost 5.72 ms against 5.03, tests/test_blocks.py), though it lowers
-# the bench GPT-NeoX's 2-rank FSDP floor from 9.06 to 7.06 MiB. On where a plan is no worse for it.
-SPARSE_LOSS = False
 
 
 def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool, int]:
-    """The rewrites planning starts from, in place: dropout recomputed from its mask, and (with
+    """The rewrites planning starts from, in place: dropout recomputed from its mask, (with
+    ``sparse_loss``) the cross-entropy's backward without its dense incoming gradient, and (with
     ``compress``) ReLU's backward reading a bool mask. Whether anything changed, and how many ReLU
-    masks were made (`masks.undo_relu_masks` takes them back). (Not yet: the cross-entropy's
-    backward without its dense incoming gradient, `SPARSE_LOSS`.)"""
+    masks were made (`masks.undo_relu_masks` takes them back)."""
     dropout = recompute_dropout_from_mask(joint)
-    loss = sparse_loss_backward(joint) if SPARSE_LOSS else 0
+    loss = sparse_loss_backward(joint) if options.sparse_loss else 0
     relu = masks.relu_masks(joint) if options.compress else 0
     return bool(dropout or loss or relu), relu
 

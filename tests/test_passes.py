@@ -198,13 +198,11 @@ class _LMHead(nn.Module):
         return F.cross_entropy(self.head(torch.tanh(self.l1(x))), y)
 
 
-def test_sparse_loss_backward_lowers_the_smallest_budget_by_a_logits(monkeypatch):
+def test_sparse_loss_backward_lowers_the_smallest_budget_by_a_logits():
     """The cross-entropy's backward held the log-probabilities, the dense incoming gradient and
     its result at once (three logits, 512 KiB each); rewritten (`fxopt.passes.loss`) it holds two
     at a time: the smallest budget falls by a logits' bytes, and the loss and gradients (ignored
     rows among them) equal eager's within float32's tolerance."""
-    import fxopt.planner
-
     torch.manual_seed(0)
     x, y = torch.randn(256, 32), torch.randint(0, 512, (256,))
     y[::7] = -100
@@ -213,8 +211,7 @@ def test_sparse_loss_backward_lowers_the_smallest_budget_by_a_logits(monkeypatch
     def smallest(rewrite: bool):
         torch.manual_seed(0)
         model = _LMHead()
-        monkeypatch.setattr(fxopt.planner, "SPARSE_LOSS", rewrite)  # (off by default: see fxopt.planner)
-        fn = fxopt.optimize(model, "min")
+        fn = fxopt.optimize(model, "min", sparse_loss=rewrite)
         loss = fn(x, y)
         loss.backward()
         plan = fn.plans[-1]
