@@ -4,6 +4,7 @@ which nodes belong to the backward, inserting nodes with their fake values and s
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -64,6 +65,16 @@ def tangent_dependents(graph: fx.Graph) -> set[fx.Node]:
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
+
+
+def rewrite_each(gm: fx.GraphModule, target, rewrite: Callable[[fx.Node], bool]) -> int:
+    """``rewrite(node)`` on each call of ``target`` in ``gm`` (in place; it answers whether it
+    rewrote that one), then the graph checked and recompiled where any was: how many were."""
+    count = sum(bool(rewrite(node)) for node in list(gm.graph.find_nodes(op="call_function", target=target)))
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
 
 
 def replace_node(graph: fx.Graph, node: fx.Node, op, *args) -> fx.Node:

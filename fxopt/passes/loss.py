@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.fxgraph import NodeBuilder, replace_value
+from fxopt.fxgraph import NodeBuilder, replace_value, rewrite_each
 
 aten = torch.ops.aten
 
@@ -38,25 +38,22 @@ EXACT_DTYPES = (torch.float32, torch.float64)
 def sparse_loss_backward(gm: fx.GraphModule) -> int:
     """Rewrite ``gm`` in place as above; return how many loss backwards were rewritten."""
     graph = gm.graph
-    rewritten = 0
-    for node in list(graph.find_nodes(op="call_function", target=aten._log_softmax_backward_data.default)):
+
+    def rewrite(node: fx.Node) -> bool:
         grad, lsm, dim, dtype = node.args[:4]
         if not _rewritable(grad, lsm, dim, dtype):
-            continue
+            return False
         target, ignore_index = grad.args[2], grad.args[5]
         add = NodeBuilder(graph, node.prev, node)
         ignored = add(aten.eq.Scalar, target, ignore_index)
         column = add(aten.unsqueeze.default, add(aten.masked_fill.Scalar, target, ignored, 0), 1)
         picked = add(aten.gather.default, grad, 1, column)
         scaled = add(aten.mul.Tensor, add(aten.exp.default, lsm), add(aten.neg.default, picked))
-        out = add(aten.scatter_add.default, scaled, 1, column, picked)
-        replace_value(node, out)
+        replace_value(node, add(aten.scatter_add.default, scaled, 1, column, picked))
         graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        graph.lint()
-        gm.recompile()
-    return rewritten
+        return True
+
+    return rewrite_each(gm, aten._log_softmax_backward_data.default, rewrite)
 
 
 def _rewritable(grad, lsm, dim, dtype) -> bool:

@@ -14,7 +14,7 @@ import torch.fx as fx
 import fxopt.ops  # noqa: F401 - registers torch.ops.fxopt.*
 from fxopt.analysis.codecs import MIN_BYTES
 from fxopt.analysis.symbolic import largest
-from fxopt.fxgraph import ALIAS_OPS, NodeBuilder, aliases_input, replace_node, tangent_dependents
+from fxopt.fxgraph import ALIAS_OPS, NodeBuilder, aliases_input, replace_node, rewrite_each, tangent_dependents
 
 aten = torch.ops.aten
 
@@ -61,20 +61,18 @@ def undo_relu_masks(gm: fx.GraphModule) -> int:
     masks when no plan with them fits the budget: the solvers do not always find the lowest peak
     of the rewritten step.) Returns how many were undone."""
     graph = gm.graph
-    count = 0
-    for node in list(graph.find_nodes(op="call_function", target=aten.where.ScalarSelf)):
+
+    def undo(node: fx.Node) -> bool:
         if RELU_MASK not in node.meta:
-            continue
+            return False
         mask, grad = node.args[0], node.args[2]
         out, threshold = node.meta.pop(RELU_MASK), mask.args[1]
         replace_node(graph, node, aten.threshold_backward.default, grad, out, threshold)
         if not mask.users:
             graph.erase_node(mask)
-        count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-    return count
+        return True
+
+    return rewrite_each(gm, aten.where.ScalarSelf, undo)
 
 
 def _read_by_backward(value: fx.Node, backward: set[fx.Node], besides: fx.Node) -> bool:

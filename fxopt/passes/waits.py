@@ -34,14 +34,8 @@ from fxopt.analysis.costs import GATHERS, REDUCES, WAITS, group_backend
 
 
 def _is_all_reduce_wait(node: fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target.namespace != "_c10d_functional" or target._opname not in WAITS or not node.args:
-        return False
-    source = node.args[0]
-    return (isinstance(source, fx.Node) and isinstance(source.target, torch._ops.OpOverload)
-            and source.target.namespace == "_c10d_functional" and source.target._opname in REDUCES)
+    source = _collective_waited(node)
+    return source is not None and source.target._opname in REDUCES
 
 
 def sink_all_reduce_waits(graph: fx.Graph) -> fx.Graph:

@@ -172,27 +172,27 @@ def check_proof(search: Search) -> None:
     search.proven_infeasible = False
 
 
-def run_save_more(search: Search) -> None:
-    """The cheapest plan so far with more SAVEd, where it still fits (`save_more`)."""
+def _improve_cheapest(search: Search, doing: str, improve: Callable, tries: int, suffix: str) -> None:
+    """The cheapest plan so far, improved by ``improve(graph, schedule, budget, tries=)`` where
+    that answers (a schedule and its cost), considered under the cheapest's solver + ``suffix``."""
     best = search.cheapest()
     if best is None:
         return
-    search.progress("saving more where it fits")
-    done = save_more(search.graph, best.schedule, search.budget, tries=search.effort.save_more_tries)
+    search.progress(doing)
+    done = improve(search.graph, best.schedule, search.budget, tries=tries)
     if done is not None:
-        search.consider(*done, f"{best.solver}+save", "heuristic")
+        search.consider(*done, f"{best.solver}+{suffix}", "heuristic")
+
+
+def run_save_more(search: Search) -> None:
+    """The cheapest plan so far with more SAVEd, where it still fits (`save_more`)."""
+    _improve_cheapest(search, "saving more where it fits", save_more, search.effort.save_more_tries, "save")
 
 
 def run_exchange(search: Search) -> None:
     """The cheapest plan so far with costly recomputations exchanged for cheap ones where that fits
     (`exchange`)."""
-    best = search.cheapest()
-    if best is None:
-        return
-    search.progress("exchanging recomputations")
-    done = exchange(search.graph, best.schedule, search.budget, tries=search.effort.exchange_tries)
-    if done is not None:
-        search.consider(*done, f"{best.solver}+exchange", "heuristic")
+    _improve_cheapest(search, "exchanging recomputations", exchange, search.effort.exchange_tries, "exchange")
 
 
 def run_ilp(search: Search) -> None:
