@@ -48,6 +48,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from fxopt.solvers.chain import tree_actions
+
 # Slots of what the callers hold in `cheapest_tree`, between nothing and the most any segment
 # leaves room for (sizes rounded to the nearest slot); exact where every size held is a multiple
 # of one unit and at most EXACT_SLOTS of them span that range.
@@ -296,23 +298,11 @@ def evaluate(chain: RotorChain, tree: Tree, known: dict[tuple[int, int], Ways] |
             float(w.cost[o]) + sum(v[1] for v in values))
 
 
-def actions(tree: Tree, out: list | None = None) -> list:
-    """The tree as a sequence: ("all", s, plan, with_link) make s with plan (keeping its link to
-    s+1 when the sub-chain goes on), ("ck", e) keep e's link to e+1, ("B", s, plan) run s's
-    backward, ("drop", e) let e's link go."""
-    out = [] if out is None else out
-    s, t, (kind, x), subs = tree
-    if kind == "all":
-        out.append(("all", s, x, s < t))
-        if subs:
-            actions(subs[0], out)
-        out.append(("B", s, x))
-    else:
-        out.append(("ck", x))
-        actions(subs[0], out)
-        out.append(("drop", x))
-        actions(subs[1], out)
-    return out
+def actions(tree: Tree) -> list:
+    """The tree as a sequence (`fxopt.solvers.chain.tree_actions`): ("all", s, plan, with_link)
+    make s with plan (keeping its link to s+1 when the sub-chain goes on), ("ck", e) keep e's
+    link to e+1, ("B", s, plan) run s's backward, ("drop", e) let e's link go."""
+    return tree_actions(tree)
 
 
 def plans(tree: Tree) -> dict[int, int]:

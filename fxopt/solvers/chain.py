@@ -346,20 +346,25 @@ def _evaluate(chain: Chain, tree: Tree) -> tuple[int, float]:
 
 # ---------------------------------------------------------------- from decisions to a schedule
 
-def _actions(tree: Tree, out: list) -> list:
-    """The tree as a sequence: ("ck", e) keep stage e's link, ("all", s, with_link), ("B", s) run
-    stage s's backward, ("drop", e) let stage e's link go."""
+def tree_actions(tree: Tree, out: list | None = None) -> list:
+    """The tree as a sequence: ("ck", e) keep stage e's link, ("all", s, with_link) make s
+    (keeping its link to s+1 when the sub-chain goes on), ("B", s) run stage s's backward,
+    ("drop", e) let stage e's link go. A choice is "all" or a link e (here), or ("all", plan) or
+    ("ck", e) (`fxopt.solvers.block_rotor`'s: its "all" and "B" actions name the plan after s)."""
+    out = [] if out is None else out
     s, t, choice, subs = tree
-    if choice == "all":
-        out.append(("all", s, s < t))
+    kind, x = choice if isinstance(choice, tuple) else ("all", None) if choice == "all" else ("ck", choice)
+    if kind == "all":
+        plan = () if x is None else (x,)
+        out.append(("all", s, *plan, s < t))
         if subs:
-            _actions(subs[0], out)
-        out.append(("B", s))
+            tree_actions(subs[0], out)
+        out.append(("B", s, *plan))
     else:
-        out.append(("ck", choice))
-        _actions(subs[0], out)
-        out.append(("drop", choice))
-        _actions(subs[1], out)
+        out.append(("ck", x))
+        tree_actions(subs[0], out)
+        out.append(("drop", x))
+        tree_actions(subs[1], out)
     return out
 
 
@@ -368,7 +373,7 @@ def _schedule(graph: Graph, chain: Chain, tree: Tree) -> Schedule:
     (they give the SAVE set); each later sweep runs just before the first backward node of the
     stage it serves. What a sweep does not provide is recomputed on demand."""
     stages, last = chain.stages, len(chain.stages) - 1
-    actions = _actions(tree, [])
+    actions = tree_actions(tree)
     first = actions.index(("B", last))
     saved: set[int] = set()
     for action in actions[:first]:
