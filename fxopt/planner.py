@@ -296,8 +296,6 @@ def _as_compiled(jg, options: Options):
     return dataclasses.replace(jg, graph=Graph(tuple(nodes), jg.graph.transfers)) if changed else jg
 
 
-
-
 def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool, int]:
     """The rewrites planning starts from, in place: dropout recomputed from its mask, (with
     ``sparse_loss``) the cross-entropy's backward without its dense incoming gradient, and (with

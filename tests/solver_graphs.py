@@ -119,6 +119,17 @@ def residual_block() -> Graph:
     return b.build()
 
 
+def chain_inputs(n: int, *, param: int = 4, inp: int = 8) -> GraphBuilder:
+    """A builder holding a layered model's inputs: ``x`` (``inp`` bytes), the weights ``w1`` to
+    ``wn`` (``param`` bytes each) and the loss's incoming gradient ``tan``."""
+    b = GraphBuilder()
+    b.input("x", inp)
+    for k in range(1, n + 1):
+        b.input(f"w{k}", param)
+    b.input("tan", 1, tangent=True)
+    return b
+
+
 def chain(n: int, act: int = 16, param: int = 4, inp: int = 8) -> Graph:
     """An n-layer MLP ``a_k = relu(a_{k-1} @ w_k)``, ``loss = sum(a_n)``, and its backward.
 
@@ -126,11 +137,7 @@ def chain(n: int, act: int = 16, param: int = 4, inp: int = 8) -> Graph:
     reads ``a_k``, the weight gradient reads ``a_{k-1}``. Saving everything costs about
     ``n * act``; recomputing from a few checkpoints costs flops but much less memory.
     """
-    b = GraphBuilder()
-    b.input("x", inp)
-    for k in range(1, n + 1):
-        b.input(f"w{k}", param)
-    b.input("tan", 1, tangent=True)
+    b = chain_inputs(n, param=param, inp=inp)
     prev = "x"
     for k in range(1, n + 1):
         b.fwd(f"h{k}", [prev, f"w{k}"], act, cost=2.0, flops=200)

@@ -31,7 +31,7 @@ from fxopt.solvers.instant import instant_solve, peak_lower_bound
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, on_demand, save_all_set, simulate
 from fxopt.solvers.transfers import INSTANT, PCIE_GEN4_X16_BYTES_PER_S, Transfers, host_peak_bytes
-from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, ids, random_training_graph
+from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, chain_inputs, ids, random_training_graph
 
 
 def line() -> Graph:
@@ -455,11 +455,7 @@ def test_hand_graphs_without_offload_simulate_the_same_with_transfers(name):
 def masked_chain(n: int = 6) -> Graph:
     """chain(n) with a dropout-like mask per layer: ``m_k`` (16 B, random: never recomputed) is
     read by ``a_k`` and by its backward, so every mask is SAVEd; OFFLOAD can take them away."""
-    b = GraphBuilder()
-    b.input("x", 8)
-    for k in range(1, n + 1):
-        b.input(f"w{k}", 4)
-    b.input("tan", 1, tangent=True)
+    b = chain_inputs(n)
     prev = "x"
     for k in range(1, n + 1):
         b.fwd(f"h{k}", [prev, f"w{k}"], 16, cost=2.0)

@@ -1206,13 +1206,9 @@ def _gelu_chain(n: int = 3, act: int = 16):
     """An n-layer MLP whose activation reads its input in the backward (as GELU does):
     ``h_k = g_{k-1} @ w_k`` (costly), ``g_k = act(h_k)`` (cheap); the backward of ``g_k`` reads
     ``h_k``, the weight gradient ``g_{k-1}``."""
-    from solver_graphs import GraphBuilder
+    from solver_graphs import chain_inputs
 
-    b = GraphBuilder()
-    b.input("x", 8)
-    for k in range(1, n + 1):
-        b.input(f"w{k}", 4)
-    b.input("tan", 1, tangent=True)
+    b = chain_inputs(n)
     prev = "x"
     for k in range(1, n + 1):
         b.fwd(f"h{k}", [prev, f"w{k}"], act, cost=10.0)

@@ -13,18 +13,14 @@ import pytest
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers import simulate
 from fxopt.solvers import stages as st
-from solver_graphs import GraphBuilder, chain
+from solver_graphs import GraphBuilder, chain, chain_inputs
 
 
 def skip_graph(origins: bool = False):
     """a = f(x); b = f(a); c = f(b); d = c + a (a skip over b and c); e = f(d); loss = sum(e),
     and its backward. Returns the graph (and with ``origins`` the label of each node: a forward
     op's and the backward nodes that differentiate it share one)."""
-    b = GraphBuilder()
-    b.input("x", 8)
-    for k in range(1, 5):
-        b.input(f"w{k}", 4)
-    b.input("tan", 1, tangent=True)
+    b = chain_inputs(4)
     b.fwd("a", ["x", "w1"], 16)
     b.fwd("b", ["a", "w2"], 16)
     b.fwd("c", ["b", "w3"], 16)

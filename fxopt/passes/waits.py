@@ -32,7 +32,6 @@ import torch.fx as fx
 from fxopt.analysis.costs import GATHERS, REDUCES, WAITS, group_backend
 
 
-
 def _is_all_reduce_wait(node: fx.Node) -> bool:
     source = _collective_waited(node)
     return source is not None and source.target._opname in REDUCES
