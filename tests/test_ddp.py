@@ -64,7 +64,13 @@ def test_ddp_step_is_one_graph_with_its_all_reduces(one_process_group):
     reduces = [n for n in plan.graph.nodes if n.name.startswith("all_reduce")]
     # The six gradients (4.6 KB) in one bucket, as DDP's reducer buckets them (its first holds 1 MiB).
     assert len(optimized.plans) == 1 and len(reduces) == 1 and len(trainable) == 6, [n.name for n in plan.graph.nodes]
-    assert reduces[0].bytes == sum(p.numel() * 4 for p in trainable) and not reduces[0].recomputable
+    # Reduced in place (`fxopt.passes.coalesce`): the bucket, the one buffer, is the copy the
+    # gradients are gathered into; no node holds a second one.
+    owner = reduces[0].storage
+    bucket = plan.graph.nodes[owner]
+    assert reduces[0].bytes == 0 and not reduces[0].recomputable and bucket.name.startswith("cat")
+    assert bucket.bytes == sum(p.numel() * 4 for p in trainable)
+    assert sum(n.bytes for n in plan.graph.nodes if n.storage == owner) == 0
     # The second step: the graph's one all-reduce ran, not DDP's one bucket besides; the gradients
     # are views of the reduced bucket.
     model.zero_grad(set_to_none=True)
@@ -214,7 +220,9 @@ def test_tied_parameters_and_buckets_past_the_first(one_process_group):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"gradient of {name}: {m}")
     plan = optimized.plan
     reduces = [n for n in plan.graph.nodes if n.name.startswith("all_reduce")]
-    assert len(reduces) == 2 and reduces[0].bytes >= 1 << 20, [(n.name, n.bytes) for n in reduces]
+    # (each bucket reduced in place: its bytes are the copy the gradients are gathered into)
+    buckets = [plan.graph.nodes[n.storage] for n in reduces]
+    assert len(reduces) == 2 and buckets[0].bytes >= 1 << 20, [(n.name, n.bytes) for n in buckets]
     assert peak.peak_bytes <= plan.peak_bytes <= plan.budget_bytes
 
 
@@ -235,7 +243,7 @@ def test_the_backward_waits_for_its_all_reduce_at_the_end(one_process_group, mon
     ready = plan_and_rewrite(DDP(model), 1.0, (torch.randn(8, 16),))
     nodes = list(ready.backward.graph.nodes)
     kinds = [getattr(n.target, "_opname", "") if n.op == "call_function" else n.op for n in nodes]
-    reduces = [i for i, k in enumerate(kinds) if k == "all_reduce"]
+    reduces = [i for i, k in enumerate(kinds) if k == "all_reduce_"]  # (in place on each bucket)
     waits = [i for i, k in enumerate(kinds) if k == "wait_tensor"]
     mms = [i for i, k in enumerate(kinds) if k in ("mm", "addmm")]
     assert len(reduces) == len(waits) == 2, kinds

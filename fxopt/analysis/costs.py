@@ -59,9 +59,9 @@ COMM_BYTES_PER_SECOND = {"gloo": 1e9, "nccl": 1e11}
 # communicating again), and the wait that makes their output readable.
 GATHERS = ("all_gather_into_tensor",)
 WAITS = ("wait_tensor",)
-# The all-reduces (DDP's gradients in the graph, `fxopt.distributed.ddp`): never recomputed, as
-# every other collective but the gathers.
-REDUCES = ("all_reduce",)
+# The all-reduces (DDP's gradients in the graph, `fxopt.distributed.ddp`; in place on a bucket,
+# `fxopt.passes.coalesce`): never recomputed, as every other collective but the gathers.
+REDUCES = ("all_reduce", "all_reduce_")
 
 
 def comm_bytes_of(node: fx.Node) -> int:

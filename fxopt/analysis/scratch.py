@@ -124,14 +124,14 @@ def _collective_increase(node: fx.Node) -> int | None:
     gathers into a flat buffer of its own, then copies out), or of its input for a reduce-scatter,
     which gloo reduces in (a bound for backends that reduce in place). An all-reduce allocates its
     output only (the copy of its input it reduces in place; measured with the profiler on 2 gloo
-    ranks, 1 and 4 MiB: exactly the output) and leaves nothing past its wait. A wait allocates
-    nothing: it returns the tensor it waits on (`fxopt.analysis.joint` counts its value as that
-    tensor's storage). None for any other op."""
+    ranks, 1 and 4 MiB: exactly the output) and leaves nothing past its wait; in place (a bucket,
+    `fxopt.passes.coalesce`), nothing. A wait allocates nothing: it returns the tensor it waits on
+    (`fxopt.analysis.joint` counts its value as that tensor's storage). None for any other op."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
         return None
-    if target._opname in WAITS:
-        return 0  # (it returns the tensor it waits on)
+    if target._opname in WAITS or target._schema.is_mutable:
+        return 0  # (it returns the tensor it waits on, or the one it reduced in place)
     outs = sum(o.numel() * o.element_size() for o in _outs(node))
     if target._opname in GATHERS and group_backend(node) in ("gloo", None):
         outs *= 2

@@ -5,17 +5,26 @@ buckets).
 
 In the joint graph, in the order the backward completes them, consecutive all-reduces over the
 same group, of one dtype, are gathered until a bucket holds ``FIRST_BUCKET_BYTES`` (the first)
-or ``BUCKET_BYTES`` (DDP's defaults: 1 MiB, then 25 MiB); each bucket of two or more becomes
+or ``BUCKET_BYTES`` (DDP's defaults: 1 MiB, then 25 MiB); each bucket becomes
 
-    before:  r1 = all_reduce(m1, "sum", pg); w1 = wait_tensor(r1); ...
-             r2 = all_reduce(m2, "sum", pg); w2 = wait_tensor(r2); return (w1, w2, ...)
-    after:   flat = cat([reshape(m1, [-1]), reshape(m2, [-1])]); r = all_reduce(flat, "sum", pg)
-             w = wait_tensor(r); return (view(slice(w, 0, 0, n1), s1), view(slice(w, 0, n1, n2), s2), ...)
+    before:  m1 = mul(g1, s); r1 = all_reduce(m1, "sum", pg); w1 = wait_tensor(r1); ...
+             m2 = mul(g2, s); r2 = all_reduce(m2, "sum", pg); w2 = wait_tensor(r2); return (w1, w2, ...)
+    after:   flat = cat([reshape(g1, [-1]), reshape(g2, [-1])]); mul_(flat, s)
+             r = all_reduce_(flat, "sum", pg); w = wait_tensor(r)
+             return (view(slice(w, 0, 0, n1), s1), view(slice(w, 0, n1, n2), s2), ...)
 
 issued once the bucket's last gradient is complete; the gradients are views of the reduced
-bucket (the analysis sees the bucket, its copy and their views: the plan counts them). Run before
-the step is analysed, so the eager peak and every plan see the same graph; nodes it made are
-left alone when run again.
+bucket. The bucket is the one buffer the reduction writes: each gradient is copied into it once,
+then scaled and reduced in place, as DDP's reducer does (``mul_out`` into the bucket, an in-place
+all-reduce). Scaling each gradient, then copying the bucket again for a functional all-reduce,
+made three passes over every gradient's bytes and two bucket-sized buffers: on the bench Llama
+under DDP (2 ranks, 1.3 M parameters) that cost 9 ms of CPU per step, measured alone, against
+1 ms this way. The in-place ops' fake values are the bucket's own, so the analysis counts one
+buffer (`fxopt.analysis.joint`: aliasing by storage), and neither is ever recomputed (they
+mutate). The scales fold only where every gradient of the bucket is scaled by the same number,
+read by nothing else (`fxopt.distributed.ddp`'s ``1 / world size``): the same products as before,
+bit for bit. Run before the step is analysed, so the eager peak and every plan see the same
+graph; nodes it made are left alone when run again.
 """
 
 from __future__ import annotations
@@ -64,6 +73,17 @@ def _buckets(reductions: list[tuple[fx.Node, fx.Node]]) -> list[list[tuple[fx.No
     return buckets
 
 
+def _scaled(node: fx.Node) -> tuple[fx.Node, float | None]:
+    """(the gradient, the number it is multiplied by) where an all-reduce's input ``node`` is
+    ``mul(gradient, number)`` read by that all-reduce alone; else (``node``, None)."""
+    if (node.op == "call_function" and node.target is torch.ops.aten.mul.Tensor and len(node.users) == 1
+            and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], float) and not node.kwargs):
+        grad, val = node.args[0].meta.get("val"), node.meta["val"]
+        if isinstance(grad, torch.Tensor) and grad.dtype == val.dtype and grad.shape == val.shape:
+            return node.args[0], node.args[1]
+    return node, None
+
+
 def _call(graph: fx.Graph, op, args: tuple, val: torch.Tensor, meta: dict) -> fx.Node:
     node = graph.call_function(op, args)
     node.meta = {**meta, "val": val, _TAG: True}
@@ -76,9 +96,11 @@ def coalesce_all_reduces(joint: fx.GraphModule) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}  # (the nodes made below read nothing it orders)
     made = 0
     for bucket in _buckets(_reductions(graph)):
-        if len(bucket) < 2:
-            continue
-        inputs = [r.args[0] for r, _ in bucket]
+        reduced_inputs = [r.args[0] for r, _ in bucket]
+        scaled = [_scaled(i) for i in reduced_inputs]
+        scale = scaled[0][1]
+        fold = scale is not None and all(s == scale for _, s in scaled)
+        inputs = [g for g, _ in scaled] if fold else reduced_inputs
         last_reduce, _ = bucket[-1]
         meta = {k: v for k, v in last_reduce.meta.items() if k != "val"}
         flat_vals = [i.meta["val"].reshape(-1) for i in inputs]
@@ -88,8 +110,11 @@ def coalesce_all_reduces(joint: fx.GraphModule) -> int:
             flats = [_call(graph, aten.reshape.default, (i, [-1]), v, meta) for i, v in zip(inputs, flat_vals)]
             flat_val = torch.cat(flat_vals)
             flat = _call(graph, aten.cat.default, (flats,), flat_val, meta)
-            reduced = _call(graph, last_reduce.target, (flat, *last_reduce.args[1:]), torch.empty_like(flat_val), meta)
-            wait = _call(graph, bucket[-1][1].target, (reduced,), torch.empty_like(flat_val), meta)
+            if fold:  # (in place: the bucket's own fake value, one buffer for the analysis)
+                flat = _call(graph, aten.mul_.Tensor, (flat, scale), flat_val, meta)
+            in_place = getattr(torch.ops._c10d_functional, last_reduce.target._opname + "_").default
+            reduced = _call(graph, in_place, (flat, *last_reduce.args[1:]), flat_val, meta)
+            wait = _call(graph, bucket[-1][1].target, (reduced,), flat_val, meta)
         start = 0
         for (r, w), i in zip(bucket, inputs):
             val = i.meta["val"]
@@ -102,6 +127,9 @@ def coalesce_all_reduces(joint: fx.GraphModule) -> int:
             graph.erase_node(w)
             graph.erase_node(r)
             start += val.numel()
+        if fold:
+            for m in reduced_inputs:
+                graph.erase_node(m)
         made += 1
     if made:
         graph.lint()
