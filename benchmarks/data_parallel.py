@@ -61,6 +61,9 @@ SIZES = {  # layers, hidden, heads, ffn, seq, batch per rank, vocab
     "quick": dict(layers=2, hidden=64, heads=2, ffn=256, seq=64, batch=2, vocab=512),
 }
 SETTINGS = ("ddp", "fsdp")
+# Not run by default: eager DDP and fxopt at eager's peak (nothing recomputed), their steps
+# interleaved round by round on each rank, wall and CPU seconds (`interleaved_ddp`).
+DDP_TIME = "ddp-time"
 MODELS = ("llama", "gpt2", "gpt-neox")
 CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt-neox": "GPTNeoXForCausalLM"}
 FSDP2_ONE_GRAPH = "fxopt on FSDP2 (one graph)"  # fxopt.optimize(FSDP2's model): fxopt.distributed.fsdp2
@@ -207,8 +210,46 @@ def _plan_fields(fn) -> dict[str, Any]:
             "statuses": sorted({f"{p.solver} {p.status}" for p in plans})}
 
 
+def interleaved_ddp(args, rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
+    """Eager DDP and ``fxopt.optimize(DDP(model), eager's peak)`` (nothing recomputed: the step
+    time of fxopt's graph with the gradients' all-reduces inside it), built side by side, warmed up
+    (3 steps each), then ``--timed-steps`` rounds of one step of each, the ranks meeting at a
+    barrier before every step: each one's median wall seconds and median CPU seconds of this
+    process (`time.process_time`: gloo's worker threads included), which another job on the
+    machine slows less than the wall clock."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    eager_model, inputs = build(args.size, world, rank, device, args.model)
+    eager = DDP(eager_model)
+    _step(eager, inputs)
+    peak = _agreed_max(fxopt.measure_peak(_step, eager, inputs, resident=[eager, eager_model]).peak_bytes, device)
+    model, _ = build(args.size, world, rank, device, args.model)
+    optimized = fxopt.optimize(DDP(model), peak, time_limit=args.time_limit)
+    runs = {"eager": (eager_model, eager), "fxopt@eager": (model, optimized)}
+    for _ in range(3):
+        for m, fn in runs.values():
+            m.zero_grad(set_to_none=True)
+            _step(fn, inputs)
+    wall: dict[str, list[float]] = {k: [] for k in runs}
+    cpu: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.timed_steps):
+        for name, (m, fn) in runs.items():
+            m.zero_grad(set_to_none=True)
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
+            _step(fn, inputs)
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return [{"setting": DDP_TIME, "method": name, "budget_bytes": peak if name != "eager" else None,
+             "step_s": median(wall[name]), "cpu_s": median(cpu[name]),
+             **(_plan_fields(optimized) if name != "eager" else {})} for name in runs]
+
+
 def run_setting(setting: str, args, rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
     """Every row of one setting on this rank (the fxopt rows' budgets agreed over the ranks)."""
+    if setting == DDP_TIME:
+        return interleaved_ddp(args, rank, world, device)
     rows: list[dict[str, Any]] = []
 
     single = single_process(args, world, device)
@@ -345,7 +386,7 @@ def merge(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     merged = []
     for rows in zip(*per_rank):
         row = dict(rows[0])
-        for key in ("peak_bytes", "step_s", "loss_diff"):
+        for key in ("peak_bytes", "step_s", "cpu_s", "loss_diff"):
             values = [r[key] for r in rows if r.get(key) is not None]
             row[key] = max(values) if values else None
         row["grads_equal"] = all(r.get("grads_equal", True) for r in rows) if "grads_equal" in row else None
@@ -383,12 +424,13 @@ def report(data: dict[str, Any]) -> str:
         f"{FULLY_SHARD}: the model sharded with fxopt.distributed.fully_shard instead; {NCCL_PRICED.strip()}: "
         "planned with communication priced at NCCL's rate (100 GB/s, not gloo's 1 GB/s: the plan a GPU would get), "
         "run here. Ratio: fxopt's extra FLOPs / "
-        "checkpointing's (target ≤ 0.5). Grads equal: on every rank, the loss (its mean over the ranks) and every "
+        "checkpointing's (target ≤ 0.5). CPU s (setting ddp-time only, its steps interleaved round by round): the "
+        "median CPU seconds of a step, the largest over the ranks. Grads equal: on every rank, the loss (its mean over the ranks) and every "
         "gradient equal single-process eager's on the whole batch (the gradient of its mean loss), within "
         "torch.testing's float32 tolerance.",
         "",
-        "| setting | method | budget MiB | per-rank peak MiB | extra GFLOP | ratio | step s | plans | grads equal | note |",
-        "|---|---|---:|---:|---:|---:|---:|---:|:---:|---|",
+        "| setting | method | budget MiB | per-rank peak MiB | extra GFLOP | ratio | step s | CPU s | plans | grads equal | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|---|",
     ]
     ckpt_extra, ckpt_peak = {}, {}
     for r in data["rows"]:
@@ -412,9 +454,13 @@ def report(data: dict[str, Any]) -> str:
         unequal = [f"not equal: {r['grads_error']}"] if r.get("grads_equal") is False and r.get("grads_error") else []
         note = "; ".join([*([within] if within else []), *unequal, *r.get("errors", [])])
         step = "–" if r.get("step_s") is None else f"{r['step_s']:.3f}"
+        cpu = "–" if r.get("cpu_s") is None else f"{r['cpu_s']:.4f}"
+        if r["setting"] == DDP_TIME and r["method"] != "eager":
+            base = next(e for e in data["rows"] if e["setting"] == DDP_TIME and e["method"] == "eager")
+            note = f"× eager DDP: {r['step_s'] / base['step_s']:.3f} wall, {r['cpu_s'] / base['cpu_s']:.3f} CPU"
         grads = {True: "yes", False: "**no**", None: "–"}[r.get("grads_equal")]
         out.append(f"| {r['setting']} | {r['method']} | {_mib(r.get('budget_bytes')) if r.get('budget_bytes') != 'min' else 'min'} | {_mib(r.get('peak_bytes'))} | "
-                   f"{_gflop(r.get('extra_flops'))} | {ratio} | {step} | {r.get('plans', '–')} | {grads} | {note} |")
+                   f"{_gflop(r.get('extra_flops'))} | {ratio} | {step} | {cpu} | {r.get('plans', '–')} | {grads} | {note} |")
     out += ["", "## GPU", "", meta.get("gpu_note", ""), ""]
     return "\n".join(out)
 
@@ -423,7 +469,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.data_parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="bench")
     parser.add_argument("--model", choices=MODELS, default="llama")
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"comma-separated: {', '.join(SETTINGS)}, and {DDP_TIME} (eager DDP and fxopt at eager's "
+                             "peak, steps interleaved: wall and CPU seconds)")
     parser.add_argument("--forms", default=",".join(FORMS),
                         help="the FSDP forms fxopt plans: fsdp2 (FSDP2's model), fully_shard (fxopt's own)")
     parser.add_argument("--nccl-priced", action=argparse.BooleanOptionalAction, default=True,
