@@ -300,8 +300,8 @@ def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool
     """The rewrites planning starts from, in place: dropout recomputed from its mask, (with
     ``sparse_loss``, but not for Inductor, whose graphs are functional) the cross-entropy's
     backward written over its incoming gradient, and (with ``compress``) ReLU's backward reading a
-    bool mask. Whether anything changed, and how many ReLU
-    masks were made (`masks.undo_relu_masks` takes them back)."""
+    bool mask. Whether anything changed, and how many ReLU masks were made (`masks.undo_relu_masks`
+    takes them back)."""
     dropout = recompute_dropout_from_mask(joint)
     loss = loss_backward_in_place(joint) if options.sparse_loss and options.compiler != "inductor" else 0
     relu = masks.relu_masks(joint) if options.compress else 0

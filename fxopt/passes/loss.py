@@ -18,9 +18,9 @@ alive, not three. The node's fake value is ``G``'s, so the analysis counts ``dX`
 storage (no allocation; `fxopt.analysis.joint`), and its op mutates, so it is never recomputed
 nor moved (`Node.recomputable`). ``G`` is a backward value, made once; its one reader is this op.
 
-Inductor graphs must be functional: under ``compiler="inductor"`` the step is planned and
-compiled without this rewrite (`fxopt.capture.inductor` reuses ``G``'s buffer for ``dX`` where
-its scheduler can).
+Inductor's graphs must be functional: under ``compiler="inductor"`` the step is planned and
+compiled without this rewrite, and Inductor does not reuse ``G``'s buffer for ``dX`` either
+(measured on CPU: a plan compiled by Inductor peaks at the three logits).
 """
 
 from __future__ import annotations
