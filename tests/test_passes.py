@@ -238,3 +238,20 @@ def test_loss_backward_in_place_is_bit_equal_and_a_logits_lower(budget):
     assert torch.equal(on_loss, eager_loss) and torch.equal(on_loss, off_loss)
     for p, g_on, g_off in zip(eager.parameters(), on_grads, off_grads, strict=True):
         assert torch.equal(g_on, p.grad) and torch.equal(g_on, g_off)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("classes", [1000, 50257])  # (CUDA's warp kernel up to 1024 columns, its block kernel beyond)
+def test_loss_backward_in_place_kernel_is_bit_equal_on_cuda(classes):
+    """`fxopt.passes.loss` runs CUDA's log-softmax backward with its result over its incoming
+    gradient: each row read before it is written, so bit-equal to the kernel writing a new tensor."""
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    lsm = torch.log_softmax(torch.randn(512, classes, device="cuda"), 1)
+    target = torch.randint(0, classes, (512,), device="cuda")
+    target[::7] = -100
+    total = (target != -100).sum().float()
+    grad = aten.nll_loss_backward(torch.tensor(1.0, device="cuda"), lsm, target, None, 1, -100, total)
+    expected = aten._log_softmax_backward_data(grad, lsm, 1, torch.float32)
+    in_place = aten._log_softmax_backward_data.out(grad, lsm, 1, torch.float32, out=grad)
+    assert in_place.data_ptr() == grad.data_ptr() and torch.equal(in_place, expected)
