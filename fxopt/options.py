@@ -207,15 +207,15 @@ class Options:
         mutations and collectives keep theirs), and keep the better of the two plans (lower
         cost, then lower peak; the captured order on a tie): a lower smallest budget, never a
         worse plan. Planning takes up to about twice as long. Off: the captured order.""")
-    sparse_loss: bool = option(False, check=_instance("sparse_loss", bool), flag=Flag(
-        choices=("on", "off"), parse=lambda text: text == "on", help="on: the cross-entropy's backward holds two "
-        "logits-sized tensors at a time, not three (gradients within float32 rounding; default off)"), doc="""
-        Plan the step with the cross-entropy's backward rewritten (`fxopt.passes.loss`) to hold two
-        logits-sized tensors at a time, not three: a lower smallest budget where the loss's
-        backward is the peak (a language model's head). Not bit-identical: its gradients match
-        eager's within float32 rounding (another exp kernel, another rounding). Off by default: it
-        is not exact, and it cost the 8-layer gpt2_tiny's blocks plan at 60% (5.72 against 5.03 ms of
-        recomputation).""")
+    sparse_loss: bool = option(True, check=_instance("sparse_loss", bool), flag=Flag(
+        choices=("on", "off"), parse=lambda text: text == "on", help="on: the cross-entropy's backward writes its "
+        "result over its incoming gradient, two logits-sized tensors at a time, not three (bit-equal; default on)"), doc="""
+        Plan and run the step with the cross-entropy's backward written into its incoming
+        gradient's buffer (`fxopt.passes.loss`: eager's own kernel, ``out=`` that buffer), so it
+        holds two logits-sized tensors at a time, not three: a lower peak where the loss's
+        backward is the peak (a language model's head). Bit-equal to eager: the same kernel on the
+        same inputs. With ``compiler="inductor"`` it is not applied (Inductor graphs are
+        functional). Off: the backward as captured.""")
     device: DeviceProfile | None = option(None, check=_device, flag=Flag(metavar="PROFILE"), doc="""
         Plan for this device without running the step: a shipped profile's name (`fxopt.devices.names`:
         "cpu", "H100-80GB", "A100-40GB", "H200") or the path of a profile's JSON. The step is captured

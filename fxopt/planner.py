@@ -34,7 +34,7 @@ from fxopt.passes import masks
 from fxopt.passes.coalesce import coalesce_all_reduces
 from fxopt.passes.decompose import reduction_scratch
 from fxopt.passes.dropout import alias_identity_dropouts, recompute_dropout_from_mask
-from fxopt.passes.loss import sparse_loss_backward
+from fxopt.passes.loss import loss_backward_in_place
 from fxopt.passes.reorder import in_plan_order, reorder_step
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.transfers import Transfers
@@ -298,11 +298,12 @@ def _as_compiled(jg, options: Options):
 
 def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool, int]:
     """The rewrites planning starts from, in place: dropout recomputed from its mask, (with
-    ``sparse_loss``) the cross-entropy's backward without its dense incoming gradient, and (with
-    ``compress``) ReLU's backward reading a bool mask. Whether anything changed, and how many ReLU
-    masks were made (`masks.undo_relu_masks` takes them back)."""
+    ``sparse_loss``, but not for Inductor, whose graphs are functional) the cross-entropy's
+    backward written over its incoming gradient, and (with ``compress``) ReLU's backward reading a
+    bool mask. Whether anything changed, and how many ReLU masks were made (`masks.undo_relu_masks`
+    takes them back)."""
     dropout = recompute_dropout_from_mask(joint)
-    loss = sparse_loss_backward(joint) if options.sparse_loss else 0
+    loss = loss_backward_in_place(joint) if options.sparse_loss and options.compiler != "inductor" else 0
     relu = masks.relu_masks(joint) if options.compress else 0
     return bool(dropout or loss or relu), relu
 

@@ -31,7 +31,7 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 20
+REVISION = 21  # 21: the loss's backward written in place by default (`fxopt.passes.loss`)
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)
