@@ -207,7 +207,7 @@ class Options:
         mutations and collectives keep theirs), and keep the better of the two plans (lower
         cost, then lower peak; the captured order on a tie): a lower smallest budget, never a
         worse plan. Planning takes up to about twice as long. Off: the captured order.""")
-    sparse_loss: bool = option(True, check=_instance("sparse_loss", bool), flag=Flag(
+    loss_in_place: bool = option(True, check=_instance("loss_in_place", bool), flag=Flag(
         choices=("on", "off"), parse=lambda text: text == "on", help="on: the cross-entropy's backward writes its "
         "result over its incoming gradient, two logits-sized tensors at a time, not three (bit-equal; default on)"), doc="""
         Plan and run the step with the cross-entropy's backward written into its incoming

@@ -298,12 +298,12 @@ def _as_compiled(jg, options: Options):
 
 def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool, int]:
     """The rewrites planning starts from, in place: dropout recomputed from its mask, (with
-    ``sparse_loss``, but not for Inductor, whose graphs are functional) the cross-entropy's
+    ``loss_in_place``, but not for Inductor, whose graphs are functional) the cross-entropy's
     backward written over its incoming gradient, and (with ``compress``) ReLU's backward reading a
     bool mask. Whether anything changed, and how many ReLU masks were made (`masks.undo_relu_masks`
     takes them back)."""
     dropout = recompute_dropout_from_mask(joint)
-    loss = loss_backward_in_place(joint) if options.sparse_loss and options.compiler != "inductor" else 0
+    loss = loss_backward_in_place(joint) if options.loss_in_place and options.compiler != "inductor" else 0
     relu = masks.relu_masks(joint) if options.compress else 0
     return bool(dropout or loss or relu), relu
 

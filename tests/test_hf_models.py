@@ -154,7 +154,7 @@ def _trained(model, inputs, budget, **options):
 @pytest.mark.parametrize("name, dropout", [("gpt2", 0.1), ("llama", 0.0)])
 def test_loss_backward_in_place_is_bit_equal(name, dropout):
     """The cross-entropy's backward written over its incoming gradient (`fxopt.passes.loss`, the
-    ``sparse_loss`` default), at full budget and at the minimum: the loss and every gradient
+    ``loss_in_place`` default), at full budget and at the minimum: the loss and every gradient
     bit-equal to eager's and to the step planned without it (dropout's under the same seed), the
     measured peak the predicted one (within 128 B: Llama's minimum measures 64 B under it, with or
     without), and at full budget (the loss's backward the peak) lower."""
@@ -162,7 +162,7 @@ def test_loss_backward_in_place_is_bit_equal(name, dropout):
     eager_loss, eager_grads, _, _ = _trained(model, inputs, None)
     for budget in (1.0, _minimum(name, dropout)):
         on_loss, on_grads, on, on_peak = _trained(model, inputs, budget)
-        off_loss, off_grads, off, off_peak = _trained(model, inputs, budget, sparse_loss=False)
+        off_loss, off_grads, off, off_peak = _trained(model, inputs, budget, loss_in_place=False)
         assert any(n.name.startswith("_log_softmax_backward_data_out") for n in on.graph.nodes)
         assert torch.equal(on_loss, eager_loss) and torch.equal(off_loss, eager_loss)
         assert len(on_grads) == len(off_grads) == len(eager_grads)

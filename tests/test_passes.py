@@ -202,7 +202,7 @@ class _LMHead(nn.Module):
 def test_loss_backward_in_place_is_bit_equal_and_a_logits_lower(budget):
     """The cross-entropy's backward held the log-probabilities, its incoming gradient and its
     result at once (three logits, 512 KiB each); written over its incoming gradient
-    (`fxopt.passes.loss`, the ``sparse_loss`` default) it holds two: the peak, predicted and
+    (`fxopt.passes.loss`, the ``loss_in_place`` default) it holds two: the peak, predicted and
     measured alike, falls by a logits' bytes at full budget and at the smallest, and the loss and
     every gradient (ignored rows and dropout among them) are bit-equal to eager's and to the step
     planned without the rewrite."""
@@ -217,9 +217,9 @@ def test_loss_backward_in_place_is_bit_equal_and_a_logits_lower(budget):
         planned_at = budget
         if budget == "min":
             with pytest.raises(fxopt.InfeasibleBudgetError) as info:
-                fxopt.plan(copy.deepcopy(model), 1, inputs, sparse_loss=in_place)
+                fxopt.plan(copy.deepcopy(model), 1, inputs, loss_in_place=in_place)
             planned_at = info.value.min_budget
-        optimized = fxopt.optimize(copy.deepcopy(model), planned_at, example_inputs=inputs, sparse_loss=in_place)
+        optimized = fxopt.optimize(copy.deepcopy(model), planned_at, example_inputs=inputs, loss_in_place=in_place)
         torch.manual_seed(3)
         loss = step(optimized, inputs)
         grads = [p.grad.clone() for p in optimized.parameters()]
