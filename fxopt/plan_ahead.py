@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 from fxopt.analysis.costs import CostModel
-from fxopt.analysis.symbolic import Sizes
+from fxopt.analysis.symbolic import Sizes, error_on_new_guards
 from fxopt.budget import BudgetLike
 from fxopt.capture.compiled import compile_step, run_compiled
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
@@ -327,7 +327,7 @@ def _symbolic_stamped(model: nn.Module, run: Run, args: tuple, kwargs: dict, dim
         unread = long.unread_bytes + (len(blocks) - LONG) * _unread(blocks[1], long.inputs)
         answering.append(True)
         _, short_names, short_env = short
-        guards = short_env.error_on_new_guards() if short_env is not None else contextlib.nullcontext()
+        guards = error_on_new_guards(short_env) if short_env is not None else contextlib.nullcontext()
         with guards:
             return analyze_for_planning(joint, long.num_fwd_outputs, options, unread,
                                         Sizes(short_names, point, dims.ranges))

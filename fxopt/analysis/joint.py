@@ -24,7 +24,7 @@ from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_code
 from fxopt.analysis.eager_saves import eager_saves
 from fxopt.analysis.costs import GATHERS, WAITS, CostModel, comm_bytes_of, flops_of, group_backend
 from fxopt.analysis.scratch import OpMemory, lingering_bytes, op_memory, scratch_beyond_output
-from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
+from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph, error_on_new_guards
 from fxopt.devices import DeviceProfile
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
@@ -463,7 +463,7 @@ def no_new_guards(fx_nodes: list[fx.Node]):
         for t in tensors_in(n.meta.get("val")):
             shape_env = getattr(getattr(t, "fake_mode", None), "shape_env", None)
             if shape_env is not None and any(isinstance(s, torch.SymInt) for s in t.shape):
-                return shape_env.error_on_new_guards()
+                return error_on_new_guards(shape_env)
     return contextlib.nullcontext()
 
 

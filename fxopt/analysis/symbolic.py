@@ -25,8 +25,9 @@ is conservative as long as a kernel does not allocate more for a smaller input.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import sympy
 import torch
@@ -38,6 +39,38 @@ from fxopt.errors import CaptureError
 from fxopt.solvers.graph import Graph
 
 Point = Mapping[str, int]  # a shape: a value for each named symbol
+
+
+class NewGuardError(RuntimeError):
+    """A guard attempted on a step's sizes while fxopt reads them (torch before 2.13, whose
+    ``ShapeEnv`` has no ``error_on_new_guards``; `error_on_new_guards`)."""
+
+
+@contextlib.contextmanager
+def error_on_new_guards(shape_env) -> Iterator[None]:
+    """While inside, a guard attempted on ``shape_env`` raises: nothing fxopt decides may narrow
+    the shapes the compiled step accepts. torch 2.13's ``ShapeEnv.error_on_new_guards``; before
+    it (torch 2.11, 2.12), the same done here: the env frozen (a frozen env drops a guard with a
+    log line) and its frozen check raising instead."""
+    if hasattr(shape_env, "error_on_new_guards"):
+        with shape_env.error_on_new_guards():
+            yield
+        return
+
+    def refuse(expr, concrete_val):
+        raise NewGuardError(f"Guard attempted while ShapeEnv guards are frozen: {expr} == {concrete_val}")
+
+    old_frozen, old_check = shape_env.frozen, shape_env.__dict__.get("_check_frozen")
+    shape_env.frozen = True
+    shape_env._check_frozen = refuse  # (an instance attribute: the class's method stays)
+    try:
+        yield
+    finally:
+        shape_env.frozen = old_frozen
+        if old_check is None:
+            del shape_env._check_frozen
+        else:  # (nested: the outer one's)
+            shape_env._check_frozen = old_check
 Size = int | sympy.Expr  # a size: a number, or an expression in named symbols
 
 

@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from fxopt.analysis import JointGraph
-from fxopt.analysis.symbolic import Sizes
+from fxopt.analysis.symbolic import Sizes, error_on_new_guards
 from fxopt.buckets import Bucket, bucket_of
 from fxopt.capture.dynamo import Answered, CapturedStep, PlanReady, step_backend, unread_resident_bytes
 from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
@@ -78,7 +78,7 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
                                      seen["names"], shape_env))
         # Nothing fxopt does to the step (its rewrites, analysis, plans) may add a guard: that
         # would narrow the shapes the compiled step accepts.
-        with shape_env.error_on_new_guards():
+        with error_on_new_guards(shape_env):
             return plan_and_split(joint, num_fwd_outputs)
 
     def plan_and_split(joint: fx.GraphModule, num_fwd_outputs: int):

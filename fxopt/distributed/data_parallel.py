@@ -241,10 +241,10 @@ def units_to_come(units: list[nn.Module]) -> list[set]:
     out = []
     for unit in units:
         state = unit._get_fsdp_state()
-        group = state._fsdp_param_group
-        if group is None or state._training_state.name == "FORWARD":
+        groups = fsdp2.param_groups(state)
+        if not groups or state._training_state.name == "FORWARD":
             continue
-        if not any(g is group for g in group.comm_ctx.post_forward_order):
+        if not any(g is group for group in groups for g in group.comm_ctx.post_forward_order):
             out.append({storage_key(local(p)) for p in _managed(unit, units)})
     return out
 

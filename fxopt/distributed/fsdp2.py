@@ -90,12 +90,21 @@ class Sharded:
         return float(factor) if factor is not None else float(self.group.mesh_info.shard_mesh_size)
 
 
+def param_groups(state) -> list:
+    """An FSDP2 unit's parameter groups: torch 2.13's ``_fsdp_param_groups`` (one per mesh), or,
+    before it (torch 2.11, 2.12), its one ``_fsdp_param_group``; none where it manages no parameter."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
 def sharded_params(units: list[nn.Module]) -> list[Sharded]:
     """Every parameter FSDP2 shards for ``units``, in the units' order, each once."""
     out, seen = [], set()
     for unit in units:
         state = unit._get_fsdp_state()
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             if id(group) in seen:
                 continue
             seen.add(id(group))
@@ -201,7 +210,7 @@ class OneGraph:
             state = unit._get_fsdp_state()
             if state._is_root is None:
                 state._lazy_init()
-            for group in state._fsdp_param_groups:
+            for group in param_groups(state):
                 if not group.is_sharded:
                     raise CaptureError(
                         f"FSDP2 holds {type(unit).__name__}'s parameters unsharded now (after unshard(), or a forward "
