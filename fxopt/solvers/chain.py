@@ -180,7 +180,17 @@ def _backward_peak(graph: Graph, during: list[int], reads, assigned, s: int, sta
         for v in reads[k] & stage_reads:
             r = graph.roots[v]
             last[r] = max(last.get(r, k), k)
-    return max((during[k] + sum(graph.nodes[r].bytes for r, e in last.items() if e >= k) for k in span), default=0)
+    # (One sweep from the stage's last step back: the reads held at k are those last read at k or
+    # later. The sum per step was quadratic in the stage's steps: 1.1 million terms on a 32-layer
+    # Llama's step.)
+    ending: dict[int, int] = {}
+    for r, e in last.items():
+        ending[e] = ending.get(e, 0) + graph.nodes[r].bytes
+    peak, held = 0, 0
+    for k in reversed(span):
+        held += ending.get(k, 0)
+        peak = max(peak, during[k] + held)
+    return peak
 
 
 def _stage(graph: Graph, stage_of, s: int, inp, link, reads: frozenset[int], excluded, sweep_fixed: int,

@@ -107,6 +107,11 @@ class Node:
     lingers: int = 0
 
 
+# A node's fields, as `Graph.to_dict` reads them (as they are: numbers, strings and tuples of
+# numbers; `dataclasses.asdict`'s deep copy took 0.56 s of a 7,600-node step's plan).
+_NODE_FIELDS = tuple(f.name for f in dataclasses.fields(Node))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Graph:
     """A topologically ordered list of nodes (inputs of a node precede it), and the bandwidths of
@@ -295,7 +300,7 @@ class Graph:
         # (No "transfers" key without them: a graph's dict, and the plan cache's key made from it,
         # stay what they were before OFFLOAD.)
         # (Nor a "comm_bytes" or "lingers" key on a node that moves nothing over the process group.)
-        d: dict = {"nodes": [{k: v for k, v in dataclasses.asdict(n).items() if k not in ("comm_bytes", "lingers") or v}
+        d: dict = {"nodes": [{k: v for k in _NODE_FIELDS if (v := getattr(n, k)) or k not in ("comm_bytes", "lingers")}
                              for n in self.nodes]}
         if self.transfers is not None:
             d["transfers"] = self.transfers.to_dict()
