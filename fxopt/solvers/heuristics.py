@@ -75,8 +75,8 @@ def greedy(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) -> lis
     simulated peak fits; after the effort's `greedy_steps` drops (fewer on a graph whose
     simulations weigh more, `simulation_weight`), the shortest longer run of drops that fits is
     bisected instead (the peak falls as values are dropped, mostly), so that a deep model costs a
-    few dozen simulations, not one per value. Every schedule tried is
-    returned; the last ones drop everything (the lowest peak) where nothing fits."""
+    few dozen simulations, not one per value. Every schedule tried is returned; the last ones drop
+    everything (the lowest peak) where nothing fits."""
     saved = set(save_all_set(graph))
     out: list[Candidate] = []
 
@@ -187,8 +187,8 @@ def save_more(graph: Graph, schedule: Schedule, budget: int, *,
     """`schedule` with values it recomputes SAVEd instead, while its simulated peak stays within
     ``budget`` and its cost falls: the values whose recomputation costs most per byte first, each
     tried once (its first recomputation dropped, then all of them), ``tries`` schedules simulated
-    at most, each weighted by the graph's size (`simulation_weight`). None if nothing more fits. (A lowest-peak plan recomputes what it need not where
-    memory is not tight.)"""
+    at most, each weighted by the graph's size (`simulation_weight`). None if nothing more fits.
+    (A lowest-peak plan recomputes what it need not where memory is not tight.)"""
     nodes, weight = graph.nodes, simulation_weight(graph)
     best = (schedule, simulate(graph, schedule))
     recomputed = {i for i in schedule.recomputed(graph) if i in graph.saveable and graph.roots[i] == i
@@ -228,7 +228,8 @@ def exchange(graph: Graph, schedule: Schedule, budget: int, *,
     falls, and the next pass starts from it. `save_more` only adds: where the budget is tight at
     the peak (the loss's backward, say) the room a costly value needs is held by cheap ones. None
     if no exchange lowers the cost within ``tries`` simulated schedules (each candidate's SAVE,
-    each RECOMPUTE tried; each weighted by the graph's size, `simulation_weight`). A schedule that COMPRESSes or OFFLOADs is left as it is."""
+    each RECOMPUTE tried; each weighted by the graph's size, `simulation_weight`). A schedule
+    that COMPRESSes or OFFLOADs is left as it is."""
     if schedule.compressed or schedule.offloaded:
         return None
     nodes, weight = graph.nodes, simulation_weight(graph)
