@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import pickle
 import signal
 import time
@@ -1454,3 +1455,36 @@ def test_a_graphs_dict_reads_its_nodes_fields_without_deep_copies(monkeypatch):
     assert graph.to_dict() == expected
     assert "comm_bytes" in graph.to_dict()["nodes"][-1] and "comm_bytes" not in graph.to_dict()["nodes"][0]
     assert Graph.from_dict(graph.to_dict()).to_dict() == expected
+
+
+def test_the_searches_count_a_large_graphs_simulations_by_its_size(monkeypatch):
+    """`save_more`, `exchange` and `greedy` count a simulated schedule of a graph above
+    `SIMULATION_NODES` nodes as nodes / `SIMULATION_NODES` tries, so that their work is bounded
+    in simulated nodes, not schedules (a 32-layer Llama's 7,593-node step ran them into the 60 s
+    safety stop). `SIMULATION_NODES` lowered to 100 (a 363-node chain weighs 3.63), recomputing
+    all it can at a budget of its peak: fails before, 61, 101 and 61 simulations."""
+    from fxopt.solvers import effort, heuristics
+    from fxopt.solvers.schedule import must_save, on_demand
+
+    monkeypatch.setattr(effort, "SIMULATION_NODES", 100)
+    graph = chain(60)
+    weight = effort.simulation_weight(graph)
+    assert len(graph) == 363 and weight == 3.63
+    simulated = []
+    monkeypatch.setattr(heuristics, "simulate", lambda g, s, **kw: simulated.append(s) or simulate(g, s, **kw))
+    start = on_demand(graph, must_save(graph))
+    budget = simulate(graph, start).peak_bytes
+
+    def simulations(run) -> int:
+        simulated.clear()
+        run()
+        return len(simulated)
+
+    # (One simulation of the start, then one per try, each weighing ``weight``.)
+    assert simulations(lambda: heuristics.save_more(graph, start, budget, tries=60)) == 1 + math.ceil(60 / weight)
+    assert simulations(lambda: heuristics.exchange(graph, start, budget, tries=100)) == 1 + math.ceil(100 / weight)
+    # (Nothing fits: every drop of its first steps, then all of them.)
+    assert simulations(lambda: heuristics.greedy(graph, 1)) == 2 + int(DEFAULT_EFFORT.greedy_steps / weight)
+    # The suite's largest graphs (the bench 12-layer GPT-2's 2,226 nodes) count one try a schedule.
+    monkeypatch.undo()
+    assert effort.simulation_weight(chain(370)) == 1.0

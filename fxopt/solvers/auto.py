@@ -31,7 +31,10 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 
 # Bumped whenever the solvers may answer differently for the same graph, budget and options, so
 # that plans cached on disk by an older revision are not served (`fxopt.cache.key`).
-REVISION = 21  # 21: the loss's backward written in place by default (`fxopt.passes.loss`)
+# 21: the loss's backward written in place by default (`fxopt.passes.loss`).
+# 22: `save_more`, `exchange` and `greedy` count a graph's simulated schedules by its size
+# (`fxopt.solvers.effort.simulation_weight`): graphs above 2,500 nodes may get other plans.
+REVISION = 22
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)

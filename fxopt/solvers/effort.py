@@ -10,7 +10,11 @@ Every phase of `fxopt.solvers.solve` is bounded by work it counts, never by the 
     CBC, the fallback solver, counts nodes only;
   - an LP relaxation: simplex iterations;
   - a search of fxopt's own: the rounds it runs, the schedules it simulates, the solves of a
-    repeated block's graph (`fxopt.solvers.block_plan`).
+    repeated block's graph (`fxopt.solvers.block_plan`). A simulated schedule is weighted by
+    the graph's size: one try up to `SIMULATION_NODES` nodes, nodes / `SIMULATION_NODES` tries
+    above (`simulation_weight`), so that `save_more_tries`, `exchange_tries` and `greedy_steps`
+    buy about as much time on a 7,600-node step as on the suite's graphs (`lower_peak_work`
+    counts simulated steps, so it is weighted by size already).
 
 HiGHS runs on one thread: with more, its parallel symmetry detection ends at another moment on
 another run, and the progress checks land elsewhere. With one, the same model and limits give the
@@ -43,6 +47,15 @@ DEFAULT_TIME_LIMIT = 60.0
 # A MIP's progress check is weighted by its integer columns plus this many (a small model's
 # check costs more per column: the solver's own work per check does not shrink with it).
 CHECK_COLUMNS = 500
+
+
+# A schedule simulated on a graph of up to this many nodes counts as one try of a search of
+# fxopt's own (`save_more`, `exchange`, `greedy`'s steps); on a larger graph as its nodes over
+# this many (`simulation_weight`): a simulation's cost grows with the graph, so a count of
+# schedules alone bought a 32-layer Llama's 7,593-node step minutes, and the safety stop decided
+# its plan. About the largest graph of the test suite and the benchmarks' models (the 12-layer
+# GPT-2's 2,226 nodes), whose plans this leaves as they were.
+SIMULATION_NODES = 2500
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +108,12 @@ DEFAULT_EFFORT = Effort()
 def check_weight(columns: int) -> int:
     """The work one progress check of a MIP of ``columns`` integer columns counts for."""
     return columns + CHECK_COLUMNS
+
+
+def simulation_weight(graph) -> float:
+    """The tries one simulated schedule of ``graph`` counts for: 1 up to `SIMULATION_NODES`
+    nodes, its nodes over that many above (work proportional to the graph's size)."""
+    return max(1.0, len(graph) / SIMULATION_NODES)
 
 
 def effort_of(effort: Effort | float | None) -> Effort:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fxopt.solvers.effort import DEFAULT_EFFORT, Effort
+from fxopt.solvers.effort import DEFAULT_EFFORT, Effort, simulation_weight
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, as_generated, backward_steps,
                                     forward_set, must_save, on_demand, prune, save_all_set, simulate, to_recompute,
@@ -72,10 +72,11 @@ def checkpoint(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) ->
 
 def greedy(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) -> list[Candidate]:
     """Drop SAVEd values one at a time, the cheapest to recompute per byte first, until the
-    simulated peak fits; after the effort's `greedy_steps` drops, the shortest longer
-    run of drops that fits is bisected instead (the peak falls as values are dropped, mostly), so
-    that a deep model costs a few dozen simulations, not one per value. Every schedule tried is
-    returned; the last ones drop everything (the lowest peak) where nothing fits."""
+    simulated peak fits; after the effort's `greedy_steps` drops (fewer on a graph whose
+    simulations weigh more, `simulation_weight`), the shortest longer run of drops that fits is
+    bisected instead (the peak falls as values are dropped, mostly), so that a deep model costs a
+    few dozen simulations, not one per value. Every schedule tried is returned; the last ones drop
+    everything (the lowest peak) where nothing fits."""
     saved = set(save_all_set(graph))
     out: list[Candidate] = []
 
@@ -91,7 +92,7 @@ def greedy(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) -> lis
     candidates = [i for i in _recomputable_saves(graph) if graph.roots[i] == i and graph.nodes[i].bytes > 0
                   and i in saved]
     candidates.sort(key=lambda i: (graph.nodes[i].cost / graph.nodes[i].bytes, i))
-    steps = effort.greedy_steps
+    steps = max(1, int(effort.greedy_steps / simulation_weight(graph)))
     for k in range(1, min(steps, len(candidates)) + 1):
         if run(candidates[:k]):
             return out
@@ -186,9 +187,9 @@ def save_more(graph: Graph, schedule: Schedule, budget: int, *,
     """`schedule` with values it recomputes SAVEd instead, while its simulated peak stays within
     ``budget`` and its cost falls: the values whose recomputation costs most per byte first, each
     tried once (its first recomputation dropped, then all of them), ``tries`` schedules simulated
-    at most. None if nothing more fits. (A lowest-peak plan recomputes what it need not where
-    memory is not tight.)"""
-    nodes = graph.nodes
+    at most, each weighted by the graph's size (`simulation_weight`). None if nothing more fits.
+    (A lowest-peak plan recomputes what it need not where memory is not tight.)"""
+    nodes, weight = graph.nodes, simulation_weight(graph)
     best = (schedule, simulate(graph, schedule))
     recomputed = {i for i in schedule.recomputed(graph) if i in graph.saveable and graph.roots[i] == i
                   and nodes[i].bytes > 0 and nodes[i].cost > 0}
@@ -202,7 +203,7 @@ def save_more(graph: Graph, schedule: Schedule, budget: int, *,
                 break
             drop = set(at[:1] if first_only else at)
             backward = tuple(i for e, i in enumerate(current.backward) if e not in drop)
-            tries -= 1
+            tries -= weight
             try:
                 candidate = prune(graph, dataclasses.replace(current, saved=current.saved | {v}, backward=backward))
                 timeline = simulate(graph, candidate)
@@ -227,14 +228,15 @@ def exchange(graph: Graph, schedule: Schedule, budget: int, *,
     falls, and the next pass starts from it. `save_more` only adds: where the budget is tight at
     the peak (the loss's backward, say) the room a costly value needs is held by cheap ones. None
     if no exchange lowers the cost within ``tries`` simulated schedules (each candidate's SAVE,
-    each RECOMPUTE tried). A schedule that COMPRESSes or OFFLOADs is left as it is."""
+    each RECOMPUTE tried; each weighted by the graph's size, `simulation_weight`). A schedule
+    that COMPRESSes or OFFLOADs is left as it is."""
     if schedule.compressed or schedule.offloaded:
         return None
-    nodes = graph.nodes
+    nodes, weight = graph.nodes, simulation_weight(graph)
 
     def scored(saved: frozenset[int]) -> Candidate | None:
         nonlocal tries
-        tries -= 1
+        tries -= weight
         try:
             candidate = on_demand(graph, saved)
             return candidate, simulate(graph, candidate)
