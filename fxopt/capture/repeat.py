@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import inspect
 import operator
 import re
 from collections.abc import Iterator
@@ -477,7 +478,7 @@ class _Stamper:
                 storage = self.storages[(self._lookup(owner, origin, j, n, env), owner_item)]
             self.storages[(new, item)] = storage
             meta = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
-            return FakeTensor(self.fake_mode, meta, device, requires_grad=requires_grad)
+            return _fake(self.fake_mode, meta, device, requires_grad)
 
         if isinstance(val, torch.Tensor):
             return clone(None)
@@ -604,3 +605,15 @@ def stamped_joint(short, long, run: Run) -> fx.GraphModule:
         _check_parts(*shape)
         check_same(_Stamper(*shape, blocks[:LONG], run.keys[:LONG]).graph(LONG), long.joint.graph)
         return fx.GraphModule(short.joint, _Stamper(*shape, blocks, run.keys).graph(len(blocks)))
+
+
+# torch 2.13's FakeTensor takes ``requires_grad``; before it (2.11, 2.12) the flag is set after.
+_FAKE_TAKES_REQUIRES_GRAD = "requires_grad" in inspect.signature(FakeTensor.__new__).parameters
+
+
+def _fake(fake_mode, meta: torch.Tensor, device: torch.device, requires_grad: bool) -> torch.Tensor:
+    """A fake tensor of ``meta``'s storage and layout on ``device``, requiring grad or not."""
+    if _FAKE_TAKES_REQUIRES_GRAD:
+        return FakeTensor(fake_mode, meta, device, requires_grad=requires_grad)
+    fake = FakeTensor(fake_mode, meta, device)
+    return fake.requires_grad_(True) if requires_grad else fake
