@@ -36,6 +36,7 @@ import json
 import os
 import shlex
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -240,9 +241,8 @@ def interleaved_ddp(args, rank: int, world: int, device: torch.device) -> list[d
             _step(fn, inputs)
             wall[name].append(time.perf_counter() - t)
             cpu[name].append(time.process_time() - c)
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     return [{"setting": DDP_TIME, "method": name, "budget_bytes": peak if name != "eager" else None,
-             "step_s": median(wall[name]), "cpu_s": median(cpu[name]),
+             "step_s": statistics.median(wall[name]), "cpu_s": statistics.median(cpu[name]),
              **(_plan_fields(optimized) if name != "eager" else {})} for name in runs]
 
 

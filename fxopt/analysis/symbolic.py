@@ -39,6 +39,7 @@ from fxopt.errors import CaptureError
 from fxopt.solvers.graph import Graph
 
 Point = Mapping[str, int]  # a shape: a value for each named symbol
+Size = int | sympy.Expr  # a size: a number, or an expression in named symbols
 
 
 class NewGuardError(RuntimeError):
@@ -71,7 +72,6 @@ def error_on_new_guards(shape_env) -> Iterator[None]:
             del shape_env._check_frozen
         else:  # (nested: the outer one's)
             shape_env._check_frozen = old_check
-Size = int | sympy.Expr  # a size: a number, or an expression in named symbols
 
 
 def symbol(name: str) -> sympy.Symbol:

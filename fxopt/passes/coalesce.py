@@ -32,8 +32,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.analysis.costs import REDUCES, WAITS
+from fxopt.analysis.costs import WAITS
 
+# The functional all-reduce a gradient's reduction is traced as (`fxopt.distributed.ddp`); what
+# this pass makes of a bucket of them is its in-place form, ``all_reduce_``, never matched again.
+FUNCTIONAL_REDUCE = "all_reduce"
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 _TAG = "fxopt_bucket"
@@ -49,7 +52,7 @@ def _reductions(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """Each (all-reduce, its only reader: its wait) of one gradient, in graph order."""
     out = []
     for n in graph.nodes:
-        if not _is_op(n, REDUCES) or n.meta.get(_TAG) or len(n.users) != 1:
+        if not _is_op(n, (FUNCTIONAL_REDUCE,)) or n.meta.get(_TAG) or len(n.users) != 1:
             continue
         wait = next(iter(n.users))
         if _is_op(wait, WAITS) and isinstance(n.args[0], fx.Node) and isinstance(n.args[0].meta.get("val"), torch.Tensor):
@@ -112,8 +115,7 @@ def coalesce_all_reduces(joint: fx.GraphModule) -> int:
             flat = _call(graph, aten.cat.default, (flats,), flat_val, meta)
             if fold:  # (in place: the bucket's own fake value, one buffer for the analysis)
                 flat = _call(graph, aten.mul_.Tensor, (flat, scale), flat_val, meta)
-            in_place = getattr(torch.ops._c10d_functional, last_reduce.target._opname + "_").default
-            reduced = _call(graph, in_place, (flat, *last_reduce.args[1:]), flat_val, meta)
+            reduced = _call(graph, torch.ops._c10d_functional.all_reduce_.default, (flat, *last_reduce.args[1:]), flat_val, meta)
             wait = _call(graph, bucket[-1][1].target, (reduced,), flat_val, meta)
         start = 0
         for (r, w), i in zip(bucket, inputs):
