@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 import fxopt
-from benchmarks.harness import compare_grads, log, mib, report_head, run_rows
+from benchmarks.harness import compare_grads, log, mib, report_head, restore_settings, run_rows, saved_settings
 from fxopt.errors import InfeasibleBudgetError
 
 # (layers, hidden, heads, ffn, vocabulary, sequence, batch) per --size
@@ -221,10 +221,14 @@ def main(argv=None) -> dict:
     args.budgets = args.budgets.split(",")
     profile = profile_for(device, args.profile)
     out = args.out or f"benchmarks/results/fit_check_{'gpu' if device.type == 'cuda' else 'dry_run_cpu'}"
-    torch.set_num_threads(1) if device.type == "cpu" else None
     command = "python -m benchmarks.fit_check " + " ".join(sys.argv[1:] if argv is None else argv)
-    return run_rows(command, args.models.split(","), lambda name: row_of(name, args, device, profile), Path(out),
-                    markdown)
+    saved = saved_settings()
+    try:
+        torch.set_num_threads(1)
+        return run_rows(command, args.models.split(","), lambda name: row_of(name, args, device, profile), Path(out),
+                        markdown)
+    finally:
+        restore_settings(saved)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,25 @@ def test_library_checkpointing_benchmark_tiny(tmp_path):
 
 
 @pytest.mark.slow
+def test_fit_check_dry_run(tmp_path):
+    """The GPU fit check's code paths (issue 27), on this CPU with the cpu profile: the plan made on
+    fake tensors of a model built on meta is the plan made on the model's own tensors (the same
+    predicted peak), and the step run at its budget measures within it, with eager's gradients."""
+    from benchmarks import fit_check
+
+    threads = torch.get_num_threads()
+    fit_check.main(["--dry-run", "--models", "gpt2", "--budgets", "1.0,min", "--out", str(tmp_path / "fit")])
+    row = json.loads((tmp_path / "fit.json").read_text())["rows"][0]
+    assert "error" not in row, row.get("error")
+    assert row["eager_measured"] <= row["eager_predicted"]
+    for b in row["budgets"]:
+        assert "device_error" not in b, b
+        assert b["predicted"] == b["device_predicted"] and b["within"] and b["grads_equal"], b
+    assert "| gpt2 | cpu | eager |" in (tmp_path / "fit.md").read_text()
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.slow
 def test_offload_benchmark_dry_run(tmp_path):
     """The GPU OFFLOAD benchmark's code paths, on CPU with a tiny GPT-2: every method writes a row
     with eager's gradients, and fxopt's plans keep their budget."""
