@@ -35,7 +35,9 @@ import fxopt
 import fxopt.analysis.joint as joint
 import fxopt.fitting as fitting
 import fxopt.maxbatch as maxbatch
+import fxopt.plan_ahead as plan_ahead
 import fxopt.planner as planner
+import fxopt.solvers.schedule as schedule
 from benchmarks.harness import log, meta_line, run_meta, write_results
 
 TARGET_SECONDS = 20.0  # issue 27: Llama-3-8B shapes at seq 2048, fxopt.fit on an H100-80GB profile
@@ -88,6 +90,39 @@ def llama(layers: int, seq: int, batch: int, hidden: int = 4096, ffn: int = 1433
     return model, {"input_ids": ids, "labels": ids}
 
 
+class Counts:
+    """Counted work while installed: Dynamo captures (`fxopt.capture.compiled.run_compiled` as
+    `fxopt.plan_ahead` calls it) and the simulator's schedules asked (``simulate`` calls) and
+    replayed (the rest were given again: `fxopt.solvers.schedule.REPLAYS_KEPT`)."""
+
+    def __init__(self):
+        self.captures = self.simulations = self.replays = 0
+
+    @contextlib.contextmanager
+    def installed(self):
+        counts, real_run, real_replay, real_kept = self, plan_ahead.run_compiled, schedule._Replay, schedule._replayed
+
+        def run_compiled(*a, **k):
+            counts.captures += 1
+            return real_run(*a, **k)
+
+        class Replay(real_replay):
+            def __init__(self, *a, **k):
+                counts.replays += 1
+                super().__init__(*a, **k)
+
+        class Kept(type(real_kept)):
+            def get(self, *a):  # (`simulate` looks each schedule up once)
+                counts.simulations += 1
+                return super().get(*a)
+
+        plan_ahead.run_compiled, schedule._Replay, schedule._replayed = run_compiled, Replay, Kept()
+        try:
+            yield self
+        finally:
+            plan_ahead.run_compiled, schedule._Replay, schedule._replayed = real_run, real_replay, real_kept
+
+
 class Phases:
     """The timers read at each of fit's questions' ends (fit's own ``seconds`` are the walls)."""
 
@@ -127,6 +162,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| {question} | {p['wall_s']:.1f} | {p['capture_and_rest_s']:.1f} | {p['analysis_s']:.1f} | "
                      f"{p['scratch_s']:.2f} | {p['solve_s']:.1f} | {p['simulate_s']:.1f} |")
     lines.append(f"| **fit, in all** | **{row['wall_s']:.1f}** | | | | | |")
+    if "captures" in row:
+        lines += ["", f"Counted work: {row['captures']} Dynamo captures; the simulator asked {row['simulations']} "
+                      f"times, {row['replays']} schedules replayed (the rest given again)."]
     lines += ["", "The answer (`Fit.__str__`):", "", "```", row["table"], "```", ""]
     return "\n".join(lines)
 
@@ -153,7 +191,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     model, inputs = llama(args.layers, args.seq, args.batch, args.hidden, args.ffn, args.heads, args.kv_heads)
     log(f"built on meta in {time.perf_counter() - t0:.1f} s")
-    timers = Timers()
+    timers, counts = Timers(), Counts()
     phases = Phases(timers)
     real_plan_each, real_max_batch = fitting.plan_each, fitting.max_batch
 
@@ -181,7 +219,7 @@ def main(argv=None) -> None:
     fitting.plan_each, fitting.max_batch = plan_each_marked, max_batch_then_mark
     t0 = time.perf_counter()
     try:
-        with timers.installed():
+        with timers.installed(), counts.installed():
             found = fxopt.fit(model, inputs, device=args.device, time_limit=args.time_limit, limit=args.limit)
     finally:
         fitting.plan_each, fitting.max_batch = real_plan_each, real_max_batch
@@ -189,6 +227,7 @@ def main(argv=None) -> None:
     if found.plan is None:  # (no plan at the budget: fit asked nothing there, nothing was timed)
         phases.marks.insert(2, phases.marks[1])
     row = {"wall_s": wall, "nodes": len(found.min_plan.graph), "split": split(found, phases.marks),
+           "captures": counts.captures, "simulations": counts.simulations, "replays": counts.replays,
            "answer": found.to_dict(), "table": str(found), "min_plan_summary": found.min_plan.summary()}
     log(f"fit in {wall:.1f} s\n{row['table']}")
     result = {"meta": meta, "row": row}
