@@ -265,9 +265,8 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
     ``point``, without planning or running it: (the step as captured, the step rewritten as
     planning starts from), as `fxopt.analysis.JointGraph`s; ``options``: how it is analysed (the
     defaults if None; the budget is not read). A range the captured graph holds for only in part (a size of 1 set
-    apart) is narrowed to the part holding ``point``, once; the capture is kept for it where its
-    guards hold there (`_holding`: the whole step's, analysed; a stamped run's three-block one,
-    stamped with a four-block capture made for the range narrowed). With ``options.device``: on fake
+    apart) is narrowed to the part holding ``point``, once (a stamped run's three-block capture kept
+    for it where its guards hold there: `_holding`). With ``options.device``: on fake
     tensors, for that profile (as `plan_and_rewrite`). A run of identical blocks is stamped out
     as for a plan (`fxopt.capture.repeat`, where ``options.stamp``: nothing captured here runs)."""
     if options is not None and options.device is not None:
@@ -295,9 +294,6 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
             if attempt or name not in dims.ranges.bounds or not lo <= point[name] <= hi:
                 raise
             dims = dataclasses.replace(dims, ranges=dims.ranges.with_bound(name, lo, hi))
-            whole = _holding(err.captured, dims) if run is None else None  # (the whole step's capture)
-            if whole is not None:
-                return _analysed(whole, dims, point, options)
             short = _holding(getattr(err, "short", None), dims)
 
 
@@ -321,19 +317,10 @@ def _capture_symbolic(model: nn.Module, args: tuple, kwargs: dict, dims: Dynamic
                        "grad, or it ran under torch.no_grad())")
 
 
-def _analysed(captured, dims: DynamicDims, point: dict, options: Options):
-    """A step captured symbolically (`CapturedStep`, its symbols' names, its shape environment)
-    analysed at ``point`` for ``dims``'s ranges, as its partitioner would have (`Analyzed`'s)."""
-    step, names, shape_env = captured
-    with error_on_new_guards(shape_env):
-        return analyze_for_planning(step.joint, step.num_fwd_outputs, options, step.unread_bytes,
-                                    Sizes(names, point, dims.ranges))
-
-
 def _holding(short, dims: DynamicDims):
-    """``short`` (a capture that failed `check_symbolic` on a wider range) where its guards hold
-    on all of ``dims``'s ranges (so it is the step there, as a capture marked with them would
-    be), else None."""
+    """``short`` (a three-block capture that failed `check_symbolic` on a wider range) where its
+    guards hold on all of ``dims``'s ranges (so it is the step there, as a capture marked with
+    them would be), else None."""
     if short is None:
         return None
     _, names, shape_env = short

@@ -72,14 +72,15 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         shape_env = getattr(fake_mode, "shape_env", None)
         if shape_env is None:
             return plan_and_split(joint, num_fwd_outputs)
-        captured = (CapturedStep(joint, num_fwd_outputs, seen["unread"], seen["inputs"]), seen["names"], shape_env)
-        try:
-            check_symbolic(shape_env, seen["names"], ranges)
-        except SpecializedError as err:
-            err.captured = captured  # (it holds where the guard does: a caller that narrows may keep it)
-            raise
         if state.ask is not None:
+            captured = (CapturedStep(joint, num_fwd_outputs, seen["unread"], seen["inputs"]), seen["names"], shape_env)
+            try:
+                check_symbolic(shape_env, seen["names"], ranges)
+            except SpecializedError as err:
+                err.captured = captured  # (it holds where the guard does: a caller that narrows may keep it)
+                raise
             raise Answered(state.ask(*captured))
+        check_symbolic(shape_env, seen["names"], ranges)
         # Nothing fxopt does to the step (its rewrites, analysis, plans) may add a guard: that
         # would narrow the shapes the compiled step accepts.
         with error_on_new_guards(shape_env):
