@@ -1,10 +1,13 @@
 """How long `fxopt.fit` takes on a real-size model it plans on fake tensors, and where the time goes.
 
     python -m benchmarks.fit_time [--layers 32] [--seq 2048] [--batch 1] [--device H100-80GB]
+                                  [--hidden 4096] [--ffn 14336] [--heads 32] [--kv-heads 8]
                                   [--time-limit 60] [--out benchmarks/results/fit_llama8b]
 
 The model is Llama-3-8B's shape (a transformers ``LlamaConfig``: hidden 4096, FFN 14336, 32
 heads, 8 key-value heads, vocabulary 128256; ``--layers`` of them, 32 for the 8B), bfloat16,
+or with ``--hidden``, ``--ffn``, ``--heads``, ``--kv-heads`` another width (Llama-3-70B's:
+``--layers 80 --hidden 8192 --ffn 28672 --heads 64``, whose target is 60 s),
 built under ``torch.device("meta")``, one batch of ``--seq`` token ids with their labels. One
 ``fxopt.fit`` call for ``--device``, with the plan cache off (cold: every answer solved).
 
@@ -32,10 +35,13 @@ import fxopt
 import fxopt.analysis.joint as joint
 import fxopt.fitting as fitting
 import fxopt.maxbatch as maxbatch
+import fxopt.plan_ahead as plan_ahead
 import fxopt.planner as planner
+import fxopt.solvers.schedule as schedule
 from benchmarks.harness import log, meta_line, run_meta, write_results
 
 TARGET_SECONDS = 20.0  # issue 27: Llama-3-8B shapes at seq 2048, fxopt.fit on an H100-80GB profile
+TARGET_70B_SECONDS = 60.0  # and a 70B shape (80 layers, 8192 wide)
 
 # (module, function name as that module calls it, the part of the time it is)
 TIMED = [(planner, "analyze_step", "analysis"), (joint, "op_memory", "scratch"), (planner, "solve", "solve"),
@@ -72,16 +78,49 @@ class Timers:
         return timed
 
 
-def llama(layers: int, seq: int, batch: int):
+def llama(layers: int, seq: int, batch: int, hidden: int = 4096, ffn: int = 14336, heads: int = 32, kv_heads: int = 8):
     import transformers
 
-    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=4096, intermediate_size=14336,
-                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=128256,
                                       max_position_embeddings=max(8192, seq), use_cache=False)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     return model, {"input_ids": ids, "labels": ids}
+
+
+class Counts:
+    """Counted work while installed: Dynamo captures (`fxopt.capture.compiled.run_compiled` as
+    `fxopt.plan_ahead` calls it) and the simulator's schedules asked (``simulate`` calls) and
+    replayed (the rest were given again: `fxopt.solvers.schedule.REPLAYS_KEPT`)."""
+
+    def __init__(self):
+        self.captures = self.simulations = self.replays = 0
+
+    @contextlib.contextmanager
+    def installed(self):
+        counts, real_run, real_replay, real_kept = self, plan_ahead.run_compiled, schedule._Replay, schedule._replayed
+
+        def run_compiled(*a, **k):
+            counts.captures += 1
+            return real_run(*a, **k)
+
+        class Replay(real_replay):
+            def __init__(self, *a, **k):
+                counts.replays += 1
+                super().__init__(*a, **k)
+
+        class Kept(type(real_kept)):
+            def get(self, *a):  # (`simulate` looks each schedule up once)
+                counts.simulations += 1
+                return super().get(*a)
+
+        plan_ahead.run_compiled, schedule._Replay, schedule._replayed = run_compiled, Replay, Kept()
+        try:
+            yield self
+        finally:
+            plan_ahead.run_compiled, schedule._Replay, schedule._replayed = real_run, real_replay, real_kept
 
 
 class Phases:
@@ -107,10 +146,15 @@ def split(found: fxopt.Fit, marks: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     meta, row = result["meta"], result["row"]
-    lines = [f"# fxopt.fit on Llama-3-8B shapes for {meta['device']}", "", meta_line(meta), "",
-             f"Llama (transformers `LlamaConfig`), {meta['layers']} layers, hidden 4096, FFN 14336, vocabulary "
+    hidden, ffn = meta.get("hidden", 4096), meta.get("ffn", 14336)
+    name, target = ("Llama-3-8B", TARGET_SECONDS) if (hidden, ffn) == (4096, 14336) else (
+        ("Llama-3-70B", TARGET_70B_SECONDS) if (hidden, ffn) == (8192, 28672) else ("Llama", None))
+    lines = [f"# fxopt.fit on {name} shapes for {meta['device']}", "", meta_line(meta), "",
+             f"Llama (transformers `LlamaConfig`), {meta['layers']} layers, hidden {hidden}, FFN {ffn}, "
+             f"{meta.get('heads', 32)} heads, {meta.get('kv_heads', 8)} key-value heads, vocabulary "
              f"128256, bfloat16, built on meta; batch {meta['batch']} x {meta['seq']} tokens; {row['nodes']} nodes "
-             f"in the step's graph; plan cache off. Target (issue 27): {TARGET_SECONDS:.0f} s.", "",
+             f"in the step's graph; plan cache off."
+             + (f" Target (issue 27): {target:.0f} s." if target else ""), "",
              "| question | wall s | capture and the rest s | analysis s | of which scratch formula s | solve s | "
              "max_batch's simulations s |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -118,6 +162,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| {question} | {p['wall_s']:.1f} | {p['capture_and_rest_s']:.1f} | {p['analysis_s']:.1f} | "
                      f"{p['scratch_s']:.2f} | {p['solve_s']:.1f} | {p['simulate_s']:.1f} |")
     lines.append(f"| **fit, in all** | **{row['wall_s']:.1f}** | | | | | |")
+    if "captures" in row:
+        lines += ["", f"Counted work: {row['captures']} Dynamo captures; the simulator asked {row['simulations']} "
+                      f"times, {row['replays']} schedules replayed (the rest given again)."]
     lines += ["", "The answer (`Fit.__str__`):", "", "```", row["table"], "```", ""]
     return "\n".join(lines)
 
@@ -127,6 +174,10 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--device", default="H100-80GB")
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--limit", type=int, default=2**16, help="the largest batch searched")
@@ -135,11 +186,12 @@ def main(argv=None) -> None:
     os.environ["FXOPT_CACHE"] = "0"  # a cold plan cache
     command = "python -m benchmarks.fit_time " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = run_meta(command, layers=args.layers, seq=args.seq, batch=args.batch, device=args.device,
-                    time_limit=args.time_limit)
+                    time_limit=args.time_limit, hidden=args.hidden, ffn=args.ffn, heads=args.heads,
+                    kv_heads=args.kv_heads)
     t0 = time.perf_counter()
-    model, inputs = llama(args.layers, args.seq, args.batch)
+    model, inputs = llama(args.layers, args.seq, args.batch, args.hidden, args.ffn, args.heads, args.kv_heads)
     log(f"built on meta in {time.perf_counter() - t0:.1f} s")
-    timers = Timers()
+    timers, counts = Timers(), Counts()
     phases = Phases(timers)
     real_plan_each, real_max_batch = fitting.plan_each, fitting.max_batch
 
@@ -167,7 +219,7 @@ def main(argv=None) -> None:
     fitting.plan_each, fitting.max_batch = plan_each_marked, max_batch_then_mark
     t0 = time.perf_counter()
     try:
-        with timers.installed():
+        with timers.installed(), counts.installed():
             found = fxopt.fit(model, inputs, device=args.device, time_limit=args.time_limit, limit=args.limit)
     finally:
         fitting.plan_each, fitting.max_batch = real_plan_each, real_max_batch
@@ -175,6 +227,7 @@ def main(argv=None) -> None:
     if found.plan is None:  # (no plan at the budget: fit asked nothing there, nothing was timed)
         phases.marks.insert(2, phases.marks[1])
     row = {"wall_s": wall, "nodes": len(found.min_plan.graph), "split": split(found, phases.marks),
+           "captures": counts.captures, "simulations": counts.simulations, "replays": counts.replays,
            "answer": found.to_dict(), "table": str(found), "min_plan_summary": found.min_plan.summary()}
     log(f"fit in {wall:.1f} s\n{row['table']}")
     result = {"meta": meta, "row": row}

@@ -30,7 +30,7 @@ from fxopt.capture.compiled import compile_step, run_compiled
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
 from fxopt.capture.dynamo import Answered, CapturedStep, PlanReady, make_backend
 from fxopt.capture.repeat import LONG, SHORT, NotStamped, Run, repeated_run, stamped_joint
-from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, mark
+from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, check_symbolic, mark
 from fxopt.devices import DeviceProfile
 from fxopt.distributed import data_parallel, ddp as ddp_graph
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError
@@ -265,7 +265,8 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
     ``point``, without planning or running it: (the step as captured, the step rewritten as
     planning starts from), as `fxopt.analysis.JointGraph`s; ``options``: how it is analysed (the
     defaults if None; the budget is not read). A range the captured graph holds for only in part (a size of 1 set
-    apart) is narrowed to the part holding ``point``, once. With ``options.device``: on fake
+    apart) is narrowed to the part holding ``point``, once (a stamped run's three-block capture kept
+    for it where its guards hold there: `_holding`). With ``options.device``: on fake
     tensors, for that profile (as `plan_and_rewrite`). A run of identical blocks is stamped out
     as for a plan (`fxopt.capture.repeat`, where ``options.stamp``: nothing captured here runs)."""
     if options is not None and options.device is not None:
@@ -277,11 +278,12 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
     args, kwargs = split_inputs(example_inputs)
     options = dataclasses.replace(options or Options(budget=1), offload=False)
     run = repeated_run(model) if options.stamp else None
+    short = None  # the three-block capture, where it holds on the range narrowed
     for attempt in range(2):
         try:
             if run is not None:
                 try:
-                    return _symbolic_stamped(model, run, args, kwargs, dims, point, options)
+                    return _symbolic_stamped(model, run, args, kwargs, dims, point, options, short)
                 except NotStamped as why:
                     log.info("fxopt: capturing all %d blocks of %s: %s", len(run.keys), type(run.holder).__name__,
                              why)
@@ -292,6 +294,7 @@ def capture_symbolic(model: nn.Module, example_inputs: Any, dims: DynamicDims, p
             if attempt or name not in dims.ranges.bounds or not lo <= point[name] <= hi:
                 raise
             dims = dataclasses.replace(dims, ranges=dims.ranges.with_bound(name, lo, hi))
+            short = _holding(getattr(err, "short", None), dims)
 
 
 def _capture_symbolic(model: nn.Module, args: tuple, kwargs: dict, dims: DynamicDims, options: Options, *,
@@ -314,11 +317,37 @@ def _capture_symbolic(model: nn.Module, args: tuple, kwargs: dict, dims: Dynamic
                        "grad, or it ran under torch.no_grad())")
 
 
+def _holding(short, dims: DynamicDims):
+    """``short`` (a three-block capture that failed `check_symbolic` on a wider range) where its
+    guards hold on all of ``dims``'s ranges (so it is the step there, as a capture marked with
+    them would be), else None."""
+    if short is None:
+        return None
+    _, names, shape_env = short
+    try:
+        check_symbolic(shape_env, names, dims.ranges)
+    except SpecializedError:
+        return None
+    return short
+
+
 def _symbolic_stamped(model: nn.Module, run: Run, args: tuple, kwargs: dict, dims: DynamicDims, point: dict,
-                      options: Options):
+                      options: Options, kept=None):
     """`capture_symbolic` of the whole ``run`` stamped out from its captures cut to three blocks
     and to four (as `_stamped`): the stamped graph is the three-block capture's, its sizes in that
-    capture's symbols, analysed as the capture's partitioner would."""
+    capture's symbols, analysed as the capture's partitioner would. ``kept``: a three-block
+    capture made for a wider range whose guards hold on ``dims``'s (`_holding`), not captured
+    again unless the four-block capture, made for ``dims``, does not stamp from it."""
+    if kept is not None:
+        try:
+            return _stamp_symbolic(model, run, args, kwargs, dims, point, options, kept)
+        except NotStamped as why:
+            log.info("fxopt: capturing three blocks again for the range narrowed: %s", why)
+    return _stamp_symbolic(model, run, args, kwargs, dims, point, options, None)
+
+
+def _stamp_symbolic(model: nn.Module, run: Run, args: tuple, kwargs: dict, dims: DynamicDims, point: dict,
+                    options: Options, kept):
     blocks = run.blocks
     answering = []
 
@@ -333,8 +362,15 @@ def _symbolic_stamped(model: nn.Module, run: Run, args: tuple, kwargs: dict, dim
                                         Sizes(short_names, point, dims.ranges))
 
     try:
-        with run.cut_to(SHORT):
-            short = _capture_symbolic(model, args, kwargs, dims, options, ask=lambda *captured: captured)
+        if kept is not None:
+            short = kept
+        else:
+            with run.cut_to(SHORT):
+                try:
+                    short = _capture_symbolic(model, args, kwargs, dims, options, ask=lambda *captured: captured)
+                except SpecializedError as err:
+                    err.short = err.captured  # (kept for the range narrowed: `_holding`)
+                    raise
         with run.cut_to(LONG):
             return _capture_symbolic(model, args, kwargs, dims, options, ask=analysed)
     except (NotStamped, SpecializedError):  # (a range to narrow: `capture_symbolic` narrows it, and stamps again)

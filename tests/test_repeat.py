@@ -188,6 +188,23 @@ def test_a_stamped_symbolic_capture_is_the_whole_one_node_for_node(build, monkey
         assert eager.symbolic.at({name: batch}).nodes == whole_eager.symbolic.at({name: batch}).nodes
 
 
+def test_a_symbolic_capture_narrowed_keeps_its_three_blocks(monkeypatch):
+    """The Llama sets a batch of 1 apart: its three-block capture for batches 1 to 64 holds for 2
+    to 64 only. That capture is kept for the range narrowed (its guards hold there), and only the
+    four-block one is made for it: two captures, not three (each of a real-size model's takes
+    seconds), with the range and graphs of the whole capture (the test above)."""
+    import fxopt.plan_ahead
+
+    monkeypatch.setattr(repeat, "STAMP_FROM", 6)
+    captures = []
+    real = fxopt.plan_ahead._capture_symbolic
+    monkeypatch.setattr(fxopt.plan_ahead, "_capture_symbolic", lambda *a, **k: captures.append(1) or real(*a, **k))
+    model, inputs = tiny_llama(batch=2)
+    (eager, jg), name = symbolic(model, inputs, True)
+    assert jg.symbolic.ranges.bounds[name] == (2, 64)
+    assert len(captures) == 2
+
+
 @pytest.mark.slow
 def test_a_symbolic_capture_of_blocks_whose_graph_changes_with_their_index_is_captured_whole(monkeypatch, caplog):
     """The run whose every other block differs, captured symbolically: the stamping check fails,

@@ -22,7 +22,7 @@ from fxopt.analysis import JointGraph
 from fxopt.analysis.symbolic import Sizes, error_on_new_guards
 from fxopt.buckets import Bucket, bucket_of
 from fxopt.capture.dynamo import Answered, CapturedStep, PlanReady, step_backend, unread_resident_bytes
-from fxopt.capture.shapes import DynamicDims, check_symbolic, symbol_names
+from fxopt.capture.shapes import DynamicDims, SpecializedError, check_symbolic, symbol_names
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.planner import Options, analyze_for_planning, make_plan, plan_range
 
@@ -72,10 +72,15 @@ def make_dynamic_backend(options: Options, state: DynamicState, resident: torch.
         shape_env = getattr(fake_mode, "shape_env", None)
         if shape_env is None:
             return plan_and_split(joint, num_fwd_outputs)
-        check_symbolic(shape_env, seen["names"], ranges)
         if state.ask is not None:
-            raise Answered(state.ask(CapturedStep(joint, num_fwd_outputs, seen["unread"], seen["inputs"]),
-                                     seen["names"], shape_env))
+            captured = (CapturedStep(joint, num_fwd_outputs, seen["unread"], seen["inputs"]), seen["names"], shape_env)
+            try:
+                check_symbolic(shape_env, seen["names"], ranges)
+            except SpecializedError as err:
+                err.captured = captured  # (it holds where the guard does: a caller that narrows may keep it)
+                raise
+            raise Answered(state.ask(*captured))
+        check_symbolic(shape_env, seen["names"], ranges)
         # Nothing fxopt does to the step (its rewrites, analysis, plans) may add a guard: that
         # would narrow the shapes the compiled step accepts.
         with error_on_new_guards(shape_env):

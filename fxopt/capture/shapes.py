@@ -184,6 +184,7 @@ class SpecializedError(CaptureError):
     def __init__(self, message: str, holds: tuple[str, tuple[int, int]] | None = None):
         super().__init__(message)
         self.holds = holds
+        self.captured = None  # (a capture that stops to answer: its step, symbols' names and shape env)
 
 
 SPECIALIZED_ADVICE = ("One plan for a range needs the step to be the same graph at every size in it: "
