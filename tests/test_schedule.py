@@ -529,35 +529,3 @@ def test_a_collectives_lingering_buffers_are_held_until_the_next_ones_wait():
     assert held == {"<start>": 0, "g": 0, "rs1": 0, "wait1": 8, "big": 8, "rs2": 8, "wait2": 108, "g_x": 100}
     assert simulate(graph, schedule).peak_bytes >= simulate(plain, schedule).peak_bytes
     assert Graph.from_dict(graph.to_dict()).nodes == graph.nodes
-
-
-def test_a_schedule_of_a_graph_is_replayed_once_while_kept(monkeypatch):
-    """The solvers simulate the same schedule of the same graph again (a third of `fxopt.fit`'s
-    replays on an 8-layer Llama-8B shape): `simulate` replays it once and gives the timeline it
-    kept; another graph object, another schedule or ``eager_frees`` is replayed anew."""
-    import fxopt.solvers.schedule as schedule_module
-
-    replays = []
-
-    class Counted(schedule_module._Replay):
-        def __init__(self, *args, **kwargs):
-            replays.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(schedule_module, "_Replay", Counted)
-    monkeypatch.setattr(schedule_module, "_replayed", type(schedule_module._replayed)())
-    g = mlp2()
-    keep_all = sched(g, ["a"], ["g_o", "g_w2", "g_a", "g_h", "g_w1"])
-    recompute = sched(g, [], ["h", "a", "g_o", "g_w2", "g_a", "g_h", "g_w1"])
-    first = simulate(g, keep_all)
-    assert simulate(g, keep_all) is first and len(replays) == 1
-    assert simulate(g, recompute).saved_bytes != first.saved_bytes and len(replays) == 2
-    assert simulate(g, keep_all, eager_frees=True) == first and len(replays) == 3  # (the same here, replayed)
-    twin = Graph(g.nodes, g.transfers)
-    assert simulate(twin, keep_all) == first and len(replays) == 4
-    others = [Graph(g.nodes, g.transfers) for _ in range(schedule_module.REPLAYS_KEPT)]
-    for other in others:  # the oldest entry goes once more are kept
-        simulate(other, keep_all)
-    assert len(replays) == 4 + schedule_module.REPLAYS_KEPT
-    simulate(g, keep_all)
-    assert len(replays) == 5 + schedule_module.REPLAYS_KEPT

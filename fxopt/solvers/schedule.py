@@ -36,10 +36,8 @@ cost (`Timeline.cost`). Each channel serves one copy at a time, in the order iss
 from __future__ import annotations
 
 import bisect
-import collections
 import dataclasses
 import itertools
-import weakref
 from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
@@ -113,16 +111,6 @@ def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
     return sorted(graph.forward_required | (frozenset(saved) & graph.backward_only))
 
 
-# The timelines of the latest `REPLAYS_KEPT` schedules `simulate` replayed, by graph (held
-# weakly: the entry dies with it), schedule and ``eager_frees``. The solvers replay the same
-# schedule of the same graph again and again (a heuristic's candidate at several budgets, a phase
-# checking another's answer): a third of the 1,587 replays of `fxopt.fit` on an 8-layer Llama-8B
-# shape were of a schedule one of the 16 before had replayed. A replay is a function of those
-# three alone, so the timeline kept is the one replaying again would give.
-REPLAYS_KEPT = 16
-_replayed: collections.OrderedDict[tuple, tuple[weakref.ref, Timeline]] = collections.OrderedDict()
-
-
 def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> Timeline:
     """Replay the schedule and return its memory timeline; raise if it is not valid.
     ``eager_frees``: free as eager autograd does, not as the generated code does: a value that a
@@ -131,21 +119,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     holds its saved tensors, the engine its inputs, and the C++ formula its temporaries until
     then (`_formula_ends`); and the Python numbers eager wraps into
     tensors for forward ops (`Node.eager_number_bytes`) live to the end (the eager step's peak,
-    `eager_timeline`). The same schedule of the same graph is replayed once while kept
-    (`REPLAYS_KEPT`)."""
-    key = (id(graph), schedule, eager_frees)
-    kept = _replayed.get(key)
-    if kept is not None and kept[0]() is graph:
-        _replayed.move_to_end(key)
-        return kept[1]
-    timeline = _replay(graph, schedule, eager_frees)
-    _replayed[key] = (weakref.ref(graph), timeline)
-    if len(_replayed) > REPLAYS_KEPT:
-        _replayed.popitem(last=False)
-    return timeline
-
-
-def _replay(graph: Graph, schedule: Schedule, eager_frees: bool) -> Timeline:
+    `eager_timeline`)."""
     _check(graph, schedule)
     schedule = as_generated(graph, schedule)
     replay = _Replay(graph, schedule, eager_frees)
