@@ -11,14 +11,12 @@
 # minutes, so partial results are always left in OUT_DIR.
 set -u
 cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
 OUT_DIR="${1:-${OUT:-benchmarks/results/fit_check_gpu}}"
 mkdir -p "$OUT_DIR"
 
 {
-  date -Is
-  git rev-parse --short HEAD 2>/dev/null
-  nvidia-smi 2>&1 | head -15
-  python -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+  gpu_env
 } > "$OUT_DIR/env.txt" 2>&1
 
 timeout -k 15 420 python -m benchmarks.fit_check --device cuda --profile auto \

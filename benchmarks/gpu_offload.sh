@@ -14,6 +14,7 @@
 # results are always left in OUT_DIR (offload_cuda.md / .json).
 set -u
 cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
 DRY=()
 if [ "${1:-}" = "--dry-run" ]; then
   DRY=(--dry-run)
@@ -24,10 +25,7 @@ mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python}"
 
 {
-  date -Is
-  git rev-parse --short HEAD 2>/dev/null
-  nvidia-smi 2>&1 | head -15
-  "$PY" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+  gpu_env "$PY"
 } > "$OUT_DIR/offload_env.txt" 2>&1
 
 timeout -k 15 450 "$PY" -m benchmarks.offload "${DRY[@]}" --deadline 390 --out "$OUT_DIR" \

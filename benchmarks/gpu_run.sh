@@ -12,6 +12,7 @@
 # the run for good shortly after, so partial results are always left in OUT_DIR.
 set -u
 cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
 if [ "${1:-}" = "offload" ]; then
   shift
   exec benchmarks/gpu_offload.sh "$@"
@@ -20,10 +21,7 @@ OUT_DIR="${1:-${OUT:-benchmarks/results/pareto_gpu}}"
 mkdir -p "$OUT_DIR"
 
 {
-  date -Is
-  git rev-parse --short HEAD 2>/dev/null
-  nvidia-smi 2>&1 | head -15
-  python -c "import sys, torch; print(sys.version.split()[0], torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+  gpu_env
   python -c "import fxopt, pulp, highspy, matplotlib; print('fxopt', fxopt.__version__, 'backend:', hasattr(fxopt, 'backend'))"
 } > "$OUT_DIR/env.txt" 2>&1
 
