@@ -14,10 +14,19 @@ dropout 0, one torch thread; ``--size test`` for a quick check), the variants (`
 - ``fxopt-inductor@1.0``: ``fxopt.optimize(model, 1.0, compiler="inductor")``;
 - ``fxopt-inductor@hf``: the same at HF gradient checkpointing's measured peak (bytes; a model
   without it, ResNet, has no such row);
+- ``fxopt-inductor@half``: the same at half of plain Inductor's activation memory: the
+  ``compile`` row's measured peak less half its increase over what its step starts with
+  (parameters and inputs), in bytes (needs the ``compile`` variant, measured first);
 - ``compile-amb@X`` for each X of ``--amb``: ``torch.compile(model)`` compiled with
   ``torch._functorch.config.activation_memory_budget = X`` (torch's own partitioner trading
   recompute for memory; X is a share of the activations it saves, not of the peak);
-- ``hf-ckpt-compile``: ``torch.compile`` of the model with HF's gradient checkpointing on;
+- ``hf-ckpt-compile``: ``torch.compile`` of the model with HF's gradient checkpointing on, each
+  layer traced into the graph (`checkpoint_compiles`: without it transformers' ``kernels`` hub
+  layers split the step at every checkpointed layer, which then runs eagerly);
+- ``sac-compile``: ``torch.compile`` of the model with torchtitan-style selective activation
+  checkpointing per layer: HF's checkpointing with torchtitan's ``SelectiveAC`` policy as its
+  ``context_fn`` (`titan_selective_context`: save the outputs of the compute-intensive ops,
+  recompute everything else and every second matrix product);
 - ``fxopt-eager@1.0``: ``fxopt.optimize(model, 1.0)``, the eager compiler (FX code, op by op);
 - ``aot-eager`` (only where ``--variants`` names it): ``torch.compile(model, backend="aot_eager")``,
   the same capture and AOTAutograd as the eager compiler's without fxopt's plan and bookkeeping.
@@ -59,6 +68,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -73,15 +83,71 @@ from benchmarks.harness import (choose, error_line, load_average, log, mib, repo
                                 saved_settings, synchronize, train_step, write_results)
 from fxopt.capture.compiled import own_frame
 from fxopt.capture.dynamo import unwrap_compile_error
+from fxopt.measure import PeakMemory
 from fxopt.models import MODELS
 
 DEFAULT_MODELS = ("hf-gpt2", "hf-llama", "hf-vit", "hf-resnet")
 DEFAULT_AMB = (0.25, 0.5, 0.75)
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
-BASE_VARIANTS = ("eager", "compile", "fxopt-inductor@1.0", "fxopt-inductor@hf", "compile-amb", "hf-ckpt-compile",
-                 "fxopt-eager@1.0", "aot-eager")
+BASE_VARIANTS = ("eager", "compile", "fxopt-inductor@1.0", "fxopt-inductor@hf", "fxopt-inductor@half", "compile-amb",
+                 "hf-ckpt-compile", "sac-compile", "fxopt-eager@1.0", "aot-eager")
 # Not run unless asked for (``--variants``): a reference for the eager compiler's overhead.
 OPTIONAL_VARIANTS = ("aot-eager",)
+
+
+def titan_selective_context():
+    """torchtitan's ``SelectiveAC`` policy (op mode, torchtitan 0.3.0's
+    ``distributed/activation_checkpoint.py``), as a ``context_fn`` for `torch.utils.checkpoint`:
+    SAVE the outputs of the partitioner's compute-intensive ops (matrix products, attention,
+    convolutions), of ``linear`` and of ``max``, except every second matrix product (counted apart
+    in the forward and in the recomputation); RECOMPUTE the rest. torchtitan's SDPA list names the
+    CUDA kernels; the host's (``_scaled_dot_product_flash_attention_for_cpu``) is saved too, as
+    torchtitan would save its GPU counterpart. One policy per checkpointed call."""
+    from torch._functorch.partitioners import get_default_op_list
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {op.default for op in get_default_op_list().compute_intensive_ops}
+    save |= {aten.linear.default, aten.max.default, aten._scaled_dot_product_attention_math.default,
+             aten._scaled_dot_product_flash_attention_for_cpu.default}
+    matmuls = (aten.mm.default, aten.linear.default)
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in matmuls:
+            counts[mode] += 1
+        if func in save and not (func in matmuls and counts[mode] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_compiles():
+    """Around a checkpointed model's compile: Dynamo traces each checkpointed layer into the graph
+    even though its forward mutates state outside it (transformers' ``kernels`` hub layers set a
+    context variable), which it would otherwise split the step at, running every checkpointed
+    layer eagerly. (The side effect is not replayed in the recomputation; the gradients are still
+    compared with eager's.)"""
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
+def fastest_within(rows: list[dict[str, Any]], budget: int | None) -> dict[str, Any] | None:
+    """Among ``rows`` (one model's, timed) whose measured peak is within ``budget`` bytes, eager's
+    aside: {"budget_bytes", "rows": their variants, fastest first (by the median of each round's
+    ratio to ``compile``'s, else to eager's), "fastest", "fxopt_fastest": whether fxopt's row is}.
+    None without a budget or without a row within it."""
+    if budget is None:
+        return None
+    rows = [r for r in rows if "error" not in r]
+    key = "vs_compile" if all(r.get("vs_compile") is not None for r in rows) else "vs_eager"
+    within = sorted((r for r in rows if r["variant"] != "eager" and r.get(key) is not None
+                     and r["measured_peak_bytes"] <= budget), key=lambda r: r[key])
+    if not within:
+        return None
+    return {"budget_bytes": budget, "by": key, "rows": [(r["variant"], r[key], r["measured_peak_bytes"]) for r in within],
+            "fastest": within[0]["variant"], "fxopt_fastest": within[0]["variant"].startswith("fxopt-")}
 
 
 class Variant:
@@ -144,8 +210,11 @@ class ModelRun:
     # ---- references -----------------------------------------------------------------------------
 
     def measured_peak(self, fn: Callable, model: torch.nn.Module) -> int:
+        return self.measured(fn, model).peak_bytes
+
+    def measured(self, fn: Callable, model: torch.nn.Module) -> PeakMemory:
         model.zero_grad(set_to_none=True)
-        return fxopt.measure_peak(lambda *inp: train_step(fn, inp), *self.inputs, resident=[model]).peak_bytes
+        return fxopt.measure_peak(lambda *inp: train_step(fn, inp), *self.inputs, resident=[model])
 
     def references(self) -> None:
         model = self.model
@@ -179,8 +248,17 @@ class ModelRun:
         def compiled(model: torch.nn.Module) -> Callable[[], Callable]:
             return lambda: torch.compile(own_frame(model))
 
-        def optimized(model: torch.nn.Module, budget: float | int, compiler: str) -> Callable[[], Callable]:
-            return lambda: fxopt.optimize(model, budget, compiler=compiler, time_limit=self.args.time_limit)
+        def optimized(model: torch.nn.Module, budget: float | int | Callable[[], int], compiler: str
+                      ) -> Callable[[], Callable]:
+            return lambda: fxopt.optimize(model, budget() if callable(budget) else budget, compiler=compiler,
+                                          time_limit=self.args.time_limit)
+
+        def half_of_inductor() -> int:
+            """Plain Inductor's measured peak less half its increase (its activations), in bytes."""
+            compile_row = next((v.row for v in self.variants if v.name == "compile"), {})
+            if "measured_start_bytes" not in compile_row:
+                raise RuntimeError("fxopt-inductor@half needs the compile variant measured first (--variants compile,...)")
+            return compile_row["measured_start_bytes"] + compile_row["measured_increase_bytes"] // 2
 
         for base in BASE_VARIANTS:
             if base not in wanted:
@@ -201,6 +279,9 @@ class ModelRun:
                 v = Variant(base, m, optimized(m, hf, "inductor"))
                 v.row["budget_bytes"] = hf
                 self.variants.append(v)
+            elif base == "fxopt-inductor@half":
+                m = copy_of()
+                self.variants.append(Variant(base, m, optimized(m, half_of_inductor, "inductor")))
             elif base == "compile-amb":
                 for amb in self.args.amb:
                     m = copy_of()
@@ -212,7 +293,20 @@ class ModelRun:
                 self.variants.append(Variant("aot-eager", m, lambda m=m: torch.compile(own_frame(m), backend="aot_eager")))
             elif base == "hf-ckpt-compile" and hf is not None:
                 m = copy_of(checkpointing=True)
-                self.variants.append(Variant("hf-ckpt-compile", m, compiled(m)))
+                self.variants.append(Variant("hf-ckpt-compile", m, compiled(m), checkpoint_compiles))
+            elif base == "sac-compile" and hf is not None:
+                m = copy_of()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    hf_model = m.hf
+                    enable = getattr(hf_model, "activation_checkpointing_enable", None)
+                    if enable is not None:
+                        enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                "context_fn": titan_selective_context})
+                    else:
+                        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                            "use_reentrant": False, "context_fn": titan_selective_context})
+                self.variants.append(Variant("sac-compile", m, compiled(m), checkpoint_compiles))
 
     def warm_up(self, v: Variant) -> None:
         """Build, first step (compiles and plans), then its peak and its gradients against eager's."""
@@ -242,7 +336,9 @@ class ModelRun:
         v.row["grads_equal"] = all(
             p.grad is not None and torch.allclose(p.grad, self.ref_grads[n], **TOLERANCE)
             for n, p in v.model.named_parameters() if n in self.ref_grads)
-        v.row["measured_peak_bytes"] = peak = self.measured_peak(v.fn, v.model)
+        measured = self.measured(v.fn, v.model)
+        v.row["measured_peak_bytes"] = peak = measured.peak_bytes
+        v.row["measured_start_bytes"], v.row["measured_increase_bytes"] = measured.start_bytes, measured.increase_bytes
         v.model.zero_grad(set_to_none=True)
         v.row["python_calls"] = python_calls(lambda: train_step(v.fn, self.inputs))
         if v.row.get("budget_bytes") is not None:
@@ -364,7 +460,38 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{mib(r['measured_peak_bytes'])} | {mib(r.get('budget_bytes'))} | {within} | {r['compile_s']:.0f} | "
                 f"{'yes' if r['loss_equal'] and r['grads_equal'] else '**no**'} | {'; '.join(r['notes'])} |")
         lines.append("")
+        lines += [f"- {line}" for line in at_each_memory(info, [r for r in result["rows"] if r["model"] == name])]
+        lines.append("")
     return "\n".join(lines)
+
+
+def memories(info: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """The memories issue 28 compares the rows at: HF checkpointing's measured peak, and plain
+    Inductor's peak less half its increase (its activations), where the run has them."""
+    out = []
+    if info.get("hf_ckpt_eager_peak_bytes"):
+        out.append(("HF checkpointing's peak", info["hf_ckpt_eager_peak_bytes"]))
+    plain = next((r for r in rows if r["variant"] == "compile" and "measured_start_bytes" in r), None)
+    if plain is not None:
+        out.append(("half of plain Inductor's activations",
+                    plain["measured_start_bytes"] + plain["measured_increase_bytes"] // 2))
+    return out
+
+
+def at_each_memory(info: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """One line per memory of `memories`: the rows measured within it, fastest first, and which."""
+    lines = []
+    for label, budget in memories(info, rows):
+        found = fastest_within(rows, budget)
+        if found is None:
+            lines.append(f"At {label} ({mib(budget)} MiB): no row measured within it.")
+            continue
+        against = "× torch.compile" if found["by"] == "vs_compile" else "× eager"
+        listed = ", ".join(f"{v} {ratio:.2f} ({mib(peak)} MiB)" for v, ratio, peak in found["rows"])
+        lines.append(f"At {label} ({mib(budget)} MiB), the rows measured within it, fastest first ({against}): "
+                     f"{listed}; fastest: **{found['fastest']}**"
+                     + ("" if found["fxopt_fastest"] else " (not fxopt's)") + ".")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> Run:

@@ -156,6 +156,63 @@ def test_step_time_benchmark_tiny(tmp_path):
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") is None or "step_time" not in os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+def test_titan_selective_context_saves_every_other_matmul():
+    """step_time's torchtitan-style selective checkpointing: of four matrix products in a
+    checkpointed call, the first and third are saved and the second and fourth recomputed (with
+    the elementwise ops between them); the gradients are eager's."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    ws = [torch.randn(8, 8, requires_grad=True) for _ in range(4)]
+    x = torch.randn(4, 8)
+
+    def body(x):
+        for w in ws:
+            x = torch.tanh(x @ w)
+        return x.sum()
+
+    expected = torch.autograd.grad(body(x), ws)
+    ran = []
+
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ran.append(func)
+            return func(*args, **(kwargs or {}))
+
+    loss = checkpoint(body, x, use_reentrant=False, context_fn=step_time.titan_selective_context)
+    with Count():
+        got = torch.autograd.grad(loss, ws)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    # (the backward's own: 2 mm per product, 1 for the first (x needs no gradient); recomputed: 2 of
+    # the 4 products, where saving them all would recompute none and saving none all 4)
+    assert ran.count(torch.ops.aten.mm.default) == 3 * 2 + 1 + 2
+
+
+def test_step_time_fastest_at_each_memory():
+    """The rows measured within each memory issue 28 compares at (HF checkpointing's peak, half of
+    plain Inductor's activations), fastest first by their ratio to torch.compile, eager's and the
+    failed rows aside."""
+    mib = 2**20
+    rows = [{"variant": "eager", "vs_compile": 1.1, "measured_peak_bytes": 80 * mib},
+            {"variant": "compile", "vs_compile": 1.0, "measured_peak_bytes": 60 * mib,
+             "measured_start_bytes": 20 * mib, "measured_increase_bytes": 40 * mib},
+            {"variant": "fxopt-inductor@half", "vs_compile": 1.05, "measured_peak_bytes": 39 * mib},
+            {"variant": "sac-compile", "vs_compile": 1.02, "measured_peak_bytes": 41 * mib},
+            {"variant": "hf-ckpt-compile", "vs_compile": 1.2, "measured_peak_bytes": 30 * mib},
+            {"variant": "fxopt-inductor@hf", "error": "InfeasibleBudgetError"}]
+    info = {"hf_ckpt_eager_peak_bytes": 30 * mib}
+    assert step_time.memories(info, rows) == [("HF checkpointing's peak", 30 * mib),
+                                              ("half of plain Inductor's activations", 40 * mib)]
+    at_hf = step_time.fastest_within(rows, 30 * mib)
+    assert at_hf["fastest"] == "hf-ckpt-compile" and not at_hf["fxopt_fastest"]
+    at_half = step_time.fastest_within(rows, 40 * mib)
+    assert [v for v, _, _ in at_half["rows"]] == ["fxopt-inductor@half", "hf-ckpt-compile"]
+    assert at_half["fxopt_fastest"] and at_half["by"] == "vs_compile"
+    assert step_time.fastest_within(rows, 10 * mib) is None and step_time.fastest_within(rows, None) is None
+    lines = step_time.at_each_memory(info, rows)
+    assert "fastest: **hf-ckpt-compile** (not fxopt's)" in lines[0] and "fastest: **fxopt-inductor@half**." in lines[1]
+
+
 @pytest.mark.slow
 def test_library_checkpointing_benchmark_tiny(tmp_path):
     """One tiny diffusers model through the benchmark: eager, its own checkpointing, fxopt at
