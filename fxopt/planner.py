@@ -118,15 +118,11 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
               sizes: Sizes | None = None, *, backward_bytes: int = 0):
     """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
     captured with dynamic shapes, planned at ``sizes.point``), ``backward_bytes`` (held beside its
-    backward only): see `fxopt.analysis.analyze`. A budget of ``"min"``: `smallest_budget`, then
-    planned at it."""
+    backward only): see `fxopt.analysis.analyze`. A budget of ``"min"``: the smallest budget the
+    solvers meet on this analysis of the step (`_at_smallest_budget`), then planned at it."""
     refuse_device(options)  # (`fxopt.plan` plans it on fake tensors, with device=None)
     refuse_meta_tensors(joint)
     coalesce_all_reduces(joint)  # DDP's gradients reduced in buckets, as its reducer does (eager too)
-    if options.budget.minimum and options.plan is None:
-        least = smallest_budget(joint, num_fwd_outputs, options, unread_resident_bytes, sizes,
-                                backward_bytes=backward_bytes)
-        options = dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
     jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes, backward_bytes)
     if options.planned_for is not None:  # (also on a plan from the cache: two profiles may make one graph)
         plan = dataclasses.replace(plan, planned_for=options.planned_for.planning_note())
@@ -183,8 +179,15 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
         else:
             return given
     eager = eager_timeline(eager_graph)
-    budget = options.budget.resolve(eager.peak_bytes)
     jg = _as_compiled(jg, options)  # (after eager's peak: a share is of the step eager runs)
+    if options.budget.minimum:
+        def masked_again():
+            masks.relu_masks(joint)
+            return _as_compiled(analyze(joint, num_fwd_outputs, options.cost_model, **codecs), options)
+
+        jg, options = _at_smallest_budget(jg, options, eager.peak_bytes, without_relu_masks if relu else None,
+                                          masked_again)
+    budget = options.budget.resolve(eager.peak_bytes)
     cache_key = cache.key(jg.graph, budget, options.solver_key(), effort_of(options.effort))
     cached = cache.load(cache_key)
     if cached is not None:
@@ -220,20 +223,28 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
     return jg, plan
 
 
-def smallest_budget(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
-                    sizes: Sizes | None = None, *, backward_bytes: int = 0) -> int:
-    """``budget="min"``: the smallest budget the solvers meet for this step, asked as a user
-    would: a plan within one byte is infeasible, and the error names the smallest budget they
-    reached (`InfeasibleBudgetError.min_budget`; its plan is kept in the plan cache, so planning
-    at it next does not search again). Asked of a copy of ``joint``: the planner's rewrites
-    change the graph they plan."""
+def _at_smallest_budget(jg, options: Options, eager_peak_bytes: int, without_relu_masks, masked_again):
+    """``budget="min"`` on the analysed step itself, asked as a user would: a plan within one byte
+    is infeasible, and the error names the smallest budget the solvers meet
+    (`InfeasibleBudgetError.min_budget`; the lowest-peak search behind it is in the planner's memo,
+    so planning at it does not search again). Returns the step to plan at it (its ReLU masks made again where that search undid
+    them: planning at it tries with them first, as at any budget) and ``options`` at that budget."""
+    undone = []
+
+    def undo():
+        undone.append(True)
+        return without_relu_masks()
+
     one_byte = dataclasses.replace(options, budget=Budget(bytes=1, text="1"))
     try:
-        make_plan(copy_module(joint), num_fwd_outputs, one_byte, unread_resident_bytes, sizes,
-                  backward_bytes=backward_bytes)
+        _solve_in_order(jg, one_byte, dict(budget_bytes=1, eager_peak_bytes=eager_peak_bytes),
+                        undo if without_relu_masks is not None else None, solve_seconds(options))
+        least = 1  # a step that holds nothing
     except InfeasibleBudgetError as err:
-        return err.min_budget
-    return 1  # a step that holds nothing
+        least = err.min_budget
+    if undone:
+        jg = masked_again()
+    return jg, dataclasses.replace(options, budget=Budget(bytes=least, text=f"min ({least} bytes)"))
 
 
 def refuse_device(options: Options) -> None:

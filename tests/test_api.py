@@ -84,6 +84,39 @@ def test_min_plans_the_smallest_budget_fxopt_meets_in_one_call():
     assert smaller.budget_bytes == fxopt.plan(model, "min", (inputs[0][:512],), time_limit=10).budget_bytes
 
 
+@pytest.mark.parametrize("relu", [False, True])
+def test_min_analyses_the_step_as_often_as_any_budget(monkeypatch, relu):
+    """``"min"`` searches its smallest budget on the step the planner analysed, not on a copy
+    analysed again (issue 27: the analysis of a 32-layer step is seconds): the analysis runs as
+    often as for a budget in bytes (with ReLU masks, twice more: the search at one byte analyses
+    the step without them, and planning at the minimum starts with them again; a copy analysed
+    again made it 2 and 3 more), and the plan is the one a budget in bytes at that minimum gives."""
+    import fxopt.planner as planner
+
+    class Scaled(nn.Module):  # (ReLU's output read by nothing else in the backward: masked)
+        def forward(self, x):
+            return 2.0 * x
+
+    torch.manual_seed(0)
+    act = nn.ReLU if relu else nn.GELU
+    model = nn.Sequential(nn.Linear(64, 256), act(), Scaled(), nn.Linear(256, 256), act(), Scaled(), nn.Linear(256, 8))
+    inputs = (torch.randn(256, 64),)
+    calls = []
+    real = planner.analyze_step
+    monkeypatch.setattr(planner, "analyze_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("FXOPT_CACHE", "0")
+    least = fxopt.plan(model, "min", inputs, compress=relu)  # (ReLU masks with compress=True)
+    at_min = len(calls)
+    calls.clear()
+    again = fxopt.plan(model, least.budget_bytes, inputs, compress=relu)
+    assert at_min == len(calls) + 2 * relu
+    assert least.peak_bytes <= least.budget_bytes and again.budget_bytes == least.budget_bytes
+    assert again.recomputed == least.recomputed and again.peak_bytes == least.peak_bytes
+    with pytest.raises(fxopt.InfeasibleBudgetError) as info:
+        fxopt.plan(model, least.budget_bytes - 1, inputs, compress=relu)
+    assert info.value.min_budget == least.budget_bytes
+
+
 @pytest.mark.slow
 def test_one_options_value_is_taken_by_every_entry_point():
     """`fxopt.Options` as is, or its fields by keyword (issue 25, "one option schema")."""
