@@ -2,8 +2,11 @@
 
     python -m benchmarks.data_parallel --model llama --settings fsdp --forms fsdp2 --world 4 \\
         --no-nccl-priced --plans /tmp/plans ...                    # writes each fxopt row's plan
-    python -m benchmarks.regather_tradeoff /tmp/plans/llama_w4_fxopt_on_FSDP2_one_graph_checkpoint_0.json \\
+    python -m benchmarks.regather_tradeoff benchmarks/results/plans/llama_w4_fsdp2_checkpoint_e642e69.json.gz \\
         --rates 1e9,1.2e9,1.5e9,1e11 --efforts 1,4 --out benchmarks/results/regather_tradeoff_llama_w4
+
+(that plan file: rank 0's plan of the FSDP2 Llama at checkpointing's peak on 4 gloo ranks, written
+by the first command at commit e642e69, gzipped).
 
 A plan of a step with collectives inside (`fxopt.distributed.fsdp2`) decides per gathered
 parameter whether to keep it for the backward (SAVE) or gather it again there (RECOMPUTE, a
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import shlex
 import sys
 import time
@@ -111,7 +115,8 @@ def report(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.regather_tradeoff", description=__doc__.splitlines()[0])
-    parser.add_argument("plan", help="a plan file (JSON) of a step with collectives inside: benchmarks.data_parallel --plans")
+    parser.add_argument("plan", help="a plan file (JSON, or gzipped JSON: .gz) of a step with collectives inside: "
+                                     "benchmarks.data_parallel --plans")
     parser.add_argument("--rates", default=f"{COMM_BYTES_PER_SECOND['gloo']:g},{COMM_BYTES_PER_SECOND['nccl']:g}",
                         help="comma-separated communication rates, bytes per second, to solve the graph at")
     parser.add_argument("--efforts", default="1", help="comma-separated counted efforts (multiples of the default)")
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="benchmarks/results/regather_tradeoff")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
-    plan = Plan.from_json(Path(args.plan))
+    path = Path(args.plan)
+    plan = Plan.from_json(gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path)
     graph = plan.graph
     floor, where = peak_lower_bound(graph)
     meta = run_meta(" ".join(["python -m benchmarks.regather_tradeoff", *(shlex.quote(a) for a in argv)]),

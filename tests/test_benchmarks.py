@@ -449,3 +449,8 @@ def test_regather_tradeoff_reprices_communication_and_the_choice_follows(tmp_pat
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [r["rate"] for r in rows] == [None, 1e8, 1e11] and rows[0]["extra_flops"] == 10**6
     assert "| 1e+11 | 1 |" in out.with_suffix(".md").read_text()
+    import gzip
+
+    (tmp_path / "plan.json.gz").write_bytes(gzip.compress((tmp_path / "plan.json").read_bytes()))
+    regather_tradeoff.main([str(tmp_path / "plan.json.gz"), "--rates", "1e11", "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][1]["regathered_bytes"] == 10_000
