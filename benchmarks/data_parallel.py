@@ -208,7 +208,21 @@ def _plan_fields(fn) -> dict[str, Any]:
             "regathered_bytes": sum(p.recompute_comm_bytes for p in plans),
             "planned_budget_bytes": plans[-1].budget_bytes if plans else None,
             "solve_s": round(sum(p.solve_seconds for p in plans), 1),
-            "statuses": sorted({f"{p.solver} {p.status}" for p in plans})}
+            "statuses": sorted({f"{p.solver} {p.status}" for p in plans}),
+            # What the solvers minimised (estimated seconds: FLOPs, memory traffic, per-op overhead,
+            # re-gathers' communication) and the proven lower bound on it: how far from the best
+            # plan within the budget each may be.
+            "cost_s": [p.cost for p in plans], "lower_bound_s": [p.lower_bound_cost for p in plans],
+            "gaps": [p.gap for p in plans]}
+
+
+def _write_plans(fn, directory: str, model: str, world: int, method: str) -> None:
+    """Each plan of an fxopt row as JSON (``--plans``; its solver graph included, to study the plan
+    in one process: `benchmarks.regather_tradeoff`)."""
+    slug = "".join(c if c.isalnum() else "_" for c in method).strip("_")
+    for i, plan in enumerate(getattr(fn, "plans", [])):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        plan.to_json(Path(directory, f"{model}_w{world}_{slug}_{i}.json"))
 
 
 def interleaved_ddp(args, rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
@@ -270,6 +284,8 @@ def run_setting(setting: str, args, rank: int, world: int, device: torch.device)
             row.update(measure(fn, model, wrapped, inputs, args.timed_steps, device))
             if method.startswith("fxopt"):
                 row.update(_plan_fields(fn))
+                if args.plans and rank == 0:  # (the ranks run rank 0's plan: `fxopt.distributed.fsdp.agreed_plan`)
+                    _write_plans(fn, args.plans, args.model, world, method)
         except fxopt.InfeasibleBudgetError as err:
             row["error"] = error_line(err)
             row["min_budget"] = err.min_budget
@@ -451,6 +467,9 @@ def report(data: dict[str, Any]) -> str:
                 within += f" (the smallest budget: planned {_mib(planned)} MiB{share})"
             if r.get("regathered_bytes"):
                 within += f"; {_mib(r['regathered_bytes'])} MiB re-gathered (communication, not in GFLOP)"
+            gaps = [g for g in r.get("gaps") or [] if g is not None]
+            if gaps:
+                within += f"; {', '.join(r.get('statuses', []))}, gap {max(gaps):.1%} to its proven bound"
         unequal = [f"not equal: {r['grads_error']}"] if r.get("grads_equal") is False and r.get("grads_error") else []
         note = "; ".join([*([within] if within else []), *unequal, *r.get("errors", [])])
         step = "–" if r.get("step_s") is None else f"{r['step_s']:.3f}"
@@ -486,6 +505,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retries", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--out", default="benchmarks/results/data_parallel")
+    parser.add_argument("--plans", default=None, metavar="DIR",
+                        help="write each fxopt row's plans (rank 0's, the one every rank runs) as JSON into DIR, their "
+                             "solver graphs included: python -m benchmarks.regather_tradeoff reads one")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

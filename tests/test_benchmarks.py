@@ -12,6 +12,7 @@ import torch
 from benchmarks import harness, hf_models, hf_zoo, pareto, step_time
 from benchmarks.harness import checkpoint_blocks
 from fxopt.models import MODELS, ZOO, zoo
+from fxopt.solvers.graph import Graph, Node
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -458,3 +459,55 @@ def test_planning_time_counts_the_nodes_traced_stamped_and_whole(monkeypatch):
     # 3 blocks and 4, each with the step around them: more nodes than 6 blocks, fewer than 12
     assert whole["traced_nodes"] < stamped["traced_nodes"] < 2 * whole["traced_nodes"]
     assert planning_time.same_answer(stamped, whole, (stamped_plan, whole_plan))
+
+
+def _sharded_step(priced_at: float) -> Graph:
+    """A hand-built step of one gathered parameter ``w`` (10,000 bytes received to gather it) and
+    one activation ``a`` (a MFLOP to recompute, 1e-5 s), both read in the backward after the
+    300-byte temporary ``g1``: a budget of 540 B holds one of them beside ``g1``, not both."""
+    return Graph((
+        Node("shard", "input", bytes=25),
+        Node("x", "input", bytes=100),
+        Node("w", "forward", inputs=(0,), bytes=100, comm_bytes=10_000, cost=1e-7 + 10_000 / priced_at),
+        Node("a", "forward", inputs=(1,), bytes=100, flops=10**6, cost=1e-5),
+        Node("loss", "forward", inputs=(2, 3), bytes=4, flops=100, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g1", "backward", inputs=(5,), bytes=300, flops=100, cost=1e-6),
+        Node("g2", "backward", inputs=(6,), bytes=4, flops=100, cost=1e-6),
+        Node("gw", "backward", inputs=(7, 2), bytes=4, flops=100, cost=1e-6, output=True),
+        Node("gx", "backward", inputs=(7, 3), bytes=4, flops=100, cost=1e-6, output=True),
+    ))
+
+
+def test_regather_tradeoff_reprices_communication_and_the_choice_follows(tmp_path):
+    """At 1e8 B/s the re-gather costs 1e-4 s, ten times the recompute: ``a`` is recomputed; at
+    1e11 B/s it costs 1e-7 s: ``w`` is re-gathered, no FLOPs. At the graph's own 1e9 B/s the
+    two are a near tie (1.01e-5 s against 1e-5 s), which the recompute wins."""
+    from benchmarks import regather_tradeoff
+    from fxopt.solvers import solve
+    from fxopt.solvers.plan import Plan
+
+    graph = _sharded_step(1e9)
+    cheap = regather_tradeoff.repriced(graph, 1e9, 1e11)
+    assert cheap.nodes[2].cost == pytest.approx(1e-7 + 1e-7) and cheap.nodes[3:] == graph.nodes[3:]
+    assert regather_tradeoff.repriced(graph, 1e9, 1e9) is graph
+    dear, free = regather_tradeoff.tradeoff(graph, 540, [1e8, 1e11], [1], priced_at=1e9)
+    assert (dear["extra_flops"], dear["regathered_bytes"], dear["cost_s"]) == (10**6, 0, pytest.approx(1e-5))
+    assert (free["extra_flops"], free["regathered_bytes"]) == (0, 10_000)
+    assert free["cost_s"] == pytest.approx(1.01e-5) and free["solved_cost_s"] == pytest.approx(2e-7)
+    assert dear["peak_bytes"] <= 540 and free["peak_bytes"] <= 540
+    s = solve(graph, 540)
+    plan = Plan.build(graph=graph, schedule=s.schedule, budget_bytes=540, eager_peak_bytes=637, solver=s.solver,
+                      status=s.status, solve_seconds=0.0, fingerprint="hand-built", timeline=s.timeline,
+                      lower_bound_cost=s.lower_bound_cost)
+    plan.to_json(tmp_path / "plan.json")
+    out = tmp_path / "tradeoff"
+    regather_tradeoff.main([str(tmp_path / "plan.json"), "--rates", "1e8,1e11", "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["rate"] for r in rows] == [None, 1e8, 1e11] and rows[0]["extra_flops"] == 10**6
+    assert "| 1e+11 | 1 |" in out.with_suffix(".md").read_text()
+    import gzip
+
+    (tmp_path / "plan.json.gz").write_bytes(gzip.compress((tmp_path / "plan.json").read_bytes()))
+    regather_tradeoff.main([str(tmp_path / "plan.json.gz"), "--rates", "1e11", "--out", str(out)])
+    assert json.loads(out.with_suffix(".json").read_text())["rows"][1]["regathered_bytes"] == 10_000

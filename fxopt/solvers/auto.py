@@ -34,7 +34,10 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 # 21: the loss's backward written in place by default (`fxopt.passes.loss`).
 # 22: `save_more`, `exchange` and `greedy` count a graph's simulated schedules by its size
 # (`fxopt.solvers.effort.simulation_weight`): graphs above 2,500 nodes may get other plans.
-REVISION = 22
+# 23: the profiles the ILP, the instant program and the chain solver count fixed memory with
+# hold a collective's late-freed buffers (`Node.lingers`) as the simulator does: FSDP steps on gloo
+# may get other plans and floors.
+REVISION = 23
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)

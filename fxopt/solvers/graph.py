@@ -101,7 +101,8 @@ class Node:
     # Bytes a collective leaves allocated after its wait returns, which its process group's worker
     # thread frees when it lets go of the work, at a moment this process does not order: gloo's
     # copy of a reduce-scatter's input (measured: freed as late as the next collective's issue).
-    # The simulator holds them until the wait of the next collective that lingers has run (or the
+    # The simulator, and the profiles the ILP and the bounds count with, hold them until the wait of
+    # the next collective that lingers has run (`fxopt.solvers.liveness.Lingering`; or the
     # backward ends): an upper bound where the rewritten step frees them itself (on gloo,
     # `fxopt.ops.collectives.reduce_scatter` frees the copy before it returns).
     lingers: int = 0

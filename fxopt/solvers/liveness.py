@@ -17,7 +17,8 @@ of a value. `profile` walks an order in which every node runs once, one storage 
                                                                 and the chain solver's fixed part
 
 All three count what the simulator counts (outputs are never freed: the caller holds the forward's,
-the gradients are kept; tangents are held by the autograd engine for the whole backward). They
+the gradients are kept; tangents are held by the autograd engine for the whole backward; the
+buffers a collective leaves behind until the next one's wait, `Lingering`). They
 differ in one parameter each, and for a reason:
 
   - ``held``: tangents are alive from the start of the backward walks; the forward has none.
@@ -66,6 +67,42 @@ class LiveBytes:
         return self._refs.get(key, 0) > 0
 
 
+class Lingering:
+    """Collectives' buffers freed late (`fxopt.solvers.graph.Node.lingers`, gloo's copy of a
+    reduce-scatter's input), on ``memory``: node i's are held from just after it runs until the
+    wait of the next collective that lingers has run, or to the end of the walk (`release_all`).
+    One rule for the simulator and the profiles, so that the fixed memory the ILP and the instant
+    program count holds them where every schedule does: the backward nodes that linger, and their
+    waits, run once and in order whatever is recomputed between them."""
+
+    def __init__(self, graph: Graph, memory: LiveBytes):
+        self._graph, self._memory = graph, memory
+        self._held: list[list] = []  # [key, bytes, the waits that free it, or None until the next lingers]
+        self._made = 0
+
+    def after(self, i: int) -> None:
+        """Node ``i`` has run: free what lingered until it, and hold its own."""
+        for entry in [e for e in self._held if e[2] is not None and i in e[2]]:
+            self._memory.release(entry[0], entry[1])
+            self._held.remove(entry)
+        nbytes = self._graph.nodes[i].lingers
+        if nbytes:
+            waits = frozenset(self._graph.users[i]) or frozenset({i})
+            for entry in self._held:
+                if entry[2] is None:
+                    entry[2] = waits
+            self._made += 1
+            key = ("lingers", i, self._made)
+            self._memory.hold(key, nbytes)
+            self._held.append([key, nbytes, None])
+
+    def release_all(self) -> None:
+        """The walk has ended: whatever still lingers is freed (by the time the step returns)."""
+        for key, nbytes, _ in self._held:
+            self._memory.release(key, nbytes)
+        self._held.clear()
+
+
 def last_uses(reads: Iterable[Iterable[Hashable]]) -> dict[Hashable, int]:
     """For step reads (what each step reads, in order), the last step reading each value."""
     last: dict[Hashable, int] = {}
@@ -111,6 +148,7 @@ def profile(graph: Graph, order: Sequence[int], *, resident: Iterable[int], held
     for i in order:
         if not nodes[i].output:
             dying.setdefault(max(last.get(i, pos[i]), pos[i]), []).append(i)
+    lingering = Lingering(graph, memory)
     start = memory.bytes
     before, during = [], []
     first: dict[int, int] = {}
@@ -128,6 +166,7 @@ def profile(graph: Graph, order: Sequence[int], *, resident: Iterable[int], held
                 memory.release(key)
                 if not memory.is_held(key):
                     end[key[0]] = k
+        lingering.after(i)
     return Profile(start, before, during, {r: (k, end.get(r, len(order))) for r, k in first.items()})
 
 

@@ -41,7 +41,7 @@ import itertools
 from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.liveness import Key, LiveBytes, last_uses
+from fxopt.solvers.liveness import Key, LiveBytes, Lingering, last_uses
 from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
@@ -281,8 +281,7 @@ class _Replay:
         self.now = 0.0  # seconds since the step began: compute, codecs and stalls
         self.exposed = 0.0  # seconds the backward waited for reloads
         self.in_flight: list[tuple[float, int, int]] = []  # offloads not complete: (end, value, bytes)
-        # Collectives' buffers freed late (`Node.lingers`): [key, bytes, the waits that free it or None].
-        self.lingering: list[list] = []
+        self.lingering = Lingering(graph, self.memory)  # collectives' buffers freed late (`Node.lingers`)
         self.offload_end: dict[int, float] = {}
         self.reloading: dict[int, int] = {}  # value -> its reload's index in ``h2d.copies``
         self.reload_positions: dict[int, int] = {}  # value -> schedule position its reload was issued at
@@ -352,21 +351,6 @@ class _Replay:
         self.in_flight.append((copy.end, j, nbytes))
         self.offload_end[j] = copy.end
 
-    def linger(self, i: int) -> None:
-        """After node ``i`` ran: free the buffers that lingered until it (`Node.lingers`), and hold
-        its own, until the wait of the next collective that lingers."""
-        for entry in [e for e in self.lingering if e[2] is not None and i in e[2]]:
-            self.memory.release(entry[0], entry[1])
-            self.lingering.remove(entry)
-        if self.nodes[i].lingers:
-            waits = frozenset(self.graph.users[i]) or frozenset({i})
-            for entry in self.lingering:
-                if entry[2] is None:
-                    entry[2] = waits
-            key = ("lingers", i, len(self.events))
-            self.memory.hold(key, self.nodes[i].lingers)
-            self.lingering.append([key, self.nodes[i].lingers, None])
-
     def settle(self) -> None:
         """Let go of the device memory of the offloads complete by now (before an allocation)."""
         if self.in_flight and min(self.in_flight)[0] <= self.now:
@@ -435,7 +419,7 @@ class _Replay:
             self.now += nodes[i].cost
             for j in dying_at.get(k, ()):
                 self.drop(self.current.pop(j))
-            self.linger(i)
+            self.lingering.after(i)
             for j in compress_at.get(k, ()):
                 peak = max(peak, self.record("forward", f"compress {nodes[j].name}", self.encode(j)))
             for j in sorted(offload_at.get(k, ())):
@@ -507,10 +491,8 @@ class _Replay:
                 self.drop(copy)
             elif nodes[i].output:
                 self.forever.add(copy)
-            self.linger(i)
-        for key, nbytes, _ in self.lingering:  # (freed by the time the step returns)
-            self.memory.release(key, nbytes)
-        self.lingering.clear()
+            self.lingering.after(i)
+        self.lingering.release_all()
         self.backward_peak = peak
 
     def reload_points(self, steps: list[Step], positions: list[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
