@@ -187,20 +187,27 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
 
         jg, options = _at_smallest_budget(jg, options, eager.peak_bytes, without_relu_masks if relu else None,
                                           masked_again)
-    budget = options.budget.resolve(eager.peak_bytes)
+    return _planned(jg, options, eager.peak_bytes, without_relu_masks if relu else None)
+
+
+def _planned(jg, options: Options, eager_peak_bytes: int, without_relu_masks):
+    """The analysed step ``jg`` planned within ``options``' budget (a share of ``eager_peak_bytes``,
+    or bytes), or read from the plan cache: (the step as planned, the plan). ``without_relu_masks``:
+    the step analysed again without its ReLU masks (None: it has none), for the fallbacks of
+    `_solve`."""
+    budget = options.budget.resolve(eager_peak_bytes)
     cache_key = cache.key(jg.graph, budget, options.solver_key(), effort_of(options.effort))
     cached = cache.load(cache_key)
     if cached is not None:
         step = _step_of(cached, jg)
-        if step is None and relu:  # it was planned without the ReLU masks
+        if step is None and without_relu_masks is not None:  # planned without the ReLU masks
             step = _step_of(cached, without_relu_masks())
         return step, cached
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
-    planned = dict(budget_bytes=budget, eager_peak_bytes=eager.peak_bytes)
+    planned = dict(budget_bytes=budget, eager_peak_bytes=eager_peak_bytes)
     try:
-        jg, solution = _solve_in_order(jg, options, planned, without_relu_masks if relu else None,
-                                       solve_seconds(options))
+        jg, solution = _solve_in_order(jg, options, planned, without_relu_masks, solve_seconds(options))
     finally:
         if _CAPTURE_STARTED.get() is not None:
             _CAPTURE_STARTED.set(now())  # the next piece's wait starts now
