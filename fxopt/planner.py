@@ -234,8 +234,9 @@ def _at_smallest_budget(jg, options: Options, eager_peak_bytes: int, without_rel
     """``budget="min"`` on the analysed step itself, asked as a user would: a plan within one byte
     is infeasible, and the error names the smallest budget the solvers meet
     (`InfeasibleBudgetError.min_budget`; the lowest-peak search behind it is in the planner's memo,
-    so planning at it does not search again). Returns the step to plan at it (its ReLU masks made again where that search undid
-    them: planning at it tries with them first, as at any budget) and ``options`` at that budget."""
+    so planning at it does not search again). Returns the step to plan at it (its ReLU masks made
+    again where that search undid them: planning at it tries with them first, as at any budget)
+    and ``options`` at that budget."""
     undone = []
 
     def undo():
