@@ -102,7 +102,8 @@ class Counts:
 
     @contextlib.contextmanager
     def installed(self):
-        counts, real_run, real_replay, real_analyze = self, plan_ahead.run_compiled, schedule._Replay, planner.analyze_step
+        counts, real_run, real_replay = self, plan_ahead.run_compiled, schedule._Replay
+        real_analyze = planner.analyze_step
 
         def run_compiled(*a, **k):
             counts.captures += 1

@@ -257,7 +257,7 @@ def test_max_batch_makes_each_batchs_graph_once_where_planning_rewrites_nothing(
 
     made = []
     at = JointGraph.at
-    monkeypatch.setattr(JointGraph, "at", lambda jg, point: made.append((id(jg), tuple(point.items()))) or at(jg, point))
+    monkeypatch.setattr(JointGraph, "at", lambda jg, point: made.append((id(jg), *point.items())) or at(jg, point))
     found = _tiny_max_batch(compress=False, time_limit=1e6)
     assert found.plan.peak_bytes <= found.budget_bytes and found.eager_batch <= found.batch
     assert len(set(made)) == len(made) > 1
