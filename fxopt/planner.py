@@ -315,7 +315,7 @@ class Analyses:
     plan it would save nothing: a step's ReLU masks made again after they were undone have new
     names.)
 
-    A graph is known by its code and each node's scalar marks (`_graph_key`): within one capture,
+    A graph is known by its nodes' code and scalar marks (`_graph_key`): within one capture,
     the copies' nodes carry the capture's values (shapes, dtypes, module paths) and the planner's
     passes are deterministic, so the same code is the same graph, and its analysis, rebound to the
     copy (`JointGraph.module`), is the one a fresh analysis of the copy makes. The settings (the
@@ -336,11 +336,12 @@ class Analyses:
 
 
 def _graph_key(gm: fx.GraphModule) -> tuple:
-    """``gm``'s graph as Python code, and its nodes' scalar marks (`fxopt.fxgraph.EAGER_COPIES`:
-    marks the analysis reads that the code does not show)."""
-    marks = tuple((n.name, k, v) for n in gm.graph.nodes for k, v in n.meta.items()
-                  if isinstance(v, (bool, int, float, str)))
-    return gm.graph.python_code("self").src, marks
+    """``gm``'s graph node by node, in order: its name, op, target and arguments (what its code
+    says: an argument that is a node shows as its name, unquoted) and its scalar marks (such as
+    `fxopt.fxgraph.EAGER_COPIES`, which the analysis reads and the code does not show)."""
+    return tuple((n.name, n.op, str(n.target), repr((n.args, n.kwargs)),
+                  tuple((k, v) for k, v in n.meta.items() if isinstance(v, (bool, int, float, str))))
+                 for n in gm.graph.nodes)
 
 
 def _as_compiled(jg, options: Options):
