@@ -12,7 +12,8 @@ built under ``torch.device("meta")``, one batch of ``--seq`` token ids with thei
 ``fxopt.fit`` call for ``--device``, with the plan cache off (cold: every answer solved).
 
 fit's capture for its two plans and each of its three questions (its ``seconds``) are split by
-timing the functions fxopt calls as it calls them: analysis (`fxopt.analysis.analyze`, as the planner calls it; the scratch formula,
+timing the functions fxopt calls as it calls them: analysis (`fxopt.analysis.analyze`, as the planner calls it, and
+the key its `fxopt.planner.Analyses` knows a graph analysed before by; the scratch formula,
 `op_memory`, is part of it and shown apart), solve (`fxopt.solvers.solve` as the planner and
 `fxopt.max_batch` call it, and max_batch's lowest-peak searches), and the rest, which is the
 capture (Dynamo and AOTAutograd tracing on fake tensors, the rewrite); max_batch's simulations
@@ -44,7 +45,8 @@ TARGET_SECONDS = 20.0  # issue 27: Llama-3-8B shapes at seq 2048, fxopt.fit on a
 TARGET_70B_SECONDS = 60.0  # and a 70B shape (80 layers, 8192 wide)
 
 # (module, function name as that module calls it, the part of the time it is)
-TIMED = [(planner, "analyze_step", "analysis"), (joint, "op_memory", "scratch"), (planner, "solve", "solve"),
+TIMED = [(planner, "analyze_step", "analysis"), (planner, "_graph_key", "analysis"), (joint, "op_memory", "scratch"),
+         (planner, "solve", "solve"),
          (maxbatch, "solve", "solve"), (maxbatch, "min_feasible_budget", "solve"),
          (maxbatch, "lowest_schedule", "solve"), (maxbatch, "simulate", "simulate"),
          (maxbatch, "eager_timeline", "simulate"), (maxbatch, "peak_lower_bound", "simulate")]
@@ -92,29 +94,35 @@ def llama(layers: int, seq: int, batch: int, hidden: int = 4096, ffn: int = 1433
 
 class Counts:
     """Counted work while installed: Dynamo captures (`fxopt.capture.compiled.run_compiled` as
-    `fxopt.plan_ahead` calls it) and the schedules the simulator replayed."""
+    `fxopt.plan_ahead` calls it), the graphs analysed (`fxopt.analysis.analyze` as the planner
+    calls it) and the schedules the simulator replayed."""
 
     def __init__(self):
-        self.captures = self.replays = 0
+        self.captures = self.analyses = self.replays = 0
 
     @contextlib.contextmanager
     def installed(self):
         counts, real_run, real_replay = self, plan_ahead.run_compiled, schedule._Replay
+        real_analyze = planner.analyze_step
 
         def run_compiled(*a, **k):
             counts.captures += 1
             return real_run(*a, **k)
+
+        def analyze_step(*a, **k):
+            counts.analyses += 1
+            return real_analyze(*a, **k)
 
         class Replay(real_replay):
             def __init__(self, *a, **k):
                 counts.replays += 1
                 super().__init__(*a, **k)
 
-        plan_ahead.run_compiled, schedule._Replay = run_compiled, Replay
+        plan_ahead.run_compiled, schedule._Replay, planner.analyze_step = run_compiled, Replay, analyze_step
         try:
             yield self
         finally:
-            plan_ahead.run_compiled, schedule._Replay = real_run, real_replay
+            plan_ahead.run_compiled, schedule._Replay, planner.analyze_step = real_run, real_replay, real_analyze
 
 
 class Phases:
@@ -157,8 +165,9 @@ def markdown(result: dict) -> str:
                      f"{p['scratch_s']:.2f} | {p['solve_s']:.1f} | {p['simulate_s']:.1f} |")
     lines.append(f"| **fit, in all** | **{row['wall_s']:.1f}** | | | | | |")
     if "captures" in row:
-        lines += ["", f"Counted work: {row['captures']} Dynamo captures; {row['replays']} schedules replayed by the "
-                      "simulator."]
+        analysed = f"{row['analyses']} graphs analysed; " if "analyses" in row else ""
+        lines += ["", f"Counted work: {row['captures']} Dynamo captures; {analysed}{row['replays']} schedules replayed "
+                      "by the simulator."]
     lines += ["", "The answer (`Fit.__str__`):", "", "```", row["table"], "```", ""]
     return "\n".join(lines)
 
@@ -221,7 +230,7 @@ def main(argv=None) -> None:
     if found.plan is None:  # (no plan at the budget: fit asked nothing there, nothing was timed)
         phases.marks.insert(2, phases.marks[1])
     row = {"wall_s": wall, "nodes": len(found.min_plan.graph), "split": split(found, phases.marks),
-           "captures": counts.captures, "replays": counts.replays,
+           "captures": counts.captures, "analyses": counts.analyses, "replays": counts.replays,
            "answer": found.to_dict(), "table": str(found), "min_plan_summary": found.min_plan.summary()}
     log(f"fit in {wall:.1f} s\n{row['table']}")
     result = {"meta": meta, "row": row}

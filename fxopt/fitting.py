@@ -17,8 +17,9 @@ Three questions, each asked of fxopt's own entry points on fake tensors for the 
 Each answer is only as good as the profile's: every storage rounded to the allocator's blocks,
 the cuBLAS workspace resident, the scratch of ops not known to allocate only their outputs a
 formula bound (`Fit.planned_for` says which). The step is captured twice: once for the two plans
-(`fxopt.plan_ahead.plan_each`: each plans its own copy of one capture), once with the batch
-symbolic for the batch. ``Fit.seconds`` says what each took.
+(`fxopt.plan_ahead.plan_each`: each plans its own copy of one capture, and a graph both analyse,
+the step as captured and as rewritten for planning, is analysed once: `fxopt.planner.Analyses`),
+once with the batch symbolic for the batch. ``Fit.seconds`` says what each took.
 """
 
 from __future__ import annotations

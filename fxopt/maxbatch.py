@@ -247,7 +247,9 @@ def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: in
         lo, hi = jg.symbolic.ranges.bounds[name]  # (narrowed where the model specializes a size)
         search = _Search(jg, name, budget, lo, hi)
         top = search.largest(lo, hi, search.lower_bound_fits)
-        segments.append(_Segment(_Search(eager_jg, name, budget, lo, hi), search, top))
+        # (a step planning does not rewrite is one graph: its graphs at each batch made once)
+        eager = search if eager_jg is jg else _Search(eager_jg, name, budget, lo, hi)
+        segments.append(_Segment(eager, search, top))
         if top is None or top < hi or hi >= limit:
             break
         start = hi + 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -35,7 +36,7 @@ from fxopt.devices import DeviceProfile
 from fxopt.distributed import data_parallel, ddp as ddp_graph
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError
 from fxopt.options import Options
-from fxopt.planner import analyze_for_planning, meta_device_message
+from fxopt.planner import Analyses, analyze_for_planning, meta_device_message
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
 
@@ -59,6 +60,8 @@ def plan_each(model: nn.Module, options: Options, example_inputs: Sequence[Any],
     the captured step for the `Options` ``asked`` as `plan_and_rewrite` would (its `PlanReady`,
     or its `InfeasibleBudgetError` raised); what ``ask`` returns. ``asked.device`` must be
     ``options.device``. (`fxopt.fit` asks for the smallest budget and a budget of one capture.)
+    A graph the plans analyse alike (the step as captured, and as rewritten for planning, with the
+    same analysis settings) is analysed once for all of them (`fxopt.planner.Analyses`).
     ``plan_only``: as for `plan_and_rewrite`."""
     return _capture_and_plan(model, options, example_inputs, ask, plan_only)
 
@@ -81,7 +84,8 @@ def _capture_and_plan(model: nn.Module, options: Options, example_inputs: Sequen
             gathering = ddp_graph.OneGraph(model).reducing()
         held, model = data_parallel.bucket_bytes(model), model.module
     args, kwargs = split_inputs(example_inputs)
-    answer = None if ask is None else lambda step: ask(step.plan)
+    # (each plan of one capture analyses what an earlier one analysed no more: `Analyses`)
+    answer = None if ask is None else lambda step: ask(functools.partial(step.plan, analyses=Analyses()))
     run = repeated_run(model) if plan_only and options.stamp and distributed is None and not held else None
     if run is not None:
         try:

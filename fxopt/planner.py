@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -115,15 +116,17 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
 
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
-              sizes: Sizes | None = None, *, backward_bytes: int = 0):
+              sizes: Sizes | None = None, *, backward_bytes: int = 0, analyses: Analyses | None = None):
     """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
     captured with dynamic shapes, planned at ``sizes.point``), ``backward_bytes`` (held beside its
     backward only): see `fxopt.analysis.analyze`. A budget of ``"min"``: the smallest budget the
-    solvers meet on this analysis of the step (`_at_smallest_budget`), then planned at it."""
+    solvers meet on this analysis of the step (`_at_smallest_budget`), then planned at it.
+    ``analyses``: the graphs analysed for the plans made before this one from copies of the same
+    capture (`Analyses`; `fxopt.plan_ahead.plan_each`), not analysed again."""
     refuse_device(options)  # (`fxopt.plan` plans it on fake tensors, with device=None)
     refuse_meta_tensors(joint)
     coalesce_all_reduces(joint)  # DDP's gradients reduced in buckets, as its reducer does (eager too)
-    jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes, backward_bytes)
+    jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes, backward_bytes, analyses)
     if options.planned_for is not None:  # (also on a plan from the cache: two profiles may make one graph)
         plan = dataclasses.replace(plan, planned_for=options.planned_for.planning_note())
     agreed = agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
@@ -137,11 +140,11 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
 
 
 def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
-               sizes: Sizes | None, backward_bytes: int = 0):
+               sizes: Sizes | None, backward_bytes: int, analyses: Analyses | None):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = _codecs(options, unread_resident_bytes, sizes, backward_bytes)
-    analyze = _analyzer(joint, options)
+    analyze = _analyzer(joint, options, analyses)
     alias_identity_dropouts(joint)  # (eager makes no copy there: neither does the step, planned or not)
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
@@ -169,7 +172,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
             options = dataclasses.replace(options, plan=None, plan_from_examples=False)
             if options.budget.minimum:  # this graph's own minimum, planned from the graph as captured
                 return make_plan(pristine, num_fwd_outputs, options, unread_resident_bytes, sizes,
-                                 backward_bytes=backward_bytes)
+                                 backward_bytes=backward_bytes, analyses=analyses)
         elif given is None:
             raise CaptureError(
                 "the given plan was made for a different graph (another model, input shape, dtype, "
@@ -287,15 +290,59 @@ def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None, b
                 sizes=sizes, device=options.planned_for, backward_held_bytes=backward_bytes)
 
 
-def _analyzer(joint: fx.GraphModule, options: Options):
-    """`fxopt.analysis.analyze`, its graphs carrying the bandwidths OFFLOAD is planned with (`transfers`)."""
+def _analyzer(joint: fx.GraphModule, options: Options, analyses: Analyses | None = None):
+    """`fxopt.analysis.analyze`, its graphs carrying the bandwidths OFFLOAD is planned with
+    (`transfers`); a graph ``analyses`` holds, with the same settings, not analysed again."""
     copies = transfers(joint, options)
 
     def analyze(gm, num_fwd_outputs, cost_model, **codecs):
-        jg = analyze_step(gm, num_fwd_outputs, cost_model, **codecs)
-        return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
+        def analysed():
+            jg = analyze_step(gm, num_fwd_outputs, cost_model, **codecs)
+            return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
+
+        if analyses is None:
+            return analysed()
+        return analyses.of(gm, (num_fwd_outputs, cost_model, codecs, copies), analysed)
 
     return analyze
+
+
+class Analyses:
+    """The analyses (`fxopt.analysis.JointGraph`) made for the plans of one captured step, so that
+    no graph is analysed twice with the same settings: `fxopt.fit`'s plans at the smallest budget
+    and at its budget (`fxopt.plan_ahead.plan_each`: each plans its own copy of one capture, with
+    the same rewrites, the ReLU masks' fallback included). Owned by the call that makes the plans
+    and passed to each (`make_plan`'s ``analyses``), never shared between captures. (Within one
+    plan it would save nothing: a step's ReLU masks made again after they were undone have new
+    names.)
+
+    A graph is known by its nodes' code and scalar marks (`_graph_key`): within one capture,
+    the copies' nodes carry the capture's values (shapes, dtypes, module paths) and the planner's
+    passes are deterministic, so the same code is the same graph, and its analysis, rebound to the
+    copy (`JointGraph.module`), is the one a fresh analysis of the copy makes. The settings (the
+    cost model, the codecs' and the bandwidths) are compared by value."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple, list[tuple[tuple, Any]]] = {}
+
+    def of(self, gm: fx.GraphModule, settings: tuple, analyse):
+        """``gm``'s analysis with ``settings``: a known one for the same graph, or ``analyse()``."""
+        key = _graph_key(gm)
+        for known, jg in self._known.get(key, ()):
+            if known == settings:
+                return dataclasses.replace(jg, module=gm)
+        jg = analyse()
+        self._known.setdefault(key, []).append((settings, jg))
+        return jg
+
+
+def _graph_key(gm: fx.GraphModule) -> tuple:
+    """``gm``'s graph node by node, in order: its name, op, target and arguments (what its code
+    says: an argument that is a node shows as its name, unquoted) and its scalar marks (such as
+    `fxopt.fxgraph.EAGER_COPIES`, which the analysis reads and the code does not show)."""
+    return tuple((n.name, n.op, str(n.target), repr((n.args, n.kwargs)),
+                  tuple((k, v) for k, v in n.meta.items() if isinstance(v, (bool, int, float, str))))
+                 for n in gm.graph.nodes)
 
 
 def _as_compiled(jg, options: Options):

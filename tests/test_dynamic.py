@@ -249,6 +249,20 @@ def _tiny_max_batch(**options):
     return fxopt.max_batch(ResidualMLP(2, 16), "96KiB", lambda b: (torch.randn(b, 16),), limit=400, **options)
 
 
+def test_max_batch_makes_each_batchs_graph_once_where_planning_rewrites_nothing(monkeypatch):
+    """Without ReLU masks (``compress=False``) the residual MLP's step planning starts from is the
+    step as captured: one graph, whose graph at each batch the eager, per-block checkpointing and
+    fxopt bisections all read, made once (issue 27: one search for each, not two)."""
+    from fxopt.analysis import JointGraph
+
+    made = []
+    at = JointGraph.at
+    monkeypatch.setattr(JointGraph, "at", lambda jg, point: made.append((id(jg), *point.items())) or at(jg, point))
+    found = _tiny_max_batch(compress=False, time_limit=1e6)
+    assert found.plan.peak_bytes <= found.budget_bytes and found.eager_batch <= found.batch
+    assert len(set(made)) == len(made) > 1
+
+
 def _decisions(plan):
     return None if plan is None else (plan.schedule, plan.peak_bytes, plan.recompute_cost, plan.solver, plan.status,
                                       plan.lower_bound_cost, plan.budget_bytes)

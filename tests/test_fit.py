@@ -4,6 +4,7 @@ budget, `fxopt.max_batch`) and against the others (floor <= smallest budget <= a
 the largest batch at least the example's where the example fits)."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from fxopt.cli.main import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, main
 from fxopt.models import gpt2
 
 TIME_LIMIT = 60
+FELL_BACK = "no plan fits with ReLU masks"
 SHAPE = dict(layers=2, dim=64, heads=4, seq=64, batch=4, vocab=512)
 
 
@@ -140,3 +142,48 @@ def test_fit_plans_both_budgets_from_one_capture(tiny, monkeypatch):
         torch._dynamo.reset()
         alone = fxopt.plan(model, asked, inputs, device="H100-80GB", time_limit=TIME_LIMIT)
         assert decisions(alone) == decisions(planned)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_fit_analyses_each_graph_of_its_plans_once(monkeypatch, caplog, relu):
+    """fit's two plans (the smallest budget, then the budget: here that smallest, so that with
+    ReLU masks the plan at it tries them, then falls back to the step without them, as a fresh
+    plan does) analyse the graphs of their one capture no more often than the plan at "min" alone
+    (issue 27: each analysis of a real-size step is seconds; each plan analysed its copy again),
+    and are the plans `fxopt.plan` makes alone, decision for decision."""
+    import torch.nn as nn
+
+    import fxopt.fitting
+    import fxopt.planner as planner
+
+    class Scaled(nn.Module):  # (ReLU's output read by nothing else in the backward: masked)
+        def forward(self, x):
+            return 2.0 * x
+
+    torch.manual_seed(0)
+    act = nn.ReLU if relu else nn.GELU
+    model = nn.Sequential(nn.Linear(64, 256), act(), Scaled(), nn.Linear(256, 256), act(), Scaled(), nn.Linear(256, 8))
+    inputs = (torch.randn(256, 64),)
+    monkeypatch.setenv("FXOPT_CACHE", "0")
+    calls, planned = [], []
+    analyze = planner.analyze_step
+    monkeypatch.setattr(planner, "analyze_step", lambda *a, **k: calls.append(1) or analyze(*a, **k))
+    caplog.set_level(logging.INFO, logger="fxopt")
+    least = fxopt.plan(model, "min", inputs, device="H100-80GB", time_limit=TIME_LIMIT)
+    alone, fell_back = len(calls), caplog.text.count(FELL_BACK)
+    calls.clear()
+    caplog.clear()
+    max_batch = fxopt.fitting.max_batch
+    monkeypatch.setattr(fxopt.fitting, "max_batch", lambda *a, **k: planned.append(len(calls)) or max_batch(*a, **k))
+    torch._dynamo.reset()
+    found = fxopt.fit(model, inputs, device="H100-80GB", budget=least.budget_bytes, time_limit=TIME_LIMIT, limit=512)
+    assert planned == [alone] and found.fits and found.min_budget_bytes == least.budget_bytes
+    assert caplog.text.count(FELL_BACK) == fell_back + relu == 3 * relu  # (the plan at it fell back too)
+    monkeypatch.undo()
+
+    def decisions(plan):
+        return {k: v for k, v in plan.to_dict().items() if k != "solve_seconds"}
+
+    torch._dynamo.reset()
+    at_budget = fxopt.plan(model, least.budget_bytes, inputs, device="H100-80GB", time_limit=TIME_LIMIT)
+    assert decisions(found.min_plan) == decisions(least) and decisions(found.plan) == decisions(at_budget)

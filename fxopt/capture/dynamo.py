@@ -26,7 +26,7 @@ from fxopt.fxgraph import copy_module
 from fxopt.measuring import not_measured, step_runs
 from fxopt.passes.recompute import split_with_recompute
 from fxopt.solvers.plan import Plan
-from fxopt.planner import Options, make_plan
+from fxopt.planner import Analyses, Options, make_plan
 from fxopt.storage import storages, tensors_in
 
 log = logging.getLogger("fxopt")
@@ -135,10 +135,11 @@ class CapturedStep:
     inputs: list
     backward_bytes: int = 0
 
-    def plan(self, options: Options) -> PlanReady:
-        """A copy of the step planned for ``options`` (`InfeasibleBudgetError` where nothing fits)."""
+    def plan(self, options: Options, analyses: Analyses | None = None) -> PlanReady:
+        """A copy of the step planned for ``options`` (`InfeasibleBudgetError` where nothing fits).
+        ``analyses``: the step's copies analysed for the plans before this one (`make_plan`)."""
         jg, plan = make_plan(copy_module(self.joint), self.num_fwd_outputs, options, self.unread_bytes,
-                             backward_bytes=self.backward_bytes)
+                             backward_bytes=self.backward_bytes, analyses=analyses)
         return PlanReady(plan, *split_with_recompute(jg, plan.schedule), jg)
 
 
