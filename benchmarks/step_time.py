@@ -31,6 +31,10 @@ dropout 0, one torch thread; ``--size test`` for a quick check), the variants (`
   recompute everything else and every second matrix product), each layer traced into the graph
   (`checkpoint_compiles`; split at every layer, its policy would run eagerly);
 - ``fxopt-eager@1.0``: ``fxopt.optimize(model, 1.0)``, the eager compiler (FX code, op by op);
+- ``fxopt-inductor-free@1.0`` (only where ``--variants`` names it): ``fxopt-inductor@1.0`` with
+  Inductor's own fusion choices, memory reorder and buffer reuse (`FREE_FUSION`, as
+  ``inductor_config``) where fxopt's plan is compiled: what the settings that keep fxopt's
+  schedule cost, and whether the peak holds without them (its row's ``within``);
 - ``aot-eager`` (only where ``--variants`` names it): ``torch.compile(model, backend="aot_eager")``,
   the same capture and AOTAutograd as the eager compiler's without fxopt's plan and bookkeeping.
 
@@ -92,10 +96,14 @@ from fxopt.models import MODELS
 DEFAULT_MODELS = ("hf-gpt2", "hf-llama", "hf-vit", "hf-resnet")
 DEFAULT_AMB = (0.25, 0.5, 0.75)
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
-BASE_VARIANTS = ("eager", "compile", "fxopt-inductor@1.0", "fxopt-inductor@hf", "fxopt-inductor@half", "compile-amb",
-                 "hf-ckpt-compile", "sac-compile", "fxopt-eager@1.0", "aot-eager")
-# Not run unless asked for (``--variants``): a reference for the eager compiler's overhead.
-OPTIONAL_VARIANTS = ("aot-eager",)
+BASE_VARIANTS = ("eager", "compile", "fxopt-inductor@1.0", "fxopt-inductor-free@1.0", "fxopt-inductor@hf",
+                 "fxopt-inductor@half", "compile-amb", "hf-ckpt-compile", "sac-compile", "fxopt-eager@1.0", "aot-eager")
+# Not run unless asked for (``--variants``): references for the eager compiler's overhead and for
+# what fxopt's Inductor settings cost.
+OPTIONAL_VARIANTS = ("aot-eager", "fxopt-inductor-free@1.0")
+# Inductor's own fusion choices, memory reorder and buffer reuse (``fxopt-inductor-free@1.0``), in
+# place of the ones fxopt compiles its plan with to keep its schedule (`fxopt.capture.inductor`).
+FREE_FUSION = {"inductor_choices_class": None, "reorder_for_peak_memory": True, "allow_buffer_reuse": True}
 
 
 def titan_selective_context():
@@ -252,10 +260,10 @@ class ModelRun:
         def compiled(model: torch.nn.Module) -> Callable[[], Callable]:
             return lambda: torch.compile(own_frame(model))
 
-        def optimized(model: torch.nn.Module, budget: float | int | Callable[[], int], compiler: str
-                      ) -> Callable[[], Callable]:
+        def optimized(model: torch.nn.Module, budget: float | int | Callable[[], int], compiler: str,
+                      **options: Any) -> Callable[[], Callable]:
             return lambda: fxopt.optimize(model, budget() if callable(budget) else budget, compiler=compiler,
-                                          time_limit=self.args.time_limit)
+                                          time_limit=self.args.time_limit, **options)
 
         def half_of_inductor() -> int:
             """Plain Inductor's measured peak less half its increase (its activations), in bytes."""
@@ -276,6 +284,9 @@ class ModelRun:
                 m = copy_of()
                 compiler = "inductor" if "inductor" in base else "eager"
                 self.variants.append(Variant(base, m, optimized(m, 1.0, compiler)))
+            elif base == "fxopt-inductor-free@1.0":
+                m = copy_of()
+                self.variants.append(Variant(base, m, optimized(m, 1.0, "inductor", inductor_config=FREE_FUSION)))
             elif base == "fxopt-inductor@hf":
                 if hf is None:
                     continue
