@@ -61,11 +61,12 @@ def _hf_build(name: str, build_fn: Callable[[str, float], tuple[nn.Module, dict[
     return build
 
 
-def hf_checkpointing(model: HFLoss, on: bool) -> None:
+def hf_checkpointing(model: HFLoss, on: bool, checkpoint_kwargs: dict | None = None) -> None:
     """HF's own gradient checkpointing of ``model.hf`` switched on or off (every layer's forward
     under `torch.utils.checkpoint`, non-reentrant): ``activation_checkpointing_enable()``, the
     transformers 5 name of ``gradient_checkpointing_enable()`` (whose deprecation warning this
-    silences), where the model has it."""
+    silences), where the model has it. ``checkpoint_kwargs``: passed on to
+    `torch.utils.checkpoint` (its ``context_fn``, say), as both names take them."""
     hf = model.hf
     if not hf.supports_gradient_checkpointing:
         raise ValueError(f"{type(hf).__name__} has no gradient checkpointing (supports_gradient_checkpointing "
@@ -73,7 +74,11 @@ def hf_checkpointing(model: HFLoss, on: bool) -> None:
     verb = "enable" if on else "disable"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        (getattr(hf, f"activation_checkpointing_{verb}", None) or getattr(hf, f"gradient_checkpointing_{verb}"))()
+        switch = getattr(hf, f"activation_checkpointing_{verb}", None) or getattr(hf, f"gradient_checkpointing_{verb}")
+        if on and checkpoint_kwargs is not None:
+            switch(checkpoint_kwargs)
+        else:
+            switch()
 
 
 def _transformers():

@@ -75,7 +75,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -310,17 +309,8 @@ class ModelRun:
                 m = copy_of(checkpointing=True)
                 self.variants.append(Variant("hf-ckpt-compile", m, compiled(m)))
             elif base == "sac-compile" and hf is not None:
-                m = copy_of()
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    hf_model = m.hf
-                    enable = getattr(hf_model, "activation_checkpointing_enable", None)
-                    if enable is not None:
-                        enable(activation_checkpointing_kwargs={"use_reentrant": False,
-                                                                "context_fn": titan_selective_context})
-                    else:
-                        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-                            "use_reentrant": False, "context_fn": titan_selective_context})
+                m = copy.deepcopy(self.model)
+                hf_zoo.hf_checkpointing(m, True, {"use_reentrant": False, "context_fn": titan_selective_context})
                 self.variants.append(Variant("sac-compile", m, compiled(m), checkpoint_compiles))
 
     def warm_up(self, v: Variant) -> None:

@@ -43,3 +43,29 @@ def measured_peak(module, inputs) -> int:
     """Measured peak of one step, gradients freed before it (see fxopt.measure_peak)."""
     module.zero_grad(set_to_none=True)
     return fxopt.measure_peak(step, module, inputs, resident=[module, inputs]).peak_bytes
+
+
+def masked_mlp(relu: bool):
+    """(model, inputs): a 3-layer MLP whose activations' outputs only their own backward reads
+    (each is scaled before the next layer): with ``relu`` ReLUs, which `fxopt.passes.masks`
+    masks under compression; else GELUs, which it leaves alone."""
+    import torch.nn as nn
+
+    class Scaled(nn.Module):
+        def forward(self, x):
+            return 2.0 * x
+
+    torch.manual_seed(0)
+    act = nn.ReLU if relu else nn.GELU
+    model = nn.Sequential(nn.Linear(64, 256), act(), Scaled(), nn.Linear(256, 256), act(), Scaled(), nn.Linear(256, 8))
+    return model, (torch.randn(256, 64),)
+
+
+def count_analyses(monkeypatch) -> list:
+    """A list that grows by one at each analysis the planner runs (`fxopt.planner.analyze_step`)."""
+    import fxopt.planner as planner
+
+    calls = []
+    analyze = planner.analyze_step
+    monkeypatch.setattr(planner, "analyze_step", lambda *a, **k: calls.append(1) or analyze(*a, **k))
+    return calls

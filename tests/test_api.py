@@ -13,7 +13,7 @@ from fxopt.analysis import CostModel
 from fxopt.budget import Budget
 from fxopt.models import residual_mlp
 from fxopt.solvers import SOLVERS
-from helpers import assert_same_step, run_pair, step
+from helpers import assert_same_step, count_analyses, masked_mlp, run_pair, step
 
 
 def small():
@@ -91,20 +91,8 @@ def test_min_analyses_the_step_as_often_as_any_budget(monkeypatch, relu):
     often as for a budget in bytes (with ReLU masks, twice more: the search at one byte analyses
     the step without them, and planning at the minimum starts with them again; a copy analysed
     again made it 2 and 3 more), and the plan is the one a budget in bytes at that minimum gives."""
-    import fxopt.planner as planner
-
-    class Scaled(nn.Module):  # (ReLU's output read by nothing else in the backward: masked)
-        def forward(self, x):
-            return 2.0 * x
-
-    torch.manual_seed(0)
-    act = nn.ReLU if relu else nn.GELU
-    model = nn.Sequential(nn.Linear(64, 256), act(), Scaled(), nn.Linear(256, 256), act(), Scaled(), nn.Linear(256, 8))
-    inputs = (torch.randn(256, 64),)
-    calls = []
-    real = planner.analyze_step
-    monkeypatch.setattr(planner, "analyze_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setenv("FXOPT_CACHE", "0")
+    model, inputs = masked_mlp(relu)
+    calls = count_analyses(monkeypatch)
     least = fxopt.plan(model, "min", inputs, compress=relu)  # (ReLU masks with compress=True)
     at_min = len(calls)
     calls.clear()

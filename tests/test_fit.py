@@ -13,6 +13,7 @@ import fxopt
 from fxopt import devices
 from fxopt.cli.main import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, main
 from fxopt.models import gpt2
+from helpers import count_analyses, masked_mlp
 
 TIME_LIMIT = 60
 FELL_BACK = "no plan fits with ReLU masks"
@@ -151,23 +152,10 @@ def test_fit_analyses_each_graph_of_its_plans_once(monkeypatch, caplog, relu):
     plan does) analyse the graphs of their one capture no more often than the plan at "min" alone
     (issue 27: each analysis of a real-size step is seconds; each plan analysed its copy again),
     and are the plans `fxopt.plan` makes alone, decision for decision."""
-    import torch.nn as nn
-
     import fxopt.fitting
-    import fxopt.planner as planner
 
-    class Scaled(nn.Module):  # (ReLU's output read by nothing else in the backward: masked)
-        def forward(self, x):
-            return 2.0 * x
-
-    torch.manual_seed(0)
-    act = nn.ReLU if relu else nn.GELU
-    model = nn.Sequential(nn.Linear(64, 256), act(), Scaled(), nn.Linear(256, 256), act(), Scaled(), nn.Linear(256, 8))
-    inputs = (torch.randn(256, 64),)
-    monkeypatch.setenv("FXOPT_CACHE", "0")
-    calls, planned = [], []
-    analyze = planner.analyze_step
-    monkeypatch.setattr(planner, "analyze_step", lambda *a, **k: calls.append(1) or analyze(*a, **k))
+    model, inputs = masked_mlp(relu)
+    calls, planned = count_analyses(monkeypatch), []
     caplog.set_level(logging.INFO, logger="fxopt")
     least = fxopt.plan(model, "min", inputs, device="H100-80GB", time_limit=TIME_LIMIT)
     alone, fell_back = len(calls), caplog.text.count(FELL_BACK)
