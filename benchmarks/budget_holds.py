@@ -260,33 +260,49 @@ def safety_stops() -> Iterator[list[str]]:
     stopped += [str(w.message) for w in caught if issubclass(w.category, SolverTimeoutWarning)]
 
 
-def _busy(stop: Any) -> None:
-    """Another fxopt planning job: plans a residual MLP at 50% over and over, until ``stop``."""
+def _busy(stop: Any, plans: Any) -> None:
+    """Another fxopt planning job: plans a residual MLP at its smallest budget (``"min"``, which
+    always plans) over and over, until ``stop``, counting its plans in ``plans``."""
     torch.set_num_threads(1)
     os.environ["FXOPT_CACHE"] = "0"
     from fxopt.models import ResidualMLP
 
     model, x = ResidualMLP(blocks=8, width=256), torch.randn(512, 256)
     while not stop.is_set():
-        fxopt.plan(model, 0.5, (x,), time_limit=60)
+        fxopt.plan(model, "min", (x,), time_limit=60)
+        with plans.get_lock():
+            plans.value += 1
 
 
 @contextlib.contextmanager
-def load_beside(on: bool) -> Iterator[None]:
+def load_beside(on: bool, job: Callable[[Any, Any], None] = _busy) -> Iterator[dict[str, Any]]:
+    """Runs ``job`` (by default `_busy`) in another process for the whole block, when ``on``. The
+    block gets a dict whose ``"made"`` reads the plans the job has made so far, ``"alive"`` whether
+    it runs, and ``"plans"`` is set at the end to the plans it made in all. A job that
+    died before the block's end is an error: the run was not made under load as it would say
+    (before, the job planned at 50%, which is infeasible for it, and died at once, unseen)."""
+    seen: dict[str, Any] = {"plans": None}
     if not on:
-        yield
+        yield seen
         return
     ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
-    job = ctx.Process(target=_busy, args=(stop,), daemon=True)
-    job.start()
+    stop, plans = ctx.Event(), ctx.Value("i", 0)
+    seen["made"] = lambda: plans.value
+    process = ctx.Process(target=job, args=(stop, plans), daemon=True)
+    process.start()
+    seen["alive"] = process.is_alive
     try:
-        yield
+        yield seen
     finally:
+        died = not process.is_alive()
         stop.set()
-        job.join(timeout=120)
-        if job.is_alive():
-            job.terminate()
+        process.join(timeout=120)
+        if process.is_alive():
+            process.terminate()
+        seen["plans"] = plans.value
+    if died:
+        raise RuntimeError(f"the planning job beside the run died (exit code {process.exitcode}) after "
+                           f"{plans.value} plans: the run was not under load; see its traceback above")
 
 
 class Run:
@@ -307,7 +323,7 @@ class Run:
                     yield name, route, budget
 
     def execute(self) -> None:
-        with load_beside(self.args.load):
+        with load_beside(self.args.load) as beside:
             for name, route, budget in self.cases():
                 log(f"budget_holds: {name} {route} {budget}")
                 t0 = time.perf_counter()
@@ -324,6 +340,9 @@ class Run:
                     f"{row.get('error', '')}")
                 self.result["rows"].append(row)
                 write_results(self.args.out, self.result, report(self.result))
+        if self.args.load:
+            self.result["meta"]["load_beside_plans"] = beside["plans"]
+            write_results(self.args.out, self.result, report(self.result))
 
     def attempt(self, name: str, route: str, budget: float | int | str) -> dict[str, Any]:
         """The row, or what stopped it: infeasible (with the minimum fxopt names), or the error;
@@ -378,7 +397,9 @@ def _grads(row: dict[str, Any]) -> str:
 def report(result: dict[str, Any]) -> str:
     meta, rows = result["meta"], result["rows"]
     lines = report_head("Budget holds on every route (issue 24)", meta,
-                        f"size {meta['size']} · another planning job beside it: {meta['load_beside']}")
+                        f"size {meta['size']} · another planning job beside it: {meta['load_beside']}"
+                        + (f" ({meta['load_beside_plans']} plans made)" if meta.get("load_beside_plans") is not None
+                           else ""))
     lines += ["| model | route | budget | budget MiB | predicted | measured | within | grads equal | extra GFLOP | "
               "best simple policy (GFLOP) | cost / policy's | not worse | plan digest | same plan as other run |",
               "|---|---|---|---:|---:|---:|---|---|---:|---|---:|---|---|---|"]

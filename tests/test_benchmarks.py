@@ -511,3 +511,34 @@ def test_regather_tradeoff_reprices_communication_and_the_choice_follows(tmp_pat
     (tmp_path / "plan.json.gz").write_bytes(gzip.compress((tmp_path / "plan.json").read_bytes()))
     regather_tradeoff.main([str(tmp_path / "plan.json.gz"), "--rates", "1e11", "--out", str(out)])
     assert json.loads(out.with_suffix(".json").read_text())["rows"][1]["regathered_bytes"] == 10_000
+
+
+def _dies(stop, plans):
+    raise RuntimeError("a job that dies at once")
+
+
+def test_budget_holds_load_beside_refuses_a_job_that_died():
+    """The run "under load" must have had its load: the planning job beside it died at once for
+    every earlier ``--load`` run (it planned at an infeasible 50%), and nothing said so."""
+    import time
+
+    from benchmarks import budget_holds
+
+    with pytest.raises(RuntimeError, match="died"), budget_holds.load_beside(True, job=_dies) as beside:
+        deadline = time.monotonic() + 600  # only a safety stop: the job dies once it has started
+        while beside["alive"]() and time.monotonic() < deadline:
+            time.sleep(1)
+
+
+@pytest.mark.slow
+def test_budget_holds_load_beside_job_plans():
+    """The default job beside a ``--load`` run plans (its plans are counted) and is alive at the end."""
+    import time
+
+    from benchmarks import budget_holds
+
+    with budget_holds.load_beside(True) as beside:
+        deadline = time.monotonic() + 600  # only a safety stop: the job plans in seconds
+        while beside["made"]() < 1 and time.monotonic() < deadline:
+            time.sleep(1)
+    assert beside["plans"] >= 1
