@@ -1,5 +1,6 @@
 """What a node costs: counted FLOPs (``torch.utils.flop_counter``'s formulas) and estimated
-seconds (`CostModel`: FLOPs, plus memory traffic, plus a per-op overhead)."""
+seconds (`CostModel`: FLOPs, plus memory traffic, plus a per-op overhead; a pointwise op that a
+compiler fuses into the kernel that reads it, its FLOPs only)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,28 @@ class CostModel:
     ``bytes_per_second`` + bytes sent over a process group (an all-gather's) /
     ``comm_bytes_per_second`` + ``op_overhead`` seconds. Only ratios matter to the solvers. The
     defaults are a rough 2-core CPU; on GPU the same ratios order plans sensibly.
-    ``comm_bytes_per_second`` None: the process group's backend's rate (`COMM_BYTES_PER_SECOND`)."""
+    ``comm_bytes_per_second`` None: the process group's backend's rate (`COMM_BYTES_PER_SECOND`).
+
+    ``fused_pointwise``: price a pointwise op (`Node.op_class` "pointwise") as fused into the
+    kernel that reads it, as Inductor runs a recomputed one: its FLOPs at ``flops_per_second`` and
+    a tenth of ``op_overhead`` (as a view), no memory traffic. Without it (eager, op by op) it
+    writes its output and reads its inputs like any op. Reductions (a layer norm, a softmax, a
+    sum) keep their full price either way: Inductor runs each as a kernel of its own that reads
+    its input from memory. None: as the compiler the step runs with (`for_compiler`; True with
+    Inductor), set by the planner."""
 
     flops_per_second: float = 1e11
     bytes_per_second: float = 1e10
     op_overhead: float = 2e-6
     comm_bytes_per_second: float | None = None
+    fused_pointwise: bool | None = None
 
-    def seconds(self, flops: int, bytes_moved: int, is_alias: bool, comm_bytes: int = 0) -> float:
+    def seconds(self, flops: int, bytes_moved: int, is_alias: bool, comm_bytes: int = 0,
+                pointwise: bool = False) -> float:
         if is_alias:
             return self.op_overhead / 10
+        if pointwise and self.fused_pointwise:
+            return flops / self.flops_per_second + self.op_overhead / 10
         comm = comm_bytes / (self.comm_bytes_per_second or COMM_BYTES_PER_SECOND["gloo"]) if comm_bytes else 0.0
         return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + comm + self.op_overhead
 
@@ -41,6 +54,13 @@ class CostModel:
         return cls(flops_per_second=rates.get(name, rates["float32"]),
                    bytes_per_second=profile.memory_bandwidth_bytes_per_second,
                    comm_bytes_per_second=profile.interconnect_bytes_per_second)
+
+    def for_compiler(self, compiler: str) -> CostModel:
+        """This model with ``fused_pointwise`` as ``compiler`` ("eager", "inductor") runs the step,
+        where it is None."""
+        if self.fused_pointwise is not None:
+            return self
+        return dataclasses.replace(self, fused_pointwise=compiler == "inductor")
 
     def for_group(self, backend: str | None) -> CostModel:
         """This model with the communication rate of a process group of ``backend`` filled in."""
