@@ -14,10 +14,12 @@ dropout 0, one torch thread; ``--size test`` for a quick check), the variants (`
 - ``fxopt-inductor@1.0``: ``fxopt.optimize(model, 1.0, compiler="inductor")``;
 - ``fxopt-inductor@hf``: the same at HF gradient checkpointing's measured peak (bytes; a model
   without it, ResNet, has no such row);
-- ``fxopt-inductor@hf-unfused`` (only where ``--variants`` names it): ``fxopt-inductor@hf`` planned
-  with the pricing before issue 28's fused pointwise ops (``cost_model=CostModel(fused_pointwise=False)``:
-  a recomputed pointwise op costs its memory traffic and an op's overhead, as the eager compiler
-  runs it), so that the two pricings' plans are timed side by side;
+- ``fxopt-inductor@hf-fused`` (only where ``--variants`` names it): ``fxopt-inductor@hf`` planned
+  with a recomputed pointwise op priced as fused into its reader
+  (``cost_model=CostModel(fused_pointwise=True)``: its FLOPs only, no memory traffic, a tenth of
+  an op's overhead), so that the two pricings' plans are timed side by side (at `36e1c2e`, where
+  the fused pricing was Inductor's default, the same pair ran as ``fxopt-inductor@hf`` and
+  ``fxopt-inductor@hf-unfused``);
 - ``fxopt-inductor@half``: the same at half of plain Inductor's activation memory: the
   ``compile`` row's measured peak less half its increase over what its step starts with
   (parameters and inputs), in bytes (needs the ``compile`` variant, measured first);
@@ -101,10 +103,10 @@ DEFAULT_MODELS = ("hf-gpt2", "hf-llama", "hf-vit", "hf-resnet")
 DEFAULT_AMB = (0.25, 0.5, 0.75)
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 BASE_VARIANTS = ("eager", "compile", "fxopt-inductor@1.0", "fxopt-inductor-free@1.0", "fxopt-inductor@hf",
-                 "fxopt-inductor@hf-unfused", "fxopt-inductor@half", "compile-amb", "hf-ckpt-compile", "sac-compile", "fxopt-eager@1.0", "aot-eager")
+                 "fxopt-inductor@hf-fused", "fxopt-inductor@half", "compile-amb", "hf-ckpt-compile", "sac-compile", "fxopt-eager@1.0", "aot-eager")
 # Not run unless asked for (``--variants``): references for the eager compiler's overhead and for
 # what fxopt's Inductor settings cost.
-OPTIONAL_VARIANTS = ("aot-eager", "fxopt-inductor-free@1.0", "fxopt-inductor@hf-unfused")
+OPTIONAL_VARIANTS = ("aot-eager", "fxopt-inductor-free@1.0", "fxopt-inductor@hf-fused")
 # Inductor's own fusion choices, memory reorder and buffer reuse (``fxopt-inductor-free@1.0``), in
 # place of the ones fxopt compiles its plan with to keep its schedule (`fxopt.capture.inductor`).
 FREE_FUSION = {"inductor_choices_class": None, "reorder_for_peak_memory": True, "allow_buffer_reuse": True}
@@ -301,11 +303,11 @@ class ModelRun:
             elif base == "fxopt-inductor-free@1.0":
                 m = copy_of()
                 self.variants.append(Variant(base, m, optimized(m, 1.0, "inductor", inductor_config=FREE_FUSION)))
-            elif base in ("fxopt-inductor@hf", "fxopt-inductor@hf-unfused"):
+            elif base in ("fxopt-inductor@hf", "fxopt-inductor@hf-fused"):
                 if hf is None:
                     continue
                 m = copy_of()
-                pricing = {"cost_model": CostModel(fused_pointwise=False)} if base.endswith("unfused") else {}
+                pricing = {"cost_model": CostModel(fused_pointwise=True)} if base.endswith("fused") else {}
                 v = Variant(base, m, optimized(m, hf, "inductor", **pricing))
                 v.row["budget_bytes"] = hf
                 self.variants.append(v)

@@ -179,8 +179,7 @@ class Options:
         HiGHS where highspy is installed, else CBC (`fxopt.solvers.mip.default_mip_solver`).""")
     cost_model: CostModel = option(factory=CostModel, check=_instance("cost_model", CostModel), doc="""
         How ops are priced: the estimated seconds the solvers minimise
-        (`fxopt.analysis.CostModel`). Its ``fused_pointwise`` None (the default): a recomputed
-        pointwise op priced as ``compiler`` runs it, fused (its FLOPs only) with Inductor.""")
+        (`fxopt.analysis.CostModel`).""")
     compiler: str = option("eager", check=_compiler, flag=Flag(choices=COMPILERS), doc="""
         What runs the rewritten forward and backward: "eager" (FX code, op by op) or "inductor".
         See `fxopt.capture.inductor`.""")
@@ -267,12 +266,6 @@ class Options:
         key = self.solver if self.mip_solver is None else f"{self.solver}|{self.mip_solver}"
         key = f"{key}|reorder" if self.reorder else key
         return key if self.in_flight is None else f"{key}|{self.in_flight.key()}"
-
-    @property
-    def costs(self) -> CostModel:
-        """``cost_model`` as ``compiler`` runs the step (`CostModel.for_compiler`): what the
-        analysis prices ops with."""
-        return self.cost_model.for_compiler(self.compiler)
 
     @property
     def host_budget(self) -> int | None:

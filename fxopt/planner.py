@@ -146,16 +146,16 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
     codecs = _codecs(options, unread_resident_bytes, sizes, backward_bytes)
     analyze = _analyzer(joint, options, analyses)
     alias_identity_dropouts(joint)  # (eager makes no copy there: neither does the step, planned or not)
-    before = analyze(joint, num_fwd_outputs, options.costs, **codecs) if options.plan is None else None
+    before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
     # A plan made from example inputs may not fit this graph (another shape, autocast): keep the
     # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).
     pristine = copy_module(joint) if options.plan is not None and options.plan_from_examples else None
     rewritten, relu = _rewrite_for_planning(joint, options)
-    jg = before if before is not None and not rewritten else analyze(joint, num_fwd_outputs, options.costs, **codecs)
+    jg = before if before is not None and not rewritten else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
 
     def without_relu_masks():
         masks.undo_relu_masks(joint)
-        return _as_compiled(analyze(joint, num_fwd_outputs, options.costs, **codecs), options)
+        return _as_compiled(analyze(joint, num_fwd_outputs, options.cost_model, **codecs), options)
 
     eager_graph = before.graph if before is not None else None
     if options.plan is not None:
@@ -166,8 +166,8 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
         if given is None and options.plan_from_examples:
             if relu:
                 masks.relu_masks(joint)
-                jg = analyze(joint, num_fwd_outputs, options.costs, **codecs)
-            before = analyze(pristine, num_fwd_outputs, options.costs, **codecs)
+                jg = analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+            before = analyze(pristine, num_fwd_outputs, options.cost_model, **codecs)
             eager_graph = before.graph
             options = dataclasses.replace(options, plan=None, plan_from_examples=False)
             if options.budget.minimum:  # this graph's own minimum, planned from the graph as captured
@@ -186,7 +186,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
     if options.budget.minimum:
         def masked_again():
             masks.relu_masks(joint)
-            return _as_compiled(analyze(joint, num_fwd_outputs, options.costs, **codecs), options)
+            return _as_compiled(analyze(joint, num_fwd_outputs, options.cost_model, **codecs), options)
 
         jg, options = _at_smallest_budget(jg, options, eager.peak_bytes, without_relu_masks if relu else None,
                                           masked_again)
@@ -383,9 +383,9 @@ def analyze_for_planning(joint: fx.GraphModule, num_fwd_outputs: int, options: O
     analyze = _analyzer(joint, options)
     coalesce_all_reduces(joint)  # (as `make_plan`)
     alias_identity_dropouts(joint)  # (as `make_plan`: eager makes no copy there)
-    eager = analyze(copy_module(joint), num_fwd_outputs, options.costs, **codecs)
+    eager = analyze(copy_module(joint), num_fwd_outputs, options.cost_model, **codecs)
     rewritten, _ = _rewrite_for_planning(joint, options)
-    return eager, analyze(joint, num_fwd_outputs, options.costs, **codecs) if rewritten else eager
+    return eager, analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if rewritten else eager
 
 
 def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
@@ -396,7 +396,7 @@ def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
     try:
         jg, plan = make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes=sizes)
     except InfeasibleBudgetError as err:
-        eager = analyze_step(joint, num_fwd_outputs, options.costs,
+        eager = analyze_step(joint, num_fwd_outputs, options.cost_model,
                              **_codecs(options, unread_resident_bytes, sizes))
         raise range_infeasible(eager, err, options.solver) from None
     if jg.symbolic is None:

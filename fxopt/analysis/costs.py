@@ -1,6 +1,6 @@
 """What a node costs: counted FLOPs (``torch.utils.flop_counter``'s formulas) and estimated
-seconds (`CostModel`: FLOPs, plus memory traffic, plus a per-op overhead; a pointwise op that a
-compiler fuses into the kernel that reads it, its FLOPs only)."""
+seconds (`CostModel`: FLOPs, plus memory traffic, plus a per-op overhead; optionally, a pointwise
+op priced as fused into the kernel that reads it, its FLOPs only)."""
 
 from __future__ import annotations
 
@@ -22,18 +22,19 @@ class CostModel:
     ``comm_bytes_per_second`` None: the process group's backend's rate (`COMM_BYTES_PER_SECOND`).
 
     ``fused_pointwise``: price a pointwise op (`Node.op_class` "pointwise") as fused into the
-    kernel that reads it, as Inductor runs a recomputed one: its FLOPs at ``flops_per_second`` and
-    a tenth of ``op_overhead`` (as a view), no memory traffic. Without it (eager, op by op) it
-    writes its output and reads its inputs like any op. Reductions (a layer norm, a softmax, a
-    sum) keep their full price either way: Inductor runs each as a kernel of its own that reads
-    its input from memory. None: as the compiler the step runs with (`for_compiler`; True with
-    Inductor), set by the planner."""
+    kernel that reads it: its FLOPs at ``flops_per_second`` and a tenth of ``op_overhead`` (as a
+    view), no memory traffic. Off by default, with either compiler: fxopt's Inductor compile
+    writes every value the simulator counts to memory (`fxopt.capture.inductor`), a recomputed
+    pointwise op too, so it moves its bytes as op by op; measured on GPT-2 at HF checkpointing's
+    peak, plans made with it were not faster, and at half of Inductor's activations the
+    lowest-peak search found no plan within a budget it meets without it (docs/benchmarks.md). Reductions (a layer norm, a softmax, a sum) keep their full price
+    either way: Inductor runs each as a kernel of its own that reads its input from memory."""
 
     flops_per_second: float = 1e11
     bytes_per_second: float = 1e10
     op_overhead: float = 2e-6
     comm_bytes_per_second: float | None = None
-    fused_pointwise: bool | None = None
+    fused_pointwise: bool = False
 
     def seconds(self, flops: int, bytes_moved: int, is_alias: bool, comm_bytes: int = 0,
                 pointwise: bool = False) -> float:
@@ -54,13 +55,6 @@ class CostModel:
         return cls(flops_per_second=rates.get(name, rates["float32"]),
                    bytes_per_second=profile.memory_bandwidth_bytes_per_second,
                    comm_bytes_per_second=profile.interconnect_bytes_per_second)
-
-    def for_compiler(self, compiler: str) -> CostModel:
-        """This model with ``fused_pointwise`` as ``compiler`` ("eager", "inductor") runs the step,
-        where it is None."""
-        if self.fused_pointwise is not None:
-            return self
-        return dataclasses.replace(self, fused_pointwise=compiler == "inductor")
 
     def for_group(self, backend: str | None) -> CostModel:
         """This model with the communication rate of a process group of ``backend`` filled in."""
