@@ -25,9 +25,10 @@ class CostModel:
     kernel that reads it: its FLOPs at ``flops_per_second`` and a tenth of ``op_overhead`` (as a
     view), no memory traffic. Off by default, with either compiler: fxopt's Inductor compile
     writes every value the simulator counts to memory (`fxopt.capture.inductor`), a recomputed
-    pointwise op too, so it moves its bytes as op by op; measured on GPT-2 at HF checkpointing's
-    peak, plans made with it were not faster, and at half of Inductor's activations the
-    lowest-peak search found no plan within a budget it meets without it (docs/benchmarks.md). Reductions (a layer norm, a softmax, a sum) keep their full price
+    pointwise op too, so it moves its bytes as op by op; measured at HF checkpointing's peak on
+    GPT-2, Llama and ViT, plans made with it were not faster beyond the noise, and on GPT-2 at
+    half of Inductor's activations the lowest-peak search found no plan within a budget it meets
+    without it (docs/benchmarks.md). Reductions (a layer norm, a softmax, a sum) keep their full price
     either way: Inductor runs each as a kernel of its own that reads its input from memory."""
 
     flops_per_second: float = 1e11
