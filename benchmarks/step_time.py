@@ -14,6 +14,12 @@ dropout 0, one torch thread; ``--size test`` for a quick check), the variants (`
 - ``fxopt-inductor@1.0``: ``fxopt.optimize(model, 1.0, compiler="inductor")``;
 - ``fxopt-inductor@hf``: the same at HF gradient checkpointing's measured peak (bytes; a model
   without it, ResNet, has no such row);
+- ``fxopt-inductor@hf-fused`` (only where ``--variants`` names it): ``fxopt-inductor@hf`` planned
+  with a recomputed pointwise op priced as fused into its reader
+  (``cost_model=CostModel(fused_pointwise=True)``: its FLOPs only, no memory traffic, a tenth of
+  an op's overhead), so that the two pricings' plans are timed side by side (at `36e1c2e`, where
+  the fused pricing was Inductor's default, the same pair ran as ``fxopt-inductor@hf`` and
+  ``fxopt-inductor@hf-unfused``);
 - ``fxopt-inductor@half``: the same at half of plain Inductor's activation memory: the
   ``compile`` row's measured peak less half its increase over what its step starts with
   (parameters and inputs), in bytes (needs the ``compile`` variant, measured first);
@@ -87,6 +93,7 @@ import fxopt
 from benchmarks import hf_zoo
 from benchmarks.harness import (choose, error_line, load_average, log, mib, report_head, restore_settings, run_meta,
                                 saved_settings, synchronize, train_step, write_results)
+from fxopt.analysis import CostModel
 from fxopt.capture.compiled import own_frame
 from fxopt.capture.dynamo import unwrap_compile_error
 from fxopt.measure import PeakMemory
@@ -96,10 +103,10 @@ DEFAULT_MODELS = ("hf-gpt2", "hf-llama", "hf-vit", "hf-resnet")
 DEFAULT_AMB = (0.25, 0.5, 0.75)
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 BASE_VARIANTS = ("eager", "compile", "fxopt-inductor@1.0", "fxopt-inductor-free@1.0", "fxopt-inductor@hf",
-                 "fxopt-inductor@half", "compile-amb", "hf-ckpt-compile", "sac-compile", "fxopt-eager@1.0", "aot-eager")
+                 "fxopt-inductor@hf-fused", "fxopt-inductor@half", "compile-amb", "hf-ckpt-compile", "sac-compile", "fxopt-eager@1.0", "aot-eager")
 # Not run unless asked for (``--variants``): references for the eager compiler's overhead and for
 # what fxopt's Inductor settings cost.
-OPTIONAL_VARIANTS = ("aot-eager", "fxopt-inductor-free@1.0")
+OPTIONAL_VARIANTS = ("aot-eager", "fxopt-inductor-free@1.0", "fxopt-inductor@hf-fused")
 # Inductor's own fusion choices, memory reorder and buffer reuse (``fxopt-inductor-free@1.0``), in
 # place of the ones fxopt compiles its plan with to keep its schedule (`fxopt.capture.inductor`).
 FREE_FUSION = {"inductor_choices_class": None, "reorder_for_peak_memory": True, "allow_buffer_reuse": True}
@@ -172,6 +179,16 @@ class Variant:
         self.fn: Callable | None = None
         self.row: dict[str, Any] = {"variant": name, "notes": []}
         self.times: list[float] = []
+
+
+def recomputed_by_class(plan) -> dict[str, int]:
+    """How many recomputations a plan makes, by op class (`fxopt.solvers.Node.op_class`; "other"
+    for the ops of none): what a pricing changes."""
+    classes = {n.name: n.op_class or "other" for n in plan.graph.nodes}
+    out: dict[str, int] = {}
+    for name, times in plan.recomputed.items():
+        out[classes.get(name, "other")] = out.get(classes.get(name, "other"), 0) + times
+    return dict(sorted(out.items()))
 
 
 class _Notes(logging.Handler):
@@ -286,11 +303,12 @@ class ModelRun:
             elif base == "fxopt-inductor-free@1.0":
                 m = copy_of()
                 self.variants.append(Variant(base, m, optimized(m, 1.0, "inductor", inductor_config=FREE_FUSION)))
-            elif base == "fxopt-inductor@hf":
+            elif base in ("fxopt-inductor@hf", "fxopt-inductor@hf-fused"):
                 if hf is None:
                     continue
                 m = copy_of()
-                v = Variant(base, m, optimized(m, hf, "inductor"))
+                pricing = {"cost_model": CostModel(fused_pointwise=True)} if base.endswith("fused") else {}
+                v = Variant(base, m, optimized(m, hf, "inductor", **pricing))
                 v.row["budget_bytes"] = hf
                 self.variants.append(v)
             elif base == "fxopt-inductor@half":
@@ -336,7 +354,8 @@ class ModelRun:
         plan = getattr(v.fn, "plan", None)
         if plan is not None:
             v.row.update(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.peak_bytes,
-                         plan_recomputations=sum(plan.recomputed.values()), plan_extra_flops=plan.recompute_flops)
+                         plan_recomputations=sum(plan.recomputed.values()), plan_extra_flops=plan.recompute_flops,
+                         plan_recompute_cost=plan.recompute_cost, plan_recomputed_by_class=recomputed_by_class(plan))
         v.row["loss_equal"] = bool(torch.allclose(loss, self.ref_loss, **TOLERANCE))
         v.row["grads_equal"] = all(
             p.grad is not None and torch.allclose(p.grad, self.ref_grads[n], **TOLERANCE)
@@ -465,9 +484,19 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{mib(r['measured_peak_bytes'])} | {mib(r.get('budget_bytes'))} | {within} | {r['compile_s']:.0f} | "
                 f"{'yes' if r['loss_equal'] and r['grads_equal'] else '**no**'} | {'; '.join(r['notes'])} |")
         lines.append("")
+        lines += [f"- {line}" for line in plan_lines([r for r in result["rows"] if r["model"] == name])]
         lines += [f"- {line}" for line in at_each_memory(info, [r for r in result["rows"] if r["model"] == name])]
         lines.append("")
     return "\n".join(lines)
+
+
+def plan_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per fxopt row: what its plan recomputes (by op class), its FLOPs and estimated
+    seconds (in its own cost model's pricing)."""
+    return [f"{r['variant']}'s plan: {r['plan_recomputations']} recomputations ("
+            + ", ".join(f"{k} {n}" for k, n in r.get("plan_recomputed_by_class", {}).items())
+            + f"), +{r['plan_extra_flops'] / 1e9:.2f} GFLOP, estimated +{1e3 * r.get('plan_recompute_cost', 0.0):.2f} ms"
+            for r in rows if "error" not in r and r.get("plan_recomputations") is not None]
 
 
 def memories(info: dict[str, Any], rows: list[dict[str, Any]]) -> list[tuple[str, int]]:

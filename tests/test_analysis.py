@@ -4,6 +4,7 @@ is never offered for recomputation."""
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 import torch.fx as fx
@@ -11,7 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import flop_registry
 
 from fxopt.analysis import costs, scratch
-from fxopt.analysis.joint import _is_recomputable
+from fxopt.analysis.joint import _is_recomputable, _op_class
+from fxopt.options import Options
 
 
 @torch.library.custom_op("fxopt_test::fails_on_real_inputs", mutates_args=())
@@ -137,6 +139,64 @@ def test_cost_model_adds_compute_traffic_and_overhead():
     model = costs.CostModel(flops_per_second=1e9, bytes_per_second=1e8, op_overhead=1e-3)
     assert model.seconds(2_000_000_000, 300_000_000, False) == 2.0 + 3.0 + 1e-3
     assert model.seconds(2_000_000_000, 300_000_000, True) == 1e-4  # a view moves nothing
+
+
+def test_a_fused_pointwise_op_costs_its_flops_at_the_rate():
+    """Priced as fused into the kernel that reads it (issue 28), a pointwise op costs its FLOPs at
+    the rate and a tenth of an op's overhead, no memory traffic. Op by op (the default) it moves
+    its bytes as before; an op of another class costs the same either way."""
+    fused = costs.CostModel(flops_per_second=1e9, bytes_per_second=1e8, op_overhead=1e-3, fused_pointwise=True)
+    assert fused.seconds(2_000_000_000, 300_000_000, False, pointwise=True) == 2.0 + 1e-4
+    assert fused.seconds(2_000_000_000, 300_000_000, False) == 2.0 + 3.0 + 1e-3
+    unfused = dataclasses.replace(fused, fused_pointwise=False)
+    assert unfused.seconds(2_000_000_000, 300_000_000, False, pointwise=True) == 2.0 + 3.0 + 1e-3
+    assert costs.CostModel().fused_pointwise is False
+    assert Options.of(0.5, compiler="inductor").cost_model.fused_pointwise is False  # (see CostModel: not yet)
+
+
+@pytest.mark.parametrize("target, extra, expected", [
+    (torch.ops.aten.gelu.default, (), "pointwise"),
+    (torch.ops.aten.mul.Tensor, (2.0,), "pointwise"),
+    (torch.ops.aten.where.self, ("x", "x"), "pointwise"),
+    (torch.ops.aten.mm.default, ("x",), "matmul"),
+    # Reductions keep their full price: Inductor runs each as a kernel that reads its input.
+    (torch.ops.aten.native_layer_norm.default, ([32], None, None, 1e-5), ""),
+    (torch.ops.aten._softmax.default, (1, False), ""),
+    (torch.ops.aten.sum.default, (), ""),
+])
+def test_pointwise_ops_are_their_own_class(target, extra, expected):
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(target, (x, *(x if a == "x" else a for a in extra)))
+    assert _op_class(node) == expected
+
+
+def test_a_dtype_cast_is_pointwise():
+    node = one_op_graph(torch.ops.aten._to_copy.default, (64, 32))
+    node.kwargs = {"dtype": torch.float16}
+    with FakeTensorMode():
+        node.meta["val"] = torch.empty(64, 32, dtype=torch.float16)
+    assert _op_class(node) == "pointwise"
+
+
+def test_the_fused_pricing_holds_at_every_shape():
+    """`SymbolicGraph.at` prices each node again at a shape (dynamic shapes, max_batch): a
+    pointwise node keeps its fused price there, its memory traffic still counted op by op."""
+    from fxopt.analysis.symbolic import NodeSizes, Ranges, SymbolicGraph, symbol
+    from fxopt.solvers.graph import Graph, Node
+
+    batch = symbol("batch")
+    graph = Graph((Node("x", "input"), Node("g", "forward", inputs=(0,), op_class="pointwise"),
+                   Node("y", "forward", inputs=(1,))))
+    sizes = (NodeSizes(bytes=4 * batch), NodeSizes(bytes=4 * batch, moved=8 * batch, flops=batch),
+             NodeSizes(bytes=4 * batch, moved=8 * batch))
+    model = costs.CostModel(flops_per_second=1e9, bytes_per_second=1e8, op_overhead=1e-3)
+    ranges = Ranges({"batch": (1, 1000)})
+    for fused, pointwise_cost in ((True, 1e-6 + 1e-4), (False, 1e-6 + 8e-5 + 1e-3)):
+        symbolic = SymbolicGraph(graph, sizes, ranges, {"batch": 1000}, dataclasses.replace(model, fused_pointwise=fused))
+        at = symbolic.at({"batch": 1000})
+        assert at.nodes[1].cost == pytest.approx(pointwise_cost)
+        assert at.nodes[2].cost == pytest.approx(8e-5 + 1e-3)  # not pointwise: the same either way
 
 
 def test_scratch_measurements_are_cached_on_disk_per_machine(tmp_path, monkeypatch):

@@ -214,6 +214,38 @@ def test_step_time_fastest_at_each_memory():
     assert "fastest: **hf-ckpt-compile** (not fxopt's)" in lines[0] and "fastest: **fxopt-inductor@half**." in lines[1]
 
 
+def test_step_time_fused_variant_plans_with_the_fused_pricing(monkeypatch):
+    """``fxopt-inductor@hf-fused`` (only where asked for) plans at HF's peak with Inductor and
+    ``CostModel(fused_pointwise=True)``, beside ``fxopt-inductor@hf``'s default pricing; each
+    fxopt row's plan is reported by op class."""
+    from types import SimpleNamespace
+
+    from fxopt.analysis import CostModel
+    from fxopt.solvers.graph import Node
+
+    assert "fxopt-inductor@hf-fused" in step_time.OPTIONAL_VARIANTS
+    calls = []
+    monkeypatch.setattr(step_time.fxopt, "optimize", lambda model, budget, **options: calls.append((budget, options)))
+    run = SimpleNamespace(args=SimpleNamespace(variants=("fxopt-inductor@hf", "fxopt-inductor@hf-fused"),
+                                               time_limit=1.0),
+                          hf_peak=1000, model=torch.nn.Linear(2, 2), variants=[])
+    step_time.ModelRun.make_variants(run)
+    for v in run.variants:
+        v.build()
+    assert [v.name for v in run.variants] == ["fxopt-inductor@hf", "fxopt-inductor@hf-fused"]
+    assert [(b, o["compiler"], o.get("cost_model")) for b, o in calls] == [
+        (1000, "inductor", None), (1000, "inductor", CostModel(fused_pointwise=True))]
+    plan = SimpleNamespace(graph=SimpleNamespace(nodes=(Node("mm", "forward", op_class="matmul"),
+                                                        Node("tanh", "forward", op_class="pointwise"),
+                                                        Node("view", "forward"))),
+                           recomputed={"mm": 1, "tanh": 2, "view": 1})
+    assert step_time.recomputed_by_class(plan) == {"matmul": 1, "other": 1, "pointwise": 2}
+    row = {"variant": "fxopt-inductor@hf", "plan_recomputations": 4, "plan_extra_flops": 2e9,
+           "plan_recompute_cost": 1e-3, "plan_recomputed_by_class": {"matmul": 1, "pointwise": 3}}
+    assert step_time.plan_lines([row, {"variant": "compile"}]) == [
+        "fxopt-inductor@hf's plan: 4 recomputations (matmul 1, pointwise 3), +2.00 GFLOP, estimated +1.00 ms"]
+
+
 @pytest.mark.slow
 def test_library_checkpointing_benchmark_tiny(tmp_path):
     """One tiny diffusers model through the benchmark: eager, its own checkpointing, fxopt at

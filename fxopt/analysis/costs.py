@@ -1,5 +1,6 @@
 """What a node costs: counted FLOPs (``torch.utils.flop_counter``'s formulas) and estimated
-seconds (`CostModel`: FLOPs, plus memory traffic, plus a per-op overhead)."""
+seconds (`CostModel`: FLOPs, plus memory traffic, plus a per-op overhead; optionally, a pointwise
+op priced as fused into the kernel that reads it, its FLOPs only)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,30 @@ class CostModel:
     ``bytes_per_second`` + bytes sent over a process group (an all-gather's) /
     ``comm_bytes_per_second`` + ``op_overhead`` seconds. Only ratios matter to the solvers. The
     defaults are a rough 2-core CPU; on GPU the same ratios order plans sensibly.
-    ``comm_bytes_per_second`` None: the process group's backend's rate (`COMM_BYTES_PER_SECOND`)."""
+    ``comm_bytes_per_second`` None: the process group's backend's rate (`COMM_BYTES_PER_SECOND`).
+
+    ``fused_pointwise``: price a pointwise op (`Node.op_class` "pointwise") as fused into the
+    kernel that reads it: its FLOPs at ``flops_per_second`` and a tenth of ``op_overhead`` (as a
+    view), no memory traffic. Off by default, with either compiler: fxopt's Inductor compile
+    writes every value the simulator counts to memory (`fxopt.capture.inductor`), a recomputed
+    pointwise op too, so it moves its bytes as op by op; measured at HF checkpointing's peak on
+    GPT-2, Llama and ViT, plans made with it were not faster beyond the noise, and on GPT-2 at
+    half of Inductor's activations the lowest-peak search found no plan within a budget it meets
+    without it (docs/benchmarks.md). Reductions (a layer norm, a softmax, a sum) keep their full price
+    either way: Inductor runs each as a kernel of its own that reads its input from memory."""
 
     flops_per_second: float = 1e11
     bytes_per_second: float = 1e10
     op_overhead: float = 2e-6
     comm_bytes_per_second: float | None = None
+    fused_pointwise: bool = False
 
-    def seconds(self, flops: int, bytes_moved: int, is_alias: bool, comm_bytes: int = 0) -> float:
+    def seconds(self, flops: int, bytes_moved: int, is_alias: bool, comm_bytes: int = 0,
+                pointwise: bool = False) -> float:
         if is_alias:
             return self.op_overhead / 10
+        if pointwise and self.fused_pointwise:
+            return flops / self.flops_per_second + self.op_overhead / 10
         comm = comm_bytes / (self.comm_bytes_per_second or COMM_BYTES_PER_SECOND["gloo"]) if comm_bytes else 0.0
         return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + comm + self.op_overhead
 

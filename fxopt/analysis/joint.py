@@ -129,13 +129,27 @@ _OP_CLASSES = {
 
 
 def _op_class(node: fx.Node) -> str:
-    """"matmul", "attention", "convolution" or "" (an output taken out of a tuple: its op's)."""
+    """"matmul", "attention", "convolution", "pointwise" (`_is_pointwise`) or "" (an output taken
+    out of a tuple: its op's)."""
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         return _op_class(node.args[0])
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return ""
-    return _OP_CLASSES.get(target.overloadpacket.__name__, "")
+    return _OP_CLASSES.get(target.overloadpacket.__name__) or ("pointwise" if _is_pointwise(node) else "")
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    """An op each element of whose output is a function of the same element of its inputs, which
+    a compiler fuses into the kernel that reads it (`CostModel.fused_pointwise`): aten's own
+    ``pointwise`` tag, and a dtype cast that stays on its device (``_to_copy``, untagged)."""
+    target = node.target
+    if torch.Tag.pointwise in target.tags:
+        return True
+    if target is not torch.ops.aten._to_copy.default or not isinstance(node.args[0], fx.Node):
+        return False
+    val, source = node.meta.get("val"), node.args[0].meta.get("val")
+    return isinstance(val, torch.Tensor) and isinstance(source, torch.Tensor) and val.device == source.device
 
 
 def _module_stack(node: fx.Node) -> list[tuple[str, str]]:

@@ -338,7 +338,8 @@ class SymbolicGraph:
                 nbytes, compressed = rounded_up(nbytes, self.round_bytes), rounded_up(compressed, self.round_bytes)
             nodes.append(dataclasses.replace(
                 node, bytes=nbytes, flops=flops, comm_bytes=comm,
-                cost=0.0 if node.kind == "input" else cost(flops, size(s.moved), node.storage is not None, comm),
+                cost=0.0 if node.kind == "input" else cost(flops, size(s.moved), node.storage is not None, comm,
+                                                              node.op_class == "pointwise"),
                 compressed_bytes=compressed, codec_flops=codec_flops,
                 codec_cost=2 * cost(codec_flops // 2, nbytes + compressed, False) if node.codec else 0.0,
                 workspace=node.workspace if workspace is None else workspace[k],

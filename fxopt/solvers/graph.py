@@ -64,7 +64,8 @@ class Node:
     codec_workspace: int = 0  # scratch bytes while encoding or decoding, beyond input and output
     # Facts the simple policies read (`fxopt.solvers.policies`): the repeated modules (blocks)
     # this value is computed in, by id, outermost first; and its op's class ("matmul",
-    # "attention", "convolution"; "" for any other op).
+    # "attention", "convolution"; "pointwise", which the cost model may price as fused,
+    # `fxopt.analysis.CostModel.fused_pointwise`; "" for any other op).
     blocks: tuple[int, ...] = ()
     op_class: str = ""
     # The backward formula (one autograd node's, numbered as AOTAutograd numbers them) that eager
