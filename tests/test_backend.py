@@ -534,6 +534,7 @@ class _GatedBlock(nn.Module):
         return x + self.down(torch.tanh(h) * torch.sigmoid(h) + h)
 
 
+@pytest.mark.slow  # two Inductor compiles and plans: 45-100 s on 2 cores
 def test_inductor_recomputes_fused_pointwise_ops_instead_of_matrix_products():
     """A pointwise op priced as fused into the kernel that reads it
     (`fxopt.analysis.CostModel.fused_pointwise`, issue 28): at 70% of eager's peak the plan
