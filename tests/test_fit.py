@@ -175,3 +175,24 @@ def test_fit_analyses_each_graph_of_its_plans_once(monkeypatch, caplog, relu):
     torch._dynamo.reset()
     at_budget = fxopt.plan(model, least.budget_bytes, inputs, device="H100-80GB", time_limit=TIME_LIMIT)
     assert decisions(found.min_plan) == decisions(least) and decisions(found.plan) == decisions(at_budget)
+
+
+@pytest.mark.slow
+def test_the_largest_batch_is_bracketed_by_the_bound_with_scratch_before_any_search(tiny, monkeypatch):
+    """Below the zero-scratch bracket, the peak lower bound with each batch's scratch (here the
+    profile's formula, 2 x the logits' bytes and more) proves most batches out of reach, one bound
+    each: max_batch then runs one lowest-peak search and one solve, at the batch it answers, proven
+    (issue 27: it ran three searches, two of them at batches no schedule fits)."""
+    import fxopt.maxbatch as maxbatch
+
+    model, inputs = tiny
+    calls = []
+    for name in ("solve", "min_feasible_budget", "lowest_schedule"):
+        real = getattr(maxbatch, name)
+        monkeypatch.setattr(maxbatch, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    found = fxopt.fit(model, inputs, device="H100-80GB", budget="64MiB", time_limit=TIME_LIMIT, limit=512)
+    largest = found.largest
+    assert calls == ["min_feasible_budget", "solve"]
+    assert largest.batch == largest.proven_max and largest.next_plan is None and not largest.stopped
+    assert largest.plan.peak_bytes <= largest.budget_bytes
+    assert largest.eager_batch <= largest.checkpoint_batch <= largest.batch
