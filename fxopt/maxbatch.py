@@ -331,19 +331,21 @@ class _Search:
             return None
         batch, found = feasible
         if not isinstance(found, Plan):  # a replayed schedule: plan the batch itself, cheaper if it can
-            plan = self.solve(batch, how)
+            plan = self.solve(batch, how, fits=True)
             plan = plan if isinstance(plan, Plan) and plan.peak_bytes <= self.budget else None
             found = plan or self.plan_of(batch, found, "lowest peak", "heuristic")
         return batch, found
 
-    def solve(self, b: int, how: _Solving, full: bool = True) -> Plan | Schedule | None:
+    def solve(self, b: int, how: _Solving, full: bool = True, fits: bool = False) -> Plan | Schedule | None:
         """The plan fxopt finds at batch ``b`` within the budget, or, where it finds none, the
         lowest-peak schedule it reached (None if it has none). Cheapest first: the peak lower
         bound, then the lowest peaks of the heuristics (`min_feasible_budget` without the ILP),
-        then (``full``) `solve`, with ``how``'s solver, effort, MIP program and safety stop."""
+        then (``full``) `solve`, with ``how``'s solver, effort, MIP program and safety stop.
+        ``fits``: a schedule is known to fit ``b`` (one replayed there): straight to `solve`, the
+        lowest-peak search, which only says whether one does, skipped."""
         graph = self.at(b)
         t0 = time.perf_counter()
-        lowest_peak = min_feasible_budget(graph, how.solver, **how.lowest())
+        lowest_peak = self.budget if fits else min_feasible_budget(graph, how.solver, **how.lowest())
         if lowest_peak > self.budget and (not full or peak_lower_bound(graph)[0] > self.budget):
             log.info("fxopt: max_batch: no plan at batch %d (lowest peak %d, %.1f s)", b, lowest_peak,
                      time.perf_counter() - t0)
