@@ -5,7 +5,11 @@ every batch size (`fxopt.analysis.symbolic`); every peak below is monotone in th
 there), so each question is a bisection over graphs evaluated, not captured:
 
   1. an upper bracket, proven: the largest batch whose `peak_lower_bound` (scratch memory
-     counted as zero, so a bound on every schedule) fits. No batch above it can fit.
+     counted as zero, so a bound on every schedule) fits; then, below it, the largest whose
+     bound with the scratch measured at that batch fits. No batch above it can fit. (One bound
+     per batch tried, where a lowest-peak search above it would solve every kind of block: on
+     a real-size step the largest ops' scratch, the logits', puts most of the zero-scratch
+     bracket out of reach.)
   2. fxopt's answer: at that batch, the lowest peak fxopt's solvers reach
      (`fxopt.solvers.min_feasible_budget`); if it is over the budget, that lowest-peak schedule,
      replayed at smaller batches, finds the largest at which it fits, and the batch above that
@@ -15,7 +19,7 @@ there), so each question is a bisection over graphs evaluated, not captured:
      both by their simulated peaks.
 
 Every peak at a batch b is simulated with the scratch memory of its ops measured at b (once per
-op and shape: `fxopt.analysis.scratch` caches them), except the bracket's, which counts none.
+op and shape: `fxopt.analysis.scratch` caches them), except the zero-scratch bracket's.
 
 Every decision is counted work, never the clock, so the same model and options give the same
 answer on a quiet machine and a busy one: each solve does the options' ``effort``
@@ -229,11 +233,14 @@ def _search(segments: list[_Segment], budget_bytes: int, how: _Solving, t0: floa
 class _Segment:
     """A range of batches captured as one step (a model may specialize a batch size: then the
     range is captured in segments): searches on the step as captured (``eager``) and as planned
-    (``fxopt``), and the largest batch the peak lower bound allows in it."""
+    (``fxopt``), the largest batch the peak lower bound allows in it with the scratch memory
+    measured at each batch (``proven_max``), and without any (``bracket``: no larger, and
+    where the segment ends below it, the next segment is not captured)."""
 
     eager: _Search
     fxopt: _Search
     proven_max: int | None
+    bracket: int | None
 
 
 def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: int, options: Options
@@ -249,7 +256,8 @@ def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: in
         top = search.largest(lo, hi, search.lower_bound_fits)
         # (a step planning does not rewrite is one graph: its graphs at each batch made once)
         eager = search if eager_jg is jg else _Search(eager_jg, name, budget, lo, hi)
-        segments.append(_Segment(eager, search, top))
+        proven = None if top is None else search.largest(lo, top, search.measured_bound_fits)
+        segments.append(_Segment(eager, search, proven, top))
         if top is None or top < hi or hi >= limit:
             break
         start = hi + 1
@@ -258,7 +266,9 @@ def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: in
 
 def _largest_of(segments: list[_Segment], schedule_of) -> int | None:
     for segment in reversed(segments):
-        top = segment.proven_max if segment.proven_max is not None else segment.eager.lo - 1
+        # (the bracket of the planned step's graph, not its proven_max: the step as captured may
+        # be another graph, whose scratch the planned one's bound does not speak for)
+        top = segment.bracket if segment.bracket is not None else segment.eager.lo - 1
         found = segment.eager.largest_with(schedule_of(segment), segment.eager.lo, top)
         if found is not None:
             return found
@@ -282,6 +292,11 @@ class _Search:
     def lower_bound_fits(self, b: int) -> bool:
         graph = self.jg.symbolic.at({self.name: b}, self.zero, self.zero)
         return peak_lower_bound(graph)[0] <= self.budget
+
+    def measured_bound_fits(self, b: int) -> bool:
+        """Whether the peak lower bound at ``b``, scratch measured there, fits: where not, no
+        schedule fits ``b``, and no solve or lowest-peak search need ask."""
+        return peak_lower_bound(self.at(b))[0] <= self.budget
 
     largest = staticmethod(largest)
 
@@ -316,19 +331,21 @@ class _Search:
             return None
         batch, found = feasible
         if not isinstance(found, Plan):  # a replayed schedule: plan the batch itself, cheaper if it can
-            plan = self.solve(batch, how)
+            plan = self.solve(batch, how, fits=True)
             plan = plan if isinstance(plan, Plan) and plan.peak_bytes <= self.budget else None
             found = plan or self.plan_of(batch, found, "lowest peak", "heuristic")
         return batch, found
 
-    def solve(self, b: int, how: _Solving, full: bool = True) -> Plan | Schedule | None:
+    def solve(self, b: int, how: _Solving, full: bool = True, fits: bool = False) -> Plan | Schedule | None:
         """The plan fxopt finds at batch ``b`` within the budget, or, where it finds none, the
         lowest-peak schedule it reached (None if it has none). Cheapest first: the peak lower
         bound, then the lowest peaks of the heuristics (`min_feasible_budget` without the ILP),
-        then (``full``) `solve`, with ``how``'s solver, effort, MIP program and safety stop."""
+        then (``full``) `solve`, with ``how``'s solver, effort, MIP program and safety stop.
+        ``fits``: a schedule is known to fit ``b`` (one replayed there): straight to `solve`, the
+        lowest-peak search, which only says whether one does, skipped."""
         graph = self.at(b)
         t0 = time.perf_counter()
-        lowest_peak = min_feasible_budget(graph, how.solver, **how.lowest())
+        lowest_peak = self.budget if fits else min_feasible_budget(graph, how.solver, **how.lowest())
         if lowest_peak > self.budget and (not full or peak_lower_bound(graph)[0] > self.budget):
             log.info("fxopt: max_batch: no plan at batch %d (lowest peak %d, %.1f s)", b, lowest_peak,
                      time.perf_counter() - t0)

@@ -175,3 +175,40 @@ def test_fit_analyses_each_graph_of_its_plans_once(monkeypatch, caplog, relu):
     torch._dynamo.reset()
     at_budget = fxopt.plan(model, least.budget_bytes, inputs, device="H100-80GB", time_limit=TIME_LIMIT)
     assert decisions(found.min_plan) == decisions(least) and decisions(found.plan) == decisions(at_budget)
+
+
+# max_batch's searches at each budget: (budget, the calls of its solves and lowest-peak searches)
+SEARCHES = [
+    # The bracket's lowest peak fits: one search, one solve.
+    ("64MiB", ["min_feasible_budget", "solve"]),
+    # It does not: its schedule replayed one batch down fits, which is planned without searching
+    # again; the lowest-peak plan at the bracket (`next_plan`) is the search's, kept.
+    ("128MiB", ["min_feasible_budget", "lowest_schedule", "solve", "lowest_schedule"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget,searches", SEARCHES)
+def test_the_largest_batch_is_bracketed_by_the_bound_with_scratch_before_any_search(tiny, monkeypatch, budget,
+                                                                                     searches):
+    """Below the zero-scratch bracket, the peak lower bound with each batch's scratch (here the
+    profile's formula, 2 x the logits' bytes and more) proves most batches out of reach, one bound
+    each: max_batch then runs one lowest-peak search, at that bracket, and solves the batch it
+    answers (issue 27: it ran three searches at 64 MiB, two of them at batches no schedule fits;
+    and searched again at a batch a replayed schedule was known to fit)."""
+    import fxopt.maxbatch as maxbatch
+
+    model, inputs = tiny
+    calls = []
+    for name in ("solve", "min_feasible_budget", "lowest_schedule"):
+        real = getattr(maxbatch, name)
+        monkeypatch.setattr(maxbatch, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    found = fxopt.fit(model, inputs, device="H100-80GB", budget=budget, time_limit=TIME_LIMIT, limit=512)
+    largest = found.largest
+    assert calls == searches and not largest.stopped
+    assert largest.plan.peak_bytes <= largest.budget_bytes
+    assert largest.eager_batch <= largest.checkpoint_batch <= largest.batch <= largest.proven_max
+    if largest.batch == largest.proven_max:
+        assert largest.next_plan is None
+    else:
+        assert largest.next_plan.peak_bytes > largest.budget_bytes
