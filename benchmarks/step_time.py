@@ -71,6 +71,7 @@ Writes ``<out>.json`` and ``<out>.md`` after every model.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import logging
@@ -185,9 +186,9 @@ def recomputed_by_class(plan) -> dict[str, int]:
     """How many recomputations a plan makes, by op class (`fxopt.solvers.Node.op_class`; "other"
     for the ops of none): what a pricing changes."""
     classes = {n.name: n.op_class or "other" for n in plan.graph.nodes}
-    out: dict[str, int] = {}
+    out: collections.Counter[str] = collections.Counter()
     for name, times in plan.recomputed.items():
-        out[classes.get(name, "other")] = out.get(classes.get(name, "other"), 0) + times
+        out[classes.get(name, "other")] += times
     return dict(sorted(out.items()))
 
 
@@ -327,7 +328,7 @@ class ModelRun:
                 m = copy_of(checkpointing=True)
                 self.variants.append(Variant("hf-ckpt-compile", m, compiled(m)))
             elif base == "sac-compile" and hf is not None:
-                m = copy.deepcopy(self.model)
+                m = copy_of()
                 hf_zoo.hf_checkpointing(m, True, {"use_reentrant": False, "context_fn": titan_selective_context})
                 self.variants.append(Variant("sac-compile", m, compiled(m), checkpoint_compiles))
 
