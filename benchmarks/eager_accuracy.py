@@ -43,18 +43,11 @@ AIM = 0.03  # predicted eager peak at most this share above the measured one, ne
 Builder = Callable[[], tuple[nn.Module, tuple]]
 
 
-def _built(entry, size: str) -> Builder:
-    def build():
-        workload = entry(size)
-        return workload.model, workload.inputs
-    return build
-
-
 def _hf_zoo() -> dict[str, Builder]:
     from benchmarks.hf_zoo import HF_NAMES  # (importing it registers the ``hf-<name>`` models)
     from fxopt.models import MODELS
 
-    return {name: _built(MODELS[f"hf-{name}"], "bench") for name in HF_NAMES}
+    return {name: (lambda name=name: MODELS[f"hf-{name}"]("bench")) for name in HF_NAMES}
 
 
 def _issue() -> dict[str, Builder]:

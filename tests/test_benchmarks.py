@@ -130,6 +130,18 @@ def test_hf_models_benchmark_tiny(tmp_path):
     assert torch.get_num_threads() == threads and os.environ.get("FXOPT_CACHE") == cache
 
 
+def test_eager_accuracy_builds_each_suites_models():
+    """Every suite of `benchmarks.eager_accuracy` gives builders that make a module and its inputs
+    (the hf_zoo suite's once called a zoo API that had changed, and every row was an error)."""
+    pytest.importorskip("transformers")
+    from benchmarks import eager_accuracy
+
+    for suite, name in (("hf_zoo", "gpt2"), ("issue", "opt_bench"), ("breadth", "breadth_gpt_neox")):
+        model, inputs = eager_accuracy.SUITES[suite]()[name]()
+        assert isinstance(model, torch.nn.Module) and isinstance(inputs, tuple) and inputs, (suite, name)
+        assert model(*inputs).dim() == 0, (suite, name)
+
+
 @pytest.mark.slow
 def test_step_time_benchmark_tiny(tmp_path):
     """Variants of one tiny model timed round robin in one process: each row has its median step,
