@@ -116,17 +116,20 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
 
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
-              sizes: Sizes | None = None, *, backward_bytes: int = 0, analyses: Analyses | None = None):
+              sizes: Sizes | None = None, *, backward_bytes: int = 0, analyses: Analyses | None = None,
+              whole_step: bool = True):
     """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
     captured with dynamic shapes, planned at ``sizes.point``), ``backward_bytes`` (held beside its
     backward only): see `fxopt.analysis.analyze`. A budget of ``"min"``: the smallest budget the
     solvers meet on this analysis of the step (`_at_smallest_budget`), then planned at it.
     ``analyses``: the graphs analysed for the plans made before this one from copies of the same
-    capture (`Analyses`; `fxopt.plan_ahead.plan_each`), not analysed again."""
+    capture (`Analyses`; `fxopt.plan_ahead.plan_each`), not analysed again. ``whole_step``: the
+    graph is a whole training step, not a piece of one (`fxopt.analysis.analyze`)."""
     refuse_device(options)  # (`fxopt.plan` plans it on fake tensors, with device=None)
     refuse_meta_tensors(joint)
     coalesce_all_reduces(joint)  # DDP's gradients reduced in buckets, as its reducer does (eager too)
-    jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes, backward_bytes, analyses)
+    jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes, backward_bytes, analyses,
+                          whole_step)
     if options.planned_for is not None:  # (also on a plan from the cache: two profiles may make one graph)
         plan = dataclasses.replace(plan, planned_for=options.planned_for.planning_note())
     agreed = agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
@@ -140,10 +143,10 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
 
 
 def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
-               sizes: Sizes | None, backward_bytes: int, analyses: Analyses | None):
+               sizes: Sizes | None, backward_bytes: int, analyses: Analyses | None, whole_step: bool):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
-    codecs = _codecs(options, unread_resident_bytes, sizes, backward_bytes)
+    codecs = _codecs(options, unread_resident_bytes, sizes, backward_bytes, whole_step)
     analyze = _analyzer(joint, options, analyses)
     alias_identity_dropouts(joint)  # (eager makes no copy there: neither does the step, planned or not)
     before = analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if options.plan is None else None
@@ -172,7 +175,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
             options = dataclasses.replace(options, plan=None, plan_from_examples=False)
             if options.budget.minimum:  # this graph's own minimum, planned from the graph as captured
                 return make_plan(pristine, num_fwd_outputs, options, unread_resident_bytes, sizes,
-                                 backward_bytes=backward_bytes, analyses=analyses)
+                                 backward_bytes=backward_bytes, analyses=analyses, whole_step=whole_step)
         elif given is None:
             raise CaptureError(
                 "the given plan was made for a different graph (another model, input shape, dtype, "
@@ -284,10 +287,11 @@ def meta_device_message(what: str) -> str:
             "pass device='cpu' to fxopt.plan: the step is then planned on fake tensors of its shapes.")
 
 
-def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None, backward_bytes: int = 0) -> dict:
+def _codecs(options: Options, unread_resident_bytes: int, sizes: Sizes | None, backward_bytes: int = 0,
+            whole_step: bool = True) -> dict:
     """The analysis' settings besides the cost model (see `fxopt.analysis.analyze`)."""
     return dict(compress=options.compress, quantize=options.quantize, unread_resident_bytes=unread_resident_bytes,
-                sizes=sizes, device=options.planned_for, backward_held_bytes=backward_bytes)
+                sizes=sizes, device=options.planned_for, backward_held_bytes=backward_bytes, whole_step=whole_step)
 
 
 def _analyzer(joint: fx.GraphModule, options: Options, analyses: Analyses | None = None):

@@ -316,3 +316,62 @@ def test_predicted_eager_peak_is_the_measured_one(name):
 def test_at_full_budget_no_more_than_eager(name):
     eager, _, at_full = _at_full(name)
     assert at_full <= eager, f"fxopt at 100% measured {at_full} B, eager {eager} B"
+
+
+class LossAndLogits(torch.nn.Module):
+    """A transformers causal LM called as people call it: labels and a padding mask passed in, the
+    output's loss and logits returned, the backward started at the loss."""
+
+    def __init__(self, hf: torch.nn.Module, names: tuple[str, ...]):
+        super().__init__()
+        self.hf, self.names = hf, names
+
+    def forward(self, *inputs):
+        out = self.hf(**dict(zip(self.names, inputs)))
+        return out.loss, out.logits
+
+
+def _logits_held(module, inputs):
+    loss, logits = module(*inputs)  # (the logits alive through the backward, as a caller's variable keeps them)
+    loss.backward()
+
+
+def _logits_dropped(module, inputs):
+    module(*inputs)[0].backward()  # (``model(...).loss.backward()``: the logits freed before the backward)
+
+
+def _peak(module, inputs, step_fn) -> int:
+    module.zero_grad(set_to_none=True)
+    return fxopt.measure_peak(step_fn, module, inputs, resident=[module, inputs]).peak_bytes
+
+
+@pytest.mark.parametrize("arch", [("LlamaConfig", "LlamaForCausalLM"), ("GemmaConfig", "GemmaForCausalLM")])
+def test_logits_returned_beside_the_loss_get_no_gradient_in_eager(arch):
+    """Issue 24, items 11 and 3: the step is traced with an incoming gradient for the logits it
+    returns, which eager's ``loss.backward()`` never makes (nor its sum with the loss's). The
+    predicted eager peak counted both: 8% above the measured one on the bench Llama, and fxopt at
+    100% measured above eager. Now: within 3% where the caller holds the logits through the
+    backward, above it (never below) where the caller drops them first, fxopt at 100% no more
+    than eager either way, and a backward started at the logits too (their gradient given) within
+    the plan's budget."""
+    from benchmarks import hf_zoo
+
+    torch.manual_seed(0)
+    hf, named = hf_zoo._llama_like(*arch, "bench", 0.0)
+    model, inputs = LossAndLogits(hf, tuple(named)).train(), tuple(named.values())
+    eager = {f: _peak(copy.deepcopy(model), inputs, f) for f in (_logits_held, _logits_dropped)}
+    optimized = fxopt.optimize(copy.deepcopy(model), 1.0, time_limit=TIME_LIMIT)
+    _logits_held(optimized, inputs)  # the first call plans
+    plan = optimized.plan
+    held, dropped = eager[_logits_held], eager[_logits_dropped]
+    assert 1.0 <= plan.eager_peak_bytes / held <= 1.03, f"predicted {plan.eager_peak_bytes} B, measured {held} B"
+    assert plan.eager_peak_bytes >= dropped
+    for f in (_logits_held, _logits_dropped):
+        assert _peak(optimized, inputs, f) <= eager[f], f.__name__
+    grad = torch.randn(*named["input_ids"].shape, hf.config.vocab_size)  # (resident: counted in the peak)
+
+    def logits_too(module, inputs):
+        loss, logits = module(*inputs[:-1])
+        torch.autograd.backward((loss, logits), (None, inputs[-1]))
+
+    assert _peak(optimized, (*inputs, grad), logits_too) <= plan.budget_bytes

@@ -217,7 +217,8 @@ def with_unread_resident(plan: Plan, extra_bytes: int) -> Plan:
 def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel | None = None, *,
             compress: bool = True, quantize: Quantize | None = None,
             unread_resident_bytes: int = 0, sizes: Sizes | None = None,
-            device: DeviceProfile | None = None, backward_held_bytes: int = 0) -> JointGraph:
+            device: DeviceProfile | None = None, backward_held_bytes: int = 0,
+            whole_step: bool = False) -> JointGraph:
     """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
     tensors, int32 for max-pooling indices); ``quantize``: offer this lossy codec for floating-point
     activations (see `fxopt.analysis.codecs`). ``unread_resident_bytes``: memory alive through the
@@ -232,7 +233,10 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     (`fxopt.analysis.scratch.op_memory`). ``backward_held_bytes``: memory alive beside the step's
     backward only (a step in pieces: the gradients later pieces' backwards made first, see
     `fxopt.capture.pieces`); the graph gets one more tangent node of that size, last, which every
-    peak holds from the backward's start to its end."""
+    peak holds from the backward's start to its end. ``whole_step``: the graph is a whole training
+    step (not a piece of one, whose outputs later pieces differentiate), whose caller starts the
+    backward at its scalar loss: its other outputs get no gradient in eager's step
+    (`_without_gradients_eager_never_makes`)."""
     cost_model = cost_model or CostModel()
     sizes = sizes or Sizes()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
@@ -249,6 +253,8 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize, on_cpu)
         nodes = _with_eager_reads(nodes, fx_nodes, eager_saves(fx_nodes, backward, outs[num_fwd_outputs:]))
         nodes = _with_eager_in_place(nodes, fx_nodes)
+        if whole_step:
+            nodes = _without_gradients_eager_never_makes(nodes, fx_nodes)
         memory = op_memory(fx_nodes, sizes.at, device)
         measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
@@ -415,6 +421,41 @@ def _with_eager_in_place(nodes: list[Node], fx_nodes: list[fx.Node]) -> list[Nod
         if (base is not None and base.meta.get("partitioner_tag") == "is_backward"
                 and base.meta.get("seq_nr") == n.meta.get("seq_nr") and isinstance(n.meta.get("val"), torch.Tensor)):
             out[i] = dataclasses.replace(out[i], eager_in_place=True)
+    return out
+
+
+def _without_gradients_eager_never_makes(nodes: list[Node], fx_nodes: list[fx.Node]) -> list[Node]:
+    """``nodes`` as eager runs a step that returns its scalar loss beside other values needing a
+    gradient (a transformers LM given labels returns the logits too), whose backward the user
+    starts at the loss (``loss.backward()``). The step is traced with an incoming gradient for each
+    output; eager gets none for the non-scalar ones, so in the eager step's memory
+    (`fxopt.solvers.eager_timeline`) those tangents hold nothing (`Node.eager_bytes`), and where the
+    traced backward adds one to a gradient the loss's backward made (the logits' gradient), eager's
+    value is that gradient itself (`Node.eager_in_place`, on the operand eager makes). fxopt's own
+    step and its plan keep them: a user may also start the backward at those outputs. Only where a
+    scalar tangent (the loss's) is there: a step of non-scalar outputs has every gradient given."""
+    tangents = [i for i, n in enumerate(fx_nodes) if n.op == "placeholder" and n.name.startswith("tangents")
+                and isinstance(n.meta.get("val"), torch.Tensor)]
+    if not any(fx_nodes[i].meta["val"].dim() == 0 for i in tangents):
+        return nodes
+    never = {i for i in tangents if fx_nodes[i].meta["val"].dim() > 0}
+    index = {n: i for i, n in enumerate(fx_nodes)}
+
+    def root(i: int) -> int:
+        return i if nodes[i].storage is None or nodes[i].storage == i else root(nodes[i].storage)
+
+    out = [dataclasses.replace(node, eager_bytes=0) if i in never else node for i, node in enumerate(nodes)]
+    for i, n in enumerate(fx_nodes):
+        if n.target is not aten.add.Tensor or n.kwargs.get("alpha", 1) != 1 or len(n.args) != 2:
+            continue
+        operands = [a for a in n.args if isinstance(a, fx.Node)]
+        made = [a for a in operands if root(index[a]) not in never]
+        val = n.meta.get("val")
+        if (len(operands) != 2 or len(made) != 1 or not isinstance(val, torch.Tensor)
+                or not isinstance(other := made[0].meta.get("val"), torch.Tensor)
+                or (other.shape, other.dtype, other.stride()) != (val.shape, val.dtype, val.stride())):
+            continue
+        out[i] = dataclasses.replace(out[i], eager_in_place=True)
     return out
 
 

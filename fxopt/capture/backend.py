@@ -57,16 +57,19 @@ class FxoptBackend:
         self.graph_breaks = graph_breaks
         self.plans: list[Plan] = []
         self._compile = make_backend(options, self.plans.append)
+        # A piece that a graph break ends: later pieces differentiate its outputs.
+        self._compile_piece = make_backend(options, self.plans.append, whole_step=False)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         _refuse_dynamic_shapes(example_inputs)
-        self._check_graph_break(gm)
-        return self._compile(gm, example_inputs)
+        piece = self._check_graph_break(gm)
+        return (self._compile_piece if piece else self._compile)(gm, example_inputs)
 
-    def _check_graph_break(self, gm: fx.GraphModule) -> None:
+    def _check_graph_break(self, gm: fx.GraphModule) -> bool:
+        """Whether a graph break ends ``gm`` (raising where graph breaks are refused)."""
         where = break_location(gm)
         if where is None:
-            return
+            return False
         if self.graph_breaks == "error":
             raise CaptureError(
                 f"torch.compile split this training step at a graph break at {where}; fxopt can "
@@ -82,6 +85,7 @@ class FxoptBackend:
         )
         log.warning("fxopt: %s", message)
         warnings.warn(message, GraphBreakWarning, stacklevel=2)
+        return True
 
 
 def backend(budget: BudgetLike | Options, *, graph_breaks: str = "error", **options: Any) -> FxoptBackend:

@@ -223,7 +223,8 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
         if ask is not None:
             raise Answered(ask(CapturedStep(joint, num_fwd_outputs, unread["bytes"], unread["inputs"], backward_bytes)))
         t0 = time.perf_counter()
-        jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"], backward_bytes=backward_bytes)
+        jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"], backward_bytes=backward_bytes,
+                             whole_step=whole_step)
         on_plan(plan)
         fw, bw = split_with_recompute(jg, plan.schedule)
         if hasattr(fw, "_fxopt_host_copies"):

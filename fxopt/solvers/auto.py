@@ -37,7 +37,9 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 # 23: the profiles the ILP, the instant program and the chain solver count fixed memory with
 # hold a collective's late-freed buffers (`Node.lingers`) as the simulator does: FSDP steps on gloo
 # may get other plans and floors.
-REVISION = 23
+# 24: the eager step's memory without the incoming gradients eager never gets (a step returning
+# its scalar loss beside non-scalar outputs: `fxopt.analysis.joint`): its fractions resolve lower.
+REVISION = 24
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)
@@ -64,18 +66,24 @@ def eager_timeline(graph: Graph) -> Timeline:
     formulas' in-place writes in place: `Node.eager_in_place`): the
     peak a fractional budget is a share of."""
     if any(n.eager_bytes is not None or n.eager_reads or n.eager_in_place for n in graph.nodes):
-        graph = Graph(tuple(_as_eager(n) for n in graph.nodes), graph.transfers)
+        graph = Graph(tuple(_as_eager(n, graph) for n in graph.nodes), graph.transfers)
     return simulate(graph, eager_schedule(graph), eager_frees=True)
 
 
-def _as_eager(node: Node) -> Node:
+def _as_eager(node: Node, graph: Graph) -> Node:
     if node.eager_bytes is None and not node.eager_reads and not node.eager_in_place:
         return node
     nbytes = node.bytes if node.eager_bytes is None else node.eager_bytes
     return dataclasses.replace(node, bytes=0 if node.eager_in_place else nbytes,
-                               storage=node.inputs[0] if node.eager_in_place else node.storage,
+                               storage=_made_by_eager(node, graph) if node.eager_in_place else node.storage,
                                inputs=tuple(dict.fromkeys(node.inputs + node.eager_reads)), eager_reads=(),
                                eager_in_place=False)
+
+
+def _made_by_eager(node: Node, graph: Graph) -> int:
+    """The input an op eager runs in place (`Node.eager_in_place`) writes into: its first input
+    that eager makes (not an incoming gradient eager never gets: those have ``eager_bytes`` 0)."""
+    return next(j for j in node.inputs if not (graph.nodes[j].tangent and graph.nodes[j].eager_bytes == 0))
 
 
 def solve(

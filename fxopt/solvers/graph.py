@@ -79,8 +79,10 @@ class Node:
     # its temporaries die as Python drops them, not when the formula returns (`_formula_ends`).
     python_formula: bool = False
     # Eager runs this op in place on its first input, a buffer its formula made (functionalization
-    # made ``grad.new_zeros(n).slice(...).copy_(g)`` a ``slice_scatter``): in the eager step's
-    # memory it is a view of that input (`eager_timeline`).
+    # made ``grad.new_zeros(n).slice(...).copy_(g)`` a ``slice_scatter``), or it is a sum eager
+    # never makes (an incoming gradient eager does not get, added to one it makes: the logits'
+    # of an LM that returns them beside its loss): in the eager step's memory it is a view of
+    # its first input that eager makes (`eager_timeline`).
     eager_in_place: bool = False
     # Values eager's autograd node for this backward formula saves that the graph's formula does
     # not read (``gather``'s input, of which the traced formula reads only the sizes: see
