@@ -574,3 +574,32 @@ def test_budget_holds_load_beside_job_plans():
         while beside["made"]() < 1 and time.monotonic() < deadline:
             time.sleep(1)
     assert beside["plans"] >= 1
+
+
+def test_ddp_time_rows_say_where_the_all_reduces_started(one_process_group):
+    """`benchmarks.data_parallel.issue_order` of an eager DDP step on one gloo process: its one
+    bucket's all-reduce, issued by DDP's reducer inside the backward, counted as started before the
+    backward ended; the ddp-time report says so beside the step's ratio to eager DDP's, and a
+    results file written before these fields (no peak, no profiled step) still renders."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks import data_parallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    ddp = DDP(model)
+    fn = lambda x, y: (ddp(x) - y).square().mean()  # noqa: E731
+    order = data_parallel.issue_order(fn, model, (torch.randn(8, 16), torch.randn(8, 1)))
+    assert order["all_reduces"] == order["started_in_backward"] == 1, order
+    assert 0 <= order["first_start_ms"] <= order["backward_ms"], order
+    rows = [{"setting": data_parallel.DDP_TIME, "method": "eager", "budget_bytes": None, "step_s": 0.2, "cpu_s": 0.1,
+             "order": order},
+            {"setting": data_parallel.DDP_TIME, "method": "fxopt@eager (inductor)", "budget_bytes": 2 << 20,
+             "peak_bytes": 1 << 20, "step_s": 0.18, "cpu_s": 0.09, "order": order}]
+    old = json.loads((BENCHMARKS / "results" / "data_parallel_ddp_time.json").read_text())
+    text = data_parallel.report({"meta": old["meta"], "rows": rows})
+    line = next(l for l in text.splitlines() if "(inductor)" in l)
+    assert "× eager DDP: 0.900 wall, 0.900 CPU" in line and "1 of 1 all-reduces started before its backward ended" in line
+    assert "within budget" in line
+    assert "× eager DDP: 1.111 wall, 1.102 CPU" in data_parallel.report(old)  # (no profiled step in it)
