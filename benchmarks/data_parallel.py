@@ -16,7 +16,8 @@ wraps it); fxopt with that checkpointing's measured per-rank peak as its budget,
 one graph, `fxopt.distributed.fsdp2`), and, for DDP, when fxopt cannot plan at that peak, fxopt
 at the smallest budget it names (tried again at most ``--retries`` times), and fxopt at eager's
 measured peak (nothing to recompute: the step time of fxopt's graph, the gradients' all-reduces
-inside it, `fxopt.distributed.ddp`, beside eager DDP's). For FSDP: fxopt on FSDP2's model, and on the same model sharded
+inside it, `fxopt.distributed.ddp`, beside eager DDP's; setting ``ddp-time``: that row under the eager
+compiler and under Inductor, steps interleaved, with rank 0's all-reduces against its backward). For FSDP: fxopt on FSDP2's model, and on the same model sharded
 with `fxopt.distributed.fully_shard` instead, each at checkpointing's peak and at ``"min"``.
 
 Per row and rank: the measured peak (`fxopt.measure_peak` of the third step, with DDP's buckets
@@ -62,8 +63,9 @@ SIZES = {  # layers, hidden, heads, ffn, seq, batch per rank, vocab
     "quick": dict(layers=2, hidden=64, heads=2, ffn=256, seq=64, batch=2, vocab=512),
 }
 SETTINGS = ("ddp", "fsdp")
-# Not run by default: eager DDP and fxopt at eager's peak (nothing recomputed), their steps
-# interleaved round by round on each rank, wall and CPU seconds (`interleaved_ddp`).
+# Not run by default: eager DDP and fxopt at eager's peak (nothing recomputed), under each compiler
+# (`DDP_TIME_ROUTES`), their steps interleaved round by round on each rank, wall and CPU seconds
+# (`interleaved_ddp`).
 DDP_TIME = "ddp-time"
 MODELS = ("llama", "gpt2", "gpt-neox")
 CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt-neox": "GPTNeoXForCausalLM"}
