@@ -16,7 +16,8 @@ wraps it); fxopt with that checkpointing's measured per-rank peak as its budget,
 one graph, `fxopt.distributed.fsdp2`), and, for DDP, when fxopt cannot plan at that peak, fxopt
 at the smallest budget it names (tried again at most ``--retries`` times), and fxopt at eager's
 measured peak (nothing to recompute: the step time of fxopt's graph, the gradients' all-reduces
-inside it, `fxopt.distributed.ddp`, beside eager DDP's). For FSDP: fxopt on FSDP2's model, and on the same model sharded
+inside it, `fxopt.distributed.ddp`, beside eager DDP's; setting ``ddp-time``: that row under the eager
+compiler and under Inductor, steps interleaved, with rank 0's all-reduces against its backward). For FSDP: fxopt on FSDP2's model, and on the same model sharded
 with `fxopt.distributed.fully_shard` instead, each at checkpointing's peak and at ``"min"``.
 
 Per row and rank: the measured peak (`fxopt.measure_peak` of the third step, with DDP's buckets
@@ -62,8 +63,9 @@ SIZES = {  # layers, hidden, heads, ffn, seq, batch per rank, vocab
     "quick": dict(layers=2, hidden=64, heads=2, ffn=256, seq=64, batch=2, vocab=512),
 }
 SETTINGS = ("ddp", "fsdp")
-# Not run by default: eager DDP and fxopt at eager's peak (nothing recomputed), their steps
-# interleaved round by round on each rank, wall and CPU seconds (`interleaved_ddp`).
+# Not run by default: eager DDP and fxopt at eager's peak (nothing recomputed), under each compiler
+# (`DDP_TIME_ROUTES`), their steps interleaved round by round on each rank, wall and CPU seconds
+# (`interleaved_ddp`).
 DDP_TIME = "ddp-time"
 MODELS = ("llama", "gpt2", "gpt-neox")
 CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "gpt-neox": "GPTNeoXForCausalLM"}
@@ -219,45 +221,99 @@ def _plan_fields(fn) -> dict[str, Any]:
 def _write_plans(fn, directory: str, model: str, world: int, method: str) -> None:
     """Each plan of an fxopt row as JSON (``--plans``; its solver graph included, to study the plan
     in one process: `benchmarks.regather_tradeoff`)."""
-    slug = "".join(c if c.isalnum() else "_" for c in method).strip("_")
+    slug = _slug(method)
     for i, plan in enumerate(getattr(fn, "plans", [])):
         Path(directory).mkdir(parents=True, exist_ok=True)
         plan.to_json(Path(directory, f"{model}_w{world}_{slug}_{i}.json"))
 
 
+# The fxopt rows of the ddp-time setting, each at eager DDP's measured peak: fxopt's options.
+DDP_TIME_ROUTES = {"fxopt@eager": {}, "fxopt@eager (inductor)": {"compiler": "inductor"}}
+
+
 def interleaved_ddp(args, rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
     """Eager DDP and ``fxopt.optimize(DDP(model), eager's peak)`` (nothing recomputed: the step
-    time of fxopt's graph with the gradients' all-reduces inside it), built side by side, warmed up
-    (3 steps each), then ``--timed-steps`` rounds of one step of each, the ranks meeting at a
-    barrier before every step: each one's median wall seconds and median CPU seconds of this
-    process (`time.process_time`: gloo's worker threads included), which another job on the
-    machine slows less than the wall clock."""
+    time of fxopt's graph with the gradients' all-reduces inside it), once per compiler
+    (`DDP_TIME_ROUTES`), built side by side, warmed up (3 steps each), then ``--timed-steps``
+    rounds of one step of each, the ranks meeting at a barrier before every step: each one's
+    median wall seconds and median CPU seconds of this process (`time.process_time`: gloo's worker
+    threads included), which another job on the machine slows less than the wall clock. Before
+    the timed rounds, for every row: the measured peak of one step, its loss and gradients (against
+    single-process eager's), and one profiled step's all-reduces against its backward
+    (`issue_order`)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    single = single_process(args, world, device)
     eager_model, inputs = build(args.size, world, rank, device, args.model)
     eager = DDP(eager_model)
     _step(eager, inputs)
     peak = _agreed_max(fxopt.measure_peak(_step, eager, inputs, resident=[eager, eager_model]).peak_bytes, device)
-    model, _ = build(args.size, world, rank, device, args.model)
-    optimized = fxopt.optimize(DDP(model), peak, time_limit=args.time_limit)
-    runs = {"eager": (eager_model, eager), "fxopt@eager": (model, optimized)}
-    for _ in range(3):
-        for m, fn in runs.values():
+    runs = {"eager": (eager_model, eager, eager)}
+    for name, options in DDP_TIME_ROUTES.items():
+        model, _ = build(args.size, world, rank, device, args.model)
+        ddp = DDP(model)
+        runs[name] = (model, ddp, fxopt.optimize(ddp, peak, time_limit=args.time_limit, **options))
+    rows = {name: {"setting": DDP_TIME, "method": name, "budget_bytes": peak if name != "eager" else None}
+            for name in runs}
+    for name, (m, wrapped, fn) in runs.items():
+        t0 = time.perf_counter()
+        for _ in range(3):
             m.zero_grad(set_to_none=True)
             _step(fn, inputs)
+        rows[name]["warm_up_s"] = round(time.perf_counter() - t0, 1)  # (fxopt's: capture, plan, compile)
+        m.zero_grad(set_to_none=True)
+        measured = fxopt.measure_peak(_step, fn, inputs, resident=[fn, wrapped, m])
+        rows[name].update(peak_bytes=measured.peak_bytes, grads=_grads(m),
+                          loss=_mean_over_ranks(float(measured.result), device))
+        m.zero_grad(set_to_none=True)
+        rows[name]["order"] = issue_order(fn, m, inputs, f"{args.trace}/{_slug(name)}_rank{rank}.json"
+                                          if args.trace else None)
     wall: dict[str, list[float]] = {k: [] for k in runs}
     cpu: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(args.timed_steps):
-        for name, (m, fn) in runs.items():
+        for name, (m, _, fn) in runs.items():
             m.zero_grad(set_to_none=True)
             dist.barrier()
             t, c = time.perf_counter(), time.process_time()
             _step(fn, inputs)
             wall[name].append(time.perf_counter() - t)
             cpu[name].append(time.process_time() - c)
-    return [{"setting": DDP_TIME, "method": name, "budget_bytes": peak if name != "eager" else None,
-             "step_s": statistics.median(wall[name]), "cpu_s": statistics.median(cpu[name]),
-             **(_plan_fields(optimized) if name != "eager" else {})} for name in runs]
+    for name, row in rows.items():
+        row.update(step_s=statistics.median(wall[name]), cpu_s=statistics.median(cpu[name]),
+                   **(_plan_fields(runs[name][2]) if name != "eager" else {}))
+        _compare(row, {}, single)
+    return list(rows.values())
+
+
+def _slug(method: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in method).strip("_")
+
+
+def issue_order(fn, model: nn.Module, inputs, trace: str | None = None) -> dict[str, Any]:
+    """One profiled step of ``fn``: its gradients' all-reduces (gloo's, on gloo's own thread)
+    against its backward, in ms from the backward's start (the first event of autograd's engine or
+    of a compiled backward) to its end (the last such event's end): how many all-reduces started
+    before the backward ended, the first's start and the last's end. ``trace``: the profile, in
+    Chrome's format, written there."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        _step(fn, inputs)
+    if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace)
+    events = prof.events()
+    backward = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")
+                or e.name == "CompiledFunctionBackward"]
+    reduces = sorted((e for e in events if e.name == "gloo:all_reduce"), key=lambda e: e.time_range.start)
+    if not backward or not reduces:
+        return {"all_reduces": len(reduces)}
+    start = min(e.time_range.start for e in backward)
+    end = max(e.time_range.end for e in backward)
+    ms = lambda t: round((t - start) / 1e3, 2)  # noqa: E731 - the profiler's µs as ms from the backward's start
+    return {"all_reduces": len(reduces), "started_in_backward": sum(e.time_range.start < end for e in reduces),
+            "backward_ms": ms(end), "first_start_ms": ms(reduces[0].time_range.start),
+            "last_end_ms": ms(max(e.time_range.end for e in reduces))}
 
 
 def run_setting(setting: str, args, rank: int, world: int, device: torch.device) -> list[dict[str, Any]]:
@@ -366,7 +422,7 @@ def _compare(row: dict[str, Any], eager: dict[str, Any], single: dict[str, Any])
     except AssertionError as err:
         row["grads_equal"] = False
         row["grads_error"] = str(err).splitlines()[0]
-    if eager.get("flops") is not None:
+    if eager.get("flops") is not None and row.get("flops") is not None:
         row["extra_flops"] = row["flops"] - eager["flops"]
 
 
@@ -418,6 +474,23 @@ def _mib(n) -> str:
 
 def _gflop(n) -> str:
     return "–" if n is None else f"+{n / 1e9:.3f}"
+
+
+def _ddp_time_note(row: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """A ddp-time row's step against eager DDP's, and its all-reduces against its backward (rank 0's
+    profiled step, `issue_order`)."""
+    out = []
+    if row["method"] != "eager":
+        base = next(e for e in rows if e["setting"] == DDP_TIME and e["method"] == "eager")
+        out.append(f"× eager DDP: {row['step_s'] / base['step_s']:.3f} wall, {row['cpu_s'] / base['cpu_s']:.3f} CPU")
+    order = row.get("order") or {}
+    if order.get("backward_ms") is not None:
+        out.append(f"rank 0's profiled step: {order['started_in_backward']} of {order['all_reduces']} all-reduces "
+                   f"started before its backward ended (the first at {order['first_start_ms']} ms of a "
+                   f"{order['backward_ms']} ms backward, the last ended at {order['last_end_ms']} ms)")
+    elif order:
+        out.append(f"rank 0's profiled step: {order['all_reduces']} all-reduces, no backward seen")
+    return out
 
 
 def report(data: dict[str, Any]) -> str:
@@ -474,9 +547,8 @@ def report(data: dict[str, Any]) -> str:
         note = "; ".join([*([within] if within else []), *unequal, *r.get("errors", [])])
         step = "–" if r.get("step_s") is None else f"{r['step_s']:.3f}"
         cpu = "–" if r.get("cpu_s") is None else f"{r['cpu_s']:.4f}"
-        if r["setting"] == DDP_TIME and r["method"] != "eager":
-            base = next(e for e in data["rows"] if e["setting"] == DDP_TIME and e["method"] == "eager")
-            note = f"× eager DDP: {r['step_s'] / base['step_s']:.3f} wall, {r['cpu_s'] / base['cpu_s']:.3f} CPU"
+        if r["setting"] == DDP_TIME:
+            note = "; ".join([*_ddp_time_note(r, data["rows"]), *([within] if within else []), *unequal, *r.get("errors", [])])
         grads = {True: "yes", False: "**no**", None: "–"}[r.get("grads_equal")]
         out.append(f"| {r['setting']} | {r['method']} | {_mib(r.get('budget_bytes')) if r.get('budget_bytes') != 'min' else 'min'} | {_mib(r.get('peak_bytes'))} | "
                    f"{_gflop(r.get('extra_flops'))} | {ratio} | {step} | {cpu} | {r.get('plans', '–')} | {grads} | {note} |")
@@ -505,6 +577,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retries", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--out", default="benchmarks/results/data_parallel")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help=f"{DDP_TIME}: write each row's profiled step (rank by rank) into DIR, in Chrome's trace format")
     parser.add_argument("--plans", default=None, metavar="DIR",
                         help="write each fxopt row's plans (rank 0's, the one every rank runs) as JSON into DIR, their "
                              "solver graphs included: python -m benchmarks.regather_tradeoff reads one")

@@ -586,3 +586,57 @@ def test_budget_holds_load_beside_job_plans():
         while beside["made"]() < 1 and time.monotonic() < deadline:
             time.sleep(1)
     assert beside["plans"] >= 1
+
+
+def test_ddp_time_rows_say_where_the_all_reduces_started(one_process_group):
+    """`benchmarks.data_parallel.issue_order` on one gloo process: a step whose backward all-reduces
+    the gradient between its two layers' backwards (waiting for it there) counts that all-reduce as
+    started before the backward ended, one that all-reduces once the whole backward has run does
+    not; the ddp-time report says so beside the step's ratio to eager
+    DDP's, and a results file written before these fields (no peak, no profiled step) still
+    renders."""
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from benchmarks import data_parallel
+
+    class AllReduceInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            dist.all_reduce(grad)  # (waits: the first layer's backward runs after it)
+            return grad
+
+    torch.manual_seed(0)
+    first, second = nn.Linear(16, 32), nn.Linear(32, 1)
+    model = nn.Sequential(first, second)
+    fn = lambda x, y: (second(AllReduceInBackward.apply(first(x))) - y).square().mean()  # noqa: E731
+    order = data_parallel.issue_order(fn, model, (torch.randn(8, 16), torch.randn(8, 1)))
+    assert order["all_reduces"] == order["started_in_backward"] == 1, order
+    assert 0 <= order["first_start_ms"] <= order["last_end_ms"] <= order["backward_ms"], order
+
+    def after_the_backward(x, y):  # (autograd runs a queued callback once the whole backward has run)
+        def reduce(grad):
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: dist.all_reduce(torch.ones(4)))
+            return grad
+
+        h = first(x)
+        h.register_hook(reduce)
+        return (second(h) - y).square().mean()
+
+    late = data_parallel.issue_order(after_the_backward, model, (torch.randn(8, 16), torch.randn(8, 1)))
+    assert late["all_reduces"] == 1 and late["started_in_backward"] == 0, late
+    rows = [{"setting": data_parallel.DDP_TIME, "method": "eager", "budget_bytes": None, "step_s": 0.2, "cpu_s": 0.1,
+             "order": order},
+            {"setting": data_parallel.DDP_TIME, "method": "fxopt@eager (inductor)", "budget_bytes": 2 << 20,
+             "peak_bytes": 1 << 20, "step_s": 0.18, "cpu_s": 0.09, "order": order}]
+    old = json.loads((BENCHMARKS / "results" / "data_parallel_ddp_time.json").read_text())
+    text = data_parallel.report({"meta": old["meta"], "rows": rows})
+    line = next(l for l in text.splitlines() if "(inductor)" in l)
+    assert "× eager DDP: 0.900 wall, 0.900 CPU" in line and "1 of 1 all-reduces started before its backward ended" in line
+    assert "within budget" in line
+    assert "× eager DDP: 1.111 wall, 1.102 CPU" in data_parallel.report(old)  # (no profiled step in it)

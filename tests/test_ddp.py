@@ -111,6 +111,39 @@ def test_ddp_optimizer_steps_match_eager(one_process_group, optimizer):
         torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow  # an Inductor compile of the forward and the backward
+def test_inductor_keeps_the_all_reduces_in_the_backward(one_process_group):
+    """With ``compiler="inductor"`` (the route docs/multi-device.md gives a DDP user for speed) the
+    step is still fxopt's graph with its bucket's all-reduce inside: a profiled step runs one
+    all-reduce, issued inside the compiled backward (DDP's reducer would issue its own after it,
+    as autograd accumulates each gradient), the gradients land as views of the reduced bucket, equal
+    eager's up to Inductor's float rounding, and the measured peak is within the budget."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import profile
+
+    model, ref = _models()
+    optimized = fxopt.optimize(DDP(model), 1.0, compiler="inductor")
+    x = torch.randn(8, 16)
+    _step(optimized, x)  # (compiles)
+    model.zero_grad(set_to_none=True)
+    with profile() as prof:
+        _step(optimized, x)
+    events = prof.events()
+    reduces = [e for e in events if e.name == "gloo:all_reduce"]
+    backward = [e for e in events if e.name == "CompiledFunctionBackward"]
+    assert len(reduces) == 1 and len(backward) == 1, sorted({e.name for e in events})
+    assert backward[0].time_range.start <= reduces[0].time_range.start < backward[0].time_range.end
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len({p.grad.untyped_storage().data_ptr() for p in trainable}) == 1
+    _step(ref, x)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"gradient of {name}: {m}")
+    model.zero_grad(set_to_none=True)
+    peak = fxopt.measure_peak(_step, optimized, x, resident=[optimized])
+    assert peak.peak_bytes <= optimized.plan.budget_bytes
+
+
 def test_accumulation_and_no_sync_leave_it_to_the_reducer(one_process_group):
     """A step that starts with gradients held (accumulation) reduces the accumulated gradient, as
     DDP's reducer does: fxopt's graph of that step has no all-reduce, the reducer runs. Inside the
