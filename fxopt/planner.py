@@ -266,18 +266,30 @@ def heap_frozen():
     collections (`gc.freeze`), then put back (`gc.unfreeze`). Those objects are the captured
     step's graphs, fake tensors and Dynamo's state: at 32 layers of a small Llama some 650,000
     objects, which each full collection the solvers' allocations trigger walks (0.5-0.7 s each,
-    four or five per answer) and finds nothing to free in. The solvers' own objects are still
-    collected; what the planner frees of the others is collected after it. The answer does not
-    change. Left alone where the collector is off or the process froze objects of its own (their
-    unfreeze is not ours to do)."""
-    if not gc.isenabled() or gc.get_freeze_count():
+    four or five per answer) and finds nothing to free in. Around a capture too
+    (`fxopt.plan_ahead`), whose full collections walk the model and what the process held
+    before. The objects made since are still collected; what was frozen and freed meanwhile is
+    collected after. The answer does not change. Left alone where the collector is off or the
+    process froze objects of its own (their unfreeze is not ours to do)."""
+    ours = _HEAP_FROZEN.get()
+    if not gc.isenabled() or (gc.get_freeze_count() and not ours):
         yield
         return
-    gc.freeze()
+    gc.freeze()  # (inside an enclosing call's: what the capture made since is frozen too)
+    if ours:
+        yield  # (the enclosing call unfreezes)
+        return
+    token = _HEAP_FROZEN.set(True)
     try:
         yield
     finally:
+        _HEAP_FROZEN.reset(token)
         gc.unfreeze()
+
+
+# Whether this call froze the heap (`heap_frozen`): an enclosed call freezes what was made since,
+# and leaves the unfreezing to it.
+_HEAP_FROZEN: contextvars.ContextVar[bool] = contextvars.ContextVar("fxopt_heap_frozen", default=False)
 
 
 def refuse_device(options: Options) -> None:
