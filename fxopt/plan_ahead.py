@@ -94,7 +94,7 @@ def _captured_and_planned(model: nn.Module, options: Options, example_inputs: Se
     run = repeated_run(model) if plan_only and options.stamp and distributed is None and not held else None
     if run is not None:
         try:
-            return _stamped(model, run, options, args, kwargs, answer or (lambda step: step.plan(options)))
+            return _stamped(model, run, options, args, kwargs, answer or (lambda step: step.plan(options, copy=False)))
         except NotStamped as why:
             log.info("fxopt: capturing all %d blocks of %s: %s", len(run.keys), type(run.holder).__name__, why)
     return _capture(model, options, args, kwargs, answer, gathering, held)
