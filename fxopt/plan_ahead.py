@@ -36,7 +36,7 @@ from fxopt.devices import DeviceProfile
 from fxopt.distributed import data_parallel, ddp as ddp_graph
 from fxopt.errors import CaptureError, GraphBreakError, InfeasibleBudgetError
 from fxopt.options import Options
-from fxopt.planner import Analyses, analyze_for_planning, meta_device_message
+from fxopt.planner import Analyses, analyze_for_planning, heap_frozen, meta_device_message
 from fxopt.storage import storages, tensors_in
 from fxopt.units import format_bytes
 
@@ -67,6 +67,11 @@ def plan_each(model: nn.Module, options: Options, example_inputs: Sequence[Any],
 
 
 def _capture_and_plan(model: nn.Module, options: Options, example_inputs: Sequence[Any], ask, plan_only: bool):
+    with heap_frozen():  # (the capture's full collections too: see `heap_frozen`)
+        return _captured_and_planned(model, options, example_inputs, ask, plan_only)
+
+
+def _captured_and_planned(model: nn.Module, options: Options, example_inputs: Sequence[Any], ask, plan_only: bool):
     if options.device is not None:
         return _plan_on_fake_tensors(model, options, example_inputs, ask, plan_only)
     check_model(model)
@@ -89,7 +94,7 @@ def _capture_and_plan(model: nn.Module, options: Options, example_inputs: Sequen
     run = repeated_run(model) if plan_only and options.stamp and distributed is None and not held else None
     if run is not None:
         try:
-            return _stamped(model, run, options, args, kwargs, answer or (lambda step: step.plan(options)))
+            return _stamped(model, run, options, args, kwargs, answer or (lambda step: step.plan(options, copy=False)))
         except NotStamped as why:
             log.info("fxopt: capturing all %d blocks of %s: %s", len(run.keys), type(run.holder).__name__, why)
     return _capture(model, options, args, kwargs, answer, gathering, held)

@@ -945,7 +945,7 @@ def test_the_named_smallest_budget_plans_from_the_memo_with_every_search_off(nam
         solve(graph, 1, "auto", memo=memo)
     min_budget = err.value.min_budget
     assert solve(Graph(graph.nodes), min_budget, "auto").timeline.peak_bytes <= min_budget
-    off = phases.Source(lambda graph, budget, effort: [])
+    off = phases.Source(lambda graph, budget, effort, memo: [])
     monkeypatch.setattr(phases, "SOURCES", {name: off for name in phases.SOURCES})
     monkeypatch.setattr(phases, "instant_solve", lambda *a, **k: InstantResult(None, (), (), 0.0))
     monkeypatch.setattr(phases, "solve_ilp", lambda *a, **k: (_ for _ in ()).throw(TimeoutError()))

@@ -258,17 +258,17 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         memory = op_memory(fx_nodes, sizes.at, device)
         measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
-        nodes = [dataclasses.replace(node, workspace=scratch_beyond_output(memory[n].increase if n in memory else 0,
-                                                                           max(at(s.bytes), m)),
-                                     lingers=lingering_bytes(n, sizes.at))
-                 for node, n, s, m in zip(nodes, fx_nodes, node_sizes, measured)]
-        if codecs:
-            workspace = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()}, sizes.at, device)
-            nodes = [dataclasses.replace(n, codec_workspace=workspace.get(i, 0)) for i, n in enumerate(nodes)]
+        workspace = [scratch_beyond_output(memory[n].increase if n in memory else 0, max(at(s.bytes), m))
+                     for n, s, m in zip(fx_nodes, node_sizes, measured)]
+        lingers = [lingering_bytes(n, sizes.at) for n in fx_nodes]
+        coding = codec_workspace({i: (fx_nodes[i], c) for i, c in codecs.items()}, sizes.at, device) if codecs else {}
     names = [n.name for n in fx_nodes]
     module_paths = [_module_path(n) for n in fx_nodes]
-    nodes = [dataclasses.replace(node, blocks=blocks, op_class=_op_class(n))
-             for node, n, blocks in zip(nodes, fx_nodes, repeated_blocks([_module_stack(n) for n in fx_nodes]))]
+    blocks = repeated_blocks([_module_stack(n) for n in fx_nodes])
+    # (one copy of each node with all it learnt here: a copy per field is most of this loop's time)
+    nodes = [dataclasses.replace(node, workspace=workspace[i], lingers=lingers[i], codec_workspace=coding.get(i, 0),
+                                 blocks=blocks[i], op_class=_op_class(n))
+             for i, (node, n) in enumerate(zip(nodes, fx_nodes))]
     if device is not None and any(n.op_class == "matmul" for n in nodes):
         # (held from the first matrix product on: counted from the step's start, a bound)
         unread_resident_bytes += device.cublas_workspace_bytes

@@ -204,9 +204,11 @@ def op_memory(nodes: list[fx.Node], at=int, device: DeviceProfile | None = None)
     known: dict[fx.Node, OpMemory] = {}
     disk = _disk_entries()
     for n in nodes:
-        if _measurable(n, at) and (size := known_increase(n)) is not None:
+        if not _measurable(n, at):
+            continue
+        if (size := known_increase(n)) is not None:
             known[n] = OpMemory(size)
-        elif _measurable(n, at):
+        else:
             k = _signature(n, at)
             keys[n] = k
             if k not in _cache and _digest(k) in disk and (outputs := _outputs_on_disk(disk, k, n)) is not None:

@@ -61,6 +61,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fxopt.errors import FxoptError
+from fxopt.fxgraph import graph_module
 from fxopt.storage import storages
 
 # The fewest copies stamped: below it, capturing three and four copies costs about as much as
@@ -604,7 +605,7 @@ def stamped_joint(short, long, run: Run) -> fx.GraphModule:
                  layout(long.joint, long.num_fwd_outputs, blocks[:LONG]))
         _check_parts(*shape)
         check_same(_Stamper(*shape, blocks[:LONG], run.keys[:LONG]).graph(LONG), long.joint.graph)
-        return fx.GraphModule(short.joint, _Stamper(*shape, blocks, run.keys).graph(len(blocks)))
+        return graph_module(short.joint, _Stamper(*shape, blocks, run.keys).graph(len(blocks)))
 
 
 # torch 2.13's FakeTensor takes ``requires_grad``; before it (2.11, 2.12) the flag is set after.

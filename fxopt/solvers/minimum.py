@@ -21,6 +21,7 @@ the solve then says so). The planner owns one (`fxopt.cache.lowest_peaks`) and p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from fxopt.errors import InfeasibleBudgetError
 from fxopt.solvers.block_plan import BlockChain, lowest_block_plan
@@ -60,12 +61,16 @@ class Lowest:
 
 class Memo:
     """`lowest_plan`'s answers by graph content, solver, effort and whether the ILP ran: the
-    latest `KEEP` of them."""
+    latest `KEEP` of them. And the simple policies' candidates of the latest `POLICIES_KEEP`
+    graphs (`policies`): no budget changes them, and the search for the smallest budget and the
+    solve at it both read them (on a 32-layer step, three whole-step simulations)."""
 
     KEEP = 16
+    POLICIES_KEEP = 8  # (each holds a few simulated timelines of its graph)
 
     def __init__(self) -> None:
         self._entries: list[tuple[tuple, Graph, Lowest]] = []
+        self._policies: list[tuple[int, Graph, list]] = []
 
     def get(self, graph: Graph, key: tuple) -> Lowest | None:
         """The answer for ``graph`` (or one of equal content) under ``key`` (solver, effort,
@@ -79,8 +84,21 @@ class Memo:
         self._entries.append((full, graph, lowest))
         del self._entries[:-self.KEEP]
 
+    def policies(self, graph: Graph, compute: Callable[[], list]) -> list:
+        """``compute()``, the simple policies' candidates for ``graph``, or those kept for it (or
+        for one of equal content)."""
+        content = _content_hash(graph)
+        known = next((found for k, g, found in self._policies if k == content and _same(g, graph)), None)
+        if known is not None:
+            return known
+        found = compute()
+        self._policies.append((content, graph, found))
+        del self._policies[:-self.POLICIES_KEEP]
+        return found
+
     def clear(self) -> None:
         self._entries.clear()
+        self._policies.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -149,7 +167,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
             reached.add(compress_all(graph, chain.schedule), "chain+compress")
         reached.offloaded([chain.schedule], "chain")
     if solver == "auto":
-        for schedule, timeline in policy_candidates(graph, 0):
+        for schedule, timeline in policy_candidates(graph, 0, memo):
             reached.add(schedule, "policies", timeline)
     for name in ("checkpoint", "greedy", "segments") if exact else (solver,):
         if not whole and not (runs and name in runs):

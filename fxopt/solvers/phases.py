@@ -42,20 +42,21 @@ log = logging.getLogger("fxopt")
 class Source:
     """A source of candidate schedules (see the module docstring)."""
 
-    run: Callable  # (graph, budget, effort) -> list of (schedule, timeline)
+    run: Callable  # (graph, budget, effort, memo) -> list of (schedule, timeline)
     auto: str | None = "first"  # when "auto" runs it: "first", "unsettled" or None (never)
     solver: bool = True  # also a strategy of its own name
     with_blocks: bool = False  # "auto" runs it also where the repeated blocks' plans fit (`run_blocks`)
 
 
 SOURCES: dict[str, Source] = {
-    "save_all": Source(lambda graph, budget, effort: save_all(graph, budget, effort=effort), with_blocks=True),
-    "checkpoint": Source(lambda graph, budget, effort: checkpoint(graph, budget, effort=effort)),
-    "chain": Source(lambda graph, budget, effort: chain_candidates(graph, budget), solver=False),
+    "save_all": Source(lambda graph, budget, effort, memo: save_all(graph, budget, effort=effort), with_blocks=True),
+    "checkpoint": Source(lambda graph, budget, effort, memo: checkpoint(graph, budget, effort=effort)),
+    "chain": Source(lambda graph, budget, effort, memo: chain_candidates(graph, budget), solver=False),
     # What a user already has (checkpoint each block, selective checkpointing): never worse than it.
-    "policies": Source(lambda graph, budget, effort: policy_candidates(graph, budget), solver=False, with_blocks=True),
-    "greedy": Source(lambda graph, budget, effort: greedy(graph, budget, effort=effort), auto="unsettled"),
-    "segments": Source(lambda graph, budget, effort: segments(graph, budget, effort=effort), auto="unsettled"),
+    "policies": Source(lambda graph, budget, effort, memo: policy_candidates(graph, budget, memo), solver=False,
+                       with_blocks=True),
+    "greedy": Source(lambda graph, budget, effort, memo: greedy(graph, budget, effort=effort), auto="unsettled"),
+    "segments": Source(lambda graph, budget, effort, memo: segments(graph, budget, effort=effort), auto="unsettled"),
 }
 
 
@@ -72,7 +73,7 @@ def run_sources(search: Search, names, *, fallback: bool = False) -> None:
     for name in names:
         if not fallback:
             search.progress(f"solver {name}")
-        found = SOURCES[name].run(search.graph, search.budget, search.effort)
+        found = SOURCES[name].run(search.graph, search.budget, search.effort, search.memo)
         if name in HEURISTIC_NAMES:
             search.runs[name] = found
         for schedule, timeline in found:

@@ -134,11 +134,14 @@ def policies(graph: Graph) -> dict[str, frozenset[int]]:
     return {name: saved for saved, name in distinct.items()}
 
 
-def policy_candidates(graph: Graph, budget: int) -> list[Candidate]:
+def policy_candidates(graph: Graph, budget: int, memo=None) -> list[Candidate]:
     """Every simple policy's schedule (`on_demand` of its SAVE set) and its simulated timeline,
     over the budget or within it (like the heuristics, whatever the budget: compression may
-    make one fit); not ``save_all``, which is a heuristic of its own."""
-    return [candidate for name, candidate in named_policy_candidates(graph) if name != "save_all"]
+    make one fit); not ``save_all``, which is a heuristic of its own. ``memo``: the planner's
+    (`fxopt.solvers.minimum.Memo`), where they are kept per graph (None: made afresh)."""
+    named = (named_policy_candidates(graph) if memo is None
+             else memo.policies(graph, lambda: named_policy_candidates(graph)))
+    return [candidate for name, candidate in named if name != "save_all"]
 
 
 def named_policy_candidates(graph: Graph) -> list[tuple[str, Candidate]]:
