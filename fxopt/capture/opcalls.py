@@ -76,8 +76,10 @@ if _BoxedCodeGen is not None:
             # Bound in the code's own module, before the function, as FX binds its wrapped
             # functions: the code stays self-contained (a pickled GraphModule is its source and an
             # import block) and names each builtin by the op it belongs to.
-            return dataclasses.replace(code, src="\n" + "\n".join(bindings) + src,
-                                       _prologue_start=code._prologue_start + len(bindings))
+            # (The line the function starts at, where this torch's PythonCode records it, moves down.)
+            moved = {"_prologue_start": code._prologue_start + len(bindings)} \
+                if hasattr(code, "_prologue_start") else {}
+            return dataclasses.replace(code, src="\n" + "\n".join(bindings) + src, **moved)
 
 
 else:
