@@ -178,13 +178,17 @@ class FxoptModule(nn.Module):
     def original(self) -> nn.Module:
         return self._model
 
-    def _held_gradient_bytes(self) -> int:
+    @staticmethod
+    def _held_gradient_bytes(params: list[torch.Tensor]) -> int:
         """Bytes of the gradients already there as a call starts (each storage once)."""
-        return sum(storages([p.grad for p in module_tensors(self._model)[0] if p.grad is not None]).values())
+        return sum(storages([p.grad for p in params if p.grad is not None]).values())
 
     @_WithTheOriginalsSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        held = self._held_gradient_bytes()
+        # (One walk of the model a call, each parameter under each of its names: the held
+        # gradients' count and the step's record, `Step.start`, both read it.)
+        tensors = module_tensors(self._model, remove_duplicate=False)
+        held = self._held_gradient_bytes(tensors[0])
         if self._dims is not None:
             if held not in self._dynamic_runs:
                 self._dynamic_runs[held] = DynamicRun(self._model, self._options, self._dims, self.plans)
@@ -193,7 +197,7 @@ class FxoptModule(nn.Module):
         if forward_only and held in self._forward_only_steps:
             return self._forward_only(self._forward_only_steps[held], args, kwargs)
         try:
-            return self._run_step(held, args, kwargs)
+            return self._run_step(held, args, kwargs, tensors)
         except InfeasibleBudgetError as err:
             if not held:
                 raise with_accumulation_note(err, self._model) from None
@@ -205,13 +209,15 @@ class FxoptModule(nn.Module):
             self._forward_only_steps[held] = err
             return self._forward_only(err, args, kwargs)
 
-    def _run_step(self, held_gradient_bytes: int, args: tuple, kwargs: dict) -> Any:
-        """One call of the compiled step, checked to have run within the graphs fxopt planned."""
+    def _run_step(self, held_gradient_bytes: int, args: tuple, kwargs: dict, tensors=None) -> Any:
+        """One call of the compiled step, checked to have run within the graphs fxopt planned.
+        ``tensors``: the model's parameters and buffers, as `Step.start` takes them, where walked."""
         backend, compiled, between = self._step_for(held_gradient_bytes)
         distributed = self._distributed
         beside = distributed.held_beside(distributed.running_ddp(self))
         backend.prepare()  # (a step in pieces learned from its last call: planned again before this one)
-        step = backend.step = Step.start(self._model, [args, kwargs], held=beside, wrapping=distributed)
+        step = backend.step = Step.start(self._model, [args, kwargs], held=beside, wrapping=distributed,
+                                         tensors=tensors)
         try:
             out = distributed.call(functools.partial(run_compiled, compiler=self._options.compiler), compiled,
                                    between, args, kwargs)

@@ -33,6 +33,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules, each once, as ``module.modules()`` gives them, in one walk
+    (torch's walk resumes a generator per level of nesting for every module it yields; DDP's step
+    swaps the classes of the modules at every call, `fxopt.distributed.ddp`)."""
+    out: list = []
+    stack, seen = [module], set()
+    while stack:
+        m = stack.pop()
+        if m is None or id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack += reversed(m._modules.values())
+    return out
+
+
 def module_tensors(module: torch.nn.Module, *, remove_duplicate: bool = True
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The parameters and the buffers of ``module`` and its submodules, as ``module.parameters()``

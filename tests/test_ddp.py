@@ -283,3 +283,35 @@ def test_the_backward_waits_for_its_all_reduce_at_the_end(one_process_group, mon
     # The first bucket (the last layer's gradients) issued before the other layers' products, its
     # wait after the last of them.
     assert reduces[0] < mms[-1] < waits[0], kinds
+
+
+def test_a_call_swaps_the_classes_with_no_python_per_level_of_modules(one_process_group):
+    """Issue 28: `fxopt.distributed.ddp`'s class swap walks the modules in one loop at every call
+    (torch's ``modules()`` resumes a generator per level of nesting for every module it yields,
+    and a context manager per module cost three calls more). Counted in Python calls: a model
+    behind 40 more levels of modules costs under 100 more a call (without DDP's buffer broadcast,
+    whose own walk, ``_assign_modules_buffers`` at each forward, eager DDP pays as much). Each
+    module has its own class back after the call."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.test_step_overhead import nested, python_calls
+
+    def calls(depth: int) -> int:
+        model = nested(depth)
+        classes = [type(m) for m in model.modules()]
+        optimized = fxopt.optimize(DDP(model, broadcast_buffers=False), 1.0)
+        x = torch.randn(4, 8)
+
+        def step():
+            optimized(x).sum().backward()
+
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step()
+        model.zero_grad(set_to_none=True)
+        counted = python_calls(step)
+        assert [type(m) for m in model.modules()] == classes
+        return counted
+
+    shallow, deep = calls(1), calls(41)
+    assert deep - shallow < 100, (shallow, deep)

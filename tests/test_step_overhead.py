@@ -1,6 +1,7 @@
 """What fxopt's eager compiler costs beside the step it runs (issue 28): its bookkeeping at each
 call is counted in Python calls, not timed, so the tests do not depend on the machine's speed."""
 
+import pickle
 import sys
 
 import torch
@@ -85,3 +86,74 @@ def test_module_tensors_are_torchs():
     named = module_tensors(model, remove_duplicate=False)[0]
     assert [id(p) for p in named] == [id(p) for _, p in model.named_parameters(remove_duplicate=False)]
     assert len(named) > len(params)
+
+
+def aten_graph():
+    """A small aten graph (as AOTAutograd gives the eager compiler) and its inputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        return (torch.nn.functional.gelu(x @ w) * x).sum(0)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    return make_fx(f)(x, w), (x, w)
+
+
+def test_the_eager_compilers_code_calls_each_ops_builtin():
+    """Issue 28: each aten op is called through its builtin (`fxopt.capture.opcalls`), not through
+    ``torch.ops...`` and `OpOverload.__call__`: one Python call fewer per op, the same bits."""
+    from fxopt.capture.dynamo import _boxed
+
+    gm, inputs = aten_graph()
+    expected = gm(*inputs)
+    ops = [n for n in gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)]
+    plain = python_calls(lambda: gm(*inputs))  # FX's code: torch.ops.aten.<op>.<overload>(...)
+    run = _boxed(gm, inputs)
+    body = gm.code.split("def forward")[1]  # (before it: each builtin bound, by the op's name)
+    assert "torch.ops.aten" not in body and "aten_mul_Tensor(" in body, gm.code
+    for n in ops:
+        assert n.target._op in gm.forward.__globals__.values()
+    assert all(isinstance(n.target, torch._ops.OpOverload) for n in ops)  # (the graph is unchanged)
+    assert torch.equal(run(list(inputs)), expected)
+    pickle.dumps(gm)  # (as FX's own code does: the builtins are bound by the code, not passed in)
+    direct = python_calls(lambda: run(list(inputs)))
+    assert plain - direct >= len(ops) - 2, (plain, direct, len(ops))  # (run's own frame and its list)
+
+
+def test_an_op_called_otherwise_is_called_as_fx_writes_it(monkeypatch):
+    """Where an op's ``_op`` is not a builtin (or is missing: another torch), the code calls the op
+    as FX writes it, and the op runs as before."""
+    from fxopt.capture.dynamo import _boxed
+
+    gm, inputs = aten_graph()
+    expected = gm(*inputs)
+    mul, calls = torch.ops.aten.mul.Tensor, []
+    builtin = mul._op
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return builtin(*args, **kwargs)
+
+    monkeypatch.setattr(mul, "_op", counted)
+    run = _boxed(gm, inputs)
+    assert "torch.ops.aten.mul.Tensor(" in gm.code and "aten_mm_default(" in gm.code, gm.code
+    assert torch.equal(run(list(inputs)), expected) and calls == [1]
+
+    monkeypatch.setattr(mul, "_op", None)  # (missing, as far as the code is concerned)
+    gm.recompile()
+    assert "torch.ops.aten.mul.Tensor(" in gm.code and "aten_mm_default(" in gm.code, gm.code
+    monkeypatch.setattr(mul, "_op", builtin)
+
+    # A torch whose OpOverload.__call__ does more than call ``_op``: every op is called through it.
+    def call(self, /, *args, **kwargs):
+        calls.append(self)
+        return self._op(*args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", call)
+    gm, inputs = aten_graph()
+    run, calls[:] = _boxed(gm, inputs), []
+    assert "torch.ops.aten.mul.Tensor(" in gm.code and "torch.ops.aten.mm.default(" in gm.code, gm.code
+    assert "._op" not in gm.code
+    assert torch.equal(run(list(inputs)), expected)
+    assert len(calls) == sum(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)

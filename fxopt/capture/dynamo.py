@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
+from fxopt.capture.opcalls import DirectOpCodeGen
 from fxopt.fxgraph import copy_module
 from fxopt.measuring import not_measured, step_runs
 from fxopt.passes.recompute import split_with_recompute
@@ -169,10 +170,10 @@ def _boxed(gm: fx.GraphModule, example_inputs) -> Callable:
     (a saved activation, a tangent) is freed after its last use, like every intermediate. An
     incoming gradient that autograd left undefined (None: see `unreached_gradients_stay_undefined`)
     is given as zeros that hold one element, expanded to its shape: the same values, and no
-    storage the size of the output it is the gradient of."""
-    codegen = getattr(fx.graph, "_BoxedCodeGen", None)
-    if codegen is not None:
-        gm.graph.set_codegen(codegen())
+    storage the size of the output it is the gradient of. Each op is called through its builtin
+    (`fxopt.capture.opcalls`: the same results, less Python per op)."""
+    if DirectOpCodeGen is not None:
+        gm.graph.set_codegen(DirectOpCodeGen())
         gm.recompile()
 
         def call(args):

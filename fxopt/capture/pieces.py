@@ -156,9 +156,12 @@ class Step:
     at_floors: bool | None = None  # every piece of this call planned at its smallest budget (`PiecewiseBackend`)
 
     @classmethod
-    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None) -> Step:
-        # (One walk of the model, each parameter under each of its names: this runs at every call.)
-        params, buffers = module_tensors(model, remove_duplicate=False)
+    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None,
+              tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> Step:
+        """``tensors``: the model's parameters and buffers, each under each of its names
+        (`fxopt.storage.module_tensors` with ``remove_duplicate=False``), where the caller walked
+        the model already in this call (this runs at every call)."""
+        params, buffers = tensors if tensors is not None else module_tensors(model, remove_duplicate=False)
         resident = storages([params, buffers, *args], grads=True)
         trainable: dict[StorageKey, int] = {}
         names: dict[StorageKey, int] = {}

@@ -53,7 +53,10 @@ import torch
 import torch.nn as nn
 from torch.distributed import _functional_collectives as funcol
 
-from fxopt.distributed.fsdp import reading_through
+from fxopt.storage import module_tensors, submodules
+
+# Where a module reading through `_AverageInBackward` finds its group's name and scale (`OneGraph.reducing`).
+_REDUCE_KEY = "_fxopt_ddp_reduce"
 
 
 class _AverageInBackward(torch.autograd.Function):
@@ -106,7 +109,7 @@ class OneGraph:
         ddp = self.ddp
         join = getattr(ddp, "_join_config", None)
         return (ddp.require_backward_grad_sync and not (join is not None and join.enable)
-                and all(p.grad is None for p in ddp.module.parameters()))
+                and all(p.grad is None for p in module_tensors(ddp.module)[0]))
 
     @contextlib.contextmanager
     def reducing(self):
@@ -117,25 +120,51 @@ class OneGraph:
             return
         ddp = self.ddp
         group = ddp.process_group
-        scale = 1.0 / group.size()
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(ddp.no_sync())
-            for module in ddp.module.modules():
-                names = [n for n, p in module._parameters.items() if p is not None and p.requires_grad]
-                if names:
-                    stack.enter_context(reading_through(module, self._classes, lambda cls: _reducing_class(cls, names),
-                                                        "_fxopt_ddp_reduce", (group.group_name, scale)))
-            yield
+        with ddp.no_sync():
+            swapped = self._read_through_averages((group.group_name, 1.0 / group.size()))
+            try:
+                yield
+            finally:
+                _restore(swapped)
         # What DDP's post-forward sets after a synchronized forward (under no_sync it cleared it):
         # the next forward broadcasts the buffers (broadcast_buffers=True) as eager DDP's would.
         ddp.require_forward_param_sync = torch.is_grad_enabled()
+
+    def _read_through_averages(self, reduce: tuple[str, float]) -> list[tuple[nn.Module, type]]:
+        """Every module of the DDP with a trainable parameter as its reading subclass, made once
+        per module (`fxopt.distributed.fsdp.reading_through`'s swap, for all of them in one loop:
+        this runs at every call); ``reduce`` (group name, scale) under `_REDUCE_KEY`. The modules
+        swapped and their own classes."""
+        swapped: list[tuple[nn.Module, type]] = []
+        try:
+            for module in submodules(self.ddp.module):
+                names = [n for n, p in module._parameters.items() if p is not None and p.requires_grad]
+                if not names:
+                    continue
+                cls = type(module)
+                reading = self._classes.get(id(module))
+                if reading is None:
+                    reading = self._classes[id(module)] = _reducing_class(cls, names)
+                module.__dict__[_REDUCE_KEY] = reduce
+                module.__class__ = reading
+                swapped.append((module, cls))
+        except BaseException:
+            _restore(swapped)
+            raise
+        return swapped
+
+
+def _restore(swapped: list[tuple[nn.Module, type]]) -> None:
+    for module, cls in reversed(swapped):
+        module.__class__ = cls
+        del module.__dict__[_REDUCE_KEY]
 
 
 def _reducing_class(cls: type, names: list[str]) -> type:
     """A subclass of ``cls`` whose parameters ``names`` read through `_AverageInBackward`."""
     def reader(name: str):
         def get(self):
-            group_name, scale = self.__dict__["_fxopt_ddp_reduce"]
+            group_name, scale = self.__dict__[_REDUCE_KEY]
             return _AverageInBackward.apply(self._parameters[name], group_name, scale)
         return property(get)
 
