@@ -53,6 +53,11 @@ class _WithTheOriginalsSignature:
         return bound
 
 
+def held_gradient_bytes(params: list[torch.Tensor]) -> int:
+    """Bytes of the gradients already there as a call starts (each storage once)."""
+    return sum(storages([p.grad for p in params if p.grad is not None]).values())
+
+
 class FxoptModule(nn.Module):
     """A model whose training step fxopt plans and rewrites. Used like the original: it shares
     the original's parameters, buffers and submodules (and so its ``state_dict``); forward,
@@ -178,17 +183,12 @@ class FxoptModule(nn.Module):
     def original(self) -> nn.Module:
         return self._model
 
-    @staticmethod
-    def _held_gradient_bytes(params: list[torch.Tensor]) -> int:
-        """Bytes of the gradients already there as a call starts (each storage once)."""
-        return sum(storages([p.grad for p in params if p.grad is not None]).values())
-
     @_WithTheOriginalsSignature
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # (One walk of the model a call, each parameter under each of its names: the held
         # gradients' count and the step's record, `Step.start`, both read it.)
         tensors = module_tensors(self._model, remove_duplicate=False)
-        held = self._held_gradient_bytes(tensors[0])
+        held = held_gradient_bytes(tensors[0])
         if self._dims is not None:
             if held not in self._dynamic_runs:
                 self._dynamic_runs[held] = DynamicRun(self._model, self._options, self._dims, self.plans)
