@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import os
 import sys
 import time
@@ -168,6 +170,9 @@ def markdown(result: dict) -> str:
         analysed = f"{row['analyses']} graphs analysed; " if "analyses" in row else ""
         lines += ["", f"Counted work: {row['captures']} Dynamo captures; {analysed}{row['replays']} schedules replayed "
                       "by the simulator."]
+    if "plan_digests" in row:
+        lines += ["", "Plan digests (sha256 of `Plan.to_dict` less `solve_seconds`): "
+                  + ", ".join(f"{k} `{v}`" for k, v in row["plan_digests"].items()) + "."]
     lines += ["", "The answer (`Fit.__str__`):", "", "```", row["table"], "```", ""]
     return "\n".join(lines)
 
@@ -231,10 +236,26 @@ def main(argv=None) -> None:
         phases.marks.insert(2, phases.marks[1])
     row = {"wall_s": wall, "nodes": len(found.min_plan.graph), "split": split(found, phases.marks),
            "captures": counts.captures, "analyses": counts.analyses, "replays": counts.replays,
-           "answer": found.to_dict(), "table": str(found), "min_plan_summary": found.min_plan.summary()}
+           "answer": found.to_dict(), "table": str(found), "min_plan_summary": found.min_plan.summary(),
+           "plan_digests": plan_digests(found)}
     log(f"fit in {wall:.1f} s\n{row['table']}")
     result = {"meta": meta, "row": row}
     write_results(Path(args.out), result, markdown(result))
+
+
+def plan_digests(found) -> dict[str, str | None]:
+    """Each plan fit made (at the smallest budget, at the budget, at the largest batch): sha256 of
+    its `Plan.to_dict` less ``solve_seconds``, the first 12 hex digits (None: no such plan). Two
+    runs with equal digests made the same plans."""
+    def digest(plan) -> str | None:
+        if plan is None:
+            return None
+        d = plan.to_dict()
+        d.pop("solve_seconds", None)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+    return {"smallest budget": digest(found.min_plan), "at the budget": digest(found.plan),
+            "largest batch": digest(None if found.largest is None else found.largest.plan)}
 
 
 if __name__ == "__main__":

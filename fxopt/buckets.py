@@ -203,6 +203,29 @@ def largest(lo: int, hi: int, fits) -> int | None:
     """The largest v in [lo, hi] with ``fits(v)``, for ``fits`` true up to some v (monotone), or None."""
     if hi < lo or not fits(lo):
         return None
+    return _bisect(lo, hi, fits)
+
+
+def largest_from_below(lo: int, hi: int, fits) -> int | None:
+    """`largest`, for an answer expected near ``lo`` in a wide range: ``fits`` asked up from
+    ``lo`` in doubling steps until it fails, then the bisection between; about 2 log2(v - lo)
+    questions for the answer v, not log2(hi - lo) (`fxopt.max_batch`'s zero-scratch bracket
+    over batches 2 to 65,536 ends at 22 on Llama-3-8B: 11 questions, not 17; eager's batch, 3
+    below that bracket: 3, not 5). The same answer as `largest` for a monotone ``fits``."""
+    if hi < lo or not fits(lo):
+        return None
+    step = 1
+    while lo < hi:
+        probe = min(lo + step, hi)
+        if not fits(probe):
+            hi = probe - 1
+            break
+        lo, step = probe, 2 * step
+    return _bisect(lo, hi, fits)
+
+
+def _bisect(lo: int, hi: int, fits) -> int:
+    """The largest v in [lo, hi] with ``fits(v)``, ``fits(lo)`` known true."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)

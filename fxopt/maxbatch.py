@@ -43,7 +43,7 @@ import torch.nn as nn
 from fxopt.analysis import JointGraph
 from fxopt.analysis.joint import graph_fingerprint
 from fxopt.api import FxoptModule
-from fxopt.buckets import Bucket, largest
+from fxopt.buckets import Bucket, largest, largest_from_below
 from fxopt.budget import Budget, BudgetLike
 from fxopt.capture.shapes import DynamicDims
 from fxopt.errors import BudgetError, InfeasibleBudgetError
@@ -253,7 +253,7 @@ def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: in
         eager_jg, jg = capture_symbolic(model, make_inputs(probe), dims, {name: probe}, options)
         lo, hi = jg.symbolic.ranges.bounds[name]  # (narrowed where the model specializes a size)
         search = _Search(jg, name, budget, lo, hi)
-        top = search.largest(lo, hi, search.lower_bound_fits)
+        top = largest_from_below(lo, hi, search.lower_bound_fits)  # (hi: the search limit, 2**16 by default)
         # (a step planning does not rewrite is one graph: its graphs at each batch made once)
         eager = search if eager_jg is jg else _Search(eager_jg, name, budget, lo, hi)
         proven = None if top is None else search.largest(lo, top, search.measured_bound_fits)
@@ -269,7 +269,8 @@ def _largest_of(segments: list[_Segment], schedule_of) -> int | None:
         # (the bracket of the planned step's graph, not its proven_max: the step as captured may
         # be another graph, whose scratch the planned one's bound does not speak for)
         top = segment.bracket if segment.bracket is not None else segment.eager.lo - 1
-        found = segment.eager.largest_with(schedule_of(segment), segment.eager.lo, top)
+        # (eager's and per-block checkpointing's batches lie well below the bracket, mostly)
+        found = segment.eager.largest_with(schedule_of(segment), segment.eager.lo, top, from_below=True)
         if found is not None:
             return found
     return None
@@ -300,10 +301,12 @@ class _Search:
 
     largest = staticmethod(largest)
 
-    def largest_with(self, schedule: Schedule, lo: int, hi: int) -> int | None:
+    def largest_with(self, schedule: Schedule, lo: int, hi: int, from_below: bool = False) -> int | None:
         """The largest batch in [lo, hi] at which ``schedule``'s peak fits (bisection, each batch
-        tried with the scratch memory measured there)."""
-        return self.largest(lo, hi, lambda b: simulate(self.at(b), schedule).peak_bytes <= self.budget)
+        tried with the scratch memory measured there; ``from_below``: searched up from ``lo``
+        first, `largest_from_below`)."""
+        search = largest_from_below if from_below else self.largest
+        return search(lo, hi, lambda b: simulate(self.at(b), schedule).peak_bytes <= self.budget)
 
     def fxopt_batch(self, lo: int, hi: int, how: _Solving) -> tuple[int, Plan] | None:
         """fxopt's largest batch in [lo, hi] and its plan. At ``hi`` (the proven bracket) the

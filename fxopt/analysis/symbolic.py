@@ -336,8 +336,8 @@ class SymbolicGraph:
             compressed, codec_flops = size(s.compressed_bytes), size(s.codec_flops)
             if self.round_bytes > 1:
                 nbytes, compressed = rounded_up(nbytes, self.round_bytes), rounded_up(compressed, self.round_bytes)
-            nodes.append(dataclasses.replace(
-                node, bytes=nbytes, flops=flops, comm_bytes=comm,
+            nodes.append(node.replaced(
+                bytes=nbytes, flops=flops, comm_bytes=comm,
                 cost=0.0 if node.kind == "input" else cost(flops, size(s.moved), node.storage is not None, comm,
                                                               node.op_class == "pointwise"),
                 compressed_bytes=compressed, codec_flops=codec_flops,
