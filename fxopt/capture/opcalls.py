@@ -19,7 +19,9 @@ the bench Llama's DDP step: docs/multi-device.md). The graph is not changed: its
 OpOverload targets, so `fxopt inspect`, Inductor and every pass see what they saw; only the code
 the eager compiler runs differs.
 
-Checked per op, not assumed from torch's version (2.11 to 2.14 call the builtin this way): an op
+Checked per op, not assumed from torch's version (2.11 to 2.13 call the builtin this way; 2.14's
+`OpOverload.__call__` first checks for a Python-object dispatcher, so there every op is called as
+FX writes it, as before): an op
 whose class calls otherwise (`torch._ops.TorchBindOpOverload` handles script objects first), whose
 ``__call__`` does more than call ``_op``, or whose ``_op`` is missing or not a builtin, is called
 as FX writes it.
