@@ -39,10 +39,11 @@ def assert_same_step(eager, optimized, loss_e, loss_o):
         torch.testing.assert_close(b_o, b_e, msg=lambda m: f"buffer {name}: {m}")
 
 
-def measured_peak(module, inputs) -> int:
-    """Measured peak of one step, gradients freed before it (see fxopt.measure_peak)."""
+def measured_peak(module, inputs, step_fn=step) -> int:
+    """Measured peak of one step (``step_fn(module, inputs)``), gradients freed before it (see
+    fxopt.measure_peak)."""
     module.zero_grad(set_to_none=True)
-    return fxopt.measure_peak(step, module, inputs, resident=[module, inputs]).peak_bytes
+    return fxopt.measure_peak(step_fn, module, inputs, resident=[module, inputs]).peak_bytes
 
 
 def masked_mlp(relu: bool):

@@ -294,22 +294,12 @@ def test_a_call_swaps_the_classes_with_no_python_per_level_of_modules(one_proces
     module has its own class back after the call."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tests.test_step_overhead import nested, python_calls
+    from tests.test_step_overhead import nested, step_calls
 
     def calls(depth: int) -> int:
         model = nested(depth)
         classes = [type(m) for m in model.modules()]
-        optimized = fxopt.optimize(DDP(model, broadcast_buffers=False), 1.0)
-        x = torch.randn(4, 8)
-
-        def step():
-            optimized(x).sum().backward()
-
-        for _ in range(2):
-            model.zero_grad(set_to_none=True)
-            step()
-        model.zero_grad(set_to_none=True)
-        counted = python_calls(step)
+        counted = step_calls(model, DDP(model, broadcast_buffers=False))
         assert [type(m) for m in model.modules()] == classes
         return counted
 

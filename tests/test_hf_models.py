@@ -340,11 +340,6 @@ def _logits_dropped(module, inputs):
     module(*inputs)[0].backward()  # (``model(...).loss.backward()``: the logits freed before the backward)
 
 
-def _peak(module, inputs, step_fn) -> int:
-    module.zero_grad(set_to_none=True)
-    return fxopt.measure_peak(step_fn, module, inputs, resident=[module, inputs]).peak_bytes
-
-
 @pytest.mark.parametrize("arch", [("LlamaConfig", "LlamaForCausalLM"), ("GemmaConfig", "GemmaForCausalLM")])
 def test_logits_returned_beside_the_loss_get_no_gradient_in_eager(arch):
     """Issue 24, items 11 and 3: the step is traced with an incoming gradient for the logits it
@@ -359,7 +354,7 @@ def test_logits_returned_beside_the_loss_get_no_gradient_in_eager(arch):
     torch.manual_seed(0)
     hf, named = hf_zoo._llama_like(*arch, "bench", 0.0)
     model, inputs = LossAndLogits(hf, tuple(named)).train(), tuple(named.values())
-    eager = {f: _peak(copy.deepcopy(model), inputs, f) for f in (_logits_held, _logits_dropped)}
+    eager = {f: measured_peak(copy.deepcopy(model), inputs, f) for f in (_logits_held, _logits_dropped)}
     optimized = fxopt.optimize(copy.deepcopy(model), 1.0, time_limit=TIME_LIMIT)
     _logits_held(optimized, inputs)  # the first call plans
     plan = optimized.plan
@@ -367,11 +362,11 @@ def test_logits_returned_beside_the_loss_get_no_gradient_in_eager(arch):
     assert 1.0 <= plan.eager_peak_bytes / held <= 1.03, f"predicted {plan.eager_peak_bytes} B, measured {held} B"
     assert plan.eager_peak_bytes >= dropped
     for f in (_logits_held, _logits_dropped):
-        assert _peak(optimized, inputs, f) <= eager[f], f.__name__
+        assert measured_peak(optimized, inputs, f) <= eager[f], f.__name__
     grad = torch.randn(*named["input_ids"].shape, hf.config.vocab_size)  # (resident: counted in the peak)
 
     def logits_too(module, inputs):
         loss, logits = module(*inputs[:-1])
         torch.autograd.backward((loss, logits), (None, inputs[-1]))
 
-    assert _peak(optimized, (*inputs, grad), logits_too) <= plan.budget_bytes
+    assert measured_peak(optimized, (*inputs, grad), logits_too) <= plan.budget_bytes

@@ -47,8 +47,10 @@ def python_calls(fn) -> int:
     return calls
 
 
-def step_calls(model: nn.Module) -> int:
-    optimized = fxopt.optimize(model, 1.0)
+def step_calls(model: nn.Module, optimizing: nn.Module | None = None) -> int:
+    """Python calls of one step of ``fxopt.optimize(optimizing)`` at 1.0, after two steps; by
+    default ``optimizing`` is ``model``, else a wrapper of it (a DDP)."""
+    optimized = fxopt.optimize(model if optimizing is None else optimizing, 1.0)
     x = torch.randn(4, 8)
 
     def step():
