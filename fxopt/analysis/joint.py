@@ -404,20 +404,23 @@ _FUNCTIONALIZED_IN_PLACE = frozenset([
 ])
 
 
+def _storage_root(nodes: list[Node], i: int) -> int:
+    """The node whose storage node ``i`` lives in (`Graph.root`, on a list of nodes being built)."""
+    s = nodes[i].storage
+    return i if s is None or s == i else _storage_root(nodes, s)
+
+
 def _with_eager_in_place(nodes: list[Node], fx_nodes: list[fx.Node]) -> list[Node]:
     """``nodes`` with `Node.eager_in_place` where an aten formula's in-place write became a
     functional op (`_FUNCTIONALIZED_IN_PLACE`) on a buffer the same formula made."""
     index = {n: i for i, n in enumerate(fx_nodes)}
-
-    def root(i: int) -> int:
-        return i if nodes[i].storage is None else root(nodes[i].storage)
 
     out = list(nodes)
     for i, n in enumerate(fx_nodes):
         if n.target not in _FUNCTIONALIZED_IN_PLACE or n.meta.get("partitioner_tag") != "is_backward":
             continue
         first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        base = fx_nodes[root(index[first])] if first is not None else None
+        base = fx_nodes[_storage_root(nodes, index[first])] if first is not None else None
         if (base is not None and base.meta.get("partitioner_tag") == "is_backward"
                 and base.meta.get("seq_nr") == n.meta.get("seq_nr") and isinstance(n.meta.get("val"), torch.Tensor)):
             out[i] = dataclasses.replace(out[i], eager_in_place=True)
@@ -441,15 +444,12 @@ def _without_gradients_eager_never_makes(nodes: list[Node], fx_nodes: list[fx.No
     never = {i for i in tangents if fx_nodes[i].meta["val"].dim() > 0}
     index = {n: i for i, n in enumerate(fx_nodes)}
 
-    def root(i: int) -> int:
-        return i if nodes[i].storage is None or nodes[i].storage == i else root(nodes[i].storage)
-
     out = [dataclasses.replace(node, eager_bytes=0) if i in never else node for i, node in enumerate(nodes)]
     for i, n in enumerate(fx_nodes):
         if n.target is not aten.add.Tensor or n.kwargs.get("alpha", 1) != 1 or len(n.args) != 2:
             continue
         operands = [a for a in n.args if isinstance(a, fx.Node)]
-        made = [a for a in operands if root(index[a]) not in never]
+        made = [a for a in operands if _storage_root(nodes, index[a]) not in never]
         val = n.meta.get("val")
         if (len(operands) != 2 or len(made) != 1 or not isinstance(val, torch.Tensor)
                 or not isinstance(other := made[0].meta.get("val"), torch.Tensor)
