@@ -186,13 +186,19 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def measure(fn, model: nn.Module, wrapped: nn.Module, inputs, timed_steps: int, device: torch.device) -> dict[str, Any]:
-    """Three steps (the first compiles and plans, the second is where DDP rebuilds its buckets),
-    the third measured; one counted; ``timed_steps`` timed."""
+def _two_steps(fn, model: nn.Module, inputs) -> None:
+    """Two steps, each from no gradients (the first compiles and plans, the second is where DDP
+    rebuilds its buckets), and the gradients cleared after: the third step is the steady one."""
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         _step(fn, inputs)
     model.zero_grad(set_to_none=True)
+
+
+def measure(fn, model: nn.Module, wrapped: nn.Module, inputs, timed_steps: int, device: torch.device) -> dict[str, Any]:
+    """Three steps (the first compiles and plans, the second is where DDP rebuilds its buckets),
+    the third measured; one counted; ``timed_steps`` timed."""
+    _two_steps(fn, model, inputs)
     peak = fxopt.measure_peak(_step, fn, inputs, resident=[fn, wrapped, model])
     row = {"peak_bytes": peak.peak_bytes, "loss": _mean_over_ranks(float(peak.result) * getattr(model, "scale", 1), device),
            "grads": _grads(model)}
@@ -246,10 +252,7 @@ def interleaved_ddp(args, rank: int, world: int, device: torch.device) -> list[d
     single = single_process(args, world, device)
     eager_model, inputs = build(args.size, world, rank, device, args.model)
     eager = DDP(eager_model)
-    for _ in range(2):  # (as `measure`: the second step is where DDP rebuilds its buckets)
-        eager_model.zero_grad(set_to_none=True)
-        _step(eager, inputs)
-    eager_model.zero_grad(set_to_none=True)  # (until 82a905f the gradients of the step before were held: 50.86 MiB)
+    _two_steps(eager, eager_model, inputs)  # (until 82a905f the gradients of the step before were held: 50.86 MiB)
     peak = _agreed_max(fxopt.measure_peak(_step, eager, inputs, resident=[eager, eager_model]).peak_bytes, device)
     runs = {"eager": (eager_model, eager, eager)}
     for name, options in DDP_TIME_ROUTES.items():
