@@ -7,6 +7,9 @@
     Budget.parse("50%")       Budget(fraction=0.5)         or a percentage in (0%, 100%]
     Budget.parse("min")       Budget(minimum=True)         the smallest budget fxopt can meet
 
+A share is of eager's predicted peak, or, with ``compiler="inductor"``, of Inductor's own step's
+measured peak (`fxopt.capture.inductor`).
+
 `fxopt.Options` parses its ``budget`` when it is made, so a budget that cannot be read fails at
 the call that gives it; everything after reads the parsed value (`Budget.bytes`,
 `Budget.resolve`).

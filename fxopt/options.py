@@ -151,7 +151,8 @@ class Options:
         The peak the step may reach: bytes, a size ("3GiB"), a share of the eager peak (0.5 or
         "50%") or "min", the smallest budget fxopt can meet. A size is an int of bytes or a
         string: KiB/MiB/GiB are powers of 1024, KB/MB/GB of 1000. A share is of the un-rewritten
-        step's peak, a float in (0, 1] or a percentage. The peak counts all tensor memory live
+        step's peak (with compiler="inductor", of Inductor's own step's measured peak), a float
+        in (0, 1] or a percentage. The peak counts all tensor memory live
         during forward and backward: parameters, buffers, inputs, gradients, activations,
         temporaries.""")
     solver: str = option("auto", check=_solver, flag=Flag(choices=SOLVERS, help=(
@@ -181,8 +182,9 @@ class Options:
         How ops are priced: the estimated seconds the solvers minimise
         (`fxopt.analysis.CostModel`).""")
     compiler: str = option("eager", check=_compiler, flag=Flag(choices=COMPILERS), doc="""
-        What runs the rewritten forward and backward: "eager" (FX code, op by op) or "inductor".
-        See `fxopt.capture.inductor`.""")
+        What runs the rewritten forward and backward: "eager" (FX code, op by op) or "inductor"
+        (a fractional budget is then a share of Inductor's own step's measured peak). See
+        `fxopt.capture.inductor`.""")
     inductor_config: dict | None = option(None, check=_instance("inductor_config", dict, optional=True), doc="""
         Extra Inductor settings, with compiler="inductor".""")
     compress: bool = option(True, check=_instance("compress", bool), flag=Flag(

@@ -29,7 +29,7 @@ from fxopt.analysis.symbolic import Sizes, error_on_new_guards
 from fxopt.budget import BudgetLike
 from fxopt.capture.compiled import compile_step, run_compiled
 from fxopt.capture.dynamic import Analyzed, DynamicState, make_dynamic_backend
-from fxopt.capture.dynamo import Answered, CapturedStep, PlanReady, make_backend
+from fxopt.capture.dynamo import Answered, CapturedStep, PlanReady, make_backend, of_compiled_step
 from fxopt.capture.repeat import LONG, SHORT, NotStamped, Run, repeated_run, stamped_joint
 from fxopt.capture.shapes import DynamicDims, SpecializedError, capture_settings, check_symbolic, mark
 from fxopt.devices import DeviceProfile
@@ -91,7 +91,9 @@ def _captured_and_planned(model: nn.Module, options: Options, example_inputs: Se
     args, kwargs = split_inputs(example_inputs)
     # (each plan of one capture analyses what an earlier one analysed no more: `Analyses`)
     answer = None if ask is None else lambda step: ask(functools.partial(step.plan, analyses=Analyses()))
-    run = repeated_run(model) if plan_only and options.stamp and distributed is None and not held else None
+    # (A fraction with Inductor is of Inductor's own step, measured on the step captured whole.)
+    stamp = plan_only and options.stamp and distributed is None and not held and not of_compiled_step(options)
+    run = repeated_run(model) if stamp else None
     if run is not None:
         try:
             return _stamped(model, run, options, args, kwargs, answer or (lambda step: step.plan(options, copy=False)))

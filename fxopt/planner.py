@@ -118,20 +118,22 @@ def transfers(joint: fx.GraphModule, options: Options) -> Transfers | None:
 
 def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int = 0,
               sizes: Sizes | None = None, *, backward_bytes: int = 0, analyses: Analyses | None = None,
-              whole_step: bool = True):
+              whole_step: bool = True, compiled_peak_bytes: int | None = None):
     """The step ``joint`` analysed, and its plan. ``unread_resident_bytes``, ``sizes`` (a step
     captured with dynamic shapes, planned at ``sizes.point``), ``backward_bytes`` (held beside its
     backward only): see `fxopt.analysis.analyze`. A budget of ``"min"``: the smallest budget the
     solvers meet on this analysis of the step (`_at_smallest_budget`), then planned at it.
     ``analyses``: the graphs analysed for the plans made before this one from copies of the same
     capture (`Analyses`; `fxopt.plan_ahead.plan_each`), not analysed again. ``whole_step``: the
-    graph is a whole training step, not a piece of one (`fxopt.analysis.analyze`)."""
+    graph is a whole training step, not a piece of one (`fxopt.analysis.analyze`).
+    ``compiled_peak_bytes``: the measured peak of the compiler's own step (Inductor's:
+    `fxopt.capture.inductor`), which a fractional budget is then a share of, not of eager's."""
     refuse_device(options)  # (`fxopt.plan` plans it on fake tensors, with device=None)
     refuse_meta_tensors(joint)
     coalesce_all_reduces(joint)  # DDP's gradients reduced in buckets, as its reducer does (eager too)
     with heap_frozen():
         jg, plan = _make_plan(joint, num_fwd_outputs, options, unread_resident_bytes, sizes, backward_bytes, analyses,
-                              whole_step)
+                              whole_step, compiled_peak_bytes)
     if options.planned_for is not None:  # (also on a plan from the cache: two profiles may make one graph)
         plan = dataclasses.replace(plan, planned_for=options.planned_for.planning_note())
     agreed = agreed_plan(joint, plan)  # a step with collectives inside: one plan on every rank
@@ -145,7 +147,8 @@ def make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unr
 
 
 def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,
-               sizes: Sizes | None, backward_bytes: int, analyses: Analyses | None, whole_step: bool):
+               sizes: Sizes | None, backward_bytes: int, analyses: Analyses | None, whole_step: bool,
+               compiled_peak_bytes: int | None = None):
     # Budgets given as a fraction are of the step as eager autograd runs it: simulate that before
     # the passes below change what the backward reads (and analyze again only if they did).
     codecs = _codecs(options, unread_resident_bytes, sizes, backward_bytes, whole_step)
@@ -195,25 +198,25 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
 
         jg, options = _at_smallest_budget(jg, options, eager.peak_bytes, without_relu_masks if relu else None,
                                           masked_again)
-    return _planned(jg, options, eager.peak_bytes, without_relu_masks if relu else None)
+    return _planned(jg, options, eager.peak_bytes, without_relu_masks if relu else None, compiled_peak_bytes)
 
 
-def _planned(jg, options: Options, eager_peak_bytes: int, without_relu_masks):
+def _planned(jg, options: Options, eager_peak_bytes: int, without_relu_masks, compiled_peak_bytes: int | None = None):
     """The analysed step ``jg`` planned within ``options``' budget (a share of ``eager_peak_bytes``,
-    or bytes), or read from the plan cache: (the step as planned, the plan). ``without_relu_masks``:
-    the step analysed again without its ReLU masks (None: it has none), for the fallbacks of
-    `_solve`."""
-    budget = options.budget.resolve(eager_peak_bytes)
+    or of ``compiled_peak_bytes`` where that was measured, or bytes), or read from the plan cache:
+    (the step as planned, the plan). ``without_relu_masks``: the step analysed again without its
+    ReLU masks (None: it has none), for the fallbacks of `_solve`."""
+    budget = options.budget.resolve(eager_peak_bytes if compiled_peak_bytes is None else compiled_peak_bytes)
     cache_key = cache.key(jg.graph, budget, options.solver_key(), effort_of(options.effort))
     cached = cache.load(cache_key)
     if cached is not None:
         step = _step_of(cached, jg)
         if step is None and without_relu_masks is not None:  # planned without the ReLU masks
             step = _step_of(cached, without_relu_masks())
-        return step, cached
+        return step, dataclasses.replace(cached, compiled_peak_bytes=compiled_peak_bytes)
     log.info("fxopt: planning a step of %d nodes for a budget of %d bytes", len(jg.graph), budget)
     t0 = time.perf_counter()
-    planned = dict(budget_bytes=budget, eager_peak_bytes=eager_peak_bytes)
+    planned = dict(budget_bytes=budget, eager_peak_bytes=eager_peak_bytes, compiled_peak_bytes=compiled_peak_bytes)
     try:
         jg, solution = _solve_in_order(jg, options, planned, without_relu_masks, solve_seconds(options))
     finally:

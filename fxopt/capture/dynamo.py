@@ -237,12 +237,20 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
     # not keep the modules that hold it.
     host_copies = []
 
-    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **_):
+    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kw):
         if ask is not None:
             raise Answered(ask(CapturedStep(joint, num_fwd_outputs, unread["bytes"], unread["inputs"], backward_bytes)))
+        compiled_peak = None
+        if whole_step and of_compiled_step(options, joint):
+            if "compiled_held" not in kw:
+                from fxopt.capture.inductor import CompiledPeakWanted
+
+                raise CompiledPeakWanted
+            if kw["compiled_held"] is not None:
+                compiled_peak = kw["compiled_held"] + unread["bytes"] + backward_bytes
         t0 = time.perf_counter()
         jg, plan = make_plan(joint, num_fwd_outputs, options, unread["bytes"], backward_bytes=backward_bytes,
-                             whole_step=whole_step)
+                             whole_step=whole_step, compiled_peak_bytes=compiled_peak)
         on_plan(plan)
         fw, bw = split_with_recompute(jg, plan.schedule)
         if hasattr(fw, "_fxopt_host_copies"):
@@ -264,9 +272,24 @@ def make_backend(options: Options, on_plan: Callable[[Plan], None], *, stop_afte
     return step_backend(partition, options, count_unread if resident is not None else None)
 
 
+def of_compiled_step(options: Options, joint: fx.GraphModule | None = None) -> bool:
+    """Whether ``options``' budget is a share of the compiled step's measured peak: a fraction, with
+    ``compiler="inductor"``, planned anew (no given plan), for a step (``joint``, where known)
+    without collectives inside (every rank must plan alike, and each would measure on its own)."""
+    if options.compiler != "inductor" or options.budget.fraction is None or options.plan is not None:
+        return False
+    return joint is None or not _has_collectives(joint)
+
+
+def _has_collectives(joint: fx.GraphModule) -> bool:
+    return any(isinstance(n.target, torch._ops.OpOverload) and "c10d" in n.target.namespace
+               for n in joint.graph.nodes)
+
+
 def own_step_bound(joint: fx.GraphModule, plan: Plan, held_bytes: int) -> int | None:
     """Where the budget admits the step as eager runs it (at least its predicted eager peak: a
-    fraction of 1.0 or more), or the plan changes nothing in it (nothing RECOMPUTEd, COMPRESSed or
+    fraction of 1.0 or more) or as Inductor's own step ran when measured (at least
+    ``plan.compiled_peak_bytes``), or the plan changes nothing in it (nothing RECOMPUTEd, COMPRESSed or
     OFFLOADed), the most the step's graph may hold for the budget to hold: the budget less
     ``held_bytes`` (what is alive beside the graph: parameters it does not read, existing
     gradients, a piece's reserve), its inputs and everything it allocates counted. Another
@@ -275,11 +298,13 @@ def own_step_bound(joint: fx.GraphModule, plan: Plan, held_bytes: int) -> int | 
     only in fxopt's modules); a step with collectives inside (every rank must run the same code,
     and each rank would decide on its own measurement)."""
     changes = plan.recomputed or plan.compressed or plan.offloaded or plan.recompute_comm_bytes
-    if changes and plan.budget_bytes < plan.eager_peak_bytes:
+    admitted = plan.budget_bytes >= min(plan.eager_peak_bytes, plan.compiled_peak_bytes or plan.eager_peak_bytes)
+    if changes and not admitted:
+        return None
+    if _has_collectives(joint):
         return None
     for n in joint.graph.nodes:
-        target = n.target
-        if isinstance(target, torch._ops.OpOverload) and ("c10d" in target.namespace or _draws(n)):
+        if isinstance(n.target, torch._ops.OpOverload) and _draws(n):
             return None
     return plan.budget_bytes - held_bytes
 

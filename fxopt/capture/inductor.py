@@ -1,10 +1,15 @@
 """Compile fxopt's forward and backward with Inductor without losing the plan.
 
-Where the budget admits eager's step, or the plan changes nothing in it, Inductor's own step may
-stand in for the plan (`fxopt.capture.dynamo.own_step_bound`): it is compiled as
-``torch.compile(model)`` compiles it and run once on the example inputs, measured; within the
-budget, it runs (the same code as plain Inductor's, none of the settings below), and over it,
-the plan is compiled as below (`_own_step`)::
+With ``compiler="inductor"`` a budget given as a fraction is a share of the compiled step's peak:
+what ``torch.compile(model)``'s own step measures (a whole step planned as one graph without
+collectives; otherwise, and where it cannot be measured, of eager's predicted peak). The partition
+asks for it first (`CompiledPeakWanted`): Inductor's own step is compiled as ``torch.compile(model)``
+compiles it and run once on the example inputs, measured (`_measured_own_step`).
+
+Where the budget admits that step (at least its measured peak, or eager's), or the plan changes
+nothing, Inductor's own step stands in for the plan (`fxopt.capture.dynamo.own_step_bound`):
+within the budget, it runs (the same code as plain Inductor's, none of the settings below), and
+over it, the plan is compiled as below::
 
     plan (nothing to change) ─▶ Inductor's own step ─▶ one run, measured ─▶ within: run it
                                                                           └▶ over: fxopt's plan
@@ -64,6 +69,7 @@ from torch._inductor.choices import InductorChoices
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fxopt.cpu_memory import allocation_events, peak_increase, profile_cpu_memory
 from fxopt.fxgraph import copy_module
@@ -87,7 +93,11 @@ def inductor_backend(partition: Callable, inductor_config: dict[str, Any] | None
     """A torch.compile backend: Inductor, with ``partition(joint, joint_inputs, *,
     num_fwd_outputs, **kw) -> (fw, bw)`` as its partitioner and the settings above; or, where the
     partition offers it (`OWN_STEP_BOUND`), Inductor's own step, if a run of it measures within
-    the bound (`_own_step`). ``inductor_config``: more Inductor settings, applied last (to either)."""
+    the bound. Where the partition asks first what Inductor's own step holds
+    (`CompiledPeakWanted`: a budget given as a share of the compiled step's peak), that step is
+    compiled and measured, and the partition is called again with ``compiled_held=`` its bytes
+    (None where it could not be measured). ``inductor_config``: more Inductor settings, applied
+    last (to either)."""
     patches = {
         "inductor_choices_class": _KeepSchedule,
         "reorder_for_peak_memory": False,
@@ -100,21 +110,33 @@ def inductor_backend(partition: Callable, inductor_config: dict[str, Any] | None
     def compile_inductor(gm: fx.GraphModule, example_inputs):
         log.info("fxopt: compiling the planned step with Inductor")
         partitioner = _Partitioner(partition)
-        try:
-            return _compile_planned(_copy(gm), example_inputs, partitioner, patches)
-        except _OwnStepOffered as offer:
+        own = None  # Inductor's own step, once compiled and measured: (its step, the bytes it held)
+        while True:
             try:
-                own = _own_step(_copy(gm), example_inputs, offer.bound, inductor_config)
-            except Exception as err:  # noqa: BLE001 - where Inductor's own step fails, fxopt's plan runs
-                log.warning("fxopt: Inductor's own step could not be compiled or measured (%s: %s); compiling "
-                            "fxopt's plan instead", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-                own = None
-            if own is not None:
-                return own
-            partitioner.offered = offer  # (its modules, without planning again)
-            return _compile_planned(gm, example_inputs, partitioner, patches)
+                return _compile_planned(_copy(gm), example_inputs, partitioner, patches)
+            except CompiledPeakWanted:
+                own = _measured_own_step(_copy(gm), example_inputs, inductor_config)
+                partitioner.compiled_held = None if own is None else own[1]
+            except _OwnStepOffered as offer:
+                if own is None:
+                    own = _measured_own_step(_copy(gm), example_inputs, inductor_config)
+                if own is not None and own[1] <= offer.bound:
+                    log.info("fxopt: running Inductor's own step: it measured %d bytes, within the %d its budget "
+                             "leaves it", own[1], offer.bound)
+                    return own[0]
+                if own is not None:
+                    log.info("fxopt: Inductor's own step measured %d bytes, over the %d its budget leaves it: "
+                             "compiling fxopt's plan instead", own[1], offer.bound)
+                partitioner.offered = offer  # (its modules, without planning again)
+                return _compile_planned(gm, example_inputs, partitioner, patches)
 
     return compile_inductor
+
+
+class CompiledPeakWanted(Exception):
+    """Raised from a partition that needs to know what Inductor's own step holds before it plans
+    (a fractional budget is a share of the compiled step's peak with ``compiler="inductor"``):
+    `inductor_backend` compiles that step, measures it, and partitions again."""
 
 
 def _compile_planned(gm: fx.GraphModule, example_inputs, partitioner: _Partitioner, patches: dict):
@@ -142,24 +164,26 @@ class _OwnStepOffered(Exception):
         self.bound, self.joint_code, self.fw, self.bw = bound, joint_code, fw, bw
 
 
-def _own_step(gm: fx.GraphModule, example_inputs, bound: int, inductor_config: dict[str, Any] | None):
+def _measured_own_step(gm: fx.GraphModule, example_inputs, inductor_config: dict[str, Any] | None):
     """Inductor's own compile of the step (what ``torch.compile(model)`` runs: its decompositions,
-    its partitioner, its fusions and reorders), if one run of it, forward and backward, measures
-    within ``bound`` (its inputs counted); None otherwise."""
-    log.info("fxopt: the budget admits Inductor's own step, if it measures within it; compiling it to measure it")
-    # (Its backward compiled now, not at its first run: a compile inside the run would be measured,
-    # and a compile nested in Dynamo's fails.)
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), _own_choices():
-        compiled = compile_fx(gm, example_inputs, config_patches=dict(inductor_config or {}))
-    inputs = sum(storages(list(example_inputs)).values())
-    held = inputs + _run_increase(compiled, example_inputs)
-    if held > bound:
-        log.info("fxopt: Inductor's own step measured %d bytes, over the %d its budget leaves it: compiling "
-                 "fxopt's plan instead", held, bound)
+    its partitioner, its fusions and reorders), and the most one run of it, forward and backward,
+    holds (its inputs counted), measured; None where it could not be compiled or measured (fxopt's
+    plan runs then)."""
+    if any(isinstance(t, FakeTensor) for t in example_inputs):
+        log.info("fxopt: Inductor's own step is not measured on fake tensors")
         return None
-    log.info("fxopt: running Inductor's own step: it measured %d bytes, within the %d its budget leaves it",
-             held, bound)
-    return compiled
+    log.info("fxopt: compiling Inductor's own step to measure it")
+    try:
+        # (Its backward compiled now, not at its first run: a compile inside the run would be
+        # measured, and a compile nested in Dynamo's fails.)
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), _own_choices():
+            compiled = compile_fx(gm, example_inputs, config_patches=dict(inductor_config or {}))
+        inputs = sum(storages(list(example_inputs)).values())
+        return compiled, inputs + _run_increase(compiled, example_inputs)
+    except Exception as err:  # noqa: BLE001 - where Inductor's own step fails, fxopt's plan runs
+        log.warning("fxopt: Inductor's own step could not be compiled or measured (%s: %s); compiling "
+                    "fxopt's plan instead", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return None
 
 
 def _run_increase(compiled: Callable, example_inputs) -> int:
@@ -214,17 +238,22 @@ def _uuid() -> bytes:
 class _Partitioner(CustomPartitionerFn):
     """fxopt's planner as Inductor's partitioner; the modules it returns are marked and decomposed.
     Where the partition offers Inductor's own step (`OWN_STEP_BOUND`), raises `_OwnStepOffered`
-    instead, once; ``offered``: the modules of that offer, returned without planning again."""
+    instead, once; ``offered``: the modules of that offer, returned without planning again.
+    ``compiled_held``: what Inductor's own step measured, passed on to the partition once known
+    (`CompiledPeakWanted`)."""
 
     def __init__(self, partition: Callable):
         self.partition = partition
         self.offered: _OwnStepOffered | None = None
+        self.compiled_held: int | None | type[CompiledPeakWanted] = CompiledPeakWanted  # (not yet measured)
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         offered, code = self.offered, joint.code  # (before planning, which rewrites the joint graph)
         if offered is not None and offered.joint_code == code:
             fw, bw = offered.fw, offered.bw
         else:
+            if self.compiled_held is not CompiledPeakWanted:  # (measured: what the partition asked for)
+                kwargs = {**kwargs, "compiled_held": self.compiled_held}
             fw, bw = self.partition(joint, joint_inputs, **kwargs)
             bound = fw.meta.pop(OWN_STEP_BOUND, None)
             if bound is not None and offered is None:

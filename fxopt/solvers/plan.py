@@ -81,6 +81,9 @@ class Plan(JsonRecord):
     # (`fxopt.solvers.order`, the ``reorder`` option), not in the order they were captured in;
     # replaying the plan runs them in that order too.
     reordered: bool = False
+    # With compiler="inductor": the measured peak of Inductor's own step (plain torch.compile's),
+    # which a fractional budget is a share of; None where eager's predicted peak is.
+    compiled_peak_bytes: int | None = None
 
     @property
     def cost(self) -> float:
@@ -102,7 +105,8 @@ class Plan(JsonRecord):
     def build(cls, *, graph: Graph, schedule: Schedule, budget_bytes: int, eager_peak_bytes: int,
               solver: str, status: str, solve_seconds: float, fingerprint: str,
               module_paths: tuple[str, ...] = (), timeline: Timeline | None = None,
-              lower_bound_cost: float | None = None, reordered: bool = False) -> Plan:
+              lower_bound_cost: float | None = None, reordered: bool = False,
+              compiled_peak_bytes: int | None = None) -> Plan:
         timeline = timeline or simulate(graph, schedule)
         if schedule.offloaded and not schedule.reload_at:
             # Pin the default reload points, so that whoever compiles the plan need not find them.
@@ -136,6 +140,7 @@ class Plan(JsonRecord):
             host_bytes=timeline.host_peak_bytes,
             exposed_transfer_seconds=timeline.exposed_transfer_seconds,
             reordered=reordered,
+            compiled_peak_bytes=compiled_peak_bytes,
         )
 
     def timeline(self) -> Timeline:
@@ -169,7 +174,11 @@ class Plan(JsonRecord):
         return (
             f"fxopt plan ({self.solver}, {self.status}, {self.solve_seconds:.2f} s): "
             f"peak {format_bytes(self.peak_bytes)} (budget {format_bytes(self.budget_bytes)}, "
-            f"eager {format_bytes(self.eager_peak_bytes)} as predicted, what a fraction is of), {len(self.saved)} saved"
+            + (f"eager {format_bytes(self.eager_peak_bytes)} as predicted, what a fraction is of)"
+               if self.compiled_peak_bytes is None else
+               f"eager {format_bytes(self.eager_peak_bytes)} as predicted, plain Inductor's "
+               f"{format_bytes(self.compiled_peak_bytes)} as measured, what a fraction is of)")
+            + f", {len(self.saved)} saved"
             + (f" ({len(self.compressed)} compressed{', lossy' if self.lossy else ''})" if self.compressed else "")
             + (f" ({len(self.offloaded)} offloaded, {format_bytes(self.host_bytes)} on the host, "
                f"{self.exposed_transfer_seconds * 1e3:.2f} ms exposed)" if self.offloaded else "")
@@ -190,6 +199,8 @@ class Plan(JsonRecord):
         d["offloaded"] = list(self.offloaded)
         if not self.reordered:  # (no key in the captured order: such a plan's dict is what it always was)
             del d["reordered"]
+        if self.compiled_peak_bytes is None:  # (likewise)
+            del d["compiled_peak_bytes"]
         d["format_version"] = FORMAT_VERSION
         return d
 
