@@ -96,7 +96,11 @@ def graph_fingerprint(graph: Graph) -> str:
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
-def _is_recomputable(node: fx.Node) -> bool:
+_UNCOUNTED = object()
+
+
+def _is_recomputable(node: fx.Node, flops=_UNCOUNTED) -> bool:
+    """``flops``: `flops_of` the node, where counted already (else counted here)."""
     target = node.target
     if target is operator.getitem:
         return True
@@ -110,7 +114,8 @@ def _is_recomputable(node: fx.Node) -> bool:
         return True  # a re-gather: the all-gather again (priced as communication), and its wait
     if target.namespace in ("_c10d_functional", "c10d_functional", "_dtensor", "profiler"):
         return False
-    return flops_of(node) is not None  # an op whose cost cannot be counted is never recomputed
+    # (An op whose cost cannot be counted is never recomputed.)
+    return (flops_of(node) if flops is _UNCOUNTED else flops) is not None
 
 
 def _is_gather(node: fx.Node) -> bool:
@@ -352,10 +357,11 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             kind = "backward"
         else:
             kind = "forward"
-        recomputable = n.op == "call_function" and not is_size and _is_recomputable(n)
+        counted = flops_of(n) if n.op == "call_function" else 0  # (once: a symbolic step's formulas are slow)
+        recomputable = n.op == "call_function" and not is_size and _is_recomputable(n, counted)
         if n.target is operator.getitem and not nodes[index[n.args[0]]].recomputable:
             recomputable = False  # an output taken out of a tuple is recomputed with the op that made it
-        flops = sizes.expr(flops_of(n) or 0) if n.op == "call_function" else 0
+        flops = sizes.expr(counted or 0) if n.op == "call_function" else 0
         moved = own_bytes + sum(
             sizes.expr(storage_bytes(t)) for a in n.all_input_nodes for t in tensors_in(a.meta.get("val"))
         ) if n.op == "call_function" and storage is None else 0
