@@ -77,7 +77,6 @@ class JointGraph:
         return symbolic.at(point, workspace + extra, [codec.get(i, 0) for i in range(len(symbolic.sizes))],
                            measured + extra)
 
-
     @functools.cached_property
     def _ops(self) -> tuple[list[fx.Node], FormulaMemory | None]:
         """The graph's nodes as `at` reads them, and where the device's scratch is a formula, that

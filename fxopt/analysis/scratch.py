@@ -277,7 +277,8 @@ class FormulaMemory:
     """`formula_memory` of one graph at any shape: which ops it counts and the sizes it reads of
     each (their outputs', and for the formula their inputs') found once, and evaluated at each
     shape (`at`). A step captured with dynamic shapes is evaluated at every batch `fxopt.max_batch`
-    tries: walking its 7,858 nodes' fake values for each took a second of `fxopt.fit`."""
+    tries: walking its fake values for each took 4.4 of the 143 s of a profiled `max_batch` on
+    Llama-3-8B's shape (11 batches, 7,858 nodes)."""
 
     def __init__(self, nodes: list[fx.Node], device: DeviceProfile):
         self.device = device
