@@ -212,3 +212,53 @@ def test_the_largest_batch_is_bracketed_by_the_bound_with_scratch_before_any_sea
         assert largest.next_plan is None
     else:
         assert largest.next_plan.peak_bytes > largest.budget_bytes
+
+
+def test_the_scratch_formula_read_once_gives_each_batchs_as_read_anew(tiny):
+    """`JointGraph.at` reads the scratch formula's sizes of a symbolic step once
+    (`fxopt.analysis.scratch.FormulaMemory`) for every batch it is asked for: each batch's
+    answer is the formula read node by node at that batch, and the graph the same as from a
+    copy of the step that read nothing before."""
+    import dataclasses
+    import operator
+
+    from fxopt.analysis.scratch import OpMemory, _ALIASES_ON_CUDA, _outs, outputs_only_on_cuda
+    from fxopt.capture.shapes import DynamicDims
+    from fxopt.fitting import at_batch
+    from fxopt.fxgraph import aliases_input
+    from fxopt.options import Options
+    from fxopt.plan_ahead import capture_symbolic
+    from fxopt.storage import tensors_in
+
+    model, inputs = tiny
+    profile = devices.load("H100-80GB")
+    dims = DynamicDims.parse({"batch": (1, 64)})
+    _, jg = capture_symbolic(model, at_batch(inputs, 4), dims, {"batch": 4}, Options.of(1 << 40, device=profile))
+    lo, _ = jg.symbolic.ranges.bounds["batch"]
+    fx_nodes, formula = jg._ops
+    assert formula is not None
+
+    def read_anew(at) -> dict:
+        """The formula as it was read before: every node's fake values walked at each batch."""
+        out = {}
+        for n in fx_nodes:
+            if n.op != "call_function" or n.target is operator.getitem \
+                    or not isinstance(n.target, torch._ops.OpOverload) or n.target._schema.is_mutable \
+                    or not _outs(n) or any(at(o.numel()) == 0 for o in _outs(n)) \
+                    or isinstance(n.meta.get("val"), torch.Tensor) and aliases_input(n.target):
+                continue
+            outputs = sum(at(t.numel()) * t.element_size() for t in _outs(n))
+            if n.target in _ALIASES_ON_CUDA:
+                out[n] = OpMemory(0)
+            elif outputs_only_on_cuda(n):
+                out[n] = OpMemory(outputs)
+            else:
+                ins = sum(at(t.numel()) * t.element_size() for a in n.all_input_nodes for t in tensors_in(a.meta.get("val")))
+                out[n] = OpMemory(outputs + round(profile.scratch_factor * (ins + outputs)))
+        return out
+
+    from fxopt.analysis.symbolic import Sizes
+    for b in (lo + 5, lo, 64, lo + 1):
+        sizes = Sizes(jg.symbolic.names, {"batch": b}, jg.symbolic.ranges)
+        assert formula.at(sizes.at) == read_anew(sizes.at)
+        assert jg.at({"batch": b}).nodes == dataclasses.replace(jg).at({"batch": b}).nodes

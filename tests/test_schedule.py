@@ -529,3 +529,39 @@ def test_a_collectives_lingering_buffers_are_held_until_the_next_ones_wait():
     assert held == {"<start>": 0, "g": 0, "rs1": 0, "wait1": 8, "big": 8, "rs2": 8, "wait2": 108, "g_x": 100}
     assert simulate(graph, schedule).peak_bytes >= simulate(plain, schedule).peak_bytes
     assert Graph.from_dict(graph.to_dict()).nodes == graph.nodes
+
+
+def _replayed(graph: Graph, schedule: Schedule, *, steps_built_again: bool):
+    """`simulate`'s timeline (or its error), with the backward's steps as `prune` built them, or
+    built again from what the forward left (as before `simulate` reused them)."""
+    import dataclasses
+    from unittest import mock
+
+    import fxopt.solvers.schedule as schedule_module
+
+    patch = mock.patch.object(schedule_module, "_reads_available", lambda *a: False) if steps_built_again \
+        else mock.patch.object(schedule_module, "_reads_available", schedule_module._reads_available)
+    with patch:
+        try:
+            return dataclasses.astuple(simulate(graph, schedule)), dataclasses.astuple(
+                simulate(graph, schedule, eager_frees=True))
+        except InvalidScheduleError as err:
+            return str(err)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_simulate_replays_the_steps_prune_built_as_if_built_again(data):
+    """`simulate` replays the backward steps `as_generated` built while pruning, not built again:
+    the same timeline (or error) as with them built again, on random steps and SAVE sets, with
+    recomputations nothing reads (pruned) and values read before anything made them (an error)."""
+    graph = random_training_graph(data.draw, st)
+    saveable = sorted(graph.saveable)
+    saved = data.draw(st.sets(st.sampled_from(saveable))) if saveable else set()
+    base = on_demand(graph, saved)
+    backward = list(base.backward)
+    forward = [i for i, n in enumerate(graph.nodes) if n.kind == "forward" and n.recomputable and n.tensor]
+    for i in data.draw(st.lists(st.sampled_from(forward), max_size=3)) if forward else []:
+        backward.insert(data.draw(st.integers(0, len(backward))), i)
+    schedule = Schedule(base.saved, tuple(backward))
+    assert _replayed(graph, schedule, steps_built_again=False) == _replayed(graph, schedule, steps_built_again=True)

@@ -122,7 +122,7 @@ def codec_for(val, *, lossless: bool, quantize: Quantize | None, indices_of_pool
     """The codec fxopt offers for a SAVEd value with fake value ``val``, or None."""
     if not isinstance(val, torch.Tensor) or val.is_sparse or not val.is_contiguous():
         return None
-    if largest(val.numel() * val.element_size()) < MIN_BYTES:
+    if largest(val.numel()) * val.element_size() < MIN_BYTES:  # (no symbolic product made: the same number)
         return None
     shape = list(val.shape)
     if lossless and val.dtype == torch.bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import operator
@@ -23,7 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxopt.analysis.codecs import Codec, Quantize, codec_workspace, offered_codec
 from fxopt.analysis.eager_saves import eager_saves
 from fxopt.analysis.costs import GATHERS, WAITS, CostModel, comm_bytes_of, flops_of, group_backend
-from fxopt.analysis.scratch import OpMemory, lingering_bytes, op_memory, scratch_beyond_output
+from fxopt.analysis.scratch import FormulaMemory, OpMemory, lingering_bytes, op_memory, scratch_beyond_output
 from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph, error_on_new_guards
 from fxopt.devices import DeviceProfile
 from fxopt.storage import storage_bytes, tensors_in
@@ -64,9 +65,9 @@ class JointGraph:
         if symbolic is None:
             raise ValueError("a static step has one shape")
         sizes = Sizes(symbolic.names, point, symbolic.ranges)
-        fx_nodes = [n for n in self.module.graph.nodes if n.op != "output"]
+        fx_nodes, formula = self._ops
         with no_new_guards(fx_nodes):
-            memory = op_memory(fx_nodes, sizes.at, self.device)
+            memory = op_memory(fx_nodes, sizes.at, self.device, formula)
             measured = measured_storage_bytes(fx_nodes, memory)
             workspace = [scratch_beyond_output(memory[n].increase if n in memory else 0, max(sizes.at_point(s.bytes), m))
                          for n, s, m in zip(fx_nodes, symbolic.sizes, measured)]
@@ -75,6 +76,15 @@ class JointGraph:
         extra = [0] * (len(symbolic.sizes) - len(fx_nodes))  # the unread resident memory, last
         return symbolic.at(point, workspace + extra, [codec.get(i, 0) for i in range(len(symbolic.sizes))],
                            measured + extra)
+
+    @functools.cached_property
+    def _ops(self) -> tuple[list[fx.Node], FormulaMemory | None]:
+        """The graph's nodes as `at` reads them, and where the device's scratch is a formula, that
+        formula's reading of them (`fxopt.analysis.scratch.FormulaMemory`): found once, for every
+        shape `at` is asked for (the graph does not change: ``module`` is the step as analysed)."""
+        fx_nodes = [n for n in self.module.graph.nodes if n.op != "output"]
+        device = self.device
+        return fx_nodes, FormulaMemory(fx_nodes, device) if device is not None and not device.scratch_measured else None
 
 
 def graph_fingerprint(graph: Graph) -> str:
@@ -85,7 +95,11 @@ def graph_fingerprint(graph: Graph) -> str:
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 
-def _is_recomputable(node: fx.Node) -> bool:
+_UNCOUNTED = object()
+
+
+def _is_recomputable(node: fx.Node, flops=_UNCOUNTED) -> bool:
+    """``flops``: `flops_of` the node, where counted already (else counted here)."""
     target = node.target
     if target is operator.getitem:
         return True
@@ -99,7 +113,8 @@ def _is_recomputable(node: fx.Node) -> bool:
         return True  # a re-gather: the all-gather again (priced as communication), and its wait
     if target.namespace in ("_c10d_functional", "c10d_functional", "_dtensor", "profiler"):
         return False
-    return flops_of(node) is not None  # an op whose cost cannot be counted is never recomputed
+    # (An op whose cost cannot be counted is never recomputed.)
+    return (flops_of(node) if flops is _UNCOUNTED else flops) is not None
 
 
 def _is_gather(node: fx.Node) -> bool:
@@ -341,10 +356,11 @@ def _values(fx_nodes: list[fx.Node], backward: set[fx.Node], outputs: set[fx.Nod
             kind = "backward"
         else:
             kind = "forward"
-        recomputable = n.op == "call_function" and not is_size and _is_recomputable(n)
+        counted = flops_of(n) if n.op == "call_function" else 0  # (once: a symbolic step's formulas are slow)
+        recomputable = n.op == "call_function" and not is_size and _is_recomputable(n, counted)
         if n.target is operator.getitem and not nodes[index[n.args[0]]].recomputable:
             recomputable = False  # an output taken out of a tuple is recomputed with the op that made it
-        flops = sizes.expr(flops_of(n) or 0) if n.op == "call_function" else 0
+        flops = sizes.expr(counted or 0) if n.op == "call_function" else 0
         moved = own_bytes + sum(
             sizes.expr(storage_bytes(t)) for a in n.all_input_nodes for t in tensors_in(a.meta.get("val"))
         ) if n.op == "call_function" and storage is None else 0

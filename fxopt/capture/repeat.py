@@ -334,6 +334,7 @@ class _Stamper:
                 self.layout_of[(x, item)] = (storage.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                                              t.dtype, t.device, t.requires_grad)
         self.storages: dict[tuple[fx.Node, int | None], Any] = {}  # a new node's (item's) storage
+        self.own_layout: dict[tuple[fx.Node, int | None], bool] = {}  # see `_own`
         self.aligned, self.shared = _alignment(short)
         self.moves: dict[tuple[int, int], tuple[str, str, dict]] = {}
 
@@ -473,17 +474,39 @@ class _Stamper:
         def clone(item: int | None) -> torch.Tensor:
             owner, owner_item = self.owner[(x, item)]
             nbytes, offset, shape, stride, dtype, device, requires_grad = self.layout_of[(x, item)]
-            if (owner, owner_item) == (x, item):
-                storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+            meta = self._own(x, item) if (owner, owner_item) == (x, item) else None
+            if meta is not None:
+                storage = meta.untyped_storage()
             else:
-                storage = self.storages[(self._lookup(owner, origin, j, n, env), owner_item)]
+                if (owner, owner_item) == (x, item):
+                    storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+                else:
+                    storage = self.storages[(self._lookup(owner, origin, j, n, env), owner_item)]
+                meta = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
             self.storages[(new, item)] = storage
-            meta = torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, shape, stride)
             return _fake(self.fake_mode, meta, device, requires_grad)
 
         if isinstance(val, torch.Tensor):
             return clone(None)
         return type(val)(clone(k) if isinstance(t, torch.Tensor) else t for k, t in enumerate(val))
+
+    def _own(self, x: fx.Node, item: int | None) -> torch.Tensor | None:
+        """A meta tensor of ``x``'s (item's) layout on a storage of its own, made at once
+        (``empty_strided``), where that makes the storage ``x``'s holds (its bytes, from offset
+        0: an op's output, mostly; found at ``x``'s first copy); else None, and the copy's value
+        is set on a storage made to its size. (Making the storage, then setting the layout on it,
+        does the symbolic size arithmetic twice: most of stamping a symbolic step.)"""
+        same = self.own_layout.get((x, item))
+        if same is False:
+            return None
+        nbytes, offset, shape, stride, dtype, _, _ = self.layout_of[(x, item)]
+        if not (type(offset) is int and offset == 0):
+            self.own_layout[(x, item)] = False
+            return None
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if same is None:
+            same = self.own_layout[(x, item)] = _same_size(meta.untyped_storage().nbytes(), nbytes)
+        return meta if same else None
 
     def _outputs(self, n: int, env: dict, items: list | None = None) -> list:
         """The graph's outputs (or ``items``, one per output, as the outputs are): those of the
@@ -541,6 +564,14 @@ def _at(numbers: tuple[int, int, int], n: int, j: int | None) -> int:
     middle block counts from block 1 (the copied one)."""
     start, per_block, per_middle = numbers
     return start + (n - SHORT) * per_block + (0 if j is None or not per_middle else (j - 1) * per_middle)
+
+
+def _same_size(a, b) -> bool:
+    """Whether two sizes are the same: equal numbers, or symbolic sizes of the same expression
+    (compared as expressions: comparing the sizes themselves would add a guard)."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+    return a == b
 
 
 def _items(val) -> list[tuple[int | None, torch.Tensor]]:

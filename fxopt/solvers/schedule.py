@@ -121,12 +121,17 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     tensors for forward ops (`Node.eager_number_bytes`) live to the end (the eager step's peak,
     `eager_timeline`)."""
     _check(graph, schedule)
-    schedule = as_generated(graph, schedule)
+    schedule, kept = _generated(graph, schedule)
     replay = _Replay(graph, schedule, eager_frees)
     replay.forward()
-    steps = _copies(graph, schedule.backward, replay.available())
-    positions = _read_events(graph, steps)  # the steps kept, by their position in the schedule
-    steps = [steps[e] for e in positions]
+    available = replay.available()
+    if kept is not None and _reads_available(graph, kept, available):
+        # (The steps `prune` built, as the generated code runs them: every one kept again.)
+        steps, positions = kept, list(range(len(kept)))
+    else:
+        steps = _copies(graph, schedule.backward, available)
+        positions = _read_events(graph, steps)  # the steps kept, by their position in the schedule
+        steps = [steps[e] for e in positions]
     replay.backward(steps, positions)
     extra_flops, extra_cost, extra_comm = _extra_work(graph, schedule, steps)
     copies = replay.d2h.copies + replay.h2d.copies
@@ -155,13 +160,38 @@ def as_generated(graph: Graph, schedule: Schedule) -> Schedule:
     not read before it recomputes them, which die at their last forward use like any value the
     backward does not need. (A schedule that OFFLOADs is left as it is: its reload points are
     positions in it.)"""
+    return _generated(graph, schedule)[0]
+
+
+def _generated(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[Step] | None]:
+    """`as_generated`'s schedule, and the steps of its backward as `backward_steps` gives them
+    (None for a schedule that OFFLOADs): `simulate` replays those, not built again. A pruned
+    backward keeps every step when pruned again (a kept step's copies are made by kept steps),
+    so they are its steps, their copies numbered as in the backward before pruning (the
+    simulator reads a copy's number as a name only)."""
     if schedule.offloaded:
-        return schedule
-    pruned = prune(graph, schedule)
+        return schedule, None
+    steps = _copies(graph, schedule.backward, None)
+    kept = _read_events(graph, steps)
+    pruned = schedule if len(kept) == len(schedule.backward) else \
+        dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
+    steps = [steps[e] for e in kept]
     saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
     if saved == frozenset(pruned.saved):
-        return pruned
-    return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved)
+        return pruned, steps
+    return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved), steps
+
+
+def _reads_available(graph: Graph, steps: list[Step], available: dict[int, Key]) -> bool:
+    """Whether ``steps`` (built with nothing given as available: copy 0 of every value the
+    backward has not made) read only what ``available`` holds, as its copy 0, where they read a
+    value the backward has not made: then they are the steps `_copies` builds with it. False
+    where one is missing, or held as another copy: `_copies` with it says which (an error)."""
+    for _, _, args in steps:
+        for j, n in args:
+            if n == 0 and available.get(j) != (j, 0):
+                return False
+    return True
 
 
 def _check(graph: Graph, schedule: Schedule) -> None:
@@ -229,20 +259,23 @@ def _copies(graph: Graph, backward: Iterable[int], available: dict[int, Key] | N
     current = dict(available or {})
     count: dict[int, int] = {}
     steps: list[Step] = []
+    # (One list built per step, not appended to per input: `simulate` and `prune` build these for
+    # every schedule the solvers try.)
     for e, i in enumerate(backward):
-        args = []
-        for j in nodes[i].inputs:
-            if j in current:
-                args.append(current[j])
-            elif available is None:
-                args.append((j, 0))
-            else:
+        inputs = nodes[i].inputs
+        if available is None:
+            args = [current[j] if j in current else (j, 0) for j in inputs]
+        else:
+            try:
+                args = [current[j] for j in inputs]
+            except KeyError:
+                j = next(j for j in inputs if j not in current)
                 raise InvalidScheduleError(
                     f"backward step {e} computes {nodes[i].name} but {nodes[j].name} is not available"
-                )
-        count[i] = count.get(i, 0) + 1
-        current[i] = (i, count[i])
-        steps.append((i, current[i], args))
+                ) from None
+        copy = current[i] = (i, count.get(i, 0) + 1)
+        count[i] = copy[1]
+        steps.append((i, copy, args))
     return steps
 
 
@@ -602,13 +635,13 @@ def _read_events(graph: Graph, steps: list[Step]) -> list[int]:
     keep = [False] * len(steps)
     for e in range(len(steps) - 1, -1, -1):
         i, copy, args = steps[e]
-        if nodes[i].kind == "backward" or copy in needed:
+        if copy in needed or nodes[i].kind == "backward":
             keep[e] = True
             needed.update(args)
     for e, (i, copy, args) in enumerate(steps):
         if not keep[e] and len(args) == 1 and args[0] in needed and not nodes[args[0][0]].tensor:
             keep[e] = True  # an output of a kept tuple
-    return [e for e in range(len(steps)) if keep[e]]
+    return [e for e, kept in enumerate(keep) if kept]
 
 
 def backward_steps(graph: Graph, schedule: Schedule) -> list[Step]:
