@@ -444,7 +444,11 @@ def stage_structure(part: nn.Module, inputs: Sequence[Any]) -> tuple | None:
                 target = n.target
             rows.append((n.op, target, plain(n.args), plain(n.kwargs), n.type))
         own = tuple(tensor(t) for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
-        return (type(m), m.training, tuple(rows), own)
+        # (torch makes a class per GraphModule, whose code is its graph's: known by its base)
+        kind = type(m)
+        if isinstance(m, torch.fx.GraphModule) and kind.__qualname__.endswith("<locals>.GraphModuleImpl"):
+            kind = kind.__mro__[1]
+        return (kind, m.training, tuple(rows), own)
 
     index: dict = {}
     try:
