@@ -596,19 +596,9 @@ class Phases:
         return wrap(timed) if wrap is not None else timed
 
 
-def pipeline_digest(plan) -> str:
-    """A digest of a `fxopt.PipelinePlan` without its timings (planning's wall time)."""
-    import hashlib
-
-    d = plan.to_dict()
-    d.pop("solve_seconds")
-    for stage in d["stages"]:
-        stage["plan"].pop("solve_seconds")
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
 def pipeline_answer(layers: int, stages: int, reuse: bool = True) -> dict:
     import fxopt.distributed.pipeline as pl
+    from benchmarks.budget_holds import pipeline_digest  # (the plan's decisions: budget_holds' digest)
     from fxopt.models import gpt2_lm, lm_loss
 
     spec = PIPELINE
