@@ -550,13 +550,14 @@ class Phases:
     def installed(self):
         import fxopt.distributed.pipeline as pl
 
-        saved = {name: getattr(pl, name) for name in self.NAMES}
+        # (a name an older fxopt lacks is not timed: the same command measures the commit before)
+        saved = {name: getattr(pl, name) for name in self.NAMES if hasattr(pl, name)}
         classes = {("_StagePlanner", "modules"): "stage forwards (eager)", ("_StagePlanner", "plan_stage"):
                    "stage analyses and solves", ("_LastStage", "of"): "model output and loss (eager)"}
         saved_methods = {key: getattr(getattr(pl, key[0]), key[1]) for key in classes}
         init = pl._StagePlanner.__init__
-        for name, phase in self.NAMES.items():
-            setattr(pl, name, self._timed(saved[name], phase))
+        for name, fn in saved.items():
+            setattr(pl, name, self._timed(fn, self.NAMES[name]))
         for (cls, name), phase in classes.items():
             fn = saved_methods[(cls, name)]
             setattr(getattr(pl, cls), name, self._timed(fn.__func__ if hasattr(fn, "__func__") else fn, phase,
@@ -622,7 +623,7 @@ def pipeline_answer(layers: int, stages: int, reuse: bool = True) -> dict:
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     phases.seconds["other"] = cpu - sum(phases.seconds.values())
     return {"layers": layers, "stages": stages, "microbatches": microbatches, "reuse": reuse, "wall_s": wall,
-            "cpu_s": cpu, "load1": os.getloadavg()[0], "phases": phases.seconds, "work": phases.planners[0].work,
+            "cpu_s": cpu, "load1": os.getloadavg()[0], "phases": phases.seconds, "work": getattr(phases.planners[0], "work", {}),
             "digest": pipeline_digest(plan), "budget": plan.budget_bytes, "peak": plan.peak_bytes,
             "solvers": [s.plan.solver for s in plan.stages], "cuts": [f"{c.module} {c.split_point}" for c in plan.cuts],
             "recomputed": sum(sum(s.plan.recomputed.values()) for s in plan.stages)}
@@ -661,7 +662,7 @@ def write_pipeline(rows: list[dict], out: Path, meta: dict) -> None:
         "|---:|---:|---|---:|---:|---:|" + "---:|" * len(names) + "---|---:|---:|---|",
     ]
     for r in rows:
-        w = r["work"]
+        w = {"captures": "–", "planned from an earlier capture": "–", "plans reused": "–", **r["work"]}
         lines.append(f"| {r['layers']} | {r['stages']} | {'reuse' if r['reuse'] else 'alone'} | {r['cpu_s']:.1f} | "
                      f"{r['wall_s']:.1f} | {r['load1']:.1f} | "
                      + " | ".join(f"{r['phases'].get(k, 0.0):.1f}" for k in names)
