@@ -608,8 +608,9 @@ def pipeline_answer(layers: int, stages: int, reuse: bool = True) -> dict:
     torch.manual_seed(0)
     model, (idx,) = gpt2_lm(layers, spec["dim"], spec["heads"], spec["seq"], microbatches, spec["vocab"])
     phases = Phases()
-    saved = pl._StagePlanner.reuse_same_stages
-    pl._StagePlanner.reuse_same_stages = reuse
+    saved = getattr(pl._StagePlanner, "reuse_same_stages", None)  # (None: an fxopt from before it)
+    if saved is not None:
+        pl._StagePlanner.reuse_same_stages = reuse
     with tempfile.TemporaryDirectory() as cache_dir:
         os.environ["FXOPT_CACHE_DIR"] = cache_dir  # (no plan and no scratch known)
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -619,10 +620,11 @@ def pipeline_answer(layers: int, stages: int, reuse: bool = True) -> dict:
                 plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=stages,
                                       microbatches=microbatches, budget=spec["budget"])
         finally:
-            pl._StagePlanner.reuse_same_stages = saved
+            if saved is not None:
+                pl._StagePlanner.reuse_same_stages = saved
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     phases.seconds["other"] = cpu - sum(phases.seconds.values())
-    return {"layers": layers, "stages": stages, "microbatches": microbatches, "reuse": reuse, "wall_s": wall,
+    return {"layers": layers, "stages": stages, "microbatches": microbatches, "reuse": reuse and saved is not None, "wall_s": wall,
             "cpu_s": cpu, "load1": os.getloadavg()[0], "phases": phases.seconds, "work": getattr(phases.planners[0], "work", {}),
             "digest": pipeline_digest(plan), "budget": plan.budget_bytes, "peak": plan.peak_bytes,
             "solvers": [s.plan.solver for s in plan.stages], "cuts": [f"{c.module} {c.split_point}" for c in plan.cuts],
