@@ -6,7 +6,7 @@ built-in zoo and the `transformers` models of `benchmarks.hf_zoo`.
                                        [--device cpu] [--out benchmarks/results]
     python -m benchmarks.planning_time --depth 8,16,32 [--whole 8,16] [--measure 8] [--whole-capture 32]
     python -m benchmarks.planning_time --symbolic 32
-    python -m benchmarks.planning_time --pipeline 16,32,48 [--stages 8] [--alone 48]
+    python -m benchmarks.planning_time --pipeline 16,32,48 [--stages 8] [--alone 48] [--budget 0.75]
 
 ``--depth``: issue 27's Llama (transformers ``LlamaConfig``: hidden 256, FFN 1024, 4 heads, 2
 key-value heads, vocabulary 32000; one sequence of 512 tokens, real tensors) at each number of
@@ -23,14 +23,15 @@ Written to ``planning_time_depth.{md,json}`` (``planning_time_depth_stamp.{md,js
 
 ``--pipeline 16,32,48``: `fxopt.pipeline` planning (only) issue 27's GPT-2 (`fxopt.models.gpt2_lm`,
 width 128, 4 heads, 64 tokens, vocabulary 256) at each number of layers, cut into ``--stages``
-(8) stages, twice as many microbatches of one sequence, 1F1B, at 75% of its eager peak: CPU and
-wall seconds, each phase's CPU seconds (exclusive: the whole step's stamped capture, torch's
+(8) stages, twice as many microbatches of one sequence, 1F1B, at ``--budget`` (75%) of its eager
+peak: CPU and wall seconds, each phase's CPU seconds (exclusive: the whole step's stamped capture, torch's
 split, the stage modules' eager forwards, the stage captures, the stages' analyses and solves),
 the counted work (stage parts captured, planned from an earlier capture, plans reused), and a
 digest of the plan (timings left out). At the depths in ``--alone`` the same plan is also made
 with every stage captured (no reuse): the digests must be equal. Each row from a fresh scratch
 and plan cache; the process's first capture and export are made beforehand on a 4-layer model,
-untimed. Written to ``planning_time_pipeline.{md,json}``.
+untimed. Written to ``planning_time_pipeline.{md,json}`` (``planning_time_pipeline_at<budget>`` at
+another budget).
 
 ``--symbolic 32``: `fxopt.max_batch`'s capture of that Llama (the batch symbolic, 1 to 64, at a
 batch of 2), its run stamped and captured whole: CPU seconds, traced nodes, the same graphs;
@@ -597,7 +598,7 @@ class Phases:
         return wrap(timed) if wrap is not None else timed
 
 
-def pipeline_answer(layers: int, stages: int, reuse: bool = True) -> dict:
+def pipeline_answer(layers: int, stages: int, reuse: bool = True, budget: float = PIPELINE["budget"]) -> dict:
     import fxopt.distributed.pipeline as pl
     from benchmarks.budget_holds import pipeline_digest  # (the plan's decisions: budget_holds' digest)
     from fxopt.models import gpt2_lm, lm_loss
@@ -618,13 +619,14 @@ def pipeline_answer(layers: int, stages: int, reuse: bool = True) -> dict:
             with phases.installed(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=stages,
-                                      microbatches=microbatches, budget=spec["budget"])
+                                      microbatches=microbatches, budget=budget)
         finally:
             if saved is not None:
                 pl._StagePlanner.reuse_same_stages = saved
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     phases.seconds["other"] = cpu - sum(phases.seconds.values())
-    return {"layers": layers, "stages": stages, "microbatches": microbatches, "reuse": reuse and saved is not None, "wall_s": wall,
+    return {"layers": layers, "stages": stages, "microbatches": microbatches, "budget_share": budget,
+            "reuse": reuse and saved is not None, "wall_s": wall,
             "cpu_s": cpu, "load1": os.getloadavg()[0], "phases": phases.seconds, "work": getattr(phases.planners[0], "work", {}),
             "digest": pipeline_digest(plan), "budget": plan.budget_bytes, "peak": plan.peak_bytes,
             "solvers": [s.plan.solver for s in plan.stages], "cuts": [f"{c.module} {c.split_point}" for c in plan.cuts],
@@ -643,7 +645,7 @@ def pipeline_warm_up() -> None:
                        budget=0.9)
 
 
-def write_pipeline(rows: list[dict], out: Path, meta: dict) -> None:
+def write_pipeline(rows: list[dict], out: Path, meta: dict, suffix: str = "") -> None:
     reused = [r for r in rows if r["reuse"]]
     fits = [f for field in ("cpu_s", "wall_s") if (f := fit([{**r, "row": "pipeline"} for r in reused], "pipeline", field))]
     names = sorted({k for r in rows for k in r["phases"]}, key=lambda k: -max(r["phases"].get(k, 0) for r in rows))
@@ -652,7 +654,7 @@ def write_pipeline(rows: list[dict], out: Path, meta: dict) -> None:
         f"{meta_line(meta)} · {meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads", "",
         f"Issue 27's GPT-2 (`fxopt.models.gpt2_lm`, width {PIPELINE['dim']}, {PIPELINE['heads']} heads, "
         f"{PIPELINE['seq']} tokens, vocabulary {PIPELINE['vocab']}) planned by `fxopt.pipeline` (planning only) "
-        f"in the stages shown, twice as many microbatches of one sequence, 1F1B, at {PIPELINE['budget']:.0%} of "
+        f"in the stages shown, twice as many microbatches of one sequence, 1F1B, at {rows[0]['budget_share']:.0%} of "
         "its eager peak; each row from a fresh scratch and plan cache (the process's first capture and export "
         "made before, on a 4-layer model). CPU s: `time.process_time`; phases exclusive, CPU s. Reuse: a stage "
         "whose part has the structure of one captured before is planned from that capture (`stage_structure`); "
@@ -684,7 +686,7 @@ def write_pipeline(rows: list[dict], out: Path, meta: dict) -> None:
         for f in fits:
             k = "–" if f["exponent"] is None else f"{f['exponent']:.2f}"
             lines.append(f"| {f['field'].removesuffix('_s')} | {f['per_layer_s']:.3f} | {f['at_zero_s']:.1f} | {k} |")
-    write_results(out / "planning_time_pipeline", {"meta": meta, "rows": rows, "fits": fits}, "\n".join(lines))
+    write_results(out / f"planning_time_pipeline{suffix}", {"meta": meta, "rows": rows, "fits": fits}, "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -703,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline", help="comma-separated numbers of layers of issue 27's GPT-2: fxopt.pipeline "
                         "planning time (instead of --models)")
     parser.add_argument("--stages", type=int, default=8, help="with --pipeline: the stages (default 8)")
+    parser.add_argument("--budget", type=float, default=PIPELINE["budget"],
+                        help=f"with --pipeline: the per-device budget, a share of the eager peak (default {PIPELINE['budget']:g})")
     parser.add_argument("--alone", default="", help="with --pipeline: the depths also planned with every stage captured")
     parser.add_argument("--measure", default="", help="of those, the depths whose smallest-budget plan is run and measured")
     parser.add_argument("--out", default="benchmarks/results")
@@ -716,9 +720,9 @@ def main(argv: list[str] | None = None) -> int:
         for layers in sorted(int(x) for x in args.pipeline.split(",") if x):
             for reuse in (True, False) if layers in alone else (True,):
                 log(f"== gpt2_lm-{layers}, {args.stages} stages, {'reuse' if reuse else 'alone'}")
-                rows.append(pipeline_answer(layers, args.stages, reuse))
+                rows.append(pipeline_answer(layers, args.stages, reuse, args.budget))
                 log(json.dumps(rows[-1]))
-                write_pipeline(rows, Path(args.out), meta)
+                write_pipeline(rows, Path(args.out), meta, "" if args.budget == PIPELINE["budget"] else f"_at{args.budget:g}")
         return 0
     if args.symbolic:
         rows = []
