@@ -426,14 +426,11 @@ def stage_structure(part: nn.Module, inputs: Sequence[Any]) -> tuple | None:
         graph = getattr(m, "graph", None)
         if not isinstance(graph, torch.fx.Graph):
             raise _NotAGraph
-        rows, local = [], {}
-        for k, n in enumerate(graph.nodes):
-            local[n] = k
-        index.update(local)
+        rows = []
+        index.update((n, k) for k, n in enumerate(graph.nodes))  # (a node by its place in its graph)
         for n in graph.nodes:
             if n.op == "call_module":
                 target = module(m.get_submodule(n.target))
-                index.update(local)
             elif n.op == "get_attr":
                 value = _attribute(m, n.target)
                 target = tensor(value) if isinstance(value, torch.Tensor) else module(value) \
