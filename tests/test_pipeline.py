@@ -147,6 +147,7 @@ def test_stages_of_one_structure_are_captured_once_and_planned_as_alone(schedule
     import fxopt.distributed.pipeline as pipeline
 
     def planned(reuse: bool):
+        fxopt.cache.lowest_peaks.clear()  # (each from a fresh memo: neither reads what the other kept)
         monkeypatch.setattr(pipeline._StagePlanner, "reuse_same_stages", reuse)
         made = []
         init = pipeline._StagePlanner.__init__
