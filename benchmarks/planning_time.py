@@ -6,6 +6,7 @@ built-in zoo and the `transformers` models of `benchmarks.hf_zoo`.
                                        [--device cpu] [--out benchmarks/results]
     python -m benchmarks.planning_time --depth 8,16,32 [--whole 8,16] [--measure 8] [--whole-capture 32]
     python -m benchmarks.planning_time --symbolic 32
+    python -m benchmarks.planning_time --pipeline 16,32,48 [--stages 8] [--alone 48] [--budget 0.75]
 
 ``--depth``: issue 27's Llama (transformers ``LlamaConfig``: hidden 256, FFN 1024, 4 heads, 2
 key-value heads, vocabulary 32000; one sequence of 512 tokens, real tensors) at each number of
@@ -19,6 +20,18 @@ At the depths in ``--whole-capture``, both answers are also made with every bloc
 (``stamp=False``; by default a run of identical blocks is captured as 3 and 4 blocks and stamped
 out, `fxopt.capture.repeat`): CPU seconds, traced nodes, and whether the answer is the same.
 Written to ``planning_time_depth.{md,json}`` (``planning_time_depth_stamp.{md,json}`` with ``--whole-capture``).
+
+``--pipeline 16,32,48``: `fxopt.pipeline` planning (only) issue 27's GPT-2 (`fxopt.models.gpt2_lm`,
+width 128, 4 heads, 64 tokens, vocabulary 256) at each number of layers, cut into ``--stages``
+(8) stages, twice as many microbatches of one sequence, 1F1B, at ``--budget`` (75%) of its eager
+peak: CPU and wall seconds, each phase's CPU seconds (exclusive: the whole step's stamped capture, torch's
+split, the stage modules' eager forwards, the stage captures, the stages' analyses and solves),
+the counted work (stage parts captured, planned from an earlier capture, plans reused), and a
+digest of the plan (timings left out). At the depths in ``--alone`` the same plan is also made
+with every stage captured (no reuse): the digests must be equal. Each row from a fresh scratch
+and plan cache; the process's first capture and export are made beforehand on a 4-layer model,
+untimed. Written to ``planning_time_pipeline.{md,json}`` (``planning_time_pipeline_at<budget>`` at
+another budget).
 
 ``--symbolic 32``: `fxopt.max_batch`'s capture of that Llama (the batch symbolic, 1 to 64, at a
 batch of 2), its run stamped and captured whole: CPU seconds, traced nodes, the same graphs;
@@ -515,6 +528,167 @@ def write_symbolic(rows: list[dict], out: Path, meta: dict) -> None:
     write_results(out / "planning_time_symbolic", {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
+# ---------------------------------------------------------------- fxopt.pipeline against depth
+
+PIPELINE_TARGET_SECONDS = 10.0  # issue 27: 48 layers in 8 stages, fxopt.pipeline planning only
+PIPELINE = dict(dim=128, heads=4, seq=64, vocab=256, budget=0.75)
+
+
+class Phases:
+    """CPU seconds (`time.process_time`) spent in each of `fxopt.pipeline`'s phases, exclusive
+    (a phase called inside another counts in its own only), by wrapping the functions
+    `fxopt.distributed.pipeline` calls them by; and the stage planner (its counted work)."""
+
+    NAMES = {"plan_and_rewrite": None, "split_model": "split (torch.export)", "plan_each": "stage captures",
+             "cut_model": "cut model"}
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.planners: list = []
+        self._children = [0.0]
+
+    @contextlib.contextmanager
+    def installed(self):
+        import fxopt.distributed.pipeline as pl
+
+        # (a name an older fxopt lacks is not timed: the same command measures the commit before)
+        saved = {name: getattr(pl, name) for name in self.NAMES if hasattr(pl, name)}
+        classes = {("_StagePlanner", "modules"): "stage forwards (eager)", ("_StagePlanner", "plan_stage"):
+                   "stage analyses and solves", ("_LastStage", "of"): "model output and loss (eager)"}
+        saved_methods = {key: getattr(getattr(pl, key[0]), key[1]) for key in classes}
+        init = pl._StagePlanner.__init__
+        for name, fn in saved.items():
+            setattr(pl, name, self._timed(fn, self.NAMES[name]))
+        for (cls, name), phase in classes.items():
+            fn = saved_methods[(cls, name)]
+            setattr(getattr(pl, cls), name, self._timed(fn.__func__ if hasattr(fn, "__func__") else fn, phase,
+                                                        classmethod if hasattr(fn, "__func__") else None))
+
+        def made(planner, *args, **kwargs):
+            self.planners.append(planner)
+            init(planner, *args, **kwargs)
+
+        pl._StagePlanner.__init__ = made
+        try:
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(pl, name, fn)
+            for (cls, name), fn in saved_methods.items():
+                setattr(getattr(pl, cls), name, classmethod(fn.__func__) if hasattr(fn, "__func__") else fn)
+            pl._StagePlanner.__init__ = init
+
+    def _timed(self, fn, phase: str | None, wrap=None):
+        def timed(*args, **kwargs):
+            label = phase
+            if label is None:  # plan_and_rewrite: the whole step, the loss, or a stage captured alone
+                kind = type(args[0]).__name__
+                label = {"_WithLoss": "whole step (stamped capture, analysis)", "_Loss": "loss"}.get(
+                    kind, "stage captures")
+            self._children.append(0.0)
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.process_time() - t0
+                inner = self._children.pop()
+                self.seconds[label] = self.seconds.get(label, 0.0) + spent - inner
+                self._children[-1] += spent
+
+        return wrap(timed) if wrap is not None else timed
+
+
+def pipeline_answer(layers: int, stages: int, reuse: bool = True, budget: float = PIPELINE["budget"]) -> dict:
+    import fxopt.distributed.pipeline as pl
+    from benchmarks.budget_holds import pipeline_digest  # (the plan's decisions: budget_holds' digest)
+    from fxopt.models import gpt2_lm, lm_loss
+
+    spec = PIPELINE
+    microbatches = 2 * stages
+    fresh_caches()
+    torch.manual_seed(0)
+    model, (idx,) = gpt2_lm(layers, spec["dim"], spec["heads"], spec["seq"], microbatches, spec["vocab"])
+    phases = Phases()
+    saved = getattr(pl._StagePlanner, "reuse_same_stages", None)  # (None: an fxopt from before it)
+    if saved is not None:
+        pl._StagePlanner.reuse_same_stages = reuse
+    with tempfile.TemporaryDirectory() as cache_dir:
+        os.environ["FXOPT_CACHE_DIR"] = cache_dir  # (no plan and no scratch known)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        try:
+            with phases.installed(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=stages,
+                                      microbatches=microbatches, budget=budget)
+        finally:
+            if saved is not None:
+                pl._StagePlanner.reuse_same_stages = saved
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    phases.seconds["other"] = cpu - sum(phases.seconds.values())
+    return {"layers": layers, "stages": stages, "microbatches": microbatches, "budget_share": budget,
+            "reuse": reuse and saved is not None, "wall_s": wall,
+            "cpu_s": cpu, "load1": os.getloadavg()[0], "phases": phases.seconds, "work": getattr(phases.planners[0], "work", {}),
+            "digest": pipeline_digest(plan), "budget": plan.budget_bytes, "peak": plan.peak_bytes,
+            "solvers": [s.plan.solver for s in plan.stages], "cuts": [f"{c.module} {c.split_point}" for c in plan.cuts],
+            "recomputed": sum(sum(s.plan.recomputed.values()) for s in plan.stages)}
+
+
+def pipeline_warm_up() -> None:
+    """The process's first Dynamo capture and torch.export (imports, caches), untimed."""
+    from fxopt.models import gpt2_lm, lm_loss
+
+    torch.manual_seed(0)
+    model, (idx,) = gpt2_lm(4, 16, 2, 8, 4, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=2, microbatches=4,
+                       budget=0.9)
+
+
+def write_pipeline(rows: list[dict], out: Path, meta: dict, suffix: str = "") -> None:
+    reused = [r for r in rows if r["reuse"]]
+    fits = [f for field in ("cpu_s", "wall_s") if (f := fit([{**r, "row": "pipeline"} for r in reused], "pipeline", field))]
+    names = sorted({k for r in rows for k in r["phases"]}, key=lambda k: -max(r["phases"].get(k, 0) for r in rows))
+    lines = [
+        "# fxopt.pipeline planning time against depth: stages of one structure captured once", "",
+        f"{meta_line(meta)} · {meta['cpu_count']} CPUs, {meta['torch_threads']} torch threads", "",
+        f"Issue 27's GPT-2 (`fxopt.models.gpt2_lm`, width {PIPELINE['dim']}, {PIPELINE['heads']} heads, "
+        f"{PIPELINE['seq']} tokens, vocabulary {PIPELINE['vocab']}) planned by `fxopt.pipeline` (planning only) "
+        f"in the stages shown, twice as many microbatches of one sequence, 1F1B, at {rows[0]['budget_share']:.0%} of "
+        "its eager peak; each row from a fresh scratch and plan cache (the process's first capture and export "
+        "made before, on a 4-layer model). CPU s: `time.process_time`; phases exclusive, CPU s. Reuse: a stage "
+        "whose part has the structure of one captured before is planned from that capture (`stage_structure`); "
+        "`alone`: every stage captured (its analysis and solve then counted in its capture). Digest: the plan without its timings. Target (issue 27): 48 layers × 8 "
+        f"stages ≤ {PIPELINE_TARGET_SECONDS:.0f} s, time at most linear in depth. Load: the 1-minute average as "
+        "the row ended (a shared machine; torch's 2 threads spin on its eager ops when it is busy).", "",
+        "| layers | stages | stages planned | CPU s | wall s | load | " + " | ".join(names) +
+        " | captured / from an earlier capture / plans reused | largest stage MiB | budget MiB | digest |",
+        "|---:|---:|---|---:|---:|---:|" + "---:|" * len(names) + "---|---:|---:|---|",
+    ]
+    for r in rows:
+        w = {"captures": "–", "planned from an earlier capture": "–", "plans reused": "–", **r["work"]}
+        lines.append(f"| {r['layers']} | {r['stages']} | {'reuse' if r['reuse'] else 'alone'} | {r['cpu_s']:.1f} | "
+                     f"{r['wall_s']:.1f} | {r['load1']:.1f} | "
+                     + " | ".join(f"{r['phases'].get(k, 0.0):.1f}" for k in names)
+                     + f" | {w['captures']} / {w['planned from an earlier capture']} / {w['plans reused']} | "
+                     f"{mib(r['peak'])} | {mib(r['budget'])} | `{r['digest']}` |")
+    alone = {(r["layers"], r["stages"]): r for r in rows if not r["reuse"]}
+    for r in reused:
+        other = alone.get((r["layers"], r["stages"]))
+        if other is not None:
+            same = "the same plan" if other["digest"] == r["digest"] else "**a different plan**"
+            lines += ["", f"{r['layers']} layers, {r['stages']} stages: reuse and alone give {same} (digest "
+                      f"`{r['digest']}` / `{other['digest']}`); CPU {r['cpu_s']:.1f} s against {other['cpu_s']:.1f} s."]
+    if fits:
+        lines += ["", "Time against depth (the reuse rows): a line through CPU and wall seconds (least squares), and k "
+                  "in layers^k from the shallowest to the deepest (1 is linear).", "",
+                  "| seconds | per layer s | at 0 layers s | k |", "|---|---:|---:|---:|"]
+        for f in fits:
+            k = "–" if f["exponent"] is None else f"{f['exponent']:.2f}"
+            lines.append(f"| {f['field'].removesuffix('_s')} | {f['per_layer_s']:.3f} | {f['at_zero_s']:.1f} | {k} |")
+    write_results(out / f"planning_time_pipeline{suffix}", {"meta": meta, "rows": rows, "fits": fits}, "\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="zoo,hf", help="comma-separated from zoo, hf, gpt2-12 (default zoo,hf)")
@@ -528,11 +702,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="of those, the depths also answered with every block captured (stamp=False), CPU s side by side")
     parser.add_argument("--symbolic", help="comma-separated numbers of layers of issue 27's Llama: max_batch's "
                         "symbolic capture, stamped and whole (instead of --models)")
+    parser.add_argument("--pipeline", help="comma-separated numbers of layers of issue 27's GPT-2: fxopt.pipeline "
+                        "planning time (instead of --models)")
+    parser.add_argument("--stages", type=int, default=8, help="with --pipeline: the stages (default 8)")
+    parser.add_argument("--budget", type=float, default=PIPELINE["budget"],
+                        help=f"with --pipeline: the per-device budget, a share of the eager peak (default {PIPELINE['budget']:g})")
+    parser.add_argument("--alone", default="", help="with --pipeline: the depths also planned with every stage captured")
     parser.add_argument("--measure", default="", help="of those, the depths whose smallest-budget plan is run and measured")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     os.environ["FXOPT_CACHE"] = "1"
     meta = run_meta("python -m benchmarks.planning_time " + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.pipeline:
+        pipeline_warm_up()
+        rows = []
+        alone = {int(x) for x in args.alone.split(",") if x}
+        for layers in sorted(int(x) for x in args.pipeline.split(",") if x):
+            for reuse in (True, False) if layers in alone else (True,):
+                log(f"== gpt2_lm-{layers}, {args.stages} stages, {'reuse' if reuse else 'alone'}")
+                rows.append(pipeline_answer(layers, args.stages, reuse, args.budget))
+                log(json.dumps(rows[-1]))
+                write_pipeline(rows, Path(args.out), meta, "" if args.budget == PIPELINE["budget"] else f"_at{args.budget:g}")
+        return 0
     if args.symbolic:
         rows = []
         for layers in sorted(int(x) for x in args.symbolic.split(",") if x):

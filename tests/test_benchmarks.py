@@ -333,6 +333,36 @@ def test_planning_time_splits_one_answer(monkeypatch):
     assert row["analysis_s"] > 0 and row["solve_s"] > 0 and row["capture_s"] > 0
 
 
+def test_planning_time_splits_a_pipeline_into_its_phases(monkeypatch):
+    """`benchmarks.planning_time --pipeline` times `fxopt.pipeline`'s phases by the names
+    `fxopt.distributed.pipeline` calls them by (a rename there would leave one at zero), each
+    exclusive (they add up to the CPU time), and reads the stage planner's counted work."""
+    import time
+    import warnings
+
+    import fxopt
+    import fxopt.distributed.pipeline as pl
+    from benchmarks import planning_time
+    from fxopt.models import gpt2_lm, lm_loss
+
+    monkeypatch.setenv("FXOPT_CACHE", "0")
+    torch.manual_seed(0)
+    model, (idx,) = gpt2_lm(layers=4, dim=16, heads=2, seq=8, batch=4, vocab=32)
+    phases = planning_time.Phases()
+    cpu0 = time.process_time()
+    with phases.installed(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=2, microbatches=4,
+                       budget=0.9, split_points=[("h.2", "BEGINNING")])
+    cpu = time.process_time() - cpu0
+    for phase in ("whole step (stamped capture, analysis)", "split (torch.export)", "stage captures",
+                  "stage forwards (eager)", "model output and loss (eager)", "stage analyses and solves", "cut model"):
+        assert phases.seconds.get(phase, 0) > 0, phase
+    assert sum(phases.seconds.values()) <= cpu + 0.05
+    assert phases.planners[0].work["captures"] == 2
+    assert pl.split_model.__name__ == "split_model" and pl._StagePlanner.plan_stage.__name__ == "plan_stage"
+
+
 def test_the_pipeline_digest_is_of_decisions_not_of_planning_time():
     """budget_holds' pipeline rows compare a quiet run's plan with a busy one's by this digest: the
     seconds planning took (the whole plan's, each stage plan's) are not in it, the decisions are.

@@ -64,9 +64,11 @@ def test_every_stage_is_planned_with_the_options_given(monkeypatch):
     import fxopt.distributed.pipeline
     from fxopt.analysis.codecs import Quantize
 
+    import fxopt.capture.dynamo
+
     seen = []
-    real = fxopt.distributed.pipeline.plan_and_rewrite
-    monkeypatch.setattr(fxopt.distributed.pipeline, "plan_and_rewrite", lambda m, o, x: seen.append(o) or real(m, o, x))
+    real = fxopt.capture.dynamo.make_plan  # (every plan, of a stage captured or planned from an earlier capture)
+    monkeypatch.setattr(fxopt.capture.dynamo, "make_plan", lambda j, n, o, *a, **k: seen.append(o) or real(j, n, o, *a, **k))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     inputs = (torch.randn(8, 8),)
@@ -125,3 +127,71 @@ def test_the_loss_memory_leaves_out_the_batch_its_target_is_a_view_of():
     view = target[:2]
     options = Options.of(1.0)
     assert _loss_memory(lm_loss, logits, view, options) == _loss_memory(lm_loss, logits, view.clone(), options)
+
+
+def _plan_without_timings(plan: fxopt.PipelinePlan) -> dict:
+    d = plan.to_dict()
+    d.pop("solve_seconds")  # (planning's wall time: the pipeline's, and each stage plan's)
+    for stage in d["stages"]:
+        stage["plan"].pop("solve_seconds")
+    return d
+
+
+@pytest.mark.parametrize("schedule, budget", [("1F1B", 0.6), ("GPipe", "min")])
+def test_stages_of_one_structure_are_captured_once_and_planned_as_alone(schedule, budget, monkeypatch):
+    """Issue 27: the middle stages of a uniform model are one graph up to names, so one is
+    captured and analysed and the others are planned from it (1F1B: each with its own in-flight
+    microbatches; GPipe: the same, so the same plan). Every stage's plan is the one capturing it
+    alone makes: the whole pipeline plan, module paths included, equals planning each stage from
+    its own capture."""
+    import fxopt.distributed.pipeline as pipeline
+
+    def planned(reuse: bool):
+        fxopt.cache.lowest_peaks.clear()  # (each from a fresh memo: neither reads what the other kept)
+        monkeypatch.setattr(pipeline._StagePlanner, "reuse_same_stages", reuse)
+        made = []
+        init = pipeline._StagePlanner.__init__
+        monkeypatch.setattr(pipeline._StagePlanner, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+        torch.manual_seed(0)
+        model, (idx,) = gpt2_lm(layers=8, dim=16, heads=2, seq=8, batch=8, vocab=32)
+        plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=4, microbatches=4,
+                              schedule=schedule, budget=budget, solver="greedy",
+                              split_points=[("h.2", "BEGINNING"), ("h.4", "BEGINNING"), ("h.6", "BEGINNING")])
+        monkeypatch.setattr(pipeline._StagePlanner, "__init__", init)
+        return plan, made[0].work
+
+    reused, work = planned(True)
+    alone, alone_work = planned(False)
+    assert _plan_without_timings(reused) == _plan_without_timings(alone)
+    assert [s.modules for s in reused.stages] == [("wte", "h.1"), ("h.2.ln_1", "h.3"), ("h.4.ln_1", "h.5"),
+                                                  ("h.6.ln_1", "lm_head")]
+    assert any(s.plan.recomputed for s in reused.stages)  # (the budget is tight enough to plan something)
+    assert work["captures"] == 3  # the first stage, one of the middle two, the last
+    assert alone_work["captures"] >= 4 and alone_work["planned from an earlier capture"] == 0
+    if schedule == "GPipe":  # every stage holds every microbatch: stage 2 is planned as stage 1 was
+        assert work["plans reused"] >= 1
+
+
+def test_stage_structure_tells_parts_apart():
+    """`stage_structure`: equal for the two middle stages of a uniform stack, not for the first,
+    another width or other inputs; None for a part that is not an fx graph (its code is not read).
+    A captured module path moves to the module in its place, or is refused."""
+    from fxopt.distributed.pipeline import _moved_paths, _NotMoved, split_model, stage_structure
+
+    def parts(dim: int):
+        torch.manual_seed(0)
+        model, (idx,) = gpt2_lm(layers=8, dim=dim, heads=2, seq=8, batch=2, vocab=32)
+        cuts = [("h.2", "BEGINNING"), ("h.4", "BEGINNING"), ("h.6", "BEGINNING")]
+        return [s.part for s in split_model(model, (idx,), cuts, True)]
+
+    x, narrow, wide = torch.randn(2, 8, 16), parts(16), parts(32)
+    assert stage_structure(narrow[1], (x,)) == stage_structure(narrow[2], (x,)) is not None
+    assert stage_structure(narrow[1], (x,)) != stage_structure(narrow[0], (x,))
+    assert stage_structure(wide[1], (x,)) != stage_structure(narrow[1], (x,))
+    assert stage_structure(narrow[1], (x,)) != stage_structure(narrow[1], (torch.randn(2, 4, 16),))
+    assert stage_structure(nn.Linear(2, 2), (x,)) is None
+    paths = ("getattr(getattr(L['self'].h, '2'), 'resid_drop@1')", "getattr(L['self'].h, '3').ln_1", "")
+    assert _moved_paths(paths, narrow[1], narrow[2]) == (
+        "getattr(getattr(L['self'].h, '4'), 'resid_drop@1')", "getattr(L['self'].h, '5').ln_1", "")
+    with pytest.raises(_NotMoved):
+        _moved_paths(("getattr(L['self'].h, '7').ln_1",), narrow[1], narrow[2])

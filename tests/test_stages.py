@@ -261,6 +261,32 @@ def test_solve_stage_fits_the_device():
     assert in_flight.device_peak(g, sol.schedule, sol.timeline) <= least
 
 
+
+def test_stages_of_one_graph_share_their_search_starts(monkeypatch):
+    """The schedules a stage's search starts from (the heuristics', the chain's, the lowest-peak
+    one) do not depend on what the device holds beside: the stages of one graph, each with its own
+    microbatches in flight, find them once in the planner's memo, and each plan is the one a
+    fresh memo gives."""
+    import fxopt.solvers.stages.in_flight as in_flight
+    from fxopt.solvers.minimum import Memo
+
+    g = chain(12)
+    heuristics = {}
+    counted = {name: (lambda h, n=name: lambda *a, **k: heuristics.__setitem__(n, heuristics.get(n, 0) + 1) or h(*a, **k))(h)
+               for name, h in in_flight.HEURISTICS.items()}
+    monkeypatch.setattr(in_flight, "HEURISTICS", counted)
+    stages = [st.InFlight(k, held_bytes=16, fixed_bytes=40) for k in (4, 3, 2)]  # 1F1B's stages 0-2 of 4
+    budgets = [int(stage.device_peak(g, st.eager_schedule(g)) * 0.7) for stage in stages]
+    memo = Memo()
+    shared = [st.solve_stage(g, b, stage, memo=memo) for stage, b in zip(stages, budgets)]
+    runs_shared = dict(heuristics)
+    heuristics.clear()
+    alone = [st.solve_stage(g, b, stage, memo=Memo()) for stage, b in zip(stages, budgets)]
+    for x, y in zip(shared, alone):
+        assert (x.schedule, x.timeline.cost, x.solver) == (y.schedule, y.timeline.cost, y.solver)
+    assert set(runs_shared.values()) == {1} and set(heuristics.values()) == {3}  # (every stage's search starts)
+
+
 @pytest.mark.slow
 def test_a_stage_plan_does_not_depend_on_how_long_its_solves_take(monkeypatch):
     """A stage's search makes several solves (`STAGE_SOLVES` and the lowest-peak search), each

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,10 +42,10 @@ from torch.utils._pytree import tree_map_only
 
 from fxopt.api import FxoptModule
 from fxopt.budget import Budget, BudgetLike
-from fxopt.errors import CaptureError, FxoptError, check_choice
+from fxopt.errors import CaptureError, FxoptError, InfeasibleBudgetError, check_choice
 from fxopt.fxgraph import module_name
 from fxopt.options import Options
-from fxopt.plan_ahead import plan_and_rewrite
+from fxopt.plan_ahead import plan_and_rewrite, plan_each
 from fxopt.solvers import Solution
 from fxopt.solvers.stage_plan import Cut, PipelinePlan, StagePlan, TensorSpec
 from fxopt.solvers.stages import (MAX_CROSSING, SCHEDULES, CutModel, InFlight, Split, StageResult, cut_and_plan,
@@ -280,7 +281,20 @@ def _receivable(values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 class _StagePlanner:
     """Plans the stages of the DP's splits exactly: builds the stage modules of a split (once per
-    split), captures each stage's part and plans it with what its device holds beside."""
+    split), captures each stage's part and plans it with what its device holds beside.
+
+    The middle stages of a uniform model are one graph up to names (six blocks of a GPT-2 are
+    six blocks wherever they sit). A stage whose part has the structure of one captured before
+    (`stage_structure`: every node's op and arguments, names abstracted, every parameter's and
+    input's shape, dtype and strides, compared whole) is not captured again: it is planned from
+    that capture, analysed once (`fxopt.plan_ahead.plan_each`), with its own budget and
+    microbatches in flight, and its plan's module paths moved to its own modules (`_moved_paths`,
+    checked by reading them back). Where its budget and what it holds beside are those of a stage
+    planned before, that plan is its plan. Either way its plan is the one capturing it would make
+    (the same graph, names included, and the same solve: the solvers count effort, not time)."""
+
+    # Plan a stage from the capture of a stage with the same structure (off: capture every stage).
+    reuse_same_stages = True
 
     def __init__(self, model, mb_args, last: _LastStage, points: SplitPoints, cut: CutModel, budget: int | None,
                  options: Options, return_outputs: bool):
@@ -288,25 +302,32 @@ class _StagePlanner:
         self.points, self.cut, self.budget, self.options = points, cut, budget, options
         self.return_outputs = return_outputs
         self.single_output = last.single_output
-        self.splits: dict[tuple[int, ...], tuple[list[StageModule], list[tuple]]] = {}
+        self.splits: dict[tuple[int, ...], tuple[list[StageModule], list[tuple], list[tuple]]] = {}
         self.plans: dict[tuple[tuple[int, ...], int], Any] = {}
         self.given: dict[tuple[int, ...], list[tuple[str, str]]] = {}  # cuts -> the split points asked for
+        # One entry per stage structure captured: (structure, the part captured, its `plan_each` planner).
+        self.captured: list[tuple[tuple, nn.Module, Callable]] = []
+        # (structure's entry, the options' solver key with the budget and what is held) -> plan or error
+        self.solved: dict[tuple, Any] = {}
+        # Counted work: stage parts captured, plans made from a capture made before, plans reused.
+        self.work = {"captures": 0, "planned from an earlier capture": 0, "plans reused": 0}
 
     def spec(self, cuts: tuple[int, ...]) -> list[tuple[str, str]]:
         return self.given.get(cuts) or self.points.spec([self.cut.points[c].position for c in cuts])
 
-    def modules(self, cuts: tuple[int, ...]) -> tuple[list[StageModule], list[tuple]]:
-        """The stage modules of a split and each one's inputs for the first microbatch."""
+    def modules(self, cuts: tuple[int, ...]) -> tuple[list[StageModule], list[tuple], list[tuple]]:
+        """The stage modules of a split, each one's inputs for the first microbatch and its outputs."""
         if cuts not in self.splits:
             spec = self.spec(cuts)
             stages = split_model(self.model, self.mb_args, spec, self.single_output)
-            inputs, x = [], tuple(self.mb_args)
+            inputs, outputs, x = [], [], tuple(self.mb_args)
             with torch.no_grad():
                 for k, stage in enumerate(stages):
                     inputs.append(x if k == 0 else _receivable(x))
                     out = stage(*inputs[-1])
                     x = out if isinstance(out, tuple) else (out,)
-            self.splits[cuts] = (stages, inputs)
+                    outputs.append(x)
+            self.splits[cuts] = (stages, inputs, outputs)
         return self.splits[cuts]
 
     def in_flight(self, s: int, part: nn.Module, inputs: tuple, outputs: tuple) -> InFlight:
@@ -324,14 +345,11 @@ class _StagePlanner:
                                after_forward=self.last.loss_peak if last else 0)
 
     def plan_stage(self, s: int, split: Split, budget: int) -> StageResult:
-        stages, inputs = self.modules(split.cuts)
+        stages, inputs, outputs = self.modules(split.cuts)
         stage = stages[s]
-        with torch.no_grad():
-            out = stage(*inputs[s])
-        in_flight = self.in_flight(s, stage.part, inputs[s], out if isinstance(out, tuple) else (out,))
+        in_flight = self.in_flight(s, stage.part, inputs[s], outputs[s])
         options = dataclasses.replace(self.options, budget=Budget(bytes=budget), in_flight=in_flight)
-        ready = plan_and_rewrite(stage.part, options, stage.part_inputs(inputs[s]))
-        plan = ready.plan
+        plan = self._plan(stage.part, stage.part_inputs(inputs[s]), options)
         self.plans[(split.cuts, s)] = plan
         timeline = plan.timeline()
         graph = plan.graph
@@ -339,6 +357,168 @@ class _StagePlanner:
         return StageResult(sol, in_flight.device_peak(graph, plan.schedule, timeline), in_flight,
                            sum(graph.nodes[i].cost for i in graph.forward_required),
                            sum(graph.nodes[i].cost for i in graph.backward_nodes))
+
+    def _plan(self, part: nn.Module, part_inputs: tuple, options: Options):
+        """``part``'s plan for ``options``: captured and planned, or planned from the capture of a
+        part of the same structure (`stage_structure`), or that part's plan for the same options."""
+        structure = stage_structure(part, part_inputs) if self.reuse_same_stages and options.device is None else None
+        if structure is None:
+            self.work["captures"] += 1
+            return plan_and_rewrite(part, options, part_inputs).plan
+        entry = next((k for k, (known, _, _) in enumerate(self.captured) if known == structure), None)
+        if entry is None:
+            self.work["captures"] += 1
+            planner = plan_each(part, options, part_inputs, lambda plan: plan)
+            entry = len(self.captured)
+            self.captured.append((structure, part, planner))
+        else:
+            self.work["planned from an earlier capture"] += 1
+        _, captured_part, planner = self.captured[entry]
+        key = (entry, options.budget.bytes, options.in_flight, options.solver_key())
+        if key in self.solved:
+            self.work["plans reused"] += 1
+        else:
+            try:
+                self.solved[key] = planner(options).plan
+            except InfeasibleBudgetError as err:
+                self.solved[key] = err
+        known = self.solved[key]
+        if isinstance(known, InfeasibleBudgetError):
+            raise known
+        if captured_part is part:
+            return known
+        try:
+            return dataclasses.replace(known, module_paths=_moved_paths(known.module_paths, captured_part, part))
+        except _NotMoved:  # (not seen: Dynamo spells a module's path by its names)
+            self.work["captures"] += 1
+            return plan_and_rewrite(part, options, part_inputs).plan
+
+
+# ---------------------------------------------------------------- stages that are one graph
+
+def stage_structure(part: nn.Module, inputs: Sequence[Any]) -> tuple | None:
+    """What capturing ``part`` on ``inputs`` depends on, with every name abstracted: per graph
+    (the part's, and each module it calls, recursively), every node's op, target (a called
+    module by its own structure, an attribute by its tensor's), arguments (a node by its
+    position) and type; each module's class and training flag; each tensor's shape, strides,
+    dtype, device, whether it requires grad or is a parameter, and which tensors are one (by
+    first use). Two parts with equal structures capture to the same joint graph, names included,
+    but for the module paths Dynamo records. None where a module in ``part`` is not an fx graph
+    (its code is not read here: never matched)."""
+    tensors: dict[int, int] = {}
+
+    def tensor(t: torch.Tensor) -> tuple:
+        return (tensors.setdefault(id(t), len(tensors)), tuple(t.shape), t.stride(), t.dtype, t.device,
+                t.requires_grad, isinstance(t, nn.Parameter))
+
+    def plain(value):
+        if isinstance(value, torch.fx.Node):
+            return ("node", index[value])
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__, tuple(plain(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", tuple((k, plain(v)) for k, v in value.items()))
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tensor(value))
+        return value
+
+    def module(m: nn.Module):
+        graph = getattr(m, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            raise _NotAGraph
+        rows = []
+        index.update((n, k) for k, n in enumerate(graph.nodes))  # (a node by its place in its graph)
+        for n in graph.nodes:
+            if n.op == "call_module":
+                target = module(m.get_submodule(n.target))
+            elif n.op == "get_attr":
+                value = _attribute(m, n.target)
+                target = tensor(value) if isinstance(value, torch.Tensor) else module(value) \
+                    if isinstance(value, nn.Module) else ("value", value)
+            elif n.op in ("placeholder", "output"):
+                target = None
+            else:
+                target = n.target
+            rows.append((n.op, target, plain(n.args), plain(n.kwargs), n.type))
+        own = tuple(tensor(t) for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+        # (torch makes a class per GraphModule, whose code is its graph's: known by its base)
+        kind = type(m)
+        if isinstance(m, torch.fx.GraphModule) and kind.__qualname__.endswith("<locals>.GraphModuleImpl"):
+            kind = kind.__mro__[1]
+        return (kind, m.training, tuple(rows), own)
+
+    index: dict = {}
+    try:
+        return (module(part), tuple(tensor(t) if isinstance(t, torch.Tensor) else ("value", t) for t in inputs))
+    except _NotAGraph:
+        return None
+
+
+class _NotAGraph(Exception):
+    """A module whose forward is Python code, not an fx graph: its structure is not read."""
+
+
+class _NotMoved(Exception):
+    """A module path that could not be moved to the module in its place (`_moved_path`)."""
+
+
+def _attribute(m: nn.Module, target: str):
+    for atom in target.split("."):
+        m = getattr(m, atom)
+    return m
+
+
+def _module_pairs(a: nn.Module, b: nn.Module) -> dict[str, str]:
+    """Each module ``a``'s graphs call (its path in ``a``) -> the one ``b``'s graphs call in its
+    place, for two parts of one `stage_structure` (their graphs line up node by node)."""
+    pairs: dict[str, str] = {}
+
+    def walk(x: nn.Module, y: nn.Module, px: str, py: str) -> None:
+        for n, o in zip(x.graph.nodes, y.graph.nodes):
+            if n.op == "call_module":
+                qx, qy = f"{px}{n.target}", f"{py}{o.target}"
+                pairs[qx] = qy
+                walk(x.get_submodule(n.target), y.get_submodule(o.target), qx + ".", qy + ".")
+
+    walk(a, b, "", "")
+    return pairs
+
+
+def _moved_paths(paths: Sequence[str], captured: nn.Module, part: nn.Module) -> tuple[str, ...]:
+    """The module paths Dynamo recorded capturing ``captured`` (``getattr(L['self'].h, '6').ln_1``),
+    as it records them capturing ``part``, which has its structure: each path's modules replaced
+    by the ones ``part`` calls in their place (`_module_pairs`), one name at a time; every path
+    read back (`module_name`) to the module it must name; `_NotMoved` where one is not."""
+    pairs = _module_pairs(captured, part)
+    moved: dict[str, str] = {"": ""}
+    out = []
+    for path in paths:
+        if path not in moved:
+            moved[path] = _moved_path(path, pairs)
+        out.append(moved[path])
+    return tuple(out)
+
+
+def _moved_path(path: str, pairs: dict[str, str]) -> str:
+    name = module_name(path)
+    base, at, call = name.partition("@")  # (Dynamo's mark of a module's second call: ``resid_drop@1``)
+    if not base:  # the part itself
+        return path
+    if base not in pairs:
+        raise _NotMoved(f"a captured module path ({path!r}) names no module the stage's graph calls")
+    old, new = base.split("."), pairs[base].split(".")
+    if len(old) != len(new):
+        raise _NotMoved(f"the module {base!r} and the one in its place, {pairs[base]!r}, are not at one depth")
+    text, cursor = path, 0
+    for a, b in zip(old, new):
+        found = re.compile(r"(?<![\w])" + re.escape(a) + r"(?![\w])").search(text, cursor)
+        if found is None:
+            raise _NotMoved(f"the module path {path!r} does not spell {base!r} name by name")
+        text = text[:found.start()] + b + text[found.end():]
+        cursor = found.start() + len(b)
+    if module_name(text) != pairs[base] + at + call:
+        raise _NotMoved(f"moving the module path {path!r} to {pairs[base]!r} gave {text!r}")
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +615,8 @@ def pipeline(
     if not target_given:
         target = torch.zeros(batch or microbatches)
     mb_args, mb_target = _microbatch(args, target, microbatches)
-    ready = plan_and_rewrite(_WithLoss(model, loss_fn), _unbounded(options), (*mb_args, mb_target))
+    # (only planned: a run of identical blocks is captured as three and four, stamped out)
+    ready = plan_and_rewrite(_WithLoss(model, loss_fn), _unbounded(options), (*mb_args, mb_target), plan_only=True)
     whole = ready.plan
     fx_nodes = {n.name: n for n in ready.joint.module.graph.nodes}
     origins = [fx_nodes[name].meta.get("seq_nr") if name in fx_nodes else None for name in ready.joint.names]
@@ -492,16 +673,13 @@ def _given_cuts(cut: CutModel, points: SplitPoints, split_points, stages: int) -
 def _pipeline_plan(planner: _StagePlanner, whole, split: Split, results: list[StageResult], seconds: float
                    ) -> PipelinePlan:
     cut = planner.cut
-    stages, inputs = planner.modules(split.cuts)
+    stages, inputs, outputs = planner.modules(split.cuts)
     spec = planner.spec(split.cuts)
     names = [n.name for n in whole.graph.nodes]
     cuts = tuple(Cut(fqn, kind, tuple(names[v] for v in cut.points[c].crossing), cut.points[c].bytes)
                  for (fqn, kind), c in zip(spec, split.cuts))
     stage_plans = []
-    for s, (stage, result, estimate) in enumerate(zip(stages, results, split.estimates)):
-        with torch.no_grad():
-            out = stage(*inputs[s])
-        outs = out if isinstance(out, tuple) else (out,)
+    for s, (stage, result, estimate, outs) in enumerate(zip(stages, results, split.estimates, outputs)):
         paths = [module_of(p, None) for p in planner.plans[(split.cuts, s)].module_paths if p]
         paths = [p for p in paths if p]
         stage_plans.append(StagePlan(

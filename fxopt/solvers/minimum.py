@@ -71,6 +71,7 @@ class Memo:
     def __init__(self) -> None:
         self._entries: list[tuple[tuple, Graph, Lowest]] = []
         self._policies: list[tuple[int, Graph, list]] = []
+        self._stage_starts: list[tuple[tuple, Graph, list]] = []
 
     def get(self, graph: Graph, key: tuple) -> Lowest | None:
         """The answer for ``graph`` (or one of equal content) under ``key`` (solver, effort,
@@ -96,9 +97,25 @@ class Memo:
         del self._policies[:-self.POLICIES_KEEP]
         return found
 
+    def stage_starts(self, graph: Graph, key: tuple, compute: Callable[[], list]) -> list:
+        """``compute()``, the schedules a pipeline stage's search starts from for ``graph`` under
+        ``key`` (solver, effort: `fxopt.solvers.stages.in_flight`), or those kept for it (or for
+        one of equal content): what its device holds beside changes none of them, so the stages
+        of one graph (a uniform stack's middle stages, each with its own microbatches in flight)
+        share them. The latest `POLICIES_KEEP` graphs'."""
+        full = (_content_hash(graph), *key)
+        known = next((found for k, g, found in self._stage_starts if k == full and _same(g, graph)), None)
+        if known is not None:
+            return known
+        found = compute()
+        self._stage_starts.append((full, graph, found))
+        del self._stage_starts[:-self.POLICIES_KEEP]
+        return found
+
     def clear(self) -> None:
         self._entries.clear()
         self._policies.clear()
+        self._stage_starts.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

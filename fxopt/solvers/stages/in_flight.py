@@ -23,7 +23,7 @@ from fxopt.solvers.chain import chain_candidates
 from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.heuristics import HEURISTICS
-from fxopt.solvers.minimum import Memo, infeasible, lowest_plan
+from fxopt.solvers.minimum import Memo, infeasible, lowest_plan, memo_key
 from fxopt.solvers.schedule import Schedule, Timeline, as_generated, simulate
 from fxopt.errors import InfeasibleBudgetError
 
@@ -226,10 +226,15 @@ def _candidates(graph: Graph, in_flight: InFlight, solver: str, effort: Effort, 
     """Schedules to start a stage's search from, with their device memory: every heuristic's
     (greedy's whole curve of fewer SAVEd values among them), the chain solver's, and the lowest-
     peak schedule `lowest_plan` finds."""
-    lowest = lowest_plan(graph, solver, effort=effort, time_limit=deadline, memo=memo, mip_solver=mip_solver)
-    found = [(name, *c) for name in HEURISTICS for c in HEURISTICS[name](graph, 0, effort=effort)]
-    found += [("chain", *c) for c in chain_candidates(graph, 0)]
-    found.append((lowest.name, lowest.schedule, simulate(graph, lowest.schedule)))
+    def starts() -> list:
+        lowest = lowest_plan(graph, solver, effort=effort, time_limit=deadline, memo=memo, mip_solver=mip_solver)
+        found = [(name, *c) for name in HEURISTICS for c in HEURISTICS[name](graph, 0, effort=effort)]
+        found += [("chain", *c) for c in chain_candidates(graph, 0)]
+        found.append((lowest.name, lowest.schedule, simulate(graph, lowest.schedule)))
+        return found
+
+    # (none depends on what the device holds beside: kept in the memo for the stages of one graph)
+    found = starts() if memo is None else memo.stage_starts(graph, memo_key(solver, effort, True, mip_solver), starts)
     return [(Solution(schedule, timeline, name, "heuristic", 0.0), in_flight.device_peak(graph, schedule, timeline))
             for name, schedule, timeline in found if not timeline.over_host_budget]
 
