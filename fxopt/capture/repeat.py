@@ -321,20 +321,10 @@ class _Stamper:
             raise NotStamped("the captured step has no fake values")
         self.paths = [self._path_of(i) for i in range(SHORT)]
         self.numbers = {x: self._numbers(x) for x in nodes if x.op != "output"}
-        # Each tensor's layout, and its storage's owner: the (node, item) that shows it first.
-        # (Read once: a fake tensor's metadata is slow to read, and each is stamped N/3 times.)
-        first: dict[StorageWeakRef, tuple[fx.Node, int | None]] = {}
-        self.owner: dict[tuple[fx.Node, int | None], tuple[fx.Node, int | None]] = {}
-        self.layout_of: dict[tuple[fx.Node, int | None], tuple] = {}
+        self.owner, self.layout_of = _layouts(nodes)
         self.is_view = {x: isinstance(x.meta.get("val"), torch.Tensor) and x.meta["val"]._is_view() for x in nodes}
-        for x in nodes:
-            for item, t in _items(x.meta.get("val")):
-                storage = t.untyped_storage()
-                self.owner[(x, item)] = first.setdefault(StorageWeakRef(storage), (x, item))
-                self.layout_of[(x, item)] = (storage.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-                                             t.dtype, t.device, t.requires_grad)
         self.storages: dict[tuple[fx.Node, int | None], Any] = {}  # a new node's (item's) storage
-        self.own_layout: dict[tuple[fx.Node, int | None], bool] = {}  # see `_own`
+        self.own_layout: dict[tuple[fx.Node, int | None], bool] = {}  # (`_own`)
         self.aligned, self.shared = _alignment(short)
         self.moves: dict[tuple[int, int], tuple[str, str, dict]] = {}
 
@@ -474,7 +464,8 @@ class _Stamper:
         def clone(item: int | None) -> torch.Tensor:
             owner, owner_item = self.owner[(x, item)]
             nbytes, offset, shape, stride, dtype, device, requires_grad = self.layout_of[(x, item)]
-            meta = self._own(x, item) if (owner, owner_item) == (x, item) else None
+            meta = _own(self.own_layout, (x, item), self.layout_of[(x, item)]) if (owner, owner_item) == (x, item) \
+                else None
             if meta is not None:
                 storage = meta.untyped_storage()
             else:
@@ -489,24 +480,6 @@ class _Stamper:
         if isinstance(val, torch.Tensor):
             return clone(None)
         return type(val)(clone(k) if isinstance(t, torch.Tensor) else t for k, t in enumerate(val))
-
-    def _own(self, x: fx.Node, item: int | None) -> torch.Tensor | None:
-        """A meta tensor of ``x``'s (item's) layout on a storage of its own, made at once
-        (``empty_strided``), where that makes the storage ``x``'s holds (its bytes, from offset
-        0: an op's output, mostly; found at ``x``'s first copy); else None, and the copy's value
-        is set on a storage made to its size. (Making the storage, then setting the layout on it,
-        does the symbolic size arithmetic twice: most of stamping a symbolic step.)"""
-        same = self.own_layout.get((x, item))
-        if same is False:
-            return None
-        nbytes, offset, shape, stride, dtype, _, _ = self.layout_of[(x, item)]
-        if not (type(offset) is int and offset == 0):
-            self.own_layout[(x, item)] = False
-            return None
-        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        if same is None:
-            same = self.own_layout[(x, item)] = _same_size(meta.untyped_storage().nbytes(), nbytes)
-        return meta if same else None
 
     def _outputs(self, n: int, env: dict, items: list | None = None) -> list:
         """The graph's outputs (or ``items``, one per output, as the outputs are): those of the
@@ -564,6 +537,41 @@ def _at(numbers: tuple[int, int, int], n: int, j: int | None) -> int:
     middle block counts from block 1 (the copied one)."""
     start, per_block, per_middle = numbers
     return start + (n - SHORT) * per_block + (0 if j is None or not per_middle else (j - 1) * per_middle)
+
+
+def _layouts(nodes: list[fx.Node]) -> tuple[dict, dict]:
+    """Each tensor's storage's owner (the (node, item) that shows it first) and its layout, by
+    (node, item). (Read once: a fake tensor's metadata is slow to read, and each is stamped N/3
+    times.)"""
+    first: dict[StorageWeakRef, tuple[fx.Node, int | None]] = {}
+    owner: dict[tuple[fx.Node, int | None], tuple[fx.Node, int | None]] = {}
+    layout_of: dict[tuple[fx.Node, int | None], tuple] = {}
+    for x in nodes:
+        for item, t in _items(x.meta.get("val")):
+            storage = t.untyped_storage()
+            owner[(x, item)] = first.setdefault(StorageWeakRef(storage), (x, item))
+            layout_of[(x, item)] = (storage.nbytes(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+                                    t.dtype, t.device, t.requires_grad)
+    return owner, layout_of
+
+
+def _own(known: dict, key: tuple, layout: tuple) -> torch.Tensor | None:
+    """A meta tensor of ``layout`` (a (node, item) ``key``'s) on a storage of its own, made at once
+    (``empty_strided``), where that makes the storage the key's holds (its bytes, from offset 0:
+    an op's output, mostly; found at its first copy and kept in ``known``); else None, and the
+    copy's value is set on a storage made to its size. (Making the storage, then setting the
+    layout on it, does the symbolic size arithmetic twice: most of stamping a symbolic step.)"""
+    same = known.get(key)
+    if same is False:
+        return None
+    nbytes, offset, shape, stride, dtype, _, _ = layout
+    if not (type(offset) is int and offset == 0):
+        known[key] = False
+        return None
+    meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    if same is None:
+        same = known[key] = _same_size(meta.untyped_storage().nbytes(), nbytes)
+    return meta if same else None
 
 
 def _same_size(a, b) -> bool:
