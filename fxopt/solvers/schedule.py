@@ -42,6 +42,7 @@ from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Key, LiveBytes, Lingering, last_uses
+from fxopt.solvers.prefetch import is_regather, with_prefetch
 from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
@@ -98,12 +99,18 @@ class Timeline:
     copies: tuple[Copy, ...] = ()
     reload_at: tuple[tuple[int, int], ...] = ()
     recompute_comm_bytes: int = 0  # bytes re-gathered (recomputed all-gathers' communication)
+    # Seconds the backward waited for its re-gathers (`fxopt.solvers.prefetch`: each issued ahead
+    # of its wait, one collective at a time on the process group): their communication that the
+    # backward's compute did not hide. Part of ``cost``; a re-gather's own compute is in
+    # ``recompute_cost``.
+    exposed_comm_seconds: float = 0.0
 
     @property
     def cost(self) -> float:
         """What the solvers minimise, in the cost model's seconds: recomputation and codecs
-        (``recompute_cost``) plus the exposed transfer time."""
-        return self.recompute_cost + self.exposed_transfer_seconds
+        (``recompute_cost``) plus the exposed transfer time and the re-gathers' exposed
+        communication."""
+        return self.recompute_cost + self.exposed_transfer_seconds + self.exposed_comm_seconds
 
 
 def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
@@ -142,6 +149,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
         recompute_comm_bytes=extra_comm,
         events=tuple(replay.events),
         exposed_transfer_seconds=replay.exposed,
+        exposed_comm_seconds=replay.exposed_comm,
         host_peak_bytes=host_peak,
         over_host_budget=host_budget is not None and host_peak > host_budget,
         copies=tuple(copies),
@@ -151,13 +159,14 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
 
 def as_generated(graph: Graph, schedule: Schedule) -> Schedule:
     """``schedule`` as the generated code runs it (`fxopt.passes.recompute`): without the
-    recomputations nothing reads (`prune`), and without the SAVEd values the backward then does
+    recomputations nothing reads (`prune`), its re-gathers issued ahead of their waits
+    (`fxopt.solvers.prefetch`), and without the SAVEd values the backward then does
     not read before it recomputes them, which die at their last forward use like any value the
     backward does not need. (A schedule that OFFLOADs is left as it is: its reload points are
     positions in it.)"""
     if schedule.offloaded:
         return schedule
-    pruned = prune(graph, schedule)
+    pruned = with_prefetch(graph, prune(graph, schedule))
     saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
     if saved == frozenset(pruned.saved):
         return pruned
@@ -285,6 +294,10 @@ class _Replay:
         self.offload_end: dict[int, float] = {}
         self.reloading: dict[int, int] = {}  # value -> its reload's index in ``h2d.copies``
         self.reload_positions: dict[int, int] = {}  # value -> schedule position its reload was issued at
+        # Re-gathers (`fxopt.solvers.prefetch`): the process group runs one collective at a time.
+        self.comm_free_at = 0.0
+        self.gathering: dict[Key, float] = {}  # a re-gather's copy -> when its communication ends
+        self.exposed_comm = 0.0  # seconds the backward waited for re-gathers
 
     def create(self, i: int, n: int) -> Key:
         graph, nodes, copy = self.graph, self.nodes, (i, n)
@@ -416,7 +429,7 @@ class _Replay:
             if self.eager_frees and nodes[i].eager_number_bytes:
                 self.memory.hold(("number", i), nodes[i].eager_number_bytes)
             peak = max(peak, self.record("forward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
-            self.now += nodes[i].cost
+            self.now += nodes[i].cost - nodes[i].comm_exposed + nodes[i].comm_seconds  # (waited at once)
             for j in dying_at.get(k, ()):
                 self.drop(self.current.pop(j))
             self.lingering.after(i)
@@ -475,6 +488,10 @@ class _Replay:
             for j, n in dict.fromkeys(args):
                 if n == 0 and first_read.get(j) == e:
                     self.wait(j)
+                end = self.gathering.pop((j, n), None)
+                if end is not None and end > self.now:  # a re-gather not complete: the step stands still
+                    self.exposed_comm += end - self.now
+                    self.now = end
             self.settle()
             for j in nodes[i].inputs:
                 if j in self.packed:
@@ -483,7 +500,10 @@ class _Replay:
                 self.current[j] = a  # the copy this node reads
             self.create(i, copy[1])
             peak = max(peak, self.record("backward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
-            self.now += nodes[i].cost
+            if is_regather(self.graph, i):
+                self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
+                self.gathering[copy] = self.comm_free_at
+            self.now += nodes[i].cost - nodes[i].comm_exposed
             for a in dying_at.get(e, ()):
                 if a not in self.forever:
                     self.drop(a)
@@ -575,7 +595,8 @@ def _formula_ends(graph: Graph, steps: list[Step], last: dict[Key, int]) -> dict
 def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float, int]:
     """FLOPs, cost and communicated bytes beyond one execution of every node: recomputations
     (the first backward computation of a value only the backward needs is not one; a recomputed
-    all-gather is a re-gather, counted in bytes, not FLOPs), encoding and decoding."""
+    all-gather is a re-gather, counted in bytes, not FLOPs; its wait, where it has
+    `Node.comm_seconds`, is the replay's ``exposed_comm``), encoding and decoding."""
     nodes = graph.nodes
     first_free = set(graph.backward_only - frozenset(schedule.saved))
     extra_flops, extra_cost, extra_comm = 0, 0.0, 0
@@ -586,7 +607,7 @@ def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[in
             first_free.discard(i)
             continue
         extra_flops += nodes[i].flops
-        extra_cost += nodes[i].cost
+        extra_cost += nodes[i].cost - nodes[i].comm_exposed  # (its exposed communication: the replay's)
         extra_comm += nodes[i].comm_bytes
     for i in frozenset(schedule.compressed):
         extra_flops += nodes[i].codec_flops
