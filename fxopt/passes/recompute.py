@@ -35,8 +35,7 @@ from fxopt.errors import CaptureError
 from fxopt.fxgraph import NodeBuilder
 from fxopt.passes.offload import Reloads, offload_saved, reload_positions
 from fxopt.passes.waits import sink_all_reduce_waits, wait_for_release
-from fxopt.solvers.prefetch import with_prefetch
-from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate
+from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate, with_prefetch
 
 
 # For each COMPRESSed value of symbolic shape: its sizes as the forward saves them, by their

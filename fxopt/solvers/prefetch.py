@@ -18,8 +18,11 @@ reload points are, `fxopt.solvers.schedule`), so the simulator and the generated
 communication complete before its wait on the backward's clock (the compute of the steps
 between, by `Node.cost`), counting back from the last wait so that re-gathers sharing the process
 group do not overlap (one collective at a time, in the order issued); never before what it
-reads, nor before an earlier read of the same value. The simulator counts the gathered buffer
-from the issue (the bytes a prefetch holds earlier are in every peak) and the time the wait still
+reads, nor before an earlier read of the same value, nor across a step where the bytes it holds
+would raise the schedule's peak (`fxopt.solvers.schedule.with_prefetch`). The simulator counts
+the gathered buffer from the issue, and the collective's scratch (gloo's flat buffer) from the
+issue through the wait, as the worker thread holds it while the step computes on (the bytes a
+prefetch holds earlier are in every peak), and the time the wait still
 stands still (`Timeline.exposed_comm_seconds`), which is what a plan's cost counts for a re-gather,
 beside its compute (`Node.cost` less `Node.comm_exposed`).
 
@@ -37,7 +40,6 @@ re-gathers where the schedule puts them (its reload points are positions in that
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from fxopt.solvers.graph import Graph
@@ -83,9 +85,13 @@ def is_regather(graph: Graph, i: int) -> bool:
     return n.kind == "forward" and n.comm_seconds > 0
 
 
-def prefetched(graph: Graph, backward: tuple[int, ...]) -> tuple[int, ...]:
-    """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.as_generated`) with each
-    re-gather moved ahead of its wait as far as hides its communication (see the module)."""
+def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
+               peak: int | None = None) -> tuple[int, ...]:
+    """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.with_prefetch`) with each
+    re-gather moved ahead of its wait as far as hides its communication (see the module), and no
+    further than keeps every step it moves across within ``peak``: ``live[k]``, the bytes live
+    while step k runs with the re-gathers where ``backward`` has them, plus the gathered bytes
+    moved across it, at most ``peak`` (None: no limit)."""
     nodes = graph.nodes
     regathers = [e for e, i in enumerate(backward) if is_regather(graph, i)]
     if not regathers:
@@ -94,16 +100,23 @@ def prefetched(graph: Graph, backward: tuple[int, ...]) -> tuple[int, ...]:
     # compute; its communication runs beside).
     seconds = [nodes[i].cost - nodes[i].comm_exposed for i in backward]
     start = list(itertools.accumulate(seconds, initial=0.0))
+    extra = [0] * len(backward)  # gathered bytes moved across each step
     issue_at: dict[int, int] = {}  # position of a re-gather -> position it is issued before
     channel_free_from = float("inf")
     for e in sorted(regathers, key=lambda e: -_wait_of(graph, backward, e)):
         i, wait = backward[e], _wait_of(graph, backward, e)
         earliest = _earliest(graph, backward, e)
+        if live is not None and peak is not None:  # (not across a step it would raise above the peak)
+            held = nodes[graph.roots[i]].bytes + nodes[i].workspace  # (gloo's flat buffer, to its wait)
+            blocked = next((k for k in range(e - 1, earliest - 1, -1) if live[k] + extra[k] + held > peak), None)
+            earliest = earliest if blocked is None else blocked + 1
         begin = min(start[wait], channel_free_from) - nodes[i].comm_seconds
         at = max(0, next((k for k in range(e, -1, -1) if start[k] <= begin), 0))
         at = min(max(at, earliest), e)
         channel_free_from = min(begin, start[at])
         issue_at[e] = at
+        for k in range(at, e):
+            extra[k] += nodes[graph.roots[i]].bytes + nodes[i].workspace
     order: list[int] = []
     moved = {at: [] for at in issue_at.values()}
     for e in sorted(issue_at):
@@ -134,10 +147,3 @@ def _earliest(graph: Graph, backward: tuple[int, ...], e: int) -> int:
     return 0
 
 
-def with_prefetch(graph: Graph, schedule):
-    """``schedule`` with its backward `prefetched` (a schedule that OFFLOADs as it is: its reload
-    points are positions in its backward)."""
-    if schedule.offloaded:
-        return schedule
-    backward = prefetched(graph, schedule.backward)
-    return schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)

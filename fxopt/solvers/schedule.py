@@ -42,7 +42,7 @@ from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Key, LiveBytes, Lingering, last_uses
-from fxopt.solvers.prefetch import is_regather, with_prefetch
+from fxopt.solvers.prefetch import is_regather, prefetched
 from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
@@ -118,7 +118,7 @@ def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
     return sorted(graph.forward_required | (frozenset(saved) & graph.backward_only))
 
 
-def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> Timeline:
+def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, prefetch: bool = True) -> Timeline:
     """Replay the schedule and return its memory timeline; raise if it is not valid.
     ``eager_frees``: free as eager autograd does, not as the generated code does: a value that a
     backward formula (`Node.backward_formula`) reads (a saved tensor, an incoming gradient, a
@@ -126,9 +126,10 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     holds its saved tensors, the engine its inputs, and the C++ formula its temporaries until
     then (`_formula_ends`); and the Python numbers eager wraps into
     tensors for forward ops (`Node.eager_number_bytes`) live to the end (the eager step's peak,
-    `eager_timeline`)."""
+    `eager_timeline`). ``prefetch`` False: each re-gather issued where the schedule has it, not
+    ahead (`with_prefetch`)."""
     _check(graph, schedule)
-    schedule = as_generated(graph, schedule)
+    schedule = as_generated(graph, schedule, prefetch)
     replay = _Replay(graph, schedule, eager_frees)
     replay.forward()
     steps = _copies(graph, schedule.backward, replay.available())
@@ -157,7 +158,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     )
 
 
-def as_generated(graph: Graph, schedule: Schedule) -> Schedule:
+def as_generated(graph: Graph, schedule: Schedule, prefetch: bool = True) -> Schedule:
     """``schedule`` as the generated code runs it (`fxopt.passes.recompute`): without the
     recomputations nothing reads (`prune`), its re-gathers issued ahead of their waits
     (`fxopt.solvers.prefetch`), and without the SAVEd values the backward then does
@@ -166,11 +167,29 @@ def as_generated(graph: Graph, schedule: Schedule) -> Schedule:
     positions in it.)"""
     if schedule.offloaded:
         return schedule
-    pruned = with_prefetch(graph, prune(graph, schedule))
+    pruned = prune(graph, schedule)
+    if prefetch:
+        pruned = with_prefetch(graph, pruned)
     saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
     if saved == frozenset(pruned.saved):
         return pruned
     return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved)
+
+
+def with_prefetch(graph: Graph, schedule: Schedule) -> Schedule:
+    """``schedule`` (pruned, without OFFLOAD) with its re-gathers issued ahead of their waits as
+    the generated code issues them (`fxopt.solvers.prefetch`), never across a step where the
+    gathered bytes would raise the schedule's peak: the step holds them earlier, and no plan that
+    fits its budget without the prefetch is over it with it."""
+    if schedule.offloaded or not any(is_regather(graph, i) for i in schedule.backward):
+        return schedule
+    where = simulate(graph, schedule, prefetch=False)
+    live = [b for phase, name, b in where.events if phase == "backward" and name != "<start>"
+            and not name.startswith(("decompress ", "reload "))]
+    if len(live) != len(schedule.backward):  # (a schedule `prune` would cut: as it is)
+        return schedule
+    backward = prefetched(graph, schedule.backward, live, where.peak_bytes)
+    return schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)
 
 
 def _check(graph: Graph, schedule: Schedule) -> None:
@@ -483,15 +502,18 @@ class _Replay:
         reloads, first_read = self.reload_points(steps, positions)
         peak = self.record("backward", "<start>", self.memory.bytes)
         for e, (i, copy, args) in enumerate(steps):
+            waited: list[Key] = []  # re-gathers this step waits for
             for j in reloads.get(e, ()):
                 peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
             for j, n in dict.fromkeys(args):
                 if n == 0 and first_read.get(j) == e:
                     self.wait(j)
                 end = self.gathering.pop((j, n), None)
-                if end is not None and end > self.now:  # a re-gather not complete: the step stands still
-                    self.exposed_comm += end - self.now
-                    self.now = end
+                if end is not None:
+                    waited.append((j, n))
+                    if end > self.now:  # a re-gather not complete: the step stands still
+                        self.exposed_comm += end - self.now
+                        self.now = end
             self.settle()
             for j in nodes[i].inputs:
                 if j in self.packed:
@@ -499,8 +521,14 @@ class _Replay:
             for j, a in zip(nodes[i].inputs, args):
                 self.current[j] = a  # the copy this node reads
             self.create(i, copy[1])
-            peak = max(peak, self.record("backward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
-            if is_regather(self.graph, i):
+            regather = is_regather(self.graph, i)
+            if regather:  # its scratch (gloo's flat buffer) is held while it runs, to its wait
+                self.memory.hold(("gathering", copy), nodes[i].workspace)
+            peak = max(peak, self.record("backward", nodes[i].name,
+                                         self.memory.bytes + (0 if regather else nodes[i].workspace)))
+            for key in waited:
+                self.memory.release(("gathering", key), nodes[key[0]].workspace)
+            if regather:
                 self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
                 self.gathering[copy] = self.comm_free_at
             self.now += nodes[i].cost - nodes[i].comm_exposed
