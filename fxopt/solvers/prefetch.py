@@ -113,6 +113,8 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
         begin = min(start[wait], channel_free_from) - nodes[i].comm_seconds
         at = max(0, next((k for k in range(e, -1, -1) if start[k] <= begin), 0))
         at = min(max(at, earliest), e)
+        while at < e and _tuple_item(graph, backward[at]):
+            at += 1  # (a multi-output op's outputs are taken out right after it)
         channel_free_from = min(begin, start[at])
         issue_at[e] = at
         for k in range(at, e):
@@ -126,6 +128,12 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
         if k not in issue_at:
             order.append(i)
     return tuple(order)
+
+
+def _tuple_item(graph: Graph, i: int) -> bool:
+    """Whether node ``i`` takes an output out of a multi-output op (a tuple)."""
+    inputs = graph.nodes[i].inputs
+    return len(inputs) == 1 and not graph.nodes[inputs[0]].tensor
 
 
 def _wait_of(graph: Graph, backward: tuple[int, ...], e: int) -> int:

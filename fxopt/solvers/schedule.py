@@ -158,10 +158,11 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
     )
 
 
-def as_generated(graph: Graph, schedule: Schedule, prefetch: bool = True) -> Schedule:
+def as_generated(graph: Graph, schedule: Schedule, prefetch: bool = False) -> Schedule:
     """``schedule`` as the generated code runs it (`fxopt.passes.recompute`): without the
-    recomputations nothing reads (`prune`), its re-gathers issued ahead of their waits
-    (`fxopt.solvers.prefetch`), and without the SAVEd values the backward then does
+    recomputations nothing reads (`prune`), with ``prefetch`` its re-gathers issued ahead of
+    their waits (`with_prefetch`: the simulator's and the generated code's order; the solvers
+    rework the schedule without it), and without the SAVEd values the backward then does
     not read before it recomputes them, which die at their last forward use like any value the
     backward does not need. (A schedule that OFFLOADs is left as it is: its reload points are
     positions in it.)"""
