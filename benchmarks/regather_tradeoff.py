@@ -56,7 +56,7 @@ def repriced(graph: Graph, priced_at: float, rate: float) -> Graph:
         return graph
 
     def at_rate(n):
-        if n.comm_seconds:  # a re-gather priced by its exposed time: its communication at the new rate, then priced again
+        if n.comm_seconds:  # (a re-gather priced by its exposed time: its communication at the rate, priced again)
             return n.replaced(cost=n.cost - n.comm_exposed + n.comm_bytes / rate, comm_seconds=n.comm_bytes / rate,
                               comm_exposed=n.comm_bytes / rate)
         return n.replaced(cost=n.cost - n.comm_bytes / priced_at + n.comm_bytes / rate)

@@ -141,4 +141,4 @@ def test_a_regather_is_never_issued_between_a_tuple_and_its_outputs():
     backward = (8, 3, 4, 5, 2, 9)  # g, ln recomputed with its two outputs, the re-gather of w, gw
     assert prefetched(graph, backward) == backward
     timeline = simulate(graph, Schedule(frozenset(), backward))
-    assert timeline.exposed_comm_seconds == pytest.approx(COMM - 1e-7)  # (issued where it was: hidden by its issue only)
+    assert timeline.exposed_comm_seconds == pytest.approx(COMM - 1e-7)  # (issued where it was: only its issue hides it)

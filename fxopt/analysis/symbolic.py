@@ -341,8 +341,9 @@ class SymbolicGraph:
             exposed = self.cost_model.comm_seconds(comm) if self._regathers(node) else 0.0
             nodes.append(node.replaced(
                 bytes=nbytes, flops=flops, comm_bytes=comm,
-                cost=0.0 if node.kind == "input" else exposed + cost(flops, size(s.moved), node.storage is not None,
-                                                                     0 if exposed else comm, node.op_class == "pointwise"),
+                cost=0.0 if node.kind == "input" else exposed + cost(
+                    flops, size(s.moved), node.storage is not None, 0 if exposed else comm,
+                    node.op_class == "pointwise"),
                 compressed_bytes=compressed, codec_flops=codec_flops,
                 codec_cost=2 * cost(codec_flops // 2, nbytes + compressed, False) if node.codec else 0.0,
                 workspace=node.workspace if workspace is None else workspace[k],

@@ -326,7 +326,8 @@ class Graph:
         # stay what they were before OFFLOAD.)
         # (Nor a "comm_bytes", "comm_seconds", "comm_exposed" or "lingers" key on a node that moves
         # nothing over the process group.)
-        d: dict = {"nodes": [{k: v for k in _NODE_FIELDS if (v := getattr(n, k)) or k not in ("comm_bytes", "lingers", "comm_seconds", "comm_exposed")}
+        quiet = ("comm_bytes", "lingers", "comm_seconds", "comm_exposed")
+        d: dict = {"nodes": [{k: v for k in _NODE_FIELDS if (v := getattr(n, k)) or k not in quiet}
                              for n in self.nodes]}
         if self.transfers is not None:
             d["transfers"] = self.transfers.to_dict()
