@@ -31,7 +31,6 @@ rate decides. Also the floor: the least peak any schedule of the graph may have
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import shlex
 import sys
@@ -46,6 +45,7 @@ from fxopt.solvers.graph import Graph
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.minimum import Memo
 from fxopt.solvers.plan import Plan
+from fxopt.solvers.prefetch import priced
 from fxopt.solvers.schedule import Schedule, simulate
 
 
@@ -54,9 +54,14 @@ def repriced(graph: Graph, priced_at: float, rate: float) -> Graph:
     instead of ``priced_at``; its other costs as they are."""
     if rate == priced_at:
         return graph
-    nodes = tuple(dataclasses.replace(n, cost=n.cost - n.comm_bytes / priced_at + n.comm_bytes / rate)
-                  if n.comm_bytes else n for n in graph.nodes)
-    return Graph(nodes, graph.transfers)
+
+    def at_rate(n):
+        if n.comm_seconds:  # (a re-gather priced by its exposed time: its communication at the rate, priced again)
+            return n.replaced(cost=n.cost - n.comm_exposed + n.comm_bytes / rate, comm_seconds=n.comm_bytes / rate,
+                              comm_exposed=n.comm_bytes / rate)
+        return n.replaced(cost=n.cost - n.comm_bytes / priced_at + n.comm_bytes / rate)
+
+    return priced(Graph(tuple(at_rate(n) if n.comm_bytes else n for n in graph.nodes), graph.transfers))
 
 
 def row_of(graph: Graph, schedule: Schedule, **fields: Any) -> dict[str, Any]:

@@ -1438,14 +1438,15 @@ def test_a_graphs_dict_reads_its_nodes_fields_without_deep_copies(monkeypatch):
     """`Graph.to_dict` (the plan cache's key and a saved plan's graph) reads each node's fields as
     they are: the same dict as `dataclasses.asdict` gave, without its deep copy (0.56 s of a
     7,600-node step's plan; fails before: asdict called per node). A node that moves nothing over
-    the process group has no "comm_bytes" or "lingers" key."""
+    the process group has no "comm_bytes", "comm_seconds", "comm_exposed" or "lingers" key."""
     import fxopt.solvers.graph as graph_module
 
     graph = mlp2()
     nodes = list(graph.nodes)
-    nodes[-1] = dataclasses.replace(nodes[-1], comm_bytes=64, lingers=1)
+    nodes[-1] = dataclasses.replace(nodes[-1], comm_bytes=64, lingers=1, comm_seconds=1e-6, comm_exposed=5e-7)
     graph = Graph(tuple(nodes))
-    expected = {"nodes": [{k: v for k, v in dataclasses.asdict(n).items() if k not in ("comm_bytes", "lingers") or v}
+    quiet = ("comm_bytes", "lingers", "comm_seconds", "comm_exposed")
+    expected = {"nodes": [{k: v for k, v in dataclasses.asdict(n).items() if k not in quiet or v}
                           for n in graph.nodes]}
 
     def refused(*args, **kwargs):

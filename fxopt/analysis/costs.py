@@ -29,13 +29,21 @@ class CostModel:
     GPT-2, Llama and ViT, plans made with it were not faster beyond the noise, and on GPT-2 at
     half of Inductor's activations the lowest-peak search found no plan within a budget it meets
     without it (docs/benchmarks.md). Reductions (a layer norm, a softmax, a sum) keep their full price
-    either way: Inductor runs each as a kernel of its own that reads its input from memory."""
+    either way: Inductor runs each as a kernel of its own that reads its input from memory.
+
+    ``overlap_regathers``: price a re-gather (an all-gather the backward runs again, FSDP's
+    reshard after forward) by the time the step waits for it, not its whole communication time:
+    the rewritten step issues it ahead of its wait, behind the backward's compute
+    (`fxopt.solvers.prefetch`), and the simulator counts the gathered buffer from that issue and
+    the wait that is left (`fxopt.solvers.schedule.Timeline.exposed_comm_seconds`). Off: its whole
+    communication is on the step's path, as when each re-gather was waited for where it was issued."""
 
     flops_per_second: float = 1e11
     bytes_per_second: float = 1e10
     op_overhead: float = 2e-6
     comm_bytes_per_second: float | None = None
     fused_pointwise: bool = False
+    overlap_regathers: bool = True
 
     def seconds(self, flops: int, bytes_moved: int, is_alias: bool, comm_bytes: int = 0,
                 pointwise: bool = False) -> float:
@@ -43,8 +51,12 @@ class CostModel:
             return self.op_overhead / 10
         if pointwise and self.fused_pointwise:
             return flops / self.flops_per_second + self.op_overhead / 10
-        comm = comm_bytes / (self.comm_bytes_per_second or COMM_BYTES_PER_SECOND["gloo"]) if comm_bytes else 0.0
+        comm = self.comm_seconds(comm_bytes)
         return flops / self.flops_per_second + bytes_moved / self.bytes_per_second + comm + self.op_overhead
+
+    def comm_seconds(self, comm_bytes: int) -> float:
+        """Seconds a collective that moves ``comm_bytes`` to this rank occupies the process group."""
+        return comm_bytes / (self.comm_bytes_per_second or COMM_BYTES_PER_SECOND["gloo"]) if comm_bytes else 0.0
 
     @classmethod
     def for_device(cls, profile: DeviceProfile, dtype: torch.dtype) -> CostModel:

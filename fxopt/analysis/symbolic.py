@@ -37,6 +37,7 @@ from fxopt.analysis.costs import CostModel
 from fxopt.devices import rounded_up
 from fxopt.errors import CaptureError
 from fxopt.solvers.graph import Graph
+from fxopt.solvers.prefetch import priced
 
 Point = Mapping[str, int]  # a shape: a value for each named symbol
 Size = int | sympy.Expr  # a size: a number, or an expression in named symbols
@@ -336,15 +337,24 @@ class SymbolicGraph:
             compressed, codec_flops = size(s.compressed_bytes), size(s.codec_flops)
             if self.round_bytes > 1:
                 nbytes, compressed = rounded_up(nbytes, self.round_bytes), rounded_up(compressed, self.round_bytes)
+            # (A re-gather's communication: ``comm_exposed``, all of it until `priced` says how much is hidden.)
+            exposed = self.cost_model.comm_seconds(comm) if self._regathers(node) else 0.0
             nodes.append(node.replaced(
                 bytes=nbytes, flops=flops, comm_bytes=comm,
-                cost=0.0 if node.kind == "input" else cost(flops, size(s.moved), node.storage is not None, comm,
-                                                              node.op_class == "pointwise"),
+                cost=0.0 if node.kind == "input" else exposed + cost(
+                    flops, size(s.moved), node.storage is not None, 0 if exposed else comm,
+                    node.op_class == "pointwise"),
                 compressed_bytes=compressed, codec_flops=codec_flops,
                 codec_cost=2 * cost(codec_flops // 2, nbytes + compressed, False) if node.codec else 0.0,
                 workspace=node.workspace if workspace is None else workspace[k],
-                codec_workspace=node.codec_workspace if codec_workspace is None else codec_workspace[k]))
-        return Graph(tuple(nodes), self.graph.transfers)
+                codec_workspace=node.codec_workspace if codec_workspace is None else codec_workspace[k],
+                comm_seconds=exposed, comm_exposed=exposed))
+        return priced(Graph(tuple(nodes), self.graph.transfers))
+
+    def _regathers(self, node) -> bool:
+        """Whether ``node`` is an all-gather the backward may run again, issued ahead of its wait
+        (`fxopt.solvers.prefetch`; `CostModel.overlap_regathers`)."""
+        return self.cost_model.overlap_regathers and node.kind == "forward" and node.recomputable
 
     def check_monotone(self, ranges: Ranges | None = None) -> None:
         """Raise `CaptureError` naming the first value a size of which is not non-decreasing in

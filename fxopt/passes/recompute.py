@@ -35,7 +35,7 @@ from fxopt.errors import CaptureError
 from fxopt.fxgraph import NodeBuilder
 from fxopt.passes.offload import Reloads, offload_saved, reload_positions
 from fxopt.passes.waits import sink_all_reduce_waits, wait_for_release
-from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate
+from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate, with_prefetch
 
 
 # For each COMPRESSed value of symbolic shape: its sizes as the forward saves them, by their
@@ -47,7 +47,8 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
     # Recomputations nothing reads are dropped here, as the simulator drops them, before choosing
     # what to save: a value saved only for one of them would be a backward input nothing reads,
     # and FX code never frees such an input (the simulator frees it as the backward starts).
-    planned, schedule = schedule, prune(joint.graph, schedule)
+    # Re-gathers are issued ahead of their waits, as the simulator places them (`fxopt.solvers.prefetch`).
+    planned, schedule = schedule, with_prefetch(joint.graph, prune(joint.graph, schedule))
     module = joint.module
     by_name = {n.name: n for n in module.graph.nodes}
     nodes = joint.graph.nodes

@@ -101,6 +101,14 @@ class Node:
     # ``cost`` counts them at the cost model's ``comm_bytes_per_second``. A recomputed all-gather
     # is a re-gather (FSDP's reshard after forward): reported as communication, not FLOPs.
     comm_bytes: int = 0
+    # Seconds that collective occupies the process group (``comm_bytes`` at the cost model's rate),
+    # and the part of them ``cost`` counts: a re-gather is issued ahead of its wait in the
+    # backward (`fxopt.solvers.prefetch`), so only the time the step waits for it is on its path.
+    # ``comm_exposed`` is that wait as predicted before any plan exists; the simulator gives each
+    # plan's own (`Timeline.exposed_comm_seconds`). Both 0: the whole communication is in ``cost``
+    # (a node priced without overlap, as before `fxopt.analysis.CostModel.overlap_regathers`).
+    comm_seconds: float = 0.0
+    comm_exposed: float = 0.0
     # Bytes a collective leaves allocated after its wait returns, which its process group's worker
     # thread frees when it lets go of the work, at a moment this process does not order: gloo's
     # copy of a reduce-scatter's input (measured: freed as late as the next collective's issue).
@@ -316,8 +324,9 @@ class Graph:
     def to_dict(self) -> dict:
         # (No "transfers" key without them: a graph's dict, and the plan cache's key made from it,
         # stay what they were before OFFLOAD.)
-        # (Nor a "comm_bytes" or "lingers" key on a node that moves nothing over the process group.)
-        d: dict = {"nodes": [{k: v for k in _NODE_FIELDS if (v := getattr(n, k)) or k not in ("comm_bytes", "lingers")}
+        # (Nor these keys on a node that moves nothing over the process group.)
+        quiet = ("comm_bytes", "lingers", "comm_seconds", "comm_exposed")
+        d: dict = {"nodes": [{k: v for k in _NODE_FIELDS if (v := getattr(n, k)) or k not in quiet}
                              for n in self.nodes]}
         if self.transfers is not None:
             d["transfers"] = self.transfers.to_dict()

@@ -72,8 +72,11 @@ class Plan(JsonRecord):
     host_bytes: int = 0
     exposed_transfer_seconds: float = 0.0
     # Bytes the recomputed all-gathers move again (re-gathers of sharded parameters), apart from
-    # ``recompute_flops``; their time is part of ``recompute_cost``.
+    # ``recompute_flops``; their compute is part of ``recompute_cost``, the time the backward is
+    # predicted to wait for their communication (each issued ahead of its wait,
+    # `fxopt.solvers.prefetch`) ``exposed_comm_seconds``, part of the plan's `cost`.
     recompute_comm_bytes: int = 0
+    exposed_comm_seconds: float = 0.0
     # Where it was planned for a device profile on fake tensors (``device=``): how its memory was
     # counted, which parts are bounds (`fxopt.devices.DeviceProfile.planning_note`); "" otherwise.
     planned_for: str = ""
@@ -87,8 +90,9 @@ class Plan(JsonRecord):
 
     @property
     def cost(self) -> float:
-        """What the solver minimised: recompute cost (codecs included) plus exposed transfer time."""
-        return self.recompute_cost + self.exposed_transfer_seconds
+        """What the solver minimised: recompute cost (codecs included) plus exposed transfer time
+        and the re-gathers' exposed communication."""
+        return self.recompute_cost + self.exposed_transfer_seconds + self.exposed_comm_seconds
 
     @property
     def lossy(self) -> dict[str, str]:
@@ -125,6 +129,7 @@ class Plan(JsonRecord):
             recompute_flops=timeline.recompute_flops,
             recompute_cost=timeline.recompute_cost,
             recompute_comm_bytes=timeline.recompute_comm_bytes,
+            exposed_comm_seconds=timeline.exposed_comm_seconds,
             saved=tuple(graph.nodes[i].name for i in sorted(schedule.saved - graph.free)),
             recomputed=dict(counts),
             solver=solver,
@@ -184,7 +189,8 @@ class Plan(JsonRecord):
                f"{self.exposed_transfer_seconds * 1e3:.2f} ms exposed)" if self.offloaded else "")
             + ", "
             f"{n_re} recomputations, +{self.recompute_flops / 1e9:.3f} GFLOP"
-            + (f", {format_bytes(self.recompute_comm_bytes)} re-gathered" if self.recompute_comm_bytes else "")
+            + (f", {format_bytes(self.recompute_comm_bytes)} re-gathered ({self.exposed_comm_seconds * 1e3:.2f} ms "
+               "exposed)" if self.recompute_comm_bytes else "")
             + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
             + (f"; {self.planned_for}" if self.planned_for else "")
             + (", ops reordered for memory" if self.reordered else "")
@@ -201,6 +207,8 @@ class Plan(JsonRecord):
             del d["reordered"]
         if self.compiled_peak_bytes is None:  # (likewise)
             del d["compiled_peak_bytes"]
+        if not self.exposed_comm_seconds:  # (nor without a re-gather)
+            del d["exposed_comm_seconds"]
         d["format_version"] = FORMAT_VERSION
         return d
 

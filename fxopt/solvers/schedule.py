@@ -42,6 +42,7 @@ from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Key, LiveBytes, Lingering, last_uses
+from fxopt.solvers.prefetch import is_regather, prefetched
 from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
@@ -98,12 +99,18 @@ class Timeline:
     copies: tuple[Copy, ...] = ()
     reload_at: tuple[tuple[int, int], ...] = ()
     recompute_comm_bytes: int = 0  # bytes re-gathered (recomputed all-gathers' communication)
+    # Seconds the backward waited for its re-gathers (`fxopt.solvers.prefetch`: each issued ahead
+    # of its wait, one collective at a time on the process group): their communication that the
+    # backward's compute did not hide. Part of ``cost``; a re-gather's own compute is in
+    # ``recompute_cost``.
+    exposed_comm_seconds: float = 0.0
 
     @property
     def cost(self) -> float:
         """What the solvers minimise, in the cost model's seconds: recomputation and codecs
-        (``recompute_cost``) plus the exposed transfer time."""
-        return self.recompute_cost + self.exposed_transfer_seconds
+        (``recompute_cost``) plus the exposed transfer time and the re-gathers' exposed
+        communication."""
+        return self.recompute_cost + self.exposed_transfer_seconds + self.exposed_comm_seconds
 
 
 def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
@@ -111,7 +118,7 @@ def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
     return sorted(graph.forward_required | (frozenset(saved) & graph.backward_only))
 
 
-def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> Timeline:
+def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, prefetch: bool = True) -> Timeline:
     """Replay the schedule and return its memory timeline; raise if it is not valid.
     ``eager_frees``: free as eager autograd does, not as the generated code does: a value that a
     backward formula (`Node.backward_formula`) reads (a saved tensor, an incoming gradient, a
@@ -119,9 +126,10 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     holds its saved tensors, the engine its inputs, and the C++ formula its temporaries until
     then (`_formula_ends`); and the Python numbers eager wraps into
     tensors for forward ops (`Node.eager_number_bytes`) live to the end (the eager step's peak,
-    `eager_timeline`)."""
+    `eager_timeline`). ``prefetch`` False: each re-gather issued where the schedule has it, not
+    ahead (`with_prefetch`)."""
     _check(graph, schedule)
-    schedule, kept = _generated(graph, schedule)
+    schedule, kept = _generated(graph, schedule, prefetch)
     replay = _Replay(graph, schedule, eager_frees)
     replay.forward()
     available = replay.available()
@@ -147,6 +155,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
         recompute_comm_bytes=extra_comm,
         events=tuple(replay.events),
         exposed_transfer_seconds=replay.exposed,
+        exposed_comm_seconds=replay.exposed_comm,
         host_peak_bytes=host_peak,
         over_host_budget=host_budget is not None and host_peak > host_budget,
         copies=tuple(copies),
@@ -154,18 +163,21 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False) -> 
     )
 
 
-def as_generated(graph: Graph, schedule: Schedule) -> Schedule:
+def as_generated(graph: Graph, schedule: Schedule, prefetch: bool = False) -> Schedule:
     """``schedule`` as the generated code runs it (`fxopt.passes.recompute`): without the
-    recomputations nothing reads (`prune`), and without the SAVEd values the backward then does
+    recomputations nothing reads (`prune`), with ``prefetch`` its re-gathers issued ahead of
+    their waits (`with_prefetch`: the simulator's and the generated code's order; the solvers
+    rework the schedule without it), and without the SAVEd values the backward then does
     not read before it recomputes them, which die at their last forward use like any value the
     backward does not need. (A schedule that OFFLOADs is left as it is: its reload points are
     positions in it.)"""
-    return _generated(graph, schedule)[0]
+    return _generated(graph, schedule, prefetch)[0]
 
 
-def _generated(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[Step] | None]:
+def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False) -> tuple[Schedule, list[Step] | None]:
     """`as_generated`'s schedule, and the steps of its backward as `backward_steps` gives them
-    (None for a schedule that OFFLOADs): `simulate` replays those, not built again. A pruned
+    (None for a schedule that OFFLOADs, or whose re-gathers the prefetch moved): `simulate`
+    replays those, not built again. A pruned
     backward keeps every step when pruned again (a kept step's copies are made by kept steps),
     so they are its steps, their copies numbered as in the backward before pruning (the
     simulator reads a copy's number as a name only)."""
@@ -176,6 +188,10 @@ def _generated(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[Step] |
     pruned = schedule if len(kept) == len(schedule.backward) else \
         dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
     steps = [steps[e] for e in kept]
+    if prefetch:
+        ahead = with_prefetch(graph, pruned)
+        if ahead is not pruned:  # (re-gathers moved: its steps are built anew)
+            pruned, steps = ahead, None
     saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
     if saved == frozenset(pruned.saved):
         return pruned, steps
@@ -192,6 +208,22 @@ def _reads_available(graph: Graph, steps: list[Step], available: dict[int, Key])
             if n == 0 and available.get(j) != (j, 0):
                 return False
     return True
+
+
+def with_prefetch(graph: Graph, schedule: Schedule) -> Schedule:
+    """``schedule`` (pruned, without OFFLOAD) with its re-gathers issued ahead of their waits as
+    the generated code issues them (`fxopt.solvers.prefetch`), never across a step where the
+    gathered bytes would raise the schedule's peak: the step holds them earlier, and no plan that
+    fits its budget without the prefetch is over it with it."""
+    if schedule.offloaded or not any(is_regather(graph, i) for i in schedule.backward):
+        return schedule
+    where = simulate(graph, schedule, prefetch=False)
+    live = [b for phase, name, b in where.events if phase == "backward" and name != "<start>"
+            and not name.startswith(("decompress ", "reload "))]
+    if len(live) != len(schedule.backward):  # (a schedule `prune` would cut: as it is)
+        return schedule
+    backward = prefetched(graph, schedule.backward, live, where.peak_bytes)
+    return schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)
 
 
 def _check(graph: Graph, schedule: Schedule) -> None:
@@ -318,6 +350,10 @@ class _Replay:
         self.offload_end: dict[int, float] = {}
         self.reloading: dict[int, int] = {}  # value -> its reload's index in ``h2d.copies``
         self.reload_positions: dict[int, int] = {}  # value -> schedule position its reload was issued at
+        # Re-gathers (`fxopt.solvers.prefetch`): the process group runs one collective at a time.
+        self.comm_free_at = 0.0
+        self.gathering: dict[Key, float] = {}  # a re-gather's copy -> when its communication ends
+        self.exposed_comm = 0.0  # seconds the backward waited for re-gathers
 
     def create(self, i: int, n: int) -> Key:
         graph, nodes, copy = self.graph, self.nodes, (i, n)
@@ -449,7 +485,7 @@ class _Replay:
             if self.eager_frees and nodes[i].eager_number_bytes:
                 self.memory.hold(("number", i), nodes[i].eager_number_bytes)
             peak = max(peak, self.record("forward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
-            self.now += nodes[i].cost
+            self.now += nodes[i].cost - nodes[i].comm_exposed + nodes[i].comm_seconds  # (waited at once)
             for j in dying_at.get(k, ()):
                 self.drop(self.current.pop(j))
             self.lingering.after(i)
@@ -503,11 +539,18 @@ class _Replay:
         reloads, first_read = self.reload_points(steps, positions)
         peak = self.record("backward", "<start>", self.memory.bytes)
         for e, (i, copy, args) in enumerate(steps):
+            waited: list[Key] = []  # re-gathers this step waits for
             for j in reloads.get(e, ()):
                 peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
             for j, n in dict.fromkeys(args):
                 if n == 0 and first_read.get(j) == e:
                     self.wait(j)
+                end = self.gathering.pop((j, n), None)
+                if end is not None:
+                    waited.append((j, n))
+                    if end > self.now:  # a re-gather not complete: the step stands still
+                        self.exposed_comm += end - self.now
+                        self.now = end
             self.settle()
             for j in nodes[i].inputs:
                 if j in self.packed:
@@ -515,8 +558,17 @@ class _Replay:
             for j, a in zip(nodes[i].inputs, args):
                 self.current[j] = a  # the copy this node reads
             self.create(i, copy[1])
-            peak = max(peak, self.record("backward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
-            self.now += nodes[i].cost
+            regather = is_regather(self.graph, i)
+            if regather:  # its scratch (gloo's flat buffer) is held while it runs, to its wait
+                self.memory.hold(("gathering", copy), nodes[i].workspace)
+            peak = max(peak, self.record("backward", nodes[i].name,
+                                         self.memory.bytes + (0 if regather else nodes[i].workspace)))
+            for key in waited:
+                self.memory.release(("gathering", key), nodes[key[0]].workspace)
+            if regather:
+                self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
+                self.gathering[copy] = self.comm_free_at
+            self.now += nodes[i].cost - nodes[i].comm_exposed
             for a in dying_at.get(e, ()):
                 if a not in self.forever:
                     self.drop(a)
@@ -608,7 +660,8 @@ def _formula_ends(graph: Graph, steps: list[Step], last: dict[Key, int]) -> dict
 def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[int, float, int]:
     """FLOPs, cost and communicated bytes beyond one execution of every node: recomputations
     (the first backward computation of a value only the backward needs is not one; a recomputed
-    all-gather is a re-gather, counted in bytes, not FLOPs), encoding and decoding."""
+    all-gather is a re-gather, counted in bytes, not FLOPs; its wait, where it has
+    `Node.comm_seconds`, is the replay's ``exposed_comm``), encoding and decoding."""
     nodes = graph.nodes
     first_free = set(graph.backward_only - frozenset(schedule.saved))
     extra_flops, extra_cost, extra_comm = 0, 0.0, 0
@@ -619,7 +672,7 @@ def _extra_work(graph: Graph, schedule: Schedule, steps: list[Step]) -> tuple[in
             first_free.discard(i)
             continue
         extra_flops += nodes[i].flops
-        extra_cost += nodes[i].cost
+        extra_cost += nodes[i].cost - nodes[i].comm_exposed  # (its exposed communication: the replay's)
         extra_comm += nodes[i].comm_bytes
     for i in frozenset(schedule.compressed):
         extra_flops += nodes[i].codec_flops

@@ -1,0 +1,157 @@
+"""Re-gathers issued ahead of their wait (prefetch), and priced by the time the step waits for them.
+
+A re-gather is a RECOMPUTEd all-gather (FSDP's reshard after forward): the backward gathers a
+sharded parameter again. The joint graph traces each all-gather with its wait right after it, so a
+schedule that recomputes one where it is read runs
+
+    ...; mm_9 = mm(g_8, w_7); ag = all_gather(shard_w3); w3 = wait(ag); g_9 = mm(g_8, w3); ...
+
+and the step stands still for the whole communication. A functional all-gather is asynchronous
+until its wait (gloo runs it on its worker thread, NCCL on its stream), so the rewritten step
+issues it earlier, behind compute it does not depend on, and waits where it did:
+
+    ...; ag = all_gather(shard_w3); mm_9 = mm(g_8, w_7); w3 = wait(ag); g_9 = mm(g_8, w3); ...
+
+`prefetched` is that move, a pure function of the graph and the schedule (as OFFLOAD's default
+reload points are, `fxopt.solvers.schedule`), so the simulator and the generated code
+(`fxopt.passes.recompute`) run the same step: each re-gather goes as late as lets its
+communication complete before its wait on the backward's clock (the compute of the steps
+between, by `Node.cost`), counting back from the last wait so that re-gathers sharing the process
+group do not overlap (one collective at a time, in the order issued); never before what it
+reads, nor before an earlier read of the same value, nor across a step where the bytes it holds
+would raise the schedule's peak (`fxopt.solvers.schedule.with_prefetch`). The simulator counts
+the gathered buffer from the issue, and the collective's scratch (gloo's flat buffer) from the
+issue through the wait, as the worker thread holds it while the step computes on (the bytes a
+prefetch holds earlier are in every peak), and the time the wait still
+stands still (`Timeline.exposed_comm_seconds`), which is what a plan's cost counts for a re-gather,
+beside its compute (`Node.cost` less `Node.comm_exposed`).
+
+`priced` sets what the solvers' linear models see for a re-gather before any plan exists
+(`Node.cost`, `Node.comm_exposed`): its communication less the backward's compute before its
+first backward reader (a parameter the backward reads at once cannot be hidden; one it reads
+after 5 ms of backward compute hides 5 ms), never below zero. That leaves out what only a plan
+decides (other re-gathers on the channel, the recomputations before the reader); the simulator
+counts both, and every plan the solvers keep is simulated.
+
+What is left out: reduce-scatters and all-reduces are not on the simulated channel (they are
+backward nodes every plan runs alike, priced as before); a step with OFFLOAD keeps its
+re-gathers where the schedule puts them (its reload points are positions in that schedule).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from fxopt.solvers.graph import Graph
+
+
+def priced(graph: Graph) -> Graph:
+    """``graph`` with each re-gatherable all-gather (a forward node with `Node.comm_seconds`)
+    priced by its predicted exposed time (see the module): ``comm_exposed`` set, and ``cost`` its
+    compute plus that."""
+    gathers = [i for i, n in enumerate(graph.nodes) if n.kind == "forward" and n.comm_seconds > 0]
+    if not gathers:
+        return graph
+    nodes = list(graph.nodes)
+    before = _backward_seconds_before(graph)
+    for i in gathers:
+        n = nodes[i]
+        reader = _first_backward_reader(graph, i)
+        window = before[reader] if reader is not None else 0.0
+        exposed = max(0.0, n.comm_seconds - window)
+        nodes[i] = n.replaced(cost=n.cost - n.comm_exposed + exposed, comm_exposed=exposed)
+    return Graph(tuple(nodes), graph.transfers)
+
+
+def _backward_seconds_before(graph: Graph) -> dict[int, float]:
+    """For each backward node, the seconds of the backward nodes before it (every plan runs them)."""
+    out, clock = {}, 0.0
+    for b in graph.backward_nodes:
+        out[b] = clock
+        clock += graph.nodes[b].cost
+    return out
+
+
+def _first_backward_reader(graph: Graph, i: int) -> int | None:
+    """The first backward node that reads value ``i`` (the gathered parameter), directly or
+    through its views (its wait, the slice and view of its shape, a transpose)."""
+    views = [j for j in range(i, len(graph.nodes)) if graph.roots[j] == graph.roots[i]]
+    return min((u for j in views for u in graph.users[j] if graph.nodes[u].kind == "backward"), default=None)
+
+
+def is_regather(graph: Graph, i: int) -> bool:
+    """Whether node ``i``, run in the backward, is a re-gather issued ahead of its wait."""
+    n = graph.nodes[i]
+    return n.kind == "forward" and n.comm_seconds > 0
+
+
+def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
+               peak: int | None = None) -> tuple[int, ...]:
+    """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.with_prefetch`) with each
+    re-gather moved ahead of its wait as far as hides its communication (see the module), and no
+    further than keeps every step it moves across within ``peak``: ``live[k]``, the bytes live
+    while step k runs with the re-gathers where ``backward`` has them, plus the gathered bytes
+    moved across it, at most ``peak`` (None: no limit)."""
+    nodes = graph.nodes
+    regathers = [e for e, i in enumerate(backward) if is_regather(graph, i)]
+    if not regathers:
+        return backward
+    # When each step starts if nothing stood still: compute only (a re-gather's issue costs its
+    # compute; its communication runs beside).
+    seconds = [nodes[i].cost - nodes[i].comm_exposed for i in backward]
+    start = list(itertools.accumulate(seconds, initial=0.0))
+    extra = [0] * len(backward)  # gathered bytes moved across each step
+    issue_at: dict[int, int] = {}  # position of a re-gather -> position it is issued before
+    channel_free_from = float("inf")
+    for e in sorted(regathers, key=lambda e: -_wait_of(graph, backward, e)):
+        i, wait = backward[e], _wait_of(graph, backward, e)
+        earliest = _earliest(graph, backward, e)
+        if live is not None and peak is not None:  # (not across a step it would raise above the peak)
+            held = nodes[graph.roots[i]].bytes + nodes[i].workspace  # (gloo's flat buffer, to its wait)
+            blocked = next((k for k in range(e - 1, earliest - 1, -1) if live[k] + extra[k] + held > peak), None)
+            earliest = earliest if blocked is None else blocked + 1
+        begin = min(start[wait], channel_free_from) - nodes[i].comm_seconds
+        at = max(0, next((k for k in range(e, -1, -1) if start[k] <= begin), 0))
+        at = min(max(at, earliest), e)
+        while at < e and _tuple_item(graph, backward[at]):
+            at += 1  # (a multi-output op's outputs are taken out right after it)
+        channel_free_from = min(begin, start[at])
+        issue_at[e] = at
+        for k in range(at, e):
+            extra[k] += nodes[graph.roots[i]].bytes + nodes[i].workspace
+    order: list[int] = []
+    moved = {at: [] for at in issue_at.values()}
+    for e in sorted(issue_at):
+        moved[issue_at[e]].append(e)
+    for k, i in enumerate(backward):
+        order.extend(backward[e] for e in moved.get(k, ()))
+        if k not in issue_at:
+            order.append(i)
+    return tuple(order)
+
+
+def _tuple_item(graph: Graph, i: int) -> bool:
+    """Whether node ``i`` takes an output out of a multi-output op (a tuple)."""
+    inputs = graph.nodes[i].inputs
+    return len(inputs) == 1 and not graph.nodes[inputs[0]].tensor
+
+
+def _wait_of(graph: Graph, backward: tuple[int, ...], e: int) -> int:
+    """The position of the first step after ``e`` that reads the value step ``e`` makes (its wait),
+    or the end."""
+    i = backward[e]
+    return next((k for k in range(e + 1, len(backward)) if i in graph.nodes[backward[k]].inputs), len(backward))
+
+
+def _earliest(graph: Graph, backward: tuple[int, ...], e: int) -> int:
+    """The earliest position step ``e`` may be issued before: after every earlier step that makes
+    what it reads or that reads the value it makes (an earlier copy's reader must keep reading it)."""
+    i = backward[e]
+    inputs = set(graph.nodes[i].inputs)
+    for k in range(e - 1, -1, -1):
+        j = backward[k]
+        if j in inputs or j == i or i in graph.nodes[j].inputs:
+            return k + 1
+    return 0
+
+

@@ -1,0 +1,144 @@
+"""Re-gathers issued ahead of their wait and priced by their exposed time (`fxopt.solvers.prefetch`),
+on hand-built sharded steps (no tensors, no process group)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxopt.solvers import solve
+from fxopt.solvers.graph import Graph, Node
+from fxopt.solvers.minimum import Memo
+from fxopt.solvers.prefetch import prefetched, priced
+from fxopt.solvers.schedule import Schedule, as_generated, simulate
+
+RATE = 1e9  # bytes per second the process group moves (gloo's, `fxopt.analysis.costs`)
+COMM = 10_000 / RATE  # seconds to gather ``w`` again: 1e-5
+
+
+def sharded_step(hiding_seconds: float, *, overlap: bool = True) -> Graph:
+    """One gathered parameter ``w`` (10,000 bytes received: 1e-5 s of communication) and one
+    activation ``a`` (a MFLOP, 5e-6 s to recompute: half the communication), both read by the
+    backward's last two nodes. Before them: ``g1`` (300 bytes, 2e-5 s), ``g2``, and ``g3`` (4 bytes,
+    ``hiding_seconds`` of compute), behind which a re-gather can run. A budget of 540 B holds one
+    of ``w`` and ``a`` beside ``g1``, not both; beside ``g3`` both fit. ``overlap`` False: ``w``
+    priced as before prefetch, its whole communication in its cost."""
+    gather = (Node("w", "forward", inputs=(0,), bytes=100, comm_bytes=10_000, cost=1e-7 + COMM,
+                   comm_seconds=COMM, comm_exposed=COMM) if overlap else
+              Node("w", "forward", inputs=(0,), bytes=100, comm_bytes=10_000, cost=1e-7 + COMM))
+    graph = Graph((
+        Node("shard", "input", bytes=25),
+        Node("x", "input", bytes=100),
+        gather,
+        Node("a", "forward", inputs=(1,), bytes=100, flops=10**6, cost=5e-6),
+        Node("loss", "forward", inputs=(2, 3), bytes=4, flops=100, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g1", "backward", inputs=(5,), bytes=300, flops=100, cost=2e-5),
+        Node("g2", "backward", inputs=(6,), bytes=4, flops=100, cost=1e-6),
+        Node("g3", "backward", inputs=(7,), bytes=4, flops=100, cost=hiding_seconds),
+        Node("gw", "backward", inputs=(8, 2), bytes=4, flops=100, cost=1e-6, output=True),
+        Node("gx", "backward", inputs=(8, 3), bytes=4, flops=100, cost=1e-6, output=True),
+    ))
+    return priced(graph) if overlap else graph
+
+
+W, A, G1, G2, G3, GW, GX = 2, 3, 6, 7, 8, 9, 10
+
+
+@pytest.mark.parametrize("overlap, hiding, flops, regathered", [
+    (False, 2e-5, 10**6, 0),       # raw price: 1e-5 s to re-gather against 5e-6 s to recompute: recompute
+    (True, 2e-5, 0, 10_000),       # hidden behind the backward's compute: re-gather, no FLOPs
+])
+def test_a_hidden_regather_is_priced_below_its_communication_and_chosen(overlap, hiding, flops, regathered):
+    """Fails before prefetch: ``w``'s re-gather cost its whole communication (1e-5 s), twice
+    recomputing ``a``, so the solver recomputed ``a`` at 540 B. Issued before ``g3`` (2e-5 s of
+    compute) its wait never stands still: priced at its issue's 1e-7 s, it is the plan."""
+    graph = sharded_step(hiding, overlap=overlap)
+    s = solve(graph, 540, "auto", memo=Memo())
+    assert s.timeline.peak_bytes <= 540
+    assert (s.timeline.recompute_flops, s.timeline.recompute_comm_bytes) == (flops, regathered)
+    if overlap:
+        assert graph.nodes[W].cost == pytest.approx(1e-7) and graph.nodes[W].comm_exposed == 0.0
+        assert s.timeline.exposed_comm_seconds == 0.0
+        order = as_generated(graph, s.schedule, prefetch=True).backward
+        assert order.index(W) == order.index(G3) - 1  # issued right before the compute that hides it
+
+
+def test_the_simulator_counts_the_prefetched_buffer_and_the_wait_left():
+    """Re-gathering ``w`` before ``gw``: the generated step issues it before ``g3``, so ``w``'s 100 B
+    are live while ``g3`` runs (the simulator's event there holds them), and the wait stands still
+    for what ``g3`` does not hide: nothing behind 2e-5 s, 1e-5 - 4e-6 behind 4e-6 s. Before ``g1``
+    (where ``g1``'s 2e-5 s would hide it all) it would raise the step's peak: never so far."""
+    for hiding, exposed in ((2e-5, 0.0), (4e-6, COMM - 4e-6 - 1e-7)):  # (the issue computes 1e-7 s beside it)
+        graph = sharded_step(hiding)
+        schedule = Schedule(frozenset({A}), (G1, G2, G3, W, GW, GX))
+        assert prefetched(graph, schedule.backward)[:3] == ((W, G1, G2) if hiding < COMM else (G1, G2, W))
+        assert as_generated(graph, schedule, prefetch=True).backward == (G1, G2, W, G3, GW, GX)
+        assert simulate(graph, schedule).peak_bytes == simulate(graph, schedule, prefetch=False).peak_bytes
+        timeline = simulate(graph, schedule)
+        live = {name: b for phase, name, b in timeline.events if phase == "backward"}
+        # at g3: shard, x, t, loss, a, g2, g3 and the prefetched w
+        assert live["g3"] == 25 + 100 + 4 + 4 + 100 + 4 + 4 + 100
+        assert timeline.exposed_comm_seconds == pytest.approx(exposed)
+        assert timeline.cost == pytest.approx(timeline.recompute_cost + exposed)
+        assert timeline.recompute_cost == pytest.approx(1e-7)  # the issue's compute; the wait apart
+
+
+def test_a_regather_read_at_the_backwards_start_cannot_hide():
+    """The price before any plan (`priced`) is the communication less the backward's compute
+    before the first backward reader: a parameter the first backward node reads is priced whole."""
+    graph = priced(Graph((
+        Node("shard", "input", bytes=25),
+        Node("w", "forward", inputs=(0,), bytes=100, comm_bytes=10_000, cost=1e-7 + COMM,
+             comm_seconds=COMM, comm_exposed=COMM),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("gw", "backward", inputs=(3, 1), bytes=4, cost=3e-6, output=True),
+    )))
+    assert graph.nodes[1].comm_exposed == pytest.approx(COMM)
+    assert graph.nodes[1].cost == pytest.approx(1e-7 + COMM)
+    timeline = simulate(graph, Schedule(frozenset(), (1, 4)))
+    assert timeline.exposed_comm_seconds == pytest.approx(COMM - 1e-7)  # (less its issue's own compute)
+
+
+def test_two_regathers_share_the_process_group_one_at_a_time():
+    """Two re-gathers read by the same node behind 2.5e-5 s of compute: issued so that the second
+    ends at the read and the first ends where the second begins, both hidden; behind 1.5e-5 s the
+    process group cannot finish both (2e-5 s of communication): 5e-6 s exposed."""
+    for hiding, exposed in ((2.5e-5, 0.0), (1.5e-5, 5e-6)):
+        graph = priced(Graph((
+            Node("s1", "input", bytes=25),
+            Node("s2", "input", bytes=25),
+            Node("w1", "forward", inputs=(0,), bytes=100, comm_bytes=10_000, cost=COMM, comm_seconds=COMM,
+                 comm_exposed=COMM),
+            Node("w2", "forward", inputs=(1,), bytes=100, comm_bytes=10_000, cost=COMM, comm_seconds=COMM,
+                 comm_exposed=COMM),
+            Node("loss", "forward", inputs=(2, 3), bytes=4, cost=1e-6, output=True),
+            Node("t", "input", bytes=4, tangent=True),
+            Node("g1", "backward", inputs=(5,), bytes=4, cost=hiding / 2),
+            Node("g2", "backward", inputs=(6,), bytes=4, cost=hiding / 2),
+            Node("gw", "backward", inputs=(7, 2, 3), bytes=4, cost=1e-6, output=True),
+        )))
+        timeline = simulate(graph, Schedule(frozenset(), (6, 7, 2, 3, 8)))
+        assert timeline.exposed_comm_seconds == pytest.approx(exposed)
+
+
+def test_a_regather_is_never_issued_between_a_tuple_and_its_outputs():
+    """The generated code takes a multi-output op's outputs out right after it: a re-gather whose
+    hiding point falls among them is issued after them instead (here: not moved at all)."""
+    graph = priced(Graph((
+        Node("shard", "input", bytes=25),
+        Node("x", "input", bytes=100),
+        Node("w", "forward", inputs=(0,), bytes=100, comm_bytes=10_000, cost=1e-7 + COMM, comm_seconds=COMM,
+             comm_exposed=COMM),
+        Node("ln", "forward", inputs=(1,), bytes=0, cost=1e-6, tensor=False),
+        Node("ln0", "forward", inputs=(3,), bytes=100, cost=1e-5),
+        Node("ln1", "forward", inputs=(3,), bytes=4, cost=1e-6),
+        Node("loss", "forward", inputs=(2, 4, 5), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g", "backward", inputs=(7,), bytes=4, cost=1e-6),
+        Node("gw", "backward", inputs=(8, 2, 4, 5), bytes=4, cost=1e-6, output=True),
+    )))
+    backward = (8, 3, 4, 5, 2, 9)  # g, ln recomputed with its two outputs, the re-gather of w, gw
+    assert prefetched(graph, backward) == backward
+    timeline = simulate(graph, Schedule(frozenset(), backward))
+    assert timeline.exposed_comm_seconds == pytest.approx(COMM - 1e-7)  # (issued where it was: only its issue hides it)
