@@ -301,10 +301,9 @@ def own_step_bound(joint: fx.GraphModule, plan: Plan, held_bytes: int) -> int | 
     admitted = plan.budget_bytes >= min(plan.eager_peak_bytes, plan.compiled_peak_bytes or plan.eager_peak_bytes)
     if changes and not admitted:
         return None
-    if _has_collectives(joint):
-        return None
     for n in joint.graph.nodes:
-        if isinstance(n.target, torch._ops.OpOverload) and _draws(n):
+        target = n.target
+        if isinstance(target, torch._ops.OpOverload) and ("c10d" in target.namespace or _draws(n)):
             return None
     return plan.budget_bytes - held_bytes
 

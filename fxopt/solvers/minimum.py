@@ -88,14 +88,7 @@ class Memo:
     def policies(self, graph: Graph, compute: Callable[[], list]) -> list:
         """``compute()``, the simple policies' candidates for ``graph``, or those kept for it (or
         for one of equal content)."""
-        content = _content_hash(graph)
-        known = next((found for k, g, found in self._policies if k == content and _same(g, graph)), None)
-        if known is not None:
-            return known
-        found = compute()
-        self._policies.append((content, graph, found))
-        del self._policies[:-self.POLICIES_KEEP]
-        return found
+        return _kept(self._policies, _content_hash(graph), graph, compute, self.POLICIES_KEEP)
 
     def stage_starts(self, graph: Graph, key: tuple, compute: Callable[[], list]) -> list:
         """``compute()``, the schedules a pipeline stage's search starts from for ``graph`` under
@@ -103,14 +96,7 @@ class Memo:
         one of equal content): what its device holds beside changes none of them, so the stages
         of one graph (a uniform stack's middle stages, each with its own microbatches in flight)
         share them. The latest `POLICIES_KEEP` graphs'."""
-        full = (_content_hash(graph), *key)
-        known = next((found for k, g, found in self._stage_starts if k == full and _same(g, graph)), None)
-        if known is not None:
-            return known
-        found = compute()
-        self._stage_starts.append((full, graph, found))
-        del self._stage_starts[:-self.POLICIES_KEEP]
-        return found
+        return _kept(self._stage_starts, (_content_hash(graph), *key), graph, compute, self.POLICIES_KEEP)
 
     def clear(self) -> None:
         self._entries.clear()
@@ -129,6 +115,18 @@ def memo_key(solver: str, effort: Effort, run_ilp: bool = True, mip_solver: str 
 
 def _content_hash(graph: Graph) -> int:
     return hash((graph.nodes, graph.transfers))  # (milliseconds for thousands of nodes: a few per solve)
+
+
+def _kept(entries: list, key, graph: Graph, compute: Callable[[], list], keep: int) -> list:
+    """What ``entries`` (a `Memo` list of (key, graph, found), the latest ``keep``) holds for
+    ``key`` and a graph of ``graph``'s content, or ``compute()``, then kept there."""
+    known = next((found for k, g, found in entries if k == key and _same(g, graph)), None)
+    if known is not None:
+        return known
+    found = compute()
+    entries.append((key, graph, found))
+    del entries[:-keep]
+    return found
 
 
 def _same(a: Graph, b: Graph) -> bool:
