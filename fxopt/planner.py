@@ -159,7 +159,9 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
     # graph as captured, to plan it anew from there if so (the passes below rewrite it in place).
     pristine = copy_module(joint) if options.plan is not None and options.plan_from_examples else None
     rewritten, relu = _rewrite_for_planning(joint, options)
-    jg = before if before is not None and not rewritten else analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
+    # (the rewrites touch a few nodes of thousands: what they left alone is read from ``before``)
+    jg = before if before is not None and not rewritten else analyze(joint, num_fwd_outputs, options.cost_model,
+                                                                      earlier=before, **codecs)
 
     def without_relu_masks():
         masks.undo_relu_masks(joint)
@@ -336,9 +338,9 @@ def _analyzer(joint: fx.GraphModule, options: Options, analyses: Analyses | None
     (`transfers`); a graph ``analyses`` holds, with the same settings, not analysed again."""
     copies = transfers(joint, options)
 
-    def analyze(gm, num_fwd_outputs, cost_model, **codecs):
+    def analyze(gm, num_fwd_outputs, cost_model, earlier=None, **codecs):
         def analysed():
-            jg = analyze_step(gm, num_fwd_outputs, cost_model, **codecs)
+            jg = analyze_step(gm, num_fwd_outputs, cost_model, earlier=earlier, **codecs)
             return dataclasses.replace(jg, graph=jg.graph.with_transfers(copies)) if copies is not None else jg
 
         if analyses is None:

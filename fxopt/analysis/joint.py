@@ -53,6 +53,9 @@ class JointGraph:
     device: DeviceProfile | None = None
     # The nodes run in the order `fxopt.passes.reorder` chose, not as captured (`Plan.reordered`).
     reordered: bool = False
+    # What an analysis of the same graph after a rewrite in place may read instead of working it
+    # out again (`analyze`'s ``earlier``): not part of the analysis' value.
+    reusable: Reusable | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def fingerprint(self) -> str:
@@ -85,6 +88,82 @@ class JointGraph:
         fx_nodes = [n for n in self.module.graph.nodes if n.op != "output"]
         device = self.device
         return fx_nodes, FormulaMemory(fx_nodes, device) if device is not None and not device.scratch_measured else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reusable:
+    """The parts of an analysis that an analysis of the same fx graph after a rewrite in place
+    (the planner's: `fxopt.planner._rewrite_for_planning`) reads where the rewrite left their
+    inputs alone (`analyze`'s ``earlier``): the two slowest per-node parts of a large step's
+    analysis, which the loss's backward written in place changes in one node of thousands.
+
+    ``settings``: what both parts depend on besides the nodes (the shape and device analysed
+    for). ``forward``, ``saves``: what `eager_saves` read (every node it may run, with what it
+    reads of it, `_node_read`; the backward formulas; the step's gradients) and what it found.
+    ``memory``: for each node, what `op_memory` read of it and found (None: not measurable)."""
+
+    settings: tuple
+    forward: tuple
+    saves: dict
+    memory: dict
+
+
+def _node_read(n: fx.Node) -> tuple:
+    """What a node's own per-node analysis reads of it: its op and arguments (an argument node
+    by identity), and the fake values of it and of its inputs (objects: a rewrite in place gives
+    a view of a rewritten value a new one, its arguments unchanged)."""
+    return (n.target, n.args, tuple(n.kwargs.items())), (n.meta.get("val"), *(a.meta.get("val") for a in n.all_input_nodes))
+
+
+def _same_read(a: tuple, b: tuple) -> bool:
+    code_a, vals_a = a
+    code_b, vals_b = b
+    if len(vals_a) != len(vals_b) or any(x is not y for x, y in zip(vals_a, vals_b)):
+        return False
+    try:
+        return bool(code_a == code_b)
+    except Exception:  # noqa: BLE001 - an argument that does not compare (a tensor): read again
+        return False
+
+
+def _eager_saves_read(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list) -> tuple:
+    """What `eager_saves` reads of the step: the nodes it may run (not the backward's), the
+    backward formulas (their autograd numbers) and the gradients returned."""
+    forward = tuple((n, _node_read(n)) for n in fx_nodes if n not in backward)
+    formulas = frozenset(n.meta.get("seq_nr") for n in backward
+                         if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward")
+    return forward, formulas, tuple(gradients)
+
+
+def _same_saves_read(a: tuple, b: tuple) -> bool:
+    (forward_a, formulas_a, grads_a), (forward_b, formulas_b, grads_b) = a, b
+    return (formulas_a == formulas_b and len(grads_a) == len(grads_b) and all(x is y for x, y in zip(grads_a, grads_b))
+            and len(forward_a) == len(forward_b)
+            and all(m is n and _same_read(r, q) for (m, r), (n, q) in zip(forward_a, forward_b)))
+
+
+def _saves(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list, earlier: Reusable | None):
+    """`eager_saves`, or ``earlier``'s where it read the same: (what it read, what it found)."""
+    read = _eager_saves_read(fx_nodes, backward, gradients)
+    if earlier is not None and _same_saves_read(earlier.forward, read):
+        return read, earlier.saves
+    return read, eager_saves(fx_nodes, backward, gradients)
+
+
+def _op_memory(fx_nodes: list[fx.Node], sizes: Sizes, device, earlier: Reusable | None):
+    """`op_memory` of ``fx_nodes``, each node ``earlier`` found reading the same (`_node_read`)
+    read from it (`op_memory` finds each node's alone); and for each node, (what it read, what
+    was found: None where not measurable), to reuse in turn."""
+    found, todo = {}, []
+    for n in fx_nodes:
+        known = earlier.memory.get(n) if earlier is not None else None
+        if known is not None and _same_read(known[0], _node_read(n)):
+            found[n] = known
+        else:
+            todo.append(n)
+    measured = op_memory(todo, sizes.at, device) if todo else {}
+    found.update((n, (_node_read(n), measured.get(n))) for n in todo)
+    return {n: m for n, (_, m) in found.items() if m is not None}, found
 
 
 def graph_fingerprint(graph: Graph) -> str:
@@ -233,7 +312,7 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
             compress: bool = True, quantize: Quantize | None = None,
             unread_resident_bytes: int = 0, sizes: Sizes | None = None,
             device: DeviceProfile | None = None, backward_held_bytes: int = 0,
-            whole_step: bool = False) -> JointGraph:
+            whole_step: bool = False, earlier: JointGraph | None = None) -> JointGraph:
     """The solver's view of ``joint``. ``compress``: offer lossless codecs (packed bits for bool
     tensors, int32 for max-pooling indices); ``quantize``: offer this lossy codec for floating-point
     activations (see `fxopt.analysis.codecs`). ``unread_resident_bytes``: memory alive through the
@@ -251,8 +330,12 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     peak holds from the backward's start to its end. ``whole_step``: the graph is a whole training
     step (not a piece of one, whose outputs later pieces differentiate), whose caller starts the
     backward at its scalar loss: its other outputs get no gradient in eager's step
-    (`_without_gradients_eager_never_makes`)."""
+    (`_without_gradients_eager_never_makes`). ``earlier``: an analysis of the same ``joint``, with
+    the same ``sizes`` and ``device``, before a rewrite in place: what eager saves and the ops'
+    scratch are read from it where the rewrite left their inputs alone (`Reusable`), the same
+    answer as working them out again."""
     cost_model = cost_model or CostModel()
+    settings = (sizes, device)  # (what `Reusable` keeps depends on besides the nodes)
     sizes = sizes or Sizes()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
     gathers = [n for n in fx_nodes if n.op == "call_function" and comm_bytes_of(n)]
@@ -266,11 +349,14 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
         on_cpu = device is None or device.kind == "cpu"  # (eager's dropout where the step runs: see below)
         nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize, on_cpu)
-        nodes = _with_eager_reads(nodes, fx_nodes, eager_saves(fx_nodes, backward, outs[num_fwd_outputs:]))
+        reuse = earlier.reusable if earlier is not None and earlier.reusable is not None else None
+        reuse = reuse if reuse is not None and reuse.settings == settings else None
+        read, saves = _saves(fx_nodes, backward, outs[num_fwd_outputs:], reuse)
+        nodes = _with_eager_reads(nodes, fx_nodes, saves)
         nodes = _with_eager_in_place(nodes, fx_nodes)
         if whole_step:
             nodes = _without_gradients_eager_never_makes(nodes, fx_nodes)
-        memory = op_memory(fx_nodes, sizes.at, device)
+        memory, per_node = _op_memory(fx_nodes, sizes, device, reuse)
         measured = measured_storage_bytes(fx_nodes, memory)
         at = sizes.at_point
         workspace = [scratch_beyond_output(memory[n].increase if n in memory else 0, max(at(s.bytes), m))
@@ -306,7 +392,8 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
                              tuple(measured), round_bytes=1 if device is None else device.round_bytes)
     return JointGraph(module=joint, graph=symbolic.at(sizes.point), names=tuple(names),
                       num_fwd_outputs=num_fwd_outputs, module_paths=tuple(module_paths), codecs=codecs,
-                      symbolic=symbolic if sizes.symbolic else None, device=device)
+                      symbolic=symbolic if sizes.symbolic else None, device=device,
+                      reusable=Reusable(settings, read, saves, per_node))
 
 
 def measured_storage_bytes(fx_nodes: list[fx.Node], memory: dict[fx.Node, OpMemory]) -> list[int]:

@@ -419,10 +419,11 @@ class BlockChain:
 
 
 def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
-                blocks: Blocks | None = None) -> BlockChain | None:
+                blocks: Blocks | None = None, memo=None) -> BlockChain | None:
     """The step's chain of segments, each kind solved once (`kind_curve`), and the variants'
     offsets, each read from one simulated plan (the probe); None where the step has no repeated
-    block or no such plan runs."""
+    block or no such plan runs. ``memo``: the planner's (`fxopt.solvers.minimum.Memo`), whose
+    simulations of the step the probes read (`simulated`)."""
     blocks = blocks or find_blocks(graph)
     if blocks is None:
         return None
@@ -443,7 +444,7 @@ def block_chain(graph: Graph, solve: Solve, lowest: Callable[[Graph], Schedule],
     for saved, handed in _saved_variants(blocks, links):
         try:
             schedule = expand(chain, tree, saved, handed)
-            timeline = simulate(graph, schedule)
+            timeline = simulated(graph, schedule, memo)
         except InvalidScheduleError:
             continue
         own = sum(kinds[seg.kind].points[probe[s]].cost for s, seg in enumerate(blocks.segments))
@@ -674,12 +675,13 @@ def _refine(chain: BlockChain, trees: list[Tree], solve: Solve, most: int) -> tu
     return added, solved
 
 
-def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refinements: int) -> list[Candidate]:
+def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refinements: int,
+                     memo=None) -> list[Candidate]:
     """For `fxopt.solvers.solve`: the chain's cheapest plans within ``budget`` (`_leads`),
-    simulated, or where none fits its lowest-peak plan. The curves are refined around the
-    cheapest (`_refine`: `REFINE_ROUNDS` rounds and ``refinements`` solves at most); where the
-    choices are over the budget when simulated, they are made again with the budget lowered by
-    the excess, twice at most."""
+    simulated (`simulated`, in ``memo``), or where none fits its lowest-peak plan. The curves are
+    refined around the cheapest (`_refine`: `REFINE_ROUNDS` rounds and ``refinements`` solves at
+    most); where the choices are over the budget when simulated, they are made again with the
+    budget lowered by the excess, twice at most."""
     if chain is None:
         return []
     runs: dict[tuple, Candidate] = {}
@@ -688,14 +690,25 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
         key = (chain.variants.index(found[0]), found[1])
         if key not in runs:
             try:
-                runs[key] = _run(chain, found)
+                runs[key] = _run(chain, found, memo)
             except InvalidScheduleError:  # (not a plan of this step: no candidate)
                 return None
         return runs[key][1]
 
+    made: dict[tuple, list[Choice]] = {}
+
+    def leads(target: int, variants: list[Variant] | None = None) -> list[Choice]:
+        # (`_leads` again on curves no point was added to since, at the same budget, is the
+        # same choice: made once. A curve's points are only ever added to.)
+        key = (target, None if variants is None else tuple(map(id, variants)),
+               tuple(len(kind.points) for kind in chain.kinds))
+        if key not in made:
+            made[key] = _leads(chain, target, variants)
+        return made[key]
+
     variants = None  # (the rounds after the first: the variants it chose)
     for _ in range(REFINE_ROUNDS):  # (on the predictions: only the choices it ends with are simulated)
-        found = _leads(chain, budget, variants)
+        found = leads(budget, variants)
         if not found or refinements <= 0:
             break
         variants = [variant for variant, _ in found]
@@ -705,7 +718,7 @@ def block_candidates(chain: BlockChain | None, budget: int, solve: Solve, refine
             break
     target = budget
     for _ in range(3):
-        found = _leads(chain, target)
+        found = leads(target)
         timelines = [run(f) for f in found]
         over = [t.peak_bytes for t in timelines if t is not None and t.peak_bytes > budget]
         if not found or len(over) < len(found):
@@ -725,18 +738,24 @@ def _leads(chain: BlockChain, budget: int, variants: list[Variant] | None = None
     return list(dict.fromkeys(f[2:] for f in found[:1] + kept[:1]))
 
 
-def _run(chain: BlockChain, found: Choice) -> Candidate:
+def _run(chain: BlockChain, found: Choice, memo=None) -> Candidate:
     variant, tree = found
     schedule = expand(chain, tree, variant.saved, variant.links)
-    return schedule, simulate(chain.blocks.graph, schedule)
+    return schedule, simulated(chain.blocks.graph, schedule, memo)
 
 
-def lowest_block_plan(chain: BlockChain | None) -> Candidate | None:
-    """The chain's plan of the least predicted peak (the cheapest of those), simulated."""
+def simulated(graph: Graph, schedule: Schedule, memo=None) -> Timeline:
+    """``simulate(graph, schedule)``, kept in ``memo`` (`fxopt.solvers.minimum.Memo.timeline`)
+    where one is given: the same timeline, simulated once."""
+    return simulate(graph, schedule) if memo is None else memo.timeline(graph, schedule)
+
+
+def lowest_block_plan(chain: BlockChain | None, memo=None) -> Candidate | None:
+    """The chain's plan of the least predicted peak (the cheapest of those), simulated (`simulated`)."""
     if chain is None:
         return None
     try:
-        return _run(chain, _lowest(chain)[1])
+        return _run(chain, _lowest(chain)[1], memo)
     except InvalidScheduleError:
         return None
 
@@ -750,7 +769,7 @@ def memo_chain(graph: Graph, solvers: tuple[Solve, Callable[[Graph], Schedule]],
     key = ("blocks", *key)
     known = memo.get(graph, key) if memo is not None else None
     if known is None:
-        known = (block_chain(graph, *solvers),)
+        known = (block_chain(graph, *solvers, memo=memo),)
         if memo is not None:
             memo.put(graph, key, known)
     return None if known[0] is None else known[0].copy()

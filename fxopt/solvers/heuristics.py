@@ -34,9 +34,11 @@ from fxopt.solvers.transfers import INSTANT
 Candidate = tuple[Schedule, Timeline]
 
 
-def save_all(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT) -> list[Candidate]:
+def save_all(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT, memo=None) -> list[Candidate]:
+    """Eager's schedule, simulated (kept in ``memo``, `fxopt.solvers.minimum.Memo.timeline`, where
+    one is given: the blocks' plans and their bound start from it too)."""
     schedule = on_demand(graph, save_all_set(graph))
-    return [(schedule, simulate(graph, schedule))]
+    return [(schedule, simulate(graph, schedule) if memo is None else memo.timeline(graph, schedule))]
 
 
 def _recomputable_saves(graph: Graph) -> list[int]:

@@ -706,17 +706,19 @@ def instant_solve(graph: Graph, budget: int, *, effort: Effort | float | None = 
 
 def bound_where_tight(graph: Graph, budget: int, plan: tuple[Schedule, Timeline], *,
                       effort: Effort | float | None = None, time_limit: Deadline | float | None = None,
-                      mip_solver: str | None = None) -> float | None:
+                      mip_solver: str | None = None, memo=None) -> float | None:
     """A lower bound on the recompute cost of every schedule within ``budget``, for a plan found
     elsewhere (`fxopt.solvers.block_plan`'s): one round of the program, at the instants where
     ``plan`` and (in its backward) the eager schedule are tightest, started from ``plan`` (its rows are those of
     `instant_solve`'s rounds, so the bound holds for every schedule the simulator accepts).
-    None where nothing is proven within the effort's `instant_work`."""
+    None where nothing is proven within the effort's `instant_work`. ``memo``: the planner's
+    (`fxopt.solvers.minimum.Memo`), where eager's timeline may be kept already."""
     effort, deadline = effort_of(effort), Deadline.of(time_limit)
     if not graph.backward_nodes:
         return None
     prog = _Program(graph, budget, byte_unit(graph))
-    eager = simulate(graph, on_demand(graph, save_all_set(graph)))
+    eager_schedule = on_demand(graph, save_all_set(graph))
+    eager = simulate(graph, eager_schedule) if memo is None else memo.timeline(graph, eager_schedule)
     # (Eager's only in the backward: modelling the forward's steps costs seconds on a deep step.)
     worst = [w for w in _tight_spots(graph, eager, budget)[:1] if w[0] == "backward"]
     spots = list(dict.fromkeys([*_tight_spots(graph, plan[1], budget), *worst]))

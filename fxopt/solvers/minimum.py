@@ -67,11 +67,13 @@ class Memo:
 
     KEEP = 16
     POLICIES_KEEP = 8  # (each holds a few simulated timelines of its graph)
+    TIMELINES_KEEP = 8
 
     def __init__(self) -> None:
         self._entries: list[tuple[tuple, Graph, Lowest]] = []
         self._policies: list[tuple[int, Graph, list]] = []
         self._stage_starts: list[tuple[tuple, Graph, list]] = []
+        self._timelines: list[tuple[tuple, Graph, Timeline]] = []
 
     def get(self, graph: Graph, key: tuple) -> Lowest | None:
         """The answer for ``graph`` (or one of equal content) under ``key`` (solver, effort,
@@ -98,10 +100,20 @@ class Memo:
         share them. The latest `POLICIES_KEEP` graphs'."""
         return _kept(self._stage_starts, (_content_hash(graph), *key), graph, compute, self.POLICIES_KEEP)
 
+    def timeline(self, graph: Graph, schedule: Schedule) -> Timeline:
+        """``simulate(graph, schedule)``, or the timeline kept for it (the latest `TIMELINES_KEEP`):
+        the phases of one solve, and the solves of one step (the search for its smallest budget,
+        then the plan at it), replay some schedules of the whole step more than once (eager's,
+        which the blocks' plans and their bound both start from; a block plan chosen at both
+        budgets), each a whole-step simulation. (Schedules the simulator refuses are not kept.)"""
+        return _kept(self._timelines, (_content_hash(graph), schedule), graph, lambda: simulate(graph, schedule),
+                     self.TIMELINES_KEEP)
+
     def clear(self) -> None:
         self._entries.clear()
         self._policies.clear()
         self._stage_starts.clear()
+        self._timelines.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -173,7 +185,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     # A step of repeated blocks: the blocks' lowest plan (`fxopt.solvers.block_plan`) stands for
     # the searches over the whole graph, whose work grows faster than the step.
     blocks = blocks if solver == "auto" and blocks is not False else None
-    if (lowest := lowest_block_plan(blocks)) is not None:
+    if (lowest := lowest_block_plan(blocks, memo)) is not None:
         reached.add(lowest[0], "blocks", lowest[1])
     whole = blocks is None
     if exact and (chain := min_peak_schedule(graph)) is not None:

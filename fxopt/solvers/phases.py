@@ -49,7 +49,8 @@ class Source:
 
 
 SOURCES: dict[str, Source] = {
-    "save_all": Source(lambda graph, budget, effort, memo: save_all(graph, budget, effort=effort), with_blocks=True),
+    "save_all": Source(lambda graph, budget, effort, memo: save_all(graph, budget, effort=effort, memo=memo),
+                       with_blocks=True),
     "checkpoint": Source(lambda graph, budget, effort, memo: checkpoint(graph, budget, effort=effort)),
     "chain": Source(lambda graph, budget, effort, memo: chain_candidates(graph, budget), solver=False),
     # What a user already has (checkpoint each block, selective checkpointing): never worse than it.
@@ -105,7 +106,7 @@ def run_blocks(search: Search) -> None:
     chain = search.chain()
     search.progress(f"repeated blocks: {len(chain.blocks.segments)} segments of {len(chain.blocks.kinds)} kinds")
     for schedule, timeline in block_candidates(chain, search.budget, search.kind_solvers()[0],
-                                               search.effort.block_refinements):
+                                               search.effort.block_refinements, search.memo):
         search.consider(schedule, timeline, "blocks", "heuristic", keep_over=True)
     by_blocks = search.proven_infeasible or bool(search.fitting)
     if not search.fitting and not search.proven_infeasible:
@@ -126,7 +127,7 @@ def run_block_bound(search: Search) -> None:
     search.progress("bound for the blocks' plan")
     search.raise_bound(bound_where_tight(search.graph, search.budget, (best.schedule, best.timeline),
                                          effort=search.effort, time_limit=search.deadline,
-                                         mip_solver=search.mip_solver), "instant")
+                                         mip_solver=search.mip_solver, memo=search.memo), "instant")
     search.report_gap("blocks")
 
 
