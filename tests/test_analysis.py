@@ -307,3 +307,55 @@ def test_eager_saves_runs_each_op_of_a_repeated_block_once(monkeypatch):
             assert answer() == once
         assert any(len(saved) > 1 for saved in once.values())
     assert counts[6] == counts[2] > 0
+
+
+class _TinyLM(torch.nn.Module):
+    """Embedding, a block, a vocabulary head and the cross-entropy loss (whose backward the planner
+    writes in place: `fxopt.passes.loss`), with dropout where ``p``."""
+
+    def __init__(self, p: float | None):
+        super().__init__()
+        self.emb, self.fc, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 64)
+        self.drop = torch.nn.Dropout(p) if p else torch.nn.Identity()
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h + self.drop(torch.tanh(self.fc(h)))
+        return torch.nn.functional.cross_entropy(self.head(h).view(-1, 64), labels.view(-1))
+
+
+@pytest.mark.parametrize("p", [None, 0.1])
+def test_the_rewritten_step_reads_what_the_rewrite_left_alone_from_the_analysis_before_it(monkeypatch, p):
+    """The planner analyses the step as captured, rewrites it in place (the loss's backward; with
+    dropout, the forward's dropout too) and analyses it again, giving the first analysis
+    (``earlier``): the second is the one a fresh analysis makes, and where the rewrite left the
+    forward alone no forward op is run again for what eager saves, and only the nodes the
+    rewrite touched have their scratch looked up (counted: the ops run and the nodes asked)."""
+    import fxopt.analysis.eager_saves as saves
+    import fxopt.analysis.joint as joint_module
+    from fxopt.fxgraph import copy_module
+    from fxopt.passes.dropout import alias_identity_dropouts
+    from fxopt.plan_ahead import plan_each
+    from fxopt.planner import _rewrite_for_planning
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    options = Options.of(1.0)
+    step = plan_each(_TinyLM(p), options, {"ids": ids, "labels": ids}, lambda plan: plan.func.__self__)
+    joint = copy_module(step.joint)
+    alias_identity_dropouts(joint)
+    analyse = lambda **kw: joint_module.analyze(joint, step.num_fwd_outputs, whole_step=True, **kw)  # noqa: E731
+    before = analyse()
+    assert _rewrite_for_planning(joint, options)[0]
+    run, runs, measure, asked = saves._run, [], joint_module.op_memory, []
+    monkeypatch.setattr(saves, "_run", lambda n, rg: runs.append(n) or run(n, rg))
+    monkeypatch.setattr(joint_module, "op_memory", lambda nodes, *a, **k: asked.append(len(nodes)) or measure(nodes, *a, **k))
+    reused = analyse(earlier=before)
+    reused_runs, reused_asked = len(runs), sum(asked)
+    fresh = analyse()
+    assert reused.graph.nodes == fresh.graph.nodes and reused.fingerprint == fresh.fingerprint
+    assert (reused.names, reused.codecs.keys()) == (fresh.names, fresh.codecs.keys())
+    assert len(runs) > reused_runs
+    if p is None:  # (the loss's backward only: one node replaced, its users read it)
+        assert reused_runs == 0
+        assert 0 < reused_asked < (sum(asked) - reused_asked) // 4  # (7 of 54 here: the in-place node, its readers)

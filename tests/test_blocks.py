@@ -15,6 +15,7 @@ from fxopt.solvers.blocks import find_blocks
 from fxopt.solvers.effort import DEFAULT_EFFORT, Deadline
 from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers.minimum import lowest_schedule
+from fxopt.solvers.schedule import on_demand, save_all_set
 from solver_graphs import chain, diamond, mlp2, repeated_blocks
 
 
@@ -181,3 +182,46 @@ def test_a_model_of_repeated_layers_is_planned_per_block_within_its_budget_and_e
     assert plan.solver == "blocks" and plan.peak_bytes <= plan.budget_bytes
     assert_same_step(eager, optimized, loss_e, loss_o)
     assert measured_peak(optimized, inputs) <= plan.budget_bytes
+
+
+def test_a_memos_timelines_spare_simulations_of_the_step_and_change_no_answer(monkeypatch):
+    """The search for the smallest budget, then the plan at it, as the planner asks them with its
+    memo: with the memo's timelines (`Memo.timeline`: eager's schedule, which the heuristics, the
+    blocks' probes and their bound start from; the blocks' chosen plans) the step is simulated
+    fewer times (counted, not timed) than with every one of those simulated again, each
+    schedule kept once, and the answers are those of solves without a memo."""
+    import sys
+
+    import fxopt.solvers.schedule as schedule_module
+
+    g = repeated_blocks(8, logits=256, shared=False)
+    least = smallest_budget(solve, g)
+    plain = solve(g, least)
+    real, runs, kept = schedule_module.simulate, [], []
+
+    def counted(graph, schedule, *args, **kwargs):
+        if graph is g and not args and not kwargs:
+            runs.append(schedule)
+        return real(graph, schedule, *args, **kwargs)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("fxopt.solvers")]:
+        if getattr(module, "simulate", None) is real:
+            monkeypatch.setattr(module, "simulate", counted)
+
+    def both(memo):
+        runs.clear()
+        with pytest.raises(InfeasibleBudgetError) as err:
+            solve(g, 1, memo=memo)
+        found = solve(g, least, memo=memo)
+        return err.value.min_budget, (found.schedule, found.timeline.peak_bytes, found.timeline.cost), len(runs)
+
+    class Unkept(Memo):
+        def timeline(self, graph, schedule):
+            kept.append(schedule)
+            return counted(graph, schedule)
+
+    again = both(Unkept())
+    once = both(Memo())
+    assert once[:2] == again[:2] == (least, (plain.schedule, plain.timeline.peak_bytes, plain.timeline.cost))
+    assert len(kept) > len(set(kept))  # (the memo's schedules repeat across the two solves)
+    assert once[2] == again[2] - (len(kept) - len(set(kept)))
