@@ -126,7 +126,7 @@ def memo_key(solver: str, effort: Effort, run_ilp: bool = True, mip_solver: str 
 
 
 def _content_hash(graph: Graph) -> int:
-    return hash((graph.nodes, graph.transfers))  # (milliseconds for thousands of nodes: a few per solve)
+    return graph.content_hash
 
 
 def _kept(entries: list, key, graph: Graph, compute: Callable[[], list], keep: int) -> list:
