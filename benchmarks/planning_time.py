@@ -340,6 +340,10 @@ def run_depth(layers: int, time_limit: float, whole: bool, measure: bool, whole_
             old.unlink()
         minimum, plan = one_answer(model, inputs, least, time_limit)
         minimum.update(model=name, layers=layers, row="min")
+        if plan is not None:
+            from benchmarks.budget_holds import decisions_digest  # (the plan's decisions, not its seconds)
+
+            minimum["digest"] = decisions_digest(plan)
         if plan is not None and measure:
             minimum["measured_peak"] = measured_peak(model, inputs, plan)
         rows.append(minimum)
@@ -417,6 +421,12 @@ def write_depth(rows: list[dict], out: Path, meta: dict, name: str = "planning_t
         lines.append(f"| {r['layers']} | {r['row']} | {r.get('nodes', '–')} | {s(r['wall_s'])} | {s(r['capture_s'])} | "
                      f"{s(r['analysis_s'])} | {s(r['solve_s'])} | {note} | {mib(r.get('peak'))} | "
                      f"{mib(r.get('measured_peak'))} | {solver} | {e(r.get('cost'))} | {e(r.get('bound'))} | {gap} |")
+    lines += ["", "CPU seconds of each answer (the process's, `time.process_time`: what the target is checked "
+              "on, the machine being shared) and the plan's digest (its decisions, `benchmarks.budget_holds."
+              "decisions_digest`: equal digests, the same plan):", "",
+              "| layers | row | CPU s | load | digest |", "|---:|---|---:|---:|---|"]
+    lines += [f"| {r['layers']} | {r['row']} | {s(r.get('cpu_s'))} | {r['load1']:.1f} | "
+              f"{'`' + r['digest'] + '`' if r.get('digest') else '–'} |" for r in answers]
     captured = [r for r in rows if r["row"].endswith("whole capture")]
     if captured:
         lines += ["", "Stamped against captured whole: each answer again with every block captured (`stamp=False`), "
