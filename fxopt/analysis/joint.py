@@ -108,6 +108,14 @@ class Reusable:
     memory: dict
 
 
+def _reusable(earlier: JointGraph | None, sizes: Sizes | None, device) -> tuple[Reusable | None, tuple]:
+    """``earlier``'s `Reusable` where it was analysed at the same ``sizes`` and ``device`` (else
+    None), and those settings."""
+    settings = (sizes, device)
+    reuse = None if earlier is None else earlier.reusable
+    return (reuse if reuse is not None and reuse.settings == settings else None), settings
+
+
 def _node_read(n: fx.Node) -> tuple:
     """What a node's own per-node analysis reads of it: its op and arguments (an argument node
     by identity), and the fake values of it and of its inputs (objects: a rewrite in place gives
@@ -330,12 +338,9 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
     peak holds from the backward's start to its end. ``whole_step``: the graph is a whole training
     step (not a piece of one, whose outputs later pieces differentiate), whose caller starts the
     backward at its scalar loss: its other outputs get no gradient in eager's step
-    (`_without_gradients_eager_never_makes`). ``earlier``: an analysis of the same ``joint``, with
-    the same ``sizes`` and ``device``, before a rewrite in place: what eager saves and the ops'
-    scratch are read from it where the rewrite left their inputs alone (`Reusable`), the same
-    answer as working them out again."""
+    (`_without_gradients_eager_never_makes`). ``earlier``: ``joint`` before a rewrite (`Reusable`)."""
     cost_model = cost_model or CostModel()
-    settings = (sizes, device)  # (what `Reusable` keeps depends on besides the nodes)
+    reuse, settings = _reusable(earlier, sizes, device)
     sizes = sizes or Sizes()
     fx_nodes = [n for n in joint.graph.nodes if n.op != "output"]
     gathers = [n for n in fx_nodes if n.op == "call_function" and comm_bytes_of(n)]
@@ -349,8 +354,6 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         backward = _backward_nodes(joint.graph, fx_nodes, fwd_outs, bwd_outs)
         on_cpu = device is None or device.kind == "cpu"  # (eager's dropout where the step runs: see below)
         nodes, node_sizes, codecs = _values(fx_nodes, backward, fwd_outs | bwd_outs, sizes, compress, quantize, on_cpu)
-        reuse = earlier.reusable if earlier is not None and earlier.reusable is not None else None
-        reuse = reuse if reuse is not None and reuse.settings == settings else None
         read, saves = _saves(fx_nodes, backward, outs[num_fwd_outputs:], reuse)
         nodes = _with_eager_reads(nodes, fx_nodes, saves)
         nodes = _with_eager_in_place(nodes, fx_nodes)
@@ -390,10 +393,9 @@ def analyze(joint: fx.GraphModule, num_fwd_outputs: int, cost_model: CostModel |
         module_paths.append("")
     symbolic = SymbolicGraph(Graph(tuple(nodes)), tuple(node_sizes), sizes.ranges, sizes.point, cost_model, sizes.names,
                              tuple(measured), round_bytes=1 if device is None else device.round_bytes)
-    return JointGraph(module=joint, graph=symbolic.at(sizes.point), names=tuple(names),
-                      num_fwd_outputs=num_fwd_outputs, module_paths=tuple(module_paths), codecs=codecs,
-                      symbolic=symbolic if sizes.symbolic else None, device=device,
-                      reusable=Reusable(settings, read, saves, per_node))
+    return JointGraph(module=joint, graph=symbolic.at(sizes.point), names=tuple(names), num_fwd_outputs=num_fwd_outputs,
+                      module_paths=tuple(module_paths), codecs=codecs, symbolic=symbolic if sizes.symbolic else None,
+                      device=device, reusable=Reusable(settings, read, saves, per_node))
 
 
 def measured_storage_bytes(fx_nodes: list[fx.Node], memory: dict[fx.Node, OpMemory]) -> list[int]:

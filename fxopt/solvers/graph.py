@@ -164,19 +164,6 @@ class Graph:
         return i if s is None or s == i else self.root(s)
 
     @functools.cached_property
-    def content_hash(self) -> int:
-        """A hash of the nodes and bandwidths (what `fxopt.solvers.minimum.Memo` keys a graph by):
-        found once per graph, 12 ms on a 7,600-node step, asked at each look-up of its memo."""
-        return hash((self.nodes, self.transfers))
-
-    def __getstate__(self) -> dict:
-        # (a string's hash differs from process to process: a graph sent to another one finds
-        # its own hash there)
-        state = dict(self.__dict__)
-        state.pop("content_hash", None)
-        return state
-
-    @functools.cached_property
     def users(self) -> tuple[tuple[int, ...], ...]:
         users: list[list[int]] = [[] for _ in self.nodes]
         for i, node in enumerate(self.nodes):
