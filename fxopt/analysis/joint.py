@@ -117,21 +117,16 @@ def _reusable(earlier: JointGraph | None, sizes: Sizes | None, device) -> tuple[
 
 
 def _node_read(n: fx.Node) -> tuple:
-    """What a node's own per-node analysis reads of it: its op and arguments (an argument node
-    by identity), and the fake values of it and of its inputs (objects: a rewrite in place gives
-    a view of a rewritten value a new one, its arguments unchanged)."""
-    return (n.target, n.args, tuple(n.kwargs.items())), (n.meta.get("val"), *(a.meta.get("val") for a in n.all_input_nodes))
+    """What a node's own per-node analysis reads of it: its op, its arguments (fx keeps them in
+    one tuple and one dict, replaced where a rewrite changes them: a node whose uses a rewrite
+    moved has new ones), and the fake values of it and of its inputs (a rewrite in place gives a
+    view of a rewritten value a new one, its arguments unchanged). All compared by identity
+    (`_same_read`): no argument is compared by value (a size may be symbolic)."""
+    return (n.target, n.args, n.kwargs, n.meta.get("val"), *(a.meta.get("val") for a in n.all_input_nodes))
 
 
 def _same_read(a: tuple, b: tuple) -> bool:
-    code_a, vals_a = a
-    code_b, vals_b = b
-    if len(vals_a) != len(vals_b) or any(x is not y for x, y in zip(vals_a, vals_b)):
-        return False
-    try:
-        return bool(code_a == code_b)
-    except Exception:  # noqa: BLE001 - an argument that does not compare (a tensor): read again
-        return False
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _eager_saves_read(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list) -> tuple:
