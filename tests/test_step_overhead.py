@@ -127,7 +127,7 @@ def test_a_one_graph_step_reads_nothing_resident_after_its_first_call(monkeypatc
     steps, walked, settings = counted_work(monkeypatch)
     model.zero_grad(set_to_none=True)
     optimized(x).sum().backward()
-    assert len(steps) == 1 and not steps[0].read, steps
+    assert len(steps) == 1 and not steps[0].resident_read, steps
     n_params = len(list(model.parameters()))
     assert sum(walked) < n_params, walked  # (the graph's output alone)
     assert settings == []
@@ -140,7 +140,7 @@ def test_a_one_graph_step_reads_nothing_resident_after_its_first_call(monkeypatc
     optimized(torch.randn(6, 8)).sum().backward()  # (the call after a compile runs within them)
     model.zero_grad(set_to_none=True)
     optimized(torch.randn(6, 8)).sum().backward()
-    assert len(settings) == 1 and not any(s.read for s in steps)
+    assert len(settings) == 1 and not any(s.resident_read for s in steps)
 
     torch.manual_seed(0)
     broken = fxopt.optimize(Broken(), 10**8)
@@ -149,7 +149,7 @@ def test_a_one_graph_step_reads_nothing_resident_after_its_first_call(monkeypatc
     steps[:] = []
     broken.zero_grad(set_to_none=True)
     broken(x).sum().backward()
-    assert len(steps) == 1 and steps[0].read and len(steps[0].pieces) == 2
+    assert len(steps) == 1 and steps[0].resident_read and len(steps[0].pieces) == 2
 
 
 def test_module_tensors_are_torchs():

@@ -148,8 +148,8 @@ class Step:
 
     What is resident (``resident``, ``trainable``, ``shared``) is what the reserves of pieces count,
     and a step captured whole has no reserve: it is read from the model's tensors when a piece
-    first needs it, not at every call (on a bench ViT under Inductor the walk was a sixth of what
-    fxopt's Python adds to the step, issue 28). Where every graph is a piece (FSDP2, whose hooks
+    first needs it, not at every call (on a bench ViT, reading it took about 0.13 ms of a 21 ms
+    step, timed alone: issue 28). Where every graph is a piece (FSDP2, whose hooks
     swap the model's parameters between pieces) it is read as the call starts."""
 
     tensors: tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]  # the parameters, buffers, and the call's arguments
@@ -202,7 +202,7 @@ class Step:
         return trainable, frozenset(ptr for ptr, n in names.items() if n > 1)
 
     @property
-    def read(self) -> bool:
+    def resident_read(self) -> bool:
         """Whether what is resident has been read in this call (see the class docstring)."""
         return "resident" in self.__dict__
 
