@@ -527,13 +527,17 @@ def test_inductors_heuristics_are_each_compiles_own(monkeypatch):
     from the settings then, and keeps them: a process that had compiled a plain torch.compile first
     compiled fxopt's modules with no fusion guard (the bench transformers Llama at HF
     checkpointing's peak measured 44.65 MiB against its 42.30 MiB budget; 42.18 alone), and plain
-    compiles after fxopt's ran under fxopt's guard. Each compile now gets its own."""
+    compiles after fxopt's ran under fxopt's guard. Each compile now gets its own. The guard of
+    fxopt's backward knows which of its inputs die there: the partition's marks reach Inductor's
+    scheduler (without them no kernel of the backward would fuse)."""
     from fxopt.capture import inductor
 
-    guarded = []
+    guarded, marks = [], []
     original = inductor._KeepSchedule.can_fuse_horizontal
     monkeypatch.setattr(inductor._KeepSchedule, "can_fuse_horizontal",
                         staticmethod(lambda *args: guarded.append(1) or original(*args)))
+    read_marks = inductor._held_marks
+    monkeypatch.setattr(inductor, "_held_marks", lambda gm: marks.append(read_marks(gm)) or marks[-1])
     torch.manual_seed(0)
     model, inputs = MODELS["residual_mlp"]()
     step(torch.compile(copy.deepcopy(model)), inputs)
@@ -541,6 +545,7 @@ def test_inductors_heuristics_are_each_compiles_own(monkeypatch):
     optimized = fxopt.optimize(copy.deepcopy(model), 0.5, example_inputs=inputs, compiler="inductor")
     step(optimized, inputs)
     assert optimized.plan.recomputed and guarded  # (fxopt's modules, compiled under its guard)
+    assert marks and all(held is not None for held in marks)
     guarded.clear()
     torch._dynamo.reset()
     step(torch.compile(copy.deepcopy(model)), inputs)

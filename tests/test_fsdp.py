@@ -141,6 +141,28 @@ def test_shards_gather_and_regather_is_offered(one_process_group):
     assert [n.lingers for n in scatters] == [n.bytes for n in scatters] and not any(n.lingers for n in gathers)
 
 
+def test_each_collective_is_priced_by_the_bytes_this_rank_receives():
+    """A reduce-scatter over n ranks receives n - 1 pieces of its shard's size (it was priced at
+    nothing, so the process group it holds, where a re-gather queues, was not on the clock); an
+    all-gather its output less its own share; an all-reduce a ring's 2 (n - 1) / n of it."""
+    import torch
+    import torch.fx as fx
+
+    from fxopt.analysis.costs import comm_bytes_of
+
+    ops = torch.ops._c10d_functional
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    scatter = graph.call_function(ops.reduce_scatter_tensor.default, (x, "sum", 4, "pg"))
+    gather = graph.call_function(ops.all_gather_into_tensor.default, (x, 4, "pg"))
+    alone = graph.call_function(ops.reduce_scatter_tensor.default, (x, "sum", 1, "pg"))
+    for node, rows in ((scatter, 8), (gather, 128), (alone, 32)):
+        node.meta["val"] = torch.empty(rows, 16)
+    assert comm_bytes_of(scatter) == 3 * 8 * 16 * 4
+    assert comm_bytes_of(gather) == 128 * 16 * 4 * 3 // 4
+    assert comm_bytes_of(alone) == 0
+
+
 def test_each_gather_and_reduce_scatter_is_waited_for_until_gloo_lets_go(one_process_group):
     """The rewritten forward and backward follow each gloo all-gather's wait with
     ``fxopt::released`` before anything reads it, and run each reduce-scatter and its wait as

@@ -142,3 +142,54 @@ def test_a_regather_is_never_issued_between_a_tuple_and_its_outputs():
     assert prefetched(graph, backward) == backward
     timeline = simulate(graph, Schedule(frozenset(), backward))
     assert timeline.exposed_comm_seconds == pytest.approx(COMM - 1e-7)  # (issued where it was: only its issue hides it)
+
+
+def step_with_a_reduce_scatter(before: float, after: float) -> Graph:
+    """``w`` gathered again for ``gw``, and between the backward's compute ``g1`` (``before``
+    seconds) and ``g3`` (``after``) a gradient's reduce-scatter ``rs``, waited where issued: it
+    holds the process group for 1e-5 s (`holds_group`), the re-gather's own communication time."""
+    return priced(Graph((
+        Node("shard", "input", bytes=25),
+        Node("w", "forward", inputs=(0,), bytes=100, comm_bytes=10_000, cost=1e-7 + COMM, comm_seconds=COMM,
+             comm_exposed=COMM),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g1", "backward", inputs=(3,), bytes=4, cost=before),
+        Node("rs", "backward", inputs=(4,), bytes=4, comm_bytes=10_000, cost=COMM, comm_seconds=COMM, output=True),
+        Node("g3", "backward", inputs=(4,), bytes=4, cost=after),
+        Node("gw", "backward", inputs=(6, 1), bytes=4, cost=1e-6, output=True),
+    )))
+
+
+W1, G1_, RS, G3_, GW_ = 1, 4, 5, 6, 7
+
+
+def test_a_reduce_scatter_queues_behind_a_regather_in_flight():
+    """The process group runs one collective at a time, in the order issued: a re-gather issued
+    just before a reduce-scatter (waited where issued) makes the step stand still for the rest of
+    the gather first. Before, the simulator ran the two side by side and called the gather hidden."""
+    graph = step_with_a_reduce_scatter(2e-5, 2e-5)
+    timeline = simulate(graph, Schedule(frozenset(), (G1_, W1, RS, G3_, GW_)), prefetch=False)
+    assert timeline.exposed_comm_seconds == pytest.approx(COMM - 1e-7)  # (the issue's own compute beside it)
+    alone = simulate(graph, Schedule(frozenset(), (G1_, RS, W1, G3_, GW_)), prefetch=False)
+    assert alone.exposed_comm_seconds == 0.0  # issued after it, behind g3's 2e-5 s
+
+
+@pytest.mark.parametrize("before, after, order", [
+    (2e-5, 2e-5, (G1_, RS, W1, G3_, GW_)),  # the latest stretch that holds it: after the reduce-scatter
+    (2e-5, 5e-6, (W1, G1_, RS, G3_, GW_)),  # after it too short: before it, done before it is issued
+])
+def test_a_regather_is_issued_between_the_reduce_scatters(before, after, order):
+    """Fails before: the re-gather went back from its wait as far as its communication takes,
+    across the reduce-scatter whenever what follows it is too short, and delayed it."""
+    graph = step_with_a_reduce_scatter(before, after)
+    schedule = Schedule(frozenset(), (G1_, RS, G3_, W1, GW_))
+    assert as_generated(graph, schedule, prefetch=True).backward == order
+    assert simulate(graph, schedule).exposed_comm_seconds == 0.0
+
+
+def test_a_regather_is_priced_by_the_longest_stretch_between_reduce_scatters():
+    """Before any plan (`priced`), a re-gather hides behind the longest stretch of backward compute
+    between the collectives that hold the process group, not behind all of it."""
+    graph = step_with_a_reduce_scatter(4e-6, 3e-6)
+    assert graph.nodes[W1].comm_exposed == pytest.approx(COMM - 4e-6)

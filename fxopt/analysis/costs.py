@@ -89,12 +89,15 @@ WAITS = ("wait_tensor",)
 # The all-reduces (DDP's gradients in the graph, `fxopt.distributed.ddp`; in place on a bucket,
 # `fxopt.passes.coalesce`): never recomputed, as every other collective but the gathers.
 REDUCES = ("all_reduce", "all_reduce_")
+# The reduce-scatters (FSDP's gradients, `fxopt.distributed.fsdp`): each rank receives (n - 1)
+# pieces of its shard's size, as a ring sends them.
+SCATTERS = ("reduce_scatter_tensor",)
 
 
 def comm_bytes_of(node: fx.Node) -> int:
     """Bytes this rank receives to make ``node``: an all-gather's output less its own share; for
     an all-reduce over n ranks, a ring's 2 (n - 1) / n of its output (reduce-scatter, then
-    all-gather)."""
+    all-gather); for a reduce-scatter, n - 1 times its output (its shard)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
         return 0
@@ -105,6 +108,9 @@ def comm_bytes_of(node: fx.Node) -> int:
     if target._opname in REDUCES:
         size = group_size(node)
         return 2 * (nbytes - nbytes // size) if size > 1 else 0
+    if target._opname in SCATTERS:
+        size = node.args[2] if len(node.args) > 2 else 1
+        return nbytes * (size - 1) if isinstance(size, int) and size > 1 else 0
     if target._opname not in GATHERS:
         return 0
     size = node.args[1] if len(node.args) > 1 else 1

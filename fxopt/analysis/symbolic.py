@@ -337,8 +337,11 @@ class SymbolicGraph:
             compressed, codec_flops = size(s.compressed_bytes), size(s.codec_flops)
             if self.round_bytes > 1:
                 nbytes, compressed = rounded_up(nbytes, self.round_bytes), rounded_up(compressed, self.round_bytes)
-            # (A re-gather's communication: ``comm_exposed``, all of it until `priced` says how much is hidden.)
+            # (A re-gather's communication: ``comm_exposed``, all of it until `priced` says how much is hidden.
+            # A collective of the backward, waited where issued: its whole communication in ``cost``,
+            # and ``comm_seconds`` the time it holds the process group, where a re-gather may queue.)
             exposed = self.cost_model.comm_seconds(comm) if self._regathers(node) else 0.0
+            held = exposed or (self.cost_model.comm_seconds(comm) if self._waits_in_backward(node, comm) else 0.0)
             nodes.append(node.replaced(
                 bytes=nbytes, flops=flops, comm_bytes=comm,
                 cost=0.0 if node.kind == "input" else exposed + cost(
@@ -348,13 +351,18 @@ class SymbolicGraph:
                 codec_cost=2 * cost(codec_flops // 2, nbytes + compressed, False) if node.codec else 0.0,
                 workspace=node.workspace if workspace is None else workspace[k],
                 codec_workspace=node.codec_workspace if codec_workspace is None else codec_workspace[k],
-                comm_seconds=exposed, comm_exposed=exposed))
+                comm_seconds=held, comm_exposed=exposed))
         return priced(Graph(tuple(nodes), self.graph.transfers))
 
     def _regathers(self, node) -> bool:
         """Whether ``node`` is an all-gather the backward may run again, issued ahead of its wait
         (`fxopt.solvers.prefetch`; `CostModel.overlap_regathers`)."""
         return self.cost_model.overlap_regathers and node.kind == "forward" and node.recomputable
+
+    def _waits_in_backward(self, node, comm) -> bool:
+        """Whether ``node`` is a collective of the backward (a gradient's reduce-scatter or
+        all-reduce) on the process group that re-gathers share (`fxopt.solvers.prefetch`)."""
+        return self.cost_model.overlap_regathers and node.kind == "backward" and bool(comm)
 
     def check_monotone(self, ranges: Ranges | None = None) -> None:
         """Raise `CaptureError` naming the first value a size of which is not non-decreasing in

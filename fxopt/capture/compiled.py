@@ -25,8 +25,16 @@ split at graph breaks re-enters the model's own functions) is checked after the 
 autograd graph must hold nothing computed outside the graphs fxopt planned
 (`fxopt.capture.coverage`).
 
-The call itself runs with Dynamo's settings for fxopt (`dynamo_settings`) and with any dispatch
-mode around it told to look past the compile (`dispatch_modes_see_the_step`).
+Dynamo reads fxopt's settings for it (`dynamo_settings`: the recompile limit, no DDP optimizer,
+the logging switches) only in its frame callback, which it enters for a frame not in its cache
+(to compile it, to recompile it, to mark it skipped), never while a cached graph runs. The patch
+costs 70-90 µs, as much as the rest of fxopt's Python around a one-graph step (issue 28), so
+`CompiledStep` puts it around the callback (`_SettingsAroundCallback`) and around a call only
+while the call before it met such a frame (the first call, a recompile, a step whose Python
+between graph breaks Dynamo looks at anew each call): a cached one-graph step runs without it.
+Where this torch does not let the callback be wrapped, every call runs inside the patch.
+
+Any dispatch mode around the call is told to look past the compile (`dispatch_modes_see_the_step`).
 """
 
 from __future__ import annotations
@@ -96,9 +104,44 @@ def _entered_through(module: nn.Module | None, forward: Callable | None):
             del own["forward"]
 
 
+class _SettingsAroundCallback:
+    """Dynamo's frame callback with fxopt's settings for Dynamo around it (`dynamo_settings`), unless
+    the call it runs in has them already; it tells ``step`` that the call met a frame outside
+    Dynamo's cache (`CompiledStep`)."""
+
+    def __init__(self, callback: Callable, step: CompiledStep):
+        self.callback = callback
+        self.step = step
+        # (What Dynamo reads of its callback: the backend inside, `innermost_backend`; its hooks.)
+        self._torchdynamo_orig_backend = callback
+        self.hooks = getattr(callback, "hooks", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.step.met_frames = True
+        if self.step.settings_on:
+            return self.callback(*args, **kwargs)
+        with dynamo_settings():
+            return self.callback(*args, **kwargs)
+
+
+def _dynamo_context(compiled: Callable):
+    """The Dynamo context ``torch.compile`` made ``compiled`` with (an ``OptimizedModule``'s, or the
+    one a compiled function closes over), or None where this torch does not say."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    if ctx is None and getattr(compiled, "__closure__", None):
+        cells = dict(zip(compiled.__code__.co_freevars, compiled.__closure__))
+        ctx = cells["self"].cell_contents if "self" in cells else None
+    context_class = getattr(torch._dynamo.eval_frame, "_TorchDynamoContext", None)
+    if context_class is None or not isinstance(ctx, context_class) or not callable(getattr(ctx, "callback", None)):
+        return None
+    return ctx
+
+
 class CompiledStep:
     """``torch.compile`` of a module (or a function), entered through a code object of its own (see
-    the module docstring). Called like the module."""
+    the module docstring). Called like the module. ``met_frames``: the last call met a frame outside
+    Dynamo's cache (the next call runs inside fxopt's settings for Dynamo); ``settings_on``: the
+    call now running does; ``settled``: Dynamo's callback enters them itself (else every call does)."""
 
     def __init__(self, target: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None):
         self.module = target if isinstance(target, nn.Module) else None
@@ -109,10 +152,32 @@ class CompiledStep:
         entry = self.forward if self.forward is not None else target
         # The code object Dynamo starts the step at (a graph from any other frame is a piece).
         self.entry_code = getattr(entry, "__func__", entry).__code__
+        self.met_frames, self.settings_on = True, False
+        self.settled = self._settle(target)
+
+    def _settle(self, target: Callable) -> bool:
+        """Put fxopt's settings for Dynamo around Dynamo's frame callback (see the module docstring),
+        the compiled call made again with it; False where this torch does not let it."""
+        ctx = _dynamo_context(self.compiled)
+        if ctx is None:
+            return False
+        ctx.callback = _SettingsAroundCallback(ctx.callback, self)
+        if hasattr(self.compiled, "_initialize"):  # (an OptimizedModule: its forward made again)
+            self.compiled._initialize()
+        else:
+            self.compiled = ctx(target)
+        return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _entered_through(self.module, self.forward):
-            return self.compiled(*args, **kwargs)
+            if self.settled and not self.met_frames:  # (see the module docstring)
+                return self.compiled(*args, **kwargs)
+            self.met_frames, self.settings_on = False, True
+            try:
+                with dynamo_settings():
+                    return self.compiled(*args, **kwargs)
+            finally:
+                self.settings_on = False
 
 
 def compile_step(call: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None) -> CompiledStep:
@@ -191,7 +256,7 @@ def dispatch_modes_see_the_step(compiler: str):
 def run_compiled(compiled: Callable, args: tuple, kwargs: dict, compiler: str = "eager") -> Any:
     """Call a step compiled by `compile_step`, with fxopt's errors unwrapped from Dynamo's."""
     try:
-        with dynamo_settings(), dispatch_modes_see_the_step(compiler), capture_clock():
+        with dispatch_modes_see_the_step(compiler), capture_clock():
             return compiled(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - translate what Dynamo wraps into fxopt's errors
         inner = unwrap_compile_error(err)

@@ -65,7 +65,7 @@ def nodes_made_since(outputs: Any, since: int) -> Iterator:
         if type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < since:
             continue
         yield node
-        stack.extend(n for n, _ in node.next_functions)
+        stack.extend([n for n, _ in node.next_functions])  # (a list: a generator is a Python call per item)
 
 
 @functools.lru_cache(maxsize=None)

@@ -261,10 +261,8 @@ class _Partitioner(CustomPartitionerFn):
         held = _held_through_backward(fw, bw, kwargs.get("num_fwd_outputs"))
         table = select_decomp_table()
         fw, bw = decompose(_materialize_in_place(fw), table), decompose(_materialize_in_place(bw), table)
-        names = [n.target for n in bw.graph.find_nodes(op="placeholder")]
-        _HELD_THROUGH_BACKWARD[frozenset(names)] = frozenset(name for name, keep in zip(names, held) if keep)
-        while len(_HELD_THROUGH_BACKWARD) > _HELD_KEPT:
-            del _HELD_THROUGH_BACKWARD[next(iter(_HELD_THROUGH_BACKWARD))]
+        for node, keep in zip(bw.graph.find_nodes(op="placeholder"), held):
+            node.meta[_HELD] = keep  # (read by `_KernelMemory` when Inductor compiles it, maybe late)
         return fw, bw
 
     def uuid(self) -> bytes:
@@ -304,11 +302,10 @@ class _KeepSchedule(InductorChoices):
 # after their last read; a forward's are the caller's).
 _COMPILING_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("fxopt_compiling_backward", default=False)
 
-# For each backward fxopt partitioned, by its inputs' names: those alive through its whole run
-# (`_held_through_backward`). Kept for the latest few: Inductor may compile a backward late, at
-# its first run.
-_HELD_THROUGH_BACKWARD: dict[frozenset[str], frozenset[str]] = {}
-_HELD_KEPT = 64
+# The mark on each input of a backward fxopt partitioned: whether it is alive through the whole run
+# (`_held_through_backward`). On the graph's own nodes, since Inductor may compile a backward late,
+# at its first run.
+_HELD = "fxopt_held_through_backward"
 
 
 def _held_through_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int | None) -> list[bool]:
@@ -377,7 +374,7 @@ class _KernelMemory:
                     dying[end].append((size, True))
         base = 0
         inputs = V.graph.graph_inputs
-        held = _HELD_THROUGH_BACKWARD.get(frozenset(inputs)) if backward else None
+        held = _held_marks(V.graph.module) if backward else None
         if backward and held is None:  # (not a backward fxopt partitioned: which inputs die is not known)
             self.unknown.update(range(steps))
         for name, value in inputs.items():
@@ -411,6 +408,15 @@ class _KernelMemory:
         if any(k in self.unknown for k in members):
             return False
         return self.before[first] + sum(self.alloc[first:last + 1]) <= self.peak
+
+
+def _held_marks(gm: fx.GraphModule) -> frozenset[str] | None:
+    """The inputs of the backward ``gm`` that fxopt's partition marked alive through its run, or
+    None where it marked none of them (not a backward fxopt partitioned)."""
+    marks = {n.target: n.meta.get(_HELD) for n in gm.graph.find_nodes(op="placeholder")}
+    if any(keep is None for keep in marks.values()):
+        return None
+    return frozenset(name for name, keep in marks.items() if keep)
 
 
 def _reusable(written: list[int], dying: list[tuple[int, bool]]) -> tuple[int, int]:

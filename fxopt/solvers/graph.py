@@ -97,7 +97,7 @@ class Node:
     # dropout keeps a mask of its input's dtype, not a bool one (``at::dropout`` runs the fused
     # ``native_dropout`` only on accelerators). Counted in the eager step's memory (`eager_timeline`).
     eager_bytes: int | None = None
-    # Bytes a collective (an all-gather) moves over the process group to make this value; its
+    # Bytes a collective (an all-gather, a reduce-scatter) moves over the process group to make this value; its
     # ``cost`` counts them at the cost model's ``comm_bytes_per_second``. A recomputed all-gather
     # is a re-gather (FSDP's reshard after forward): reported as communication, not FLOPs.
     comm_bytes: int = 0
@@ -107,6 +107,9 @@ class Node:
     # ``comm_exposed`` is that wait as predicted before any plan exists; the simulator gives each
     # plan's own (`Timeline.exposed_comm_seconds`). Both 0: the whole communication is in ``cost``
     # (a node priced without overlap, as before `fxopt.analysis.CostModel.overlap_regathers`).
+    # A collective of the backward waited where issued (a gradient's reduce-scatter or all-reduce)
+    # has its whole communication in ``cost`` too, ``comm_exposed`` 0, and ``comm_seconds`` the time
+    # it holds the process group, where a re-gather in flight delays it (`prefetch.holds_group`).
     comm_seconds: float = 0.0
     comm_exposed: float = 0.0
     # Bytes a collective leaves allocated after its wait returns, which its process group's worker

@@ -33,9 +33,17 @@ after 5 ms of backward compute hides 5 ms), never below zero. That leaves out wh
 decides (other re-gathers on the channel, the recomputations before the reader); the simulator
 counts both, and every plan the solvers keep is simulated.
 
-What is left out: reduce-scatters and all-reduces are not on the simulated channel (they are
-backward nodes every plan runs alike, priced as before); a step with OFFLOAD keeps its
-re-gathers where the schedule puts them (its reload points are positions in that schedule).
+The gradients' reduce-scatters (and all-reduces) share that process group (`holds_group`): each
+is waited for where it is issued, so it holds the group, and the step, for its whole
+communication, and a re-gather still in flight when one is issued makes the step stand still for
+the rest of it first (the group runs its collectives in the order issued). So a re-gather hides
+only behind the compute between two of them: it is issued in the latest such stretch that holds
+its whole communication before its wait, or, where none does, at the start of the longest one
+(the rest exposed, at the reduce-scatter or at the wait). The simulator queues them alike, and
+`priced` counts the longest stretch before the first reader as what can hide it.
+
+What is left out: a step with OFFLOAD keeps its re-gathers where the schedule puts them (its
+reload points are positions in that schedule).
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ def priced(graph: Graph) -> Graph:
     if not gathers:
         return graph
     nodes = list(graph.nodes)
-    before = _backward_seconds_before(graph)
+    before = _longest_stretch_before(graph)
     for i in gathers:
         n = nodes[i]
         reader = _first_backward_reader(graph, i)
@@ -63,12 +71,17 @@ def priced(graph: Graph) -> Graph:
     return Graph(tuple(nodes), graph.transfers)
 
 
-def _backward_seconds_before(graph: Graph) -> dict[int, float]:
-    """For each backward node, the seconds of the backward nodes before it (every plan runs them)."""
-    out, clock = {}, 0.0
+def _longest_stretch_before(graph: Graph) -> dict[int, float]:
+    """For each backward node, the seconds of the longest stretch of backward nodes before it with
+    no collective that holds the process group (every plan runs them): what a re-gather read there
+    can hide behind."""
+    out, longest, stretch = {}, 0.0, 0.0
     for b in graph.backward_nodes:
-        out[b] = clock
-        clock += graph.nodes[b].cost
+        out[b] = max(longest, stretch)
+        if holds_group(graph, b):
+            longest, stretch = max(longest, stretch), 0.0
+        else:
+            stretch += graph.nodes[b].cost
     return out
 
 
@@ -83,6 +96,13 @@ def is_regather(graph: Graph, i: int) -> bool:
     """Whether node ``i``, run in the backward, is a re-gather issued ahead of its wait."""
     n = graph.nodes[i]
     return n.kind == "forward" and n.comm_seconds > 0
+
+
+def holds_group(graph: Graph, i: int) -> bool:
+    """Whether node ``i`` is a collective of the backward waited for where it is issued (a
+    gradient's reduce-scatter or all-reduce), which holds the process group re-gathers share."""
+    n = graph.nodes[i]
+    return n.kind == "backward" and n.comm_seconds > 0
 
 
 def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
@@ -100,6 +120,7 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
     # compute; its communication runs beside).
     seconds = [nodes[i].cost - nodes[i].comm_exposed for i in backward]
     start = list(itertools.accumulate(seconds, initial=0.0))
+    busy = [(start[k], start[k + 1]) for k, i in enumerate(backward) if holds_group(graph, i)]
     extra = [0] * len(backward)  # gathered bytes moved across each step
     issue_at: dict[int, int] = {}  # position of a re-gather -> position it is issued before
     channel_free_from = float("inf")
@@ -110,7 +131,7 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
             held = nodes[graph.roots[i]].bytes + nodes[i].workspace  # (gloo's flat buffer, to its wait)
             blocked = next((k for k in range(e - 1, earliest - 1, -1) if live[k] + extra[k] + held > peak), None)
             earliest = earliest if blocked is None else blocked + 1
-        begin = min(start[wait], channel_free_from) - nodes[i].comm_seconds
+        begin = _begin(busy, min(start[wait], channel_free_from), start[earliest], nodes[i].comm_seconds)
         at = max(0, next((k for k in range(e, -1, -1) if start[k] <= begin), 0))
         at = min(max(at, earliest), e)
         while at < e and _tuple_item(graph, backward[at]):
@@ -128,6 +149,37 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
         if k not in issue_at:
             order.append(i)
     return tuple(order)
+
+
+def _begin(busy: list[tuple[float, float]], end: float, first: float, seconds: float) -> float:
+    """When a re-gather of ``seconds`` should begin so that it ends by ``end``, not before
+    ``first``, and, as the process group runs one collective at a time, between the intervals
+    ``busy`` with the collectives waited where issued: in the latest stretch between them that holds
+    it whole, else at the start of the longest one (the latest of equals)."""
+    best: tuple[float, float] | None = None  # (length, start) of the longest stretch
+    for lo, hi in _stretches(busy, end, first):
+        if hi - lo >= seconds:
+            return hi - seconds
+        if best is None or hi - lo > best[0]:
+            best = (hi - lo, lo)
+    return best[1] if best is not None else end - seconds
+
+
+def _stretches(busy: list[tuple[float, float]], end: float, first: float):
+    """The stretches of time from ``first`` to ``end`` outside the intervals ``busy``, latest
+    first, as (start, end)."""
+    hi = end
+    for lo_busy, hi_busy in reversed(busy):
+        if hi_busy > hi:
+            hi = min(hi, lo_busy)
+            continue
+        if hi_busy <= first:
+            break
+        if hi > hi_busy:
+            yield hi_busy, hi
+        hi = lo_busy
+    if hi > first:
+        yield first, hi
 
 
 def _tuple_item(graph: Graph, i: int) -> bool:

@@ -42,7 +42,7 @@ from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Key, LiveBytes, Lingering, last_uses
-from fxopt.solvers.prefetch import is_regather, prefetched
+from fxopt.solvers.prefetch import holds_group, is_regather, prefetched
 from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
@@ -568,7 +568,14 @@ class _Replay:
             if regather:
                 self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
                 self.gathering[copy] = self.comm_free_at
+            elif holds_group(self.graph, i) and self.comm_free_at > self.now:
+                # (a reduce-scatter waited where issued, queued behind the re-gathers in flight:
+                # the step stands still for the rest of them too)
+                self.exposed_comm += self.comm_free_at - self.now
+                self.now = self.comm_free_at
             self.now += nodes[i].cost - nodes[i].comm_exposed
+            if holds_group(self.graph, i):
+                self.comm_free_at = self.now
             for a in dying_at.get(e, ()):
                 if a not in self.forever:
                     self.drop(a)
