@@ -7,9 +7,8 @@ and, on its own rank, measures (the third step's peak; the first compiles):
 
   - DDP eager, and DDP with each decoder layer under transformers' checkpointing;
   - ``fxopt.optimize(DDP(model), budget)`` at DDP-with-checkpointing's measured peak (the largest
-    over the ranks; planned at `fsdp_steps.TEST_EFFORT`): its loss (averaged over the ranks) and
-    every gradient (DDP averages them) equal single-process eager on the whole batch; the plan's
-    all-reduces (one per bucket);
+    over the ranks): its loss (averaged over the ranks) and every gradient (DDP averages them)
+    equal single-process eager on the whole batch; the plan's all-reduces (one per bucket);
   - one profiled fxopt step: when the first all-reduce started and when the backward's last
     matrix product ended (the all-reduces are issued as the gradients are complete, inside the
     backward, not after it).
@@ -23,7 +22,7 @@ import json
 import torch
 
 from data_parallel_steps import SAFETY_STOP, configured_worker, share_of, spawn, step
-from fsdp_steps import TEST_EFFORT, HFLoss, _measure, blocks, llama, max_over_ranks, optimized_step
+from fsdp_steps import HFLoss, _measure, blocks, llama, max_over_ranks, optimized_step
 
 
 def _ddp(hf, checkpointing: bool = False):
@@ -69,8 +68,7 @@ def llama_under_ddp(rank: int, world: int) -> dict:
             rows["ddp order"] = _issue_order(ddp, share)
     budget = max_over_ranks(rows["ddp+ckpt"]["measured"])
     model, ddp = _ddp(hf)
-    # (planned at the tests' effort: test_ddp.py checks the plan holds, not that it is the lowest)
-    optimized, peak, seconds, loss = optimized_step(ddp, budget, share, params=model, effort=TEST_EFFORT)
+    optimized, peak, seconds, loss = optimized_step(ddp, budget, share, params=model)
     torch.testing.assert_close(loss / world, ref_loss)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], msg=lambda m: f"gradient of {name}: {m}")
