@@ -16,6 +16,14 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 from fsdp_steps import assert_bf16_close, run  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def one_graph_results() -> list[dict]:
+    """Both one-graph tests' rows from one spawn (`fsdp_steps.one_graph`: the same two-layer Llama,
+    reference and FSDP2 rows for `fxopt.distributed.fully_shard`'s step and for FSDP2's model's,
+    planned at `fsdp_steps.TEST_EFFORT`); the tests only read them."""
+    return run("one-graph")
+
+
 def against_checkpointing(results: list[dict], prefix: str):
     """What both slow tests check of the two-layer Llama's rows on every rank: fxopt's step at
     FSDP2-with-checkpointing's measured peak (the largest over the ranks) within its plan and its
@@ -39,25 +47,26 @@ def against_checkpointing(results: list[dict], prefix: str):
 
 
 @pytest.mark.slow  # two processes, four compiles each
-def test_llama_one_graph():
+def test_llama_one_graph(one_graph_results):
     """One graph on every rank (not pieces), the same plan on both ranks, loss and gradients equal
     eager's (checked in the workers), each rank's measured peak within its plan and its budget at
     FSDP2-with-checkpointing's peak, and at "min" (below that peak) within its plan.
 
-    A two-layer Llama, the cheapest that has blocks to checkpoint; its "min" re-gathers 11 MB
-    (`fsdp_steps.TIME_LIMIT`: the lowest-peak plan, not what the clock left). Issue 26:
+    A two-layer Llama, the cheapest that has blocks to checkpoint; its "min" re-gathers 4.5 MB
+    (`fsdp_steps.TEST_EFFORT`'s lowest-peak plan, 299 recomputations, planned 4,045,192 B; 11 MB at
+    the default effort; `fsdp_steps.TIME_LIMIT`: what the effort found, not what the clock left). Issue 26:
     re-gathered parameters are dropped last on gloo's worker thread, where the profiler records
     no free, and the measured curve kept them: with main's measurement, rank 0 read 7,288,200 B
     at "min" (4,334,984 planned). `test_budget_holds.py::test_a_block_freed_on_another_thread_is_freed`
     is the same without processes."""
-    results = run("llama-2")
+    results = one_graph_results
     for rank, cases, rows, at_ckpt, smallest, where in against_checkpointing(results, "fxopt"):
         assert at_ckpt["plans"] == 1 and smallest["plans"] == 1, where
         assert rows["fsdp2+ckpt"]["measured"] < rows["fsdp2"]["measured"], where
 
 
 @pytest.mark.slow  # two processes, four compiles each
-def test_fsdp2_llama_one_graph():
+def test_fsdp2_llama_one_graph(one_graph_results):
     """FSDP2's own model (``fully_shard`` per decoder layer and at the root) under fxopt, on 2 gloo
     ranks: one graph on every rank (an all-gather per parameter inside, nothing held beside it as
     beside a piece), each rank's measured peak within its plan and its budget at
@@ -68,7 +77,7 @@ def test_fsdp2_llama_one_graph():
     At "min" (319 recomputations, 11 MB re-gathered) one run at 577bab3, before gloo's worker
     thread was waited for (`fxopt.ops.collectives`), measured rank 0 at 4,663,688 B for its plan's
     4,334,984 (rank 1: 4,334,984)."""
-    results = run("fsdp2-llama-2")
+    results = one_graph_results
     for rank, cases, rows, at_ckpt, smallest, where in against_checkpointing(results, "fxopt-fsdp2"):
         for row in (at_ckpt, smallest):
             assert row["plans"] == 1 and row["gathers"] == row["params"], where

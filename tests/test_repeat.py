@@ -35,6 +35,12 @@ def tiny_gpt(layers: int = 6):
     return gpt2(layers=layers, dim=32, heads=2, seq=16, batch=2, vocab=64)
 
 
+# The solvers' effort where a test compares two plans (`fxopt.Options.effort`, a multiple of the
+# default): the same inputs and effort give the same plan, so a quarter of the default still
+# tells two graphs apart, and the plans at "min" were most of these tests' time.
+EFFORT = 0.25
+
+
 def decisions(plan: fxopt.Plan) -> dict:
     return {k: v for k, v in plan.to_dict().items() if k != "solve_seconds"}
 
@@ -51,7 +57,7 @@ def test_a_stamped_step_is_the_whole_capture_node_for_node(build, monkeypatch):
     run = repeated_run(model)
     assert run is not None and len(run.keys) == 6
     args, kwargs = split_inputs(inputs)
-    options = Options.of("min")
+    options = Options.of("min", effort=EFFORT)
     whole = _capture(model, options, args, kwargs, lambda step: step)
     stamped = _stamped(model, run, options, args, kwargs, lambda step: step)
     check_same(stamped.joint.graph, whole.joint.graph)
@@ -76,10 +82,10 @@ def test_fxopt_plan_stamps_and_gives_the_plan_of_the_whole_capture(monkeypatch):
     real = fxopt.plan_ahead.stamped_joint
     monkeypatch.setattr(fxopt.plan_ahead, "stamped_joint", lambda *a: calls.append(1) or real(*a))
     model, inputs = tiny_gpt()
-    stamped = fxopt.plan(model, "min", inputs)
+    stamped = fxopt.plan(model, "min", inputs, effort=EFFORT)
     assert calls == [1]
     torch._dynamo.reset()
-    whole = fxopt.plan(model, "min", inputs, stamp=False)
+    whole = fxopt.plan(model, "min", inputs, stamp=False, effort=EFFORT)
     assert calls == [1] and decisions(stamped) == decisions(whole)
 
 
