@@ -340,8 +340,9 @@ class SymbolicGraph:
             # (A re-gather's communication: ``comm_exposed``, all of it until `priced` says how much is hidden.
             # A collective of the backward, waited where issued: its whole communication in ``cost``,
             # and ``comm_seconds`` the time it holds the process group, where a re-gather may queue.)
-            exposed = self.cost_model.comm_seconds(comm) if self._regathers(node) else 0.0
-            held = exposed or (self.cost_model.comm_seconds(comm) if self._waits_in_backward(node, comm) else 0.0)
+            regathers = self._regathers(node)
+            held = self.cost_model.comm_seconds(comm) if regathers or self._waits_in_backward(node, comm) else 0.0
+            exposed = held if regathers else 0.0
             nodes.append(node.replaced(
                 bytes=nbytes, flops=flops, comm_bytes=comm,
                 cost=0.0 if node.kind == "input" else exposed + cost(

@@ -74,7 +74,8 @@ from fxopt.solvers.effort import Deadline, Effort
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.heuristics import Candidate
 from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, as_generated, must_save,
-                                    on_demand, prune, required_saves, save_all_set, simulate, to_recompute)
+                                    on_demand, prune, required_saves, save_all_set, simulate, simulated,
+                                    to_recompute)
 
 # The shares of the way from a kind's plan keeping least to eager's that it is first solved at.
 LEVELS = (0.0, 0.2, 0.5, 0.8)
@@ -742,12 +743,6 @@ def _run(chain: BlockChain, found: Choice, memo=None) -> Candidate:
     variant, tree = found
     schedule = expand(chain, tree, variant.saved, variant.links)
     return schedule, simulated(chain.blocks.graph, schedule, memo)
-
-
-def simulated(graph: Graph, schedule: Schedule, memo=None) -> Timeline:
-    """``simulate(graph, schedule)``, kept in ``memo`` (`fxopt.solvers.minimum.Memo.timeline`)
-    where one is given: the same timeline, simulated once."""
-    return simulate(graph, schedule) if memo is None else memo.timeline(graph, schedule)
 
 
 def lowest_block_plan(chain: BlockChain | None, memo=None) -> Candidate | None:

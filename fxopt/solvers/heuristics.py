@@ -27,7 +27,7 @@ import math
 from fxopt.solvers.effort import DEFAULT_EFFORT, Effort, simulation_weight
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.schedule import (InvalidScheduleError, Schedule, Timeline, as_generated, backward_steps,
-                                    forward_set, must_save, on_demand, prune, save_all_set, simulate, to_recompute,
+                                    forward_set, must_save, on_demand, prune, save_all_set, simulate, simulated, to_recompute,
                                     with_fresh_aliases)
 from fxopt.solvers.transfers import INSTANT
 
@@ -38,7 +38,7 @@ def save_all(graph: Graph, budget: int, *, effort: Effort = DEFAULT_EFFORT, memo
     """Eager's schedule, simulated (kept in ``memo``, `fxopt.solvers.minimum.Memo.timeline`, where
     one is given: the blocks' plans and their bound start from it too)."""
     schedule = on_demand(graph, save_all_set(graph))
-    return [(schedule, simulate(graph, schedule) if memo is None else memo.timeline(graph, schedule))]
+    return [(schedule, simulated(graph, schedule, memo))]
 
 
 def _recomputable_saves(graph: Graph) -> list[int]:

@@ -74,7 +74,7 @@ from fxopt.solvers.heuristics import compress_to_fit, offload_to_fit
 from fxopt.solvers.liveness import fixed_backward_bytes, forward_profile, last_uses
 from fxopt.solvers.mip import Mip, byte_unit, cost_scale_for, solve_mip
 from fxopt.solvers.schedule import (InvalidScheduleError, OnDemand, Schedule, Timeline, as_generated, backward_steps,
-                                    must_save, on_demand, read_before_recompute, save_all_set, simulate)
+                                    must_save, on_demand, read_before_recompute, save_all_set, simulate, simulated)
 
 __all__ = ["InstantResult", "bound_where_tight", "fixed_backward_bytes", "instant_solve"]
 
@@ -717,8 +717,7 @@ def bound_where_tight(graph: Graph, budget: int, plan: tuple[Schedule, Timeline]
     if not graph.backward_nodes:
         return None
     prog = _Program(graph, budget, byte_unit(graph))
-    eager_schedule = on_demand(graph, save_all_set(graph))
-    eager = simulate(graph, eager_schedule) if memo is None else memo.timeline(graph, eager_schedule)
+    eager = simulated(graph, on_demand(graph, save_all_set(graph)), memo)
     # (Eager's only in the backward: modelling the forward's steps costs seconds on a deep step.)
     worst = [w for w in _tight_spots(graph, eager, budget)[:1] if w[0] == "backward"]
     spots = list(dict.fromkeys([*_tight_spots(graph, plan[1], budget), *worst]))

@@ -118,6 +118,12 @@ def forward_set(graph: Graph, saved: Iterable[int]) -> list[int]:
     return sorted(graph.forward_required | (frozenset(saved) & graph.backward_only))
 
 
+def simulated(graph: Graph, schedule: Schedule, memo=None) -> Timeline:
+    """``simulate(graph, schedule)``, kept in ``memo`` (the planner's,
+    `fxopt.solvers.minimum.Memo.timeline`) where one is given: the same timeline, simulated once."""
+    return simulate(graph, schedule) if memo is None else memo.timeline(graph, schedule)
+
+
 def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, prefetch: bool = True) -> Timeline:
     """Replay the schedule and return its memory timeline; raise if it is not valid.
     ``eager_frees``: free as eager autograd does, not as the generated code does: a value that a
@@ -565,16 +571,17 @@ class _Replay:
                                          self.memory.bytes + (0 if regather else nodes[i].workspace)))
             for key in waited:
                 self.memory.release(("gathering", key), nodes[key[0]].workspace)
+            holds = not regather and holds_group(self.graph, i)
             if regather:
                 self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
                 self.gathering[copy] = self.comm_free_at
-            elif holds_group(self.graph, i) and self.comm_free_at > self.now:
+            elif holds and self.comm_free_at > self.now:
                 # (a reduce-scatter waited where issued, queued behind the re-gathers in flight:
                 # the step stands still for the rest of them too)
                 self.exposed_comm += self.comm_free_at - self.now
                 self.now = self.comm_free_at
             self.now += nodes[i].cost - nodes[i].comm_exposed
-            if holds_group(self.graph, i):
+            if holds:
                 self.comm_free_at = self.now
             for a in dying_at.get(e, ()):
                 if a not in self.forever:
