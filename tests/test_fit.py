@@ -314,3 +314,21 @@ def test_the_symbolic_captures_planned_step_reads_the_captured_ones_analysis(tin
         assert mine.names == theirs.names and mine.module_paths == theirs.module_paths
         for b in (lo, 5, hi):
             assert joint.graph_fingerprint(mine.at({"batch": b})) == joint.graph_fingerprint(theirs.at({"batch": b}))
+
+
+@pytest.mark.parametrize("lo,hi", [(2, 8), (1, 1), (3, 40)])
+def test_the_batch_searches_give_one_answer_and_count_their_questions(lo, hi):
+    """`largest`, `largest_from_below` and `largest_from_above` give the same answer for every
+    monotone question (fits up to some v, none, all); `largest_from_above` asks one question where
+    the answer is the top (max_batch's replay of the lowest-peak schedule of the batch above: on
+    Llama-3-8B it fits the batch below, one replay where the bisection made four)."""
+    from fxopt.buckets import largest, largest_from_above, largest_from_below
+
+    for v in range(lo - 1, hi + 1):
+        asked = {search: [] for search in (largest, largest_from_below, largest_from_above)}
+        answers = {search.__name__: search(lo, hi, lambda b, _a=asked[search]: _a.append(b) or b <= v)
+                   for search in asked}
+        assert set(answers.values()) == {v if v >= lo else None}, answers
+        if v == hi:
+            assert asked[largest_from_above] == [hi]
+        assert all(len(set(a)) == len(a) for a in asked.values())  # (no batch asked twice)
