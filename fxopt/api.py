@@ -139,7 +139,7 @@ class FxoptModule(nn.Module):
                                     dynamic=False)
             between = distributed.compile_between(
                 lambda call: compile_step(call, backend, fullgraph=False, dynamic=False))
-            backend.entries = frozenset(c.entry_code for c in (compiled, *between))
+            backend.entries = frozenset().union(*(c.entry_codes for c in (compiled, *between)))
             self._steps[held_gradient_bytes] = backend, compiled, between
         return self._steps[held_gradient_bytes]
 

@@ -106,7 +106,7 @@ def counted_work(monkeypatch) -> tuple[list, list, list]:
 
     monkeypatch.setattr(pieces.Step, "start", classmethod(counted_start))
     monkeypatch.setattr(pieces, "storages", counted_storages)
-    monkeypatch.setattr(compiled, "dynamo_settings", lambda: settings.append(1) or dynamo_settings())
+    monkeypatch.setattr(compiled, "dynamo_settings", lambda *a: settings.append(1) or dynamo_settings(*a))
     return steps, walked, settings
 
 
