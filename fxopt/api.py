@@ -214,10 +214,10 @@ class FxoptModule(nn.Module):
         ``tensors``: the model's parameters and buffers, as `Step.start` takes them, where walked."""
         backend, compiled, between = self._step_for(held_gradient_bytes)
         distributed = self._distributed
-        beside = distributed.held_beside(distributed.running_ddp(self))
+        ddp = distributed.running_ddp(self)
         backend.prepare()  # (a step in pieces learned from its last call: planned again before this one)
-        step = backend.step = Step.start(self._model, [args, kwargs], held=beside, wrapping=distributed,
-                                         tensors=tensors)
+        step = backend.step = Step.start(self._model, [args, kwargs], held=lambda: distributed.held_beside(ddp),
+                                         wrapping=distributed, tensors=tensors)
         try:
             out = distributed.call(functools.partial(run_compiled, compiler=self._options.compiler), compiled,
                                    between, args, kwargs)

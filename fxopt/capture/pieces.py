@@ -154,14 +154,17 @@ class Step:
 
     tensors: tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]  # the parameters, buffers, and the call's arguments
     model: nn.Module | None = None
-    held: int = 0  # alive beside every piece, seen by no tensor of the model (DDP's buckets, FSDP2's buffers)
+    # Alive beside every piece, seen by no tensor of the model (DDP's buckets, FSDP2's buffers): bytes,
+    # or the function that counts them, called where a plan first needs them (`held`), not at every call.
+    held_of: int | Callable[[], int] = 0
     wrapping: Wrapping | None = None
     since: int = 0  # autograd's node count when the call started (`fxopt.capture.coverage`)
     pieces: list[Piece] = dataclasses.field(default_factory=list)
     at_floors: bool | None = None  # every piece of this call planned at its smallest budget (`PiecewiseBackend`)
 
     @classmethod
-    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None,
+    def start(cls, model: nn.Module, args: Iterable[Any], held: int | Callable[[], int] = 0,
+              wrapping: Wrapping | None = None,
               tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> Step:
         """``tensors``: the model's parameters and buffers, each under each of its names
         (`fxopt.storage.module_tensors` with ``remove_duplicate=False``), where the caller walked
@@ -171,6 +174,11 @@ class Step:
         if step.every_graph_a_piece:
             step._trainable_and_shared  # (read now: see the class docstring)
         return step
+
+    @functools.cached_property
+    def held(self) -> int:
+        """Bytes alive beside every piece that no tensor of the model shows (see ``held_of``)."""
+        return self.held_of() if callable(self.held_of) else self.held_of
 
     @functools.cached_property
     def resident(self) -> dict[StorageKey, int]:

@@ -379,15 +379,18 @@ class DistributedStep:
     def call(self, run: Callable, compiled: Callable, between: list[Callable], args: tuple, kwargs: dict) -> Any:
         """Run one call: ``run(callable, args, kwargs)`` of the compiled step, or of the DDP whose
         call of its module is routed to it; the submodules between FSDP2 units routed to theirs."""
-        if self.ddp is None and self.one_graph is None and not self.eager_modules:
-            return run(compiled, args, kwargs)  # (nothing to route: no Python around the call)
+        if self.one_graph is None and not self.eager_modules:  # (nothing of FSDP2's to route)
+            return self._run(run, compiled, args, kwargs)
         with routes(self.eager_modules, between), \
                 (self.one_graph.gathering() if self.one_graph is not None else contextlib.nullcontext()):
-            if self.ddp is not None:
-                with routed(self.model.module, compiled), \
-                        (self.ddp_graph.reducing() if self.ddp_graph is not None else contextlib.nullcontext()):
-                    return run(self.model, args, kwargs)
-            return run(compiled, args, kwargs)
+            return self._run(run, compiled, args, kwargs)
+
+    def _run(self, run: Callable, compiled: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.ddp is None:
+            return run(compiled, args, kwargs)  # (the plain step: no Python around the call)
+        with routed(self.model.module, compiled), \
+                (self.ddp_graph.reducing() if self.ddp_graph is not None else contextlib.nullcontext()):
+            return run(self.model, args, kwargs)
 
     def blocks_to_come(self) -> list[set] | None:
         """The FSDP2 units still to run their forward (`units_to_come`), or None without FSDP2."""
