@@ -55,7 +55,8 @@ class _WithTheOriginalsSignature:
 
 def held_gradient_bytes(params: list[torch.Tensor]) -> int:
     """Bytes of the gradients already there as a call starts (each storage once)."""
-    return sum(storages([p.grad for p in params if p.grad is not None]).values())
+    grads = [p.grad for p in params if p.grad is not None]
+    return sum(storages(grads).values()) if grads else 0
 
 
 class FxoptModule(nn.Module):

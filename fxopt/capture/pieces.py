@@ -170,8 +170,8 @@ class Step:
         (`fxopt.storage.module_tensors` with ``remove_duplicate=False``), where the caller walked
         the model already in this call (this runs at every call)."""
         params, buffers = tensors if tensors is not None else module_tensors(model, remove_duplicate=False)
-        step = cls((params, buffers, list(args)), model, held, wrapping, coverage.sequence_number())
-        if step.every_graph_a_piece:
+        step = cls((params, buffers, list(args)), model, held, wrapping, torch.autograd._get_sequence_nr())
+        if wrapping is not None and wrapping.in_pieces:  # (`every_graph_a_piece`, read as it reads it)
             step._trainable_and_shared  # (read now: see the class docstring)
         return step
 
