@@ -77,6 +77,19 @@ def own_frame(call: Callable) -> Callable:
     return _copied(fxopt_step)
 
 
+def _own_frame_around(forward: types.MethodType) -> Callable:
+    """``forward`` (a bound method) called through a new code object, the module it is bound to
+    named ``fn`` there, as torch.compile's wrapper of a torch module names it
+    (``external_utils.wrap_inline``): Dynamo records the modules of the step under the same paths
+    (``L['fn'].0``), in every plan a step of such a module made before."""
+    func, fn = forward.__func__, forward.__self__
+
+    def fxopt_step(*args, **kwargs):
+        return func(fn, *args, **kwargs)
+
+    return _copied(fxopt_step)
+
+
 def _copied(func: types.FunctionType) -> types.FunctionType:
     """``func`` with a copy of its code object: Dynamo's state for the copy starts empty."""
     copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
@@ -181,7 +194,10 @@ class CompiledStep:
             self.module, entry = None, own_frame(target)
             codes = (entry.__code__,)
         else:
-            entry = forward if _starts_a_frame(forward) else own_frame(forward)
+            if _starts_a_frame(forward):
+                entry = forward
+            else:
+                entry = _own_frame_around(forward) if hasattr(forward, "__self__") else own_frame(forward)
             codes = (getattr(forward, "__func__", forward).__code__, getattr(entry, "__func__", entry).__code__)
         self.entry_codes = frozenset(codes)
         # (dynamic=False: in fxopt's settings for Dynamo, `dynamo_settings`, not patched at every call)
