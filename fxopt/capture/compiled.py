@@ -174,8 +174,8 @@ def _starts_a_frame(forward: Callable) -> bool:
         return False
 
 
-# ``nn.Module.__call__``'s own test for global module hooks (False where this torch lacks it: every
-# call of a module then goes through ``__call__``, which runs whatever there is).
+# ``nn.Module.__call__``'s own test for global module hooks (where this torch lacks it, always true:
+# every call then goes through ``__call__``, which runs whatever there is).
 _any_global_hook = getattr(nn.modules.module, "_has_any_global_hook", lambda: True)
 
 
