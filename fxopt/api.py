@@ -55,7 +55,8 @@ class _WithTheOriginalsSignature:
 
 def held_gradient_bytes(params: list[torch.Tensor]) -> int:
     """Bytes of the gradients already there as a call starts (each storage once)."""
-    return sum(storages([p.grad for p in params if p.grad is not None]).values())
+    grads = [p.grad for p in params if p.grad is not None]
+    return sum(storages(grads).values()) if grads else 0
 
 
 class FxoptModule(nn.Module):
@@ -139,7 +140,7 @@ class FxoptModule(nn.Module):
                                     dynamic=False)
             between = distributed.compile_between(
                 lambda call: compile_step(call, backend, fullgraph=False, dynamic=False))
-            backend.entries = frozenset(c.entry_code for c in (compiled, *between))
+            backend.entries = frozenset().union(*(c.entry_codes for c in (compiled, *between)))
             self._steps[held_gradient_bytes] = backend, compiled, between
         return self._steps[held_gradient_bytes]
 
@@ -214,10 +215,10 @@ class FxoptModule(nn.Module):
         ``tensors``: the model's parameters and buffers, as `Step.start` takes them, where walked."""
         backend, compiled, between = self._step_for(held_gradient_bytes)
         distributed = self._distributed
-        beside = distributed.held_beside(distributed.running_ddp(self))
+        ddp = distributed.running_ddp(self)
         backend.prepare()  # (a step in pieces learned from its last call: planned again before this one)
-        step = backend.step = Step.start(self._model, [args, kwargs], held=beside, wrapping=distributed,
-                                         tensors=tensors)
+        step = backend.step = Step.start(self._model, [args, kwargs], held=lambda: distributed.held_beside(ddp),
+                                         wrapping=distributed, tensors=tensors)
         try:
             out = distributed.call(functools.partial(run_compiled, compiler=self._options.compiler), compiled,
                                    between, args, kwargs)

@@ -305,3 +305,35 @@ def test_a_call_swaps_the_classes_with_no_python_per_level_of_modules(one_proces
 
     shallow, deep = calls(1), calls(41)
     assert deep - shallow < 100, (shallow, deep)
+
+
+def test_a_call_writes_no_modules_dict(one_process_group):
+    """Issue 28: the reading classes carry the group's name and scale, so a call writes no
+    submodule's ``__dict__`` (before, every module with a trainable parameter had a key set and
+    deleted at every call, which Dynamo's guards on it see as a changed dictionary: torch 2.11
+    checks them by their version tags), and swaps the classes without ``nn.Module.__setattr__``
+    (before: its Python and two ``isinstance`` checks of a ``Parameter`` per module, twice a call).
+    The wrapped module's own ``__dict__`` still has DDP's call routed to fxopt's step at each call
+    (`fxopt.distributed.data_parallel.routed`). Counted, not timed."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.test_step_overhead import dict_versions, frames_in, nested
+
+    model = nested(3)
+    classes = [type(m) for m in model.modules()]
+    optimized = fxopt.optimize(DDP(model, broadcast_buffers=False), 1.0)
+    x = torch.randn(4, 8)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        optimized(x).sum().backward()
+
+    for _ in range(3):
+        step()
+    before = dict_versions(model)
+    step()
+    assert before is None or dict_versions(model)[1:] == before[1:]
+    setattrs = [f for f in frames_in(step, "torch/nn/modules/module.py", called_from=("/fxopt/",))
+                if f.startswith("__setattr__")]
+    assert len(setattrs) == 3, setattrs  # (the route set and reset, DDP's forward-sync flag; 7 before here)
+    assert [type(m) for m in model.modules()] == classes

@@ -14,16 +14,25 @@ loss) runs eagerly, outside the plan:
                                                                   qwen's forward is one graph
 
 fxopt therefore enters each step it compiles through a code object of its own, made for that one
-compile: the model's ``forward`` is copied (`fresh_forward`) and, while fxopt calls the step, the
-module's ``forward`` is that copy, so Dynamo starts tracing at a frame no other compile has seen,
-with the model's own frame structure (a ``print`` in ``forward`` still runs after the graph;
-Dynamo drops those of functions it inlines). Functions are entered through a new frame
+compile: the model's ``forward`` is copied (`fresh_forward`) and the copy, bound to the model, is
+what fxopt compiles, so Dynamo starts tracing at a frame no other compile has seen, with the
+model's own frame structure (a ``print`` in ``forward`` still runs after the graph; Dynamo drops
+those of functions it inlines). A ``forward`` Dynamo would not start a frame at (torch's own
+modules' ``forward``, which torch.compile enters through a wrapper every such compile shares,
+``external_utils.inner``) is entered through a new frame around the copy, as functions are
 (`own_frame`). Dynamo inlines everything the step calls into the graph (a skip mark applies to a
 frame Dynamo is asked to enter, not to a function it inlines), and its compiled entries and
 recompile limit are that compile's alone. What a frame that runs later could still meet (a step
 split at graph breaks re-enters the model's own functions) is checked after the call: a step's
 autograd graph must hold nothing computed outside the graphs fxopt planned
 (`fxopt.capture.coverage`).
+
+Compiling the bound copy calls the model's ``forward`` without ``nn.Module.__call__``, which would
+run the model's hooks. A call finds none on the model and none global (the usual case: no Python
+around the compiled call, and the model's ``__dict__`` untouched, so Dynamo's guards on it see
+the same dictionary each call); where there are some, the call goes through ``nn.Module.__call__``
+(the hooks run there, outside the graph, as ``torch.compile(model)`` runs them) with the model's
+``forward`` the compiled copy for the call (`_entered_through`; the same frame starts the step).
 
 Dynamo reads fxopt's settings for it (`dynamo_settings`: the recompile limit, no DDP optimizer,
 the logging switches) only in its frame callback, which it enters for a frame not in its cache
@@ -32,7 +41,9 @@ costs 70-90 µs, as much as the rest of fxopt's Python around a one-graph step (
 `CompiledStep` puts it around the callback (`_SettingsAroundCallback`) and around a call only
 while the call before it met such a frame (the first call, a recompile, a step whose Python
 between graph breaks Dynamo looks at anew each call): a cached one-graph step runs without it.
-Where this torch does not let the callback be wrapped, every call runs inside the patch.
+Where this torch does not let the callback be wrapped, every call runs inside the patch. Planning's
+clock (`fxopt.planner.capture_clock`: capture's time counts against ``time_limit``) starts with
+the settings, where Dynamo starts to compile, not at every call.
 
 Any dispatch mode around the call is told to look past the compile (`dispatch_modes_see_the_step`).
 """
@@ -62,6 +73,19 @@ def own_frame(call: Callable) -> Callable:
     compile has seen (see the module docstring)."""
     def fxopt_step(*args, **kwargs):
         return call(*args, **kwargs)
+
+    return _copied(fxopt_step)
+
+
+def _own_frame_around(forward: types.MethodType) -> Callable:
+    """``forward`` (a bound method) called through a new code object, the module it is bound to
+    named ``fn`` there, as torch.compile's wrapper of a torch module names it
+    (``external_utils.wrap_inline``): Dynamo records the modules of the step under the same paths
+    (``L['fn'].0``), in every plan a step of such a module made before."""
+    func, fn = forward.__func__, forward.__self__
+
+    def fxopt_step(*args, **kwargs):
+        return func(fn, *args, **kwargs)
 
     return _copied(fxopt_step)
 
@@ -105,9 +129,9 @@ def _entered_through(module: nn.Module | None, forward: Callable | None):
 
 
 class _SettingsAroundCallback:
-    """Dynamo's frame callback with fxopt's settings for Dynamo around it (`dynamo_settings`), unless
-    the call it runs in has them already; it tells ``step`` that the call met a frame outside
-    Dynamo's cache (`CompiledStep`)."""
+    """Dynamo's frame callback with fxopt's settings for Dynamo around it (`dynamo_settings`) and
+    planning's clock started, unless the call it runs in has them already; it tells ``step`` that
+    the call met a frame outside Dynamo's cache (`CompiledStep`)."""
 
     def __init__(self, callback: Callable, step: CompiledStep):
         self.callback = callback
@@ -120,7 +144,7 @@ class _SettingsAroundCallback:
         self.step.met_frames = True
         if self.step.settings_on:
             return self.callback(*args, **kwargs)
-        with dynamo_settings():
+        with dynamo_settings(self.step.static), capture_clock():
             return self.callback(*args, **kwargs)
 
 
@@ -137,47 +161,82 @@ def _dynamo_context(compiled: Callable):
     return ctx
 
 
+def _starts_a_frame(forward: Callable) -> bool:
+    """Whether Dynamo starts tracing at ``forward`` itself when it is compiled, rather than at the
+    wrapper torch.compile puts around a function whose frames it skips (torch's own modules'):
+    torch's rule where this torch has it, else no (a frame of fxopt's around it is always right)."""
+    check = getattr(getattr(torch._dynamo, "trace_rules", None), "check", None)
+    if check is None:
+        return False
+    try:
+        return not check(forward)
+    except Exception:  # noqa: BLE001 - another torch's rules: enter through a frame of fxopt's
+        return False
+
+
+# ``nn.Module.__call__``'s own test for global module hooks (where this torch lacks it, always true:
+# every call then goes through ``__call__``, which runs whatever there is).
+_any_global_hook = getattr(nn.modules.module, "_has_any_global_hook", lambda: True)
+
+
 class CompiledStep:
     """``torch.compile`` of a module (or a function), entered through a code object of its own (see
     the module docstring). Called like the module. ``met_frames``: the last call met a frame outside
     Dynamo's cache (the next call runs inside fxopt's settings for Dynamo); ``settings_on``: the
-    call now running does; ``settled``: Dynamo's callback enters them itself (else every call does)."""
+    call now running does; ``settled``: Dynamo's callback enters them itself (else every call does);
+    ``entry_codes``: the code objects Dynamo may start the step at (a graph from any other frame
+    is a piece)."""
 
     def __init__(self, target: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None):
         self.module = target if isinstance(target, nn.Module) else None
-        self.forward = fresh_forward(target) if self.module is not None else None
-        if self.forward is None:
-            self.module, target = None, own_frame(target)
-        self.compiled = torch.compile(target, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
-        entry = self.forward if self.forward is not None else target
-        # The code object Dynamo starts the step at (a graph from any other frame is a piece).
-        self.entry_code = getattr(entry, "__func__", entry).__code__
+        forward = fresh_forward(target) if self.module is not None else None
+        if forward is None:
+            self.module, entry = None, own_frame(target)
+            codes = (entry.__code__,)
+        else:
+            if _starts_a_frame(forward):
+                entry = forward
+            else:
+                entry = _own_frame_around(forward) if hasattr(forward, "__self__") else own_frame(forward)
+            codes = (getattr(forward, "__func__", forward).__code__, getattr(entry, "__func__", entry).__code__)
+        self.entry_codes = frozenset(codes)
+        # (dynamic=False: in fxopt's settings for Dynamo, `dynamo_settings`, not patched at every call)
+        self.static = dynamic is False
+        self.compiled = torch.compile(entry, backend=backend, fullgraph=fullgraph,
+                                      dynamic=None if self.static else dynamic)
         self.met_frames, self.settings_on = True, False
-        self.settled = self._settle(target)
+        self.settled = self._settle(entry)
 
-    def _settle(self, target: Callable) -> bool:
+    def _settle(self, entry: Callable) -> bool:
         """Put fxopt's settings for Dynamo around Dynamo's frame callback (see the module docstring),
         the compiled call made again with it; False where this torch does not let it."""
         ctx = _dynamo_context(self.compiled)
         if ctx is None:
             return False
         ctx.callback = _SettingsAroundCallback(ctx.callback, self)
-        if hasattr(self.compiled, "_initialize"):  # (an OptimizedModule: its forward made again)
-            self.compiled._initialize()
-        else:
-            self.compiled = ctx(target)
+        self.compiled = ctx(entry)
         return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _entered_through(self.module, self.forward):
-            if self.settled and not self.met_frames:  # (see the module docstring)
-                return self.compiled(*args, **kwargs)
-            self.met_frames, self.settings_on = False, True
-            try:
-                with dynamo_settings():
-                    return self.compiled(*args, **kwargs)
-            finally:
-                self.settings_on = False
+        call = self.compiled
+        m = self.module
+        if m is not None and (m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+                              or _any_global_hook()):
+            call = self._through_hooks  # (see the module docstring)
+        if self.settled and not self.met_frames:  # (see the module docstring)
+            return call(*args, **kwargs)
+        self.met_frames, self.settings_on = False, True
+        try:
+            with dynamo_settings(self.static), capture_clock():
+                return call(*args, **kwargs)
+        finally:
+            self.settings_on = False
+
+    def _through_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        """The call through ``nn.Module.__call__``, which runs the model's hooks, its ``forward`` the
+        compiled one."""
+        with _entered_through(self.module, self.compiled):
+            return self.module(*args, **kwargs)
 
 
 def compile_step(call: Callable, backend: Callable, *, fullgraph: bool, dynamic: bool | None) -> CompiledStep:
@@ -186,11 +245,16 @@ def compile_step(call: Callable, backend: Callable, *, fullgraph: bool, dynamic:
 
 
 @contextlib.contextmanager
-def dynamo_settings():
+def dynamo_settings(static: bool = False):
+    """fxopt's settings for Dynamo (see the module docstring). ``static``: every shape a constant,
+    as ``torch.compile(dynamic=False)`` sets, which patches them around every call of the compiled
+    step instead (both read only while Dynamo compiles)."""
     cfg = torch._dynamo.config
     # Dynamo's DDP optimizer would split the step at DDP's bucket boundaries: fxopt plans it whole
     # (see fxopt.distributed.data_parallel).
     patch = {"recompile_limit": max(cfg.recompile_limit, RECOMPILE_LIMIT), "optimize_ddp": False}
+    if static:
+        patch.update(automatic_dynamic_shapes=False, assume_static_by_default=True)
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         patch["fail_on_recompile_limit_hit"] = True
     with logging_switches(**patch):  # (one patch: each costs 0.15 ms, and a step enters here at every call)
@@ -256,8 +320,10 @@ def dispatch_modes_see_the_step(compiler: str):
 def run_compiled(compiled: Callable, args: tuple, kwargs: dict, compiler: str = "eager") -> Any:
     """Call a step compiled by `compile_step`, with fxopt's errors unwrapped from Dynamo's."""
     try:
-        with dispatch_modes_see_the_step(compiler), capture_clock():
-            return compiled(*args, **kwargs)
+        if torch._C._len_torch_dispatch_stack():  # (a mode around the call: rare)
+            with dispatch_modes_see_the_step(compiler):
+                return compiled(*args, **kwargs)
+        return compiled(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - translate what Dynamo wraps into fxopt's errors
         inner = unwrap_compile_error(err)
         if inner is not None and inner is not err:

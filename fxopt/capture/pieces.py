@@ -154,23 +154,31 @@ class Step:
 
     tensors: tuple[list[torch.Tensor], list[torch.Tensor], list[Any]]  # the parameters, buffers, and the call's arguments
     model: nn.Module | None = None
-    held: int = 0  # alive beside every piece, seen by no tensor of the model (DDP's buckets, FSDP2's buffers)
+    # Alive beside every piece, seen by no tensor of the model (DDP's buckets, FSDP2's buffers): bytes,
+    # or the function that counts them, called where a plan first needs them (`held`), not at every call.
+    held_of: int | Callable[[], int] = 0
     wrapping: Wrapping | None = None
     since: int = 0  # autograd's node count when the call started (`fxopt.capture.coverage`)
     pieces: list[Piece] = dataclasses.field(default_factory=list)
     at_floors: bool | None = None  # every piece of this call planned at its smallest budget (`PiecewiseBackend`)
 
     @classmethod
-    def start(cls, model: nn.Module, args: Iterable[Any], held: int = 0, wrapping: Wrapping | None = None,
+    def start(cls, model: nn.Module, args: Iterable[Any], held: int | Callable[[], int] = 0,
+              wrapping: Wrapping | None = None,
               tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> Step:
         """``tensors``: the model's parameters and buffers, each under each of its names
         (`fxopt.storage.module_tensors` with ``remove_duplicate=False``), where the caller walked
         the model already in this call (this runs at every call)."""
         params, buffers = tensors if tensors is not None else module_tensors(model, remove_duplicate=False)
-        step = cls((params, buffers, list(args)), model, held, wrapping, coverage.sequence_number())
-        if step.every_graph_a_piece:
+        step = cls((params, buffers, list(args)), model, held, wrapping, torch.autograd._get_sequence_nr())
+        if wrapping is not None and wrapping.in_pieces:  # (`every_graph_a_piece`, read as it reads it)
             step._trainable_and_shared  # (read now: see the class docstring)
         return step
+
+    @functools.cached_property
+    def held(self) -> int:
+        """Bytes alive beside every piece that no tensor of the model shows (see ``held_of``)."""
+        return self.held_of() if callable(self.held_of) else self.held_of
 
     @functools.cached_property
     def resident(self) -> dict[StorageKey, int]:
@@ -214,7 +222,19 @@ class Step:
         """Refuse the call if its graphs did not cover the step (`fxopt.capture.coverage`): no graph
         where the outputs need a backward, a graph planned as the whole step beside others, or
         computation outside the graphs that the plans do not bound."""
-        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors_in(outputs)):
+        if not torch.is_grad_enabled():
+            return
+        # Where every autograd node this call made was made inside the graphs that ran (autograd
+        # numbers each node it makes), no walk can find one outside them: the usual call of a step
+        # captured whole, which then walks nothing (issue 28).
+        inside, planned = 0, False
+        for p in self.pieces:
+            inside += p.made[1] - p.made[0]
+            planned = planned or p.plan is not None
+        if planned and inside == torch.autograd._get_sequence_nr() - self.since and (
+                len(self.pieces) == 1 or not any(p.whole for p in self.pieces)):
+            return
+        if not any(t.requires_grad for t in tensors_in(outputs)):
             return
         if not any(p.plan is not None for p in self.pieces):
             raise CaptureError(
@@ -383,8 +403,12 @@ class Learned:
     def learn(self, step: Step) -> None:
         """Learn the path of a call that planned some of its pieces at their smallest budget, once
         it has run."""
-        if not any(p.at_floor for p in step.pieces) or any(p.reserve is None or p.example is None
-                                                          for p in step.pieces):
+        for p in step.pieces:  # (a loop: this runs at every call, a step whole included)
+            if p.at_floor:
+                break
+        else:
+            return
+        if any(p.reserve is None or p.example is None for p in step.pieces):
             return
         runs, kept = [], 0
         for p in step.pieces:
@@ -704,20 +728,22 @@ class PiecewiseBackend:
         before the step was known, its inputs as fake tensors, to plan it again with)."""
         def run(*args):
             # (A graph planned as the whole step has no reserve, and takes every parameter: its inputs
-            # are not read at each call. Another graph beside it in a call is refused, `check_covered`;
-            # until then its reserve counts every gradient as one to come, the larger count.)
+            # and outputs are not read at each call. Another graph beside it in a call is refused,
+            # `check_covered`; until then its reserve counts every gradient as one to come, the
+            # larger count. Autograd's node count is read as `coverage.sequence_number` does.)
             inputs = frozenset() if whole else frozenset(storages(list(args)))
             choice = variant(args, inputs)
             example = fake_copies(args) if choice.at_floor else None
-            since = coverage.sequence_number()
+            since = torch.autograd._get_sequence_nr()
             outputs = choice.variant.compiled(*args)
             if self.unreached_gradients_undefined and not whole:
                 unreached_gradients_stay_undefined(outputs)
             if self.step is not None:
-                made = (since, coverage.sequence_number())
-                self.step.pieces.append(Piece(choice.variant.plan, inputs, choice.variant.saved_bytes,
-                                              storages(outputs), storage_refs(outputs), made, whole, choice.graph,
-                                              choice.key, choice.reserve, choice.at_floor, example))
+                made = (since, torch.autograd._get_sequence_nr())
+                held = ({}, {}) if whole else (storages(outputs), storage_refs(outputs))
+                self.step.pieces.append(Piece(choice.variant.plan, inputs, choice.variant.saved_bytes, *held, made,
+                                              whole, choice.graph, choice.key, choice.reserve, choice.at_floor,
+                                              example))
             return outputs
 
         return run

@@ -74,9 +74,10 @@ def is_ddp(module: Any) -> bool:
     return cls is not None and isinstance(module, cls)
 
 
-def running_ddp(module: nn.Module) -> nn.Module | None:
-    """The DDP whose forward is calling ``module`` now (``DDP(fxopt.optimize(model))``), or None."""
-    cls = _ddp_class()
+def running_ddp(module: nn.Module, cls: type | None = None) -> nn.Module | None:
+    """The DDP whose forward is calling ``module`` now (``DDP(fxopt.optimize(model))``), or None
+    (``cls``: DDP's class, where the caller looked it up already: this runs at every call)."""
+    cls = cls or _ddp_class()
     if cls is None:
         return None
     ddp = cls._get_active_ddp_module()
@@ -290,6 +291,7 @@ class DistributedStep:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.ddp_class = _ddp_class()
         self.ddp = model if is_ddp(model) else None
         self.units = fsdp_units(model)
         # An FSDP2 model: one graph, fxopt gathering the shards (`fxopt.distributed.fsdp2`), unless a
@@ -363,7 +365,7 @@ class DistributedStep:
     def running_ddp(self, fxopt_module: nn.Module) -> nn.Module | None:
         """The DDP this call runs under: the model itself, or one whose forward calls the fxopt
         module (``DDP(fxopt.optimize(model))``)."""
-        ddp = self.ddp if self.ddp is not None else running_ddp(fxopt_module)
+        ddp = self.ddp if self.ddp is not None else running_ddp(fxopt_module, self.ddp_class)
         if ddp is not None:
             check_ddp(ddp)
         return ddp
@@ -377,13 +379,18 @@ class DistributedStep:
     def call(self, run: Callable, compiled: Callable, between: list[Callable], args: tuple, kwargs: dict) -> Any:
         """Run one call: ``run(callable, args, kwargs)`` of the compiled step, or of the DDP whose
         call of its module is routed to it; the submodules between FSDP2 units routed to theirs."""
+        if self.one_graph is None and not self.eager_modules:  # (nothing of FSDP2's to route)
+            return self._run(run, compiled, args, kwargs)
         with routes(self.eager_modules, between), \
                 (self.one_graph.gathering() if self.one_graph is not None else contextlib.nullcontext()):
-            if self.ddp is not None:
-                with routed(self.model.module, compiled), \
-                        (self.ddp_graph.reducing() if self.ddp_graph is not None else contextlib.nullcontext()):
-                    return run(self.model, args, kwargs)
-            return run(compiled, args, kwargs)
+            return self._run(run, compiled, args, kwargs)
+
+    def _run(self, run: Callable, compiled: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.ddp is None:
+            return run(compiled, args, kwargs)  # (the plain step: no Python around the call)
+        with routed(self.model.module, compiled), \
+                (self.ddp_graph.reducing() if self.ddp_graph is not None else contextlib.nullcontext()):
+            return run(self.model, args, kwargs)
 
     def blocks_to_come(self) -> list[set] | None:
         """The FSDP2 units still to run their forward (`units_to_come`), or None without FSDP2."""

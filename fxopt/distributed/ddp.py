@@ -55,10 +55,6 @@ from torch.distributed import _functional_collectives as funcol
 
 from fxopt.storage import module_tensors, submodules
 
-# Where a module reading through `_AverageInBackward` finds its group's name and scale (`OneGraph.reducing`).
-_REDUCE_KEY = "_fxopt_ddp_reduce"
-
-
 class _AverageInBackward(torch.autograd.Function):
     """The identity; its backward all-reduces the gradient over ``group_name``, scaled by ``scale``."""
 
@@ -108,8 +104,12 @@ class OneGraph:
         reduces the accumulated gradient, as eager DDP does)."""
         ddp = self.ddp
         join = getattr(ddp, "_join_config", None)
-        return (ddp.require_backward_grad_sync and not (join is not None and join.enable)
-                and all(p.grad is None for p in module_tensors(ddp.module)[0]))
+        if not ddp.require_backward_grad_sync or join is not None and join.enable:
+            return False
+        for p in module_tensors(ddp.module)[0]:  # (a loop, not a generator: this runs at every call)
+            if p.grad is not None:
+                return False
+        return True
 
     @contextlib.contextmanager
     def reducing(self):
@@ -132,21 +132,25 @@ class OneGraph:
 
     def _read_through_averages(self, reduce: tuple[str, float]) -> list[tuple[nn.Module, type]]:
         """Every module of the DDP with a trainable parameter as its reading subclass, made once
-        per module (`fxopt.distributed.fsdp.reading_through`'s swap, for all of them in one loop:
-        this runs at every call); ``reduce`` (group name, scale) under `_REDUCE_KEY`. The modules
-        swapped and their own classes."""
+        per module with ``reduce`` (group name, scale) in it (`fxopt.distributed.fsdp.reading_through`'s
+        swap, for all of them in one loop). This runs at every call: no module's ``__dict__`` is
+        written (Dynamo's guards on it see the same dictionary each call), and the class is set as
+        ``nn.Module.__setattr__`` would set it, without its checks (two Python calls a module).
+        The modules swapped and their own classes."""
         swapped: list[tuple[nn.Module, type]] = []
         try:
             for module in submodules(self.ddp.module):
-                names = [n for n, p in module._parameters.items() if p is not None and p.requires_grad]
-                if not names:
+                for p in module._parameters.values():
+                    if p is not None and p.requires_grad:
+                        break
+                else:
                     continue
                 cls = type(module)
                 reading = self._classes.get(id(module))
                 if reading is None:
-                    reading = self._classes[id(module)] = _reducing_class(cls, names)
-                module.__dict__[_REDUCE_KEY] = reduce
-                module.__class__ = reading
+                    names = [n for n, p in module._parameters.items() if p is not None and p.requires_grad]
+                    reading = self._classes[id(module)] = _reducing_class(cls, names, reduce)
+                object.__setattr__(module, "__class__", reading)
                 swapped.append((module, cls))
         except BaseException:
             _restore(swapped)
@@ -156,15 +160,16 @@ class OneGraph:
 
 def _restore(swapped: list[tuple[nn.Module, type]]) -> None:
     for module, cls in reversed(swapped):
-        module.__class__ = cls
-        del module.__dict__[_REDUCE_KEY]
+        object.__setattr__(module, "__class__", cls)
 
 
-def _reducing_class(cls: type, names: list[str]) -> type:
-    """A subclass of ``cls`` whose parameters ``names`` read through `_AverageInBackward`."""
+def _reducing_class(cls: type, names: list[str], reduce: tuple[str, float]) -> type:
+    """A subclass of ``cls`` whose parameters ``names`` read through `_AverageInBackward`, over
+    the group named ``reduce[0]``, scaled by ``reduce[1]``."""
+    group_name, scale = reduce
+
     def reader(name: str):
         def get(self):
-            group_name, scale = self.__dict__[_REDUCE_KEY]
             return _AverageInBackward.apply(self._parameters[name], group_name, scale)
         return property(get)
 
