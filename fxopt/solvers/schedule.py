@@ -104,6 +104,11 @@ class Timeline:
     # backward's compute did not hide. Part of ``cost``; a re-gather's own compute is in
     # ``recompute_cost``.
     exposed_comm_seconds: float = 0.0
+    # Seconds the forward waited for its all-gathers, each issued ahead of its first use
+    # (`forward_order`). Not part of ``cost``: every plan gathers every parameter in the forward,
+    # and what hides them is the forward's compute, which no decision changes (only the memory
+    # a plan leaves may stop a gather from going further ahead).
+    forward_exposed_comm_seconds: float = 0.0
 
     @property
     def cost(self) -> float:
@@ -135,9 +140,9 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
     `eager_timeline`). ``prefetch`` False: each re-gather issued where the schedule has it, not
     ahead (`with_prefetch`)."""
     _check(graph, schedule)
-    schedule, kept = _generated(graph, schedule, prefetch)
+    schedule, kept, forward = _generated(graph, schedule, prefetch)
     replay = _Replay(graph, schedule, eager_frees)
-    replay.forward()
+    replay.forward(forward)
     available = replay.available()
     if kept is not None and _reads_available(graph, kept, available):
         # (The steps `prune` built, as the generated code runs them: every one kept again.)
@@ -162,6 +167,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
         events=tuple(replay.events),
         exposed_transfer_seconds=replay.exposed,
         exposed_comm_seconds=replay.exposed_comm,
+        forward_exposed_comm_seconds=replay.forward_exposed_comm,
         host_peak_bytes=host_peak,
         over_host_budget=host_budget is not None and host_peak > host_budget,
         copies=tuple(copies),
@@ -180,28 +186,40 @@ def as_generated(graph: Graph, schedule: Schedule, prefetch: bool = False) -> Sc
     return _generated(graph, schedule, prefetch)[0]
 
 
-def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False) -> tuple[Schedule, list[Step] | None]:
-    """`as_generated`'s schedule, and the steps of its backward as `backward_steps` gives them
+def forward_order(graph: Graph, schedule: Schedule) -> list[int]:
+    """The forward's steps as the generated code runs them (`fxopt.passes.recompute`): the values
+    `forward_set` computes, in graph order, with each all-gather issued ahead of its first use
+    (`fxopt.solvers.prefetch.prefetched`, as the backward's re-gathers), never across a step
+    where its bytes would raise the step's peak."""
+    forward = _generated(graph, schedule, True)[2]
+    return forward if forward is not None else forward_set(graph, as_generated(graph, schedule).saved)
+
+
+def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False
+               ) -> tuple[Schedule, list[Step] | None, list[int] | None]:
+    """`as_generated`'s schedule; the steps of its backward as `backward_steps` gives them
     (None for a schedule that OFFLOADs, or whose re-gathers the prefetch moved): `simulate`
-    replays those, not built again. A pruned
+    replays those, not built again; and, with ``prefetch``, the forward's order with its
+    all-gathers issued ahead (None: `forward_set`'s, nothing moved). A pruned
     backward keeps every step when pruned again (a kept step's copies are made by kept steps),
     so they are its steps, their copies numbered as in the backward before pruning (the
     simulator reads a copy's number as a name only)."""
     if schedule.offloaded:
-        return schedule, None
+        return schedule, None, None
     steps = _copies(graph, schedule.backward, None)
     kept = _read_events(graph, steps)
     pruned = schedule if len(kept) == len(schedule.backward) else \
         dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
     steps = [steps[e] for e in kept]
+    forward = None
     if prefetch:
-        ahead = with_prefetch(graph, pruned)
+        ahead, forward = _with_prefetch(graph, pruned)
         if ahead is not pruned:  # (re-gathers moved: its steps are built anew)
             pruned, steps = ahead, None
     saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
     if saved == frozenset(pruned.saved):
-        return pruned, steps
-    return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved), steps
+        return pruned, steps, forward
+    return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved), steps, forward
 
 
 def _reads_available(graph: Graph, steps: list[Step], available: dict[int, Key]) -> bool:
@@ -221,15 +239,35 @@ def with_prefetch(graph: Graph, schedule: Schedule) -> Schedule:
     the generated code issues them (`fxopt.solvers.prefetch`), never across a step where the
     gathered bytes would raise the schedule's peak: the step holds them earlier, and no plan that
     fits its budget without the prefetch is over it with it."""
-    if schedule.offloaded or not any(is_regather(graph, i) for i in schedule.backward):
-        return schedule
+    return _with_prefetch(graph, schedule)[0]
+
+
+def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int] | None]:
+    """`with_prefetch`'s schedule, and the forward's order with its all-gathers issued ahead of
+    their first use the same way (None where none moved), both from one timeline of the schedule
+    without prefetch: each move is checked against that timeline's peak, and a forward move
+    changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward
+    move a forward step's, so the two together raise no step above it either."""
+    fwd = forward_set(graph, as_generated(graph, schedule).saved)
+    gathers = not schedule.offloaded and any(is_regather(graph, i) for i in fwd)
+    regathers = not schedule.offloaded and any(is_regather(graph, i) for i in schedule.backward)
+    if not (gathers or regathers):
+        return schedule, None
     where = simulate(graph, schedule, prefetch=False)
+    forward = None
+    if gathers:
+        live = [b for phase, name, b in where.events if phase == "forward" and not name.startswith("compress ")]
+        if len(live) == len(fwd):
+            order = list(prefetched(graph, tuple(fwd), live, where.peak_bytes))
+            forward = order if order != fwd else None
+    if not regathers:
+        return schedule, forward
     live = [b for phase, name, b in where.events if phase == "backward" and name != "<start>"
             and not name.startswith(("decompress ", "reload "))]
     if len(live) != len(schedule.backward):  # (a schedule `prune` would cut: as it is)
-        return schedule
+        return schedule, forward
     backward = prefetched(graph, schedule.backward, live, where.peak_bytes)
-    return schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)
+    return (schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)), forward
 
 
 def _check(graph: Graph, schedule: Schedule) -> None:
@@ -360,6 +398,7 @@ class _Replay:
         self.comm_free_at = 0.0
         self.gathering: dict[Key, float] = {}  # a re-gather's copy -> when its communication ends
         self.exposed_comm = 0.0  # seconds the backward waited for re-gathers
+        self.forward_exposed_comm = 0.0  # seconds the forward waited for gathers issued ahead
 
     def create(self, i: int, n: int) -> Key:
         graph, nodes, copy = self.graph, self.nodes, (i, n)
@@ -458,12 +497,17 @@ class _Replay:
             self.exposed += copy.end - self.now
             self.now = copy.end
 
-    def forward(self) -> None:
+    def forward(self, order: list[int] | None = None) -> None:
+        """Run the forward: `forward_set`'s values in graph order, or in ``order`` (the same values
+        with all-gathers issued ahead of their first use, `forward_order`): then each gather's
+        communication runs on the process group while the steps before its first reader compute,
+        its buffer and its scratch held from its issue, and that reader waits for what is left."""
         graph, nodes = self.graph, self.nodes
         for i, node in enumerate(nodes):
             if node.kind == "input" and not node.tangent:
                 self.forever.add(self.create(i, 0))
-        fwd = forward_set(graph, self.saved)
+        fwd = forward_set(graph, self.saved) if order is None else order
+        ahead = order is not None
         fwd_pos = {i: k for k, i in enumerate(fwd)}
         last = last_uses([j for j in nodes[i].inputs if nodes[j].kind == "forward"] for i in fwd)
         keep = self.saved | graph.forward_outputs
@@ -486,12 +530,24 @@ class _Replay:
                 offload_at.setdefault(done_with[i], []).append(i)
         peak = self.memory.bytes
         for k, i in enumerate(fwd):
+            waited = self.wait_for_gathers(i) if ahead else ()
             self.settle()
             self.create(i, 0)
             if self.eager_frees and nodes[i].eager_number_bytes:
                 self.memory.hold(("number", i), nodes[i].eager_number_bytes)
-            peak = max(peak, self.record("forward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
-            self.now += nodes[i].cost - nodes[i].comm_exposed + nodes[i].comm_seconds  # (waited at once)
+            gather = ahead and is_regather(graph, i)
+            if gather:  # its scratch (gloo's flat buffer) is held while it runs, to its wait
+                self.memory.hold(("gathering", (i, 0)), nodes[i].workspace)
+            peak = max(peak, self.record("forward", nodes[i].name,
+                                         self.memory.bytes + (0 if gather else nodes[i].workspace)))
+            for key in waited:
+                self.memory.release(("gathering", key), nodes[key[0]].workspace)
+            if gather:
+                self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
+                self.gathering[(i, 0)] = self.comm_free_at
+                self.now += nodes[i].cost - nodes[i].comm_exposed
+            else:  # (a gather not issued ahead is waited for at once)
+                self.now += nodes[i].cost - nodes[i].comm_exposed + nodes[i].comm_seconds
             for j in dying_at.get(k, ()):
                 self.drop(self.current.pop(j))
             self.lingering.after(i)
@@ -508,6 +564,19 @@ class _Replay:
         self.saved_bytes = (sum(nodes[r].bytes for r in held_saved)
                             + sum(nodes[i].compressed_bytes for i in self.packed & on_device)
                             + sum(nbytes for _, _, nbytes in self.in_flight))  # offloads still copying
+
+    def wait_for_gathers(self, i: int) -> list[Key]:
+        """Forward step ``i`` is about to run: wait for the all-gathers in flight it reads (the
+        time the forward stands still); the gathers waited for."""
+        waited = []
+        for j in dict.fromkeys(self.nodes[i].inputs):
+            end = self.gathering.pop((j, 0), None)
+            if end is not None:
+                waited.append((j, 0))
+                if end > self.now:
+                    self.forward_exposed_comm += end - self.now
+                    self.now = end
+        return waited
 
     def available(self) -> dict[int, Key]:
         """What the backward starts with: saved values, tangents and forward outputs (its inputs)."""
