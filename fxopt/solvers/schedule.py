@@ -548,6 +548,7 @@ class _Replay:
                 self.now += nodes[i].cost - nodes[i].comm_exposed
             else:  # (a gather not issued ahead is waited for at once)
                 self.now += nodes[i].cost - nodes[i].comm_exposed + nodes[i].comm_seconds
+                self.forward_exposed_comm += nodes[i].comm_seconds
             for j in dying_at.get(k, ()):
                 self.drop(self.current.pop(j))
             self.lingering.after(i)
