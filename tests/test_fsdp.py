@@ -107,6 +107,28 @@ def test_mixed_precision_on_two_ranks():
         assert results[0][name]["recomputed"] == results[1][name]["recomputed"]
 
 
+@pytest.mark.slow  # two processes, two plans and a compile each
+def test_forward_gathers_are_issued_during_the_previous_blocks_compute():
+    """Fails before: the rewritten forward gathered each block's weight after the previous block's
+    last op and waited for it at once. Now (`fxopt.passes.waits.issue_gathers_ahead`) each of the
+    three 256x256 weights after the first is issued before the previous block ends, as the
+    simulator issues it, on both ranks; the plan's predicted peak is the same as without it, the
+    measured peak within the plan and its budget, and the gradients single-process eager's
+    (checked in the worker)."""
+    from overlap_steps import run as run_overlap
+
+    results = run_overlap("forward-prefetch")
+    assert results[0]["issue_points"] == results[1]["issue_points"]
+    for rows in results:
+        for block in rows["issue_points"][:3]:
+            assert block["gather"] < block["previous_end"], rows
+        assert rows["plans"] == 1 and rows["same_plan"], rows
+        assert rows["measured"] <= rows["predicted"] <= rows["budget"], rows
+        assert rows["simulated_peak"][0] == rows["simulated_peak"][1] == rows["predicted"], rows
+        ahead, waited = rows["forward_exposed_seconds"]
+        assert ahead < waited, rows
+
+
 def test_shards_gather_and_regather_is_offered(one_process_group):
     """On one rank: the sharded model computes what the model did, gradients land in the shards,
     sharding twice is refused, and the captured step's all-gathers (and their waits) may be
