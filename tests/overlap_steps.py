@@ -13,7 +13,7 @@ tests/test_fsdp.py and benchmarks/overlap.py.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -97,7 +97,117 @@ def forward_prefetch(rank: int, world: int) -> dict:
             "forward_exposed_seconds": [ahead.forward_exposed_comm_seconds, waited.forward_exposed_comm_seconds]}
 
 
-CONFIGS = {"forward-prefetch": forward_prefetch}
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _covered(lo: float, hi: float, union: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(hi, b) - max(lo, a)) for a, b in union)
+
+
+def overlap_of(events) -> dict:
+    """Of a profiled run of `annotated_step`s, its gloo collectives (each on gloo's worker thread,
+    ``gloo:all_gather``, ``gloo:all_reduce``: the reduce-scatters,
+    `fxopt.ops.collectives.reduce_scatter`), per phase (the forward or backward annotation their
+    start falls in): how many, their ms in flight, and the ms of those during which the step's own
+    thread ran an aten op (its compute; a wait is not one)."""
+    phases = [(e.time_range.start, e.time_range.end, e.name.removeprefix(PHASE)) for e in events
+              if e.name.startswith(PHASE)]
+    thread = next(e.thread for e in events if e.name.startswith(PHASE))
+    compute = _union([(e.time_range.start, e.time_range.end) for e in events
+                      if e.thread == thread and e.name.startswith("aten::")])
+    out: dict = {}
+    for e in events:
+        if not e.name.startswith("gloo:"):
+            continue
+        lo, hi = e.time_range.start, e.time_range.end
+        phase = next((name for a, b, name in phases if a <= lo < b), "between")
+        row = out.setdefault(f"{phase} {e.name.removeprefix('gloo:')}",
+                             {"count": 0, "in_flight_ms": 0.0, "beside_compute_ms": 0.0})
+        row["count"] += 1
+        row["in_flight_ms"] += (hi - lo) / 1e3
+        row["beside_compute_ms"] += _covered(lo, hi, compute) / 1e3
+    return dict(sorted(out.items()))
+
+
+PHASE = "overlap_steps: "
+
+
+def annotated_step(module, inputs):
+    """`step`, its forward and backward annotated for the profiler (`overlap_of`)."""
+    from torch.profiler import record_function
+
+    with record_function(PHASE + "forward"):
+        loss = module(*inputs)
+    with record_function(PHASE + "backward"):
+        loss.backward()
+    return loss
+
+
+PROFILED_STEPS = 3
+
+
+def profiled(rank: int, world: int, trace: str | None = None) -> dict:
+    """The step at ``BUDGET_SHARE`` of eager's predicted peak, profiled on this rank over
+    `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead
+    (``ahead``) and, for comparison, the same plan with them where captured (``at once``:
+    `fxopt.passes.recompute`'s move left out); each with `overlap_of` per step, its mean wall
+    seconds and its measured peak. ``trace``: rank 0's profile of the ``ahead`` step, in Chrome's
+    trace format."""
+    import time
+    from unittest import mock
+
+    from torch.profiler import profile
+
+    from fxopt.analysis.costs import CostModel
+    from fxopt.plan_ahead import plan_and_rewrite
+
+    share = share_of((batch(),), rank, world)
+    eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
+    budget = int(BUDGET_SHARE * eager)
+    rows = {}
+    for name in ("ahead", "at once", "ahead, priced at 0.1 GB/s"):
+        model = sharding.fully_shard(mlp())
+        module = SumLoss(model)
+        priced = {"cost_model": CostModel(comm_bytes_per_second=1e8)} if "priced" in name else {}
+        with mock.patch("fxopt.passes.recompute._issue_ahead") if name == "at once" else _nothing():
+            optimized = fxopt.optimize(module, budget, **priced)
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                step(optimized, share)
+        model.zero_grad(set_to_none=True)
+        peak = fxopt.measure_peak(step, optimized, share, resident=[module]).peak_bytes
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        with profile() as prof:
+            t0 = time.perf_counter()
+            for _ in range(PROFILED_STEPS):
+                model.zero_grad(set_to_none=True)
+                annotated_step(optimized, share)
+            seconds = (time.perf_counter() - t0) / PROFILED_STEPS
+        if trace and rank == 0 and name == "ahead":
+            prof.export_chrome_trace(trace)
+        per_step = {k: {f: round(v / PROFILED_STEPS, 2) for f, v in row.items()}
+                    for k, row in overlap_of(prof.events()).items()}
+        plan = optimized.plans[-1]
+        rows[name] = {"overlap": per_step, "step_s": round(seconds, 4), "measured": peak, "budget": plan.budget_bytes,
+                      "predicted": plan.peak_bytes, "plans": len(optimized.plans),
+                      "regathered_bytes": plan.recompute_comm_bytes, "recomputed": len(plan.recomputed)}
+    return rows
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled}
 
 
 def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:
