@@ -153,13 +153,14 @@ def annotated_step(module, inputs):
 PROFILED_STEPS = 3
 
 
-def profiled(rank: int, world: int, trace: str | None = None) -> dict:
+def profiled(rank: int, world: int) -> dict:
     """The step at ``BUDGET_SHARE`` of eager's predicted peak, profiled on this rank over
     `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead
     (``ahead``) and, for comparison, the same plan with them where captured (``at once``:
     `fxopt.passes.recompute`'s move left out); each with `overlap_of` per step, its mean wall
-    seconds and its measured peak. ``trace``: rank 0's profile of the ``ahead`` step, in Chrome's
-    trace format."""
+    seconds and its measured peak. Where ``OVERLAP_TRACE`` names a file (the environment's), rank
+    0's profile of the ``ahead`` steps is written there, in Chrome's trace format."""
+    import os
     import time
     from unittest import mock
 
@@ -191,8 +192,8 @@ def profiled(rank: int, world: int, trace: str | None = None) -> dict:
                 model.zero_grad(set_to_none=True)
                 annotated_step(optimized, share)
             seconds = (time.perf_counter() - t0) / PROFILED_STEPS
-        if trace and rank == 0 and name == "ahead":
-            prof.export_chrome_trace(trace)
+        if os.environ.get("OVERLAP_TRACE") and rank == 0 and name == "ahead":
+            prof.export_chrome_trace(os.environ["OVERLAP_TRACE"])
         per_step = {k: {f: round(v / PROFILED_STEPS, 2) for f, v in row.items()}
                     for k, row in overlap_of(prof.events()).items()}
         plan = optimized.plans[-1]
