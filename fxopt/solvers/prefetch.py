@@ -42,8 +42,14 @@ its whole communication before its wait, or, where none does, at the start of th
 (the rest exposed, at the reduce-scatter or at the wait). The simulator queues them alike, and
 `priced` counts the longest stretch before the first reader as what can hide it.
 
-What is left out: a step with OFFLOAD keeps its re-gathers where the schedule puts them (its
-reload points are positions in that schedule).
+The forward's all-gathers are moved the same way (`prefetched` on the forward's order,
+`fxopt.solvers.schedule.forward_order`): the traced forward gathers each parameter where a module
+reads it and waits at once, so the step stood still for each; issued ahead, the next block's
+gather runs while this block computes. No collective holds the process group there but the
+gathers themselves, and the bound is the same (no step raised above the schedule's peak).
+
+What is left out: a step with OFFLOAD keeps its gathers and re-gathers where the schedule puts
+them (its reload points are positions in that schedule).
 """
 
 from __future__ import annotations
@@ -93,7 +99,8 @@ def _first_backward_reader(graph: Graph, i: int) -> int | None:
 
 
 def is_regather(graph: Graph, i: int) -> bool:
-    """Whether node ``i``, run in the backward, is a re-gather issued ahead of its wait."""
+    """Whether node ``i`` is an all-gather issued ahead of its wait: run in the backward, a
+    re-gather; in the forward, the first gather of a parameter (`prefetched` moves both)."""
     n = graph.nodes[i]
     return n.kind == "forward" and n.comm_seconds > 0
 
@@ -107,8 +114,9 @@ def holds_group(graph: Graph, i: int) -> bool:
 
 def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
                peak: int | None = None) -> tuple[int, ...]:
-    """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.with_prefetch`) with each
-    re-gather moved ahead of its wait as far as hides its communication (see the module), and no
+    """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.with_prefetch`; or the
+    forward's steps, `fxopt.solvers.schedule.forward_order`) with each re-gather (each gather)
+    moved ahead of its wait as far as hides its communication (see the module), and no
     further than keeps every step it moves across within ``peak``: ``live[k]``, the bytes live
     while step k runs with the re-gathers where ``backward`` has them, plus the gathered bytes
     moved across it, at most ``peak`` (None: no limit)."""

@@ -248,9 +248,12 @@ def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int
     without prefetch: each move is checked against that timeline's peak, and a forward move
     changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward
     move a forward step's, so the two together raise no step above it either."""
-    fwd = forward_set(graph, as_generated(graph, schedule).saved)
-    gathers = not schedule.offloaded and any(is_regather(graph, i) for i in fwd)
-    regathers = not schedule.offloaded and any(is_regather(graph, i) for i in schedule.backward)
+    if schedule.offloaded or not any(n.comm_seconds and n.kind == "forward" for n in graph.nodes):
+        return schedule, None
+    # (the SAVEd values the generated code keeps, as `_generated` leaves them)
+    fwd = forward_set(graph, frozenset(schedule.saved) & (read_before_recompute(graph, schedule.backward) | graph.free))
+    gathers = any(is_regather(graph, i) for i in fwd)
+    regathers = any(is_regather(graph, i) for i in schedule.backward)
     if not (gathers or regathers):
         return schedule, None
     where = simulate(graph, schedule, prefetch=False)
