@@ -208,7 +208,36 @@ def _nothing():
     yield
 
 
-CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled}
+def llama_gathers(rank: int, world: int) -> dict:
+    """FSDP2's ``fully_shard`` on the 4-layer `transformers` Llama of ``tests/fsdp_steps.py``,
+    planned at budget 1.0 and at 17,508,616 B (FSDP2-with-checkpointing's peak in
+    ``benchmarks/results/data_parallel_fsdp_llama_w2_fwdprefetch.md``), at effort 0.25: of the
+    forward's all-gathers, how many the plan issues ahead of where they were captured
+    (`fxopt.solvers.schedule.forward_order`), the simulated peak with and without, and the ms the
+    forward waits for its gathers in the simulator's clock, with and without."""
+    import fsdp_steps
+    from fxopt.plan_ahead import plan_and_rewrite
+    from fxopt.solvers.prefetch import is_regather
+    from fxopt.solvers.schedule import forward_order, simulate
+
+    hf, (ids, labels) = fsdp_steps.llama(4, 128)
+    share = share_of((ids, labels), rank, world)
+    out = {}
+    for budget in (1.0, 17_508_616):
+        plan = plan_and_rewrite(fsdp_steps.HFLoss(fsdp_steps._fsdp2_model(hf)), budget, share, effort=0.25,
+                                time_limit=600).plan
+        order = forward_order(plan.graph, plan.schedule)
+        captured = sorted(order)
+        gathers = [i for i in order if is_regather(plan.graph, i)]
+        ahead, waited = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+        out[str(budget)] = {"gathers": len(gathers), "issued_ahead": sum(order.index(i) < captured.index(i) for i in gathers),
+                            "simulated_peak": [ahead.peak_bytes, waited.peak_bytes],
+                            "forward_waits_ms": [round(ahead.forward_exposed_comm_seconds * 1e3, 3),
+                                                 round(waited.forward_exposed_comm_seconds * 1e3, 3)]}
+    return out
+
+
+CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers}
 
 
 def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:
