@@ -54,6 +54,7 @@ them (its reload points are positions in that schedule).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 
 from fxopt.solvers.graph import Graph
@@ -135,13 +136,17 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
     for e in sorted(regathers, key=lambda e: -_wait_of(graph, backward, e)):
         i, wait = backward[e], _wait_of(graph, backward, e)
         earliest = _earliest(graph, backward, e)
-        if live is not None and peak is not None:  # (not across a step it would raise above the peak)
-            held = nodes[graph.roots[i]].bytes + nodes[i].workspace  # (gloo's flat buffer, to its wait)
-            blocked = next((k for k in range(e - 1, earliest - 1, -1) if live[k] + extra[k] + held > peak), None)
-            earliest = earliest if blocked is None else blocked + 1
-        begin = _begin(busy, min(start[wait], channel_free_from), start[earliest], nodes[i].comm_seconds)
-        at = max(0, next((k for k in range(e, -1, -1) if start[k] <= begin), 0))
-        at = min(max(at, earliest), e)
+        held = nodes[graph.roots[i]].bytes + nodes[i].workspace  # (gloo's flat buffer, to its wait)
+        while True:
+            begin = _begin(busy, min(start[wait], channel_free_from), start[earliest], nodes[i].comm_seconds)
+            at = min(max(bisect.bisect_right(start, begin, 0, e + 1) - 1, earliest), e)
+            # Not across a step it would raise above the peak: issued after the latest such step
+            # (only the steps it would cross are looked at; after the latest, none is).
+            blocked = None if live is None or peak is None else \
+                next((k for k in range(e - 1, at - 1, -1) if live[k] + extra[k] + held > peak), None)
+            if blocked is None:
+                break
+            earliest = blocked + 1
         while at < e and _tuple_item(graph, backward[at]):
             at += 1  # (a multi-output op's outputs are taken out right after it)
         channel_free_from = min(begin, start[at])
