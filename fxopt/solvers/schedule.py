@@ -244,13 +244,10 @@ def with_prefetch(graph: Graph, schedule: Schedule) -> Schedule:
 
 def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int] | None]:
     """`with_prefetch`'s schedule, and the forward's order with its all-gathers issued ahead of
-    their first use the same way (None where none moved), each from the schedule's timeline
-    without prefetch: a backward move is checked against that timeline's peak, a forward move
-    against its forward's peak (no forward step rises above what the forward reached already).
-    A forward move changes no backward step's bytes (a gather reads a shard, alive anyway), nor a
-    backward move a forward step's, so the two together raise no step either. (The forward's
-    order needs the forward's timeline only: where no re-gather asks for the whole one, only the
-    forward is replayed.)"""
+    their first use the same way (None where none moved), both from one timeline of the schedule
+    without prefetch: each move is checked against that timeline's peak, and a forward move
+    changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward
+    move a forward step's, so the two together raise no step above it either."""
     if schedule.offloaded or not any(n.comm_seconds and n.kind == "forward" for n in graph.nodes):
         return schedule, None
     saved = frozenset(schedule.saved) & (read_before_recompute(graph, schedule.backward) | graph.free)
@@ -259,20 +256,14 @@ def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int
     regathers = any(is_regather(graph, i) for i in schedule.backward)
     if not (gathers or regathers):
         return schedule, None
-    where = simulate(graph, schedule, prefetch=False) if regathers else None
+    where = simulate(graph, schedule, prefetch=False)
     forward = None
     if gathers:
-        if where is not None:
-            events, forward_peak = where.events, where.forward_peak_bytes
-        else:
-            replay = _Replay(graph, dataclasses.replace(schedule, saved=saved, compressed=frozenset(schedule.compressed) & saved))
-            replay.forward()
-            events, forward_peak = replay.events, replay.forward_peak
-        live = [b for phase, name, b in events if phase == "forward" and not name.startswith("compress ")]
+        live = [b for phase, name, b in where.events if phase == "forward" and not name.startswith("compress ")]
         if len(live) == len(fwd):
-            order = list(prefetched(graph, tuple(fwd), live, forward_peak))
+            order = list(prefetched(graph, tuple(fwd), live, where.peak_bytes))
             forward = order if order != fwd else None
-    if where is None:
+    if not regathers:
         return schedule, forward
     live = [b for phase, name, b in where.events if phase == "backward" and name != "<start>"
             and not name.startswith(("decompress ", "reload "))]
