@@ -140,7 +140,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
     `eager_timeline`). ``prefetch`` False: each re-gather issued where the schedule has it, not
     ahead (`with_prefetch`)."""
     _check(graph, schedule)
-    schedule, kept, forward = _generated(graph, schedule, prefetch)
+    schedule, kept, forward, decided = _generated(graph, schedule, prefetch)
     replay = _Replay(graph, schedule, eager_frees)
     replay.forward(forward)
     available = replay.available()
@@ -152,22 +152,31 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
         positions = _read_events(graph, steps)  # the steps kept, by their position in the schedule
         steps = [steps[e] for e in positions]
     replay.backward(steps, positions)
+    events, forward_peak, forward_exposed = replay.events, replay.forward_peak, replay.forward_exposed_comm
+    if not decided:  # (the forward's gathers placed from this timeline, and the forward replayed so)
+        fwd = forward_set(graph, schedule.saved)
+        order = _ahead(graph, fwd, events, max(replay.forward_peak, replay.backward_peak))
+        if order is not None:
+            ahead = _Replay(graph, schedule, eager_frees)
+            ahead.forward(order)
+            events = ahead.events + [e for e in events if e[0] == "backward"]
+            forward_peak, forward_exposed = ahead.forward_peak, ahead.forward_exposed_comm
     extra_flops, extra_cost, extra_comm = _extra_work(graph, schedule, steps)
     copies = replay.d2h.copies + replay.h2d.copies
     host_peak = host_peak_bytes(copies)
     host_budget = graph.transfers.host_budget if graph.transfers is not None else None
     return Timeline(
-        peak_bytes=max(replay.forward_peak, replay.backward_peak),
-        forward_peak_bytes=replay.forward_peak,
+        peak_bytes=max(forward_peak, replay.backward_peak),
+        forward_peak_bytes=forward_peak,
         backward_peak_bytes=replay.backward_peak,
         saved_bytes=replay.saved_bytes,
         recompute_flops=extra_flops,
         recompute_cost=extra_cost,
         recompute_comm_bytes=extra_comm,
-        events=tuple(replay.events),
+        events=tuple(events),
         exposed_transfer_seconds=replay.exposed,
         exposed_comm_seconds=replay.exposed_comm,
-        forward_exposed_comm_seconds=replay.forward_exposed_comm,
+        forward_exposed_comm_seconds=forward_exposed,
         host_peak_bytes=host_peak,
         over_host_budget=host_budget is not None and host_peak > host_budget,
         copies=tuple(copies),
@@ -191,35 +200,52 @@ def forward_order(graph: Graph, schedule: Schedule) -> list[int]:
     `forward_set` computes, in graph order, with each all-gather issued ahead of its first use
     (`fxopt.solvers.prefetch.prefetched`, as the backward's re-gathers), never across a step
     where its bytes would raise the step's peak."""
-    forward = _generated(graph, schedule, True)[2]
-    return forward if forward is not None else forward_set(graph, as_generated(graph, schedule).saved)
+    generated, _, forward, decided = _generated(graph, schedule, True)
+    fwd = forward_set(graph, generated.saved)
+    if not decided:  # (as `simulate` places them: from the timeline without prefetch)
+        where = simulate(graph, generated, prefetch=False)
+        forward = _ahead(graph, fwd, where.events, where.peak_bytes)
+    return forward if forward is not None else fwd
+
+
+def _ahead(graph: Graph, fwd: list[int], events, peak: int) -> list[int] | None:
+    """The forward's steps ``fwd`` with its all-gathers issued ahead (`prefetched`), from the
+    ``events`` of a timeline with them in graph order and its ``peak``; None where none moved."""
+    live = [b for phase, name, b in events if phase == "forward" and not name.startswith("compress ")]
+    if len(live) != len(fwd) or not any(is_regather(graph, i) for i in fwd):
+        return None
+    order = list(prefetched(graph, tuple(fwd), live, peak))
+    return order if order != fwd else None
 
 
 def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False
-               ) -> tuple[Schedule, list[Step] | None, list[int] | None]:
+               ) -> tuple[Schedule, list[Step] | None, list[int] | None, bool]:
     """`as_generated`'s schedule; the steps of its backward as `backward_steps` gives them
     (None for a schedule that OFFLOADs, or whose re-gathers the prefetch moved): `simulate`
-    replays those, not built again; and, with ``prefetch``, the forward's order with its
-    all-gathers issued ahead (None: `forward_set`'s, nothing moved). A pruned
+    replays those, not built again; with ``prefetch``, the forward's order with its
+    all-gathers issued ahead (None: `forward_set`'s, nothing moved); and whether that order is
+    decided (False: the forward has gathers to place and no timeline without prefetch was made
+    for the re-gathers, so `simulate` places them from its own). A pruned
     backward keeps every step when pruned again (a kept step's copies are made by kept steps),
     so they are its steps, their copies numbered as in the backward before pruning (the
     simulator reads a copy's number as a name only)."""
     if schedule.offloaded:
-        return schedule, None, None
+        return schedule, None, None, True
     steps = _copies(graph, schedule.backward, None)
     kept = _read_events(graph, steps)
     pruned = schedule if len(kept) == len(schedule.backward) else \
         dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
     steps = [steps[e] for e in kept]
-    forward = None
+    forward, decided = None, True
     if prefetch:
-        ahead, forward = _with_prefetch(graph, pruned)
+        ahead, forward, decided = _with_prefetch(graph, pruned)
         if ahead is not pruned:  # (re-gathers moved: its steps are built anew)
             pruned, steps = ahead, None
     saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
     if saved == frozenset(pruned.saved):
-        return pruned, steps, forward
-    return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved), steps, forward
+        return pruned, steps, forward, decided
+    return (dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved), steps, forward,
+            decided)
 
 
 def _reads_available(graph: Graph, steps: list[Step], available: dict[int, Key]) -> bool:
@@ -242,35 +268,28 @@ def with_prefetch(graph: Graph, schedule: Schedule) -> Schedule:
     return _with_prefetch(graph, schedule)[0]
 
 
-def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int] | None]:
-    """`with_prefetch`'s schedule, and the forward's order with its all-gathers issued ahead of
-    their first use the same way (None where none moved), both from one timeline of the schedule
-    without prefetch: each move is checked against that timeline's peak, and a forward move
-    changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward
-    move a forward step's, so the two together raise no step above it either."""
+def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int] | None, bool]:
+    """`with_prefetch`'s schedule; the forward's order with its all-gathers issued ahead of their
+    first use the same way (None where none moved); and whether that order is decided here. Both
+    come from one timeline of the schedule without prefetch, made where re-gathers need it (else
+    `simulate` places the forward's gathers from its own timeline, the same one, and replays the
+    forward alone again): each move is checked against that timeline's peak, and a forward move
+    changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward move
+    a forward step's, so the two together raise no step above it either."""
     if schedule.offloaded or not any(n.comm_seconds and n.kind == "forward" for n in graph.nodes):
-        return schedule, None
-    saved = frozenset(schedule.saved) & (read_before_recompute(graph, schedule.backward) | graph.free)
-    fwd = forward_set(graph, saved)  # (the SAVEd values the generated code keeps, as `_generated` leaves them)
-    gathers = any(is_regather(graph, i) for i in fwd)
-    regathers = any(is_regather(graph, i) for i in schedule.backward)
-    if not (gathers or regathers):
-        return schedule, None
+        return schedule, None, True
+    if not any(is_regather(graph, i) for i in schedule.backward):
+        return schedule, None, False
     where = simulate(graph, schedule, prefetch=False)
-    forward = None
-    if gathers:
-        live = [b for phase, name, b in where.events if phase == "forward" and not name.startswith("compress ")]
-        if len(live) == len(fwd):
-            order = list(prefetched(graph, tuple(fwd), live, where.peak_bytes))
-            forward = order if order != fwd else None
-    if not regathers:
-        return schedule, forward
+    saved = frozenset(schedule.saved) & (read_before_recompute(graph, schedule.backward) | graph.free)
+    # (the SAVEd values the generated code keeps, as `_generated` leaves them)
+    forward = _ahead(graph, forward_set(graph, saved), where.events, where.peak_bytes)
     live = [b for phase, name, b in where.events if phase == "backward" and name != "<start>"
             and not name.startswith(("decompress ", "reload "))]
     if len(live) != len(schedule.backward):  # (a schedule `prune` would cut: as it is)
-        return schedule, forward
+        return schedule, forward, True
     backward = prefetched(graph, schedule.backward, live, where.peak_bytes)
-    return (schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)), forward
+    return (schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)), forward, True
 
 
 def _check(graph: Graph, schedule: Schedule) -> None:
