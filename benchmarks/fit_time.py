@@ -97,15 +97,21 @@ def llama(layers: int, seq: int, batch: int, hidden: int = 4096, ffn: int = 1433
 class Counts:
     """Counted work while installed: Dynamo captures (`fxopt.capture.compiled.run_compiled` as
     `fxopt.plan_ahead` calls it), the graphs analysed (`fxopt.analysis.analyze` as the planner
-    calls it) and the schedules the simulator replayed."""
+    calls it), the runs of `eager_saves` among them (the slowest part of an analysis, which an
+    analysis after a rewrite reads from the one before where it can: `analyze`'s ``earlier``)
+    and the schedules the simulator replayed."""
 
     def __init__(self):
-        self.captures = self.analyses = self.replays = 0
+        self.captures = self.analyses = self.eager_saves = self.replays = 0
 
     @contextlib.contextmanager
     def installed(self):
         counts, real_run, real_replay = self, plan_ahead.run_compiled, schedule._Replay
-        real_analyze = planner.analyze_step
+        real_analyze, real_saves = planner.analyze_step, joint.eager_saves
+
+        def eager_saves(*a, **k):
+            counts.eager_saves += 1
+            return real_saves(*a, **k)
 
         def run_compiled(*a, **k):
             counts.captures += 1
@@ -121,10 +127,12 @@ class Counts:
                 super().__init__(*a, **k)
 
         plan_ahead.run_compiled, schedule._Replay, planner.analyze_step = run_compiled, Replay, analyze_step
+        joint.eager_saves = eager_saves
         try:
             yield self
         finally:
             plan_ahead.run_compiled, schedule._Replay, planner.analyze_step = real_run, real_replay, real_analyze
+            joint.eager_saves = real_saves
 
 
 class Phases:
@@ -168,6 +176,8 @@ def markdown(result: dict) -> str:
     lines.append(f"| **fit, in all** | **{row['wall_s']:.1f}** | | | | | |")
     if "captures" in row:
         analysed = f"{row['analyses']} graphs analysed; " if "analyses" in row else ""
+        if "eager_saves" in row:
+            analysed += f"`eager_saves` run {row['eager_saves']} times; "
         lines += ["", f"Counted work: {row['captures']} Dynamo captures; {analysed}{row['replays']} schedules replayed "
                       "by the simulator."]
     if "plan_digests" in row:
@@ -235,7 +245,8 @@ def main(argv=None) -> None:
     if found.plan is None:  # (no plan at the budget: fit asked nothing there, nothing was timed)
         phases.marks.insert(2, phases.marks[1])
     row = {"wall_s": wall, "nodes": len(found.min_plan.graph), "split": split(found, phases.marks),
-           "captures": counts.captures, "analyses": counts.analyses, "replays": counts.replays,
+           "captures": counts.captures, "analyses": counts.analyses, "eager_saves": counts.eager_saves,
+           "replays": counts.replays,
            "answer": found.to_dict(), "table": str(found), "min_plan_summary": found.min_plan.summary(),
            "plan_digests": plan_digests(found)}
     log(f"fit in {wall:.1f} s\n{row['table']}")

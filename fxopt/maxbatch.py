@@ -43,7 +43,7 @@ import torch.nn as nn
 from fxopt.analysis import JointGraph
 from fxopt.analysis.joint import graph_fingerprint
 from fxopt.api import FxoptModule
-from fxopt.buckets import Bucket, largest, largest_from_below
+from fxopt.buckets import Bucket, largest, largest_from_above, largest_from_below
 from fxopt.budget import Budget, BudgetLike
 from fxopt.capture.shapes import DynamicDims
 from fxopt.errors import BudgetError, InfeasibleBudgetError
@@ -301,11 +301,12 @@ class _Search:
 
     largest = staticmethod(largest)
 
-    def largest_with(self, schedule: Schedule, lo: int, hi: int, from_below: bool = False) -> int | None:
+    def largest_with(self, schedule: Schedule, lo: int, hi: int, from_below: bool = False,
+                     from_above: bool = False) -> int | None:
         """The largest batch in [lo, hi] at which ``schedule``'s peak fits (bisection, each batch
         tried with the scratch memory measured there; ``from_below``: searched up from ``lo``
-        first, `largest_from_below`)."""
-        search = largest_from_below if from_below else self.largest
+        first, `largest_from_below`; ``from_above``: ``hi`` tried first, `largest_from_above`)."""
+        search = largest_from_below if from_below else largest_from_above if from_above else self.largest
         return search(lo, hi, lambda b: simulate(self.at(b), schedule).peak_bytes <= self.budget)
 
     def fxopt_batch(self, lo: int, hi: int, how: _Solving) -> tuple[int, Plan] | None:
@@ -317,7 +318,8 @@ class _Search:
         found = self.solve(hi, how, full=hi == lo)
         if isinstance(found, Plan):
             return hi, found
-        replayed = None if found is None else self.largest_with(found, lo, hi - 1)
+        # (a lowest-peak schedule of ``hi`` fits the batch below it, mostly: asked there first)
+        replayed = None if found is None else self.largest_with(found, lo, hi - 1, from_above=True)
         feasible: tuple[int, Plan | Schedule] | None = None if replayed is None else (replayed, found)
         failed = hi
         for probe in range(how.bisection_solves):

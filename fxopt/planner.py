@@ -426,9 +426,18 @@ def analyze_for_planning(joint: fx.GraphModule, num_fwd_outputs: int, options: O
     analyze = _analyzer(joint, options)
     coalesce_all_reduces(joint)  # (as `make_plan`)
     alias_identity_dropouts(joint)  # (as `make_plan`: eager makes no copy there)
-    eager = analyze(copy_module(joint), num_fwd_outputs, options.cost_model, **codecs)
+    pristine = copy_module(joint)  # (the step as captured, kept for the eager analysis to read at other shapes)
+    eager = analyze(joint, num_fwd_outputs, options.cost_model, **codecs)
     rewritten, _ = _rewrite_for_planning(joint, options)
-    return eager, analyze(joint, num_fwd_outputs, options.cost_model, **codecs) if rewritten else eager
+    if not rewritten:
+        return eager, eager
+    # As `make_plan`: the rewrites touch a few nodes of thousands, and what they left alone (the
+    # two slowest per-node parts) is read from the analysis before them. That analysis is then
+    # rebound to the copy made before the rewrites, the same graph node for node: the analysis a
+    # fresh one of the copy makes (as `Analyses` rebinds one), whose `JointGraph.at` reads the
+    # step as captured, not as rewritten.
+    planned = analyze(joint, num_fwd_outputs, options.cost_model, earlier=eager, **codecs)
+    return dataclasses.replace(eager, module=pristine, reusable=None), planned
 
 
 def plan_range(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, unread_resident_bytes: int,

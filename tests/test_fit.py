@@ -3,6 +3,7 @@ Each answer is checked against the entry point it comes from (`fxopt.plan` at "m
 budget, `fxopt.max_batch`) and against the others (floor <= smallest budget <= a budget that fits;
 the largest batch at least the example's where the example fits)."""
 
+import copy
 import json
 import logging
 
@@ -262,3 +263,72 @@ def test_the_scratch_formula_read_once_gives_each_batchs_as_read_anew(tiny):
         sizes = Sizes(jg.symbolic.names, {"batch": b}, jg.symbolic.ranges)
         assert formula.at(sizes.at) == read_anew(sizes.at)
         assert jg.at({"batch": b}).nodes == dataclasses.replace(jg).at({"batch": b}).nodes
+
+
+def test_the_symbolic_captures_planned_step_reads_the_captured_ones_analysis(tiny, monkeypatch):
+    """max_batch's capture analyses the step as captured and as rewritten for planning (the loss's
+    backward written in place). The second reads what the rewrite left alone from the first, as
+    `fxopt.planner.make_plan` does (issue 27: on Llama-3-8B shapes each symbolic analysis took 2.8
+    CPU seconds, most of it `eager_saves`, run twice): `eager_saves` runs once, not twice, and both
+    graphs are, at every batch, those of two analyses made afresh (the step as captured read from a
+    copy kept before the rewrite)."""
+    import fxopt.analysis.joint as joint
+    import fxopt.capture.dynamic
+    import fxopt.planner as planner
+    from fxopt.capture.shapes import DynamicDims
+    from fxopt.fitting import at_batch
+    from fxopt.fxgraph import copy_module
+    from fxopt.options import Options
+    from fxopt.plan_ahead import capture_symbolic
+
+    model, inputs = tiny
+    model = copy.deepcopy(model).eval()  # (no dropout: the loss's backward is the one rewrite, in the backward)
+    options = Options.of(1 << 40, device=devices.load("H100-80GB"))
+    dims = DynamicDims.parse({"batch": (1, 64)})
+    runs = []
+    eager_saves = joint.eager_saves
+    monkeypatch.setattr(joint, "eager_saves", lambda *a, **k: runs.append(1) or eager_saves(*a, **k))
+
+    def afresh(gm, num_fwd_outputs, options, unread_resident_bytes=0, sizes=None):
+        """The analyses before the reuse: each graph analysed on its own."""
+        codecs = planner._codecs(options, unread_resident_bytes, sizes)
+        analyze = planner._analyzer(gm, options)
+        planner.coalesce_all_reduces(gm)
+        planner.alias_identity_dropouts(gm)
+        eager = analyze(copy_module(gm), num_fwd_outputs, options.cost_model, **codecs)
+        rewritten, _ = planner._rewrite_for_planning(gm, options)
+        return eager, analyze(gm, num_fwd_outputs, options.cost_model, **codecs) if rewritten else eager
+
+    found = capture_symbolic(model, at_batch(inputs, 4), dims, {"batch": 4}, options)
+    assert len(runs) == 1 and found[0] is not found[1] and found[0].module is not found[1].module
+    runs.clear()
+    torch._dynamo.reset()
+    with monkeypatch.context() as patched:
+        patched.setattr(planner, "analyze_for_planning", afresh)
+        patched.setattr(fxopt.plan_ahead, "analyze_for_planning", afresh)
+        patched.setattr(fxopt.capture.dynamic, "analyze_for_planning", afresh)
+        fresh = capture_symbolic(model, at_batch(inputs, 4), dims, {"batch": 4}, options)
+    assert len(runs) == 2
+    lo, hi = found[1].symbolic.ranges.bounds["batch"]
+    for mine, theirs in zip(found, fresh):
+        assert mine.names == theirs.names and mine.module_paths == theirs.module_paths
+        for b in (lo, 5, hi):
+            assert joint.graph_fingerprint(mine.at({"batch": b})) == joint.graph_fingerprint(theirs.at({"batch": b}))
+
+
+@pytest.mark.parametrize("lo,hi", [(2, 8), (1, 1), (3, 40)])
+def test_the_batch_searches_give_one_answer_and_count_their_questions(lo, hi):
+    """`largest`, `largest_from_below` and `largest_from_above` give the same answer for every
+    monotone question (fits up to some v, none, all); `largest_from_above` asks one question where
+    the answer is the top (max_batch's replay of the lowest-peak schedule of the batch above: on
+    Llama-3-8B it fits the batch below, one replay where the bisection made four)."""
+    from fxopt.buckets import largest, largest_from_above, largest_from_below
+
+    for v in range(lo - 1, hi + 1):
+        asked = {search: [] for search in (largest, largest_from_below, largest_from_above)}
+        answers = {search.__name__: search(lo, hi, lambda b, _a=asked[search]: _a.append(b) or b <= v)
+                   for search in asked}
+        assert set(answers.values()) == {v if v >= lo else None}, answers
+        if v == hi:
+            assert asked[largest_from_above] == [hi]
+        assert all(len(set(a)) == len(a) for a in asked.values())  # (no batch asked twice)
