@@ -107,6 +107,58 @@ def test_mixed_precision_on_two_ranks():
         assert results[0][name]["recomputed"] == results[1][name]["recomputed"]
 
 
+@pytest.mark.slow  # two processes, two plans and a compile each
+def test_forward_gathers_are_issued_during_the_previous_blocks_compute():
+    """Fails before: the rewritten forward gathered each block's weight after the previous block's
+    last op and waited for it at once. Now (`fxopt.passes.waits.issue_gathers_ahead`) each of the
+    three 256x256 weights after the first is issued before the previous block ends, as the
+    simulator issues it, on both ranks; the plan's predicted peak is the same as without it, the
+    measured peak within the plan and its budget, and the gradients single-process eager's
+    (checked in the worker)."""
+    from overlap_steps import run as run_overlap
+
+    results = run_overlap("forward-prefetch")
+    assert results[0]["issue_points"] == results[1]["issue_points"]
+    for rows in results:
+        for block in rows["issue_points"][:3]:
+            assert block["gather"] < block["previous_end"], rows
+        assert rows["plans"] == 1 and rows["same_plan"], rows
+        assert rows["measured"] <= rows["predicted"] <= rows["budget"], rows
+        assert rows["simulated_peak"][0] == rows["simulated_peak"][1] == rows["predicted"], rows
+        ahead, waited = rows["forward_exposed_seconds"]
+        assert ahead < waited, rows
+
+
+def test_issue_gathers_ahead_moves_each_gather_before_the_step_that_follows_it():
+    """The rewritten forward follows the simulator's order (`forward_order`): each gather named
+    moves right before the node after it there, two issued at one point keep their order, and
+    the nodes the order does not name (``released``) stay where they were."""
+    import torch
+    import torch.fx as fx
+
+    from fxopt.passes.waits import issue_gathers_ahead
+
+    ops = torch.ops._c10d_functional
+    graph = fx.Graph()
+    s1, s2, s3, x = (graph.placeholder(n) for n in ("s1", "s2", "s3", "x"))
+    ag1 = graph.call_function(ops.all_gather_into_tensor.default, (s1, 2, "pg"))
+    w1 = graph.call_function(ops.wait_tensor.default, (ag1,))
+    h1 = graph.call_function(torch.ops.aten.mm.default, (x, w1))
+    ag2 = graph.call_function(ops.all_gather_into_tensor.default, (s2, 2, "pg"))
+    w2 = graph.call_function(ops.wait_tensor.default, (ag2,))
+    note = graph.call_function(torch.ops.aten.clone.default, (w2,))  # (a node the order does not name)
+    ag3 = graph.call_function(ops.all_gather_into_tensor.default, (s3, 2, "pg"))
+    w3 = graph.call_function(ops.wait_tensor.default, (ag3,))
+    h2 = graph.call_function(torch.ops.aten.mm.default, (h1, w2))
+    h3 = graph.call_function(torch.ops.aten.mm.default, (h2, w3))
+    graph.output((h3, note))
+    order = [n.name for n in (ag1, w1, ag2, ag3, h1, w2, w3, h2, h3)]
+    issue_gathers_ahead(graph, order, {ag1.name, ag2.name, ag3.name})
+    graph.lint()
+    names = [n.name for n in graph.nodes if n.op == "call_function"]
+    assert names == [n.name for n in (ag1, w1, ag2, ag3, h1, w2, note, w3, h2, h3)]
+
+
 def test_shards_gather_and_regather_is_offered(one_process_group):
     """On one rank: the sharded model computes what the model did, gradients land in the shards,
     sharding twice is refused, and the captured step's all-gathers (and their waits) may be

@@ -9,7 +9,7 @@ from fxopt.solvers import solve
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.minimum import Memo
 from fxopt.solvers.prefetch import prefetched, priced
-from fxopt.solvers.schedule import Schedule, as_generated, simulate
+from fxopt.solvers.schedule import Schedule, as_generated, forward_order, simulate
 
 RATE = 1e9  # bytes per second the process group moves (gloo's, `fxopt.analysis.costs`)
 COMM = 10_000 / RATE  # seconds to gather ``w`` again: 1e-5
@@ -193,3 +193,66 @@ def test_a_regather_is_priced_by_the_longest_stretch_between_reduce_scatters():
     between the collectives that hold the process group, not behind all of it."""
     graph = step_with_a_reduce_scatter(4e-6, 3e-6)
     assert graph.nodes[W1].comm_exposed == pytest.approx(COMM - 4e-6)
+
+
+def two_block_forward(hiding: float, scratch: int = 0) -> Graph:
+    """A forward of two blocks, each gathering its weight (``w1``, ``w2``: 10,000 bytes received,
+    1e-5 s of communication) before its product (``h1``: ``hiding`` seconds of compute and
+    ``scratch`` bytes of scratch memory; ``h2``). In graph order, as captured, ``w2`` is gathered
+    after ``h1`` and waited for at once."""
+    def gather(name, shard):
+        return Node(name, "forward", inputs=(shard,), bytes=100, comm_bytes=10_000, cost=1e-7 + COMM,
+                    comm_seconds=COMM, comm_exposed=COMM)
+
+    return priced(Graph((
+        Node("s1", "input", bytes=25), Node("s2", "input", bytes=25), Node("x", "input", bytes=100),
+        gather("w1", 0),
+        Node("h1", "forward", inputs=(2, 3), bytes=100, flops=100, cost=hiding, workspace=scratch),
+        gather("w2", 1),
+        Node("h2", "forward", inputs=(4, 5), bytes=100, flops=100, cost=1e-6),
+        Node("loss", "forward", inputs=(6,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("gh2", "backward", inputs=(8, 5), bytes=100, cost=1e-6),
+        Node("gw2", "backward", inputs=(8, 4), bytes=4, cost=1e-6, output=True),
+        Node("gw1", "backward", inputs=(9, 3, 2), bytes=4, cost=1e-6, output=True),
+    )))
+
+
+W1F, H1F, W2F, H2F = 3, 4, 5, 6
+SAVE_BOTH = Schedule(frozenset({3, 4, 5}), (9, 10, 11))
+
+
+def test_the_next_blocks_gather_is_issued_during_this_blocks_compute():
+    """Fails before: the forward ran in graph order, each all-gather waited for where issued, so
+    ``w2``'s communication (1e-5 s) stood still after ``h1``. Issued before ``h1`` (2e-5 s of
+    compute) it is hidden: the forward waits only for the first gather (nothing before it to hide
+    behind: 1e-5 s less the two issues' compute). The simulator holds ``w2``'s 100 B while ``h1`` runs,
+    and the peak is the same."""
+    graph = two_block_forward(2e-5)
+    assert forward_order(graph, SAVE_BOTH) == [W1F, W2F, H1F, H2F, 7]
+    ahead, waited = simulate(graph, SAVE_BOTH), simulate(graph, SAVE_BOTH, prefetch=False)
+    live = {name: b for phase, name, b in ahead.events if phase == "forward"}
+    assert live["h1"] == 25 + 25 + 100 + 100 + 100 + 100  # shards, x, w1, h1 and the gathered w2
+    assert ahead.forward_exposed_comm_seconds == pytest.approx(COMM - 2e-7)
+    assert waited.forward_exposed_comm_seconds == pytest.approx(2 * COMM)
+    assert ahead.peak_bytes == waited.peak_bytes
+
+
+def test_a_forward_gather_is_not_issued_across_a_step_it_would_raise_above_the_peak():
+    """``h1`` holds 2,000 bytes of scratch: the step's peak is there, and ``w2`` gathered across
+    it would raise it. It stays after ``h1``, waited for there (its communication exposed)."""
+    graph = two_block_forward(2e-5, scratch=2000)
+    assert forward_order(graph, SAVE_BOTH) == [W1F, H1F, W2F, H2F, 7]
+    ahead, waited = simulate(graph, SAVE_BOTH), simulate(graph, SAVE_BOTH, prefetch=False)
+    assert ahead.peak_bytes == waited.peak_bytes
+    assert ahead.forward_exposed_comm_seconds == pytest.approx(2 * COMM)  # (the step as captured)
+
+
+def test_forward_gathers_share_the_process_group_one_at_a_time():
+    """Behind 4e-6 s of ``h1`` the gather of ``w2`` cannot hide: it is issued with ``w1``'s, queued
+    behind it on the process group (1e-5 s each), and ``h2`` waits for the rest."""
+    graph = two_block_forward(4e-6)
+    assert forward_order(graph, SAVE_BOTH) == [W1F, W2F, H1F, H2F, 7]
+    ahead = simulate(graph, SAVE_BOTH)
+    # w1 waited for by h1 (1e-5 less w1's and w2's issues); w2 ends 1e-5 later, h1 hides 4e-6 of it
+    assert ahead.forward_exposed_comm_seconds == pytest.approx(2 * COMM - 2e-7 - 4e-6)

@@ -1,6 +1,8 @@
 """Split a joint graph into forward and backward modules following a schedule (SAVE / RECOMPUTE).
 
-The forward computes what it must, in graph order, and returns its outputs plus the SAVEd values.
+The forward computes what it must, in graph order (its all-gathers issued ahead of their first use,
+as the simulator issues them: `fxopt.passes.waits.issue_gathers_ahead`), and returns its outputs
+plus the SAVEd values.
 The backward runs the schedule's events in order: each backward node once, and a copy of a
 forward node wherever the schedule recomputes it, reading the most recent copy of each value.
 
@@ -34,8 +36,10 @@ from fxopt.analysis import JointGraph
 from fxopt.errors import CaptureError
 from fxopt.fxgraph import NodeBuilder
 from fxopt.passes.offload import Reloads, offload_saved, reload_positions
-from fxopt.passes.waits import sink_all_reduce_waits, wait_for_release
-from fxopt.solvers.schedule import Schedule, kept_steps, prune, read_before_recompute, simulate, with_prefetch
+from fxopt.passes.waits import issue_gathers_ahead, sink_all_reduce_waits, wait_for_release
+from fxopt.solvers.prefetch import is_regather
+from fxopt.solvers.schedule import (Schedule, forward_order, kept_steps, prune, read_before_recompute, simulate,
+                                    with_prefetch)
 
 
 # For each COMPRESSed value of symbolic shape: its sizes as the forward saves them, by their
@@ -87,6 +91,7 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
         fwd_descs + [_p.SavedForBackwardsAOTOutput(k) for k in range(len(saved) + len(sizes))],
         "forward",
     )
+    _issue_ahead(fw_graph, joint, planned)
     index = {name: i for i, name in enumerate(joint.names)}
     compressed = {joint.names[i] for i in schedule.compressed if i in wanted}
     offloaded = {joint.names[i] for i in schedule.offloaded if i in wanted}
@@ -113,6 +118,16 @@ def split_with_recompute(joint: JointGraph, schedule: Schedule) -> tuple[fx.Grap
         fw._fxopt_host_copies = bw._fxopt_host_copies = reloads.copies
     bw.graph.lint()
     return fw, bw
+
+
+def _issue_ahead(fw_graph: fx.Graph, joint: JointGraph, schedule: Schedule) -> None:
+    """The forward's all-gathers issued ahead of their first use where the simulator issues them
+    (`fxopt.solvers.schedule.forward_order`)."""
+    order = forward_order(joint.graph, schedule)
+    if order == sorted(order):
+        return
+    names = [joint.names[i] for i in order]
+    issue_gathers_ahead(fw_graph, names, {joint.names[i] for i in order if is_regather(joint.graph, i)})
 
 
 def _offload(fw_graph: fx.Graph, saved: list[fx.Node], encoded: dict[str, fx.Node], names: set[str],

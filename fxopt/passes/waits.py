@@ -1,5 +1,7 @@
-"""An all-reduce's wait moved to just before the first op that reads its result, so that the
-backward computes on while the process group reduces (the overlap eager DDP has).
+"""Where the step's collectives are issued and waited for. An all-reduce's wait moved to just before
+the first op that reads its result, so that the backward computes on while the process group
+reduces (the overlap eager DDP has); each forward all-gather issued ahead of its first use as the
+plan's simulator issues it (`issue_gathers_ahead`, `fxopt.solvers.prefetch`).
 
 The joint graph traces each functional collective with its wait right after it (under tracing,
 ``funcol`` waits at once), so the backward would stop at every gradient's all-reduce until it is
@@ -30,6 +32,24 @@ import torch
 import torch.fx as fx
 
 from fxopt.analysis.costs import GATHERS, REDUCES, WAITS, group_backend
+
+
+def issue_gathers_ahead(graph: fx.Graph, order: list[str], gathers: set[str]) -> fx.Graph:
+    """``graph`` (a forward) with each all-gather named in ``gathers`` moved right before the node
+    that follows it in ``order`` (the forward's steps by name as the simulator runs them,
+    `fxopt.solvers.schedule.forward_order`; nodes of the graph it does not name stay where they
+    are), in place: each gather is issued ahead of its wait, so the process group gathers the
+    next block's parameter while the step computes this one's:
+
+        before:  ag1 = all_gather(s1); w1 = wait(ag1); h1 = mm(x, w1); ag2 = all_gather(s2); w2 = wait(ag2); ...
+        after:   ag1 = all_gather(s1); w1 = wait(ag1); ag2 = all_gather(s2); h1 = mm(x, w1); w2 = wait(ag2); ...
+    """
+    by_name = {n.name: n for n in graph.nodes}
+    steps = [by_name[name] for name in order if name in by_name]
+    for k in range(len(steps) - 2, -1, -1):  # (from the last: a gather moves before one moved already)
+        if steps[k].name in gathers:
+            steps[k + 1].prepend(steps[k])
+    return graph
 
 
 def _is_all_reduce_wait(node: fx.Node) -> bool:

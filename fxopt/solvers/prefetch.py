@@ -42,12 +42,19 @@ its whole communication before its wait, or, where none does, at the start of th
 (the rest exposed, at the reduce-scatter or at the wait). The simulator queues them alike, and
 `priced` counts the longest stretch before the first reader as what can hide it.
 
-What is left out: a step with OFFLOAD keeps its re-gathers where the schedule puts them (its
-reload points are positions in that schedule).
+The forward's all-gathers are moved the same way (`prefetched` on the forward's order,
+`fxopt.solvers.schedule.forward_order`): the traced forward gathers each parameter where a module
+reads it and waits at once, so the step stood still for each; issued ahead, the next block's
+gather runs while this block computes. No collective holds the process group there but the
+gathers themselves, and the bound is the same (no step raised above the schedule's peak).
+
+What is left out: a step with OFFLOAD keeps its gathers and re-gathers where the schedule puts
+them (its reload points are positions in that schedule).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 
 from fxopt.solvers.graph import Graph
@@ -93,7 +100,8 @@ def _first_backward_reader(graph: Graph, i: int) -> int | None:
 
 
 def is_regather(graph: Graph, i: int) -> bool:
-    """Whether node ``i``, run in the backward, is a re-gather issued ahead of its wait."""
+    """Whether node ``i`` is an all-gather issued ahead of its wait: run in the backward, a
+    re-gather; in the forward, the first gather of a parameter (`prefetched` moves both)."""
     n = graph.nodes[i]
     return n.kind == "forward" and n.comm_seconds > 0
 
@@ -107,8 +115,9 @@ def holds_group(graph: Graph, i: int) -> bool:
 
 def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
                peak: int | None = None) -> tuple[int, ...]:
-    """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.with_prefetch`) with each
-    re-gather moved ahead of its wait as far as hides its communication (see the module), and no
+    """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.with_prefetch`; or the
+    forward's steps, `fxopt.solvers.schedule.forward_order`) with each re-gather (each gather)
+    moved ahead of its wait as far as hides its communication (see the module), and no
     further than keeps every step it moves across within ``peak``: ``live[k]``, the bytes live
     while step k runs with the re-gathers where ``backward`` has them, plus the gathered bytes
     moved across it, at most ``peak`` (None: no limit)."""
@@ -127,13 +136,17 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
     for e in sorted(regathers, key=lambda e: -_wait_of(graph, backward, e)):
         i, wait = backward[e], _wait_of(graph, backward, e)
         earliest = _earliest(graph, backward, e)
-        if live is not None and peak is not None:  # (not across a step it would raise above the peak)
-            held = nodes[graph.roots[i]].bytes + nodes[i].workspace  # (gloo's flat buffer, to its wait)
-            blocked = next((k for k in range(e - 1, earliest - 1, -1) if live[k] + extra[k] + held > peak), None)
-            earliest = earliest if blocked is None else blocked + 1
-        begin = _begin(busy, min(start[wait], channel_free_from), start[earliest], nodes[i].comm_seconds)
-        at = max(0, next((k for k in range(e, -1, -1) if start[k] <= begin), 0))
-        at = min(max(at, earliest), e)
+        held = nodes[graph.roots[i]].bytes + nodes[i].workspace  # (gloo's flat buffer, to its wait)
+        while True:
+            begin = _begin(busy, min(start[wait], channel_free_from), start[earliest], nodes[i].comm_seconds)
+            at = min(max(bisect.bisect_right(start, begin, 0, e + 1) - 1, earliest), e)
+            # Not across a step it would raise above the peak: issued after the latest such step
+            # (only the steps it would cross are looked at; after the latest, none is).
+            blocked = None if live is None or peak is None else \
+                next((k for k in range(e - 1, at - 1, -1) if live[k] + extra[k] + held > peak), None)
+            if blocked is None:
+                break
+            earliest = blocked + 1
         while at < e and _tuple_item(graph, backward[at]):
             at += 1  # (a multi-output op's outputs are taken out right after it)
         channel_free_from = min(begin, start[at])

@@ -104,6 +104,11 @@ class Timeline:
     # backward's compute did not hide. Part of ``cost``; a re-gather's own compute is in
     # ``recompute_cost``.
     exposed_comm_seconds: float = 0.0
+    # Seconds the forward waited for its all-gathers, each issued ahead of its first use
+    # (`forward_order`). Not part of ``cost``: every plan gathers every parameter in the forward,
+    # and what hides them is the forward's compute, which no decision changes (only the memory
+    # a plan leaves may stop a gather from going further ahead).
+    forward_exposed_comm_seconds: float = 0.0
 
     @property
     def cost(self) -> float:
@@ -135,9 +140,9 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
     `eager_timeline`). ``prefetch`` False: each re-gather issued where the schedule has it, not
     ahead (`with_prefetch`)."""
     _check(graph, schedule)
-    schedule, kept = _generated(graph, schedule, prefetch)
+    schedule, kept, forward, decided = _generated(graph, schedule, prefetch)
     replay = _Replay(graph, schedule, eager_frees)
-    replay.forward()
+    replay.forward(forward)
     available = replay.available()
     if kept is not None and _reads_available(graph, kept, available):
         # (The steps `prune` built, as the generated code runs them: every one kept again.)
@@ -147,21 +152,31 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
         positions = _read_events(graph, steps)  # the steps kept, by their position in the schedule
         steps = [steps[e] for e in positions]
     replay.backward(steps, positions)
+    events, forward_peak, forward_exposed = replay.events, replay.forward_peak, replay.forward_exposed_comm
+    if not decided:  # (the forward's gathers placed from this timeline, and the forward replayed so)
+        fwd = forward_set(graph, schedule.saved)
+        order = _ahead(graph, fwd, events, max(replay.forward_peak, replay.backward_peak))
+        if order is not None:
+            ahead = _Replay(graph, schedule, eager_frees)
+            ahead.forward(order)
+            events = ahead.events + [e for e in events if e[0] == "backward"]
+            forward_peak, forward_exposed = ahead.forward_peak, ahead.forward_exposed_comm
     extra_flops, extra_cost, extra_comm = _extra_work(graph, schedule, steps)
     copies = replay.d2h.copies + replay.h2d.copies
     host_peak = host_peak_bytes(copies)
     host_budget = graph.transfers.host_budget if graph.transfers is not None else None
     return Timeline(
-        peak_bytes=max(replay.forward_peak, replay.backward_peak),
-        forward_peak_bytes=replay.forward_peak,
+        peak_bytes=max(forward_peak, replay.backward_peak),
+        forward_peak_bytes=forward_peak,
         backward_peak_bytes=replay.backward_peak,
         saved_bytes=replay.saved_bytes,
         recompute_flops=extra_flops,
         recompute_cost=extra_cost,
         recompute_comm_bytes=extra_comm,
-        events=tuple(replay.events),
+        events=tuple(events),
         exposed_transfer_seconds=replay.exposed,
         exposed_comm_seconds=replay.exposed_comm,
+        forward_exposed_comm_seconds=forward_exposed,
         host_peak_bytes=host_peak,
         over_host_budget=host_budget is not None and host_peak > host_budget,
         copies=tuple(copies),
@@ -180,28 +195,57 @@ def as_generated(graph: Graph, schedule: Schedule, prefetch: bool = False) -> Sc
     return _generated(graph, schedule, prefetch)[0]
 
 
-def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False) -> tuple[Schedule, list[Step] | None]:
-    """`as_generated`'s schedule, and the steps of its backward as `backward_steps` gives them
+def forward_order(graph: Graph, schedule: Schedule) -> list[int]:
+    """The forward's steps as the generated code runs them (`fxopt.passes.recompute`): the values
+    `forward_set` computes, in graph order, with each all-gather issued ahead of its first use
+    (`fxopt.solvers.prefetch.prefetched`, as the backward's re-gathers), never across a step
+    where its bytes would raise the step's peak."""
+    generated, _, forward, decided = _generated(graph, schedule, True)
+    fwd = forward_set(graph, generated.saved)
+    if not decided:  # (as `simulate` places them: from the timeline without prefetch)
+        where = simulate(graph, generated, prefetch=False)
+        forward = _ahead(graph, fwd, where.events, where.peak_bytes)
+    return forward if forward is not None else fwd
+
+
+def _ahead(graph: Graph, fwd: list[int], events, peak: int) -> list[int] | None:
+    """The forward's steps ``fwd`` with its all-gathers issued ahead (`prefetched`), from the
+    ``events`` of a timeline with them in graph order and its ``peak``; None where none moved."""
+    live = [b for phase, name, b in events if phase == "forward" and not name.startswith("compress ")]
+    if len(live) != len(fwd) or not any(is_regather(graph, i) for i in fwd):
+        return None
+    order = list(prefetched(graph, tuple(fwd), live, peak))
+    return order if order != fwd else None
+
+
+def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False
+               ) -> tuple[Schedule, list[Step] | None, list[int] | None, bool]:
+    """`as_generated`'s schedule; the steps of its backward as `backward_steps` gives them
     (None for a schedule that OFFLOADs, or whose re-gathers the prefetch moved): `simulate`
-    replays those, not built again. A pruned
+    replays those, not built again; with ``prefetch``, the forward's order with its
+    all-gathers issued ahead (None: `forward_set`'s, nothing moved); and whether that order is
+    decided (False: the forward has gathers to place and no timeline without prefetch was made
+    for the re-gathers, so `simulate` places them from its own). A pruned
     backward keeps every step when pruned again (a kept step's copies are made by kept steps),
     so they are its steps, their copies numbered as in the backward before pruning (the
     simulator reads a copy's number as a name only)."""
     if schedule.offloaded:
-        return schedule, None
+        return schedule, None, None, True
     steps = _copies(graph, schedule.backward, None)
     kept = _read_events(graph, steps)
     pruned = schedule if len(kept) == len(schedule.backward) else \
         dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in kept))
     steps = [steps[e] for e in kept]
+    forward, decided = None, True
     if prefetch:
-        ahead = with_prefetch(graph, pruned)
+        ahead, forward, decided = _with_prefetch(graph, pruned)
         if ahead is not pruned:  # (re-gathers moved: its steps are built anew)
             pruned, steps = ahead, None
     saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
     if saved == frozenset(pruned.saved):
-        return pruned, steps
-    return dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved), steps
+        return pruned, steps, forward, decided
+    return (dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved), steps, forward,
+            decided)
 
 
 def _reads_available(graph: Graph, steps: list[Step], available: dict[int, Key]) -> bool:
@@ -221,15 +265,31 @@ def with_prefetch(graph: Graph, schedule: Schedule) -> Schedule:
     the generated code issues them (`fxopt.solvers.prefetch`), never across a step where the
     gathered bytes would raise the schedule's peak: the step holds them earlier, and no plan that
     fits its budget without the prefetch is over it with it."""
-    if schedule.offloaded or not any(is_regather(graph, i) for i in schedule.backward):
-        return schedule
+    return _with_prefetch(graph, schedule)[0]
+
+
+def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int] | None, bool]:
+    """`with_prefetch`'s schedule; the forward's order with its all-gathers issued ahead of their
+    first use the same way (None where none moved); and whether that order is decided here. Both
+    come from one timeline of the schedule without prefetch, made where re-gathers need it (else
+    `simulate` places the forward's gathers from its own timeline, the same one, and replays the
+    forward alone again): each move is checked against that timeline's peak, and a forward move
+    changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward move
+    a forward step's, so the two together raise no step above it either."""
+    if schedule.offloaded or not any(n.comm_seconds and n.kind == "forward" for n in graph.nodes):
+        return schedule, None, True
+    if not any(is_regather(graph, i) for i in schedule.backward):
+        return schedule, None, False
     where = simulate(graph, schedule, prefetch=False)
+    saved = frozenset(schedule.saved) & (read_before_recompute(graph, schedule.backward) | graph.free)
+    # (the SAVEd values the generated code keeps, as `_generated` leaves them)
+    forward = _ahead(graph, forward_set(graph, saved), where.events, where.peak_bytes)
     live = [b for phase, name, b in where.events if phase == "backward" and name != "<start>"
             and not name.startswith(("decompress ", "reload "))]
     if len(live) != len(schedule.backward):  # (a schedule `prune` would cut: as it is)
-        return schedule
+        return schedule, forward, True
     backward = prefetched(graph, schedule.backward, live, where.peak_bytes)
-    return schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)
+    return (schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)), forward, True
 
 
 def _check(graph: Graph, schedule: Schedule) -> None:
@@ -360,6 +420,7 @@ class _Replay:
         self.comm_free_at = 0.0
         self.gathering: dict[Key, float] = {}  # a re-gather's copy -> when its communication ends
         self.exposed_comm = 0.0  # seconds the backward waited for re-gathers
+        self.forward_exposed_comm = 0.0  # seconds the forward waited for gathers issued ahead
 
     def create(self, i: int, n: int) -> Key:
         graph, nodes, copy = self.graph, self.nodes, (i, n)
@@ -458,12 +519,17 @@ class _Replay:
             self.exposed += copy.end - self.now
             self.now = copy.end
 
-    def forward(self) -> None:
+    def forward(self, order: list[int] | None = None) -> None:
+        """Run the forward: `forward_set`'s values in graph order, or in ``order`` (the same values
+        with all-gathers issued ahead of their first use, `forward_order`): then each gather's
+        communication runs on the process group while the steps before its first reader compute,
+        its buffer and its scratch held from its issue, and that reader waits for what is left."""
         graph, nodes = self.graph, self.nodes
         for i, node in enumerate(nodes):
             if node.kind == "input" and not node.tangent:
                 self.forever.add(self.create(i, 0))
-        fwd = forward_set(graph, self.saved)
+        fwd = forward_set(graph, self.saved) if order is None else order
+        ahead = order is not None
         fwd_pos = {i: k for k, i in enumerate(fwd)}
         last = last_uses([j for j in nodes[i].inputs if nodes[j].kind == "forward"] for i in fwd)
         keep = self.saved | graph.forward_outputs
@@ -486,12 +552,25 @@ class _Replay:
                 offload_at.setdefault(done_with[i], []).append(i)
         peak = self.memory.bytes
         for k, i in enumerate(fwd):
+            waited = self.wait_for_gathers(i) if ahead else ()
             self.settle()
             self.create(i, 0)
             if self.eager_frees and nodes[i].eager_number_bytes:
                 self.memory.hold(("number", i), nodes[i].eager_number_bytes)
-            peak = max(peak, self.record("forward", nodes[i].name, self.memory.bytes + nodes[i].workspace))
-            self.now += nodes[i].cost - nodes[i].comm_exposed + nodes[i].comm_seconds  # (waited at once)
+            gather = ahead and is_regather(graph, i)
+            if gather:  # its scratch (gloo's flat buffer) is held while it runs, to its wait
+                self.memory.hold(("gathering", (i, 0)), nodes[i].workspace)
+            peak = max(peak, self.record("forward", nodes[i].name,
+                                         self.memory.bytes + (0 if gather else nodes[i].workspace)))
+            for key in waited:
+                self.memory.release(("gathering", key), nodes[key[0]].workspace)
+            if gather:
+                self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
+                self.gathering[(i, 0)] = self.comm_free_at
+                self.now += nodes[i].cost - nodes[i].comm_exposed
+            else:  # (a gather not issued ahead is waited for at once)
+                self.now += nodes[i].cost - nodes[i].comm_exposed + nodes[i].comm_seconds
+                self.forward_exposed_comm += nodes[i].comm_seconds
             for j in dying_at.get(k, ()):
                 self.drop(self.current.pop(j))
             self.lingering.after(i)
@@ -508,6 +587,19 @@ class _Replay:
         self.saved_bytes = (sum(nodes[r].bytes for r in held_saved)
                             + sum(nodes[i].compressed_bytes for i in self.packed & on_device)
                             + sum(nbytes for _, _, nbytes in self.in_flight))  # offloads still copying
+
+    def wait_for_gathers(self, i: int) -> list[Key]:
+        """Forward step ``i`` is about to run: wait for the all-gathers in flight it reads (the
+        time the forward stands still); the gathers waited for."""
+        waited = []
+        for j in dict.fromkeys(self.nodes[i].inputs):
+            end = self.gathering.pop((j, 0), None)
+            if end is not None:
+                waited.append((j, 0))
+                if end > self.now:
+                    self.forward_exposed_comm += end - self.now
+                    self.now = end
+        return waited
 
     def available(self) -> dict[int, Key]:
         """What the backward starts with: saved values, tangents and forward outputs (its inputs)."""

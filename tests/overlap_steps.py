@@ -1,0 +1,251 @@
+"""Communication scheduled beside compute in a sharded step, in two gloo processes, for
+tests/test_fsdp.py and benchmarks/overlap.py.
+
+`run(config, world)` spawns the processes; each builds a four-block MLP sharded with
+`fxopt.distributed.fully_shard`, takes its share of one batch and, on its own rank:
+
+  - ``forward-prefetch``: plans the step at ``BUDGET_SHARE`` of eager's predicted peak, rewrites
+    it, and reports where each block's weight gather is issued in the rewritten forward against
+    the previous block's last op (`fxopt.passes.waits.issue_gathers_ahead`); runs it under
+    ``fxopt.optimize`` and checks its loss and gradients against single-process eager, and its
+    measured peak against the plan's budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import fxopt
+from data_parallel_steps import SAFETY_STOP, configured_worker, share_of, spawn, step
+from fxopt.distributed import fsdp as sharding
+from fxopt.distributed.fsdp import held_for_gloo
+
+BATCH, WIDTH, BLOCKS = 1024, 256, 4
+BUDGET_SHARE = 0.85  # of eager's predicted peak: some recomputation, some room to gather ahead
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(BLOCKS) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())],
+                         nn.Linear(WIDTH, 1))
+
+
+class SumLoss(nn.Module):
+    """The model's output summed: the ranks' losses add up to the whole batch's, and the
+    reduce-scatters' sums over ranks to its gradients."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).sum()
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def issue_points(forward: torch.fx.GraphModule) -> list[dict]:
+    """For each block after the first: where its weight's all-gather is issued in ``forward``,
+    and where the previous block's compute ends (its ``tanh``), as node positions."""
+    nodes = list(forward.graph.nodes)
+
+    def where(op: str) -> list[int]:
+        return [k for k, n in enumerate(nodes) if getattr(n.target, "_opname", "") == op]
+
+    weights = where("all_gather_into_tensor")[0::2]  # (each Linear gathers its weight, then its bias)
+    ends = where("tanh")
+    return [{"gather": weights[b], "previous_end": ends[b - 1]} for b in range(1, len(ends) + 1)]
+
+
+def forward_prefetch(rank: int, world: int) -> dict:
+    from fxopt.plan_ahead import plan_and_rewrite
+    from fxopt.solvers.schedule import simulate
+
+    x = batch()
+    ref = mlp()
+    loss = ref(x).sum()
+    loss.backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    share = share_of((x,), rank, world)
+    eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
+    budget = int(BUDGET_SHARE * eager)
+    model = sharding.fully_shard(mlp())
+    module = SumLoss(model)
+    ready = plan_and_rewrite(module, budget, share)
+    optimized = fxopt.optimize(module, budget)
+    step(optimized, share)
+    model.zero_grad(set_to_none=True)
+    peak = fxopt.measure_peak(step, optimized, share, resident=[module])
+    total = peak.result.detach().clone()
+    held_for_gloo(total)
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, loss.detach())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(sharding.full_tensor(model, name, p.grad), ref_grads[name], msg=lambda m: f"{name}: {m}")
+    plan = optimized.plans[-1]
+    ahead, waited = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+    return {"issue_points": issue_points(ready.forward), "budget": plan.budget_bytes, "predicted": plan.peak_bytes,
+            "measured": peak.peak_bytes, "recomputed": len(plan.recomputed), "plans": len(optimized.plans),
+            "same_plan": ready.plan.fingerprint == plan.fingerprint,
+            "simulated_peak": [ahead.peak_bytes, waited.peak_bytes],
+            "forward_exposed_seconds": [ahead.forward_exposed_comm_seconds, waited.forward_exposed_comm_seconds]}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _covered(lo: float, hi: float, union: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(hi, b) - max(lo, a)) for a, b in union)
+
+
+def overlap_of(events) -> dict:
+    """Of a profiled run of `annotated_step`s, its gloo collectives (each on gloo's worker thread,
+    ``gloo:all_gather``, ``gloo:all_reduce``: the reduce-scatters,
+    `fxopt.ops.collectives.reduce_scatter`), per phase (the forward or backward annotation their
+    start falls in): how many, their ms in flight, and the ms of those during which the step's own
+    thread ran an aten op (its compute; a wait is not one)."""
+    phases = [(e.time_range.start, e.time_range.end, e.name.removeprefix(PHASE)) for e in events
+              if e.name.startswith(PHASE)]
+    thread = next(e.thread for e in events if e.name.startswith(PHASE))
+    compute = _union([(e.time_range.start, e.time_range.end) for e in events
+                      if e.thread == thread and e.name.startswith("aten::")])
+    out: dict = {}
+    for e in events:
+        if not e.name.startswith("gloo:"):
+            continue
+        lo, hi = e.time_range.start, e.time_range.end
+        phase = next((name for a, b, name in phases if a <= lo < b), "between")
+        row = out.setdefault(f"{phase} {e.name.removeprefix('gloo:')}",
+                             {"count": 0, "in_flight_ms": 0.0, "beside_compute_ms": 0.0})
+        row["count"] += 1
+        row["in_flight_ms"] += (hi - lo) / 1e3
+        row["beside_compute_ms"] += _covered(lo, hi, compute) / 1e3
+    return dict(sorted(out.items()))
+
+
+PHASE = "overlap_steps: "
+
+
+def annotated_step(module, inputs):
+    """`step`, its forward and backward annotated for the profiler (`overlap_of`)."""
+    from torch.profiler import record_function
+
+    with record_function(PHASE + "forward"):
+        loss = module(*inputs)
+    with record_function(PHASE + "backward"):
+        loss.backward()
+    return loss
+
+
+PROFILED_STEPS = 3
+
+
+def profiled(rank: int, world: int) -> dict:
+    """The step at ``BUDGET_SHARE`` of eager's predicted peak, profiled on this rank over
+    `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead
+    (``ahead``) and, for comparison, the same plan with them where captured (``at once``:
+    `fxopt.passes.recompute`'s move left out); each with `overlap_of` per step, its mean wall
+    seconds and its measured peak. Where ``OVERLAP_TRACE`` names a file (the environment's), rank
+    0's profile of the ``ahead`` steps is written there, in Chrome's trace format."""
+    import os
+    import time
+    from unittest import mock
+
+    from torch.profiler import profile
+
+    from fxopt.analysis.costs import CostModel
+    from fxopt.plan_ahead import plan_and_rewrite
+
+    share = share_of((batch(),), rank, world)
+    eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
+    budget = int(BUDGET_SHARE * eager)
+    rows = {}
+    for name in ("ahead", "at once", "ahead, priced at 0.1 GB/s"):
+        model = sharding.fully_shard(mlp())
+        module = SumLoss(model)
+        priced = {"cost_model": CostModel(comm_bytes_per_second=1e8)} if "priced" in name else {}
+        with mock.patch("fxopt.passes.recompute._issue_ahead") if name == "at once" else _nothing():
+            optimized = fxopt.optimize(module, budget, **priced)
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                step(optimized, share)
+        model.zero_grad(set_to_none=True)
+        peak = fxopt.measure_peak(step, optimized, share, resident=[module]).peak_bytes
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        with profile() as prof:
+            t0 = time.perf_counter()
+            for _ in range(PROFILED_STEPS):
+                model.zero_grad(set_to_none=True)
+                annotated_step(optimized, share)
+            seconds = (time.perf_counter() - t0) / PROFILED_STEPS
+        if os.environ.get("OVERLAP_TRACE") and rank == 0 and name == "ahead":
+            prof.export_chrome_trace(os.environ["OVERLAP_TRACE"])
+        per_step = {k: {f: round(v / PROFILED_STEPS, 2) for f, v in row.items()}
+                    for k, row in overlap_of(prof.events()).items()}
+        plan = optimized.plans[-1]
+        rows[name] = {"overlap": per_step, "step_s": round(seconds, 4), "measured": peak, "budget": plan.budget_bytes,
+                      "predicted": plan.peak_bytes, "plans": len(optimized.plans),
+                      "regathered_bytes": plan.recompute_comm_bytes, "recomputed": len(plan.recomputed)}
+    return rows
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def llama_gathers(rank: int, world: int) -> dict:
+    """FSDP2's ``fully_shard`` on the 4-layer `transformers` Llama of ``tests/fsdp_steps.py``,
+    planned at budget 1.0 and at 17,508,616 B (FSDP2-with-checkpointing's peak in
+    ``benchmarks/results/data_parallel_fsdp_llama_w2_fwdprefetch.md``), at effort 0.25: of the
+    forward's all-gathers, how many the plan issues ahead of where they were captured
+    (`fxopt.solvers.schedule.forward_order`), the simulated peak with and without, and the ms the
+    forward waits for its gathers in the simulator's clock, with and without."""
+    import fsdp_steps
+    from fxopt.plan_ahead import plan_and_rewrite
+    from fxopt.solvers.prefetch import is_regather
+    from fxopt.solvers.schedule import forward_order, simulate
+
+    hf, (ids, labels) = fsdp_steps.llama(4, 128)
+    share = share_of((ids, labels), rank, world)
+    out = {}
+    for budget in (1.0, 17_508_616):
+        plan = plan_and_rewrite(fsdp_steps.HFLoss(fsdp_steps._fsdp2_model(hf)), budget, share, effort=0.25,
+                                time_limit=600).plan
+        order = forward_order(plan.graph, plan.schedule)
+        captured = sorted(order)
+        gathers = [i for i in order if is_regather(plan.graph, i)]
+        ahead, waited = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+        out[str(budget)] = {"gathers": len(gathers), "issued_ahead": sum(order.index(i) < captured.index(i) for i in gathers),
+                            "simulated_peak": [ahead.peak_bytes, waited.peak_bytes],
+                            "forward_waits_ms": [round(ahead.forward_exposed_comm_seconds * 1e3, 3),
+                                                 round(waited.forward_exposed_comm_seconds * 1e3, 3)]}
+    return out
+
+
+CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers}
+
+
+def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:
+    return spawn(configured_worker, f"overlap_steps:{config}", world, timeout)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(run(sys.argv[1]), indent=1))
