@@ -1,3 +1,4 @@
+import os
 import warnings
 
 import pytest
@@ -29,6 +30,18 @@ SLOW_CASES = {
     "test_offload_runtime.py::test_offload_with_compression_is_bit_identical": ("cnn_bn", "gpt2_tiny"),
 }
 
+
+# Workers `-n auto` starts (pyproject's addopts): one per core this process may run on, at most
+# this many. Each holds torch, transformers and its file's models (1-3 GiB), and the tests of
+# several ranks spawn 2-4 processes more.
+MOST_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`pytest-xdist`'s ``-n auto``: the cores this process may run on, at most `MOST_WORKERS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MOST_WORKERS))
 
 def pytest_collection_modifyitems(config, items):
     """Marks `SLOW_CASES` slow (before ``-m`` deselects), and refuses an entry naming no case of a
