@@ -241,11 +241,17 @@ def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False
         ahead, forward, decided = _with_prefetch(graph, pruned)
         if ahead is not pruned:  # (re-gathers moved: its steps are built anew)
             pruned, steps = ahead, None
-    saved = frozenset(pruned.saved) & (read_before_recompute(graph, pruned.backward) | graph.free)
+    saved = _generated_saved(graph, pruned)
     if saved == frozenset(pruned.saved):
         return pruned, steps, forward, decided
     return (dataclasses.replace(pruned, saved=saved, compressed=frozenset(pruned.compressed) & saved), steps, forward,
             decided)
+
+
+def _generated_saved(graph: Graph, schedule: Schedule) -> frozenset[int]:
+    """The SAVEd values the generated code keeps: those the backward reads before it recomputes
+    them, and the free ones (`_generated`'s schedule, `_with_prefetch`'s forward)."""
+    return frozenset(schedule.saved) & (read_before_recompute(graph, schedule.backward) | graph.free)
 
 
 def _reads_available(graph: Graph, steps: list[Step], available: dict[int, Key]) -> bool:
@@ -281,8 +287,7 @@ def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int
     if not any(is_regather(graph, i) for i in schedule.backward):
         return schedule, None, False
     where = simulate(graph, schedule, prefetch=False)
-    saved = frozenset(schedule.saved) & (read_before_recompute(graph, schedule.backward) | graph.free)
-    # (the SAVEd values the generated code keeps, as `_generated` leaves them)
+    saved = _generated_saved(graph, schedule)
     forward = _ahead(graph, forward_set(graph, saved), where.events, where.peak_bytes)
     live = [b for phase, name, b in where.events if phase == "backward" and name != "<start>"
             and not name.startswith(("decompress ", "reload "))]
