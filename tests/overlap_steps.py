@@ -20,9 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fxopt
-from data_parallel_steps import SAFETY_STOP, configured_worker, share_of, spawn, step
+from data_parallel_steps import SAFETY_STOP, _check_and_measure, configured_worker, share_of, spawn, step
 from fxopt.distributed import fsdp as sharding
-from fxopt.distributed.fsdp import held_for_gloo
 
 BATCH, WIDTH, BLOCKS = 1024, 256, 4
 BUDGET_SHARE = 0.85  # of eager's predicted peak: some recomputation, some room to gather ahead
@@ -79,19 +78,13 @@ def forward_prefetch(rank: int, world: int) -> dict:
     module = SumLoss(model)
     ready = plan_and_rewrite(module, budget, share)
     optimized = fxopt.optimize(module, budget)
-    step(optimized, share)
-    model.zero_grad(set_to_none=True)
-    peak = fxopt.measure_peak(step, optimized, share, resident=[module])
-    total = peak.result.detach().clone()
-    held_for_gloo(total)
-    dist.all_reduce(total)
-    torch.testing.assert_close(total, loss.detach())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(sharding.full_tensor(model, name, p.grad), ref_grads[name], msg=lambda m: f"{name}: {m}")
+    # (the ranks' summed loss against eager's whole-batch sum; the gradients gathered whole)
+    measured = _check_and_measure(optimized, model, (x,), (loss.detach() / world, ref_grads), rank, world,
+                                  lambda: optimized.plans,
+                                  grads=lambda m: {n: sharding.full_tensor(m, n, p.grad) for n, p in m.named_parameters()})
     plan = optimized.plans[-1]
     ahead, waited = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
-    return {"issue_points": issue_points(ready.forward), "budget": plan.budget_bytes, "predicted": plan.peak_bytes,
-            "measured": peak.peak_bytes, "recomputed": len(plan.recomputed), "plans": len(optimized.plans),
+    return {"issue_points": issue_points(ready.forward), **measured, "recomputed": len(plan.recomputed),
             "same_plan": ready.plan.fingerprint == plan.fingerprint,
             "simulated_peak": [ahead.peak_bytes, waited.peak_bytes],
             "forward_exposed_seconds": [ahead.forward_exposed_comm_seconds, waited.forward_exposed_comm_seconds]}

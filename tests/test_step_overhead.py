@@ -48,9 +48,9 @@ def python_calls(fn) -> int:
     return calls
 
 
-def step_calls(model: nn.Module, optimizing: nn.Module | None = None) -> int:
-    """Python calls of one step of ``fxopt.optimize(optimizing)`` at 1.0, after two steps; by
-    default ``optimizing`` is ``model``, else a wrapper of it (a DDP)."""
+def warmed(model: nn.Module, optimizing: nn.Module | None = None):
+    """``fxopt.optimize(optimizing)`` at 1.0 and its step (a sum of its output, backward), run
+    twice; by default ``optimizing`` is ``model``, else a wrapper of it (a DDP)."""
     optimized = fxopt.optimize(model if optimizing is None else optimizing, 1.0)
     x = torch.randn(4, 8)
 
@@ -60,6 +60,13 @@ def step_calls(model: nn.Module, optimizing: nn.Module | None = None) -> int:
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         step()
+    return optimized, step
+
+
+def step_calls(model: nn.Module, optimizing: nn.Module | None = None) -> int:
+    """Python calls of one step of ``fxopt.optimize(optimizing)`` at 1.0, after two steps
+    (`warmed`)."""
+    _, step = warmed(model, optimizing)
     model.zero_grad(set_to_none=True)  # (torch's walk: not counted)
     return python_calls(step)
 
@@ -120,14 +127,11 @@ def test_a_one_graph_step_reads_nothing_resident_after_its_first_call(monkeypatc
     the fast path stops being taken, this fails. A new shape still compiles within the settings,
     and a step in pieces still reads what is resident for its reserves."""
     model = nested(1)
-    optimized = fxopt.optimize(model, 1.0)
+    optimized, step = warmed(model)
     x = torch.randn(4, 8)
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        optimized(x).sum().backward()
     steps, walked, settings = counted_work(monkeypatch)
     model.zero_grad(set_to_none=True)
-    optimized(x).sum().backward()
+    step()
     assert len(steps) == 1 and not steps[0].resident_read, steps
     n_params = len(list(model.parameters()))
     assert sum(walked) < n_params, walked  # (the graph's output alone)
@@ -197,15 +201,7 @@ def test_a_cached_one_graph_step_runs_no_python_around_its_graph(monkeypatch):
     from fxopt.capture import coverage
 
     model = nested(1)
-    optimized = fxopt.optimize(model, 1.0)
-    x = torch.randn(4, 8)
-
-    def step():
-        optimized(x).sum().backward()
-
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        step()
+    optimized, step = warmed(model)
     compiled = optimized._steps[0][1]
     walks = []
     monkeypatch.setattr(coverage, "nodes_made_since", lambda *a: walks.append(1) or iter(()))
