@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback
 from torch._guards import detect_fake_mode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -20,6 +21,10 @@ ALIAS_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 EAGER_COPIES = "fxopt_eager_copies"
 
 _SOURCE_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "partitioner_tag")
+
+# The stack trace AOTAutograd gives the ``add`` where autograd's engine sums two gradients of one
+# value (None on a torch without it: no such add is then told apart from a formula's own).
+_GRADIENT_SUM = getattr(torch.fx.traceback, "GRADIENT_ACC_SPECIAL_STACK", None)
 
 
 def aliases_input(target) -> bool:
@@ -46,6 +51,57 @@ class NodeBuilder:
                 node.meta[key] = self.meta_from.meta[key]
         self.anchor = node
         return node
+
+
+def accumulates_into(node: fx.Node) -> fx.Node | None:
+    """Where ``node`` is a sum of two gradients of one value that autograd's engine makes (the
+    ``add`` AOTAutograd traces for it), the operand eager's engine adds the other into in place,
+    or None. Eager's engine (``InputBuffer::accumulate``, grad mode off) writes the sum over the
+    gradient it holds so far, else over the new one, where it holds the last reference to that
+    tensor and its storage and the tensor is dense. Here: the first operand made in the backward
+    (a formula's output, not an incoming gradient) that nothing but ``node`` reads, its storage
+    read by nothing else either (through views, or an earlier sum written over it), with the
+    sum's shape, strides and dtype (a sum's own layout is dense). The same IEEE addition either
+    way, so the sum is bit-equal."""
+    if (_GRADIENT_SUM is None or node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor
+            or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1 or node.args[0] is node.args[1]
+            or _GRADIENT_SUM not in (node.meta.get("stack_trace") or "")
+            or not isinstance(out := node.meta.get("val"), torch.Tensor)):
+        return None
+    return next((a for a in node.args if isinstance(a, fx.Node) and _free_after(a, node) and _same_layout(a, out)),
+                None)
+
+
+def _free_after(value: fx.Node, reader: fx.Node) -> bool:
+    """Whether ``reader`` is the last use of ``value``'s storage: ``value`` is made in the backward
+    and read by ``reader`` alone, and each node it aliases (down the views, and the outputs an
+    ``out=`` op wrote over) is made in the backward and read only by the one above it."""
+    node, above = value, reader
+    while True:
+        if (node.op != "call_function" or node.meta.get("partitioner_tag") != "is_backward"
+                or set(node.users) != {above}):
+            return False
+        target = node.target
+        if aliases_input(target) and node.args and isinstance(node.args[0], fx.Node):
+            node, above = node.args[0], node
+        elif isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            written = node.kwargs.get("out")
+            if not isinstance(written, fx.Node):
+                return False
+            node, above = written, node
+        else:
+            return True
+
+
+def _same_layout(value: fx.Node, out: torch.Tensor) -> bool:
+    """Whether ``value``'s tensor has ``out``'s shape, strides and dtype, without a guard on a
+    symbolic size (a size only equal under a guard counts as different)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    val = value.meta.get("val")
+    return (isinstance(val, torch.Tensor) and val.dtype == out.dtype and val.dim() == out.dim()
+            and all(statically_known_true(a == b) for a, b in zip(val.shape, out.shape))
+            and all(statically_known_true(a == b) for a, b in zip(val.stride(), out.stride())))
 
 
 def copy_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -36,6 +36,7 @@ from fxopt.passes import masks
 from fxopt.passes.coalesce import coalesce_all_reduces
 from fxopt.passes.decompose import reduction_scratch
 from fxopt.passes.dropout import alias_identity_dropouts, recompute_dropout_from_mask
+from fxopt.passes.accumulate import sum_gradients_in_place
 from fxopt.passes.loss import loss_backward_in_place
 from fxopt.passes.reorder import in_plan_order, reorder_step
 from fxopt.solvers.plan import Plan
@@ -408,13 +409,16 @@ def _as_compiled(jg, options: Options):
 def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool, int]:
     """The rewrites planning starts from, in place: dropout recomputed from its mask, (with
     ``loss_in_place``, but not for Inductor, whose graphs are functional) the cross-entropy's
-    backward written over its incoming gradient, and (with ``compress``) ReLU's backward reading a
-    bool mask. Whether anything changed, and how many ReLU masks were made (`masks.undo_relu_masks`
+    backward written over its incoming gradient, (not for Inductor either) the sums of a value's
+    gradients written over one of them as eager's engine writes them (`passes.accumulate`), and
+    (with ``compress``) ReLU's backward reading a bool mask. Whether anything changed, and how many ReLU masks were made (`masks.undo_relu_masks`
     takes them back)."""
     dropout = recompute_dropout_from_mask(joint)
-    loss = loss_backward_in_place(joint) if options.loss_in_place and options.compiler != "inductor" else 0
+    functional = options.compiler == "inductor"
+    loss = loss_backward_in_place(joint) if options.loss_in_place and not functional else 0
+    sums = sum_gradients_in_place(joint) if not functional else 0
     relu = masks.relu_masks(joint) if options.compress else 0
-    return bool(dropout or loss or relu), relu
+    return bool(dropout or loss or sums or relu), relu
 
 
 def analyze_for_planning(joint: fx.GraphModule, num_fwd_outputs: int, options: Options,

@@ -29,7 +29,7 @@ from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
 from fxopt.devices import DeviceProfile
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
-from fxopt.fxgraph import EAGER_COPIES, tangent_dependents
+from fxopt.fxgraph import EAGER_COPIES, accumulates_into, tangent_dependents
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.policies import repeated_blocks
@@ -512,11 +512,17 @@ def _storage_root(nodes: list[Node], i: int) -> int:
 
 def _with_eager_in_place(nodes: list[Node], fx_nodes: list[fx.Node]) -> list[Node]:
     """``nodes`` with `Node.eager_in_place` where an aten formula's in-place write became a
-    functional op (`_FUNCTIONALIZED_IN_PLACE`) on a buffer the same formula made."""
+    functional op (`_FUNCTIONALIZED_IN_PLACE`) on a buffer the same formula made, and where
+    autograd's engine sums two gradients of one value over the first of them
+    (`fxopt.fxgraph.accumulates_into`; where only the second is free, eager writes over that one,
+    which is counted here as a new buffer: above eager, never below)."""
     index = {n: i for i, n in enumerate(fx_nodes)}
 
     out = list(nodes)
     for i, n in enumerate(fx_nodes):
+        if n.target is aten.add.Tensor and (into := accumulates_into(n)) is not None and into is n.args[0]:
+            out[i] = dataclasses.replace(out[i], eager_in_place=True)
+            continue
         if n.target not in _FUNCTIONALIZED_IN_PLACE or n.meta.get("partitioner_tag") != "is_backward":
             continue
         first = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
