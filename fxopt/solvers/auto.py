@@ -39,7 +39,9 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 # may get other plans and floors.
 # 24: the eager step's memory without the incoming gradients eager never gets (a step returning
 # its scalar loss beside non-scalar outputs: `fxopt.analysis.joint`): its fractions resolve lower.
-REVISION = 24
+# 25: gradient sums written in place, as eager's engine writes them (`fxopt.passes.accumulate`):
+# other graphs, and the eager step's peak lower where such a sum was its peak.
+REVISION = 25
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)
