@@ -168,8 +168,47 @@ def test_stages_of_one_structure_are_captured_once_and_planned_as_alone(schedule
     assert any(s.plan.recomputed for s in reused.stages)  # (the budget is tight enough to plan something)
     assert work["captures"] == 3  # the first stage, one of the middle two, the last
     assert alone_work["captures"] >= 4 and alone_work["planned from an earlier capture"] == 0
+    # torch splits the model with its 8 blocks cut to 6 (the first stage's, one middle's, the last's)
+    assert work["blocks split"] == 6 and alone_work["blocks split"] == 8
     if schedule == "GPipe":  # every stage holds every microbatch: stage 2 is planned as stage 1 was
         assert work["plans reused"] >= 1
+
+
+def _run(blocks: int):
+    from fxopt.capture.repeat import Run
+
+    mods = [nn.Linear(2, 2) for _ in range(blocks)]
+    return Run(nn.ModuleList(mods), tuple(str(k) for k in range(blocks)), tuple(mods))
+
+
+@pytest.mark.parametrize("blocks, spec, short_spec, stand_in, shift", [
+    # 48 blocks in 8 stages of 6: the first stage, one middle stage, the last (18 blocks)
+    (48, [(f"h.{6 * k}", "BEGINNING") for k in range(1, 8)], [("h.6", "BEGINNING"), ("h.12", "BEGINNING")],
+     (0, 1, 1, 1, 1, 1, 1, 2), (0, 0, 6, 12, 18, 24, 30, 30)),
+    # two middle spans (2 and 3 blocks) alternating: one of each kept
+    (16, [("h.3", "BEGINNING"), ("h.5", "BEGINNING"), ("h.8", "BEGINNING"), ("h.10", "BEGINNING"),
+          ("h.13", "BEGINNING")],
+     [("h.3", "BEGINNING"), ("h.5", "BEGINNING"), ("h.8", "BEGINNING")], (0, 1, 2, 1, 2, 3), (0, 0, 0, 5, 5, 5)),
+    # cuts inside a block, at one place in each: the middle stages are one
+    (12, [("h.3.attn", "END"), ("h.6.attn", "END"), ("h.9.attn", "END")],
+     [("h.3.attn", "END"), ("h.6.attn", "END")], (0, 1, 1, 2), (0, 0, 3, 3)),
+    # a middle stage that starts and ends at different places in its block is kept
+    (12, [("h.3", "BEGINNING"), ("h.6.attn", "END"), ("h.9.attn", "END")], None, None, None),
+    # a cut outside the run: no short split
+    (12, [("h.3", "BEGINNING"), ("ln_f", "BEGINNING")], None, None, None),
+])
+def test_a_short_split_keeps_one_stage_of_each_kind(blocks, spec, short_spec, stand_in, shift):
+    """`ShortSplit`: the stages torch's split makes on the model with its run cut short, and which
+    stands in for each stage of the whole split, how many blocks on (hand-worked); None where no
+    block would be left out or a cut is outside the run."""
+    from fxopt.distributed.pipeline import ShortSplit
+
+    short = ShortSplit.of(_run(blocks), "h", spec)
+    if short_spec is None:
+        assert short is None
+        return
+    assert (list(short.spec), short.stand_in, short.shift) == (short_spec, stand_in, shift)
+    assert short.blocks == blocks - shift[-1]
 
 
 def test_stage_structure_tells_parts_apart():

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_map_only
 
 from fxopt.api import FxoptModule
 from fxopt.budget import Budget, BudgetLike
+from fxopt.capture.repeat import Run, repeated_run
 from fxopt.errors import CaptureError, FxoptError, InfeasibleBudgetError, check_choice
 from fxopt.fxgraph import module_name
 from fxopt.options import Options
@@ -267,6 +268,97 @@ def _stage_modules(pipe, single_output: bool) -> list[StageModule]:
     return stages
 
 
+# ---------------------------------------------------------------- the split of a shorter model
+
+# The fewest identical blocks in a run for the split to be made with the run cut short.
+SHORT_SPLIT_FROM = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortSplit:
+    """A split whose stages are made by torch's ``pipeline()`` on the model with its run of
+    identical blocks (`fxopt.capture.repeat.repeated_run`) cut to its first ``blocks``: a
+    middle stage that spans the blocks another one does, cut alike at both ends, is that one
+    ``shift`` blocks on, and is left out. 48 GPT-2 blocks in 8 stages of 6:
+
+        the whole, cut at h.6, h.12, ..., h.42:   wte h.0-5 | h.6-11 | h.12-17 | ... | h.42-47 ln_f
+        the short one, 18 blocks, at h.6, h.12:   wte h.0-5 | h.6-11 | h.12-17 ln_f
+        stand_in: 0 1 1 1 1 1 1 2      shift: 0 0 6 12 18 24 30 30
+
+    torch traces 18 blocks, not 48 (its export and split grow with the blocks). A stage's
+    stand-in has its graph, but for the blocks its modules are: the blocks are identical (one
+    class, parameters, attributes, no hooks: `repeated_run`), and a cut falls at the same place
+    in its block. Where a cut is not inside the run, no shorter model holds every stage (`of`:
+    None). The stand-in's plan is the stage's, its module paths moved by ``shift`` blocks
+    (`_shifted_pairs`); each rank splits the whole model (`build_schedule`), where the plan's
+    graph is checked against the one captured (the plan's fingerprint)."""
+
+    spec: tuple[tuple[str, str], ...]  # the short model's split points
+    blocks: int  # the run's blocks the short model keeps (its first)
+    stand_in: tuple[int, ...]  # per stage of the whole split: the short split's stage standing in for it
+    shift: tuple[int, ...]  # per stage: how many blocks on from its stand-in's its blocks are
+
+    @classmethod
+    def of(cls, run: Run, path: str, spec: Sequence[tuple[str, str]]) -> ShortSplit | None:
+        """The short split for ``spec`` (split points of the whole model), the run being the
+        children of the module at ``path``; None where every cut is not in the run, or no block
+        would be left out."""
+        cuts = []  # per cut: (its block in the run, its module within the block, its kind)
+        for fqn, kind in spec:
+            block, within = _in_run(fqn, run, path)
+            if block is None:
+                return None
+            cuts.append((block, within, kind))
+        # Middle stage s (between cuts s-1 and s): left out where one before it spans as many
+        # blocks between the same kinds of cut, and it starts as it ends (so the cuts around it chain).
+        kept: dict[tuple, int] = {}
+        short = [cuts[0]]
+        stand_in, shift = [0], [0]
+        for s in range(1, len(cuts)):
+            (a, *start), (b, *end) = cuts[s - 1], cuts[s]
+            kind = (b - a, *start, *end)
+            if kind in kept and start == end:
+                t = kept[kind]
+                stand_in.append(t)
+                shift.append(a - short[t - 1][0])
+                continue
+            kept.setdefault(kind, len(short))
+            stand_in.append(len(short))
+            shift.append(a - short[-1][0])
+            short.append((short[-1][0] + b - a, *end))
+        stand_in.append(len(short))
+        shift.append(cuts[-1][0] - short[-1][0])
+        blocks = len(run.keys) - shift[-1]
+        if blocks >= len(run.keys):
+            return None
+        spec_short = tuple((_run_module(run, path, b, within), kind) for b, within, kind in short)
+        return cls(spec_short, blocks, tuple(stand_in), tuple(shift))
+
+
+def _in_run(fqn: str, run: Run, path: str) -> tuple[int | None, str]:
+    """The block of the run at ``path`` that the module ``fqn`` is or is in, and its name within
+    that block; (None, "") outside the run."""
+    prefix = f"{path}." if path else ""
+    key, _, within = fqn.removeprefix(prefix).partition(".")
+    if not fqn.startswith(prefix) or key not in run.keys:
+        return None, ""
+    return run.keys.index(key), within
+
+
+def _run_module(run: Run, path: str, block: int, within: str) -> str:
+    return ".".join(p for p in (path, run.keys[block], within) if p)
+
+
+def _shifted_pairs(part: nn.Module, run: Run, path: str, shift: int) -> dict[str, str]:
+    """Each module ``part``'s graphs call (`_module_pairs`) -> the one ``shift`` blocks on in the
+    run at ``path`` (the same module for one outside the run)."""
+    pairs = {}
+    for name in _module_pairs(part, part):
+        block, within = _in_run(name, run, path)
+        pairs[name] = name if block is None else _run_module(run, path, block + shift, within)
+    return pairs
+
+
 # ---------------------------------------------------------------- planning
 
 def _specs(values: Sequence[Any], grads: bool) -> tuple[TensorSpec, ...]:
@@ -303,6 +395,11 @@ class _StagePlanner:
         self.return_outputs = return_outputs
         self.single_output = last.single_output
         self.splits: dict[tuple[int, ...], tuple[list[StageModule], list[tuple], list[tuple]]] = {}
+        # A run of identical blocks (the split made with it cut short, `ShortSplit`), and per split
+        # the blocks each stage's paths move from the stage standing in for it.
+        self.run = repeated_run(model, least=SHORT_SPLIT_FROM)
+        self.run_path = next((n for n, m in model.named_modules() if m is self.run.holder), None) if self.run else None
+        self.shifts: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.plans: dict[tuple[tuple[int, ...], int], Any] = {}
         self.given: dict[tuple[int, ...], list[tuple[str, str]]] = {}  # cuts -> the split points asked for
         # One entry per stage structure captured: (structure, the part captured, its `plan_each` planner).
@@ -310,16 +407,23 @@ class _StagePlanner:
         # (structure's entry, the options' solver key with the budget and what is held) -> plan or error
         self.solved: dict[tuple, Any] = {}
         # Counted work: stage parts captured, plans made from a capture made before, plans reused.
-        self.work = {"captures": 0, "planned from an earlier capture": 0, "plans reused": 0}
+        # "blocks split": the run's blocks in the models torch's split traced.
+        self.work = {"captures": 0, "planned from an earlier capture": 0, "plans reused": 0, "blocks split": 0}
 
     def spec(self, cuts: tuple[int, ...]) -> list[tuple[str, str]]:
         return self.given.get(cuts) or self.points.spec([self.cut.points[c].position for c in cuts])
 
     def modules(self, cuts: tuple[int, ...]) -> tuple[list[StageModule], list[tuple], list[tuple]]:
-        """The stage modules of a split, each one's inputs for the first microbatch and its outputs."""
+        """The stage modules of a split, each one's inputs for the first microbatch and its outputs:
+        a stage's own, or, where the split is made on the model with its run of blocks cut short
+        (`ShortSplit`), those of the stage standing in for it (`self.shifts`: by how many blocks
+        its modules' paths move)."""
         if cuts not in self.splits:
             spec = self.spec(cuts)
-            stages = split_model(self.model, self.mb_args, spec, self.single_output)
+            short = ShortSplit.of(self.run, self.run_path, spec) if self.reuse_same_stages and self.run is not None else None
+            stages = self._split(spec, short)
+            if stages is None:
+                short, stages = None, self._split(spec, None)
             inputs, outputs, x = [], [], tuple(self.mb_args)
             with torch.no_grad():
                 for k, stage in enumerate(stages):
@@ -327,8 +431,23 @@ class _StagePlanner:
                     out = stage(*inputs[-1])
                     x = out if isinstance(out, tuple) else (out,)
                     outputs.append(x)
+            if short is not None:
+                stages, inputs, outputs = ([every[t] for t in short.stand_in] for every in (stages, inputs, outputs))
+            self.shifts[cuts] = short.shift if short is not None else (0,) * len(stages)
             self.splits[cuts] = (stages, inputs, outputs)
         return self.splits[cuts]
+
+    def _split(self, spec: list[tuple[str, str]], short: ShortSplit | None) -> list[StageModule] | None:
+        """torch's split of the model at ``spec``, or with ``short``, of the model with its run cut
+        short at ``short.spec`` (None where torch cannot split that one: the whole is split)."""
+        self.work["blocks split"] += short.blocks if short is not None else len(self.run.keys) if self.run else 0
+        if short is None:
+            return split_model(self.model, self.mb_args, spec, self.single_output)
+        try:
+            with self.run.cut_to(short.blocks):
+                return split_model(self.model, self.mb_args, short.spec, self.single_output)
+        except (FxoptError, RuntimeError):  # (a model whose forward needs every block: split whole)
+            return None
 
     def in_flight(self, s: int, part: nn.Module, inputs: tuple, outputs: tuple) -> InFlight:
         """What the device of stage ``s`` holds beside one microbatch (`runtime_fixed`); on the
@@ -350,6 +469,10 @@ class _StagePlanner:
         in_flight = self.in_flight(s, stage.part, inputs[s], outputs[s])
         options = dataclasses.replace(self.options, budget=Budget(bytes=budget), in_flight=in_flight)
         plan = self._plan(stage.part, stage.part_inputs(inputs[s]), options)
+        shift = self.shifts[split.cuts][s]
+        if shift:  # (planned on the stage standing in for this one: its modules' paths moved on)
+            pairs = _shifted_pairs(stage.part, self.run, self.run_path, shift)
+            plan = dataclasses.replace(plan, module_paths=_moved_paths_by(plan.module_paths, pairs))
         self.plans[(split.cuts, s)] = plan
         timeline = plan.timeline()
         graph = plan.graph
@@ -489,7 +612,11 @@ def _moved_paths(paths: Sequence[str], captured: nn.Module, part: nn.Module) -> 
     as it records them capturing ``part``, which has its structure: each path's modules replaced
     by the ones ``part`` calls in their place (`_module_pairs`), one name at a time; every path
     read back (`module_name`) to the module it must name; `_NotMoved` where one is not."""
-    pairs = _module_pairs(captured, part)
+    return _moved_paths_by(paths, _module_pairs(captured, part))
+
+
+def _moved_paths_by(paths: Sequence[str], pairs: dict[str, str]) -> tuple[str, ...]:
+    """``paths`` with each module replaced by the one ``pairs`` names in its place (`_moved_paths`)."""
     moved: dict[str, str] = {"": ""}
     out = []
     for path in paths:
