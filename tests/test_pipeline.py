@@ -211,6 +211,33 @@ def test_a_short_split_keeps_one_stage_of_each_kind(blocks, spec, short_spec, st
     assert short.blocks == blocks - shift[-1]
 
 
+def test_a_stage_whose_paths_do_not_move_is_planned_on_its_own_part(monkeypatch):
+    """A stand-in's module paths that cannot be moved to its stage's blocks (not seen: here no
+    module given in their place): that stage is captured from torch's split of the whole model,
+    and its plan is the one the move would have given."""
+    import fxopt.distributed.pipeline as pipeline
+
+    def planned():
+        fxopt.cache.lowest_peaks.clear()
+        made = []
+        init = pipeline._StagePlanner.__init__
+        monkeypatch.setattr(pipeline._StagePlanner, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+        torch.manual_seed(0)
+        model, (idx,) = gpt2_lm(layers=8, dim=16, heads=2, seq=8, batch=8, vocab=32)
+        plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=4, microbatches=4,
+                              budget=0.6, solver="greedy",
+                              split_points=[("h.2", "BEGINNING"), ("h.4", "BEGINNING"), ("h.6", "BEGINNING")])
+        monkeypatch.setattr(pipeline._StagePlanner, "__init__", init)
+        return plan, made[0].work
+
+    moved, work = planned()
+    monkeypatch.setattr(pipeline, "_shifted_pairs", lambda *args: {})
+    own, own_work = planned()
+    assert _plan_without_timings(own) == _plan_without_timings(moved)
+    # stages 2 and 3 stand in shifted: each captured from the whole split (8 blocks more split)
+    assert own_work["captures"] == work["captures"] + 2 and own_work["blocks split"] == work["blocks split"] + 8
+
+
 def test_stage_structure_tells_parts_apart():
     """`stage_structure`: equal for the two middle stages of a uniform stack, not for the first,
     another width or other inputs; None for a part that is not an fx graph (its code is not read).

@@ -8,7 +8,8 @@
 `pipeline` captures one microbatch's step (the model and the loss) as the planner does, gives its
 solver graph to the cut solver (`fxopt.solvers.stages`: cut points, the DP, the memory of a stage
 on its device under the schedule), builds the stage modules of the DP's cuts with
-`torch.distributed.pipelining.pipeline` (a `SplitPoint` at the module boundary each cut falls on),
+`torch.distributed.pipelining.pipeline` (a `SplitPoint` at the module boundary each cut falls on;
+on the model with its run of identical blocks cut to one stage of each kind, `ShortSplit`),
 captures each stage module and plans it with `solve_stage` within the per-device budget: its own
 microbatch planned, the other microbatches in flight reserved. A stage that does not fit sends the
 DP back with a margin. The result, a `PipelinePlan`, is JSON: plan once, replay on every rank.
@@ -383,9 +384,14 @@ class _StagePlanner:
     microbatches in flight, and its plan's module paths moved to its own modules (`_moved_paths`,
     checked by reading them back). Where its budget and what it holds beside are those of a stage
     planned before, that plan is its plan. Either way its plan is the one capturing it would make
-    (the same graph, names included, and the same solve: the solvers count effort, not time)."""
+    (the same graph, names included, and the same solve: the solvers count effort, not time).
+    Where the model holds a run of identical blocks, the stages are built by torch's split of the
+    model with the run cut short (`ShortSplit`: torch traces the blocks of one stage of each kind,
+    the others are those stand-ins with their paths moved by whole blocks); where a path does not
+    move, that stage is captured from torch's split of the whole model."""
 
-    # Plan a stage from the capture of a stage with the same structure (off: capture every stage).
+    # Plan a stage from the capture of a stage with the same structure, the split made with the
+    # run cut short (off: split the whole model, capture every stage).
     reuse_same_stages = True
 
     def __init__(self, model, mb_args, last: _LastStage, points: SplitPoints, cut: CutModel, budget: int | None,
@@ -400,6 +406,7 @@ class _StagePlanner:
         self.run = repeated_run(model, least=SHORT_SPLIT_FROM)
         self.run_path = next((n for n, m in model.named_modules() if m is self.run.holder), None) if self.run else None
         self.shifts: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.whole: dict[tuple[int, ...], list[StageModule]] = {}  # torch's split of the whole, where one is made too
         self.plans: dict[tuple[tuple[int, ...], int], Any] = {}
         self.given: dict[tuple[int, ...], list[tuple[str, str]]] = {}  # cuts -> the split points asked for
         # One entry per stage structure captured: (structure, the part captured, its `plan_each` planner).
@@ -472,7 +479,14 @@ class _StagePlanner:
         shift = self.shifts[split.cuts][s]
         if shift:  # (planned on the stage standing in for this one: its modules' paths moved on)
             pairs = _shifted_pairs(stage.part, self.run, self.run_path, shift)
-            plan = dataclasses.replace(plan, module_paths=_moved_paths_by(plan.module_paths, pairs))
+            try:
+                plan = dataclasses.replace(plan, module_paths=_moved_paths_by(plan.module_paths, pairs))
+            except _NotMoved:  # (not seen) its own part, of torch's split of the whole model
+                if split.cuts not in self.whole:
+                    self.whole[split.cuts] = self._split(self.spec(split.cuts), None)
+                part = self.whole[split.cuts][s].part
+                self.work["captures"] += 1
+                plan = plan_and_rewrite(part, options, stage.part_inputs(inputs[s])).plan
         self.plans[(split.cuts, s)] = plan
         timeline = plan.timeline()
         graph = plan.graph
