@@ -82,6 +82,35 @@ def test_every_stage_is_planned_with_the_options_given(monkeypatch):
         fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget=0.9, sovler="greedy")
 
 
+def test_forwards_run_for_their_shapes_run_on_one_thread():
+    """The eager forwards `fxopt.pipeline` runs only for what they make (the model's output for
+    the loss, each stage's output for the next stage's capture) run without autograd on one torch
+    thread (on a busy machine torch's threads wait on each other at every small op); the threads
+    torch was given are given back."""
+
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+            self.calls: list[int] = []
+
+        def forward(self, x):
+            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                self.calls.append(torch.get_num_threads())
+            return self.net(x)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        model = Counted()
+        fxopt.pipeline(model, (torch.randn(8, 8),), stages=2, microbatches=2, budget=0.95, solver="greedy")
+        assert model.calls and set(model.calls) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("split_points", [None, [("2", "BEGINNING")]])
 def test_min_plans_at_the_smallest_budget_an_infeasible_one_names(split_points):
     """``budget="min"`` (refused before: issue 24's "every named minimum plans", on the pipeline's
