@@ -131,17 +131,17 @@ def _same_read(a: tuple, b: tuple) -> bool:
 
 def _eager_saves_read(fx_nodes: list[fx.Node], backward: set[fx.Node], gradients: list) -> tuple:
     """What `eager_saves` reads of the step: the nodes it may run (not the backward's), the
-    backward formulas (their autograd numbers) and the gradients returned."""
+    backward formulas (their autograd numbers) and which primals get a gradient (not the nodes
+    that make them: a rewrite of the backward may make one anew, `fxopt.passes.accumulate`)."""
     forward = tuple((n, _node_read(n)) for n in fx_nodes if n not in backward)
     formulas = frozenset(n.meta.get("seq_nr") for n in backward
                          if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward")
-    return forward, formulas, tuple(gradients)
+    return forward, formulas, tuple(g is not None for g in gradients)
 
 
 def _same_saves_read(a: tuple, b: tuple) -> bool:
     (forward_a, formulas_a, grads_a), (forward_b, formulas_b, grads_b) = a, b
-    return (formulas_a == formulas_b and len(grads_a) == len(grads_b) and all(x is y for x, y in zip(grads_a, grads_b))
-            and len(forward_a) == len(forward_b)
+    return (formulas_a == formulas_b and grads_a == grads_b and len(forward_a) == len(forward_b)
             and all(m is n and _same_read(r, q) for (m, r), (n, q) in zip(forward_a, forward_b)))
 
 
