@@ -90,6 +90,55 @@ def forward_prefetch(rank: int, world: int) -> dict:
             "forward_exposed_seconds": [ahead.forward_exposed_comm_seconds, waited.forward_exposed_comm_seconds]}
 
 
+def scatter_points(backward: torch.fx.GraphModule) -> list[dict]:
+    """For each gradient's reduce-scatter in ``backward``: where it is issued
+    (``fxopt::reduce_scatter_issue``, or ``fxopt::reduce_scatter`` where it is waited for at once)
+    and waited for (``fxopt::reduce_scatter_wait``), and the compute ops (``mm``, ``addmm``,
+    ``tanh_backward``) between, as node positions."""
+    nodes = list(backward.graph.nodes)
+    kind = [getattr(n.target, "_opname", n.op) for n in nodes]
+    waits = {n.args[0]: k for k, n in enumerate(nodes) if kind[k] == "reduce_scatter_wait"}
+    out = []
+    for k, n in enumerate(nodes):
+        if kind[k] in ("reduce_scatter_issue", "reduce_scatter"):
+            w = waits.get(n, k)
+            out.append({"issue": k, "wait": w,
+                        "compute_between": sum(c in ("mm", "addmm", "tanh_backward") for c in kind[k + 1:w])})
+    return out
+
+
+def reduce_scatter_waits(rank: int, world: int) -> dict:
+    """The step at ``BUDGET_SHARE`` of eager's predicted peak, rewritten: where each gradient's
+    reduce-scatter is issued and waited for in the backward (`scatter_points`), the simulated
+    peak with and without the waits moved (`fxopt.solvers.prefetch.prefetched`) and the seconds
+    the backward waits for its reduce-scatters in the simulator's clock; run under
+    ``fxopt.optimize``, its loss and gradients checked against single-process eager and its
+    measured peak against the plan (`_check_and_measure`)."""
+    from fxopt.plan_ahead import plan_and_rewrite
+    from fxopt.solvers.schedule import simulate
+
+    x = batch()
+    ref = mlp()
+    loss = ref(x).sum()
+    loss.backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    share = share_of((x,), rank, world)
+    eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
+    budget = int(BUDGET_SHARE * eager)
+    model = sharding.fully_shard(mlp())
+    module = SumLoss(model)
+    ready = plan_and_rewrite(module, budget, share)
+    optimized = fxopt.optimize(module, budget)
+    measured = _check_and_measure(optimized, model, (x,), (loss.detach() / world, ref_grads), rank, world,
+                                  lambda: optimized.plans,
+                                  grads=lambda m: {n: sharding.full_tensor(m, n, p.grad) for n, p in m.named_parameters()})
+    plan = optimized.plans[-1]
+    later, at_once = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+    return {"scatter_points": scatter_points(ready.backward), **measured, "same_plan": ready.plan.fingerprint == plan.fingerprint,
+            "simulated_peak": [later.peak_bytes, at_once.peak_bytes],
+            "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for lo, hi in sorted(intervals):
@@ -230,7 +279,8 @@ def llama_gathers(rank: int, world: int) -> dict:
     return out
 
 
-CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers}
+CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers,
+           "reduce-scatter-waits": reduce_scatter_waits}
 
 
 def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:

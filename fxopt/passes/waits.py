@@ -95,10 +95,22 @@ def wait_for_release(graph: fx.Graph) -> fx.Graph:
             with graph.inserting_after(wait):
                 graph.call_function(torch.ops.fxopt.released.default, (wait,))
         elif source.target._opname == "reduce_scatter_tensor" and len(source.users) == 1:
-            with graph.inserting_before(source):
-                both = graph.call_function(torch.ops.fxopt.reduce_scatter.default, source.args)
-            both.meta.update(wait.meta)
-            wait.replace_all_uses_with(both)
+            if source.next is wait:  # (waited for where issued: one op)
+                with graph.inserting_before(source):
+                    both = graph.call_function(torch.ops.fxopt.reduce_scatter.default, source.args)
+                both.meta.update(wait.meta)
+                wait.replace_all_uses_with(both)
+            else:  # (waited for later: issued here, waited for there)
+                _, _, group_size, group_name = source.args
+                with graph.inserting_before(source):
+                    issue = graph.call_function(torch.ops.fxopt.reduce_scatter_issue.default, source.args)
+                if "val" in source.args[0].meta:  # (the copy: the input's shape and dtype)
+                    issue.meta["val"] = source.args[0].meta["val"]
+                with graph.inserting_before(wait):
+                    done = graph.call_function(torch.ops.fxopt.reduce_scatter_wait.default,
+                                               (issue, group_size, group_name))
+                done.meta.update(wait.meta)
+                wait.replace_all_uses_with(done)
             graph.erase_node(wait)
             graph.erase_node(source)
     return graph

@@ -113,24 +113,59 @@ def holds_group(graph: Graph, i: int) -> bool:
     return n.kind == "backward" and n.comm_seconds > 0
 
 
+def reduce_wait(graph: Graph, i: int) -> int | None:
+    """The wait of node ``i``, where ``i`` is a collective of the backward (`holds_group`: a
+    gradient's reduce-scatter) read by nothing but its wait, which returns the collective's
+    output (the same storage, `Graph.roots`): the generated code may wait for it later than it
+    was traced (`prefetched`). None otherwise."""
+    if not holds_group(graph, i) or len(graph.users[i]) != 1:
+        return None
+    w = graph.users[i][0]
+    return w if graph.roots[w] == graph.roots[i] and graph.nodes[w].kind == "backward" else None
+
+
 def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
                peak: int | None = None) -> tuple[int, ...]:
     """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.with_prefetch`; or the
     forward's steps, `fxopt.solvers.schedule.forward_order`) with each re-gather (each gather)
-    moved ahead of its wait as far as hides its communication (see the module), and no
-    further than keeps every step it moves across within ``peak``: ``live[k]``, the bytes live
-    while step k runs with the re-gathers where ``backward`` has them, plus the gathered bytes
-    moved across it, at most ``peak`` (None: no limit)."""
-    nodes = graph.nodes
+    moved ahead of its wait as far as hides its communication (see the module), and each
+    reduce-scatter's wait moved back, towards the first step that reads what it returns, as far
+    as the memory it holds in flight allows (`_wait_points`); neither further than keeps every
+    step it moves across within ``peak``: ``live[k]``, the bytes live while step k runs with the
+    collectives where ``backward`` has them, plus the bytes moved across it, at most ``peak``
+    (None: no limit). The re-gathers are placed first: their exposed time is part of a plan's
+    cost, the reduce-scatters' is not (every plan reduces every gradient)."""
     regathers = [e for e, i in enumerate(backward) if is_regather(graph, i)]
-    if not regathers:
+    waits = [(e, _wait_of(graph, backward, e)) for e, i in enumerate(backward) if reduce_wait(graph, i) is not None]
+    if not regathers and not waits:
         return backward
+    extra = [0] * len(backward)  # bytes moved across each step: gathered, or held in flight
+    issue_at = _issue_points(graph, backward, regathers, live, peak, extra) if regathers else {}
+    wait_at = _wait_points(graph, backward, waits, live, peak, extra)
+    moved = {}
+    for e in sorted(wait_at):
+        moved.setdefault(wait_at[e], []).append(e)
+    for e in sorted(issue_at):
+        moved.setdefault(issue_at[e], []).append(e)
+    order: list[int] = []
+    for k, i in enumerate(backward):
+        order.extend(backward[e] for e in moved.get(k, ()))
+        if k not in issue_at and k not in wait_at:
+            order.append(i)
+    order.extend(backward[e] for e in moved.get(len(backward), ()))
+    return tuple(order)
+
+
+def _issue_points(graph: Graph, backward: tuple[int, ...], regathers: list[int], live: list[int] | None,
+                  peak: int | None, extra: list[int]) -> dict[int, int]:
+    """The position each re-gather (by its position in ``backward``) is issued before (see
+    `prefetched`), its gathered bytes added to ``extra`` at each step it moves across."""
+    nodes = graph.nodes
     # When each step starts if nothing stood still: compute only (a re-gather's issue costs its
     # compute; its communication runs beside).
     seconds = [nodes[i].cost - nodes[i].comm_exposed for i in backward]
     start = list(itertools.accumulate(seconds, initial=0.0))
     busy = [(start[k], start[k + 1]) for k, i in enumerate(backward) if holds_group(graph, i)]
-    extra = [0] * len(backward)  # gathered bytes moved across each step
     issue_at: dict[int, int] = {}  # position of a re-gather -> position it is issued before
     channel_free_from = float("inf")
     for e in sorted(regathers, key=lambda e: -_wait_of(graph, backward, e)):
@@ -152,16 +187,56 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
         channel_free_from = min(begin, start[at])
         issue_at[e] = at
         for k in range(at, e):
-            extra[k] += nodes[graph.roots[i]].bytes + nodes[i].workspace
-    order: list[int] = []
-    moved = {at: [] for at in issue_at.values()}
-    for e in sorted(issue_at):
-        moved[issue_at[e]].append(e)
-    for k, i in enumerate(backward):
-        order.extend(backward[e] for e in moved.get(k, ()))
-        if k not in issue_at:
-            order.append(i)
-    return tuple(order)
+            extra[k] += held
+    return issue_at
+
+
+def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int, int]], live: list[int] | None,
+                 peak: int | None, extra: list[int]) -> dict[int, int]:
+    """For each (collective, its wait) of ``waits`` (positions in ``backward``), the position the
+    wait moves before, where it moves at all: as late as the first step that reads what it returns
+    (the end, for a gradient nothing reads), never before a multi-output op's outputs are taken
+    out, and no further than keeps each step it moves across, and the step after it, within
+    ``peak`` with the bytes the collective holds until its wait (`Node.lingers`: gloo's copy of
+    the whole gradient) added where ``live`` does not count them already: ``live`` holds the copy
+    through the wait of the next collective that lingers, or to the end
+    (`fxopt.solvers.liveness.Lingering`, which the simulator follows with the wait moved: the copy
+    is freed after both waits), so up to there the move is free. Those bytes are added to
+    ``extra`` at each step it moves across past that point."""
+    n = len(backward)
+    through = _lingering_through(graph, backward)
+    wait_at: dict[int, int] = {}
+    for e, w in waits:
+        held = graph.nodes[backward[e]].lingers
+        last = through.get(e, w)
+        reader = _wait_of(graph, backward, w)
+        q = w + 1
+        while q < reader and all(k <= last or live is None or peak is None or live[k] + extra[k] + held <= peak
+                                 for k in (q, min(q + 1, n - 1))):
+            q += 1
+        while q > w + 1 and q < n and _tuple_item(graph, backward[q]):
+            q -= 1
+        if q > w + 1:
+            wait_at[w] = q
+            for k in range(max(last + 1, w + 1), q):
+                extra[k] += held
+    return wait_at
+
+
+def _lingering_through(graph: Graph, backward: tuple[int, ...]) -> dict[int, int]:
+    """For each collective that lingers (`Node.lingers`), by its position in ``backward``: the last
+    position at which `fxopt.solvers.liveness.Lingering` still holds its bytes with each wait where
+    ``backward`` has it (the wait of the next one that lingers; the last step for the last)."""
+    lingering = [e for e, i in enumerate(backward) if graph.nodes[i].lingers]
+    out = {}
+    for e, after in zip(lingering, lingering[1:] + [None]):
+        if after is None:
+            out[e] = len(backward) - 1
+        elif graph.users[backward[after]]:
+            out[e] = min(_wait_of(graph, backward, after), len(backward) - 1)
+        else:
+            out[e] = after
+    return out
 
 
 def _begin(busy: list[tuple[float, float]], end: float, first: float, seconds: float) -> float:
