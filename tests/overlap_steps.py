@@ -197,9 +197,10 @@ PROFILED_STEPS = 3
 
 def profiled(rank: int, world: int) -> dict:
     """The step at ``BUDGET_SHARE`` of eager's predicted peak, profiled on this rank over
-    `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead
-    (``ahead``) and, for comparison, the same plan with them where captured (``at once``:
-    `fxopt.passes.recompute`'s move left out); each with `overlap_of` per step, its mean wall
+    `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead and its
+    reduce-scatters waited for later (``ahead``) and, for comparison, the same plan with the
+    gathers where captured (``at once``: `fxopt.passes.recompute`'s move left out), or each
+    reduce-scatter waited for where issued (`fxopt.solvers.prefetch`'s move left out); each with `overlap_of` per step, its mean wall
     seconds and its measured peak. Where ``OVERLAP_TRACE`` names a file (the environment's), rank
     0's profile of the ``ahead`` steps is written there, in Chrome's trace format."""
     import os
@@ -215,11 +216,12 @@ def profiled(rank: int, world: int) -> dict:
     eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
     budget = int(BUDGET_SHARE * eager)
     rows = {}
-    for name in ("ahead", "at once", "ahead, priced at 0.1 GB/s"):
+    for name in ("ahead", "at once", "reduce-scatters waited at once", "ahead, priced at 0.1 GB/s"):
         model = sharding.fully_shard(mlp())
         module = SumLoss(model)
         priced = {"cost_model": CostModel(comm_bytes_per_second=1e8)} if "priced" in name else {}
-        with mock.patch("fxopt.passes.recompute._issue_ahead") if name == "at once" else _nothing():
+        with mock.patch("fxopt.passes.recompute._issue_ahead") if name == "at once" else \
+                mock.patch("fxopt.solvers.prefetch._wait_points", return_value={}) if "reduce" in name else _nothing():
             optimized = fxopt.optimize(module, budget, **priced)
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
