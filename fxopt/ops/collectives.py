@@ -19,6 +19,10 @@ still held a 256 KiB copy after the next reduce-scatter's wait). `reduce_scatter
 functional reduce-scatter's and its wait's place: it makes that copy itself, all-reduces it in place
 (as gloo does), waits until the worker thread has let go of it (`released`), and returns this
 rank's chunk. The same bytes, at the same moments as the plan counts them (`Node.lingers`).
+Where the plan waits for a reduce-scatter later than it issues it (`fxopt.solvers.prefetch`), the
+two halves run apart: `reduce_scatter_issue` makes the copy and issues its all-reduce, and
+`reduce_scatter_wait` waits for it, and for gloo to let go of it, and returns the chunk; the copy
+(the whole gradient) lives from the one to the other, as the simulator counts it.
 """
 
 from __future__ import annotations

@@ -48,8 +48,28 @@ reads it and waits at once, so the step stood still for each; issued ahead, the 
 gather runs while this block computes. No collective holds the process group there but the
 gathers themselves, and the bound is the same (no step raised above the schedule's peak).
 
-What is left out: a step with OFFLOAD keeps its gathers and re-gathers where the schedule puts
-them (its reload points are positions in that schedule).
+The gradients' reduce-scatters are waited for later than they are issued, too (`_wait_points`):
+the joint graph traces each with its wait right after it, so the backward stood still for every
+gradient's reduction. Each is issued where the schedule has it, as soon as its gradient is
+complete, and its wait moves towards the first step that reads the shard it returns (the end of
+the backward, for a gradient nothing reads; mixed precision's cast to the shard's dtype), as far
+as the memory allows: on gloo the collective holds a copy of the whole gradient from its issue to
+its wait (`Node.lingers`; gloo reduces in it), and the wait crosses no step where that copy would
+raise the schedule's peak. The schedule without the move already holds each copy until the next
+reduce-scatter's wait (`fxopt.solvers.liveness.Lingering`, the bound the solvers count with), so up
+to there a move costs nothing; past it the copy is counted in each step it crosses. The
+re-gathers are placed first (their exposed time is in a plan's cost) and the waits in the room
+they leave. The simulator counts each moved copy exactly, from its issue to its own wait
+(`Lingering.exact`), and runs the reduce-scatter beside the steps between on the process group's
+clock (a re-gather issued meanwhile queues behind it): `Timeline.reduce_exposed_comm_seconds`,
+reported, not in the plan's cost. The order is the generated code's (`fxopt.passes.waits`
+splits ``fxopt::reduce_scatter`` into its issue and its wait), a pure function of the plan.
+eager autograd's step (`simulate`'s ``eager_frees``) waits where it issues.
+
+What is left out: a step with OFFLOAD keeps its gathers, re-gathers and waits where the schedule
+puts them (its reload points are positions in that schedule). DDP's all-reduces are not moved
+here: the generated code waits for each before its first reader
+(`fxopt.passes.waits.sink_all_reduce_waits`), and the simulator where it is issued.
 """
 
 from __future__ import annotations
