@@ -258,11 +258,14 @@ def llama_gathers(rank: int, world: int) -> dict:
     ``benchmarks/results/data_parallel_fsdp_llama_w2_fwdprefetch.md``), at effort 0.25: of the
     forward's all-gathers, how many the plan issues ahead of where they were captured
     (`fxopt.solvers.schedule.forward_order`), the simulated peak with and without, and the ms the
-    forward waits for its gathers in the simulator's clock, with and without."""
+    forward waits for its gathers in the simulator's clock, with and without; of the gradients'
+    reduce-scatters, how many the plan waits for later than it issues them
+    (`fxopt.solvers.prefetch.prefetched`), and the ms the backward waits for them in that clock,
+    with the waits moved and with each where issued."""
     import fsdp_steps
     from fxopt.plan_ahead import plan_and_rewrite
-    from fxopt.solvers.prefetch import is_regather
-    from fxopt.solvers.schedule import forward_order, simulate
+    from fxopt.solvers.prefetch import is_regather, reduce_wait
+    from fxopt.solvers.schedule import as_generated, forward_order, simulate
 
     hf, (ids, labels) = fsdp_steps.llama(4, 128)
     share = share_of((ids, labels), rank, world)
@@ -274,7 +277,13 @@ def llama_gathers(rank: int, world: int) -> dict:
         captured = sorted(order)
         gathers = [i for i in order if is_regather(plan.graph, i)]
         ahead, waited = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
-        out[str(budget)] = {"gathers": len(gathers), "issued_ahead": sum(order.index(i) < captured.index(i) for i in gathers),
+        backward = as_generated(plan.graph, plan.schedule, prefetch=True).backward
+        scatters = [e for e, i in enumerate(backward) if reduce_wait(plan.graph, i) is not None]
+        out[str(budget)] = {"reduce_scatters": len(scatters),
+                            "waited_later": sum(backward[e + 1] != reduce_wait(plan.graph, backward[e]) for e in scatters),
+                            "reduce_waits_ms": [round(ahead.reduce_exposed_comm_seconds * 1e3, 3),
+                                                round(waited.reduce_exposed_comm_seconds * 1e3, 3)],
+                            "gathers": len(gathers), "issued_ahead": sum(order.index(i) < captured.index(i) for i in gathers),
                             "simulated_peak": [ahead.peak_bytes, waited.peak_bytes],
                             "forward_waits_ms": [round(ahead.forward_exposed_comm_seconds * 1e3, 3),
                                                  round(waited.forward_exposed_comm_seconds * 1e3, 3)]}

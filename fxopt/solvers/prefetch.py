@@ -225,15 +225,24 @@ def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int,
     ``extra`` at each step it moves across past that point."""
     n = len(backward)
     through = _lingering_through(graph, backward)
+    made = {backward[w]: w for _, w in waits}
+    reader: dict[int, int] = {}  # a wait's value -> the first step after it that reads it
+    for k, i in enumerate(backward):
+        for j in graph.nodes[i].inputs:
+            if j in made and j not in reader and k > made[j]:
+                reader[j] = k
     wait_at: dict[int, int] = {}
     for e, w in waits:
         held = graph.nodes[backward[e]].lingers
         last = through.get(e, w)
-        reader = _wait_of(graph, backward, w)
-        q = w + 1
-        while q < reader and all(k <= last or live is None or peak is None or live[k] + extra[k] + held <= peak
-                                 for k in (q, min(q + 1, n - 1))):
-            q += 1
+        end = reader.get(backward[w], n)
+        q = max(w + 1, min(last, end))  # (up to ``last`` the copy is counted already)
+        if held and live is not None and peak is not None:
+            while q < end and (q <= last or live[q] + extra[q] + held <= peak) and \
+                    (q + 1 >= n or q + 1 <= last or live[q + 1] + extra[q + 1] + held <= peak):
+                q += 1
+        else:
+            q = end
         while q > w + 1 and q < n and _tuple_item(graph, backward[q]):
             q -= 1
         if q > w + 1:
