@@ -25,8 +25,8 @@ its wait becomes ``fxopt::reduce_scatter`` (`wait_for_release`), or, where the w
 the issue, ``fxopt::reduce_scatter_issue`` there and ``fxopt::reduce_scatter_wait`` at the wait:
 
     before:  rs = reduce_scatter_tensor(g_w2, "sum", 2, pg); h = mm(g_y, w2); w = wait_tensor(rs)
-    after:   c = fxopt.reduce_scatter_issue(g_w2, "sum", 2, pg); h = mm(g_y, w2)
-             w = fxopt.reduce_scatter_wait(c, 2, pg)
+    after:   c = fxopt::reduce_scatter_issue(g_w2, "sum", 2, pg); h = mm(g_y, w2)
+             w = fxopt::reduce_scatter_wait(c, 2, pg)
 
 The step goes on once gloo's
 worker thread has let go of the collective's work, so that a gathered parameter, or gloo's copy of

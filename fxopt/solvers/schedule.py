@@ -654,29 +654,16 @@ class _Replay:
                     self.drop(copy)
                 del self.current[i]
         reloads, first_read = self.reload_points(steps, positions)
-        # Where a reduce-scatter's wait is not the step after it (`fxopt.solvers.prefetch.prefetched`
-        # moved it), gloo's copies are counted to their own waits (`Lingering.exact`).
-        self.lingering.exact = any(holds_group(self.graph, i) and reduce_wait(self.graph, i) is not None and
-                                   not (e + 1 < len(steps) and copy in steps[e + 1][2])
-                                   for e, (i, copy, _) in enumerate(steps))
+        later = self.waited_later(steps)
+        self.lingering.exact = bool(later)  # (gloo's copies counted to their own waits)
         peak = self.record("backward", "<start>", self.memory.bytes)
         for e, (i, copy, args) in enumerate(steps):
-            waited: list[Key] = []  # re-gathers this step waits for
             for j in reloads.get(e, ()):
                 peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
             for j, n in dict.fromkeys(args):
                 if n == 0 and first_read.get(j) == e:
                     self.wait(j)
-                end = self.gathering.pop((j, n), None)
-                if end is not None:
-                    waited.append((j, n))
-                    if end > self.now:  # a re-gather not complete: the step stands still
-                        self.exposed_comm += end - self.now
-                        self.now = end
-                end = self.reducing.pop((j, n), None)
-                if end is not None and end > self.now:  # (a reduce-scatter's wait, moved later)
-                    self.reduce_exposed_comm += end - self.now
-                    self.now = end
+            waited = self.wait_for_collectives(args)
             self.settle()
             for j in nodes[i].inputs:
                 if j in self.packed:
@@ -691,31 +678,7 @@ class _Replay:
                                          self.memory.bytes + (0 if regather else nodes[i].workspace)))
             for key in waited:
                 self.memory.release(("gathering", key), nodes[key[0]].workspace)
-            holds = not regather and holds_group(self.graph, i)
-            # (a reduce-scatter whose wait is not the next step runs beside the steps between)
-            later = holds and reduce_wait(self.graph, i) is not None and not (e + 1 < len(steps) and
-                                                                             copy in steps[e + 1][2])
-            if regather:
-                self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
-                self.gathering[copy] = self.regathered_at = self.comm_free_at
-            elif later:
-                self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
-                self.reducing[copy] = self.comm_free_at
-            elif holds and self.comm_free_at > self.now:
-                # (a reduce-scatter waited where issued, queued behind the re-gathers in flight:
-                # the step stands still for the rest of them too; behind reduce-scatters waited
-                # for later, for theirs)
-                behind_regathers = max(0.0, min(self.regathered_at, self.comm_free_at) - self.now)
-                self.exposed_comm += behind_regathers
-                self.reduce_exposed_comm += self.comm_free_at - self.now - behind_regathers
-                self.now = self.comm_free_at
-            if later:
-                self.now += max(0.0, nodes[i].cost - nodes[i].comm_exposed - nodes[i].comm_seconds)
-            else:
-                self.now += nodes[i].cost - nodes[i].comm_exposed
-            if holds and not later:
-                self.comm_free_at = self.now
-                self.reduce_exposed_comm += nodes[i].comm_seconds
+            self.run_backward_step(i, copy, regather, e in later)
             for a in dying_at.get(e, ()):
                 if a not in self.forever:
                     self.drop(a)
@@ -726,6 +689,58 @@ class _Replay:
             self.lingering.after(i)
         self.lingering.release_all()
         self.backward_peak = peak
+
+    def waited_later(self, steps: list[Step]) -> set[int]:
+        """The steps that issue a reduce-scatter the backward waits for later than the next step
+        (`fxopt.solvers.prefetch.prefetched` moved its wait): it runs beside the steps between."""
+        return {e for e, (i, copy, _) in enumerate(steps)
+                if holds_group(self.graph, i) and reduce_wait(self.graph, i) is not None
+                and not (e + 1 < len(steps) and copy in steps[e + 1][2])}
+
+    def wait_for_collectives(self, args: list[Key]) -> list[Key]:
+        """A backward step reads ``args``: wait for the re-gathers and the reduce-scatters in
+        flight among them (the time the step stands still); the re-gathers waited for."""
+        waited = []
+        for key in dict.fromkeys(args):
+            end = self.gathering.pop(key, None)
+            if end is not None:
+                waited.append(key)
+                if end > self.now:  # a re-gather not complete: the step stands still
+                    self.exposed_comm += end - self.now
+                    self.now = end
+            end = self.reducing.pop(key, None)
+            if end is not None and end > self.now:  # (a reduce-scatter's wait, moved later)
+                self.reduce_exposed_comm += end - self.now
+                self.now = end
+        return waited
+
+    def run_backward_step(self, i: int, copy: Key, regather: bool, later: bool) -> None:
+        """The clock through backward step ``i`` (its ``copy``): its compute, and its collective on
+        the process group (one at a time, in the order issued): a re-gather (``regather``) or a
+        reduce-scatter waited for ``later`` runs beside the steps after it; a reduce-scatter waited
+        for where issued stands the step still, behind whatever is in flight first."""
+        node = self.nodes[i]
+        holds = not regather and holds_group(self.graph, i)
+        if regather:
+            self.comm_free_at = max(self.now, self.comm_free_at) + node.comm_seconds
+            self.gathering[copy] = self.regathered_at = self.comm_free_at
+        elif later:
+            self.comm_free_at = max(self.now, self.comm_free_at) + node.comm_seconds
+            self.reducing[copy] = self.comm_free_at
+        elif holds and self.comm_free_at > self.now:
+            # (behind the re-gathers in flight: the plan's exposed communication; behind
+            # reduce-scatters waited for later: theirs)
+            behind_regathers = max(0.0, min(self.regathered_at, self.comm_free_at) - self.now)
+            self.exposed_comm += behind_regathers
+            self.reduce_exposed_comm += self.comm_free_at - self.now - behind_regathers
+            self.now = self.comm_free_at
+        if later:
+            self.now += max(0.0, node.cost - node.comm_exposed - node.comm_seconds)
+        else:
+            self.now += node.cost - node.comm_exposed
+        if holds and not later:
+            self.comm_free_at = self.now
+            self.reduce_exposed_comm += node.comm_seconds
 
     def reload_points(self, steps: list[Step], positions: list[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
         """For the offloaded values the backward reads: the kept step before which each reload is
