@@ -88,23 +88,26 @@ class Lingering:
         # [key, bytes, the waits of the next lingering node that free it (None until it runs; an
         # empty set once one has run), its own waits not run yet]
         self._held: list[list] = []
+        self._watched: set[int] = set()  # the nodes whose run may free something held
         self._made = 0
 
     def after(self, i: int) -> None:
         """Node ``i`` has run: free what lingered until it, and hold its own."""
-        for entry in self._held:
-            if entry[2] is not None and i in entry[2]:
-                entry[2] = frozenset()
-            entry[3].discard(i)
-        for entry in [e for e in self._held if (self.exact or e[2] == frozenset()) and not e[3]]:
-            self._memory.release(entry[0], entry[1])
-            self._held.remove(entry)
+        if i in self._watched:
+            for entry in self._held:
+                if entry[2] is not None and i in entry[2]:
+                    entry[2] = frozenset()
+                entry[3].discard(i)
+            for entry in [e for e in self._held if (self.exact or e[2] == frozenset()) and not e[3]]:
+                self._memory.release(entry[0], entry[1])
+                self._held.remove(entry)
         nbytes = self._graph.nodes[i].lingers
         if nbytes:
             waits = frozenset(self._graph.users[i]) or frozenset({i})
             for entry in self._held:
                 if entry[2] is None:
                     entry[2] = waits
+            self._watched.update(waits, self._graph.users[i])
             self._made += 1
             key = ("lingers", i, self._made)
             self._memory.hold(key, nbytes)

@@ -77,6 +77,8 @@ from __future__ import annotations
 import bisect
 import itertools
 
+import numpy as np
+
 from fxopt.solvers.graph import Graph
 
 
@@ -220,9 +222,10 @@ def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int,
     ``peak`` with the bytes the collective holds until its wait (`Node.lingers`: gloo's copy of
     the whole gradient) added where ``live`` does not count them already: ``live`` holds the copy
     through the wait of the next collective that lingers, or to the end
-    (`fxopt.solvers.liveness.Lingering`, which the simulator follows with the wait moved: the copy
-    is freed after both waits), so up to there the move is free. Those bytes are added to
-    ``extra`` at each step it moves across past that point."""
+    (`fxopt.solvers.liveness.Lingering`), so up to there the move is free (with a wait moved, the
+    simulator counts each copy from its issue to its own wait, `Lingering.exact`: within that).
+    Those bytes count in each step it moves across past that point (``extra`` as the re-gathers
+    left it, read, not written)."""
     n = len(backward)
     through = _lingering_through(graph, backward)
     made = {backward[w]: w for _, w in waits}
@@ -231,24 +234,25 @@ def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int,
         for j in graph.nodes[i].inputs:
             if j in made and j not in reader and k > made[j]:
                 reader[j] = k
+    # Bytes each step may still take (the steps the waits move across, one wait after another).
+    room = None if live is None or peak is None else peak - np.asarray(live, np.int64) - np.asarray(extra, np.int64)
     wait_at: dict[int, int] = {}
     for e, w in waits:
         held = graph.nodes[backward[e]].lingers
         last = through.get(e, w)
         end = reader.get(backward[w], n)
-        q = max(w + 1, min(last, end))  # (up to ``last`` the copy is counted already)
-        if held and live is not None and peak is not None:
-            while q < end and (q <= last or live[q] + extra[q] + held <= peak) and \
-                    (q + 1 >= n or q + 1 <= last or live[q + 1] + extra[q + 1] + held <= peak):
-                q += 1
-        else:
-            q = end
+        first = max(last + 1, w + 1)  # (before it the copy is counted already)
+        q = end
+        if held and room is not None and first < n:
+            full = room[first:] < held  # the first step it would raise above the peak: not crossed,
+            if full.any():  # and the wait not right before it (its own bytes are the step's before)
+                q = max(w + 1, min(end, first + int(full.argmax()) - 1))
         while q > w + 1 and q < n and _tuple_item(graph, backward[q]):
             q -= 1
         if q > w + 1:
             wait_at[w] = q
-            for k in range(max(last + 1, w + 1), q):
-                extra[k] += held
+            if room is not None:
+                room[first:q] -= held
     return wait_at
 
 
