@@ -667,21 +667,25 @@ def write_pipeline(rows: list[dict], out: Path, meta: dict, suffix: str = "") ->
         f"in the stages shown, twice as many microbatches of one sequence, 1F1B, at {rows[0]['budget_share']:.0%} of "
         "its eager peak; each row from a fresh scratch and plan cache (the process's first capture and export "
         "made before, on a 4-layer model). CPU s: `time.process_time`; phases exclusive, CPU s. Reuse: a stage "
-        "whose part has the structure of one captured before is planned from that capture (`stage_structure`); "
+        "whose part has the structure of one captured before is planned from that capture (`stage_structure`), "
+        "and torch splits the model with its run of blocks cut to those the distinct stages need (`ShortSplit`; "
+        "blocks torch split: the run's blocks in the models it traced); "
         "`alone`: every stage captured (its analysis and solve then counted in its capture). Digest: the plan without its timings. Target (issue 27): 48 layers × 8 "
         f"stages ≤ {PIPELINE_TARGET_SECONDS:.0f} s, time at most linear in depth. Load: the 1-minute average as "
         "the row ended (a shared machine; torch's 2 threads spin on its eager ops when it is busy).", "",
         "| layers | stages | stages planned | CPU s | wall s | load | " + " | ".join(names) +
-        " | captured / from an earlier capture / plans reused | largest stage MiB | budget MiB | digest |",
-        "|---:|---:|---|---:|---:|---:|" + "---:|" * len(names) + "---|---:|---:|---|",
+        " | captured / from an earlier capture / plans reused | blocks torch split | largest stage MiB | budget MiB "
+        "| digest |",
+        "|---:|---:|---|---:|---:|---:|" + "---:|" * len(names) + "---|---:|---:|---:|---|",
     ]
     for r in rows:
-        w = {"captures": "–", "planned from an earlier capture": "–", "plans reused": "–", **r["work"]}
+        w = {"captures": "–", "planned from an earlier capture": "–", "plans reused": "–", "blocks split": "–",
+             **r["work"]}
         lines.append(f"| {r['layers']} | {r['stages']} | {'reuse' if r['reuse'] else 'alone'} | {r['cpu_s']:.1f} | "
                      f"{r['wall_s']:.1f} | {r['load1']:.1f} | "
                      + " | ".join(f"{r['phases'].get(k, 0.0):.1f}" for k in names)
                      + f" | {w['captures']} / {w['planned from an earlier capture']} / {w['plans reused']} | "
-                     f"{mib(r['peak'])} | {mib(r['budget'])} | `{r['digest']}` |")
+                     f"{w['blocks split']} | {mib(r['peak'])} | {mib(r['budget'])} | `{r['digest']}` |")
     alone = {(r["layers"], r["stages"]): r for r in rows if not r["reuse"]}
     for r in reused:
         other = alone.get((r["layers"], r["stages"]))

@@ -111,3 +111,21 @@ def test_sweeps_in_the_backward_at_tight_budgets(budget, peak, cost, kept_links)
     assert [a[1] + 1 for a in actions(tree) if a[0] == "ck"] == kept_links
     assert plans(tree) == {s: 0 for s in range(5)}
     assert (kept_tree(chain, budget) is not None) == (budget >= 484)
+
+
+def test_each_sub_chains_ways_are_made_once_per_chain(monkeypatch):
+    """Every DP and `evaluate` of one chain read each sub-chain's ways made once (counted), and
+    answer as on a chain made anew for each of them."""
+    import fxopt.solvers.block_rotor as block_rotor
+
+    made = []
+    real = block_rotor._ways
+    monkeypatch.setattr(block_rotor, "_ways", lambda chain, s, t: made.append((s, t)) or real(chain, s, t))
+    chain = random_chain(3, count=5)
+    lowest, cost, tree = min_peak_tree(chain)
+    answers = [(lowest, cost, tree), cheapest_tree(chain, lowest + 64), kept_tree(chain, lowest + 64),
+               evaluate(chain, tree)]
+    assert sorted(made) == sorted(set(made)) and len(made) == 5 * 6 // 2
+    anew = lambda: RotorChain(chain.menus, chain.sweep_fixed)  # noqa: E731
+    assert answers == [min_peak_tree(anew()), cheapest_tree(anew(), lowest + 64), kept_tree(anew(), lowest + 64),
+                       evaluate(anew(), tree)]

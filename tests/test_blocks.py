@@ -4,6 +4,8 @@ whole-graph ILP's, on hand-built chains of identical blocks (no tensors)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fxopt.solvers import eager_timeline, simulate, solve
@@ -225,3 +227,50 @@ def test_a_memos_timelines_spare_simulations_of_the_step_and_change_no_answer(mo
     assert once[:2] == again[:2] == (least, (plain.schedule, plain.timeline.peak_bytes, plain.timeline.cost))
     assert len(kept) > len(set(kept))  # (the memo's schedules repeat across the two solves)
     assert once[2] == again[2] - (len(kept) - len(set(kept)))
+
+
+def test_the_copies_of_a_chain_share_what_their_common_points_make(monkeypatch):
+    """Each solve of a step refines its own copy of the step's chain (`memo_chain`): what is made
+    of the points every copy holds (a segment's menu, rotor's chain with its ways, the lowest) is
+    made once for all of them (counted), and a copy's refinements stay its own: the plans a copy
+    finds after another refined its curves are those of a chain no other copy touched."""
+    import fxopt.solvers.block_plan as block_plan
+    import fxopt.solvers.block_rotor as block_rotor
+
+    g = repeated_blocks(8, logits=256, shared=True)
+    budget = (eager_timeline(g).peak_bytes + smallest_budget(solve, g)) // 2
+    counted = Counted()
+    fresh = counted.chain(g).copy()
+    expected = [(c[0], c[1].peak_bytes, c[1].cost) for c in block_candidates(fresh, budget, counted.solve, 24)]
+
+    menus, ways = [], []
+    real_menu, real_ways = block_plan.BlockChain._new_menu, block_rotor._ways
+    monkeypatch.setattr(block_plan.BlockChain, "_new_menu", lambda self, v, s: menus.append((id(v), s)) or real_menu(self, v, s))
+    monkeypatch.setattr(block_rotor, "_ways", lambda chain, s, t: ways.append((id(chain), s, t)) or real_ways(chain, s, t))
+    chained = counted.chain(g)
+    first, second = chained.copy(), chained.copy()
+    segments, variants = len(chained.blocks.segments), chained.variants
+    for copy in (first, second):
+        for variant in variants:
+            block_rotor.cheapest_tree(copy.rotor(variant), budget)
+            block_rotor.kept_tree(copy.rotor(variant), budget)
+            block_rotor.min_peak_tree(copy.rotor(variant))
+        _lowest(copy)
+    assert len(menus) == len(set(menus)) == segments * len(variants)  # (made by the first copy only)
+    assert len(ways) == len(set(ways)) == len(variants) * segments * (segments + 1) // 2  # (each sub-chain's once)
+    assert all(second.rotor(v) is first.rotor(v) for v in variants)
+    assert _lowest(second) is _lowest(first)
+
+    # A point only the first copy holds (as its own refinement adds one): its menus are its own.
+    kind = max(range(len(chained.kinds)), key=lambda k: len(chained.blocks.copies(k)))
+    held = len(chained.kinds[kind].points)
+    first.kinds[kind].points.append(dataclasses.replace(first.kinds[kind].points[0]))
+    menus.clear()
+    for variant in variants:
+        assert all(len(first.rotor(variant).menus[s].keep) == held + 1 for s in chained.blocks.copies(kind))
+        assert all(len(second.rotor(variant).menus[s].keep) == held for s in chained.blocks.copies(kind))
+    assert len(menus) == len(chained.blocks.copies(kind)) * len(variants)
+    third = chained.copy()
+    assert all(third.rotor(v) is second.rotor(v) for v in variants) and len(menus) == len(set(menus))
+    again = [(c[0], c[1].peak_bytes, c[1].cost) for c in block_candidates(second, budget, counted.solve, 24)]
+    assert again == expected

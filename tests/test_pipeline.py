@@ -82,6 +82,35 @@ def test_every_stage_is_planned_with_the_options_given(monkeypatch):
         fxopt.pipeline(model, inputs, stages=2, microbatches=2, budget=0.9, sovler="greedy")
 
 
+def test_forwards_run_for_their_shapes_run_on_one_thread():
+    """The eager forwards `fxopt.pipeline` runs only for what they make (the model's output for
+    the loss, each stage's output for the next stage's capture) run without autograd on one torch
+    thread (on a busy machine torch's threads wait on each other at every small op); the threads
+    torch was given are given back."""
+
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+            self.calls: list[int] = []
+
+        def forward(self, x):
+            if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                self.calls.append(torch.get_num_threads())
+            return self.net(x)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        model = Counted()
+        fxopt.pipeline(model, (torch.randn(8, 8),), stages=2, microbatches=2, budget=0.95, solver="greedy")
+        assert model.calls and set(model.calls) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("split_points", [None, [("2", "BEGINNING")]])
 def test_min_plans_at_the_smallest_budget_an_infeasible_one_names(split_points):
     """``budget="min"`` (refused before: issue 24's "every named minimum plans", on the pipeline's
@@ -168,8 +197,74 @@ def test_stages_of_one_structure_are_captured_once_and_planned_as_alone(schedule
     assert any(s.plan.recomputed for s in reused.stages)  # (the budget is tight enough to plan something)
     assert work["captures"] == 3  # the first stage, one of the middle two, the last
     assert alone_work["captures"] >= 4 and alone_work["planned from an earlier capture"] == 0
+    # torch splits the model with its 8 blocks cut to 6 (the first stage's, one middle's, the last's)
+    assert work["blocks split"] == 6 and alone_work["blocks split"] == 8
     if schedule == "GPipe":  # every stage holds every microbatch: stage 2 is planned as stage 1 was
         assert work["plans reused"] >= 1
+
+
+def _run(blocks: int):
+    from fxopt.capture.repeat import Run
+
+    mods = [nn.Linear(2, 2) for _ in range(blocks)]
+    return Run(nn.ModuleList(mods), tuple(str(k) for k in range(blocks)), tuple(mods))
+
+
+@pytest.mark.parametrize("blocks, spec, short_spec, stand_in, shift", [
+    # 48 blocks in 8 stages of 6: the first stage, one middle stage, the last (18 blocks)
+    (48, [(f"h.{6 * k}", "BEGINNING") for k in range(1, 8)], [("h.6", "BEGINNING"), ("h.12", "BEGINNING")],
+     (0, 1, 1, 1, 1, 1, 1, 2), (0, 0, 6, 12, 18, 24, 30, 30)),
+    # two middle spans (2 and 3 blocks) alternating: one of each kept
+    (16, [("h.3", "BEGINNING"), ("h.5", "BEGINNING"), ("h.8", "BEGINNING"), ("h.10", "BEGINNING"),
+          ("h.13", "BEGINNING")],
+     [("h.3", "BEGINNING"), ("h.5", "BEGINNING"), ("h.8", "BEGINNING")], (0, 1, 2, 1, 2, 3), (0, 0, 0, 5, 5, 5)),
+    # cuts inside a block, at one place in each: the middle stages are one
+    (12, [("h.3.attn", "END"), ("h.6.attn", "END"), ("h.9.attn", "END")],
+     [("h.3.attn", "END"), ("h.6.attn", "END")], (0, 1, 1, 2), (0, 0, 3, 3)),
+    # a middle stage that starts and ends at different places in its block is kept
+    (12, [("h.3", "BEGINNING"), ("h.6.attn", "END"), ("h.9.attn", "END")], None, None, None),
+    # a cut outside the run: no short split
+    (12, [("h.3", "BEGINNING"), ("ln_f", "BEGINNING")], None, None, None),
+])
+def test_a_short_split_keeps_one_stage_of_each_kind(blocks, spec, short_spec, stand_in, shift):
+    """`ShortSplit`: the stages torch's split makes on the model with its run cut short, and which
+    stands in for each stage of the whole split, how many blocks on (hand-worked); None where no
+    block would be left out or a cut is outside the run."""
+    from fxopt.distributed.pipeline import ShortSplit
+
+    short = ShortSplit.of(_run(blocks), "h", spec)
+    if short_spec is None:
+        assert short is None
+        return
+    assert (list(short.spec), short.stand_in, short.shift) == (short_spec, stand_in, shift)
+    assert short.blocks == blocks - shift[-1]
+
+
+def test_a_stage_whose_paths_do_not_move_is_planned_on_its_own_part(monkeypatch):
+    """A stand-in's module paths that cannot be moved to its stage's blocks (not seen: here no
+    module given in their place): that stage is captured from torch's split of the whole model,
+    and its plan is the one the move would have given."""
+    import fxopt.distributed.pipeline as pipeline
+
+    def planned():
+        fxopt.cache.lowest_peaks.clear()
+        made = []
+        init = pipeline._StagePlanner.__init__
+        monkeypatch.setattr(pipeline._StagePlanner, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+        torch.manual_seed(0)
+        model, (idx,) = gpt2_lm(layers=8, dim=16, heads=2, seq=8, batch=8, vocab=32)
+        plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=4, microbatches=4,
+                              budget=0.6, solver="greedy",
+                              split_points=[("h.2", "BEGINNING"), ("h.4", "BEGINNING"), ("h.6", "BEGINNING")])
+        monkeypatch.setattr(pipeline._StagePlanner, "__init__", init)
+        return plan, made[0].work
+
+    moved, work = planned()
+    monkeypatch.setattr(pipeline, "_shifted_pairs", lambda *args: {})
+    own, own_work = planned()
+    assert _plan_without_timings(own) == _plan_without_timings(moved)
+    # stages 2 and 3 stand in shifted: each captured from the whole split (8 blocks more split)
+    assert own_work["captures"] == work["captures"] + 2 and own_work["blocks split"] == work["blocks split"] + 8
 
 
 def test_stage_structure_tells_parts_apart():

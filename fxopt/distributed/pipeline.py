@@ -8,7 +8,8 @@
 `pipeline` captures one microbatch's step (the model and the loss) as the planner does, gives its
 solver graph to the cut solver (`fxopt.solvers.stages`: cut points, the DP, the memory of a stage
 on its device under the schedule), builds the stage modules of the DP's cuts with
-`torch.distributed.pipelining.pipeline` (a `SplitPoint` at the module boundary each cut falls on),
+`torch.distributed.pipelining.pipeline` (a `SplitPoint` at the module boundary each cut falls on;
+on the model with its run of identical blocks cut to one stage of each kind, `ShortSplit`),
 captures each stage module and plans it with `solve_stage` within the per-device budget: its own
 microbatch planned, the other microbatches in flight reserved. A stage that does not fit sends the
 DP back with a margin. The result, a `PipelinePlan`, is JSON: plan once, replay on every rank.
@@ -29,11 +30,12 @@ memory. Call ``schedule.step(..., return_outputs=False)`` unless the plan was ma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from torch.utils._pytree import tree_map_only
 
 from fxopt.api import FxoptModule
 from fxopt.budget import Budget, BudgetLike
+from fxopt.capture.repeat import Run, repeated_run
 from fxopt.errors import CaptureError, FxoptError, InfeasibleBudgetError, check_choice
 from fxopt.fxgraph import module_name
 from fxopt.options import Options
@@ -71,6 +74,22 @@ def check_pipeline(stages: int, microbatches: int, schedule: str, batch: int | N
     if batch is not None and batch % microbatches:
         raise ValueError(f"the batch of {batch} does not split into {microbatches} equal microbatches; "
                          "use a batch size divisible by the number of microbatches")
+
+
+@contextlib.contextmanager
+def _for_shapes() -> Iterator[None]:
+    """Eager forwards run only for what they make (shapes, dtypes, bytes; values a stage is then
+    captured on): without autograd, on one torch thread. Their ops are small, and on a busy
+    machine torch's threads wait on each other at every one (0.1 CPU s on one thread, 5 at two
+    at load 9, for 48 GPT-2 layers); the captures and scratch measurements after run on the
+    threads torch was given."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _bytes(obj: Any) -> int:
@@ -267,6 +286,97 @@ def _stage_modules(pipe, single_output: bool) -> list[StageModule]:
     return stages
 
 
+# ---------------------------------------------------------------- the split of a shorter model
+
+# The fewest identical blocks in a run for the split to be made with the run cut short.
+SHORT_SPLIT_FROM = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortSplit:
+    """A split whose stages are made by torch's ``pipeline()`` on the model with its run of
+    identical blocks (`fxopt.capture.repeat.repeated_run`) cut to its first ``blocks``: a
+    middle stage that spans the blocks another one does, cut alike at both ends, is that one
+    ``shift`` blocks on, and is left out. 48 GPT-2 blocks in 8 stages of 6:
+
+        the whole, cut at h.6, h.12, ..., h.42:   wte h.0-5 | h.6-11 | h.12-17 | ... | h.42-47 ln_f
+        the short one, 18 blocks, at h.6, h.12:   wte h.0-5 | h.6-11 | h.12-17 ln_f
+        stand_in: 0 1 1 1 1 1 1 2      shift: 0 0 6 12 18 24 30 30
+
+    torch traces 18 blocks, not 48 (its export and split grow with the blocks). A stage's
+    stand-in has its graph, but for the blocks its modules are: the blocks are identical (one
+    class, parameters, attributes, no hooks: `repeated_run`), and a cut falls at the same place
+    in its block. Where a cut is not inside the run, no shorter model holds every stage (`of`:
+    None). The stand-in's plan is the stage's, its module paths moved by ``shift`` blocks
+    (`_shifted_pairs`); each rank splits the whole model (`build_schedule`), where the plan's
+    graph is checked against the one captured (the plan's fingerprint)."""
+
+    spec: tuple[tuple[str, str], ...]  # the short model's split points
+    blocks: int  # the run's blocks the short model keeps (its first)
+    stand_in: tuple[int, ...]  # per stage of the whole split: the short split's stage standing in for it
+    shift: tuple[int, ...]  # per stage: how many blocks on from its stand-in's its blocks are
+
+    @classmethod
+    def of(cls, run: Run, path: str, spec: Sequence[tuple[str, str]]) -> ShortSplit | None:
+        """The short split for ``spec`` (split points of the whole model), the run being the
+        children of the module at ``path``; None where every cut is not in the run, or no block
+        would be left out."""
+        cuts = []  # per cut: (its block in the run, its module within the block, its kind)
+        for fqn, kind in spec:
+            block, within = _in_run(fqn, run, path)
+            if block is None:
+                return None
+            cuts.append((block, within, kind))
+        # Middle stage s (between cuts s-1 and s): left out where one before it spans as many
+        # blocks between the same kinds of cut, and it starts as it ends (so the cuts around it chain).
+        kept: dict[tuple, int] = {}
+        short = [cuts[0]]
+        stand_in, shift = [0], [0]
+        for s in range(1, len(cuts)):
+            (a, *start), (b, *end) = cuts[s - 1], cuts[s]
+            kind = (b - a, *start, *end)
+            if kind in kept and start == end:
+                t = kept[kind]
+                stand_in.append(t)
+                shift.append(a - short[t - 1][0])
+                continue
+            kept.setdefault(kind, len(short))
+            stand_in.append(len(short))
+            shift.append(a - short[-1][0])
+            short.append((short[-1][0] + b - a, *end))
+        stand_in.append(len(short))
+        shift.append(cuts[-1][0] - short[-1][0])
+        blocks = len(run.keys) - shift[-1]
+        if blocks >= len(run.keys):
+            return None
+        spec_short = tuple((_run_module(run, path, b, within), kind) for b, within, kind in short)
+        return cls(spec_short, blocks, tuple(stand_in), tuple(shift))
+
+
+def _in_run(fqn: str, run: Run, path: str) -> tuple[int | None, str]:
+    """The block of the run at ``path`` that the module ``fqn`` is or is in, and its name within
+    that block; (None, "") outside the run."""
+    prefix = f"{path}." if path else ""
+    key, _, within = fqn.removeprefix(prefix).partition(".")
+    if not fqn.startswith(prefix) or key not in run.keys:
+        return None, ""
+    return run.keys.index(key), within
+
+
+def _run_module(run: Run, path: str, block: int, within: str) -> str:
+    return ".".join(p for p in (path, run.keys[block], within) if p)
+
+
+def _shifted_pairs(part: nn.Module, run: Run, path: str, shift: int) -> dict[str, str]:
+    """Each module ``part``'s graphs call (`_module_pairs`) -> the one ``shift`` blocks on in the
+    run at ``path`` (the same module for one outside the run)."""
+    pairs = {}
+    for name in _module_pairs(part, part):
+        block, within = _in_run(name, run, path)
+        pairs[name] = name if block is None else _run_module(run, path, block + shift, within)
+    return pairs
+
+
 # ---------------------------------------------------------------- planning
 
 def _specs(values: Sequence[Any], grads: bool) -> tuple[TensorSpec, ...]:
@@ -291,9 +401,14 @@ class _StagePlanner:
     microbatches in flight, and its plan's module paths moved to its own modules (`_moved_paths`,
     checked by reading them back). Where its budget and what it holds beside are those of a stage
     planned before, that plan is its plan. Either way its plan is the one capturing it would make
-    (the same graph, names included, and the same solve: the solvers count effort, not time)."""
+    (the same graph, names included, and the same solve: the solvers count effort, not time).
+    Where the model holds a run of identical blocks, the stages are built by torch's split of the
+    model with the run cut short (`ShortSplit`: torch traces the blocks of one stage of each kind,
+    the others are those stand-ins with their paths moved by whole blocks); where a path does not
+    move, that stage is captured from torch's split of the whole model."""
 
-    # Plan a stage from the capture of a stage with the same structure (off: capture every stage).
+    # Plan a stage from the capture of a stage with the same structure, the split made with the
+    # run cut short (off: split the whole model, capture every stage).
     reuse_same_stages = True
 
     def __init__(self, model, mb_args, last: _LastStage, points: SplitPoints, cut: CutModel, budget: int | None,
@@ -303,6 +418,12 @@ class _StagePlanner:
         self.return_outputs = return_outputs
         self.single_output = last.single_output
         self.splits: dict[tuple[int, ...], tuple[list[StageModule], list[tuple], list[tuple]]] = {}
+        # A run of identical blocks (the split made with it cut short, `ShortSplit`), and per split
+        # the blocks each stage's paths move from the stage standing in for it.
+        self.run = repeated_run(model, least=SHORT_SPLIT_FROM)
+        self.run_path = next((n for n, m in model.named_modules() if m is self.run.holder), None) if self.run else None
+        self.shifts: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.whole: dict[tuple[int, ...], list[StageModule]] = {}  # torch's split of the whole, where one is made too
         self.plans: dict[tuple[tuple[int, ...], int], Any] = {}
         self.given: dict[tuple[int, ...], list[tuple[str, str]]] = {}  # cuts -> the split points asked for
         # One entry per stage structure captured: (structure, the part captured, its `plan_each` planner).
@@ -310,25 +431,47 @@ class _StagePlanner:
         # (structure's entry, the options' solver key with the budget and what is held) -> plan or error
         self.solved: dict[tuple, Any] = {}
         # Counted work: stage parts captured, plans made from a capture made before, plans reused.
-        self.work = {"captures": 0, "planned from an earlier capture": 0, "plans reused": 0}
+        # "blocks split": the run's blocks in the models torch's split traced.
+        self.work = {"captures": 0, "planned from an earlier capture": 0, "plans reused": 0, "blocks split": 0}
 
     def spec(self, cuts: tuple[int, ...]) -> list[tuple[str, str]]:
         return self.given.get(cuts) or self.points.spec([self.cut.points[c].position for c in cuts])
 
     def modules(self, cuts: tuple[int, ...]) -> tuple[list[StageModule], list[tuple], list[tuple]]:
-        """The stage modules of a split, each one's inputs for the first microbatch and its outputs."""
+        """The stage modules of a split, each one's inputs for the first microbatch and its outputs:
+        a stage's own, or, where the split is made on the model with its run of blocks cut short
+        (`ShortSplit`), those of the stage standing in for it (`self.shifts`: by how many blocks
+        its modules' paths move)."""
         if cuts not in self.splits:
             spec = self.spec(cuts)
-            stages = split_model(self.model, self.mb_args, spec, self.single_output)
+            short = ShortSplit.of(self.run, self.run_path, spec) if self.reuse_same_stages and self.run is not None else None
+            stages = self._split(spec, short)
+            if stages is None:
+                short, stages = None, self._split(spec, None)
             inputs, outputs, x = [], [], tuple(self.mb_args)
-            with torch.no_grad():
+            with _for_shapes():
                 for k, stage in enumerate(stages):
                     inputs.append(x if k == 0 else _receivable(x))
                     out = stage(*inputs[-1])
                     x = out if isinstance(out, tuple) else (out,)
                     outputs.append(x)
+            if short is not None:
+                stages, inputs, outputs = ([every[t] for t in short.stand_in] for every in (stages, inputs, outputs))
+            self.shifts[cuts] = short.shift if short is not None else (0,) * len(stages)
             self.splits[cuts] = (stages, inputs, outputs)
         return self.splits[cuts]
+
+    def _split(self, spec: list[tuple[str, str]], short: ShortSplit | None) -> list[StageModule] | None:
+        """torch's split of the model at ``spec``, or with ``short``, of the model with its run cut
+        short at ``short.spec`` (None where torch cannot split that one: the whole is split)."""
+        self.work["blocks split"] += short.blocks if short is not None else len(self.run.keys) if self.run else 0
+        if short is None:
+            return split_model(self.model, self.mb_args, spec, self.single_output)
+        try:
+            with self.run.cut_to(short.blocks):
+                return split_model(self.model, self.mb_args, short.spec, self.single_output)
+        except (FxoptError, RuntimeError):  # (a model whose forward needs every block: split whole)
+            return None
 
     def in_flight(self, s: int, part: nn.Module, inputs: tuple, outputs: tuple) -> InFlight:
         """What the device of stage ``s`` holds beside one microbatch (`runtime_fixed`); on the
@@ -350,6 +493,17 @@ class _StagePlanner:
         in_flight = self.in_flight(s, stage.part, inputs[s], outputs[s])
         options = dataclasses.replace(self.options, budget=Budget(bytes=budget), in_flight=in_flight)
         plan = self._plan(stage.part, stage.part_inputs(inputs[s]), options)
+        shift = self.shifts[split.cuts][s]
+        if shift:  # (planned on the stage standing in for this one: its modules' paths moved on)
+            pairs = _shifted_pairs(stage.part, self.run, self.run_path, shift)
+            try:
+                plan = dataclasses.replace(plan, module_paths=_moved_paths_by(plan.module_paths, pairs))
+            except _NotMoved:  # (not seen) its own part, of torch's split of the whole model
+                if split.cuts not in self.whole:
+                    self.whole[split.cuts] = self._split(self.spec(split.cuts), None)
+                part = self.whole[split.cuts][s].part
+                self.work["captures"] += 1
+                plan = plan_and_rewrite(part, options, stage.part_inputs(inputs[s])).plan
         self.plans[(split.cuts, s)] = plan
         timeline = plan.timeline()
         graph = plan.graph
@@ -489,7 +643,11 @@ def _moved_paths(paths: Sequence[str], captured: nn.Module, part: nn.Module) -> 
     as it records them capturing ``part``, which has its structure: each path's modules replaced
     by the ones ``part`` calls in their place (`_module_pairs`), one name at a time; every path
     read back (`module_name`) to the module it must name; `_NotMoved` where one is not."""
-    pairs = _module_pairs(captured, part)
+    return _moved_paths_by(paths, _module_pairs(captured, part))
+
+
+def _moved_paths_by(paths: Sequence[str], pairs: dict[str, str]) -> tuple[str, ...]:
+    """``paths`` with each module replaced by the one ``pairs`` names in its place (`_moved_paths`)."""
     moved: dict[str, str] = {"": ""}
     out = []
     for path in paths:
@@ -536,7 +694,7 @@ class _LastStage:
     @classmethod
     def of(cls, model: nn.Module, mb_args: tuple, mb_target: Any, loss_fn: Callable, options: Options,
            target_given: bool) -> _LastStage:
-        with torch.no_grad():
+        with _for_shapes():
             output = model(*mb_args)
             loss = loss_fn(output, mb_target)
         peak, saved = _loss_memory(loss_fn, output, mb_target, options)

@@ -337,6 +337,12 @@ class BlockChain:
     kinds: list[KindCurve]
     variants: list[Variant]
     _memo: dict = dataclasses.field(default_factory=dict)  # (menus, sweeps, the lowest: by what they were made from)
+    # What the copies of one chain share (`copy`: `memo_chain` hands each solve of the step a
+    # copy, which refines its own curves): the entries made of the points they all hold, the
+    # first ``_base`` of each kind's (menus, rotor's chains, sweeps' costs, the lowest), made once
+    # for every solve of the step instead of once per solve.
+    _shared: dict = dataclasses.field(default_factory=dict)
+    _base: tuple[int, ...] | None = None  # (None: not a copy, nothing shared)
 
     def points(self, s: int) -> list[Point]:
         return self.kinds[self.blocks.segments[s].kind].points
@@ -348,19 +354,36 @@ class BlockChain:
             other = copy.copy(kind)
             other.points, other.asked = list(kind.points), set(kind.asked)
             kinds.append(other)
-        return BlockChain(self.blocks, kinds, self.variants, dict(self._memo))
+        base = self._base if self._base is not None else tuple(len(kind.points) for kind in self.kinds)
+        return BlockChain(self.blocks, kinds, self.variants, dict(self._memo), self._shared, base)
+
+    def _kept(self, key: tuple, counts: tuple[int, ...], make: Callable[[], object]):
+        """The entry of ``key`` (made of each kind's first ``counts`` points), made once: shared
+        with the chain this one is a copy of, and its other copies, where those points are theirs
+        too (the curves are only ever added to); else this chain's own."""
+        store = self._shared if self._base is not None and all(map(int.__le__, counts, self._base)) else self._memo
+        if key not in store:
+            store[key] = make()
+        return store[key]
+
+    def _counts(self, kind: int | None = None, n: int = 0) -> tuple[int, ...]:
+        """Each kind's points as counted in a key: all of them, or (``kind``) the first ``n`` of one."""
+        if kind is None:
+            return tuple(len(k.points) for k in self.kinds)
+        return tuple(n if k == kind else 0 for k in range(len(self.kinds)))
 
     def rotor(self, variant: Variant) -> RotorChain:
         """The chain as rotor's dynamic program sees it with ``variant`` (`fxopt.solvers.block_rotor`):
-        per segment, a menu of its kind's plans (see the module)."""
-        return RotorChain(tuple(self._menu(variant, s) for s in range(len(self.blocks.segments))), variant.sweep_fixed)
+        per segment, a menu of its kind's plans (see the module); one per variant and curves."""
+        counts = self._counts()
+        return self._kept(("rotor", id(variant), counts), counts, lambda: RotorChain(
+            tuple(self._menu(variant, s) for s in range(len(self.blocks.segments))), variant.sweep_fixed))
 
     def _menu(self, variant: Variant, s: int) -> Menu:
         # (A kind's points are only ever added to: a menu of its first n points stays right.)
-        key = (id(variant), s, len(self.points(s)))
-        if key not in self._memo:
-            self._memo[key] = self._new_menu(variant, s)
-        return self._memo[key]
+        n = len(self.points(s))
+        return self._kept((id(variant), s, n), self._counts(self.blocks.segments[s].kind, n),
+                          lambda: self._new_menu(variant, s))
 
     def _new_menu(self, variant: Variant, s: int) -> Menu:
         seg = self.blocks.segments[s]
@@ -386,27 +409,30 @@ class BlockChain:
         ``with_link``; what it reads of another segment that the variant does not SAVE (RoPE's
         tables) made again with it. Infinite where that needs what cannot be made again."""
         key = (id(variant), s, None if point is None else id(point.schedule), with_link)
-        if key not in self._memo:
+        kind = self.blocks.segments[s].kind
+        # (made of ``point``: shared where it is one of the points the copies share)
+        held = 0 if point is None else 1 + next(k for k, p in enumerate(self.kinds[kind].points) if p is point)
+
+        def cost() -> float:
             graph, links, seg = self.blocks.graph, variant.links, self.blocks.segments[s]
             wanted = set(links.values[s + 1]) if with_link and s + 1 < len(links.values) else set()
             if point is not None:
                 wanted |= {seg.index[i] for i in point.schedule.saved} - links.all
             there = self._there(variant) | links.values[s]
             try:
-                self._memo[key] = sum(graph.nodes[i].cost for i in to_recompute(graph, wanted, there))
+                return sum(graph.nodes[i].cost for i in to_recompute(graph, wanted, there))
             except InvalidScheduleError:
-                self._memo[key] = np.inf
-        return self._memo[key]
+                return np.inf
+
+        return self._kept(key, self._counts(kind, held), cost)
 
     def _there(self, variant: Variant) -> frozenset[int]:
         """What a sweep finds available whatever the decisions (`OnDemand`'s start, and what
         ``variant`` SAVEs): what it makes again is what it needs beyond these."""
-        key = (id(variant), "there")
-        if key not in self._memo:
-            graph = self.blocks.graph
-            self._memo[key] = (graph.resident | graph.forward_outputs | variant.saved | must_save(graph)
-                                 | {i for i, n in enumerate(graph.nodes) if n.tangent})
-        return self._memo[key]
+        graph = self.blocks.graph
+        return self._kept((id(variant), "there"), self._counts(0, 0), lambda: (  # (made of no point)
+            graph.resident | graph.forward_outputs | variant.saved | must_save(graph)
+            | {i for i, n in enumerate(graph.nodes) if n.tangent}))
 
     def _resident_inputs(self, variant: Variant, s: int) -> int:
         """Bytes of segment s's inputs that the step holds anyway while it is made again in the
@@ -579,10 +605,8 @@ def _choices(chain: BlockChain, budget: int, variants: list[Variant] | None = No
 def _lowest(chain: BlockChain) -> tuple[int, Choice]:
     """The least budget at which some choice's predicted peak fits, and the choice (rotor's
     lowest-peak decisions, the cheapest of them)."""
-    key = ("lowest", *(len(kind.points) for kind in chain.kinds))
-    if key not in chain._memo:
-        chain._memo[key] = _new_lowest(chain)
-    return chain._memo[key]
+    counts = chain._counts()
+    return chain._kept(("lowest", *counts), counts, lambda: _new_lowest(chain))
 
 
 def _new_lowest(chain: BlockChain) -> tuple[int, Choice]:

@@ -79,10 +79,13 @@ class Menu:
     holds_link: bool = False  # its backward reads its link to the next: held until then
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RotorChain:
     menus: tuple[Menu, ...]
     sweep_fixed: np.ndarray  # per segment t: the step's memory as the sweeps before t's backward start
+    # Each sub-chain's ways (`ways`), made the first time asked: every DP and `evaluate` of this
+    # chain reads the same (its menus do not change).
+    made: dict[tuple[int, int], Ways] = dataclasses.field(default_factory=dict, repr=False)
 
 
 # A sub-chain's decision: (s, t, ("all", plan) or ("ck", e), its sub-calls).
@@ -120,7 +123,14 @@ class Ways:
 
 
 def ways(chain: RotorChain, s: int, t: int) -> Ways:
-    """The ways to process s..t (see the module)."""
+    """The ways to process s..t (see the module), made once per chain (`RotorChain.made`)."""
+    found = chain.made.get((s, t))
+    if found is None:
+        found = chain.made[(s, t)] = _ways(chain, s, t)
+    return found
+
+
+def _ways(chain: RotorChain, s: int, t: int) -> Ways:
     menus, last = chain.menus, len(chain.menus) - 1
     forward = t == last  # (the step's forward: nothing made again)
     m = menus[s]
@@ -206,20 +216,28 @@ def _slotted_tree(chain: RotorChain, all_ways: dict[tuple[int, int], Ways], budg
     def size(b) -> np.ndarray:
         return np.minimum(np.rint(np.asarray(b) / unit).clip(0), top + 1).astype(np.int64)
 
+    held_bytes = np.arange(top + 1) * unit  # (what the callers hold at each slot)
     for (s, t), w in all_ways.items():
         reach = int(min(top, (budget - float(w.need.min()) + 0.5) // unit, math.ceil(before[s] / unit) + 2 * count))  # (+: slots rounded up)
         h = np.arange(max(reach, -1) + 1)
-        rows = np.full((len(w.need), len(h)), np.inf)
+        width = len(h)
+        rows = np.empty((len(w.need), width))  # (every row is written below)
         p = w.plans
-        rows[:p] = w.cost[:p, None]
         if s < t:
-            rows[:p] += table[(s + 1, t)][size(w.all_held)[:, None] + h[None, :]]
-        for j, (k_next, k_back) in enumerate(zip(size(w.ck_next), size(w.ck_back))):
-            rows[p + j] = w.cost[p + j] + table[(s + j + 1, t)][k_next:k_next + len(h)] \
-                + table[(s, s + j)][k_back:k_back + len(h)]
-        # (Where the callers hold more than leaves room for what an option needs, it does not fit.)
-        rows[h[None, :] * unit > (budget - w.need)[:, None] + 0.5] = np.inf  # (bytes: whole numbers)
-        best = np.argmin(rows, axis=0) if len(h) else np.zeros(0, dtype=np.int64)
+            after = table[(s + 1, t)]
+            for k, cost, row in zip(size(w.all_held).tolist(), w.cost[:p], rows[:p]):
+                np.add(after[k:k + width], cost, out=row)
+        else:
+            rows[:p] = w.cost[:p, None]
+        for j, (k_next, k_back, row) in enumerate(zip(size(w.ck_next).tolist(), size(w.ck_back).tolist(), rows[p:])):
+            np.add(table[(s + j + 1, t)][k_next:k_next + width], w.cost[p + j], out=row)
+            np.add(row, table[(s, s + j)][k_back:k_back + width], out=row)
+        # Where the callers hold more than leaves room for what an option needs, it does not fit
+        # (bytes: whole numbers): each option's slots from the first holding more on.
+        room_left = np.searchsorted(held_bytes[:width], (budget - w.need) + 0.5, side="right")
+        for o in np.flatnonzero(room_left < width).tolist():
+            rows[o, room_left[o]:] = np.inf
+        best = np.argmin(rows, axis=0) if width else np.zeros(0, dtype=np.int64)
         out = np.full(2 * (top + 1), np.inf)
         out[:len(h)] = rows[best, h]
         table[(s, t)], arg[(s, t)] = out, best
