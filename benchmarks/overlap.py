@@ -11,7 +11,10 @@ warm ones, on every rank. Rows, per rank:
     where the simulator issues it (`fxopt.passes.waits.issue_gathers_ahead`), the backward's
     re-gathers likewise (`fxopt.solvers.prefetch`);
   - ``at once``: the same plan with the forward's all-gathers left where captured (the move taken
-    out), as before this change;
+    out), as before issue 26's forward prefetch;
+  - ``reduce-scatters waited at once``: each gradient's reduce-scatter waited for where it is
+    issued (`fxopt.solvers.prefetch.prefetched`'s move of the waits taken out), as before
+    ``rs29``: in ``ahead`` each is waited for as late as the plan's memory allows;
   - ``ahead, priced at 0.1 GB/s``: planned with communication priced at 0.1 GB/s, not gloo's
     default 1 GB/s, nearer what the trace measures on this loaded machine: the gathers are issued
     further ahead.

@@ -90,6 +90,55 @@ def forward_prefetch(rank: int, world: int) -> dict:
             "forward_exposed_seconds": [ahead.forward_exposed_comm_seconds, waited.forward_exposed_comm_seconds]}
 
 
+def scatter_points(backward: torch.fx.GraphModule) -> list[dict]:
+    """For each gradient's reduce-scatter in ``backward``: where it is issued
+    (``fxopt::reduce_scatter_issue``, or ``fxopt::reduce_scatter`` where it is waited for at once)
+    and waited for (``fxopt::reduce_scatter_wait``), and the compute ops (``mm``, ``addmm``,
+    ``tanh_backward``) between, as node positions."""
+    nodes = list(backward.graph.nodes)
+    kind = [getattr(n.target, "_opname", n.op) for n in nodes]
+    waits = {n.args[0]: k for k, n in enumerate(nodes) if kind[k] == "reduce_scatter_wait"}
+    out = []
+    for k, n in enumerate(nodes):
+        if kind[k] in ("reduce_scatter_issue", "reduce_scatter"):
+            w = waits.get(n, k)
+            out.append({"issue": k, "wait": w,
+                        "compute_between": sum(c in ("mm", "addmm", "tanh_backward") for c in kind[k + 1:w])})
+    return out
+
+
+def reduce_scatter_waits(rank: int, world: int) -> dict:
+    """The step at ``BUDGET_SHARE`` of eager's predicted peak, rewritten: where each gradient's
+    reduce-scatter is issued and waited for in the backward (`scatter_points`), the simulated
+    peak with and without the waits moved (`fxopt.solvers.prefetch.prefetched`) and the seconds
+    the backward waits for its reduce-scatters in the simulator's clock; run under
+    ``fxopt.optimize``, its loss and gradients checked against single-process eager and its
+    measured peak against the plan (`_check_and_measure`)."""
+    from fxopt.plan_ahead import plan_and_rewrite
+    from fxopt.solvers.schedule import simulate
+
+    x = batch()
+    ref = mlp()
+    loss = ref(x).sum()
+    loss.backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    share = share_of((x,), rank, world)
+    eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
+    budget = int(BUDGET_SHARE * eager)
+    model = sharding.fully_shard(mlp())
+    module = SumLoss(model)
+    ready = plan_and_rewrite(module, budget, share)
+    optimized = fxopt.optimize(module, budget)
+    measured = _check_and_measure(optimized, model, (x,), (loss.detach() / world, ref_grads), rank, world,
+                                  lambda: optimized.plans,
+                                  grads=lambda m: {n: sharding.full_tensor(m, n, p.grad) for n, p in m.named_parameters()})
+    plan = optimized.plans[-1]
+    later, at_once = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+    return {"scatter_points": scatter_points(ready.backward), **measured, "same_plan": ready.plan.fingerprint == plan.fingerprint,
+            "simulated_peak": [later.peak_bytes, at_once.peak_bytes],
+            "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for lo, hi in sorted(intervals):
@@ -148,9 +197,10 @@ PROFILED_STEPS = 3
 
 def profiled(rank: int, world: int) -> dict:
     """The step at ``BUDGET_SHARE`` of eager's predicted peak, profiled on this rank over
-    `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead
-    (``ahead``) and, for comparison, the same plan with them where captured (``at once``:
-    `fxopt.passes.recompute`'s move left out); each with `overlap_of` per step, its mean wall
+    `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead and its
+    reduce-scatters waited for later (``ahead``) and, for comparison, the same plan with the
+    gathers where captured (``at once``: `fxopt.passes.recompute`'s move left out), or each
+    reduce-scatter waited for where issued (`fxopt.solvers.prefetch`'s move left out); each with `overlap_of` per step, its mean wall
     seconds and its measured peak. Where ``OVERLAP_TRACE`` names a file (the environment's), rank
     0's profile of the ``ahead`` steps is written there, in Chrome's trace format."""
     import os
@@ -166,11 +216,12 @@ def profiled(rank: int, world: int) -> dict:
     eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
     budget = int(BUDGET_SHARE * eager)
     rows = {}
-    for name in ("ahead", "at once", "ahead, priced at 0.1 GB/s"):
+    for name in ("ahead", "at once", "reduce-scatters waited at once", "ahead, priced at 0.1 GB/s"):
         model = sharding.fully_shard(mlp())
         module = SumLoss(model)
         priced = {"cost_model": CostModel(comm_bytes_per_second=1e8)} if "priced" in name else {}
-        with mock.patch("fxopt.passes.recompute._issue_ahead") if name == "at once" else _nothing():
+        with mock.patch("fxopt.passes.recompute._issue_ahead") if name == "at once" else \
+                mock.patch("fxopt.solvers.prefetch._wait_points", return_value={}) if "reduce" in name else _nothing():
             optimized = fxopt.optimize(module, budget, **priced)
             for _ in range(3):
                 model.zero_grad(set_to_none=True)
@@ -207,11 +258,14 @@ def llama_gathers(rank: int, world: int) -> dict:
     ``benchmarks/results/data_parallel_fsdp_llama_w2_fwdprefetch.md``), at effort 0.25: of the
     forward's all-gathers, how many the plan issues ahead of where they were captured
     (`fxopt.solvers.schedule.forward_order`), the simulated peak with and without, and the ms the
-    forward waits for its gathers in the simulator's clock, with and without."""
+    forward waits for its gathers in the simulator's clock, with and without; of the gradients'
+    reduce-scatters, how many the plan waits for later than it issues them
+    (`fxopt.solvers.prefetch.prefetched`), and the ms the backward waits for them in that clock,
+    with the waits moved and with each where issued."""
     import fsdp_steps
     from fxopt.plan_ahead import plan_and_rewrite
-    from fxopt.solvers.prefetch import is_regather
-    from fxopt.solvers.schedule import forward_order, simulate
+    from fxopt.solvers.prefetch import is_regather, reduce_wait
+    from fxopt.solvers.schedule import as_generated, forward_order, simulate
 
     hf, (ids, labels) = fsdp_steps.llama(4, 128)
     share = share_of((ids, labels), rank, world)
@@ -223,14 +277,21 @@ def llama_gathers(rank: int, world: int) -> dict:
         captured = sorted(order)
         gathers = [i for i in order if is_regather(plan.graph, i)]
         ahead, waited = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
-        out[str(budget)] = {"gathers": len(gathers), "issued_ahead": sum(order.index(i) < captured.index(i) for i in gathers),
+        backward = as_generated(plan.graph, plan.schedule, prefetch=True).backward
+        scatters = [e for e, i in enumerate(backward) if reduce_wait(plan.graph, i) is not None]
+        out[str(budget)] = {"reduce_scatters": len(scatters),
+                            "waited_later": sum(backward[e + 1] != reduce_wait(plan.graph, backward[e]) for e in scatters),
+                            "reduce_waits_ms": [round(ahead.reduce_exposed_comm_seconds * 1e3, 3),
+                                                round(waited.reduce_exposed_comm_seconds * 1e3, 3)],
+                            "gathers": len(gathers), "issued_ahead": sum(order.index(i) < captured.index(i) for i in gathers),
                             "simulated_peak": [ahead.peak_bytes, waited.peak_bytes],
                             "forward_waits_ms": [round(ahead.forward_exposed_comm_seconds * 1e3, 3),
                                                  round(waited.forward_exposed_comm_seconds * 1e3, 3)]}
     return out
 
 
-CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers}
+CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers,
+           "reduce-scatter-waits": reduce_scatter_waits}
 
 
 def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:

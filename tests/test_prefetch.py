@@ -256,3 +256,75 @@ def test_forward_gathers_share_the_process_group_one_at_a_time():
     ahead = simulate(graph, SAVE_BOTH)
     # w1 waited for by h1 (1e-5 less w1's and w2's issues); w2 ends 1e-5 later, h1 hides 4e-6 of it
     assert ahead.forward_exposed_comm_seconds == pytest.approx(2 * COMM - 2e-7 - 4e-6)
+
+
+def scatter(name: str, gradient: int, **fields) -> Node:
+    """A gradient's reduce-scatter over 2 ranks (gloo): its shard 200 B, the whole gradient's 400 B
+    copy gloo reduces in (`Node.lingers`), 1e-5 s of communication."""
+    return Node(name, "backward", inputs=(gradient,), bytes=200, comm_bytes=10_000, cost=COMM, comm_seconds=COMM,
+                lingers=400, **fields)
+
+
+def wait(name: str, collective: int, **fields) -> Node:
+    return Node(name, "backward", inputs=(collective,), storage=collective, cost=1e-7, **fields)
+
+
+def test_a_reduce_scatters_copy_is_counted_from_its_issue_to_its_wait_moved_later():
+    """Fails before: each reduce-scatter was waited for where issued, its 1e-5 s standing the
+    backward still. Now its wait moves to just before the first step that reads what it returns
+    (``cast``: mixed precision's), behind ``gh``'s 2e-5 s of compute, which hides it. The simulator
+    counts gloo's 400 B copy of the whole gradient from the issue to that wait, and no longer (the
+    rewritten step frees it there, `fxopt.ops.collectives.reduce_scatter_wait`); without the move
+    the schedule holds it to the step's end (`fxopt.solvers.liveness.Lingering`, an upper bound
+    where the wait is where it was issued), so the peak is lower with it here, never higher."""
+    graph = Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        scatter("rs", 4),
+        wait("w", 5),
+        Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
+        Node("gx", "backward", inputs=(7,), bytes=100, cost=1e-6, output=True),
+        Node("cast", "backward", inputs=(6,), bytes=200, cost=1e-7, output=True),
+    ))
+    schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9))
+    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
+        ["g", "rs", "gh", "gx", "w", "cast"]
+    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    # x 100, loss 4, t 4, the shard 200, and the copy 400 from ``rs`` through ``w``
+    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("gx", 908), ("w", 808), ("cast", 608)]
+    assert later.peak_bytes == 908 < at_once.peak_bytes == 1008  # (``cast`` with the copy, held to the end)
+    assert later.reduce_exposed_comm_seconds == 0.0 and at_once.reduce_exposed_comm_seconds == pytest.approx(COMM)
+    assert later.cost == at_once.cost  # (not part of a plan's cost: every plan reduces every gradient)
+
+
+def test_a_reduce_scatters_wait_is_not_moved_across_a_step_it_would_raise_above_the_peak():
+    """``rs1``'s copy is held by the schedule without the move (`Lingering`) until ``rs2``'s wait,
+    so its wait moves there for nothing; past it, across ``big`` (1,908 B: x, loss, t, the two
+    shards, ``rs2``'s copy and ``big``; the peak, 2,008 B, is ``gx``'s), its 400 B would raise the
+    peak, so it stops before ``big``. ``rs2``'s copy is held to the end anyway: its wait goes to the end. The
+    order is the generated code's (`fxopt.passes.recompute`), the same on every rank."""
+    graph = Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g1", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        scatter("rs1", 4),
+        wait("w1", 5, output=True),
+        Node("g2", "backward", inputs=(3, 0), bytes=400, cost=1e-6),
+        scatter("rs2", 7),
+        wait("w2", 8, output=True),
+        Node("big", "backward", inputs=(3,), bytes=1000, cost=1e-5),
+        Node("gx", "backward", inputs=(10,), bytes=100, cost=1e-6, output=True),
+    ))
+    schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9, 10, 11))
+    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
+        ["g1", "rs1", "g2", "rs2", "w1", "big", "gx", "w2"]
+    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    assert later.peak_bytes == at_once.peak_bytes == 2008
+    assert [live for _, name, live in later.events if name == "big"] == [1908]
+    assert later.reduce_exposed_comm_seconds < at_once.reduce_exposed_comm_seconds == pytest.approx(2 * COMM)

@@ -19,6 +19,10 @@ still held a 256 KiB copy after the next reduce-scatter's wait). `reduce_scatter
 functional reduce-scatter's and its wait's place: it makes that copy itself, all-reduces it in place
 (as gloo does), waits until the worker thread has let go of it (`released`), and returns this
 rank's chunk. The same bytes, at the same moments as the plan counts them (`Node.lingers`).
+Where the plan waits for a reduce-scatter later than it issues it (`fxopt.solvers.prefetch`), the
+two halves run apart: `reduce_scatter_issue` makes the copy and issues its all-reduce, and
+`reduce_scatter_wait` waits for it, and for gloo to let go of it, and returns the chunk; the copy
+(the whole gradient) lives from the one to the other, as the simulator counts it.
 """
 
 from __future__ import annotations
@@ -102,3 +106,42 @@ def reduce_scatter(input: torch.Tensor, reduce_op: str, group_size: int, group_n
 @reduce_scatter.register_fake
 def _(input, reduce_op, group_size, group_name):
     return input.new_empty((input.shape[0] // group_size, *input.shape[1:]))
+
+
+# `reduce_scatter` split in two, where the step waits for a gradient's reduce-scatter later than
+# it issues it (`fxopt.passes.waits.wait_for_release`, as the plan's simulator places the wait,
+# `fxopt.solvers.prefetch`): the backward computes on while gloo's worker thread reduces.
+
+@torch.library.custom_op("fxopt::reduce_scatter_issue", mutates_args=())
+def reduce_scatter_issue(input: torch.Tensor, reduce_op: str, group_size: int, group_name: str) -> torch.Tensor:
+    """The first half of `reduce_scatter`: the copy of ``input`` gloo would reduce in, made here,
+    its all-reduce issued in place through an alias (the work holds the alias), the copy returned
+    for `reduce_scatter_wait`. ``input`` may be freed as soon as this returns; the copy (the whole
+    gradient) lives until the wait."""
+    copy = input.clone(memory_format=torch.contiguous_format)
+    torch.ops._c10d_functional.all_reduce_(copy.view(copy.shape), reduce_op, group_name)
+    return copy
+
+
+@reduce_scatter_issue.register_fake
+def _(input, reduce_op, group_size, group_name):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("fxopt::reduce_scatter_wait", mutates_args=())
+def reduce_scatter_wait(copy: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """The second half of `reduce_scatter`: wait for the all-reduce `reduce_scatter_issue` issued on
+    ``copy`` (``wait_tensor``), until gloo's worker thread has let go of it (`released`'s test), and
+    return this rank's chunk of it (dim 0). The copy dies with its last reference, this op's
+    argument, right after."""
+    from torch.distributed import get_rank
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    torch.ops._c10d_functional.wait_tensor(copy)
+    _until_alone(copy)
+    return copy.chunk(group_size)[get_rank(_resolve_process_group(group_name))].clone()
+
+
+@reduce_scatter_wait.register_fake
+def _(copy, group_size, group_name):
+    return copy.new_empty((copy.shape[0] // group_size, *copy.shape[1:]))

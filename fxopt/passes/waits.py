@@ -15,12 +15,20 @@ outputs (or by the sum of a tied parameter's uses), so their waits can go that l
 
 The memory is the same: ``wait_tensor`` returns the tensor it waits on, which the all-reduce made
 when it was issued and which lives to the end as a gradient; the simulator counts it from the
-all-reduce on (`fxopt.analysis.scratch`). Only the all-reduces' waits move: a reduce-scatter's
-gloo copy is held by the simulator until the waits that follow it (`fxopt.solvers.graph.Node.lingers`),
-at the traced positions.
+all-reduce on (`fxopt.analysis.scratch`). A gradient's reduce-scatter holds more in flight (on
+gloo, a copy of the whole gradient, `fxopt.solvers.graph.Node.lingers`), so its wait moves in the
+plan's schedule, as far as the plan's memory allows (`fxopt.solvers.prefetch.prefetched`), and the
+backward follows that order (`fxopt.passes.recompute`).
 
 On gloo, each all-gather's wait is followed by ``fxopt::released``, and each reduce-scatter with
-its wait becomes ``fxopt::reduce_scatter`` (`wait_for_release`): the step goes on once gloo's
+its wait becomes ``fxopt::reduce_scatter`` (`wait_for_release`), or, where the wait is later than
+the issue, ``fxopt::reduce_scatter_issue`` there and ``fxopt::reduce_scatter_wait`` at the wait:
+
+    before:  rs = reduce_scatter_tensor(g_w2, "sum", 2, pg); h = mm(g_y, w2); w = wait_tensor(rs)
+    after:   c = fxopt::reduce_scatter_issue(g_w2, "sum", 2, pg); h = mm(g_y, w2)
+             w = fxopt::reduce_scatter_wait(c, 2, pg)
+
+The step goes on once gloo's
 worker thread has let go of the collective's work, so that a gathered parameter, or gloo's copy of
 a gradient it reduces in, is freed where the plan counts it, not later at a moment the OS scheduler
 decides (see `fxopt.ops.collectives`).
@@ -84,7 +92,9 @@ def wait_for_release(graph: fx.Graph) -> fx.Graph:
     """``graph`` with ``fxopt::released`` right after the wait of each all-gather on a gloo group
     (or a group this process cannot name, as the analysis assumes gloo there), and each such
     reduce-scatter and its wait replaced by ``fxopt::reduce_scatter`` where the reduce-scatter was
-    issued, in place: each collective's buffers are then freed where the plan frees them."""
+    issued (the wait right after it), or by ``fxopt::reduce_scatter_issue`` there and
+    ``fxopt::reduce_scatter_wait`` where it is waited for, in place: each collective's buffers
+    are then freed where the plan frees them."""
     import fxopt.ops.collectives  # noqa: F401 - registers torch.ops.fxopt.*
 
     for wait in list(graph.nodes):
@@ -95,10 +105,22 @@ def wait_for_release(graph: fx.Graph) -> fx.Graph:
             with graph.inserting_after(wait):
                 graph.call_function(torch.ops.fxopt.released.default, (wait,))
         elif source.target._opname == "reduce_scatter_tensor" and len(source.users) == 1:
-            with graph.inserting_before(source):
-                both = graph.call_function(torch.ops.fxopt.reduce_scatter.default, source.args)
-            both.meta.update(wait.meta)
-            wait.replace_all_uses_with(both)
+            if source.next is wait:  # (waited for where issued: one op)
+                with graph.inserting_before(source):
+                    both = graph.call_function(torch.ops.fxopt.reduce_scatter.default, source.args)
+                both.meta.update(wait.meta)
+                wait.replace_all_uses_with(both)
+            else:  # (waited for later: issued here, waited for there)
+                _, _, group_size, group_name = source.args
+                with graph.inserting_before(source):
+                    issue = graph.call_function(torch.ops.fxopt.reduce_scatter_issue.default, source.args)
+                if "val" in source.args[0].meta:  # (the copy: the input's shape and dtype)
+                    issue.meta["val"] = source.args[0].meta["val"]
+                with graph.inserting_before(wait):
+                    done = graph.call_function(torch.ops.fxopt.reduce_scatter_wait.default,
+                                               (issue, group_size, group_name))
+                done.meta.update(wait.meta)
+                wait.replace_all_uses_with(done)
             graph.erase_node(wait)
             graph.erase_node(source)
     return graph

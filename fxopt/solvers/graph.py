@@ -118,7 +118,9 @@ class Node:
     # The simulator, and the profiles the ILP and the bounds count with, hold them until the wait of
     # the next collective that lingers has run (`fxopt.solvers.liveness.Lingering`; or the
     # backward ends): an upper bound where the rewritten step frees them itself (on gloo,
-    # `fxopt.ops.collectives.reduce_scatter` frees the copy before it returns).
+    # `fxopt.ops.collectives.reduce_scatter` frees the copy before it returns). Where the step
+    # waits for it later than it issues it (`fxopt.solvers.prefetch.prefetched`), the simulator
+    # holds the copy from the issue to that wait, exactly (`Lingering.exact`).
     lingers: int = 0
 
     def replaced(self, **changes) -> Node:

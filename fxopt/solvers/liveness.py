@@ -73,32 +73,49 @@ class Lingering:
     wait of the next collective that lingers has run, or to the end of the walk (`release_all`).
     One rule for the simulator and the profiles, so that the fixed memory the ILP and the instant
     program count holds them where every schedule does: the backward nodes that linger, and their
-    waits, run once and in order whatever is recomputed between them."""
+    waits, run once and in order whatever is recomputed between them.
 
-    def __init__(self, graph: Graph, memory: LiveBytes):
+    ``exact``: held from just after node i runs until its own wait (its users) has run, no
+    longer. The rewritten step frees gloo's copy there (`fxopt.ops.collectives`: the wait returns
+    once gloo's worker thread has let go of it), so the rule above is an upper bound of it; the
+    simulator counts exactly where a step waits for a reduce-scatter later than where it was
+    traced (`fxopt.solvers.prefetch.prefetched`), as the waits were moved within the room that
+    bound leaves (it holds each copy, in graph order, at least to its own wait)."""
+
+    def __init__(self, graph: Graph, memory: LiveBytes, exact: bool = False):
         self._graph, self._memory = graph, memory
-        self._held: list[list] = []  # [key, bytes, the waits that free it, or None until the next lingers]
+        self.exact = exact
+        # [key, bytes, the waits of the next lingering node that free it (None until it runs; an
+        # empty set once one has run), its own waits not run yet]
+        self._held: list[list] = []
+        self._watched: set[int] = set()  # the nodes whose run may free something held
         self._made = 0
 
     def after(self, i: int) -> None:
         """Node ``i`` has run: free what lingered until it, and hold its own."""
-        for entry in [e for e in self._held if e[2] is not None and i in e[2]]:
-            self._memory.release(entry[0], entry[1])
-            self._held.remove(entry)
+        if i in self._watched:
+            for entry in self._held:
+                if entry[2] is not None and i in entry[2]:
+                    entry[2] = frozenset()
+                entry[3].discard(i)
+            for entry in [e for e in self._held if (self.exact or e[2] == frozenset()) and not e[3]]:
+                self._memory.release(entry[0], entry[1])
+                self._held.remove(entry)
         nbytes = self._graph.nodes[i].lingers
         if nbytes:
             waits = frozenset(self._graph.users[i]) or frozenset({i})
             for entry in self._held:
                 if entry[2] is None:
                     entry[2] = waits
+            self._watched.update(waits, self._graph.users[i])
             self._made += 1
             key = ("lingers", i, self._made)
             self._memory.hold(key, nbytes)
-            self._held.append([key, nbytes, None])
+            self._held.append([key, nbytes, None, set(self._graph.users[i])])
 
     def release_all(self) -> None:
         """The walk has ended: whatever still lingers is freed (by the time the step returns)."""
-        for key, nbytes, _ in self._held:
+        for key, nbytes, _, _ in self._held:
             self._memory.release(key, nbytes)
         self._held.clear()
 

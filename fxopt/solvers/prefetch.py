@@ -48,14 +48,36 @@ reads it and waits at once, so the step stood still for each; issued ahead, the 
 gather runs while this block computes. No collective holds the process group there but the
 gathers themselves, and the bound is the same (no step raised above the schedule's peak).
 
-What is left out: a step with OFFLOAD keeps its gathers and re-gathers where the schedule puts
-them (its reload points are positions in that schedule).
+The gradients' reduce-scatters are waited for later than they are issued, too (`_wait_points`):
+the joint graph traces each with its wait right after it, so the backward stood still for every
+gradient's reduction. Each is issued where the schedule has it, as soon as its gradient is
+complete, and its wait moves towards the first step that reads the shard it returns (the end of
+the backward, for a gradient nothing reads; mixed precision's cast to the shard's dtype), as far
+as the memory allows: on gloo the collective holds a copy of the whole gradient from its issue to
+its wait (`Node.lingers`; gloo reduces in it), and the wait crosses no step where that copy would
+raise the schedule's peak. The schedule without the move already holds each copy until the next
+reduce-scatter's wait (`fxopt.solvers.liveness.Lingering`, the bound the solvers count with), so up
+to there a move costs nothing; past it the copy is counted in each step it crosses. The
+re-gathers are placed first (their exposed time is in a plan's cost) and the waits in the room
+they leave. The simulator counts each moved copy exactly, from its issue to its own wait
+(`Lingering.exact`), and runs the reduce-scatter beside the steps between on the process group's
+clock (a re-gather issued meanwhile queues behind it): `Timeline.reduce_exposed_comm_seconds`,
+reported, not in the plan's cost. The order is the generated code's (`fxopt.passes.waits`
+splits ``fxopt::reduce_scatter`` into its issue and its wait), a pure function of the plan.
+eager autograd's step (`simulate`'s ``eager_frees``) waits where it issues.
+
+What is left out: a step with OFFLOAD keeps its gathers, re-gathers and waits where the schedule
+puts them (its reload points are positions in that schedule). DDP's all-reduces are not moved
+here: the generated code waits for each before its first reader
+(`fxopt.passes.waits.sink_all_reduce_waits`), and the simulator where it is issued.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+
+import numpy as np
 
 from fxopt.solvers.graph import Graph
 
@@ -113,24 +135,59 @@ def holds_group(graph: Graph, i: int) -> bool:
     return n.kind == "backward" and n.comm_seconds > 0
 
 
+def reduce_wait(graph: Graph, i: int) -> int | None:
+    """The wait of node ``i``, where ``i`` is a collective of the backward (`holds_group`: a
+    gradient's reduce-scatter) read by nothing but its wait, which returns the collective's
+    output (the same storage, `Graph.roots`): the generated code may wait for it later than it
+    was traced (`prefetched`). None otherwise."""
+    if not holds_group(graph, i) or len(graph.users[i]) != 1:
+        return None
+    w = graph.users[i][0]
+    return w if graph.roots[w] == graph.roots[i] and graph.nodes[w].kind == "backward" else None
+
+
 def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
                peak: int | None = None) -> tuple[int, ...]:
     """``backward`` (a pruned schedule's, see `fxopt.solvers.schedule.with_prefetch`; or the
     forward's steps, `fxopt.solvers.schedule.forward_order`) with each re-gather (each gather)
-    moved ahead of its wait as far as hides its communication (see the module), and no
-    further than keeps every step it moves across within ``peak``: ``live[k]``, the bytes live
-    while step k runs with the re-gathers where ``backward`` has them, plus the gathered bytes
-    moved across it, at most ``peak`` (None: no limit)."""
-    nodes = graph.nodes
+    moved ahead of its wait as far as hides its communication (see the module), and each
+    reduce-scatter's wait moved back, towards the first step that reads what it returns, as far
+    as the memory it holds in flight allows (`_wait_points`); neither further than keeps every
+    step it moves across within ``peak``: ``live[k]``, the bytes live while step k runs with the
+    collectives where ``backward`` has them, plus the bytes moved across it, at most ``peak``
+    (None: no limit). The re-gathers are placed first: their exposed time is part of a plan's
+    cost, the reduce-scatters' is not (every plan reduces every gradient)."""
     regathers = [e for e, i in enumerate(backward) if is_regather(graph, i)]
-    if not regathers:
+    waits = [(e, _wait_of(graph, backward, e)) for e, i in enumerate(backward) if reduce_wait(graph, i) is not None]
+    if not regathers and not waits:
         return backward
+    extra = [0] * len(backward)  # bytes moved across each step: gathered, or held in flight
+    issue_at = _issue_points(graph, backward, regathers, live, peak, extra) if regathers else {}
+    wait_at = _wait_points(graph, backward, waits, live, peak, extra)
+    moved = {}
+    for e in sorted(wait_at):
+        moved.setdefault(wait_at[e], []).append(e)
+    for e in sorted(issue_at):
+        moved.setdefault(issue_at[e], []).append(e)
+    order: list[int] = []
+    for k, i in enumerate(backward):
+        order.extend(backward[e] for e in moved.get(k, ()))
+        if k not in issue_at and k not in wait_at:
+            order.append(i)
+    order.extend(backward[e] for e in moved.get(len(backward), ()))
+    return tuple(order)
+
+
+def _issue_points(graph: Graph, backward: tuple[int, ...], regathers: list[int], live: list[int] | None,
+                  peak: int | None, extra: list[int]) -> dict[int, int]:
+    """The position each re-gather (by its position in ``backward``) is issued before (see
+    `prefetched`), its gathered bytes added to ``extra`` at each step it moves across."""
+    nodes = graph.nodes
     # When each step starts if nothing stood still: compute only (a re-gather's issue costs its
     # compute; its communication runs beside).
     seconds = [nodes[i].cost - nodes[i].comm_exposed for i in backward]
     start = list(itertools.accumulate(seconds, initial=0.0))
     busy = [(start[k], start[k + 1]) for k, i in enumerate(backward) if holds_group(graph, i)]
-    extra = [0] * len(backward)  # gathered bytes moved across each step
     issue_at: dict[int, int] = {}  # position of a re-gather -> position it is issued before
     channel_free_from = float("inf")
     for e in sorted(regathers, key=lambda e: -_wait_of(graph, backward, e)):
@@ -152,16 +209,67 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
         channel_free_from = min(begin, start[at])
         issue_at[e] = at
         for k in range(at, e):
-            extra[k] += nodes[graph.roots[i]].bytes + nodes[i].workspace
-    order: list[int] = []
-    moved = {at: [] for at in issue_at.values()}
-    for e in sorted(issue_at):
-        moved[issue_at[e]].append(e)
+            extra[k] += held
+    return issue_at
+
+
+def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int, int]], live: list[int] | None,
+                 peak: int | None, extra: list[int]) -> dict[int, int]:
+    """For each (collective, its wait) of ``waits`` (positions in ``backward``), the position the
+    wait moves before, where it moves at all: as late as the first step that reads what it returns
+    (the end, for a gradient nothing reads), never before a multi-output op's outputs are taken
+    out, and no further than keeps each step it moves across, and the step after it, within
+    ``peak`` with the bytes the collective holds until its wait (`Node.lingers`: gloo's copy of
+    the whole gradient) added where ``live`` does not count them already: ``live`` holds the copy
+    through the wait of the next collective that lingers, or to the end
+    (`fxopt.solvers.liveness.Lingering`), so up to there the move is free (with a wait moved, the
+    simulator counts each copy from its issue to its own wait, `Lingering.exact`: within that).
+    Those bytes count in each step it moves across past that point (``extra`` as the re-gathers
+    left it, read, not written)."""
+    n = len(backward)
+    through = _lingering_through(graph, backward)
+    made = {backward[w]: w for _, w in waits}
+    reader: dict[int, int] = {}  # a wait's value -> the first step after it that reads it
     for k, i in enumerate(backward):
-        order.extend(backward[e] for e in moved.get(k, ()))
-        if k not in issue_at:
-            order.append(i)
-    return tuple(order)
+        for j in graph.nodes[i].inputs:
+            if j in made and j not in reader and k > made[j]:
+                reader[j] = k
+    # Bytes each step may still take (the steps the waits move across, one wait after another).
+    room = None if live is None or peak is None else peak - np.asarray(live, np.int64) - np.asarray(extra, np.int64)
+    wait_at: dict[int, int] = {}
+    for e, w in waits:
+        held = graph.nodes[backward[e]].lingers
+        last = through.get(e, w)
+        end = reader.get(backward[w], n)
+        first = max(last + 1, w + 1)  # (before it the copy is counted already)
+        q = end
+        if held and room is not None and first < n:
+            full = room[first:] < held  # the first step it would raise above the peak: not crossed,
+            if full.any():  # and the wait not right before it (its own bytes are the step's before)
+                q = max(w + 1, min(end, first + int(full.argmax()) - 1))
+        while q > w + 1 and q < n and _tuple_item(graph, backward[q]):
+            q -= 1
+        if q > w + 1:
+            wait_at[w] = q
+            if room is not None:
+                room[first:q] -= held
+    return wait_at
+
+
+def _lingering_through(graph: Graph, backward: tuple[int, ...]) -> dict[int, int]:
+    """For each collective that lingers (`Node.lingers`), by its position in ``backward``: the last
+    position at which `fxopt.solvers.liveness.Lingering` still holds its bytes with each wait where
+    ``backward`` has it (the wait of the next one that lingers; the last step for the last)."""
+    lingering = [e for e, i in enumerate(backward) if graph.nodes[i].lingers]
+    out = {}
+    for e, after in zip(lingering, lingering[1:] + [None]):
+        if after is None:
+            out[e] = len(backward) - 1
+        elif graph.users[backward[after]]:
+            out[e] = min(_wait_of(graph, backward, after), len(backward) - 1)
+        else:
+            out[e] = after
+    return out
 
 
 def _begin(busy: list[tuple[float, float]], end: float, first: float, seconds: float) -> float:

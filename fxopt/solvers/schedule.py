@@ -42,7 +42,7 @@ from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Key, LiveBytes, Lingering, last_uses
-from fxopt.solvers.prefetch import holds_group, is_regather, prefetched
+from fxopt.solvers.prefetch import holds_group, is_regather, prefetched, reduce_wait
 from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
@@ -109,6 +109,12 @@ class Timeline:
     # and what hides them is the forward's compute, which no decision changes (only the memory
     # a plan leaves may stop a gather from going further ahead).
     forward_exposed_comm_seconds: float = 0.0
+    # Seconds the backward waited for its gradients' reduce-scatters: the whole of each one waited
+    # for where it is issued, what the compute between did not hide of one waited for later
+    # (`fxopt.solvers.prefetch.prefetched`). Not part of ``cost``, as the forward's: every plan
+    # reduces every gradient (a plan changes it only by the memory it leaves for the waits to
+    # move, and by the re-gathers that queue with them, whose own waits are in the cost).
+    reduce_exposed_comm_seconds: float = 0.0
 
     @property
     def cost(self) -> float:
@@ -140,7 +146,8 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
     `eager_timeline`). ``prefetch`` False: each re-gather issued where the schedule has it, not
     ahead (`with_prefetch`)."""
     _check(graph, schedule)
-    schedule, kept, forward, decided = _generated(graph, schedule, prefetch)
+    # (eager autograd waits for each collective where issued: no wait moved, `eager_timeline`)
+    schedule, kept, forward, decided = _generated(graph, schedule, prefetch and not eager_frees)
     replay = _Replay(graph, schedule, eager_frees)
     replay.forward(forward)
     available = replay.available()
@@ -177,6 +184,7 @@ def simulate(graph: Graph, schedule: Schedule, *, eager_frees: bool = False, pre
         exposed_transfer_seconds=replay.exposed,
         exposed_comm_seconds=replay.exposed_comm,
         forward_exposed_comm_seconds=forward_exposed,
+        reduce_exposed_comm_seconds=replay.reduce_exposed_comm,
         host_peak_bytes=host_peak,
         over_host_budget=host_budget is not None and host_peak > host_budget,
         copies=tuple(copies),
@@ -282,9 +290,12 @@ def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int
     forward alone again): each move is checked against that timeline's peak, and a forward move
     changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward move
     a forward step's, so the two together raise no step above it either."""
-    if schedule.offloaded or not any(n.comm_seconds and n.kind == "forward" for n in graph.nodes):
+    # (gathers to issue ahead, or gloo reduce-scatters whose waits may move: not DDP's all-reduces,
+    # whose waits `fxopt.passes.waits.sink_all_reduce_waits` moves in the generated code alone)
+    if schedule.offloaded or not any(n.comm_seconds and (n.kind == "forward" or n.lingers) for n in graph.nodes):
         return schedule, None, True
-    if not any(is_regather(graph, i) for i in schedule.backward):
+    if not any(is_regather(graph, i) for i in schedule.backward) and \
+            not any(reduce_wait(graph, i) is not None for i in graph.backward_nodes):
         return schedule, None, False
     where = simulate(graph, schedule, prefetch=False)
     saved = _generated_saved(graph, schedule)
@@ -424,8 +435,11 @@ class _Replay:
         # Re-gathers (`fxopt.solvers.prefetch`): the process group runs one collective at a time.
         self.comm_free_at = 0.0
         self.gathering: dict[Key, float] = {}  # a re-gather's copy -> when its communication ends
+        self.regathered_at = 0.0  # when the last re-gather issued ends
         self.exposed_comm = 0.0  # seconds the backward waited for re-gathers
         self.forward_exposed_comm = 0.0  # seconds the forward waited for gathers issued ahead
+        self.reducing: dict[Key, float] = {}  # a reduce-scatter waited for later -> when it ends
+        self.reduce_exposed_comm = 0.0  # seconds the backward waited for reduce-scatters
 
     def create(self, i: int, n: int) -> Key:
         graph, nodes, copy = self.graph, self.nodes, (i, n)
@@ -640,20 +654,16 @@ class _Replay:
                     self.drop(copy)
                 del self.current[i]
         reloads, first_read = self.reload_points(steps, positions)
+        later = self.waited_later(steps)
+        self.lingering.exact = bool(later)  # (gloo's copies counted to their own waits)
         peak = self.record("backward", "<start>", self.memory.bytes)
         for e, (i, copy, args) in enumerate(steps):
-            waited: list[Key] = []  # re-gathers this step waits for
             for j in reloads.get(e, ()):
                 peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
             for j, n in dict.fromkeys(args):
                 if n == 0 and first_read.get(j) == e:
                     self.wait(j)
-                end = self.gathering.pop((j, n), None)
-                if end is not None:
-                    waited.append((j, n))
-                    if end > self.now:  # a re-gather not complete: the step stands still
-                        self.exposed_comm += end - self.now
-                        self.now = end
+            waited = self.wait_for_collectives(args)
             self.settle()
             for j in nodes[i].inputs:
                 if j in self.packed:
@@ -668,18 +678,7 @@ class _Replay:
                                          self.memory.bytes + (0 if regather else nodes[i].workspace)))
             for key in waited:
                 self.memory.release(("gathering", key), nodes[key[0]].workspace)
-            holds = not regather and holds_group(self.graph, i)
-            if regather:
-                self.comm_free_at = max(self.now, self.comm_free_at) + nodes[i].comm_seconds
-                self.gathering[copy] = self.comm_free_at
-            elif holds and self.comm_free_at > self.now:
-                # (a reduce-scatter waited where issued, queued behind the re-gathers in flight:
-                # the step stands still for the rest of them too)
-                self.exposed_comm += self.comm_free_at - self.now
-                self.now = self.comm_free_at
-            self.now += nodes[i].cost - nodes[i].comm_exposed
-            if holds:
-                self.comm_free_at = self.now
+            self.run_backward_step(i, copy, regather, e in later)
             for a in dying_at.get(e, ()):
                 if a not in self.forever:
                     self.drop(a)
@@ -690,6 +689,58 @@ class _Replay:
             self.lingering.after(i)
         self.lingering.release_all()
         self.backward_peak = peak
+
+    def waited_later(self, steps: list[Step]) -> set[int]:
+        """The steps that issue a reduce-scatter the backward waits for later than the next step
+        (`fxopt.solvers.prefetch.prefetched` moved its wait): it runs beside the steps between."""
+        return {e for e, (i, copy, _) in enumerate(steps)
+                if holds_group(self.graph, i) and reduce_wait(self.graph, i) is not None
+                and not (e + 1 < len(steps) and copy in steps[e + 1][2])}
+
+    def wait_for_collectives(self, args: list[Key]) -> list[Key]:
+        """A backward step reads ``args``: wait for the re-gathers and the reduce-scatters in
+        flight among them (the time the step stands still); the re-gathers waited for."""
+        waited = []
+        for key in dict.fromkeys(args):
+            end = self.gathering.pop(key, None)
+            if end is not None:
+                waited.append(key)
+                if end > self.now:  # a re-gather not complete: the step stands still
+                    self.exposed_comm += end - self.now
+                    self.now = end
+            end = self.reducing.pop(key, None)
+            if end is not None and end > self.now:  # (a reduce-scatter's wait, moved later)
+                self.reduce_exposed_comm += end - self.now
+                self.now = end
+        return waited
+
+    def run_backward_step(self, i: int, copy: Key, regather: bool, later: bool) -> None:
+        """The clock through backward step ``i`` (its ``copy``): its compute, and its collective on
+        the process group (one at a time, in the order issued): a re-gather (``regather``) or a
+        reduce-scatter waited for ``later`` runs beside the steps after it; a reduce-scatter waited
+        for where issued stands the step still, behind whatever is in flight first."""
+        node = self.nodes[i]
+        holds = not regather and holds_group(self.graph, i)
+        if regather:
+            self.comm_free_at = max(self.now, self.comm_free_at) + node.comm_seconds
+            self.gathering[copy] = self.regathered_at = self.comm_free_at
+        elif later:
+            self.comm_free_at = max(self.now, self.comm_free_at) + node.comm_seconds
+            self.reducing[copy] = self.comm_free_at
+        elif holds and self.comm_free_at > self.now:
+            # (behind the re-gathers in flight: the plan's exposed communication; behind
+            # reduce-scatters waited for later: theirs)
+            behind_regathers = max(0.0, min(self.regathered_at, self.comm_free_at) - self.now)
+            self.exposed_comm += behind_regathers
+            self.reduce_exposed_comm += self.comm_free_at - self.now - behind_regathers
+            self.now = self.comm_free_at
+        if later:
+            self.now += max(0.0, node.cost - node.comm_exposed - node.comm_seconds)
+        else:
+            self.now += node.cost - node.comm_exposed
+        if holds and not later:
+            self.comm_free_at = self.now
+            self.reduce_exposed_comm += node.comm_seconds
 
     def reload_points(self, steps: list[Step], positions: list[int]) -> tuple[dict[int, list[int]], dict[int, int]]:
         """For the offloaded values the backward reads: the kept step before which each reload is
