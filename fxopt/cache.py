@@ -7,7 +7,8 @@ its effort (`fxopt.solvers.Effort`: counted work decides the plan, not the time 
 the time limit cut short is not stored), fxopt's version and the solvers' revision
 (`fxopt.solvers.REVISION`). Directory: ``$FXOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxopt/plans``
 (``~/.cache/fxopt/plans``). ``FXOPT_CACHE=0`` turns it off. A cache entry that cannot be read is
-ignored and replaced.
+ignored and replaced. (The planner passes the cache by for a plan that SAVEs everything in the
+captured order, whose solve costs no more than its key: `fxopt.planner._through_cache`.)
 
 Beside the plans, in memory, `lowest_peaks`: the lowest-peak schedules the solvers found for the
 graphs planned in this process (`fxopt.solvers.minimum.Memo`), which the planner passes to every

@@ -158,6 +158,33 @@ def test_the_loss_memory_leaves_out_the_batch_its_target_is_a_view_of():
     assert _loss_memory(lm_loss, logits, view, options) == _loss_memory(lm_loss, logits, view.clone(), options)
 
 
+def test_only_the_stage_plans_go_through_the_plan_cache(tmp_path, monkeypatch):
+    """The whole step and the loss are planned only to choose the cuts and the budget (SAVE
+    everything, in the captured order: one walk of the graph, no dearer than its cache key): no
+    cache key is made for them and nothing is written; every plan the cache holds is a stage's.
+    Planning again reads each stage's plan back and gives the same pipeline plan."""
+    monkeypatch.setenv("FXOPT_CACHE", "1")
+    monkeypatch.setenv("FXOPT_CACHE_DIR", str(tmp_path))
+    keyed = []
+    key = fxopt.cache.key
+    monkeypatch.setattr(fxopt.cache, "key", lambda graph, *a, **k: keyed.append(len(graph)) or key(graph, *a, **k))
+
+    def planned():
+        torch.manual_seed(0)
+        model, (idx,) = gpt2_lm(layers=4, dim=16, heads=2, seq=8, batch=4, vocab=32)
+        return fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=2,
+                              microbatches=2, budget=0.9, solver="greedy")
+
+    plan = planned()
+    stored = [fxopt.Plan.from_json(p) for p in sorted(tmp_path.glob("*.json"))]
+    assert stored and all(p.solver != "save_all" for p in stored)
+    assert {len(p.graph) for p in stored} == {len(s.plan.graph) for s in plan.stages}
+    assert sorted(keyed) == sorted(len(s.plan.graph) for s in plan.stages)  # (the whole step is not hashed)
+    keyed.clear()
+    assert _plan_without_timings(planned()) == _plan_without_timings(plan)
+    assert len(list(tmp_path.glob("*.json"))) == len(stored)
+
+
 def _plan_without_timings(plan: fxopt.PipelinePlan) -> dict:
     d = plan.to_dict()
     d.pop("solve_seconds")  # (planning's wall time: the pipeline's, and each stage plan's)
