@@ -68,8 +68,8 @@ def accumulates_into(node: fx.Node) -> fx.Node | None:
             or _GRADIENT_SUM not in (node.meta.get("stack_trace") or "")
             or not isinstance(out := node.meta.get("val"), torch.Tensor)):
         return None
-    return next((a for a in node.args if isinstance(a, fx.Node) and _free_after(a, node) and _same_layout(a, out)),
-                None)
+    return next((a for a in node.args
+                 if isinstance(a, fx.Node) and _free_after(a, node) and same_layout(a.meta.get("val"), out)), None)
 
 
 def _free_after(value: fx.Node, reader: fx.Node) -> bool:
@@ -93,15 +93,15 @@ def _free_after(value: fx.Node, reader: fx.Node) -> bool:
             return True
 
 
-def _same_layout(value: fx.Node, out: torch.Tensor) -> bool:
-    """Whether ``value``'s tensor has ``out``'s shape, strides and dtype, without a guard on a
-    symbolic size (a size only equal under a guard counts as different)."""
+def same_layout(a, b) -> bool:
+    """Whether ``a`` and ``b`` are tensors of one shape, strides and dtype, without a guard on a
+    symbolic size (a size only equal under a guard counts as different): one may hold the other's
+    value (a rewrite in place)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    val = value.meta.get("val")
-    return (isinstance(val, torch.Tensor) and val.dtype == out.dtype and val.dim() == out.dim()
-            and all(statically_known_true(a == b) for a, b in zip(val.shape, out.shape))
-            and all(statically_known_true(a == b) for a, b in zip(val.stride(), out.stride())))
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dim() == b.dim()
+            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+            and all(statically_known_true(x == y) for x, y in zip(a.stride(), b.stride())))
 
 
 def copy_module(gm: fx.GraphModule) -> fx.GraphModule:

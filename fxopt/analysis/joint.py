@@ -29,7 +29,7 @@ from fxopt.analysis.symbolic import NodeSizes, Point, Size, Sizes, SymbolicGraph
 from fxopt.devices import DeviceProfile
 from fxopt.storage import storage_bytes, tensors_in
 from fxopt.errors import CaptureError
-from fxopt.fxgraph import EAGER_COPIES, accumulates_into, tangent_dependents
+from fxopt.fxgraph import EAGER_COPIES, accumulates_into, same_layout, tangent_dependents
 from fxopt.solvers.graph import Graph, Node
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.policies import repeated_blocks
@@ -556,10 +556,7 @@ def _without_gradients_eager_never_makes(nodes: list[Node], fx_nodes: list[fx.No
             continue
         operands = [a for a in n.args if isinstance(a, fx.Node)]
         made = [a for a in operands if _storage_root(nodes, index[a]) not in never]
-        val = n.meta.get("val")
-        if (len(operands) != 2 or len(made) != 1 or not isinstance(val, torch.Tensor)
-                or not isinstance(other := made[0].meta.get("val"), torch.Tensor)
-                or (other.shape, other.dtype, other.stride()) != (val.shape, val.dtype, val.stride())):
+        if len(operands) != 2 or len(made) != 1 or not same_layout(made[0].meta.get("val"), n.meta.get("val")):
             continue
         out[i] = dataclasses.replace(out[i], eager_in_place=True)
     return out

@@ -90,17 +90,8 @@ def reduce_scatter(input: torch.Tensor, reduce_op: str, group_size: int, group_n
     ``torch.distributed._functional_collectives``, on a gloo group: the copy of ``input`` gloo
     would reduce in made here, all-reduced in place through an alias (the work holds the alias, so
     its release shows on the copy's storage), freed once the worker thread has let go of it; this
-    rank's chunk of it (dim 0) returned."""
-    from torch.distributed import get_rank
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    rank = get_rank(_resolve_process_group(group_name))
-    copy = input.clone(memory_format=torch.contiguous_format)
-    reduced = torch.ops._c10d_functional.all_reduce_(copy.view(copy.shape), reduce_op, group_name)
-    torch.ops._c10d_functional.wait_tensor(reduced)
-    del reduced
-    _until_alone(copy)
-    return copy.chunk(group_size)[rank].clone()
+    rank's chunk of it (dim 0) returned. Its two halves (below) one after the other."""
+    return reduce_scatter_wait(reduce_scatter_issue(input, reduce_op, group_size, group_name), group_size, group_name)
 
 
 @reduce_scatter.register_fake

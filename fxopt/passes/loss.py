@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.fxgraph import NodeBuilder, replace_value, rewrite_each
+from fxopt.fxgraph import NodeBuilder, replace_value, rewrite_each, same_layout
 
 aten = torch.ops.aten
 
@@ -57,6 +57,4 @@ def _rewritable(node: fx.Node, grad, lsm, dtype) -> bool:
             and isinstance(lsm, fx.Node)):
         return False
     g_val, out_val = grad.meta.get("val"), node.meta.get("val")
-    return (isinstance(g_val, torch.Tensor) and isinstance(out_val, torch.Tensor) and g_val.dtype == dtype
-            and out_val.dtype == dtype and g_val.shape == out_val.shape and g_val.stride() == out_val.stride()
-            and g_val.is_contiguous())
+    return same_layout(g_val, out_val) and g_val.dtype == dtype and g_val.is_contiguous()
