@@ -62,7 +62,12 @@ def issue_points(forward: torch.fx.GraphModule) -> list[dict]:
     return [{"gather": weights[b], "previous_end": ends[b - 1]} for b in range(1, len(ends) + 1)]
 
 
-def forward_prefetch(rank: int, world: int) -> dict:
+def _planned_at_share(rank: int, world: int):
+    """The MLP's sharded step at ``BUDGET_SHARE`` of eager's predicted peak: rewritten
+    (`plan_and_rewrite`), and run under ``fxopt.optimize``, its loss and gradients checked against
+    single-process eager and its measured peak against the plan (`_check_and_measure`). Returns
+    (the rewritten step, the plan run, what was measured, its simulation with the collectives
+    moved, and without)."""
     from fxopt.plan_ahead import plan_and_rewrite
     from fxopt.solvers.schedule import simulate
 
@@ -83,7 +88,12 @@ def forward_prefetch(rank: int, world: int) -> dict:
                                   lambda: optimized.plans,
                                   grads=lambda m: {n: sharding.full_tensor(m, n, p.grad) for n, p in m.named_parameters()})
     plan = optimized.plans[-1]
-    ahead, waited = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+    moved, where_captured = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+    return ready, plan, measured, moved, where_captured
+
+
+def forward_prefetch(rank: int, world: int) -> dict:
+    ready, plan, measured, ahead, waited = _planned_at_share(rank, world)
     return {"issue_points": issue_points(ready.forward), **measured, "recomputed": len(plan.recomputed),
             "same_plan": ready.plan.fingerprint == plan.fingerprint,
             "simulated_peak": [ahead.peak_bytes, waited.peak_bytes],
@@ -108,32 +118,11 @@ def scatter_points(backward: torch.fx.GraphModule) -> list[dict]:
 
 
 def reduce_scatter_waits(rank: int, world: int) -> dict:
-    """The step at ``BUDGET_SHARE`` of eager's predicted peak, rewritten: where each gradient's
-    reduce-scatter is issued and waited for in the backward (`scatter_points`), the simulated
-    peak with and without the waits moved (`fxopt.solvers.prefetch.prefetched`) and the seconds
-    the backward waits for its reduce-scatters in the simulator's clock; run under
-    ``fxopt.optimize``, its loss and gradients checked against single-process eager and its
-    measured peak against the plan (`_check_and_measure`)."""
-    from fxopt.plan_ahead import plan_and_rewrite
-    from fxopt.solvers.schedule import simulate
-
-    x = batch()
-    ref = mlp()
-    loss = ref(x).sum()
-    loss.backward()
-    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
-    share = share_of((x,), rank, world)
-    eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
-    budget = int(BUDGET_SHARE * eager)
-    model = sharding.fully_shard(mlp())
-    module = SumLoss(model)
-    ready = plan_and_rewrite(module, budget, share)
-    optimized = fxopt.optimize(module, budget)
-    measured = _check_and_measure(optimized, model, (x,), (loss.detach() / world, ref_grads), rank, world,
-                                  lambda: optimized.plans,
-                                  grads=lambda m: {n: sharding.full_tensor(m, n, p.grad) for n, p in m.named_parameters()})
-    plan = optimized.plans[-1]
-    later, at_once = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+    """`_planned_at_share`: where each gradient's reduce-scatter is issued and waited for in the
+    backward (`scatter_points`), the simulated peak with and without the waits moved
+    (`fxopt.solvers.prefetch.prefetched`) and the seconds the backward waits for its
+    reduce-scatters in the simulator's clock."""
+    ready, plan, measured, later, at_once = _planned_at_share(rank, world)
     return {"scatter_points": scatter_points(ready.backward), **measured, "same_plan": ready.plan.fingerprint == plan.fingerprint,
             "simulated_peak": [later.peak_bytes, at_once.peak_bytes],
             "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
