@@ -193,6 +193,25 @@ def _plan_without_timings(plan: fxopt.PipelinePlan) -> dict:
     return d
 
 
+def _eight_blocks_in_four_stages(monkeypatch, **options) -> tuple[fxopt.PipelinePlan, dict]:
+    """An 8-block GPT-2 planned by `fxopt.pipeline` in 4 stages cut at h.2, h.4 and h.6 (greedy,
+    4 microbatches, ``options``), from a fresh memo (no plan reads what an earlier one kept): the
+    plan, and its `_StagePlanner`'s counted work."""
+    import fxopt.distributed.pipeline as pipeline
+
+    fxopt.cache.lowest_peaks.clear()
+    made = []
+    init = pipeline._StagePlanner.__init__
+    monkeypatch.setattr(pipeline._StagePlanner, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+    torch.manual_seed(0)
+    model, (idx,) = gpt2_lm(layers=8, dim=16, heads=2, seq=8, batch=8, vocab=32)
+    plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=4, microbatches=4,
+                          solver="greedy", split_points=[("h.2", "BEGINNING"), ("h.4", "BEGINNING"), ("h.6", "BEGINNING")],
+                          **options)
+    monkeypatch.setattr(pipeline._StagePlanner, "__init__", init)
+    return plan, made[0].work
+
+
 @pytest.mark.parametrize("schedule, budget", [("1F1B", 0.6), ("GPipe", "min")])
 def test_stages_of_one_structure_are_captured_once_and_planned_as_alone(schedule, budget, monkeypatch):
     """Issue 27: the middle stages of a uniform model are one graph up to names, so one is
@@ -203,18 +222,8 @@ def test_stages_of_one_structure_are_captured_once_and_planned_as_alone(schedule
     import fxopt.distributed.pipeline as pipeline
 
     def planned(reuse: bool):
-        fxopt.cache.lowest_peaks.clear()  # (each from a fresh memo: neither reads what the other kept)
         monkeypatch.setattr(pipeline._StagePlanner, "reuse_same_stages", reuse)
-        made = []
-        init = pipeline._StagePlanner.__init__
-        monkeypatch.setattr(pipeline._StagePlanner, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
-        torch.manual_seed(0)
-        model, (idx,) = gpt2_lm(layers=8, dim=16, heads=2, seq=8, batch=8, vocab=32)
-        plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=4, microbatches=4,
-                              schedule=schedule, budget=budget, solver="greedy",
-                              split_points=[("h.2", "BEGINNING"), ("h.4", "BEGINNING"), ("h.6", "BEGINNING")])
-        monkeypatch.setattr(pipeline._StagePlanner, "__init__", init)
-        return plan, made[0].work
+        return _eight_blocks_in_four_stages(monkeypatch, schedule=schedule, budget=budget)
 
     reused, work = planned(True)
     alone, alone_work = planned(False)
@@ -273,22 +282,9 @@ def test_a_stage_whose_paths_do_not_move_is_planned_on_its_own_part(monkeypatch)
     and its plan is the one the move would have given."""
     import fxopt.distributed.pipeline as pipeline
 
-    def planned():
-        fxopt.cache.lowest_peaks.clear()
-        made = []
-        init = pipeline._StagePlanner.__init__
-        monkeypatch.setattr(pipeline._StagePlanner, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
-        torch.manual_seed(0)
-        model, (idx,) = gpt2_lm(layers=8, dim=16, heads=2, seq=8, batch=8, vocab=32)
-        plan = fxopt.pipeline(model, (idx,), target=torch.roll(idx, -1, 1), loss_fn=lm_loss, stages=4, microbatches=4,
-                              budget=0.6, solver="greedy",
-                              split_points=[("h.2", "BEGINNING"), ("h.4", "BEGINNING"), ("h.6", "BEGINNING")])
-        monkeypatch.setattr(pipeline._StagePlanner, "__init__", init)
-        return plan, made[0].work
-
-    moved, work = planned()
+    moved, work = _eight_blocks_in_four_stages(monkeypatch, budget=0.6)
     monkeypatch.setattr(pipeline, "_shifted_pairs", lambda *args: {})
-    own, own_work = planned()
+    own, own_work = _eight_blocks_in_four_stages(monkeypatch, budget=0.6)
     assert _plan_without_timings(own) == _plan_without_timings(moved)
     # stages 2 and 3 stand in shifted: each captured from the whole split (8 blocks more split)
     assert own_work["captures"] == work["captures"] + 2 and own_work["blocks split"] == work["blocks split"] + 8
