@@ -143,10 +143,10 @@ def rewrite_each(gm: fx.GraphModule, target, rewrite: Callable[[fx.Node], bool])
     return count
 
 
-def replace_node(graph: fx.Graph, node: fx.Node, op, *args) -> fx.Node:
-    """Compute ``op(*args)`` where ``node`` is (with its source metadata), make every user of
-    ``node`` read it instead, and erase ``node``."""
-    new = NodeBuilder(graph, node.prev, node)(op, *args)
+def replace_node(graph: fx.Graph, node: fx.Node, op, *args, **kwargs) -> fx.Node:
+    """Compute ``op(*args, **kwargs)`` where ``node`` is (with its source metadata), make every
+    user of ``node`` read it instead, and erase ``node``."""
+    new = NodeBuilder(graph, node.prev, node)(op, *args, **kwargs)
     replace_value(node, new)
     graph.erase_node(node)
     return new

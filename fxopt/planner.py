@@ -421,8 +421,8 @@ def _rewrite_for_planning(joint: fx.GraphModule, options: Options) -> tuple[bool
     ``loss_in_place``, but not for Inductor, whose graphs are functional) the cross-entropy's
     backward written over its incoming gradient, (not for Inductor either) the sums of a value's
     gradients written over one of them as eager's engine writes them (`passes.accumulate`), and
-    (with ``compress``) ReLU's backward reading a bool mask. Whether anything changed, and how many ReLU masks were made (`masks.undo_relu_masks`
-    takes them back)."""
+    (with ``compress``) ReLU's backward reading a bool mask. Whether anything changed, and how
+    many ReLU masks were made (`masks.undo_relu_masks` takes them back)."""
     dropout = recompute_dropout_from_mask(joint)
     functional = options.compiler == "inductor"
     loss = loss_backward_in_place(joint) if options.loss_in_place and not functional else 0

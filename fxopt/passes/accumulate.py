@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.fxgraph import NodeBuilder, accumulates_into, replace_value, rewrite_each
+from fxopt.fxgraph import accumulates_into, replace_node, rewrite_each
 
 aten = torch.ops.aten
 
@@ -39,9 +39,7 @@ def sum_gradients_in_place(gm: fx.GraphModule) -> int:
         into = accumulates_into(node)
         if into is None:
             return False
-        in_place = NodeBuilder(graph, node.prev, node)(aten.add.out, *node.args, out=into)
-        replace_value(node, in_place)
-        graph.erase_node(node)
+        replace_node(graph, node, aten.add.out, *node.args, out=into)
         return True
 
     return rewrite_each(gm, aten.add.Tensor, rewrite)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxopt.fxgraph import NodeBuilder, replace_value, rewrite_each, same_layout
+from fxopt.fxgraph import replace_node, rewrite_each, same_layout
 
 aten = torch.ops.aten
 
@@ -41,10 +41,7 @@ def loss_backward_in_place(gm: fx.GraphModule) -> int:
         grad, lsm, dim, dtype = node.args[:4]
         if not _rewritable(node, grad, lsm, dtype):
             return False
-        in_place = NodeBuilder(graph, node.prev, node)(
-            aten._log_softmax_backward_data.out, grad, lsm, dim, dtype, out=grad)
-        replace_value(node, in_place)
-        graph.erase_node(node)
+        replace_node(graph, node, aten._log_softmax_backward_data.out, grad, lsm, dim, dtype, out=grad)
         return True
 
     return rewrite_each(gm, aten._log_softmax_backward_data.default, rewrite)
