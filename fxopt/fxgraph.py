@@ -38,14 +38,24 @@ class NodeBuilder:
 
     def __init__(self, graph: fx.Graph, after: fx.Node, meta_from: fx.Node):
         self.graph, self.anchor, self.meta_from = graph, after, meta_from
-        self.fake_mode = detect_fake_mode([meta_from.meta["val"]])
+        self._fake_mode = None
 
-    def __call__(self, op, *args, **kwargs) -> fx.Node:
+    @property
+    def fake_mode(self):
+        if self._fake_mode is None:
+            self._fake_mode = detect_fake_mode([self.meta_from.meta["val"]])
+        return self._fake_mode
+
+    def __call__(self, op, *args, fake=None, **kwargs) -> fx.Node:
+        """``op(*args, **kwargs)`` as the next node. ``fake``: its fake value where the caller
+        knows it (an ``out=`` op's is the tensor it writes: not run again under fake tensors)."""
         with self.graph.inserting_after(self.anchor):
             node = self.graph.call_function(op, args, kwargs)
-        vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = op(*vals[0], **vals[1])
+        if fake is None:
+            vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+            with self.fake_mode:
+                fake = op(*vals[0], **vals[1])
+        node.meta["val"] = fake
         for key in _SOURCE_META:
             if key in self.meta_from.meta:
                 node.meta[key] = self.meta_from.meta[key]
@@ -143,10 +153,11 @@ def rewrite_each(gm: fx.GraphModule, target, rewrite: Callable[[fx.Node], bool])
     return count
 
 
-def replace_node(graph: fx.Graph, node: fx.Node, op, *args, **kwargs) -> fx.Node:
+def replace_node(graph: fx.Graph, node: fx.Node, op, *args, fake=None, **kwargs) -> fx.Node:
     """Compute ``op(*args, **kwargs)`` where ``node`` is (with its source metadata), make every
-    user of ``node`` read it instead, and erase ``node``."""
-    new = NodeBuilder(graph, node.prev, node)(op, *args, **kwargs)
+    user of ``node`` read it instead, and erase ``node``. ``fake``: the new node's fake value
+    where the caller knows it (`NodeBuilder`)."""
+    new = NodeBuilder(graph, node.prev, node)(op, *args, fake=fake, **kwargs)
     replace_value(node, new)
     graph.erase_node(node)
     return new

@@ -278,6 +278,70 @@ def test_auto_never_costs_more_than_the_ilp_on_hand_graphs():
             assert best.timeline.recompute_cost <= ilp_cost + 1e-9, name
 
 
+def _counting_phases(monkeypatch) -> dict[str, int]:
+    """Count the sources "auto" runs and the instant programs it solves (work, not seconds)."""
+    import fxopt.solvers.phases as phases
+
+    ran: dict[str, int] = {}
+
+    def counted(name, run):
+        def inner(*args, **kwargs):
+            ran[name] = ran.get(name, 0) + 1
+            return run(*args, **kwargs)
+        return inner
+
+    for name, source in list(phases.SOURCES.items()):
+        monkeypatch.setitem(phases.SOURCES, name, dataclasses.replace(source, run=counted(name, source.run)))
+    monkeypatch.setattr(phases, "instant_solve", counted("instant", phases.instant_solve))
+    return ran
+
+
+def _with_and_without_the_shortcut(monkeypatch, graph: Graph, budget: int):
+    """``solve(graph, budget, "auto")``, then again with every phase run (its first phase,
+    `run_save_all_first`, switched off): both solutions, and the sources and instant programs each
+    ran."""
+    import fxopt.solvers.auto as auto
+
+    phases = auto.STRATEGIES["auto"]
+    ran = _counting_phases(monkeypatch)
+    fast = solve(graph, budget, "auto", time_limit=TIME_LIMIT)
+    first, ran = dict(ran), _counting_phases(monkeypatch)
+    monkeypatch.setitem(auto.STRATEGIES, "auto", (dataclasses.replace(phases[0], when=lambda s: False), *phases[1:]))
+    try:
+        whole = solve(graph, budget, "auto", time_limit=TIME_LIMIT)
+    finally:
+        monkeypatch.setitem(auto.STRATEGIES, "auto", phases)
+    return fast, whole, first, dict(ran)
+
+
+@pytest.mark.parametrize("name", sorted(HAND_GRAPHS))
+def test_auto_answers_eagers_schedule_where_it_fits_and_nothing_costs_less(monkeypatch, name):
+    """Where SAVE-everything fits and no other schedule is as cheap and lower
+    (`alone_at_its_cost`), "auto" answers it after one simulation (and, where it recomputes the
+    views the backward reads, one instant program proving that every plan does): proven optimal
+    with no gap, no other source run. The same plan as running every phase. Below eager's peak,
+    and on the diamond (a value only the backward needs may be made there at no cost instead of
+    SAVEd: another plan as cheap, and lower), every phase runs as before, no source more often."""
+    from fxopt.solvers.phases import alone_at_its_cost
+
+    graph = HAND_GRAPHS[name]()
+    eager = simulate(graph, eager_schedule(graph))
+    alone = alone_at_its_cost(graph, eager_schedule(graph))
+    assert alone == (name != "diamond")
+    for budget in (eager.peak_bytes, _budget(name, "between")):
+        fast, whole, first, every = _with_and_without_the_shortcut(monkeypatch, graph, budget)
+        assert (fast.schedule, fast.timeline.cost) == (whole.schedule, whole.timeline.cost), (name, budget)
+        if budget >= eager.peak_bytes and alone:
+            assert fast.schedule == eager_schedule(graph) and (fast.status, fast.gap) == ("optimal", 0.0)
+            assert first == {"save_all": 1, **({"instant": 1} if eager.cost > 0 else {})}, name
+            assert len(every) > 2  # (every phase: the other sources too)
+            assert fast.bound_source == ("instant" if eager.cost > 0 else "save_all")
+        else:
+            # (no source run more often; eager's schedule reused by the sources, once per solve)
+            assert all(first.get(k, 0) <= n for k, n in every.items() if k != "save_all"), (name, first, every)
+            assert fast.status == whole.status and fast.lower_bound_cost == whole.lower_bound_cost
+
+
 def test_articulation_values():
     """A chain is cut at every value; a skip connection (d reads a and c) hides b and c."""
     graph = chain(4)
@@ -528,6 +592,17 @@ def _solve(graph: Graph, budget: int, solver: str) -> Solution | InfeasibleBudge
 
 
 PROPERTY_SETTINGS = settings(max_examples=int(__import__("os").environ.get("FXOPT_EXAMPLES", 40)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(PROPERTY_SETTINGS, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(graph=training_graphs())
+def test_random_graph_auto_at_eagers_peak_answers_as_every_phase_does(monkeypatch, graph):
+    """On random steps at eager's peak (and a little above): the same plan, cost and status with
+    the first phase's shortcut as with every phase run."""
+    eager = simulate(graph, eager_schedule(graph))
+    for budget in (eager.peak_bytes, eager.peak_bytes * 5 // 4):
+        fast, whole, _, _ = _with_and_without_the_shortcut(monkeypatch, graph, budget)
+        assert (fast.schedule, fast.timeline.cost, fast.status) == (whole.schedule, whole.timeline.cost, whole.status)
 
 
 @PROPERTY_SETTINGS
@@ -822,7 +897,8 @@ def test_instant_program_on_a_head(spare, cost):
     assert res.bound == pytest.approx(cost, abs=1e-6)
     solution = solve(graph, budget, "auto", time_limit=TIME_LIMIT)
     assert solution.timeline.recompute_cost == pytest.approx(cost)
-    assert (solution.status, solution.bound_source) == ("optimal", "instant")
+    # (where nothing need be recomputed, eager's schedule fits: proven by the bound 0, at once)
+    assert (solution.status, solution.bound_source) == ("optimal", "instant" if cost else "save_all")
     with pytest.raises(InfeasibleBudgetError):
         solve(graph, lowest - 1, "auto", time_limit=TIME_LIMIT)
 

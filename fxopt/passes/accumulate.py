@@ -13,7 +13,8 @@ sum alone), the sum is written over it::
 
     s = add(a, b)        ->        s = add.out(a, b, out=a)
 
-the same IEEE additions, bit-equal. The node's fake value is ``a``'s, so the analysis counts ``s``
+the same IEEE additions, bit-equal. The node's fake value is ``a``'s (taken, not made again: ``add.out``
+returns ``out``, of the sum's shape, strides and dtype), so the analysis counts ``s``
 in ``a``'s storage (no allocation), and its op mutates, so it is never recomputed nor moved
 (`Node.recomputable`). The eager step's prediction counts the same sums in place
 (`fxopt.analysis.joint`, `Node.eager_in_place`), so a fraction of eager's peak and fxopt's step at
@@ -39,7 +40,9 @@ def sum_gradients_in_place(gm: fx.GraphModule) -> int:
         into = accumulates_into(node)
         if into is None:
             return False
-        replace_node(graph, node, aten.add.out, *node.args, out=into)
+        # (``add.out`` returns ``out``: its fake value is the operand's, of the sum's layout, so
+        # not run again under fake tensors; the views of the sum are made again from it)
+        replace_node(graph, node, aten.add.out, *node.args, out=into, fake=into.meta["val"])
         return True
 
     return rewrite_each(gm, aten.add.Tensor, rewrite)

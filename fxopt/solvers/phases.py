@@ -9,7 +9,8 @@ instant program (``auto="first"``) or only when no plan is proven optimal by the
 bounded by counted work (`fxopt.solvers.effort`); the safety stop only skips phases that improve a
 plan that fits once the time limit has passed.
 
-"auto", in order: the first sources (save_all, checkpoint, chain, the simple policies); the instant program (a plan
+"auto", in order: eager's schedule, the answer where it fits and is proven optimal with no gap (then nothing else runs,
+`run_save_all_first`); the first sources (save_all, checkpoint, chain, the simple policies); the instant program (a plan
 and a lower bound, `fxopt.solvers.instant`); unless that settles it, the other sources (greedy,
 segments); COMPRESS and OFFLOAD completing the cheapest over-budget schedules; saving more in the
 cheapest plan; the ILP (its LP relaxation's bound and roundings, then the exact solve warm-started
@@ -25,6 +26,7 @@ from collections.abc import Callable
 
 from fxopt.solvers.block_plan import block_candidates
 from fxopt.solvers.chain import chain_candidates
+from fxopt.solvers.gap import COST_TOLERANCE, proven
 from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, exchange, greedy, offload_to_fit, save_all, save_more,
                                       segments)
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
@@ -32,7 +34,8 @@ from fxopt.solvers.instant import bound_where_tight, instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.policies import policy_candidates
 from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES, lowest_plan
-from fxopt.solvers.schedule import InvalidScheduleError, simulate
+from fxopt.solvers.graph import Graph
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, simulate
 from fxopt.solvers.search import ILP_REL_GAP, Search, fmt_cost
 
 log = logging.getLogger("fxopt")
@@ -74,7 +77,8 @@ def run_sources(search: Search, names, *, fallback: bool = False) -> None:
     for name in names:
         if not fallback:
             search.progress(f"solver {name}")
-        found = SOURCES[name].run(search.graph, search.budget, search.effort, search.memo)
+        # (A source is a function of the graph and budget: one "auto" ran first is not run again.)
+        found = search.runs.get(name) or SOURCES[name].run(search.graph, search.budget, search.effort, search.memo)
         if name in HEURISTIC_NAMES:
             search.runs[name] = found
         for schedule, timeline in found:
@@ -94,6 +98,70 @@ def sources(when: str) -> Phase:
     # budget runs the policies itself. "unsettled": also a check on a proof.)
     return Phase(f"sources ({when})", run, (lambda s: not (s.by_blocks and s.proven_infeasible)) if when == "first"
                  else (lambda s: s.proven_infeasible or not s.settled()))
+
+
+def run_save_all_first(search: Search) -> None:
+    """Eager's schedule (SAVE everything, in the captured order) where it fits the budget, no other
+    is as cheap and as low (`alone_at_its_cost`), and no plan can cost less: it recomputes nothing (no codec, no exposed copy either: the bound is 0,
+    ``bound_source`` "save_all"), or the instant program's bound equals its cost (what it
+    recomputes, views made fresh in the backward, every plan pays). It is then the answer,
+    proven optimal with no gap, and "auto" runs no other phase (`Search.exact`): a pipeline
+    stage, or any step planned at or near its eager peak, is answered by one simulation and at
+    most one instant program. Elsewhere nothing is kept from here but the simulated schedule, for
+    the sources that run it (`run_sources`), and the phases run as they did."""
+    found = SOURCES["save_all"].run(search.graph, search.budget, search.effort, search.memo)
+    search.runs["save_all"] = found
+    fitting = [(schedule, timeline) for schedule, timeline in found
+               if timeline.peak_bytes <= search.budget and not timeline.over_host_budget]
+    if not fitting:
+        return
+    schedule, timeline = fitting[0]
+    if not alone_at_its_cost(search.graph, schedule):
+        return
+    bound, source = 0.0, "save_all"
+    if timeline.cost > COST_TOLERANCE:
+        inst = instant_solve(search.graph, search.budget, effort=search.effort, time_limit=search.deadline,
+                             mip_solver=search.mip_solver, start=schedule)
+        if not proven(timeline.cost, inst.bound, 0.0):
+            return
+        bound, source = inst.bound, "instant"
+    search.progress("solver save_all: it fits, and no plan costs less")
+    search.consider(schedule, timeline, "save_all", "heuristic")
+    search.raise_bound(bound, source)
+    search.exact = True
+
+
+def alone_at_its_cost(graph: Graph, schedule: Schedule) -> bool:
+    """Whether every other schedule that costs as little as eager's (``schedule``) holds host
+    memory (OFFLOAD) or peaks at least as high: none that "auto" would prefer at an equal cost
+    (`Search.best`; at an equal cost, host memory and peak, the first found, eager's).
+    A schedule as cheap recomputes what eager's recomputes (what every schedule must: the views
+    the backward reads) and nothing more, but for the first computation of a value only the
+    backward needs, which is free. So it differs from eager's only where a value eager SAVEs, with
+    bytes of its own, is made again at no cost (its op costs nothing; or it is such a value, and
+    what it reads is there or costs nothing to make again, or could be SAVEd instead), or where a
+    value eager makes in the backward, with bytes of its own, could be SAVEd instead. Where none
+    is (a sufficient test: any doubt answers False), eager's schedule is the only one at its
+    cost and peak: the phases would find nothing to prefer."""
+    nodes, saved, made = graph.nodes, schedule.saved, frozenset(schedule.backward)
+    there = saved | graph.free | graph.resident
+    held = {graph.roots[i] for i in graph.forward_outputs}
+
+    def costs(i: int) -> bool:
+        return nodes[i].cost - nodes[i].comm_exposed > 0
+
+    def made_again_at_a_cost(j: int) -> bool:
+        return not (j in there or j in made or j in graph.backward_only or j in graph.saveable) and costs(j)
+
+    for i in saved - graph.free - graph.resident:
+        if nodes[i].bytes == 0 or graph.roots[i] in held:
+            continue
+        if i in graph.backward_only:
+            if not any(made_again_at_a_cost(j) for j in nodes[i].inputs):
+                return False
+        elif not costs(i):
+            return False
+    return not any(nodes[i].bytes > 0 for i in (graph.saveable & graph.backward_only & made) - saved)
 
 
 def run_blocks(search: Search) -> None:
@@ -298,6 +366,11 @@ _SAVE_ALL = Phase("save_all", lambda s: run_sources(s, ["save_all"]))  # optimal
 _INSTANT = Phase("instant", run_instant, _unproven)
 
 
+def _unless_exact(phase: Phase) -> Phase:
+    """``phase``, skipped where eager's schedule is proven optimal with no gap (`run_save_all_first`)."""
+    return dataclasses.replace(phase, when=lambda s, when=phase.when: not s.exact and when(s))
+
+
 def _unless_by_blocks(phase: Phase) -> Phase:
     """``phase``, skipped where the repeated blocks' plans fit (`run_blocks`)."""
     return dataclasses.replace(phase, when=lambda s, when=phase.when: not s.by_blocks and when(s))
@@ -314,9 +387,12 @@ def strategies() -> dict[str, tuple[Phase, ...]]:
     out = {
         # A step of repeated blocks is planned per block where that fits: the phases of the
         # whole graph then give way to the bound for that plan (`_unless_by_blocks`).
-        "auto": (Phase("blocks", run_blocks, lambda s: s.chain() is not None), sources("first"),
-                 Phase("bound", run_block_bound, lambda s: s.by_blocks and bool(s.fitting) and not s.settled()),
-                 *map(_unless_by_blocks, whole)),
+        # Eager's schedule first: where it fits and nothing costs less, nothing else runs.
+        "auto": (Phase("save_all first", run_save_all_first, _unproven),
+                 *map(_unless_exact, (
+                     Phase("blocks", run_blocks, lambda s: s.chain() is not None), sources("first"),
+                     Phase("bound", run_block_bound, lambda s: s.by_blocks and bool(s.fitting) and not s.settled()),
+                     *map(_unless_by_blocks, whole)))),
         "ilp": (_SAVE_ALL, *_COMPLETE, Phase("ilp", run_ilp, _unproven),
                 Phase("fallback", fallback, _without_plan_of("ilp")), *_LAST),
         "instant": (_SAVE_ALL, _INSTANT, *_COMPLETE, Phase("fallback", fallback, _without_plan_of("instant")), *_LAST),

@@ -41,7 +41,8 @@ class Solution:
     # computed): the highest of the instant program's (`fxopt.solvers.instant`: valid for every
     # schedule the simulator accepts) and the ILP's (its LP relaxation's or branch-and-bound's:
     # valid within the ILP's model, which restricts recomputation to a window and counts memory
-    # conservatively). `bound_source` says which ("instant" or "ilp"). On a graph that offers
+    # conservatively). `bound_source` says which ("instant" or "ilp"; "save_all": 0, where eager's
+    # schedule fits and costs nothing, `fxopt.solvers.phases.run_save_all_first`). On a graph that offers
     # OFFLOAD, only the instant program's, a bound on the cost with exposed transfer time (see
     # `Search.raise_bound`).
     lower_bound_cost: float | None = None
@@ -74,7 +75,7 @@ class Search:
         self.fitting: list[Solution] = []
         self.over: list[tuple[Schedule, Timeline, str]] = []  # over the budget: compression may fit them
         self.lower_bound: float | None = None
-        self.bound_source: str | None = None  # "instant" or "ilp"
+        self.bound_source: str | None = None  # "instant", "ilp" or "save_all"
         self.proven_infeasible = False
         self.ilp_status: str | None = None
         self.model = None  # the ILP (`fxopt.solvers.ilp.RematIlp`), once built
@@ -83,6 +84,9 @@ class Search:
         # ``by_blocks``: its plans fit, and the phases of the whole graph are not run.
         self._chain: BlockChain | None | bool = False
         self.by_blocks = False
+        # Eager's schedule fits and is proven optimal with no gap: no phase can find a cheaper plan
+        # (`fxopt.solvers.phases.run_save_all_first`).
+        self.exact = False
 
     def chain(self) -> BlockChain | None:
         """The step's chain of repeated blocks, each kind solved once (None where it has none),
