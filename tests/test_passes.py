@@ -299,6 +299,49 @@ def test_gradient_sums_are_written_in_place_as_eager_writes_them():
         assert torch.equal(p_e.grad, p_o.grad)
 
 
+def test_a_gradient_sum_written_in_place_takes_its_operands_fake_value(monkeypatch):
+    """Counted work of the rewrite (`fxopt.passes.accumulate`): ``add.out`` is not run again under
+    fake tensors (it returns ``out``: the sum's fake value is its operand's, of its layout); only
+    the views reading a sum are made again, once each, so that they alias the operand."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fxopt.planner as planner
+    from fxopt.fxgraph import aliases_input
+
+    ran: dict = {}
+    rewritten = []
+    dispatch, rewrite = FakeTensorMode.dispatch, planner.sum_gradients_in_place
+
+    def counted(self, func, types, args=(), kwargs={}):
+        ran[func] = ran.get(func, 0) + 1
+        return dispatch(self, func, types, args, kwargs)
+
+    def counted_rewrite(gm):
+        monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+        try:
+            rewritten.append((gm, rewrite(gm)))
+        finally:
+            monkeypatch.setattr(FakeTensorMode, "dispatch", dispatch)
+        return rewritten[-1][1]
+
+    monkeypatch.setattr(planner, "sum_gradients_in_place", counted_rewrite)
+    torch.manual_seed(0)
+    fxopt.plan(_Scan(), 1.0, (torch.randn(4, 4, 8),))
+    gm, count = rewritten[0]
+    sums = list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.add.out))
+    assert count == len(sums) >= 6
+    assert torch.ops.aten.add.out not in ran
+    for node in sums:
+        assert node.meta["val"] is node.kwargs["out"].meta["val"]
+    views, stack = 0, [u for n in sums for u in n.users]
+    while stack:
+        node = stack.pop()
+        if aliases_input(node.target):
+            views += 1
+            stack.extend(node.users)
+    assert sum(ran.values()) == views
+
+
 def test_a_gradient_sum_is_written_over_an_operand_nothing_else_reads():
     """`fxopt.fxgraph.accumulates_into`: the first operand made in the backward that only the sum
     reads (through views too); an operand read again, a sum not marked as autograd's, or one of
