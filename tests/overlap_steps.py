@@ -128,6 +128,65 @@ def reduce_scatter_waits(rank: int, world: int) -> dict:
             "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
 
 
+class _Blocks(nn.Sequential):
+    def forward(self, x):  # its own forward: Dynamo runs such a module's hooks (the policy's input cast) in its graph
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def mlp_mp() -> nn.Module:
+    """`mlp`'s layers and numbers in a module whose input cast the policy's root hooks run."""
+    return _Blocks(*mlp())
+
+
+def reduce_scatter_waits_mp(rank: int, world: int) -> dict:
+    """`reduce_scatter_waits` under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` (the
+    gradients reduced in bf16, each reduced shard cast to the float32 shard's dtype right after its
+    wait): planned at ``BUDGET_SHARE`` of eager's predicted peak, rewritten (`plan_and_rewrite`)
+    and run under ``fxopt.optimize``; the loss and every gradient (float32) equal FSDP2 eager's
+    with the same policy on this rank's share within bf16's resolution (`assert_bf16_close`;
+    FSDP2 averages over the ranks, `fully_shard` sums: its gradients against FSDP2's times the
+    ranks), and its measured peak. Where each reduce-scatter is issued and waited for
+    (`scatter_points`), the simulated peak and reduce-scatter wait with and without the moves."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    from fsdp_steps import _measure, assert_bf16_close
+    from fxopt.plan_ahead import plan_and_rewrite
+    from fxopt.solvers.schedule import simulate
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    share = share_of((batch(),), rank, world)
+    eager = mlp_mp()
+    for layer in eager:
+        if isinstance(layer, nn.Linear):
+            fsdp2_shard(layer, mp_policy=mp)
+    fsdp2_shard(eager, mp_policy=mp)
+    _, _, ref_loss = _measure(SumLoss(eager), eager, share)
+    ref_grads = {n: p.grad.full_tensor() * world for n, p in eager.named_parameters()}
+    peak = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp_mp(), mp_policy=mp)), 1.0, share).plan.peak_bytes
+    budget = int(BUDGET_SHARE * peak)
+    model = sharding.fully_shard(mlp_mp(), mp_policy=mp)
+    module = SumLoss(model)
+    ready = plan_and_rewrite(module, budget, share)
+    optimized = fxopt.optimize(module, budget)
+    measured, _, loss = _measure(optimized, model, share)
+    assert_bf16_close(loss, ref_loss, "loss")
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32, (n, p.grad.dtype)
+        assert_bf16_close(sharding.full_tensor(model, n, p.grad), ref_grads[n], f"gradient of {n}")
+    plan = optimized.plans[-1]
+    later, at_once = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+    casts = [n for n in ready.backward.graph.nodes if getattr(n.target, "_opname", "") == "_to_copy"
+             and getattr(n.args[0].target, "_opname", "") in ("reduce_scatter_wait", "reduce_scatter")]
+    return {"scatter_points": scatter_points(ready.backward), "measured": measured, "budget": plan.budget_bytes,
+            "predicted": plan.peak_bytes, "plans": len(optimized.plans),
+            "same_plan": ready.plan.fingerprint == plan.fingerprint, "casts_after_waits": len(casts),
+            "simulated_peak": [later.peak_bytes, at_once.peak_bytes],
+            "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for lo, hi in sorted(intervals):
@@ -280,7 +339,7 @@ def llama_gathers(rank: int, world: int) -> dict:
 
 
 CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers,
-           "reduce-scatter-waits": reduce_scatter_waits}
+           "reduce-scatter-waits": reduce_scatter_waits, "reduce-scatter-waits-mp": reduce_scatter_waits_mp}
 
 
 def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:

@@ -328,3 +328,65 @@ def test_a_reduce_scatters_wait_is_not_moved_across_a_step_it_would_raise_above_
     assert later.peak_bytes == at_once.peak_bytes == 2008
     assert [live for _, name, live in later.events if name == "big"] == [1908]
     assert later.reduce_exposed_comm_seconds < at_once.reduce_exposed_comm_seconds == pytest.approx(2 * COMM)
+
+
+def test_a_reduce_scatters_wait_moves_with_the_cast_that_reads_it():
+    """Fails before: mixed precision's cast of the reduced shard to the shard's dtype (``cast``:
+    the 200 B bf16 shard to a 400 B float32 one) read the wait right after it, so the wait stayed
+    where it was issued and the backward stood still for the whole reduce-scatter. Now the cast
+    moves with the wait (`fxopt.solvers.prefetch._followers`), behind ``gh``'s 2e-5 s, to the
+    end: nothing reads it but the step's outputs. ``gh`` and ``gx`` then hold the 200 B shard, not
+    the 400 B cast, and the cast runs after the wait has let go of gloo's 400 B copy: the peak is
+    ``gx``'s, 908 B (x, loss, t, the shard, the copy, ``gh``, ``gx``) against 1,108 with the cast
+    and the copy (held to the end, `Lingering`) there."""
+    graph = Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        scatter("rs", 4),
+        wait("w", 5),
+        Node("cast", "backward", inputs=(6,), bytes=400, cost=1e-7, output=True),
+        Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
+        Node("gx", "backward", inputs=(8,), bytes=100, cost=1e-6, output=True),
+    ))
+    schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9))
+    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
+        ["g", "rs", "gh", "gx", "w", "cast"]
+    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("gx", 908), ("w", 808), ("cast", 808)]
+    assert later.peak_bytes == 908 < at_once.peak_bytes == 1108
+    assert later.reduce_exposed_comm_seconds == 0.0 and at_once.reduce_exposed_comm_seconds == pytest.approx(COMM)
+
+
+def test_a_wait_and_its_cast_cross_no_step_they_would_raise_above_the_peak():
+    """A cast to a smaller dtype (the 200 B float32 shard to a 100 B bf16 one): each step the wait
+    and its cast move across holds the shard, not the cast, 100 B more. ``big`` is the peak
+    (1,708 B): they are not moved across it, nor right before it (`_wait_points`' margin); they
+    move across ``gh`` alone. The peak falls all the same: the moved wait lets go of gloo's 400 B
+    copy there (`Lingering.exact`), which the schedule without the move holds to the end (the
+    bound the move is checked against)."""
+    graph = Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        scatter("rs", 4),
+        wait("w", 5),
+        Node("cast", "backward", inputs=(6,), bytes=100, cost=1e-7, output=True),
+        Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
+        Node("gh2", "backward", inputs=(8,), bytes=100, cost=1e-6),
+        Node("big", "backward", inputs=(9,), bytes=1000, cost=2e-5),
+        Node("gx", "backward", inputs=(10,), bytes=4, cost=1e-6, output=True),
+    ))
+    schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9, 10, 11))
+    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
+        ["g", "rs", "gh", "w", "cast", "gh2", "big", "gx"]
+    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("w", 808), ("cast", 508), ("gh2", 408),
+        ("big", 1308), ("gx", 1212)]
+    assert later.peak_bytes == 1308 < at_once.peak_bytes == 1708

@@ -216,7 +216,9 @@ def _issue_points(graph: Graph, backward: tuple[int, ...], regathers: list[int],
 def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int, int]], live: list[int] | None,
                  peak: int | None, extra: list[int]) -> dict[int, int]:
     """For each (collective, its wait) of ``waits`` (positions in ``backward``), the position the
-    wait moves before, where it moves at all: as late as the first step that reads what it returns
+    wait moves before, where it moves at all, with the steps that read nothing but what it returns
+    right after it (`_followers`: mixed precision's cast of the reduced shard to the shard's dtype),
+    which move with it, in their order: as late as the first step that reads what they return
     (the end, for a gradient nothing reads), never before a multi-output op's outputs are taken
     out, and no further than keeps each step it moves across, and the step after it, within
     ``peak`` with the bytes the collective holds until its wait (`Node.lingers`: gloo's copy of
@@ -224,36 +226,74 @@ def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int,
     through the wait of the next collective that lingers, or to the end
     (`fxopt.solvers.liveness.Lingering`), so up to there the move is free (with a wait moved, the
     simulator counts each copy from its issue to its own wait, `Lingering.exact`: within that).
-    Those bytes count in each step it moves across past that point (``extra`` as the re-gathers
-    left it, read, not written)."""
+    Those bytes count in each step it moves across past that point; where followers move, each step
+    it moves across holds the shard they read instead of what they make, and where they land the
+    shard and all they make are live at once, the copy let go by the wait (``extra`` as the
+    re-gathers left it, read, not written). Returns each moved position (a wait's, a follower's)
+    and the position it moves before."""
     n = len(backward)
     through = _lingering_through(graph, backward)
-    made = {backward[w]: w for _, w in waits}
-    reader: dict[int, int] = {}  # a wait's value -> the first step after it that reads it
+    groups = {w: _followers(graph, backward, w) for _, w in waits}
+    made = {backward[k]: w for w, group in groups.items() for k in group}
+    reader: dict[int, int] = {}  # a wait -> the first step after its group that reads what the group makes
     for k, i in enumerate(backward):
         for j in graph.nodes[i].inputs:
-            if j in made and j not in reader and k > made[j]:
-                reader[j] = k
+            w = made.get(j)
+            if w is not None and w not in reader and k > groups[w][-1]:
+                reader[w] = k
     # Bytes each step may still take (the steps the waits move across, one wait after another).
     room = None if live is None or peak is None else peak - np.asarray(live, np.int64) - np.asarray(extra, np.int64)
     wait_at: dict[int, int] = {}
     for e, w in waits:
+        group = groups[w]
+        start = group[-1] + 1  # (the first step the group moves across)
         held = graph.nodes[backward[e]].lingers
+        shard = graph.nodes[graph.roots[backward[w]]].bytes if len(group) > 1 else 0
+        # Each step the group moves across holds the shard the followers read instead of what they
+        # make that outlives them (alive there before, from where they were to ``end`` or later).
+        members = {backward[k] for k in group}
+        owned = [backward[k] for k in group[1:] if graph.roots[backward[k]] == backward[k]]
+        outlive = sum(graph.nodes[i].bytes for i in owned
+                      if graph.nodes[i].output or not members.issuperset(graph.users[i]))
+        transient = sum(graph.nodes[i].bytes for i in owned) - outlive
         last = through.get(e, w)
-        end = reader.get(backward[w], n)
-        first = max(last + 1, w + 1)  # (before it the copy is counted already)
+        end = reader.get(w, n)
+        first = max(last + 1, start)  # (before it the copy is counted already)
         q = end
-        if held and room is not None and first < n:
-            full = room[first:] < held  # the first step it would raise above the peak: not crossed,
-            if full.any():  # and the wait not right before it (its own bytes are the step's before)
-                q = max(w + 1, min(end, first + int(full.argmax()) - 1))
-        while q > w + 1 and q < n and _tuple_item(graph, backward[q]):
+        if room is not None and start < n and (held or shard):
+            held_from = np.zeros(n - start, np.int64)
+            held_from[first - start:] = held
+            need = held_from + (shard - outlive)
+            full = (room[start:] < need) & (need > 0)  # the first step it would raise above the peak: not
+            if full.any():  # crossed, and the wait not right before it (its own bytes are the step's before)
+                q = max(start, min(end, start + int(full.argmax()) - 1))
+            # Where the followers land, after the wait has let go of the copy (``live`` counts it
+            # before ``first``): the shard and all they make are live at once.
+            while shard and q > start and room[q - 1] < shard + transient - (held if q - 1 < first else 0):
+                q -= 1
+        while q > start and q < n and _tuple_item(graph, backward[q]):
             q -= 1
-        if q > w + 1:
-            wait_at[w] = q
-            if room is not None:
-                room[first:q] -= held
+        if q > start:
+            for k in group:
+                wait_at[k] = q
+            if room is not None and (held or shard):
+                room[start:q] -= np.maximum(need[:q - start], 0)
     return wait_at
+
+
+def _followers(graph: Graph, backward: tuple[int, ...], w: int) -> list[int]:
+    """Position ``w`` (a reduce-scatter's wait) and the steps right after it that read nothing but
+    what the wait and they return, and compute (no collective): mixed precision's cast of the
+    reduced shard to the shard's dtype (``_to_copy``), which would otherwise hold the wait where
+    it was issued (`_wait_points` moves them with it)."""
+    group, values = [w], {backward[w]}
+    for k in range(w + 1, len(backward)):
+        node = graph.nodes[backward[k]]
+        if node.kind != "backward" or node.comm_seconds > 0 or not node.inputs or not values.issuperset(node.inputs):
+            break
+        group.append(k)
+        values.add(backward[k])
+    return group
 
 
 def _lingering_through(graph: Graph, backward: tuple[int, ...]) -> dict[int, int]:
