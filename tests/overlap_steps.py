@@ -243,14 +243,16 @@ def annotated_step(module, inputs):
 PROFILED_STEPS = 3
 
 
-def profiled(rank: int, world: int) -> dict:
+def profiled(rank: int, world: int, mixed_precision: bool = False) -> dict:
     """The step at ``BUDGET_SHARE`` of eager's predicted peak, profiled on this rank over
     `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead and its
     reduce-scatters waited for later (``ahead``) and, for comparison, the same plan with the
     gathers where captured (``at once``: `fxopt.passes.recompute`'s move left out), or each
     reduce-scatter waited for where issued (`fxopt.solvers.prefetch`'s move left out); each with `overlap_of` per step, its mean wall
     seconds and its measured peak. Where ``OVERLAP_TRACE`` names a file (the environment's), rank
-    0's profile of the ``ahead`` steps is written there, in Chrome's trace format."""
+    0's profile of the ``ahead`` steps is written there, in Chrome's trace format.
+    ``mixed_precision``: the MLP under ``MixedPrecisionPolicy(param_dtype=bf16)`` (`mlp_mp`: the
+    gradients reduced in bf16, each reduced shard cast to float32 after its wait)."""
     import os
     import time
     from unittest import mock
@@ -261,11 +263,12 @@ def profiled(rank: int, world: int) -> dict:
     from fxopt.plan_ahead import plan_and_rewrite
 
     share = share_of((batch(),), rank, world)
-    eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
+    sharded = _mixed_precision_mlp if mixed_precision else lambda: sharding.fully_shard(mlp())
+    eager = plan_and_rewrite(SumLoss(sharded()), 1.0, share).plan.peak_bytes
     budget = int(BUDGET_SHARE * eager)
     rows = {}
     for name in ("ahead", "at once", "reduce-scatters waited at once", "ahead, priced at 0.1 GB/s"):
-        model = sharding.fully_shard(mlp())
+        model = sharded()
         module = SumLoss(model)
         priced = {"cost_model": CostModel(comm_bytes_per_second=1e8)} if "priced" in name else {}
         with mock.patch("fxopt.passes.recompute._issue_ahead") if name == "at once" else \
@@ -293,6 +296,12 @@ def profiled(rank: int, world: int) -> dict:
                       "predicted": plan.peak_bytes, "plans": len(optimized.plans),
                       "regathered_bytes": plan.recompute_comm_bytes, "recomputed": len(plan.recomputed)}
     return rows
+
+
+def _mixed_precision_mlp() -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return sharding.fully_shard(mlp_mp(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
 @contextlib.contextmanager
@@ -339,6 +348,7 @@ def llama_gathers(rank: int, world: int) -> dict:
 
 
 CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers,
+           "profiled-mp": lambda rank, world: profiled(rank, world, mixed_precision=True),
            "reduce-scatter-waits": reduce_scatter_waits, "reduce-scatter-waits-mp": reduce_scatter_waits_mp}
 
 
