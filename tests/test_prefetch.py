@@ -390,3 +390,36 @@ def test_a_wait_and_its_cast_cross_no_step_they_would_raise_above_the_peak():
         ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("w", 808), ("cast", 508), ("gh2", 408),
         ("big", 1308), ("gx", 1212)]
     assert later.peak_bytes == 1308 < at_once.peak_bytes == 1708
+
+
+def test_the_plans_summary_says_how_long_the_step_waits_for_communication():
+    """The seconds the step waits for its collectives (the simulator's, `Timeline`), in the plan
+    (`Plan.forward_exposed_comm_seconds`, `exposed_comm_seconds`, `reduce_exposed_comm_seconds`),
+    its summary and ``fxopt inspect``'s, kept through JSON; a step without collectives says
+    nothing of it (and its JSON has no such keys)."""
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from fxopt.cli.main import _print_summary
+    from fxopt.solvers.plan import Plan
+
+    graph = sharded_step(2e-5)
+    schedule = Schedule(frozenset({A}), (G1, G2, G3, W, GW, GX))  # (``w`` gathered again: 4e-6 of it exposed)
+    plan = Plan.build(graph=graph, schedule=schedule, budget_bytes=10**4, eager_peak_bytes=10**4, solver="test",
+                      status="feasible", solve_seconds=0.0, fingerprint="")
+    timeline = simulate(graph, schedule)
+    assert plan.reduce_exposed_comm_seconds == timeline.reduce_exposed_comm_seconds == 0.0
+    assert plan.forward_exposed_comm_seconds == timeline.forward_exposed_comm_seconds == pytest.approx(COMM)
+    words = (f"waits for communication {1e3 * (COMM + plan.exposed_comm_seconds):.2f} ms (simulated: forward "
+             f"all-gathers {1e3 * COMM:.2f}, re-gathers {1e3 * plan.exposed_comm_seconds:.2f}, gradient reductions 0.00)")
+    assert words in plan.summary() and words in Plan.from_json(plan.to_json()).summary()
+    out = io.StringIO()
+    _print_summary(Console(file=out, width=300), plan, argparse.Namespace(budget="10000"), 0.0, {}, None)
+    assert words in out.getvalue()
+    alone = Graph(tuple(n.replaced(comm_seconds=0.0, comm_exposed=0.0, comm_bytes=0) for n in graph.nodes))
+    plain = Plan.build(graph=alone, schedule=schedule, budget_bytes=10**4, eager_peak_bytes=10**4, solver="test",
+                       status="feasible", solve_seconds=0.0, fingerprint="")
+    assert "communication" not in plain.summary()
+    assert not {"exposed_comm_seconds", "forward_exposed_comm_seconds", "reduce_exposed_comm_seconds"} & plain.to_dict().keys()

@@ -52,10 +52,12 @@ The gradients' reduce-scatters are waited for later than they are issued, too (`
 the joint graph traces each with its wait right after it, so the backward stood still for every
 gradient's reduction. Each is issued where the schedule has it, as soon as its gradient is
 complete, and its wait moves towards the first step that reads the shard it returns (the end of
-the backward, for a gradient nothing reads; mixed precision's cast to the shard's dtype), as far
-as the memory allows: on gloo the collective holds a copy of the whole gradient from its issue to
-its wait (`Node.lingers`; gloo reduces in it), and the wait crosses no step where that copy would
-raise the schedule's peak. The schedule without the move already holds each copy until the next
+the backward, for a gradient nothing reads), as far as the memory allows, with the steps right
+after it that read only what it returns (`_followers`: mixed precision's cast of the reduced shard
+to the shard's dtype, which would otherwise hold it where it was issued; each step they cross holds
+the shard, not the cast): on gloo the collective holds a copy of the whole gradient from its issue
+to its wait (`Node.lingers`; gloo reduces in it), and the wait crosses no step where that copy
+would raise the schedule's peak. The schedule without the move already holds each copy until the next
 reduce-scatter's wait (`fxopt.solvers.liveness.Lingering`, the bound the solvers count with), so up
 to there a move costs nothing; past it the copy is counted in each step it crosses. The
 re-gathers are placed first (their exposed time is in a plan's cost) and the waits in the room
