@@ -423,3 +423,34 @@ def test_the_plans_summary_says_how_long_the_step_waits_for_communication():
                        status="feasible", solve_seconds=0.0, fingerprint="")
     assert "communication" not in plain.summary()
     assert not {"exposed_comm_seconds", "forward_exposed_comm_seconds", "reduce_exposed_comm_seconds"} & plain.to_dict().keys()
+
+
+def test_an_all_reduces_wait_moves_to_its_first_reader_in_the_simulator_too():
+    """Fails before: the simulator waited for each of DDP's all-reduces where it was issued (its
+    1e-5 s standing the backward still) while the generated code waited before its first reader
+    (`fxopt.passes.waits.sink_all_reduce_waits`). Now the simulator's order is the generated
+    code's: the wait goes to the end (nothing reads the gradient but the step's outputs), behind
+    ``gh``'s 2e-5 s, which hides it. An all-reduce holds nothing in flight but the output it made
+    at its issue (no `Node.lingers`): the same bytes at every step."""
+    graph = Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        Node("ar", "backward", inputs=(4,), bytes=400, comm_bytes=10_000, cost=COMM, comm_seconds=COMM),
+        wait("w", 5, output=True),
+        Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
+        Node("gx", "backward", inputs=(7,), bytes=100, cost=1e-6, output=True),
+    ))
+    schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8))
+    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
+        ["g", "ar", "gh", "gx", "w"]
+    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    # (x, loss, t, and the all-reduce's 400 B output from its issue; the wait makes nothing)
+    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("ar", 908), ("gh", 608), ("gx", 708), ("w", 608)]
+    assert [(name, live) for phase, name, live in at_once.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("ar", 908), ("w", 508), ("gh", 608), ("gx", 708)]
+    assert later.peak_bytes == at_once.peak_bytes == 908
+    assert later.reduce_exposed_comm_seconds == 0.0 and at_once.reduce_exposed_comm_seconds == pytest.approx(COMM)

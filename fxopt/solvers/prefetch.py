@@ -69,9 +69,14 @@ splits ``fxopt::reduce_scatter`` into its issue and its wait), a pure function o
 eager autograd's step (`simulate`'s ``eager_frees``) waits where it issues.
 
 What is left out: a step with OFFLOAD keeps its gathers, re-gathers and waits where the schedule
-puts them (its reload points are positions in that schedule). DDP's all-reduces are not moved
-here: the generated code waits for each before its first reader
-(`fxopt.passes.waits.sink_all_reduce_waits`), and the simulator where it is issued.
+puts them (its reload points are positions in that schedule).
+
+DDP's all-reduces (in a step with no gather and no collective that holds bytes in flight) have
+their waits moved the same way, to before the first step that reads what they return, with no
+memory to check: an all-reduce's wait returns the storage it made when issued, alive from there
+on (and no followers move: their bytes would need a timeline). It is where the generated code
+waits for them (`fxopt.passes.waits.sink_all_reduce_waits`), so the simulator's clock runs each
+beside the backward's compute after it (`Timeline.reduce_exposed_comm_seconds`), as the step does.
 """
 
 from __future__ import annotations
@@ -235,7 +240,9 @@ def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int,
     and the position it moves before."""
     n = len(backward)
     through = _lingering_through(graph, backward)
-    groups = {w: _followers(graph, backward, w) for _, w in waits}
+    # (followers move bytes: only where the steps' bytes are known to check them against)
+    checked = live is not None and peak is not None
+    groups = {w: _followers(graph, backward, w) if checked else [w] for _, w in waits}
     made = {backward[k]: w for w, group in groups.items() for k in group}
     reader: dict[int, int] = {}  # a wait -> the first step after its group that reads what the group makes
     for k, i in enumerate(backward):
@@ -244,7 +251,7 @@ def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int,
             if w is not None and w not in reader and k > groups[w][-1]:
                 reader[w] = k
     # Bytes each step may still take (the steps the waits move across, one wait after another).
-    room = None if live is None or peak is None else peak - np.asarray(live, np.int64) - np.asarray(extra, np.int64)
+    room = peak - np.asarray(live, np.int64) - np.asarray(extra, np.int64) if checked else None
     wait_at: dict[int, int] = {}
     for e, w in waits:
         group = groups[w]

@@ -290,10 +290,15 @@ def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int
     forward alone again): each move is checked against that timeline's peak, and a forward move
     changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward move
     a forward step's, so the two together raise no step above it either."""
-    # (gathers to issue ahead, or gloo reduce-scatters whose waits may move: not DDP's all-reduces,
-    # whose waits `fxopt.passes.waits.sink_all_reduce_waits` moves in the generated code alone)
-    if schedule.offloaded or not any(n.comm_seconds and (n.kind == "forward" or n.lingers) for n in graph.nodes):
+    if schedule.offloaded or not any(n.comm_seconds for n in graph.nodes):
         return schedule, None, True
+    if not any(n.comm_seconds and (n.kind == "forward" or n.lingers) for n in graph.nodes):
+        # No gather to issue ahead and no collective holding bytes in flight: the gradients'
+        # all-reduces (DDP's), whose waits move to their first readers, as the generated code has
+        # them (`fxopt.passes.waits.sink_all_reduce_waits`), changing no step's bytes (a wait
+        # returns the storage its all-reduce made): no timeline to check against.
+        backward = prefetched(graph, schedule.backward)
+        return (schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)), None, True
     if not any(is_regather(graph, i) for i in schedule.backward) and \
             not any(reduce_wait(graph, i) is not None for i in graph.backward_nodes):
         return schedule, None, False
