@@ -164,10 +164,19 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
     collectives where ``backward`` has them, plus the bytes moved across it, at most ``peak``
     (None: no limit). The re-gathers are placed first: their exposed time is part of a plan's
     cost, the reduce-scatters' is not (every plan reduces every gradient)."""
+    positions = moved_positions(graph, backward, live, peak)
+    return backward if positions is None else tuple(backward[e] for e in positions)
+
+
+def moved_positions(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
+                    peak: int | None = None) -> list[int] | None:
+    """`prefetched`'s order as positions in ``backward`` (each step once), or None where nothing
+    moves: a caller holding something per step (`fxopt.solvers.schedule`'s replay steps) reorders
+    it so."""
     regathers = [e for e, i in enumerate(backward) if is_regather(graph, i)]
     waits = [(e, _wait_of(graph, backward, e)) for e, i in enumerate(backward) if reduce_wait(graph, i) is not None]
     if not regathers and not waits:
-        return backward
+        return None
     extra = [0] * len(backward)  # bytes moved across each step: gathered, or held in flight
     issue_at = _issue_points(graph, backward, regathers, live, peak, extra) if regathers else {}
     wait_at = _wait_points(graph, backward, waits, live, peak, extra)
@@ -176,13 +185,15 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
         moved.setdefault(wait_at[e], []).append(e)
     for e in sorted(issue_at):
         moved.setdefault(issue_at[e], []).append(e)
+    if not moved:
+        return None
     order: list[int] = []
-    for k, i in enumerate(backward):
-        order.extend(backward[e] for e in moved.get(k, ()))
+    for k in range(len(backward)):
+        order.extend(moved.get(k, ()))
         if k not in issue_at and k not in wait_at:
-            order.append(i)
-    order.extend(backward[e] for e in moved.get(len(backward), ()))
-    return tuple(order)
+            order.append(k)
+    order.extend(moved.get(len(backward), ()))
+    return order
 
 
 def _issue_points(graph: Graph, backward: tuple[int, ...], regathers: list[int], live: list[int] | None,

@@ -42,7 +42,7 @@ from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Key, LiveBytes, Lingering, last_uses
-from fxopt.solvers.prefetch import holds_group, is_regather, prefetched, reduce_wait
+from fxopt.solvers.prefetch import holds_group, is_regather, moved_positions, prefetched, reduce_wait
 from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
@@ -247,7 +247,9 @@ def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False
     forward, decided = None, True
     if prefetch:
         ahead, forward, decided = _with_prefetch(graph, pruned)
-        if ahead is not pruned:  # (re-gathers moved: its steps are built anew)
+        if isinstance(ahead, _Moved):  # (only waits moved, no value made anew: the same steps, reordered)
+            pruned, steps = ahead.schedule, [steps[e] for e in ahead.positions]
+        elif ahead is not pruned:  # (re-gathers moved: its steps are built anew)
             pruned, steps = ahead, None
     saved = _generated_saved(graph, pruned)
     if saved == frozenset(pruned.saved):
@@ -274,15 +276,25 @@ def _reads_available(graph: Graph, steps: list[Step], available: dict[int, Key])
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class _Moved:
+    """`_with_prefetch`'s schedule where only waits moved (DDP's all-reduces): the same steps, in
+    the order of ``positions`` (`fxopt.solvers.prefetch.moved_positions`)."""
+
+    schedule: Schedule
+    positions: tuple[int, ...]
+
+
 def with_prefetch(graph: Graph, schedule: Schedule) -> Schedule:
     """``schedule`` (pruned, without OFFLOAD) with its re-gathers issued ahead of their waits as
     the generated code issues them (`fxopt.solvers.prefetch`), never across a step where the
     gathered bytes would raise the schedule's peak: the step holds them earlier, and no plan that
     fits its budget without the prefetch is over it with it."""
-    return _with_prefetch(graph, schedule)[0]
+    ahead = _with_prefetch(graph, schedule)[0]
+    return ahead.schedule if isinstance(ahead, _Moved) else ahead
 
 
-def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int] | None, bool]:
+def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule | _Moved, list[int] | None, bool]:
     """`with_prefetch`'s schedule; the forward's order with its all-gathers issued ahead of their
     first use the same way (None where none moved); and whether that order is decided here. Both
     come from one timeline of the schedule without prefetch, made where re-gathers need it (else
@@ -297,8 +309,11 @@ def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int
         # all-reduces (DDP's), whose waits move to their first readers, as the generated code has
         # them (`fxopt.passes.waits.sink_all_reduce_waits`), changing no step's bytes (a wait
         # returns the storage its all-reduce made): no timeline to check against.
-        backward = prefetched(graph, schedule.backward)
-        return (schedule if backward == schedule.backward else dataclasses.replace(schedule, backward=backward)), None, True
+        positions = moved_positions(graph, schedule.backward)
+        if positions is None:
+            return schedule, None, True
+        return _Moved(dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in positions)),
+                      tuple(positions)), None, True
     if not any(is_regather(graph, i) for i in schedule.backward) and \
             not any(reduce_wait(graph, i) is not None for i in graph.backward_nodes):
         return schedule, None, False
