@@ -238,7 +238,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     if schedule is None:
         raise ValueError("no schedule of this graph stays within its host memory budget")
     if solver == "auto":
-        peak, schedule, name = _finished(graph, (peak, schedule, name), floor, effort, deadline)
+        peak, schedule, name = _finished(graph, (peak, schedule, name), floor, effort, deadline, whole)
     found = Lowest(peak, schedule, name, min(floor, peak))
     if memo is not None:
         # (Also where the time limit cut the search short, which the solve says: the budget an
@@ -248,15 +248,18 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
 
 
 def _finished(graph: Graph, best: tuple[int, Schedule, str], floor: int, effort: Effort,
-              deadline: Deadline) -> tuple[int, Schedule, str]:
+              deadline: Deadline, whole: bool) -> tuple[int, Schedule, str]:
     """"auto"'s lowest (peak, schedule, name), its peak lowered where it is above the floor
-    (`lower_peak`), then made cheaper at that peak (`keep_recomputed`: chosen for its peak alone,
-    it may recompute a value many times where keeping it fits)."""
+    (`lower_peak`), then, where the whole graph's searches made it (``whole``), cheaper at that
+    peak (`keep_recomputed`: the ILP's and the instant program's lowest-peak schedules are chosen
+    for their peak alone, and may recompute a value many times where keeping it fits; a step of
+    repeated blocks gets its lowest plan per block, where each block's is found the same way,
+    and each of its whole-step simulations costs many small ones)."""
     peak, schedule, name = best
     if peak > floor * (1 + LOWEST_PEAK_SLACK) and not deadline.check("lower_peak") and \
             (lowered := lower_peak(graph, schedule, work=effort.lower_peak_work)):
         schedule, peak, name = lowered[0], lowered[1].peak_bytes, f"{name}+lower_peak"
-    if not deadline.check("keep recomputed") and \
+    if whole and not deadline.check("keep recomputed") and \
             (kept := keep_recomputed(graph, schedule, peak, tries=effort.keep_recomputed_tries)) is not None:
         schedule, peak, name = kept[0], kept[1].peak_bytes, f"{name}+keep"
     return peak, schedule, name
