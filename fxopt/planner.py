@@ -288,8 +288,14 @@ def heap_frozen():
     four or five per answer) and finds nothing to free in. Around a capture too
     (`fxopt.plan_ahead`), whose full collections walk the model and what the process held
     before. The objects made since are still collected; what was frozen and freed meanwhile is
-    collected after. The answer does not change. Left alone where the collector is off or the
-    process froze objects of its own (their unfreeze is not ours to do)."""
+    collected after. And with the youngest generation collected every `PLANNING_GC_THRESHOLD`
+    allocations at least, not Python's 700: the objects made since the freeze (the stamped graph,
+    its fake tensors, the analysis) are walked by each full collection, which Python runs after
+    every hundred young ones once they outnumber a quarter of what survived the last (after a
+    freeze, nothing): 18 full collections in the 32-layer Llama's 50% answer, 0.8 s of its CPU;
+    with the threshold raised, none, and the young collections still free the same cycles. The
+    answer does not change. Left alone where the collector is off or the process froze objects
+    of its own (their unfreeze is not ours to do)."""
     ours = _HEAP_FROZEN.get()
     if not gc.isenabled() or (gc.get_freeze_count() and not ours):
         yield
@@ -299,12 +305,18 @@ def heap_frozen():
         yield  # (the enclosing call unfreezes)
         return
     token = _HEAP_FROZEN.set(True)
+    threshold = gc.get_threshold()
+    gc.set_threshold(max(threshold[0], PLANNING_GC_THRESHOLD), *threshold[1:])
     try:
         yield
     finally:
         _HEAP_FROZEN.reset(token)
+        gc.set_threshold(*threshold)
         gc.unfreeze()
 
+
+# The youngest generation's collection threshold while planning (`heap_frozen`; Python's is 700).
+PLANNING_GC_THRESHOLD = 20_000
 
 # Whether this call froze the heap (`heap_frozen`): an enclosed call freezes what was made since,
 # and leaves the unfreezing to it.
