@@ -44,8 +44,7 @@ from fxopt.solvers.transfers import Transfers
 from fxopt.solvers import eager_timeline, simulate, solve
 from fxopt.solvers.effort import Deadline, effort_of, now
 from fxopt.solvers.graph import Graph, is_lossy_codec
-from fxopt.solvers.instant import peak_lower_bound
-from fxopt.solvers.minimum import infeasible, memo_key
+from fxopt.solvers.minimum import floor_of, infeasible, memo_key
 from fxopt.solvers.stages import solve_stage
 
 log = logging.getLogger("fxopt")
@@ -192,7 +191,7 @@ def _make_plan(joint: fx.GraphModule, num_fwd_outputs: int, options: Options, un
             )
         else:
             return given
-    eager = eager_timeline(eager_graph)
+    eager = cache.lowest_peaks.eager(eager_graph, lambda: eager_timeline(eager_graph))
     jg = _as_compiled(jg, options)  # (after eager's peak: a share is of the step eager runs)
     if options.budget.minimum:
         def masked_again():
@@ -588,7 +587,7 @@ def _tries(jg, without_relu_masks, budget: int, options: Options, errors: list, 
     if without_relu_masks is None:
         return
     undone = without_relu_masks()
-    floor = peak_lower_bound(undone.graph)[0]
+    floor = floor_of(undone.graph, cache.lowest_peaks)[0]
     if budget < floor and min(err.min_budget for err in errors) <= floor:
         return  # out of reach without them too, and its smallest budget is no lower
     report("no plan fits with ReLU masks; planning without them")
@@ -609,7 +608,7 @@ def _without_codecs(jg, budget: int, options: Options, report):
             continue
         searched = cache.lowest_peaks.get(graph, memo_key(options.solver, effort_of(options.effort), True,
                                                           options.mip_solver))
-        if budget < max(peak_lower_bound(graph)[0], searched.floor if searched is not None else 0):
+        if budget < max(floor_of(graph, cache.lowest_peaks)[0], searched.floor if searched is not None else 0):
             return
         report("no plan fits with " + ("quantization" if fewer.compressible else "compression")
                + "; planning without it")
