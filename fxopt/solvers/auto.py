@@ -41,7 +41,8 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 # 25: gradient sums written in place, as eager's engine writes them (`fxopt.passes.accumulate`):
 # other graphs, and the eager step's peak lower where such a sum was its peak.
 # 26: a lowest-peak schedule, and the cheapest plan of the whole graph's phases, keep what they
-# recompute more than once where that fits (`fxopt.solvers.heuristics.keep_recomputed`).
+# recompute more than once where that fits (`fxopt.solvers.heuristics.keep_recomputed`); a
+# mixed-precision reduce-scatter's wait moves with the cast after it (`fxopt.solvers.prefetch`).
 REVISION = 26
 
 STRATEGIES = strategies()
