@@ -221,7 +221,21 @@ def _plan_fields(fn) -> dict[str, Any]:
             # re-gathers' communication) and the proven lower bound on it: how far from the best
             # plan within the budget each may be.
             "cost_s": [p.cost for p in plans], "lower_bound_s": [p.lower_bound_cost for p in plans],
-            "gaps": [p.gap for p in plans]}
+            "gaps": [p.gap for p in plans],
+            # The seconds the step waits for its gradients' reductions (reduce-scatters,
+            # all-reduces) and for all its collectives, as the simulator runs the plans
+            # (`fxopt.solvers.schedule.Timeline`; simulated here so that older plans say it too).
+            **_simulated_waits(plans)}
+
+
+def _simulated_waits(plans) -> dict[str, float]:
+    from fxopt.solvers.schedule import simulate
+
+    timelines = [simulate(p.graph, p.schedule) for p in plans]
+    reductions = sum(t.reduce_exposed_comm_seconds for t in timelines)
+    return {"reduce_wait_ms": round(1e3 * reductions, 3),
+            "comm_wait_ms": round(1e3 * sum(reductions + t.forward_exposed_comm_seconds + t.exposed_comm_seconds
+                                            for t in timelines), 3)}
 
 
 def _write_plans(fn, directory: str, model: str, world: int, method: str) -> None:
@@ -546,6 +560,9 @@ def report(data: dict[str, Any]) -> str:
                 within += f" (the smallest budget: planned {_mib(planned)} MiB{share})"
             if r.get("regathered_bytes"):
                 within += f"; {_mib(r['regathered_bytes'])} MiB re-gathered (communication, not in GFLOP)"
+            if r.get("comm_wait_ms"):
+                within += (f"; waits for communication {r['comm_wait_ms']:.2f} ms simulated (gradient reductions "
+                           f"{r['reduce_wait_ms']:.2f})")
             gaps = [g for g in r.get("gaps") or [] if g is not None]
             if gaps:
                 within += f"; {', '.join(r.get('statuses', []))}, gap {max(gaps):.1%} to its proven bound"

@@ -1,6 +1,7 @@
 """Communication beside compute in a sharded step: a profiler trace on each of 2 gloo ranks.
 
     python -m benchmarks.overlap --out benchmarks/results/overlap_mlp_w2
+    python -m benchmarks.overlap --mixed-precision --out benchmarks/results/overlap_mlp_bf16_w2
 
 A four-block MLP (``tests/overlap_steps.py``: 256 wide, 1,024 rows over the ranks) sharded with
 `fxopt.distributed.fully_shard`, planned by ``fxopt.optimize`` at 85% of eager's predicted peak
@@ -24,6 +25,10 @@ re-gathers; ``gloo:all_reduce``: the reduce-scatters, `fxopt.ops.collectives.red
 gloo's worker thread, their ms in flight, and the ms of those during which the step's own thread
 ran an aten op (compute, not a wait); the step's wall seconds (noisy on a shared machine: see the
 load) and measured peak against the plan.
+
+``--mixed-precision``: the same MLP under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``
+(gathered in bf16, the gradients reduced in bf16 and each reduced shard cast to the float32
+shard's dtype after its wait: the cast moves with the wait, `fxopt.solvers.prefetch._followers`).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def markdown(result: dict) -> str:
-    lines = report_head("Communication beside compute in a sharded step (2 gloo ranks)", result["meta"])
+    lines = report_head("Communication beside compute in a sharded step (2 gloo ranks"
+                        + (", MixedPrecisionPolicy(param_dtype=bf16))" if result.get("mixed_precision") else ")"),
+                        result["meta"])
     lines += ["Per step (mean of 3 profiled steps), per rank. In flight: ms of gloo collectives on gloo's worker "
               "thread; beside compute: ms of those while the step's own thread ran an aten op. Peak: measured / "
               "predicted / budget, bytes.", "",
@@ -61,6 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/overlap_mlp_w2")
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="the MLP under MixedPrecisionPolicy(param_dtype=bf16)")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     meta = run_meta(" ".join(["python -m benchmarks.overlap", *(shlex.quote(a) for a in argv)]))
@@ -69,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OVERLAP_TRACE"] = str(Path(trace).resolve())
     import overlap_steps
 
-    ranks = overlap_steps.run("profiled", args.world)
+    ranks = overlap_steps.run("profiled-mp" if args.mixed_precision else "profiled", args.world)
     meta["load_after"] = os.getloadavg()
-    result = {"meta": meta, "ranks": ranks, "trace": trace}
+    result = {"meta": meta, "ranks": ranks, "trace": trace, "mixed_precision": args.mixed_precision}
     log(f"wrote {write_results(args.out, result, markdown(result))}")
 
 

@@ -128,6 +128,65 @@ def reduce_scatter_waits(rank: int, world: int) -> dict:
             "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
 
 
+class _Blocks(nn.Sequential):
+    def forward(self, x):  # its own forward: Dynamo runs such a module's hooks (the policy's input cast) in its graph
+        for layer in self:
+            x = layer(x)
+        return x
+
+
+def mlp_mp() -> nn.Module:
+    """`mlp`'s layers and numbers in a module whose input cast the policy's root hooks run."""
+    return _Blocks(*mlp())
+
+
+def reduce_scatter_waits_mp(rank: int, world: int) -> dict:
+    """`reduce_scatter_waits` under FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` (the
+    gradients reduced in bf16, each reduced shard cast to the float32 shard's dtype right after its
+    wait): planned at ``BUDGET_SHARE`` of eager's predicted peak, rewritten (`plan_and_rewrite`)
+    and run under ``fxopt.optimize``; the loss and every gradient (float32) equal FSDP2 eager's
+    with the same policy on this rank's share within bf16's resolution (`assert_bf16_close`;
+    FSDP2 averages over the ranks, `fully_shard` sums: its gradients against FSDP2's times the
+    ranks), and its measured peak. Where each reduce-scatter is issued and waited for
+    (`scatter_points`), the simulated peak and reduce-scatter wait with and without the moves."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    from fsdp_steps import _measure, assert_bf16_close
+    from fxopt.plan_ahead import plan_and_rewrite
+    from fxopt.solvers.schedule import simulate
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    share = share_of((batch(),), rank, world)
+    eager = mlp_mp()
+    for layer in eager:
+        if isinstance(layer, nn.Linear):
+            fsdp2_shard(layer, mp_policy=mp)
+    fsdp2_shard(eager, mp_policy=mp)
+    _, _, ref_loss = _measure(SumLoss(eager), eager, share)
+    ref_grads = {n: p.grad.full_tensor() * world for n, p in eager.named_parameters()}
+    peak = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp_mp(), mp_policy=mp)), 1.0, share).plan.peak_bytes
+    budget = int(BUDGET_SHARE * peak)
+    model = sharding.fully_shard(mlp_mp(), mp_policy=mp)
+    module = SumLoss(model)
+    ready = plan_and_rewrite(module, budget, share)
+    optimized = fxopt.optimize(module, budget)
+    measured, _, loss = _measure(optimized, model, share)
+    assert_bf16_close(loss, ref_loss, "loss")
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32, (n, p.grad.dtype)
+        assert_bf16_close(sharding.full_tensor(model, n, p.grad), ref_grads[n], f"gradient of {n}")
+    plan = optimized.plans[-1]
+    later, at_once = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
+    casts = [n for n in ready.backward.graph.nodes if getattr(n.target, "_opname", "") == "_to_copy"
+             and getattr(n.args[0].target, "_opname", "") in ("reduce_scatter_wait", "reduce_scatter")]
+    return {"scatter_points": scatter_points(ready.backward), "measured": measured, "budget": plan.budget_bytes,
+            "predicted": plan.peak_bytes, "plans": len(optimized.plans),
+            "same_plan": ready.plan.fingerprint == plan.fingerprint, "casts_after_waits": len(casts),
+            "simulated_peak": [later.peak_bytes, at_once.peak_bytes],
+            "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[list[float]] = []
     for lo, hi in sorted(intervals):
@@ -184,14 +243,16 @@ def annotated_step(module, inputs):
 PROFILED_STEPS = 3
 
 
-def profiled(rank: int, world: int) -> dict:
+def profiled(rank: int, world: int, mixed_precision: bool = False) -> dict:
     """The step at ``BUDGET_SHARE`` of eager's predicted peak, profiled on this rank over
     `PROFILED_STEPS` steps after three warm ones, with its forward all-gathers issued ahead and its
     reduce-scatters waited for later (``ahead``) and, for comparison, the same plan with the
     gathers where captured (``at once``: `fxopt.passes.recompute`'s move left out), or each
     reduce-scatter waited for where issued (`fxopt.solvers.prefetch`'s move left out); each with `overlap_of` per step, its mean wall
     seconds and its measured peak. Where ``OVERLAP_TRACE`` names a file (the environment's), rank
-    0's profile of the ``ahead`` steps is written there, in Chrome's trace format."""
+    0's profile of the ``ahead`` steps is written there, in Chrome's trace format.
+    ``mixed_precision``: the MLP under ``MixedPrecisionPolicy(param_dtype=bf16)`` (`mlp_mp`: the
+    gradients reduced in bf16, each reduced shard cast to float32 after its wait)."""
     import os
     import time
     from unittest import mock
@@ -202,11 +263,12 @@ def profiled(rank: int, world: int) -> dict:
     from fxopt.plan_ahead import plan_and_rewrite
 
     share = share_of((batch(),), rank, world)
-    eager = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp())), 1.0, share).plan.peak_bytes
+    sharded = _mixed_precision_mlp if mixed_precision else lambda: sharding.fully_shard(mlp())
+    eager = plan_and_rewrite(SumLoss(sharded()), 1.0, share).plan.peak_bytes
     budget = int(BUDGET_SHARE * eager)
     rows = {}
     for name in ("ahead", "at once", "reduce-scatters waited at once", "ahead, priced at 0.1 GB/s"):
-        model = sharding.fully_shard(mlp())
+        model = sharded()
         module = SumLoss(model)
         priced = {"cost_model": CostModel(comm_bytes_per_second=1e8)} if "priced" in name else {}
         with mock.patch("fxopt.passes.recompute._issue_ahead") if name == "at once" else \
@@ -234,6 +296,12 @@ def profiled(rank: int, world: int) -> dict:
                       "predicted": plan.peak_bytes, "plans": len(optimized.plans),
                       "regathered_bytes": plan.recompute_comm_bytes, "recomputed": len(plan.recomputed)}
     return rows
+
+
+def _mixed_precision_mlp() -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return sharding.fully_shard(mlp_mp(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
 @contextlib.contextmanager
@@ -280,7 +348,8 @@ def llama_gathers(rank: int, world: int) -> dict:
 
 
 CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers,
-           "reduce-scatter-waits": reduce_scatter_waits}
+           "profiled-mp": lambda rank, world: profiled(rank, world, mixed_precision=True),
+           "reduce-scatter-waits": reduce_scatter_waits, "reduce-scatter-waits-mp": reduce_scatter_waits_mp}
 
 
 def run(config: str, world: int = 2, timeout: float = SAFETY_STOP) -> list[dict]:

@@ -328,3 +328,129 @@ def test_a_reduce_scatters_wait_is_not_moved_across_a_step_it_would_raise_above_
     assert later.peak_bytes == at_once.peak_bytes == 2008
     assert [live for _, name, live in later.events if name == "big"] == [1908]
     assert later.reduce_exposed_comm_seconds < at_once.reduce_exposed_comm_seconds == pytest.approx(2 * COMM)
+
+
+def test_a_reduce_scatters_wait_moves_with_the_cast_that_reads_it():
+    """Fails before: mixed precision's cast of the reduced shard to the shard's dtype (``cast``:
+    the 200 B bf16 shard to a 400 B float32 one) read the wait right after it, so the wait stayed
+    where it was issued and the backward stood still for the whole reduce-scatter. Now the cast
+    moves with the wait (`fxopt.solvers.prefetch._followers`), behind ``gh``'s 2e-5 s, to the
+    end: nothing reads it but the step's outputs. ``gh`` and ``gx`` then hold the 200 B shard, not
+    the 400 B cast, and the cast runs after the wait has let go of gloo's 400 B copy: the peak is
+    ``gx``'s, 908 B (x, loss, t, the shard, the copy, ``gh``, ``gx``) against 1,108 with the cast
+    and the copy (held to the end, `Lingering`) there."""
+    graph = Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        scatter("rs", 4),
+        wait("w", 5),
+        Node("cast", "backward", inputs=(6,), bytes=400, cost=1e-7, output=True),
+        Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
+        Node("gx", "backward", inputs=(8,), bytes=100, cost=1e-6, output=True),
+    ))
+    schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9))
+    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
+        ["g", "rs", "gh", "gx", "w", "cast"]
+    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("gx", 908), ("w", 808), ("cast", 808)]
+    assert later.peak_bytes == 908 < at_once.peak_bytes == 1108
+    assert later.reduce_exposed_comm_seconds == 0.0 and at_once.reduce_exposed_comm_seconds == pytest.approx(COMM)
+
+
+def test_a_wait_and_its_cast_cross_no_step_they_would_raise_above_the_peak():
+    """A cast to a smaller dtype (the 200 B float32 shard to a 100 B bf16 one): each step the wait
+    and its cast move across holds the shard, not the cast, 100 B more. ``big`` is the peak
+    (1,708 B): they are not moved across it, nor right before it (`_wait_points`' margin); they
+    move across ``gh`` alone. The peak falls all the same: the moved wait lets go of gloo's 400 B
+    copy there (`Lingering.exact`), which the schedule without the move holds to the end (the
+    bound the move is checked against)."""
+    graph = Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        scatter("rs", 4),
+        wait("w", 5),
+        Node("cast", "backward", inputs=(6,), bytes=100, cost=1e-7, output=True),
+        Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
+        Node("gh2", "backward", inputs=(8,), bytes=100, cost=1e-6),
+        Node("big", "backward", inputs=(9,), bytes=1000, cost=2e-5),
+        Node("gx", "backward", inputs=(10,), bytes=4, cost=1e-6, output=True),
+    ))
+    schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9, 10, 11))
+    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
+        ["g", "rs", "gh", "w", "cast", "gh2", "big", "gx"]
+    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("w", 808), ("cast", 508), ("gh2", 408),
+        ("big", 1308), ("gx", 1212)]
+    assert later.peak_bytes == 1308 < at_once.peak_bytes == 1708
+
+
+def test_the_plans_summary_says_how_long_the_step_waits_for_communication():
+    """The seconds the step waits for its collectives (the simulator's, `Timeline`), in the plan
+    (`Plan.forward_exposed_comm_seconds`, `exposed_comm_seconds`, `reduce_exposed_comm_seconds`),
+    its summary and ``fxopt inspect``'s, kept through JSON; a step without collectives says
+    nothing of it (and its JSON has no such keys)."""
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from fxopt.cli.main import _print_summary
+    from fxopt.solvers.plan import Plan
+
+    graph = sharded_step(2e-5)
+    schedule = Schedule(frozenset({A}), (G1, G2, G3, W, GW, GX))  # (``w`` gathered again: 4e-6 of it exposed)
+    plan = Plan.build(graph=graph, schedule=schedule, budget_bytes=10**4, eager_peak_bytes=10**4, solver="test",
+                      status="feasible", solve_seconds=0.0, fingerprint="")
+    timeline = simulate(graph, schedule)
+    assert plan.reduce_exposed_comm_seconds == timeline.reduce_exposed_comm_seconds == 0.0
+    assert plan.forward_exposed_comm_seconds == timeline.forward_exposed_comm_seconds == pytest.approx(COMM)
+    words = (f"waits for communication {1e3 * (COMM + plan.exposed_comm_seconds):.2f} ms (simulated: forward "
+             f"all-gathers {1e3 * COMM:.2f}, re-gathers {1e3 * plan.exposed_comm_seconds:.2f}, gradient reductions 0.00)")
+    assert words in plan.summary() and words in Plan.from_json(plan.to_json()).summary()
+    out = io.StringIO()
+    _print_summary(Console(file=out, width=300), plan, argparse.Namespace(budget="10000"), 0.0, {}, None)
+    assert words in out.getvalue()
+    alone = Graph(tuple(n.replaced(comm_seconds=0.0, comm_exposed=0.0, comm_bytes=0) for n in graph.nodes))
+    plain = Plan.build(graph=alone, schedule=schedule, budget_bytes=10**4, eager_peak_bytes=10**4, solver="test",
+                       status="feasible", solve_seconds=0.0, fingerprint="")
+    assert "communication" not in plain.summary()
+    assert not {"exposed_comm_seconds", "forward_exposed_comm_seconds", "reduce_exposed_comm_seconds"} & plain.to_dict().keys()
+
+
+def test_an_all_reduces_wait_moves_to_its_first_reader_in_the_simulator_too():
+    """Fails before: the simulator waited for each of DDP's all-reduces where it was issued (its
+    1e-5 s standing the backward still) while the generated code waited before its first reader
+    (`fxopt.passes.waits.sink_all_reduce_waits`). Now the simulator's order is the generated
+    code's: the wait goes to the end (nothing reads the gradient but the step's outputs), behind
+    ``gh``'s 2e-5 s, which hides it. An all-reduce holds nothing in flight but the output it made
+    at its issue (no `Node.lingers`): the same bytes at every step."""
+    graph = Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        Node("ar", "backward", inputs=(4,), bytes=400, comm_bytes=10_000, cost=COMM, comm_seconds=COMM),
+        wait("w", 5, output=True),
+        Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
+        Node("gx", "backward", inputs=(7,), bytes=100, cost=1e-6, output=True),
+    ))
+    schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8))
+    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
+        ["g", "ar", "gh", "gx", "w"]
+    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    # (x, loss, t, and the all-reduce's 400 B output from its issue; the wait makes nothing)
+    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("ar", 908), ("gh", 608), ("gx", 708), ("w", 608)]
+    assert [(name, live) for phase, name, live in at_once.events if phase == "backward"] == [
+        ("<start>", 208), ("g", 608), ("ar", 908), ("w", 508), ("gh", 608), ("gx", 708)]
+    assert later.peak_bytes == at_once.peak_bytes == 908
+    assert later.reduce_exposed_comm_seconds == 0.0 and at_once.reduce_exposed_comm_seconds == pytest.approx(COMM)

@@ -466,6 +466,7 @@ def _print_summary(out, plan, args: argparse.Namespace, planning: float, measure
     """Peaks (predicted, and measured with --run) against the budget, extra compute, decisions."""
     from rich.table import Table
 
+    from fxopt.solvers.plan import communication_waits
     from fxopt.units import format_bytes
 
     summary = Table(title="one training step (forward + backward)", show_header=True)
@@ -499,6 +500,9 @@ def _print_summary(out, plan, args: argparse.Namespace, planning: float, measure
               f"{recomputations} recomputations of {len(plan.recomputed)} values")
     if plan.planned_for:
         out.print(plan.planned_for)
+    waits = communication_waits(plan)
+    if waits:
+        out.print(waits.removeprefix("; "))
     if plan.offloaded:
         out.print(f"offloaded: {len(plan.offloaded)} values, {format_bytes(plan.host_bytes)} in host memory at "
                   f"most; the backward is predicted to wait {plan.exposed_transfer_seconds * 1e3:.3f} ms for "

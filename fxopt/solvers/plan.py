@@ -77,6 +77,10 @@ class Plan(JsonRecord):
     # `fxopt.solvers.prefetch`) ``exposed_comm_seconds``, part of the plan's `cost`.
     recompute_comm_bytes: int = 0
     exposed_comm_seconds: float = 0.0
+    # The seconds the forward waits for its all-gathers and the backward for its gradients'
+    # reductions (reduce-scatters, all-reduces), as simulated: not in the cost (every plan runs them).
+    forward_exposed_comm_seconds: float = 0.0
+    reduce_exposed_comm_seconds: float = 0.0
     # Where it was planned for a device profile on fake tensors (``device=``): how its memory was
     # counted, which parts are bounds (`fxopt.devices.DeviceProfile.planning_note`); "" otherwise.
     planned_for: str = ""
@@ -130,6 +134,8 @@ class Plan(JsonRecord):
             recompute_cost=timeline.recompute_cost,
             recompute_comm_bytes=timeline.recompute_comm_bytes,
             exposed_comm_seconds=timeline.exposed_comm_seconds,
+            forward_exposed_comm_seconds=timeline.forward_exposed_comm_seconds,
+            reduce_exposed_comm_seconds=timeline.reduce_exposed_comm_seconds,
             saved=tuple(graph.nodes[i].name for i in sorted(schedule.saved - graph.free)),
             recomputed=dict(counts),
             solver=solver,
@@ -192,6 +198,7 @@ class Plan(JsonRecord):
             + (f", {format_bytes(self.recompute_comm_bytes)} re-gathered ({self.exposed_comm_seconds * 1e3:.2f} ms "
                "exposed)" if self.recompute_comm_bytes else "")
             + ("" if self.gap is None else f", gap to the lower bound {100 * self.gap:.1f}%")
+            + communication_waits(self)
             + (f"; {self.planned_for}" if self.planned_for else "")
             + (", ops reordered for memory" if self.reordered else "")
         )
@@ -207,8 +214,9 @@ class Plan(JsonRecord):
             del d["reordered"]
         if self.compiled_peak_bytes is None:  # (likewise)
             del d["compiled_peak_bytes"]
-        if not self.exposed_comm_seconds:  # (nor without a re-gather)
-            del d["exposed_comm_seconds"]
+        for k in ("exposed_comm_seconds", "forward_exposed_comm_seconds", "reduce_exposed_comm_seconds"):
+            if not d[k]:  # (nor without a re-gather, or a collective waited for)
+                del d[k]
         d["format_version"] = FORMAT_VERSION
         return d
 
@@ -223,3 +231,14 @@ class Plan(JsonRecord):
         d["module_paths"] = tuple(d["module_paths"])
         d["offloaded"] = tuple(d["offloaded"])
         return cls(**d)
+
+
+def communication_waits(plan: Plan) -> str:
+    """``plan.summary``'s words on the time the step waits for its collectives, as simulated
+    (`fxopt.solvers.schedule.Timeline`): the forward's all-gathers, the re-gathers, the gradients'
+    reductions; "" for a step without collectives."""
+    if not any(n.comm_seconds for n in plan.graph.nodes):
+        return ""
+    ms = [1e3 * plan.forward_exposed_comm_seconds, 1e3 * plan.exposed_comm_seconds, 1e3 * plan.reduce_exposed_comm_seconds]
+    return (f"; waits for communication {sum(ms):.2f} ms (simulated: forward all-gathers {ms[0]:.2f}, "
+            f"re-gathers {ms[1]:.2f}, gradient reductions {ms[2]:.2f})")

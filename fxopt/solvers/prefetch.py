@@ -52,10 +52,12 @@ The gradients' reduce-scatters are waited for later than they are issued, too (`
 the joint graph traces each with its wait right after it, so the backward stood still for every
 gradient's reduction. Each is issued where the schedule has it, as soon as its gradient is
 complete, and its wait moves towards the first step that reads the shard it returns (the end of
-the backward, for a gradient nothing reads; mixed precision's cast to the shard's dtype), as far
-as the memory allows: on gloo the collective holds a copy of the whole gradient from its issue to
-its wait (`Node.lingers`; gloo reduces in it), and the wait crosses no step where that copy would
-raise the schedule's peak. The schedule without the move already holds each copy until the next
+the backward, for a gradient nothing reads), as far as the memory allows, with the steps right
+after it that read only what it returns (`_followers`: mixed precision's cast of the reduced shard
+to the shard's dtype, which would otherwise hold it where it was issued; each step they cross holds
+the shard, not the cast): on gloo the collective holds a copy of the whole gradient from its issue
+to its wait (`Node.lingers`; gloo reduces in it), and the wait crosses no step where that copy
+would raise the schedule's peak. The schedule without the move already holds each copy until the next
 reduce-scatter's wait (`fxopt.solvers.liveness.Lingering`, the bound the solvers count with), so up
 to there a move costs nothing; past it the copy is counted in each step it crosses. The
 re-gathers are placed first (their exposed time is in a plan's cost) and the waits in the room
@@ -67,9 +69,14 @@ splits ``fxopt::reduce_scatter`` into its issue and its wait), a pure function o
 eager autograd's step (`simulate`'s ``eager_frees``) waits where it issues.
 
 What is left out: a step with OFFLOAD keeps its gathers, re-gathers and waits where the schedule
-puts them (its reload points are positions in that schedule). DDP's all-reduces are not moved
-here: the generated code waits for each before its first reader
-(`fxopt.passes.waits.sink_all_reduce_waits`), and the simulator where it is issued.
+puts them (its reload points are positions in that schedule).
+
+DDP's all-reduces (in a step with no gather and no collective that holds bytes in flight) have
+their waits moved the same way, to before the first step that reads what they return, with no
+memory to check: an all-reduce's wait returns the storage it made when issued, alive from there
+on (and no followers move: their bytes would need a timeline). It is where the generated code
+waits for them (`fxopt.passes.waits.sink_all_reduce_waits`), so the simulator's clock runs each
+beside the backward's compute after it (`Timeline.reduce_exposed_comm_seconds`), as the step does.
 """
 
 from __future__ import annotations
@@ -157,10 +164,19 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
     collectives where ``backward`` has them, plus the bytes moved across it, at most ``peak``
     (None: no limit). The re-gathers are placed first: their exposed time is part of a plan's
     cost, the reduce-scatters' is not (every plan reduces every gradient)."""
+    positions = moved_positions(graph, backward, live, peak)
+    return backward if positions is None else tuple(backward[e] for e in positions)
+
+
+def moved_positions(graph: Graph, backward: tuple[int, ...], live: list[int] | None = None,
+                    peak: int | None = None) -> list[int] | None:
+    """`prefetched`'s order as positions in ``backward`` (each step once), or None where nothing
+    moves: a caller holding something per step (`fxopt.solvers.schedule`'s replay steps) reorders
+    it so."""
     regathers = [e for e, i in enumerate(backward) if is_regather(graph, i)]
     waits = [(e, _wait_of(graph, backward, e)) for e, i in enumerate(backward) if reduce_wait(graph, i) is not None]
     if not regathers and not waits:
-        return backward
+        return None
     extra = [0] * len(backward)  # bytes moved across each step: gathered, or held in flight
     issue_at = _issue_points(graph, backward, regathers, live, peak, extra) if regathers else {}
     wait_at = _wait_points(graph, backward, waits, live, peak, extra)
@@ -169,13 +185,15 @@ def prefetched(graph: Graph, backward: tuple[int, ...], live: list[int] | None =
         moved.setdefault(wait_at[e], []).append(e)
     for e in sorted(issue_at):
         moved.setdefault(issue_at[e], []).append(e)
+    if not moved:
+        return None
     order: list[int] = []
-    for k, i in enumerate(backward):
-        order.extend(backward[e] for e in moved.get(k, ()))
+    for k in range(len(backward)):
+        order.extend(moved.get(k, ()))
         if k not in issue_at and k not in wait_at:
-            order.append(i)
-    order.extend(backward[e] for e in moved.get(len(backward), ()))
-    return tuple(order)
+            order.append(k)
+    order.extend(moved.get(len(backward), ()))
+    return order
 
 
 def _issue_points(graph: Graph, backward: tuple[int, ...], regathers: list[int], live: list[int] | None,
@@ -216,7 +234,9 @@ def _issue_points(graph: Graph, backward: tuple[int, ...], regathers: list[int],
 def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int, int]], live: list[int] | None,
                  peak: int | None, extra: list[int]) -> dict[int, int]:
     """For each (collective, its wait) of ``waits`` (positions in ``backward``), the position the
-    wait moves before, where it moves at all: as late as the first step that reads what it returns
+    wait moves before, where it moves at all, with the steps that read nothing but what it returns
+    right after it (`_followers`: mixed precision's cast of the reduced shard to the shard's dtype),
+    which move with it, in their order: as late as the first step that reads what they return
     (the end, for a gradient nothing reads), never before a multi-output op's outputs are taken
     out, and no further than keeps each step it moves across, and the step after it, within
     ``peak`` with the bytes the collective holds until its wait (`Node.lingers`: gloo's copy of
@@ -224,36 +244,76 @@ def _wait_points(graph: Graph, backward: tuple[int, ...], waits: list[tuple[int,
     through the wait of the next collective that lingers, or to the end
     (`fxopt.solvers.liveness.Lingering`), so up to there the move is free (with a wait moved, the
     simulator counts each copy from its issue to its own wait, `Lingering.exact`: within that).
-    Those bytes count in each step it moves across past that point (``extra`` as the re-gathers
-    left it, read, not written)."""
+    Those bytes count in each step it moves across past that point; where followers move, each step
+    it moves across holds the shard they read instead of what they make, and where they land the
+    shard and all they make are live at once, the copy let go by the wait (``extra`` as the
+    re-gathers left it, read, not written). Returns each moved position (a wait's, a follower's)
+    and the position it moves before."""
     n = len(backward)
     through = _lingering_through(graph, backward)
-    made = {backward[w]: w for _, w in waits}
-    reader: dict[int, int] = {}  # a wait's value -> the first step after it that reads it
+    # (followers move bytes: only where the steps' bytes are known to check them against)
+    checked = live is not None and peak is not None
+    groups = {w: _followers(graph, backward, w) if checked else [w] for _, w in waits}
+    made = {backward[k]: w for w, group in groups.items() for k in group}
+    reader: dict[int, int] = {}  # a wait -> the first step after its group that reads what the group makes
     for k, i in enumerate(backward):
         for j in graph.nodes[i].inputs:
-            if j in made and j not in reader and k > made[j]:
-                reader[j] = k
+            w = made.get(j)
+            if w is not None and w not in reader and k > groups[w][-1]:
+                reader[w] = k
     # Bytes each step may still take (the steps the waits move across, one wait after another).
-    room = None if live is None or peak is None else peak - np.asarray(live, np.int64) - np.asarray(extra, np.int64)
+    room = peak - np.asarray(live, np.int64) - np.asarray(extra, np.int64) if checked else None
     wait_at: dict[int, int] = {}
     for e, w in waits:
+        group = groups[w]
+        start = group[-1] + 1  # (the first step the group moves across)
         held = graph.nodes[backward[e]].lingers
+        shard = graph.nodes[graph.roots[backward[w]]].bytes if len(group) > 1 else 0
+        # Each step the group moves across holds the shard the followers read instead of what they
+        # make that outlives them (alive there before, from where they were to ``end`` or later).
+        members = {backward[k] for k in group}
+        owned = [backward[k] for k in group[1:] if graph.roots[backward[k]] == backward[k]]
+        outlive = sum(graph.nodes[i].bytes for i in owned
+                      if graph.nodes[i].output or not members.issuperset(graph.users[i]))
+        transient = sum(graph.nodes[i].bytes for i in owned) - outlive
         last = through.get(e, w)
-        end = reader.get(backward[w], n)
-        first = max(last + 1, w + 1)  # (before it the copy is counted already)
+        end = reader.get(w, n)
+        first = max(last + 1, start)  # (before it the copy is counted already)
         q = end
-        if held and room is not None and first < n:
-            full = room[first:] < held  # the first step it would raise above the peak: not crossed,
-            if full.any():  # and the wait not right before it (its own bytes are the step's before)
-                q = max(w + 1, min(end, first + int(full.argmax()) - 1))
-        while q > w + 1 and q < n and _tuple_item(graph, backward[q]):
+        if room is not None and start < n and (held or shard):
+            held_from = np.zeros(n - start, np.int64)
+            held_from[first - start:] = held
+            need = held_from + (shard - outlive)
+            full = (room[start:] < need) & (need > 0)  # the first step it would raise above the peak: not
+            if full.any():  # crossed, and the wait not right before it (its own bytes are the step's before)
+                q = max(start, min(end, start + int(full.argmax()) - 1))
+            # Where the followers land, after the wait has let go of the copy (``live`` counts it
+            # before ``first``): the shard and all they make are live at once.
+            while shard and q > start and room[q - 1] < shard + transient - (held if q - 1 < first else 0):
+                q -= 1
+        while q > start and q < n and _tuple_item(graph, backward[q]):
             q -= 1
-        if q > w + 1:
-            wait_at[w] = q
-            if room is not None:
-                room[first:q] -= held
+        if q > start:
+            for k in group:
+                wait_at[k] = q
+            if room is not None and (held or shard):
+                room[start:q] -= np.maximum(need[:q - start], 0)
     return wait_at
+
+
+def _followers(graph: Graph, backward: tuple[int, ...], w: int) -> list[int]:
+    """Position ``w`` (a reduce-scatter's wait) and the steps right after it that read nothing but
+    what the wait and they return, and compute (no collective): mixed precision's cast of the
+    reduced shard to the shard's dtype (``_to_copy``), which would otherwise hold the wait where
+    it was issued (`_wait_points` moves them with it)."""
+    group, values = [w], {backward[w]}
+    for k in range(w + 1, len(backward)):
+        node = graph.nodes[backward[k]]
+        if node.kind != "backward" or node.comm_seconds > 0 or not node.inputs or not values.issuperset(node.inputs):
+            break
+        group.append(k)
+        values.add(backward[k])
+    return group
 
 
 def _lingering_through(graph: Graph, backward: tuple[int, ...]) -> dict[int, int]:

@@ -42,7 +42,7 @@ from collections.abc import Iterable
 
 from fxopt.solvers.graph import Graph
 from fxopt.solvers.liveness import Key, LiveBytes, Lingering, last_uses
-from fxopt.solvers.prefetch import holds_group, is_regather, prefetched, reduce_wait
+from fxopt.solvers.prefetch import holds_group, is_regather, moved_positions, prefetched, reduce_wait
 from fxopt.solvers.transfers import INSTANT, Channel, Copy, host_peak_bytes
 
 
@@ -247,7 +247,9 @@ def _generated(graph: Graph, schedule: Schedule, prefetch: bool = False
     forward, decided = None, True
     if prefetch:
         ahead, forward, decided = _with_prefetch(graph, pruned)
-        if ahead is not pruned:  # (re-gathers moved: its steps are built anew)
+        if isinstance(ahead, _Moved):  # (only waits moved, no value made anew: the same steps, reordered)
+            pruned, steps = ahead.schedule, [steps[e] for e in ahead.positions]
+        elif ahead is not pruned:  # (re-gathers moved: its steps are built anew)
             pruned, steps = ahead, None
     saved = _generated_saved(graph, pruned)
     if saved == frozenset(pruned.saved):
@@ -274,15 +276,25 @@ def _reads_available(graph: Graph, steps: list[Step], available: dict[int, Key])
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class _Moved:
+    """`_with_prefetch`'s schedule where only waits moved (DDP's all-reduces): the same steps, in
+    the order of ``positions`` (`fxopt.solvers.prefetch.moved_positions`)."""
+
+    schedule: Schedule
+    positions: tuple[int, ...]
+
+
 def with_prefetch(graph: Graph, schedule: Schedule) -> Schedule:
     """``schedule`` (pruned, without OFFLOAD) with its re-gathers issued ahead of their waits as
     the generated code issues them (`fxopt.solvers.prefetch`), never across a step where the
     gathered bytes would raise the schedule's peak: the step holds them earlier, and no plan that
     fits its budget without the prefetch is over it with it."""
-    return _with_prefetch(graph, schedule)[0]
+    ahead = _with_prefetch(graph, schedule)[0]
+    return ahead.schedule if isinstance(ahead, _Moved) else ahead
 
 
-def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int] | None, bool]:
+def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule | _Moved, list[int] | None, bool]:
     """`with_prefetch`'s schedule; the forward's order with its all-gathers issued ahead of their
     first use the same way (None where none moved); and whether that order is decided here. Both
     come from one timeline of the schedule without prefetch, made where re-gathers need it (else
@@ -290,10 +302,18 @@ def _with_prefetch(graph: Graph, schedule: Schedule) -> tuple[Schedule, list[int
     forward alone again): each move is checked against that timeline's peak, and a forward move
     changes no backward step's bytes (a gather reads a shard, alive anyway), nor a backward move
     a forward step's, so the two together raise no step above it either."""
-    # (gathers to issue ahead, or gloo reduce-scatters whose waits may move: not DDP's all-reduces,
-    # whose waits `fxopt.passes.waits.sink_all_reduce_waits` moves in the generated code alone)
-    if schedule.offloaded or not any(n.comm_seconds and (n.kind == "forward" or n.lingers) for n in graph.nodes):
+    if schedule.offloaded or not any(n.comm_seconds for n in graph.nodes):
         return schedule, None, True
+    if not any(n.comm_seconds and (n.kind == "forward" or n.lingers) for n in graph.nodes):
+        # No gather to issue ahead and no collective holding bytes in flight: the gradients'
+        # all-reduces (DDP's), whose waits move to their first readers, as the generated code has
+        # them (`fxopt.passes.waits.sink_all_reduce_waits`), changing no step's bytes (a wait
+        # returns the storage its all-reduce made): no timeline to check against.
+        positions = moved_positions(graph, schedule.backward)
+        if positions is None:
+            return schedule, None, True
+        return _Moved(dataclasses.replace(schedule, backward=tuple(schedule.backward[e] for e in positions)),
+                      tuple(positions)), None, True
     if not any(is_regather(graph, i) for i in schedule.backward) and \
             not any(reduce_wait(graph, i) is not None for i in graph.backward_nodes):
         return schedule, None, False
@@ -657,28 +677,36 @@ class _Replay:
         later = self.waited_later(steps)
         self.lingering.exact = bool(later)  # (gloo's copies counted to their own waits)
         peak = self.record("backward", "<start>", self.memory.bytes)
+        # (What most steps of most graphs skip, told apart once: no reloads, no collectives.)
+        current, comm = self.current, any(n.comm_seconds for n in nodes)
         for e, (i, copy, args) in enumerate(steps):
-            for j in reloads.get(e, ()):
-                peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
-            for j, n in dict.fromkeys(args):
-                if n == 0 and first_read.get(j) == e:
-                    self.wait(j)
-            waited = self.wait_for_collectives(args)
+            node = nodes[i]
+            if first_read:
+                for j in reloads.get(e, ()):
+                    peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
+                for j, n in dict.fromkeys(args):
+                    if n == 0 and first_read.get(j) == e:
+                        self.wait(j)
+            waited = self.wait_for_collectives(args) if self.gathering or self.reducing else ()
             self.settle()
-            for j in nodes[i].inputs:
-                if j in self.packed:
-                    peak = max(peak, self.record("backward", f"decompress {nodes[j].name}", self.decode(j)))
-            for j, a in zip(nodes[i].inputs, args):
-                self.current[j] = a  # the copy this node reads
+            if self.packed:
+                for j in node.inputs:
+                    if j in self.packed:
+                        peak = max(peak, self.record("backward", f"decompress {nodes[j].name}", self.decode(j)))
+            for j, a in zip(node.inputs, args):
+                current[j] = a  # the copy this node reads
             self.create(i, copy[1])
-            regather = is_regather(self.graph, i)
+            regather = comm and is_regather(self.graph, i)
             if regather:  # its scratch (gloo's flat buffer) is held while it runs, to its wait
-                self.memory.hold(("gathering", copy), nodes[i].workspace)
-            peak = max(peak, self.record("backward", nodes[i].name,
-                                         self.memory.bytes + (0 if regather else nodes[i].workspace)))
+                self.memory.hold(("gathering", copy), node.workspace)
+            peak = max(peak, self.record("backward", node.name,
+                                         self.memory.bytes + (0 if regather else node.workspace)))
             for key in waited:
                 self.memory.release(("gathering", key), nodes[key[0]].workspace)
-            self.run_backward_step(i, copy, regather, e in later)
+            if comm:
+                self.run_backward_step(i, copy, regather, e in later)
+            else:  # (`run_backward_step` with no collective: the step's compute)
+                self.now += node.cost - node.comm_exposed
             for a in dying_at.get(e, ()):
                 if a not in self.forever:
                     self.drop(a)
