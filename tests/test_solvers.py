@@ -1249,6 +1249,30 @@ def test_exchange_saves_the_costly_value_in_the_room_of_a_cheap_one():
     assert exchange(graph, schedule, budget) is None  # nothing left to exchange
 
 
+def test_keep_recomputed_keeps_a_value_from_its_first_recomputation_where_that_fits():
+    """A schedule that recomputes the whole forward before every backward step (the shape of a
+    lowest-peak plan, chosen for its peak alone): 4 layers, cost 48. With room for one more
+    activation, the first layer's output is kept from its first recomputation to its last read
+    (cost 30); with room for all, each value is recomputed once (12, `on_demand` of nothing). At
+    its own peak nothing can be kept, and None says so."""
+    from fxopt.solvers.heuristics import keep_recomputed
+    from fxopt.solvers.schedule import Schedule, on_demand, prune
+    from solver_graphs import ids
+
+    graph = chain(4)
+    forward = ids(graph, "h1", "a1", "h2", "a2", "h3", "a3", "h4", "a4")
+    again = prune(graph, Schedule(frozenset(), tuple(i for b in graph.backward_nodes for i in (*forward, b))))
+    start = simulate(graph, again)
+    assert start.recompute_cost == 48.0
+    assert keep_recomputed(graph, again, start.peak_bytes) is None
+    (one, one_timeline), (all_, all_timeline) = (keep_recomputed(graph, again, start.peak_bytes + room)
+                                                 for room in (16, 64))
+    assert one_timeline == simulate(graph, one) and one_timeline.peak_bytes <= start.peak_bytes + 16
+    assert one_timeline.recompute_cost == 30.0
+    assert [graph.nodes[i].name for i in one.backward].count("a1") == 1
+    assert all_timeline.recompute_cost == 12.0 and all_.backward == on_demand(graph, []).backward
+
+
 # ------------------------------------------------------------------ every named minimum plans
 @PROPERTY_SETTINGS
 @given(data=st.data())

@@ -41,7 +41,9 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 # its scalar loss beside non-scalar outputs: `fxopt.analysis.joint`): its fractions resolve lower.
 # 25: gradient sums written in place, as eager's engine writes them (`fxopt.passes.accumulate`):
 # other graphs, and the eager step's peak lower where such a sum was its peak.
-REVISION = 25
+# 26: a lowest-peak schedule, and the cheapest plan of the whole graph's phases, keep what they
+# recompute more than once where that fits (`fxopt.solvers.heuristics.keep_recomputed`).
+REVISION = 26
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)

@@ -29,7 +29,7 @@ from fxopt.solvers.chain import min_peak_schedule
 from fxopt.solvers.policies import policy_candidates
 from fxopt.solvers.effort import Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.heuristics import HEURISTICS, Candidate, lower_peak, offload_all
+from fxopt.solvers.heuristics import HEURISTICS, Candidate, keep_recomputed, lower_peak, offload_all
 from fxopt.solvers.ilp import build_ilp, default_mip_solver, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import lowest_peak, peak_lower_bound
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, simulate
@@ -237,15 +237,29 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     peak, schedule, name = reached.best
     if schedule is None:
         raise ValueError("no schedule of this graph stays within its host memory budget")
-    if solver == "auto" and peak > floor * (1 + LOWEST_PEAK_SLACK) and not deadline.check("lower_peak") and \
-            (lowered := lower_peak(graph, schedule, work=effort.lower_peak_work)):
-        schedule, peak, name = lowered[0], lowered[1].peak_bytes, f"{name}+lower_peak"
+    if solver == "auto":
+        peak, schedule, name = _finished(graph, (peak, schedule, name), floor, effort, deadline)
     found = Lowest(peak, schedule, name, min(floor, peak))
     if memo is not None:
         # (Also where the time limit cut the search short, which the solve says: the budget an
         # error names from it must plan in this process too.)
         memo.put(graph, key, found)
     return found
+
+
+def _finished(graph: Graph, best: tuple[int, Schedule, str], floor: int, effort: Effort,
+              deadline: Deadline) -> tuple[int, Schedule, str]:
+    """"auto"'s lowest (peak, schedule, name), its peak lowered where it is above the floor
+    (`lower_peak`), then made cheaper at that peak (`keep_recomputed`: chosen for its peak alone,
+    it may recompute a value many times where keeping it fits)."""
+    peak, schedule, name = best
+    if peak > floor * (1 + LOWEST_PEAK_SLACK) and not deadline.check("lower_peak") and \
+            (lowered := lower_peak(graph, schedule, work=effort.lower_peak_work)):
+        schedule, peak, name = lowered[0], lowered[1].peak_bytes, f"{name}+lower_peak"
+    if not deadline.check("keep recomputed") and \
+            (kept := keep_recomputed(graph, schedule, peak, tries=effort.keep_recomputed_tries)) is not None:
+        schedule, peak, name = kept[0], kept[1].peak_bytes, f"{name}+keep"
+    return peak, schedule, name
 
 
 class _Reached:

@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 from fxopt.solvers.block_plan import block_candidates
 from fxopt.solvers.chain import chain_candidates
-from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, exchange, greedy, offload_to_fit, save_all, save_more,
-                                      segments)
+from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, exchange, greedy, keep_recomputed, offload_to_fit,
+                                      save_all, save_more, segments)
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import bound_where_tight, instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
@@ -197,6 +197,13 @@ def run_exchange(search: Search) -> None:
     _improve_cheapest(search, "exchanging recomputations", exchange, search.effort.exchange_tries, "exchange")
 
 
+def run_keep_recomputed(search: Search) -> None:
+    """The cheapest plan so far with what it recomputes more than once kept from its first
+    recomputation instead, where that fits (`keep_recomputed`)."""
+    _improve_cheapest(search, "keeping values recomputed more than once", keep_recomputed,
+                      search.effort.keep_recomputed_tries, "keep")
+
+
 def run_ilp(search: Search) -> None:
     """The ILP: its LP relaxation (a bound, and plans rounded from it), then the exact solve,
     warm-started from the best plan so far, unless a plan is already proven optimal."""
@@ -310,6 +317,8 @@ def strategies() -> dict[str, tuple[Phase, ...]]:
              Phase("save more", run_save_more, lambda s: not s.settled() and not s.deadline.check("save more")),
              Phase("exchange", run_exchange, lambda s: not s.settled() and not s.deadline.check("exchange")),
              Phase("ilp", run_ilp, lambda s: not s.settled() and not (s.fitting and s.deadline.check("ILP"))),
+             Phase("keep recomputed", run_keep_recomputed,
+                   lambda s: not s.settled() and not s.deadline.check("keep recomputed")),
              *_LAST)
     out = {
         # A step of repeated blocks is planned per block where that fits: the phases of the
