@@ -18,7 +18,8 @@ the key its `fxopt.planner.Analyses` knows a graph analysed before by; the scrat
 `fxopt.max_batch` call it, and max_batch's lowest-peak searches), and the rest, which is the
 capture (Dynamo and AOTAutograd tracing on fake tensors, the rewrite); max_batch's simulations
 (eager's, per-block checkpointing's and replayed schedules at each batch it tries) and peak lower
-bounds apart. Issue 27's target is 20 s for the whole answer.
+bounds apart; Python's full garbage collections (inside those parts) and the process's CPU seconds
+too. Issue 27's target is 20 s for the whole answer.
 """
 
 from __future__ import annotations
