@@ -274,3 +274,41 @@ def test_the_copies_of_a_chain_share_what_their_common_points_make(monkeypatch):
     assert all(third.rotor(v) is second.rotor(v) for v in variants) and len(menus) == len(set(menus))
     again = [(c[0], c[1].peak_bytes, c[1].cost) for c in block_candidates(second, budget, counted.solve, 24)]
     assert again == expected
+
+
+def test_below_the_floor_no_blocks_plan_is_made_and_the_same_smallest_budget_is_named(monkeypatch):
+    """A budget below the step's proven floor plans nothing: the blocks' plans for it (the chain's
+    choice, its curves refined) are not made, and the smallest budget named is the one a 1-byte
+    budget names, whatever budget below the floor was asked."""
+    import fxopt.solvers.phases as phases
+
+    g = repeated_blocks(8)
+    assert find_blocks(g) is not None
+    floor = peak_lower_bound(g)[0]
+    asked = []
+    monkeypatch.setattr(phases, "block_candidates", lambda *a, **k: asked.append(a[1]) or [])
+    named = []
+    for budget in (1, floor // 2, floor - 1):
+        with pytest.raises(InfeasibleBudgetError) as err:
+            solve(g, budget, memo=Memo())
+        named.append((err.value.min_budget, err.value.lower_bound))
+    assert asked == [] and len(set(named)) == 1
+    assert solve(g, named[0][0], memo=Memo()).timeline.peak_bytes <= named[0][0]
+
+
+def test_the_memo_keeps_a_graphs_floor_and_eager_timeline(monkeypatch):
+    """`Memo.floor` and `Memo.eager`: each found once per graph content (the solves of one step,
+    and its answers, each read them)."""
+    import fxopt.solvers.minimum as minimum
+
+    g = repeated_blocks(6)
+    same = dataclasses.replace(g)  # (another graph object, the same content)
+    calls = []
+    real = minimum.peak_lower_bound
+    monkeypatch.setattr(minimum, "peak_lower_bound", lambda graph: calls.append(graph) or real(graph))
+    memo = Memo()
+    assert memo.floor(g) == memo.floor(same) == real(g)
+    assert len(calls) == 1
+    made = []
+    assert memo.eager(g, lambda: made.append(1) or eager_timeline(g)) == memo.eager(same, lambda: made.append(1))
+    assert made == [1]

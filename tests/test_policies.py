@@ -112,3 +112,17 @@ def test_auto_is_never_costlier_than_a_policy_that_fits(case):
         found = solve(graph, timeline.peak_bytes, time_limit=1.0)
         assert found.timeline.peak_bytes <= timeline.peak_bytes
         assert found.timeline.cost <= timeline.cost + 1e-12
+
+
+def test_the_candidates_do_not_simulate_save_all(monkeypatch):
+    """`policy_candidates` leaves save_all out (a heuristic of its own) without simulating it: on a
+    32-layer step, a whole-step simulation for nothing."""
+    import fxopt.solvers.policies as module
+
+    graph = EXPECTED[list(EXPECTED)[-1]][0]()
+    simulated = []
+    monkeypatch.setattr(module, "simulate", lambda g, s: simulated.append(s.saved) or simulate(g, s))
+    found = policy_candidates(graph, 0)
+    named = policies(graph)
+    assert "save_all" in named and len(simulated) == len(found) == len(named) - 1
+    assert named["save_all"] not in simulated

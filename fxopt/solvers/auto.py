@@ -18,10 +18,9 @@ from collections.abc import Callable
 from fxopt.errors import check_choice
 from fxopt.solvers.effort import DEFAULT_TIME_LIMIT, Deadline, Effort, effort_of
 from fxopt.solvers.graph import Graph, Node
-from fxopt.solvers.instant import peak_lower_bound
 from fxopt.solvers import minimum
 from fxopt.solvers.block_plan import memo_chain, solver_for
-from fxopt.solvers.minimum import Memo, infeasible, memo_key
+from fxopt.solvers.minimum import Memo, floor_of, infeasible, memo_key
 from fxopt.solvers.phases import strategies
 from fxopt.solvers.schedule import Schedule, Timeline, on_demand, save_all_set, simulate
 from fxopt.solvers.search import ILP_REL_GAP, Search, Solution
@@ -120,7 +119,7 @@ def solve(
     check_solver(solver)
     search = Search(graph, budget, solver, effort_of(effort), Deadline.of(time_limit), memo, on_progress, mip_solver,
                     solve)
-    floor, where = peak_lower_bound(graph)
+    floor, where = floor_of(graph, memo)
     known = memo.get(graph, memo_key(solver, search.effort, True, mip_solver)) if memo is not None else None
     if budget < floor:
         # Proven at once: while ``where`` runs, more than the budget is alive whatever the plan.
@@ -181,7 +180,7 @@ def _nothing_fits(search: Search) -> Solution:
         if search.fitting:
             return search.best()
     # A budget the instant program proved infeasible is below every schedule's peak too.
-    floor = max(peak_lower_bound(graph)[0], budget + 1 if search.proven_infeasible else 0, lowest.floor)
+    floor = max(floor_of(graph, search.memo)[0], budget + 1 if search.proven_infeasible else 0, lowest.floor)
     stopped = search.deadline.stopped
     detail = (f"The search for it stopped at the time limit ({search.deadline.seconds:.1f} s) in: {', '.join(stopped)}; "
               "a longer time_limit may find a smaller one." if stopped and lowest.peak > floor else "")

@@ -76,7 +76,7 @@ class Effort:
     greedy_steps: int = 64  # values `greedy` drops one at a time before it bisects the rest
     save_more_tries: int = 60  # schedules `save_more` simulates
     exchange_tries: int = 100  # schedules `exchange` simulates
-    keep_recomputed_tries: int = 400  # schedules `keep_recomputed` simulates
+    keep_recomputed_tries: int = 100  # schedules `keep_recomputed` simulates
     lower_peak_work: int = 600_000  # steps `lower_peak` simulates (each schedule's forward and backward)
     block_refinements: int = 24  # solves of a repeated block's graph beyond its first curve (`block_plan`)
 

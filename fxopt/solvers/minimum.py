@@ -63,7 +63,8 @@ class Memo:
     """`lowest_plan`'s answers by graph content, solver, effort and whether the ILP ran: the
     latest `KEEP` of them. And the simple policies' candidates of the latest `POLICIES_KEEP`
     graphs (`policies`): no budget changes them, and the search for the smallest budget and the
-    solve at it both read them (on a 32-layer step, three whole-step simulations)."""
+    solve at it both read them (on a 32-layer step, three whole-step simulations). And, for as
+    many graphs, their floor (`floor`) and eager's timeline (`eager`)."""
 
     KEEP = 16
     POLICIES_KEEP = 8  # (each holds a few simulated timelines of its graph)
@@ -74,6 +75,8 @@ class Memo:
         self._policies: list[tuple[int, Graph, list]] = []
         self._stage_starts: list[tuple[tuple, Graph, list]] = []
         self._timelines: list[tuple[tuple, Graph, Timeline]] = []
+        self._floors: list[tuple[int, Graph, tuple[int, str]]] = []
+        self._eager: list[tuple[int, Graph, Timeline]] = []
         self._hashes: list[tuple[Graph, int]] = []  # (the latest graphs' `_content_hash`: 12 ms on 7,600 nodes)
 
     def get(self, graph: Graph, key: tuple) -> Lowest | None:
@@ -110,6 +113,20 @@ class Memo:
         return _kept(self._timelines, (self._hash(graph), schedule), graph, lambda: simulate(graph, schedule),
                      self.TIMELINES_KEEP)
 
+    def floor(self, graph: Graph) -> tuple[int, str]:
+        """`peak_lower_bound` of ``graph``, or the one kept for it (or for one of equal content):
+        a solve, its search for the smallest budget and the planner's fallbacks each read it, and
+        the solve at that budget again (on a 32-layer step, 40 ms each). The latest
+        `POLICIES_KEEP` graphs'."""
+        return _kept(self._floors, self._hash(graph), graph, lambda: peak_lower_bound(graph), self.POLICIES_KEEP)
+
+    def eager(self, graph: Graph, compute: Callable[[], Timeline]) -> Timeline:
+        """``compute()``, the step's memory as eager autograd runs it (`fxopt.solvers.eager_timeline`),
+        or the one kept for ``graph`` (or for one of equal content): each answer for one step
+        starts from it (the 50% answer and the plan at the smallest budget, a whole-step
+        simulation each on a 32-layer step). The latest `POLICIES_KEEP` graphs'."""
+        return _kept(self._eager, self._hash(graph), graph, compute, self.POLICIES_KEEP)
+
     def _hash(self, graph: Graph) -> int:
         """`_content_hash`, found once for each of the latest graphs looked up (by identity)."""
         known = next((h for g, h in self._hashes if g is graph), None)
@@ -123,10 +140,17 @@ class Memo:
         self._policies.clear()
         self._stage_starts.clear()
         self._timelines.clear()
+        self._floors.clear()
+        self._eager.clear()
         self._hashes.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def floor_of(graph: Graph, memo: Memo | None = None) -> tuple[int, str]:
+    """`peak_lower_bound(graph)`, kept in ``memo`` where one is given (`Memo.floor`)."""
+    return peak_lower_bound(graph) if memo is None else memo.floor(graph)
 
 
 def memo_key(solver: str, effort: Effort, run_ilp: bool = True, mip_solver: str | None = None) -> tuple:
@@ -216,7 +240,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
         for schedule, _ in [c for c in lowest_first if c[0].saved & graph.compressible][:COMPRESS_TRIES]:
             reached.add(compress_all(graph, schedule), f"{name}+compress")
         reached.offloaded([s for s, _ in lowest_first[:COMPRESS_TRIES]], name)
-    floor = peak_lower_bound(graph)[0]
+    floor = floor_of(graph, memo)[0]
     if whole and run_ilp and solver in ("ilp", "auto") and reached.best[0] > floor * (1 + LOWEST_PEAK_SLACK):
         model = build_ilp(graph, None, minimize_peak=True)
         if solver == "ilp" or model.mip.num_integer <= AUTO_ILP_MAX_VARIABLES:
@@ -238,7 +262,7 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
     if schedule is None:
         raise ValueError("no schedule of this graph stays within its host memory budget")
     if solver == "auto":
-        peak, schedule, name = _finished(graph, (peak, schedule, name), floor, effort, deadline)
+        peak, schedule, name = _finished(graph, (peak, schedule, name), floor, effort, deadline, whole)
     found = Lowest(peak, schedule, name, min(floor, peak))
     if memo is not None:
         # (Also where the time limit cut the search short, which the solve says: the budget an
@@ -248,15 +272,18 @@ def lowest_plan(graph: Graph, solver: str = "auto", *, effort: Effort | float | 
 
 
 def _finished(graph: Graph, best: tuple[int, Schedule, str], floor: int, effort: Effort,
-              deadline: Deadline) -> tuple[int, Schedule, str]:
+              deadline: Deadline, whole: bool) -> tuple[int, Schedule, str]:
     """"auto"'s lowest (peak, schedule, name), its peak lowered where it is above the floor
-    (`lower_peak`), then made cheaper at that peak (`keep_recomputed`: chosen for its peak alone,
-    it may recompute a value many times where keeping it fits)."""
+    (`lower_peak`), then, where the whole graph's searches made it (``whole``), cheaper at that
+    peak (`keep_recomputed`: the ILP's and the instant program's lowest-peak schedules are chosen
+    for their peak alone, and may recompute a value many times where keeping it fits; a step of
+    repeated blocks gets its lowest plan per block, where each block's is found the same way,
+    and each of its whole-step simulations costs many small ones)."""
     peak, schedule, name = best
     if peak > floor * (1 + LOWEST_PEAK_SLACK) and not deadline.check("lower_peak") and \
             (lowered := lower_peak(graph, schedule, work=effort.lower_peak_work)):
         schedule, peak, name = lowered[0], lowered[1].peak_bytes, f"{name}+lower_peak"
-    if not deadline.check("keep recomputed") and \
+    if whole and not deadline.check("keep recomputed") and \
             (kept := keep_recomputed(graph, schedule, peak, tries=effort.keep_recomputed_tries)) is not None:
         schedule, peak, name = kept[0], kept[1].peak_bytes, f"{name}+keep"
     return peak, schedule, name

@@ -105,8 +105,12 @@ def run_blocks(search: Search) -> None:
     blocks' lowest), they run, from it: that plan is the lowest, not a cheap one."""
     chain = search.chain()
     search.progress(f"repeated blocks: {len(chain.blocks.segments)} segments of {len(chain.blocks.kinds)} kinds")
-    for schedule, timeline in block_candidates(chain, search.budget, search.kind_solvers()[0],
-                                               search.effort.block_refinements, search.memo):
+    # (Below a proven floor no plan fits: the blocks' plans for this budget, and the curves refined
+    # for them, would be in vain. The search for the smallest budget then starts from the curves as
+    # every budget proven out of reach finds them, so it names the same budget for each.)
+    found = [] if search.proven_infeasible else block_candidates(
+        chain, search.budget, search.kind_solvers()[0], search.effort.block_refinements, search.memo)
+    for schedule, timeline in found:
         search.consider(schedule, timeline, "blocks", "heuristic", keep_over=True)
     by_blocks = search.proven_infeasible or bool(search.fitting)
     if not search.fitting and not search.proven_infeasible:

@@ -139,15 +139,19 @@ def policy_candidates(graph: Graph, budget: int, memo=None) -> list[Candidate]:
     over the budget or within it (like the heuristics, whatever the budget: compression may
     make one fit); not ``save_all``, which is a heuristic of its own. ``memo``: the planner's
     (`fxopt.solvers.minimum.Memo`), where they are kept per graph (None: made afresh)."""
-    named = (named_policy_candidates(graph) if memo is None
-             else memo.policies(graph, lambda: named_policy_candidates(graph)))
-    return [candidate for name, candidate in named if name != "save_all"]
+    # (save_all not simulated at all: a whole-step simulation on a 32-layer step, for nothing)
+    named = (named_policy_candidates(graph, without=("save_all",)) if memo is None
+             else memo.policies(graph, lambda: named_policy_candidates(graph, without=("save_all",))))
+    return [candidate for _, candidate in named]
 
 
-def named_policy_candidates(graph: Graph) -> list[tuple[str, Candidate]]:
-    """`policy_candidates` with each policy's name."""
+def named_policy_candidates(graph: Graph, without: tuple[str, ...] = ()) -> list[tuple[str, Candidate]]:
+    """`policy_candidates` with each policy's name, save_all's included unless ``without``
+    names it (the policies ``without`` names are left out)."""
     out = []
     for name, saved in policies(graph).items():
+        if name in without:
+            continue
         try:
             schedule = on_demand(graph, saved)
             out.append((name, (schedule, simulate(graph, schedule))))

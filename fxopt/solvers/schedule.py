@@ -657,28 +657,36 @@ class _Replay:
         later = self.waited_later(steps)
         self.lingering.exact = bool(later)  # (gloo's copies counted to their own waits)
         peak = self.record("backward", "<start>", self.memory.bytes)
+        # (What most steps of most graphs skip, told apart once: no reloads, no collectives.)
+        current, comm = self.current, any(n.comm_seconds for n in nodes)
         for e, (i, copy, args) in enumerate(steps):
-            for j in reloads.get(e, ()):
-                peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
-            for j, n in dict.fromkeys(args):
-                if n == 0 and first_read.get(j) == e:
-                    self.wait(j)
-            waited = self.wait_for_collectives(args)
+            node = nodes[i]
+            if first_read:
+                for j in reloads.get(e, ()):
+                    peak = max(peak, self.record("backward", f"reload {nodes[j].name}", self.reload(j)))
+                for j, n in dict.fromkeys(args):
+                    if n == 0 and first_read.get(j) == e:
+                        self.wait(j)
+            waited = self.wait_for_collectives(args) if self.gathering or self.reducing else ()
             self.settle()
-            for j in nodes[i].inputs:
-                if j in self.packed:
-                    peak = max(peak, self.record("backward", f"decompress {nodes[j].name}", self.decode(j)))
-            for j, a in zip(nodes[i].inputs, args):
-                self.current[j] = a  # the copy this node reads
+            if self.packed:
+                for j in node.inputs:
+                    if j in self.packed:
+                        peak = max(peak, self.record("backward", f"decompress {nodes[j].name}", self.decode(j)))
+            for j, a in zip(node.inputs, args):
+                current[j] = a  # the copy this node reads
             self.create(i, copy[1])
-            regather = is_regather(self.graph, i)
+            regather = comm and is_regather(self.graph, i)
             if regather:  # its scratch (gloo's flat buffer) is held while it runs, to its wait
-                self.memory.hold(("gathering", copy), nodes[i].workspace)
-            peak = max(peak, self.record("backward", nodes[i].name,
-                                         self.memory.bytes + (0 if regather else nodes[i].workspace)))
+                self.memory.hold(("gathering", copy), node.workspace)
+            peak = max(peak, self.record("backward", node.name,
+                                         self.memory.bytes + (0 if regather else node.workspace)))
             for key in waited:
                 self.memory.release(("gathering", key), nodes[key[0]].workspace)
-            self.run_backward_step(i, copy, regather, e in later)
+            if comm:
+                self.run_backward_step(i, copy, regather, e in later)
+            else:  # (`run_backward_step` with no collective: the step's compute)
+                self.now += node.cost - node.comm_exposed
             for a in dying_at.get(e, ()):
                 if a not in self.forever:
                     self.drop(a)
