@@ -49,6 +49,7 @@ from fxopt.capture.shapes import DynamicDims
 from fxopt.errors import BudgetError, InfeasibleBudgetError
 from fxopt.options import Options
 from fxopt.plan_ahead import capture_symbolic
+from fxopt.planner import heap_frozen
 from fxopt.solvers import eager_schedule, eager_timeline, min_feasible_budget, simulate, solve
 from fxopt.solvers.auto import SolverTimeoutWarning, lowest_schedule
 from fxopt.solvers.effort import Deadline, Effort, effort_of
@@ -176,6 +177,16 @@ def max_batch(model: nn.Module, budget: BudgetLike | Options, make_inputs: Calla
         raise ValueError("max_batch does not offer OFFLOAD (its copies' time depends on the batch, so one plan is "
                          "not proven for every batch); pass offload=False or leave it out")
     name = DynamicDims.parse({dim: (1, limit)}).ranges.names[0]
+    # (The model and what the process held, then each capture's graphs and fake values, left out
+    # of the full collections that the capture's and the searches' allocations trigger, as for a
+    # plan: `fxopt.planner.heap_frozen`.)
+    with heap_frozen():
+        return _max_batch(model, options, make_inputs, dim, name, limit, blocks, t0)
+
+
+def _max_batch(model: nn.Module, options: Options, make_inputs, dim, name: str, limit: int,
+               blocks: Sequence[nn.Module] | None, t0: float) -> MaxBatch:
+    budget_bytes = options.budget.bytes
     segments = _capture_segments(model, make_inputs, dim, name, limit, budget_bytes, options)
     log.info("fxopt: max_batch: captured and analysed in %.1f s", time.perf_counter() - t0)
     how = _Solving.of(options)
@@ -251,13 +262,14 @@ def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: in
         probe = min(max(start, PROBE_BATCH), limit)
         dims = DynamicDims.parse({dim: (start, limit)})
         eager_jg, jg = capture_symbolic(model, make_inputs(probe), dims, {name: probe}, options)
-        lo, hi = jg.symbolic.ranges.bounds[name]  # (narrowed where the model specializes a size)
-        search = _Search(jg, name, budget, lo, hi)
-        top = largest_from_below(lo, hi, search.lower_bound_fits)  # (hi: the search limit, 2**16 by default)
-        # (a step planning does not rewrite is one graph: its graphs at each batch made once)
-        eager = search if eager_jg is jg else _Search(eager_jg, name, budget, lo, hi)
-        proven = None if top is None else search.largest(lo, top, search.measured_bound_fits)
-        segments.append(_Segment(eager, search, proven, top))
+        with heap_frozen():  # (frozen again, inside `max_batch`'s: this capture's graphs too)
+            lo, hi = jg.symbolic.ranges.bounds[name]  # (narrowed where the model specializes a size)
+            search = _Search(jg, name, budget, lo, hi)
+            top = largest_from_below(lo, hi, search.lower_bound_fits)  # (hi: the search limit, 2**16 by default)
+            # (a step planning does not rewrite is one graph: its graphs at each batch made once)
+            eager = search if eager_jg is jg else _Search(eager_jg, name, budget, lo, hi)
+            proven = None if top is None else search.largest(lo, top, search.measured_bound_fits)
+            segments.append(_Segment(eager, search, proven, top))
         if top is None or top < hi or hi >= limit:
             break
         start = hi + 1

@@ -363,12 +363,16 @@ def _stamp_symbolic(model: nn.Module, run: Run, args: tuple, kwargs: dict, dims:
     answering = []
 
     def analysed(long: CapturedStep, names: dict, shape_env):
-        joint = stamped_joint(short[0], long, run)
+        # (Where the caller froze the heap (`fxopt.max_batch`: `fxopt.planner.heap_frozen`), the
+        # two captures' graphs frozen too, then the stamped one: stamping and analysing N blocks
+        # on symbolic fake values allocate enough for several full collections.)
+        with heap_frozen():
+            joint = stamped_joint(short[0], long, run)
         unread = long.unread_bytes + (len(blocks) - LONG) * _unread(blocks[1], long.inputs)
         answering.append(True)
         _, short_names, short_env = short
         guards = error_on_new_guards(short_env) if short_env is not None else contextlib.nullcontext()
-        with guards:
+        with heap_frozen(), guards:
             return analyze_for_planning(joint, long.num_fwd_outputs, options, unread,
                                         Sizes(short_names, point, dims.ranges))
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 import fxopt
 import fxopt.capture.repeat as repeat
 from fxopt.capture.repeat import NotStamped, check_same, repeated_run
+from fxopt.fitting import at_batch
 from fxopt.models import gpt2
 from fxopt.options import Options
 from fxopt.capture.shapes import DynamicDims
@@ -229,3 +230,41 @@ def test_a_symbolic_capture_of_blocks_whose_graph_changes_with_their_index_is_ca
     (whole_eager, whole_jg), _ = symbolic(model, (x,), False, point=8)
     check_same(jg.module.graph, whole_jg.module.graph)
     assert jg.graph.nodes == whole_jg.graph.nodes
+
+
+@pytest.mark.slow
+def test_max_batch_leaves_what_it_captured_out_of_full_collections(monkeypatch):
+    """`fxopt.max_batch` freezes the heap (`fxopt.planner.heap_frozen`), then again after each
+    piece of work that makes what the next keeps: the two captures before stamping, the stamped
+    step before its analysis, the analysed step before the search. Counted in objects left out
+    of Python's full collections (`gc.get_freeze_count`), which each full collection the search
+    triggers would walk again: more at each of those points, none once it has answered. (Freezing
+    changes no answer: it only chooses what a full collection walks.)"""
+    import gc
+
+    import fxopt.maxbatch
+    import fxopt.plan_ahead
+
+    if gc.get_freeze_count() or not gc.isenabled():
+        pytest.skip("this process froze objects of its own (or collects none): max_batch leaves those alone")
+    monkeypatch.setattr(repeat, "STAMP_FROM", 6)
+    frozen: dict[str, int] = {}
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def call(*a, **k):
+            frozen.setdefault(name, gc.get_freeze_count())
+            return real(*a, **k)
+
+        monkeypatch.setattr(module, name, call)
+
+    for module, name in ((fxopt.plan_ahead, "_capture_symbolic"), (fxopt.plan_ahead, "stamped_joint"),
+                         (fxopt.plan_ahead, "analyze_for_planning"), (fxopt.maxbatch, "_search")):
+        counted(module, name)
+    model, inputs = tiny_llama(batch=2)
+    torch._dynamo.reset()
+    found = fxopt.max_batch(model, "1GiB", lambda b: at_batch(inputs, b), limit=4, effort=EFFORT)
+    assert gc.get_freeze_count() == 0 and found.batch == 4
+    order = [frozen[name] for name in ("_capture_symbolic", "stamped_joint", "analyze_for_planning", "_search")]
+    assert 0 < order[0] < order[1] < order[2] < order[3], order
