@@ -21,6 +21,7 @@ hide best behind compute, as many as it takes to fit.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -203,18 +204,33 @@ def save_more(graph: Graph, schedule: Schedule, budget: int, *,
             at = [e for e, i in enumerate(current.backward) if i == v]
             if not at:
                 break
-            drop = set(at[:1] if first_only else at)
-            backward = tuple(i for e, i in enumerate(current.backward) if e not in drop)
             tries -= weight
-            try:
-                candidate = prune(graph, dataclasses.replace(current, saved=current.saved | {v}, backward=backward))
-                timeline = simulate(graph, candidate)
-            except InvalidScheduleError:
-                continue
-            if timeline.peak_bytes <= budget and timeline.cost < best[1].cost and not timeline.over_host_budget:
-                best = (candidate, timeline)
+            found = _cheaper_within(graph, current, budget, best[1].cost, saved=current.saved | {v},
+                                    backward=_without_steps(current, at[:1] if first_only else at))
+            if found is not None:
+                best = found
                 break
     return best if best[0] is not schedule else None
+
+
+def _without_steps(schedule: Schedule, steps) -> tuple[int, ...]:
+    """``schedule``'s backward without the steps at positions ``steps``."""
+    drop = set(steps)
+    return tuple(i for e, i in enumerate(schedule.backward) if e not in drop)
+
+
+def _cheaper_within(graph: Graph, schedule: Schedule, budget: int, cost: float, **changes) -> Candidate | None:
+    """``schedule`` with ``changes`` (its fields, `dataclasses.replace`), pruned and simulated,
+    where that is a valid schedule within ``budget`` and host memory that costs less than
+    ``cost``; else None."""
+    try:
+        candidate = prune(graph, dataclasses.replace(schedule, **changes))
+        timeline = simulate(graph, candidate)
+    except InvalidScheduleError:
+        return None
+    if timeline.peak_bytes <= budget and timeline.cost < cost and not timeline.over_host_budget:
+        return candidate, timeline
+    return None
 
 
 def keep_recomputed(graph: Graph, schedule: Schedule, budget: int, *,
@@ -235,9 +251,7 @@ def keep_recomputed(graph: Graph, schedule: Schedule, budget: int, *,
     improved = True
     while improved and tries > 0:
         improved = False
-        counts: dict[int, int] = {}
-        for i in best[0].recomputed(graph):
-            counts[i] = counts.get(i, 0) + 1
+        counts = collections.Counter(best[0].recomputed(graph))
         repeated = sorted((i for i, c in counts.items() if c > 1 and nodes[i].cost > 0),
                           key=lambda i: (-nodes[i].cost * counts[i], i))
         for v in repeated:
@@ -247,16 +261,10 @@ def keep_recomputed(graph: Graph, schedule: Schedule, budget: int, *,
             later = [e for e, i in enumerate(current.backward) if i == v][1:]
             if not later:
                 continue
-            drop = set(later)
             tries -= weight
-            try:
-                candidate = prune(graph, dataclasses.replace(
-                    current, backward=tuple(i for e, i in enumerate(current.backward) if e not in drop)))
-                timeline = simulate(graph, candidate)
-            except InvalidScheduleError:
-                continue
-            if timeline.peak_bytes <= budget and timeline.cost < best[1].cost and not timeline.over_host_budget:
-                best, improved = (candidate, timeline), True
+            found = _cheaper_within(graph, current, budget, best[1].cost, backward=_without_steps(current, later))
+            if found is not None:
+                best, improved = found, True
     return best if best[0] is not schedule else None
 
 

@@ -102,9 +102,10 @@ def sources(when: str) -> Phase:
 
 def run_save_all_first(search: Search) -> None:
     """Eager's schedule (SAVE everything, in the captured order) where it fits the budget, no other
-    is as cheap and as low (`alone_at_its_cost`), and no plan can cost less: it recomputes nothing (no codec, no exposed copy either: the bound is 0,
-    ``bound_source`` "save_all"), or the instant program's bound equals its cost (what it
-    recomputes, views made fresh in the backward, every plan pays). It is then the answer,
+    is as cheap and as low (`alone_at_its_cost`), and no plan can cost less: it recomputes
+    nothing (no codec, no exposed copy either: the bound is 0, ``bound_source`` "save_all"), or
+    the instant program's bound equals its cost (what it recomputes, views made fresh in the
+    backward, every plan pays). It is then the answer,
     proven optimal with no gap, and "auto" runs no other phase (`Search.exact`): a pipeline
     stage, or any step planned at or near its eager peak, is answered by one simulation and at
     most one instant program. Elsewhere nothing is kept from here but the simulated schedule, for
