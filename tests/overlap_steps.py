@@ -123,7 +123,13 @@ def reduce_scatter_waits(rank: int, world: int) -> dict:
     (`fxopt.solvers.prefetch.prefetched`) and the seconds the backward waits for its
     reduce-scatters in the simulator's clock."""
     ready, plan, measured, later, at_once = _planned_at_share(rank, world)
-    return {"scatter_points": scatter_points(ready.backward), **measured, "same_plan": ready.plan.fingerprint == plan.fingerprint,
+    return {**_waits_rows(ready, plan, later, at_once), **measured}
+
+
+def _waits_rows(ready, plan, later, at_once) -> dict:
+    """What a reduce-scatter-waits run reports of its rewritten step (``ready``), the plan run and
+    that plan simulated with the waits moved (``later``) and without (``at_once``)."""
+    return {"scatter_points": scatter_points(ready.backward), "same_plan": ready.plan.fingerprint == plan.fingerprint,
             "simulated_peak": [later.peak_bytes, at_once.peak_bytes],
             "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
 
@@ -165,9 +171,9 @@ def reduce_scatter_waits_mp(rank: int, world: int) -> dict:
     fsdp2_shard(eager, mp_policy=mp)
     _, _, ref_loss = _measure(SumLoss(eager), eager, share)
     ref_grads = {n: p.grad.full_tensor() * world for n, p in eager.named_parameters()}
-    peak = plan_and_rewrite(SumLoss(sharding.fully_shard(mlp_mp(), mp_policy=mp)), 1.0, share).plan.peak_bytes
+    peak = plan_and_rewrite(SumLoss(_mixed_precision_mlp()), 1.0, share).plan.peak_bytes
     budget = int(BUDGET_SHARE * peak)
-    model = sharding.fully_shard(mlp_mp(), mp_policy=mp)
+    model = _mixed_precision_mlp()
     module = SumLoss(model)
     ready = plan_and_rewrite(module, budget, share)
     optimized = fxopt.optimize(module, budget)
@@ -180,11 +186,8 @@ def reduce_scatter_waits_mp(rank: int, world: int) -> dict:
     later, at_once = simulate(plan.graph, plan.schedule), simulate(plan.graph, plan.schedule, prefetch=False)
     casts = [n for n in ready.backward.graph.nodes if getattr(n.target, "_opname", "") == "_to_copy"
              and getattr(n.args[0].target, "_opname", "") in ("reduce_scatter_wait", "reduce_scatter")]
-    return {"scatter_points": scatter_points(ready.backward), "measured": measured, "budget": plan.budget_bytes,
-            "predicted": plan.peak_bytes, "plans": len(optimized.plans),
-            "same_plan": ready.plan.fingerprint == plan.fingerprint, "casts_after_waits": len(casts),
-            "simulated_peak": [later.peak_bytes, at_once.peak_bytes],
-            "reduce_exposed_seconds": [later.reduce_exposed_comm_seconds, at_once.reduce_exposed_comm_seconds]}
+    return {**_waits_rows(ready, plan, later, at_once), "measured": measured, "budget": plan.budget_bytes,
+            "predicted": plan.peak_bytes, "plans": len(optimized.plans), "casts_after_waits": len(casts)}
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -141,7 +141,14 @@ def test_reduce_scatters_are_waited_for_after_later_backward_compute():
     eager's on the whole batch, summed over the ranks (checked in the worker)."""
     from overlap_steps import run as run_overlap
 
-    results = run_overlap("reduce-scatter-waits")
+    _assert_waited_for_later(run_overlap("reduce-scatter-waits"))
+
+
+def _assert_waited_for_later(results: list[dict]) -> None:
+    """What each rank of an `overlap_steps` reduce-scatter-waits run shows: the waits in the same
+    places on both ranks, one per gradient, at least three after later compute; one plan,
+    replayed; the measured peak within the plan within its budget; the simulated peak no higher
+    than with every wait where issued, and the plan's; the simulated wait shorter."""
     assert results[0]["scatter_points"] == results[1]["scatter_points"]
     for rows in results:
         points = rows["scatter_points"]
@@ -152,7 +159,6 @@ def test_reduce_scatters_are_waited_for_after_later_backward_compute():
         later, at_once = rows["simulated_peak"]
         assert later <= at_once and later == rows["predicted"], rows
         assert rows["reduce_exposed_seconds"][0] < rows["reduce_exposed_seconds"][1], rows
-
 
 
 @pytest.mark.slow  # two processes, FSDP2 eager, two plans and a compile each
@@ -168,16 +174,10 @@ def test_mixed_precision_reduce_scatters_are_waited_for_later():
     from overlap_steps import run as run_overlap
 
     results = run_overlap("reduce-scatter-waits-mp")
-    assert results[0]["scatter_points"] == results[1]["scatter_points"]
+    _assert_waited_for_later(results)
     for rows in results:
-        points = rows["scatter_points"]
-        assert len(points) == rows["casts_after_waits"] == 2 * (overlap_steps_blocks() + 1), rows
-        assert sum(p["wait"] > p["issue"] and p["compute_between"] > 0 for p in points) >= 3, rows
-        assert rows["plans"] == 1 and rows["same_plan"], rows
-        assert rows["measured"] <= rows["predicted"] <= rows["budget"], rows
-        later, at_once = rows["simulated_peak"]
-        assert later <= at_once and later == rows["predicted"], rows
-        assert rows["reduce_exposed_seconds"][0] < rows["reduce_exposed_seconds"][1], rows
+        assert rows["casts_after_waits"] == len(rows["scatter_points"]), rows
+
 
 def overlap_steps_blocks() -> int:
     from overlap_steps import BLOCKS

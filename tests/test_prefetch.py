@@ -269,6 +269,35 @@ def wait(name: str, collective: int, **fields) -> Node:
     return Node(name, "backward", inputs=(collective,), storage=collective, cost=1e-7, **fields)
 
 
+def _reduced_step(g: str, *rest: Node) -> Graph:
+    """A step whose backward starts with one 400 B gradient: ``x`` (0, 100 B), ``h`` (1, 100 B,
+    SAVEd in the schedules here), ``loss`` (2), the incoming gradient ``t`` (3), the gradient
+    ``g`` (4, from ``t`` and ``h``), then ``rest`` (from index 5)."""
+    return Graph((
+        Node("x", "input", bytes=100),
+        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
+        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
+        Node("t", "input", bytes=4, tangent=True),
+        Node(g, "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+        *rest,
+    ))
+
+
+def _generated_order(graph: Graph, schedule: Schedule) -> list[str]:
+    """The names of the generated code's backward steps, waits moved (`as_generated`)."""
+    return [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward]
+
+
+def _with_and_without_moves(graph: Graph, schedule: Schedule):
+    """The simulated step with its waits moved, and with each waited for where it is issued."""
+    return simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+
+
+def _backward_live(timeline) -> list[tuple[str, int]]:
+    """(step, bytes live after it) for each backward step of ``timeline``."""
+    return [(name, live) for phase, name, live in timeline.events if phase == "backward"]
+
+
 def test_a_reduce_scatters_copy_is_counted_from_its_issue_to_its_wait_moved_later():
     """Fails before: each reduce-scatter was waited for where issued, its 1e-5 s standing the
     backward still. Now its wait moves to just before the first step that reads what it returns
@@ -277,24 +306,19 @@ def test_a_reduce_scatters_copy_is_counted_from_its_issue_to_its_wait_moved_late
     rewritten step frees it there, `fxopt.ops.collectives.reduce_scatter_wait`); without the move
     the schedule holds it to the step's end (`fxopt.solvers.liveness.Lingering`, an upper bound
     where the wait is where it was issued), so the peak is lower with it here, never higher."""
-    graph = Graph((
-        Node("x", "input", bytes=100),
-        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
-        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
-        Node("t", "input", bytes=4, tangent=True),
-        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+    graph = _reduced_step(
+        "g",
         scatter("rs", 4),
         wait("w", 5),
         Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
         Node("gx", "backward", inputs=(7,), bytes=100, cost=1e-6, output=True),
         Node("cast", "backward", inputs=(6,), bytes=200, cost=1e-7, output=True),
-    ))
+    )
     schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9))
-    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
-        ["g", "rs", "gh", "gx", "w", "cast"]
-    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    assert _generated_order(graph, schedule) == ["g", "rs", "gh", "gx", "w", "cast"]
+    later, at_once = _with_and_without_moves(graph, schedule)
     # x 100, loss 4, t 4, the shard 200, and the copy 400 from ``rs`` through ``w``
-    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+    assert _backward_live(later) == [
         ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("gx", 908), ("w", 808), ("cast", 608)]
     assert later.peak_bytes == 908 < at_once.peak_bytes == 1008  # (``cast`` with the copy, held to the end)
     assert later.reduce_exposed_comm_seconds == 0.0 and at_once.reduce_exposed_comm_seconds == pytest.approx(COMM)
@@ -307,12 +331,8 @@ def test_a_reduce_scatters_wait_is_not_moved_across_a_step_it_would_raise_above_
     shards, ``rs2``'s copy and ``big``; the peak, 2,008 B, is ``gx``'s), its 400 B would raise the
     peak, so it stops before ``big``. ``rs2``'s copy is held to the end anyway: its wait goes to the end. The
     order is the generated code's (`fxopt.passes.recompute`), the same on every rank."""
-    graph = Graph((
-        Node("x", "input", bytes=100),
-        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
-        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
-        Node("t", "input", bytes=4, tangent=True),
-        Node("g1", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+    graph = _reduced_step(
+        "g1",
         scatter("rs1", 4),
         wait("w1", 5, output=True),
         Node("g2", "backward", inputs=(3, 0), bytes=400, cost=1e-6),
@@ -320,11 +340,10 @@ def test_a_reduce_scatters_wait_is_not_moved_across_a_step_it_would_raise_above_
         wait("w2", 8, output=True),
         Node("big", "backward", inputs=(3,), bytes=1000, cost=1e-5),
         Node("gx", "backward", inputs=(10,), bytes=100, cost=1e-6, output=True),
-    ))
+    )
     schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9, 10, 11))
-    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
-        ["g1", "rs1", "g2", "rs2", "w1", "big", "gx", "w2"]
-    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    assert _generated_order(graph, schedule) == ["g1", "rs1", "g2", "rs2", "w1", "big", "gx", "w2"]
+    later, at_once = _with_and_without_moves(graph, schedule)
     assert later.peak_bytes == at_once.peak_bytes == 2008
     assert [live for _, name, live in later.events if name == "big"] == [1908]
     assert later.reduce_exposed_comm_seconds < at_once.reduce_exposed_comm_seconds == pytest.approx(2 * COMM)
@@ -339,23 +358,18 @@ def test_a_reduce_scatters_wait_moves_with_the_cast_that_reads_it():
     the 400 B cast, and the cast runs after the wait has let go of gloo's 400 B copy: the peak is
     ``gx``'s, 908 B (x, loss, t, the shard, the copy, ``gh``, ``gx``) against 1,108 with the cast
     and the copy (held to the end, `Lingering`) there."""
-    graph = Graph((
-        Node("x", "input", bytes=100),
-        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
-        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
-        Node("t", "input", bytes=4, tangent=True),
-        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+    graph = _reduced_step(
+        "g",
         scatter("rs", 4),
         wait("w", 5),
         Node("cast", "backward", inputs=(6,), bytes=400, cost=1e-7, output=True),
         Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
         Node("gx", "backward", inputs=(8,), bytes=100, cost=1e-6, output=True),
-    ))
+    )
     schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9))
-    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
-        ["g", "rs", "gh", "gx", "w", "cast"]
-    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
-    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+    assert _generated_order(graph, schedule) == ["g", "rs", "gh", "gx", "w", "cast"]
+    later, at_once = _with_and_without_moves(graph, schedule)
+    assert _backward_live(later) == [
         ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("gx", 908), ("w", 808), ("cast", 808)]
     assert later.peak_bytes == 908 < at_once.peak_bytes == 1108
     assert later.reduce_exposed_comm_seconds == 0.0 and at_once.reduce_exposed_comm_seconds == pytest.approx(COMM)
@@ -368,12 +382,8 @@ def test_a_wait_and_its_cast_cross_no_step_they_would_raise_above_the_peak():
     move across ``gh`` alone. The peak falls all the same: the moved wait lets go of gloo's 400 B
     copy there (`Lingering.exact`), which the schedule without the move holds to the end (the
     bound the move is checked against)."""
-    graph = Graph((
-        Node("x", "input", bytes=100),
-        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
-        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
-        Node("t", "input", bytes=4, tangent=True),
-        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+    graph = _reduced_step(
+        "g",
         scatter("rs", 4),
         wait("w", 5),
         Node("cast", "backward", inputs=(6,), bytes=100, cost=1e-7, output=True),
@@ -381,12 +391,11 @@ def test_a_wait_and_its_cast_cross_no_step_they_would_raise_above_the_peak():
         Node("gh2", "backward", inputs=(8,), bytes=100, cost=1e-6),
         Node("big", "backward", inputs=(9,), bytes=1000, cost=2e-5),
         Node("gx", "backward", inputs=(10,), bytes=4, cost=1e-6, output=True),
-    ))
+    )
     schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8, 9, 10, 11))
-    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
-        ["g", "rs", "gh", "w", "cast", "gh2", "big", "gx"]
-    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
-    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+    assert _generated_order(graph, schedule) == ["g", "rs", "gh", "w", "cast", "gh2", "big", "gx"]
+    later, at_once = _with_and_without_moves(graph, schedule)
+    assert _backward_live(later) == [
         ("<start>", 208), ("g", 608), ("rs", 708), ("gh", 808), ("w", 808), ("cast", 508), ("gh2", 408),
         ("big", 1308), ("gx", 1212)]
     assert later.peak_bytes == 1308 < at_once.peak_bytes == 1708
@@ -432,25 +441,20 @@ def test_an_all_reduces_wait_moves_to_its_first_reader_in_the_simulator_too():
     code's: the wait goes to the end (nothing reads the gradient but the step's outputs), behind
     ``gh``'s 2e-5 s, which hides it. An all-reduce holds nothing in flight but the output it made
     at its issue (no `Node.lingers`): the same bytes at every step."""
-    graph = Graph((
-        Node("x", "input", bytes=100),
-        Node("h", "forward", inputs=(0,), bytes=100, cost=1e-6),
-        Node("loss", "forward", inputs=(1,), bytes=4, cost=1e-6, output=True),
-        Node("t", "input", bytes=4, tangent=True),
-        Node("g", "backward", inputs=(3, 1), bytes=400, cost=1e-6),
+    graph = _reduced_step(
+        "g",
         Node("ar", "backward", inputs=(4,), bytes=400, comm_bytes=10_000, cost=COMM, comm_seconds=COMM),
         wait("w", 5, output=True),
         Node("gh", "backward", inputs=(3, 0), bytes=100, cost=2e-5),
         Node("gx", "backward", inputs=(7,), bytes=100, cost=1e-6, output=True),
-    ))
+    )
     schedule = Schedule(frozenset({1}), (4, 5, 6, 7, 8))
-    assert [graph.nodes[i].name for i in as_generated(graph, schedule, prefetch=True).backward] == \
-        ["g", "ar", "gh", "gx", "w"]
-    later, at_once = simulate(graph, schedule), simulate(graph, schedule, prefetch=False)
+    assert _generated_order(graph, schedule) == ["g", "ar", "gh", "gx", "w"]
+    later, at_once = _with_and_without_moves(graph, schedule)
     # (x, loss, t, and the all-reduce's 400 B output from its issue; the wait makes nothing)
-    assert [(name, live) for phase, name, live in later.events if phase == "backward"] == [
+    assert _backward_live(later) == [
         ("<start>", 208), ("g", 608), ("ar", 908), ("gh", 608), ("gx", 708), ("w", 608)]
-    assert [(name, live) for phase, name, live in at_once.events if phase == "backward"] == [
+    assert _backward_live(at_once) == [
         ("<start>", 208), ("g", 608), ("ar", 908), ("w", 508), ("gh", 608), ("gx", 708)]
     assert later.peak_bytes == at_once.peak_bytes == 908
     assert later.reduce_exposed_comm_seconds == 0.0 and at_once.reduce_exposed_comm_seconds == pytest.approx(COMM)
