@@ -17,27 +17,22 @@ from fsdp_steps import assert_bf16_close, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def fsdp_steps_results() -> list[dict]:
-    """Each rank's rows for the one-graph and mixed-precision tests from one spawn
-    (`fsdp_steps.tests`), by configuration; the tests only read them."""
-    return run("tests")
-
-
-@pytest.fixture(scope="module")
-def one_graph_results(fsdp_steps_results) -> list[dict]:
-    """Both one-graph tests' rows (`fsdp_steps.one_graph`: the same two-layer Llama, reference and
-    FSDP2 rows for `fxopt.distributed.fully_shard`'s step and for FSDP2's model's, planned at
-    `fsdp_steps.TEST_EFFORT`)."""
-    return [rows["one-graph"] for rows in fsdp_steps_results]
+def one_graph_results() -> list[dict]:
+    """Both one-graph tests' rows from one spawn (`fsdp_steps.one_graph`: the same two-layer Llama,
+    reference and FSDP2 rows for `fxopt.distributed.fully_shard`'s step and for FSDP2's model's,
+    planned at `fsdp_steps.TEST_EFFORT`); the tests only read them."""
+    return run("one-graph")
 
 
 @pytest.fixture(scope="module")
 def overlap_results() -> list[dict]:
     """Each rank's rows for the three overlap tests from one spawn (`overlap_steps.waits`: the
-    forward-prefetch and reduce-scatter-waits rows read one planned step), by configuration."""
+    forward-prefetch and reduce-scatter-waits rows read one planned step), by configuration; its
+    safety stop that of the two spawns' work it holds."""
+    from data_parallel_steps import SAFETY_STOP
     from overlap_steps import run as run_overlap
 
-    return run_overlap("waits")
+    return run_overlap("waits", timeout=2 * SAFETY_STOP)  # (the work of two of the three spawns it replaces)
 
 
 def against_checkpointing(results: list[dict], prefix: str):
@@ -103,7 +98,7 @@ def test_fsdp2_llama_one_graph(one_graph_results):
 
 
 @pytest.mark.slow  # two processes, an eager FSDP2 model and two compiles each
-def test_mixed_precision_on_two_ranks(fsdp_steps_results):
+def test_mixed_precision_on_two_ranks():
     """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on 2 gloo ranks, on
     FSDP2's model and on `fxopt.distributed.fully_shard`'s, at 0.6 of FSDP2 eager's measured peak
     (the same policy; planned 4,168,012 B there, measured so, 78 kB re-gathered): loss and every gradient equal FSDP2 eager's on each rank within bf16's
@@ -112,7 +107,7 @@ def test_mixed_precision_on_two_ranks(fsdp_steps_results):
     same plan on both. A two-layer Llama of width 64."""
     from fsdp_steps import BUDGET_SHARE
 
-    results = [rows["mixed-precision"] for rows in fsdp_steps_results]
+    results = run("mixed-precision")
     budget = int(BUDGET_SHARE * max(r["fsdp2-mp"]["measured"] for r in results))
     for rank, rows in enumerate(results):
         for name in ("fxopt-fsdp2-mp", "fxopt-fully_shard-mp"):
