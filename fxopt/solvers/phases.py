@@ -112,7 +112,8 @@ def run_save_all_first(search: Search) -> None:
     backward, every plan pays). It is then the answer,
     proven optimal with no gap, and "auto" runs no other phase (`Search.exact`): a pipeline
     stage, or any step planned at or near its eager peak, is answered by one simulation and at
-    most one instant program. Elsewhere nothing is kept from here but the simulated schedule, for
+    most one instant program (`eager_proof`: with the planner's memo, one per graph where its
+    loose budget's proves it; one per graph more where it does not). Elsewhere nothing is kept from here but the simulated schedule, for
     the sources that run it (`run_sources`), and the phases run as they did."""
     found = SOURCES["save_all"].run(search.graph, search.budget, search.effort, search.memo)
     search.runs["save_all"] = found
