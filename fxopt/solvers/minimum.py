@@ -65,7 +65,7 @@ class Memo:
     graphs (`policies`): no budget changes them, and the search for the smallest budget and the
     solve at it both read them (on a 32-layer step, three whole-step simulations). And, for as
     many graphs, their floor (`floor`), eager's timeline (`eager`) and the instant program's bound
-at a budget above any asked (`loose_bound`)."""
+    at a budget above any asked (`loose_bound`)."""
 
     KEEP = 16
     POLICIES_KEEP = 8  # (each holds a few simulated timelines of its graph)
