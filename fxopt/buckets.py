@@ -214,6 +214,11 @@ def largest_from_below(lo: int, hi: int, fits) -> int | None:
     below that bracket: 3, not 5). The same answer as `largest` for a monotone ``fits``."""
     if hi < lo or not fits(lo):
         return None
+    return _up(lo, hi, fits)
+
+
+def _up(lo: int, hi: int, fits) -> int:
+    """`largest_from_below`'s search, ``fits(lo)`` known true."""
     step = 1
     while lo < hi:
         probe = min(lo + step, hi)
@@ -234,6 +239,36 @@ def largest_from_above(lo: int, hi: int, fits) -> int | None:
     if fits(hi):
         return hi
     return largest(lo, hi - 1, fits)
+
+
+def largest_near(lo: int, hi: int, fits, guess: int) -> int | None:
+    """`largest`, for an answer expected at ``guess`` (clamped into [lo, hi]): ``fits(guess)``
+    asked first, then up from it (where it fits) or down from it (where not) in doubling steps,
+    then the bisection between; two questions where ``guess`` is the answer. `fxopt.max_batch`'s
+    bounds grow nearly in proportion to the batch, so their values at the range's two smallest
+    batches guess the answer (`guessed`): on Llama-3-8B its zero-scratch bracket (22 over
+    batches 2 to 65,536) takes 4 questions, not 11. The same answer as `largest` for a monotone
+    ``fits``."""
+    if hi < lo:
+        return None
+    guess = min(max(guess, lo), hi)
+    if fits(guess):
+        return _up(guess, hi, fits)
+    failed, step = guess, 1
+    while failed > lo:
+        probe = max(failed - step, lo)
+        if fits(probe):
+            return _bisect(probe, failed - 1, fits)
+        failed, step = probe, 2 * step
+    return None
+
+
+def guessed(lo: int, hi: int, at_lo: int, at_next: int, budget: int) -> int:
+    """The batch in [lo, hi] where a size worth ``at_lo`` at ``lo`` and ``at_next`` at ``lo + 1``,
+    growing by as much per batch, reaches ``budget`` (``hi`` where it does not grow)."""
+    if at_next <= at_lo:
+        return hi
+    return min(max(lo + (budget - at_lo) // (at_next - at_lo), lo), hi)
 
 
 def _bisect(lo: int, hi: int, fits) -> int:
