@@ -9,7 +9,9 @@ there), so each question is a bisection over graphs evaluated, not captured:
      bound with the scratch measured at that batch fits. No batch above it can fit. (One bound
      per batch tried, where a lowest-peak search above it would solve every kind of block: on
      a real-size step the largest ops' scratch, the logits', puts most of the zero-scratch
-     bracket out of reach.)
+     bracket out of reach.) Each bound grows nearly in proportion to the batch, so each search
+     asks first where the bound, growing as it does from the range's smallest batch to the
+     next, meets the budget (`fxopt.buckets.largest_near`: the same answer, fewer graphs made).
   2. fxopt's answer: at that batch, the lowest peak fxopt's solvers reach
      (`fxopt.solvers.min_feasible_budget`); if it is over the budget, that lowest-peak schedule,
      replayed at smaller batches, finds the largest at which it fits, and the batch above that
