@@ -244,11 +244,11 @@ def largest_from_above(lo: int, hi: int, fits) -> int | None:
 def largest_near(lo: int, hi: int, fits, guess: int) -> int | None:
     """`largest`, for an answer expected at ``guess`` (clamped into [lo, hi]): ``fits(guess)``
     asked first, then up from it (where it fits) or down from it (where not) in doubling steps,
-    then the bisection between; two questions where ``guess`` is the answer. `fxopt.max_batch`'s
-    bounds grow nearly in proportion to the batch, so their values at the range's two smallest
-    batches guess the answer (`guessed`): on Llama-3-8B its zero-scratch bracket (22 over
-    batches 2 to 65,536) takes 4 questions, not 11. The same answer as `largest` for a monotone
-    ``fits``."""
+    then the bisection between; two questions where ``guess`` is the answer or one above it.
+    `fxopt.max_batch`'s bounds grow along their last linear piece near the answer, so their values
+    at the range's two largest batches guess it (`guessed`): on Llama-3-8B its zero-scratch
+    bracket (22 over batches 2 to 65,536) takes 5 questions, not 10, the one with the scratch
+    measured (9) 4, not 5. The same answer as `largest` for a monotone ``fits``."""
     if hi < lo:
         return None
     guess = min(max(guess, lo), hi)
@@ -263,12 +263,19 @@ def largest_near(lo: int, hi: int, fits, guess: int) -> int | None:
     return None
 
 
-def guessed(lo: int, hi: int, at_lo: int, at_next: int, budget: int) -> int:
-    """The batch in [lo, hi] where a size worth ``at_lo`` at ``lo`` and ``at_next`` at ``lo + 1``,
-    growing by as much per batch, reaches ``budget`` (``hi`` where it does not grow)."""
-    if at_next <= at_lo:
+def guessed(lo: int, hi: int, at_before: int, at_hi: int, budget: int) -> int:
+    """The largest batch in [lo, hi] within ``budget`` along the line through a bound's values at
+    ``hi - 1`` and ``hi``: ``hi`` where it fits there, ``lo`` where the bound does not grow there.
+    A bound that is a maximum of sizes each growing in proportion to the batch (a peak lower
+    bound) is convex in it, so that line is below it and meets the budget at or above the answer:
+    at it where the bound's last linear piece reaches down to the answer (its largest values, the
+    activations', grow fastest)."""
+    if at_hi <= budget:
         return hi
-    return min(max(lo + (budget - at_lo) // (at_next - at_lo), lo), hi)
+    slope = at_hi - at_before
+    if slope <= 0:
+        return lo
+    return max(hi - -(-(at_hi - budget) // slope), lo)
 
 
 def _bisect(lo: int, hi: int, fits) -> int:

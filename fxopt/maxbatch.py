@@ -9,9 +9,10 @@ there), so each question is a bisection over graphs evaluated, not captured:
      bound with the scratch measured at that batch fits. No batch above it can fit. (One bound
      per batch tried, where a lowest-peak search above it would solve every kind of block: on
      a real-size step the largest ops' scratch, the logits', puts most of the zero-scratch
-     bracket out of reach.) Each bound grows nearly in proportion to the batch, so each search
-     asks first where the bound, growing as it does from the range's smallest batch to the
-     next, meets the budget (`fxopt.buckets.largest_near`: the same answer, fewer graphs made).
+     bracket out of reach.) Each bound is convex in the batch and, near the answer, grows along
+     its last linear piece, so each search asks first where the bound, growing as it does from
+     the range's largest batch but one to the largest, meets the budget
+     (`fxopt.buckets.largest_near`: the same answer, fewer graphs made).
   2. fxopt's answer: at that batch, the lowest peak fxopt's solvers reach
      (`fxopt.solvers.min_feasible_budget`); if it is over the budget, that lowest-peak schedule,
      replayed at smaller batches, finds the largest at which it fits, and the batch above that
@@ -268,8 +269,9 @@ def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: in
             lo, hi = jg.symbolic.ranges.bounds[name]  # (narrowed where the model specializes a size)
             search = _Search(jg, name, budget, lo, hi)
             # (hi: the search limit, 2**16 by default; each bracket asked first where its bound,
-            # growing as from the range's two smallest batches, meets the budget)
-            top = largest_near(lo, hi, search.lower_bound_fits, search.guess(search.zero_bound, hi))
+            # growing as from the range's two largest batches, meets the budget)
+            top = largest_near(lo, hi, search.lower_bound_fits,
+                               search.guess(search.zero_bound, hi, bottom_first=True))
             # (a step planning does not rewrite is one graph: its graphs at each batch made once)
             eager = search if eager_jg is jg else _Search(eager_jg, name, budget, lo, hi)
             proven = None if top is None else largest_near(lo, top, search.measured_bound_fits,
@@ -329,12 +331,13 @@ class _Search:
         schedule fits ``b``, and no solve or lowest-peak search need ask."""
         return self.measured_bound(b) <= self.budget
 
-    def guess(self, bound: Callable[[int], int], hi: int) -> int:
-        """The batch in [lo, hi] where ``bound``, growing as from ``lo`` to ``lo + 1``, meets the
-        budget (`fxopt.buckets.guessed`): where the bracket searches start."""
-        if hi <= self.lo or bound(self.lo) > self.budget:
+    def guess(self, bound: Callable[[int], int], hi: int, bottom_first: bool = False) -> int:
+        """Where a bracket search over [lo, hi] starts: where ``bound`` meets the budget along its
+        growth from ``hi - 1`` to ``hi`` (`fxopt.buckets.guessed`). ``bottom_first``: ``lo``
+        asked first, and where it does not fit, ``lo`` (nothing fits: the top's graphs not made)."""
+        if hi <= self.lo or (bottom_first and bound(self.lo) > self.budget):
             return self.lo
-        return guessed(self.lo, hi, bound(self.lo), bound(self.lo + 1), self.budget)
+        return guessed(self.lo, hi, bound(hi - 1), bound(hi), self.budget)
 
     largest = staticmethod(largest)
 

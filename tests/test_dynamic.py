@@ -278,7 +278,7 @@ def test_max_batch_asks_its_brackets_where_their_bounds_meet_the_budget(monkeypa
     asked = len(bounds)
     bounds.clear()
     with monkeypatch.context() as patched:  # the searches before: the zero-scratch one up from the bottom
-        patched.setattr(maxbatch._Search, "guess", lambda search, bound, hi: search.lo)
+        patched.setattr(maxbatch._Search, "guess", lambda search, bound, hi, bottom_first=False: search.lo)
         patched.setattr(maxbatch, "largest_near", lambda lo, hi, fits, guess: (
             largest_from_below if fits.__name__ == "lower_bound_fits" else largest)(lo, hi, fits))
         plain = _tiny_max_batch(compress=False, time_limit=1e6)

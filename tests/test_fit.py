@@ -338,7 +338,8 @@ def test_the_batch_searches_give_one_answer_and_count_their_questions(lo, hi):
 def test_the_search_from_a_guess_gives_the_same_answer_and_asks_two_questions_at_it(lo, hi):
     """`largest_near` gives `largest`'s answer for every monotone question and every guess (in
     the range or out of it), asks no batch twice, and asks two questions where the guess is the
-    answer below the top (`fxopt.max_batch`'s brackets, guessed from their bounds' growth)."""
+    answer below the top (`fxopt.max_batch`'s brackets, guessed from their bounds' growth at the
+    top of the range)."""
     from fxopt.buckets import guessed, largest_near
 
     for v in range(lo - 1, hi + 1):
@@ -349,6 +350,8 @@ def test_the_search_from_a_guess_gives_the_same_answer_and_asks_two_questions_at
             assert len(set(asked)) == len(asked)
             if lo <= guess == v < hi:
                 assert asked == [v, v + 1]
-    # (a bound of 10 + 3 b meets a budget of 40 at b = 10; one that does not grow: the top)
-    assert guessed(lo, hi, 10 + 3 * lo, 10 + 3 * (lo + 1), 40) == min(max(10, lo), hi)
+    # (a bound of 10 + 3 b meets a budget of 40 at b = 10; one within it at the top: the top; one
+    # over it that does not grow there: the bottom)
+    assert guessed(lo, hi, 10 + 3 * (hi - 1), 10 + 3 * hi, 40) == min(max(10, lo), hi)
     assert guessed(lo, hi, 10, 10, 40) == hi
+    assert guessed(lo, hi, 50, 50, 40) == lo
