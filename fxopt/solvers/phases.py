@@ -47,6 +47,10 @@ log = logging.getLogger("fxopt")
 # 50%: 5.1% above.)
 NEAR_FLOOR = 0.10
 
+# `loose_budget`: this many times all a graph's values hold together (a pipeline stage's step is
+# asked for about 2.6 times that: the budget less what its other microbatches hold).
+LOOSE = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class Source:
@@ -115,7 +119,8 @@ def run_save_all_first(search: Search) -> None:
     backward, every plan pays). It is then the answer,
     proven optimal with no gap, and "auto" runs no other phase (`Search.exact`): a pipeline
     stage, or any step planned at or near its eager peak, is answered by one simulation and at
-    most one instant program. Elsewhere nothing is kept from here but the simulated schedule, for
+    most one instant program (`eager_proof`: with the planner's memo, one per graph where its
+    loose budget's proves it; one per graph more where it does not). Elsewhere nothing is kept from here but the simulated schedule, for
     the sources that run it (`run_sources`), and the phases run as they did."""
     found = SOURCES["save_all"].run(search.graph, search.budget, search.effort, search.memo)
     search.runs["save_all"] = found
@@ -128,15 +133,49 @@ def run_save_all_first(search: Search) -> None:
         return
     bound, source = 0.0, "save_all"
     if timeline.cost > COST_TOLERANCE:
-        inst = instant_solve(search.graph, search.budget, effort=search.effort, time_limit=search.deadline,
-                             mip_solver=search.mip_solver, start=schedule)
-        if not proven(timeline.cost, inst.bound, 0.0):
+        bound = eager_proof(search, schedule, timeline.cost)
+        if bound is None:
             return
-        bound, source = inst.bound, "instant"
+        source = "instant"
     search.progress("solver save_all: it fits, and no plan costs less")
     search.consider(schedule, timeline, "save_all", "heuristic")
     search.raise_bound(bound, source)
     search.exact = True
+
+
+def eager_proof(search: Search, schedule: Schedule, cost: float) -> float | None:
+    """The instant program's bound proving eager's ``schedule`` (it fits, and costs ``cost``) the
+    cheapest plan within the budget, or None where it does not. Where the search has a memo, the
+    bound at a budget above any asked (`loose_budget`) is found once per graph and kept
+    (`Memo.loose_bound`): the least cost within a budget only falls as the budget grows, so a
+    bound there that eager's cost meets holds at every budget below it (a uniform pipeline's
+    middle stages solve one graph at as many budgets, the stages' searches more). Else, or where
+    that bound is short of eager's cost, the program at the budget itself."""
+    graph, memo = search.graph, search.memo
+
+    def program(budget: int) -> float | None:
+        return instant_solve(graph, budget, effort=search.effort, time_limit=search.deadline,
+                             mip_solver=search.mip_solver, start=schedule).bound
+
+    def loose() -> tuple[int, float | None]:
+        budget = loose_budget(graph)
+        bound = program(budget)
+        # (a program the safety stop cut short proves no more than it did: not kept as a proof)
+        return budget, None if "instant" in search.deadline.stopped else bound
+
+    if memo is not None:
+        budget, bound = memo.loose_bound(graph, (search.effort, search.mip_solver), loose)
+        if search.budget <= budget and proven(cost, bound, 0.0):
+            return bound
+    bound = program(search.budget)
+    return bound if proven(cost, bound, 0.0) else None
+
+
+def loose_budget(graph: Graph) -> int:
+    """A budget above those a plan of ``graph`` is asked for in practice, and well scaled in the
+    instant program's memory rows (`fxopt.solvers.mip.byte_unit`): `LOOSE` times every value's
+    bytes, workspace and lingering buffers together. (A budget above it is proven at its own.)"""
+    return LOOSE * sum(node.bytes + node.workspace + node.codec_workspace + node.lingers for node in graph.nodes)
 
 
 def alone_at_its_cost(graph: Graph, schedule: Schedule) -> bool:
