@@ -1396,6 +1396,79 @@ def test_keep_recomputed_keeps_a_value_from_its_first_recomputation_where_that_f
     assert all_timeline.recompute_cost == 12.0 and all_.backward == on_demand(graph, []).backward
 
 
+
+def _recomputing_chain():
+    """chain(4) with the whole forward recomputed before every backward step (cost 48, peak 86,
+    the shape of a lowest-peak plan), and the same with the later recomputations of a3 and a4
+    dropped (cost 30, peak 90): at a budget of 94 the second is the cheaper, with no room to keep
+    anything more; the first, kept where that fits, costs 24."""
+    from fxopt.solvers.heuristics import _without_steps
+    from fxopt.solvers.schedule import prune
+    from solver_graphs import ids
+
+    graph = chain(4)
+    forward = ids(graph, "h1", "a1", "h2", "a2", "h3", "a3", "h4", "a4")
+    again = prune(graph, Schedule(frozenset(), tuple(i for b in graph.backward_nodes for i in (*forward, b))))
+    tight = again
+    for v in ids(graph, "a4", "a3"):
+        tight = prune(graph, Schedule(frozenset(), _without_steps(tight, [e for e, i in enumerate(tight.backward)
+                                                                            if i == v][1:])))
+    return graph, again, tight
+
+
+def _search(graph: Graph, budget: int, *schedules: Schedule, memo: Memo | None = None):
+    from fxopt.solvers.effort import Deadline
+    from fxopt.solvers.search import Search
+
+    search = Search(graph, budget, "auto", DEFAULT_EFFORT, Deadline.of(DEFAULT_TIME_LIMIT), memo)
+    for schedule in schedules:
+        search.consider(schedule, simulate(graph, schedule), "given", "heuristic")
+    return search
+
+
+def test_keep_recomputed_phase_also_keeps_in_the_plan_with_the_most_room():
+    """The cheapest plan may fit only just: at 94 bytes, the plan of cost 30 (peak 90) keeps
+    nothing more, while the one of cost 48 (peak 86) has the room to keep a value from its
+    first recomputation and costs 24 then (titan's debug Llama3 at 50%: 0.447 -> 0.277 s kept,
+    its lowest-peak plan 3.158 -> 0.196 s). The phase keeps in both."""
+    from fxopt.solvers.heuristics import cost_recomputed_once, keep_recomputed
+    from fxopt.solvers.phases import run_keep_recomputed
+
+    graph, again, tight = _recomputing_chain()
+    start, tight_timeline = simulate(graph, again), simulate(graph, tight)
+    assert (start.cost, start.peak_bytes, tight_timeline.cost, tight_timeline.peak_bytes) == (48.0, 86, 30.0, 90)
+    assert keep_recomputed(graph, tight, 94) is None and cost_recomputed_once(graph, again, start) == 12.0
+    search = _search(graph, 94, again, tight)
+    run_keep_recomputed(search)
+    best = search.best()
+    assert best.timeline.cost == 24.0 and best.timeline.peak_bytes <= 94 and best.solver == "given+keep"
+    assert best.timeline == simulate(graph, best.schedule)
+
+
+def test_near_its_floor_auto_considers_the_smallest_budgets_plan():
+    """Within `NEAR_FLOOR` of a step's floor the phases also take the plan of its smallest budget
+    (`run_lowest_plan`): a larger budget then never gets a plan that costs more than it. Far
+    above the floor it is not, even where an earlier search found it (the answer would depend on
+    what was solved before)."""
+    from fxopt.solvers.minimum import floor_of
+    from fxopt.solvers.phases import NEAR_FLOOR, _near_the_smallest_budget, run_lowest_plan
+
+    graph, again, _ = _recomputing_chain()
+    lowest = lowest_plan(graph)
+    cost = simulate(graph, lowest.schedule).cost
+    floor = floor_of(graph)[0]
+    assert lowest.peak <= floor * (1 + NEAR_FLOOR) and cost < 48.0
+    search = _search(graph, lowest.peak, again)
+    assert _near_the_smallest_budget(search)
+    run_lowest_plan(search)
+    assert search.best().timeline.cost == cost and search.best().solver == lowest.name
+    far = int(floor * (1 + 2 * NEAR_FLOOR))
+    memo = Memo()
+    lowest_plan(graph, memo=memo)
+    assert not _near_the_smallest_budget(_search(graph, far, again)) and \
+        not _near_the_smallest_budget(_search(graph, far, again, memo=memo))
+
+
 # ------------------------------------------------------------------ every named minimum plans
 @PROPERTY_SETTINGS
 @given(data=st.data())

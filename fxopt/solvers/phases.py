@@ -14,7 +14,9 @@ plan that fits once the time limit has passed.
 and a lower bound, `fxopt.solvers.instant`); unless that settles it, the other sources (greedy,
 segments); COMPRESS and OFFLOAD completing the cheapest over-budget schedules; saving more in the
 cheapest plan; the ILP (its LP relaxation's bound and roundings, then the exact solve warm-started
-from the best plan so far, `fxopt.solvers.ilp`). "ilp" and "instant" run their own, then the
+from the best plan so far, `fxopt.solvers.ilp`); near the step's floor, the smallest budget's plan
+(`run_lowest_plan`); what the cheapest plan, and the plan with the most room, recompute more than
+once kept where that fits (`run_keep_recomputed`). "ilp" and "instant" run their own, then the
 heuristics as a fallback where their model missed a plan that fits.
 """
 
@@ -27,18 +29,23 @@ from collections.abc import Callable
 from fxopt.solvers.block_plan import block_candidates
 from fxopt.solvers.chain import chain_candidates
 from fxopt.solvers.gap import COST_TOLERANCE, proven
-from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, exchange, greedy, keep_recomputed, offload_to_fit,
-                                      save_all, save_more, segments)
+from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, cost_recomputed_once, exchange, greedy,
+                                      keep_recomputed, offload_to_fit, save_all, save_more, segments)
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import bound_where_tight, instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.policies import policy_candidates
-from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES, lowest_plan
+from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES, floor_of, lowest_plan
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import InvalidScheduleError, Schedule, simulate
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, simulate, simulated
 from fxopt.solvers.search import ILP_REL_GAP, Search, fmt_cost
 
 log = logging.getLogger("fxopt")
+
+# A budget at most this share above the step's floor (`peak_lower_bound`) is near its smallest
+# budget: "auto" also plans the smallest budget there (`run_lowest_plan`). (Titan's debug Llama3's
+# 50%: 5.1% above.)
+NEAR_FLOOR = 0.10
 
 # `loose_budget`: this many times all a graph's values hold together (a pipeline stage's step is
 # asked for about 2.6 times that: the budget less what its other microbatches hold).
@@ -311,9 +318,45 @@ def run_exchange(search: Search) -> None:
 
 def run_keep_recomputed(search: Search) -> None:
     """The cheapest plan so far with what it recomputes more than once kept from its first
-    recomputation instead, where that fits (`keep_recomputed`)."""
+    recomputation instead, where that fits (`keep_recomputed`); then the same for the plan that
+    fits with the most room (the lowest peak), where keeping could make it the cheapest
+    (`cost_recomputed_once`). The cheapest plan may fit only just, with no room to keep anything:
+    titan's debug Llama3 at 50% (51.66 MiB), an ILP rounding 0.1 MiB under the budget, kept
+    0.447 -> 0.277 s, while its lowest-peak rounding, 2 MiB under, kept 3.158 -> 0.196 s."""
     _improve_cheapest(search, "keeping values recomputed more than once", keep_recomputed,
                       search.effort.keep_recomputed_tries, "keep")
+    best = search.cheapest()
+    if best is None:
+        return
+    roomiest = min(search.fitting, key=lambda s: (s.timeline.peak_bytes, s.timeline.cost))
+    if roomiest.timeline.peak_bytes < best.timeline.peak_bytes and \
+            cost_recomputed_once(search.graph, roomiest.schedule, roomiest.timeline) < best.timeline.cost:
+        done = keep_recomputed(search.graph, roomiest.schedule, search.budget, tries=search.effort.keep_recomputed_tries)
+        if done is not None:
+            search.consider(*done, f"{roomiest.solver}+keep", "heuristic")
+
+
+def run_lowest_plan(search: Search) -> None:
+    """The smallest budget's plan (`fxopt.solvers.minimum.lowest_plan`, the plan "auto" finds at
+    that budget: its lowest-peak schedule, made cheaper at its peak), where it fits: a budget
+    above the smallest never gets a plan that costs more than the smallest's. Only where the
+    budget is within `NEAR_FLOOR` of the step's floor: there the phases' plans fit only just, and
+    the search costs about what the ILP's does. (Not wherever the memo happens to hold it: the
+    answer would then depend on what was solved before.)"""
+    search.progress("the smallest budget's plan")
+    # (The blocks as `_nothing_fits` and `run_blocks` pass them: the memo keeps one answer per graph.)
+    lowest = lowest_plan(search.graph, "auto", effort=search.effort, time_limit=search.deadline, memo=search.memo,
+                         mip_solver=search.mip_solver, blocks=search.chain())
+    if lowest.peak <= search.budget:
+        search.consider(lowest.schedule, simulated(search.graph, lowest.schedule, search.memo), lowest.name,
+                        "heuristic")
+
+
+def _near_the_smallest_budget(search: Search) -> bool:
+    """Whether `run_lowest_plan` runs: nothing proven yet, and the budget within `NEAR_FLOOR` of the
+    step's floor."""
+    return not search.settled() and search.budget <= floor_of(search.graph, search.memo)[0] * (1 + NEAR_FLOOR) \
+        and not search.deadline.check("the smallest budget's plan")
 
 
 def run_ilp(search: Search) -> None:
@@ -434,6 +477,7 @@ def strategies() -> dict[str, tuple[Phase, ...]]:
              Phase("save more", run_save_more, lambda s: not s.settled() and not s.deadline.check("save more")),
              Phase("exchange", run_exchange, lambda s: not s.settled() and not s.deadline.check("exchange")),
              Phase("ilp", run_ilp, lambda s: not s.settled() and not (s.fitting and s.deadline.check("ILP"))),
+             Phase("the smallest budget's plan", run_lowest_plan, _near_the_smallest_budget),
              Phase("keep recomputed", run_keep_recomputed,
                    lambda s: not s.settled() and not s.deadline.check("keep recomputed")),
              *_LAST)
