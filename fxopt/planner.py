@@ -245,12 +245,13 @@ def _planned(jg, options: Options, eager_peak_bytes: int, without_relu_masks, co
 
 
 def _through_cache(options: Options) -> bool:
-    """Whether a plan for ``options`` goes through the plan cache: not one that SAVEs everything
+    """Whether a plan for ``options`` goes through the plan cache: not with the cache off
+    (``FXOPT_CACHE=0``: no key hashed, a whole-step hash), nor one that SAVEs everything
     in the captured order (``solver="save_all"`` without ``reorder``), whose solve is one walk of
     the graph with no search, no dearer than hashing the graph for its key and writing the plan
     (0.11 s against 0.12 s at 5,808 nodes: `fxopt.pipeline`'s 48-layer whole step, planned only
     to choose the cuts, and the loss's plan, each made from a capture of its own every call)."""
-    return options.solver != "save_all" or options.reorder
+    return cache.enabled() and (options.solver != "save_all" or options.reorder)
 
 
 def _at_smallest_budget(jg, options: Options, eager_peak_bytes: int, without_relu_masks, masked_again):

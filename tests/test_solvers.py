@@ -30,7 +30,7 @@ from fxopt.solvers.minimum import memo_key
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, as_generated
 from clocks import every_clock
-from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, ids, mlp2, random_training_graph, with_random_lossy_codecs
+from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, chain_inputs, ids, mlp2, random_training_graph, with_random_lossy_codecs
 
 STATUSES = {"optimal", "feasible", "heuristic"}
 TIME_LIMIT = DEFAULT_TIME_LIMIT  # a safety stop: the effort decides the plans, not the clock
@@ -340,6 +340,53 @@ def test_auto_answers_eagers_schedule_where_it_fits_and_nothing_costs_less(monke
             # (no source run more often; eager's schedule reused by the sources, once per solve)
             assert all(first.get(k, 0) <= n for k, n in every.items() if k != "save_all"), (name, first, every)
             assert fast.status == whole.status and fast.lower_bound_cost == whole.lower_bound_cost
+
+
+def _chain_read_through_views(n: int = 3, act: int = 16) -> Graph:
+    """`chain`, each layer's activation and its backward reading its matmul output through a view
+    (``t_k``, cost 0.5): eager's schedule makes the views again in the backward, as every plan
+    must, so its cost (1.5 s) needs the instant program's proof."""
+    b = chain_inputs(n)
+    prev = "x"
+    for k in range(1, n + 1):
+        b.fwd(f"h{k}", [prev, f"w{k}"], act, cost=2.0, flops=200)
+        b.fwd(f"t{k}", [f"h{k}"], cost=0.5, view_of=f"h{k}")
+        b.fwd(f"a{k}", [f"t{k}"], act, cost=1.0, flops=16)
+        prev = f"a{k}"
+    b.fwd("loss", [prev], 1, cost=1.0, flops=16, output=True)
+    b.bwd(f"g_a{n}", ["tan"], act)
+    for k in range(n, 0, -1):
+        b.bwd(f"g_h{k}", [f"g_a{k}", f"t{k}"], act)
+        b.bwd(f"g_w{k}", ["x" if k == 1 else f"a{k - 1}", f"g_h{k}"], 4, output=True)
+        if k > 1:
+            b.bwd(f"g_a{k - 1}", [f"g_h{k}", f"w{k}"], act)
+    return b.build()
+
+
+def test_eagers_proof_is_found_once_per_graph_in_a_memo(monkeypatch):
+    """One graph solved at several budgets eager's schedule fits (a uniform pipeline's middle
+    stages, each with its own microbatches in flight), with one memo: eager's cost needs the
+    instant program's proof, and that program runs once, at a loose budget
+    (`fxopt.solvers.phases.eager_proof`), not once per budget; the same plans, statuses and bounds
+    as proving each budget at its own (no memo). Above the loose budget, proven at its own."""
+    from fxopt.solvers.phases import alone_at_its_cost, loose_budget
+
+    graph = _chain_read_through_views()
+    eager = simulate(graph, eager_schedule(graph))
+    assert alone_at_its_cost(graph, eager_schedule(graph)) and eager.cost == pytest.approx(1.5)
+    budgets = [eager.peak_bytes + 8 * k for k in range(4)]
+    memo, ran = Memo(), _counting_phases(monkeypatch)
+    kept = [solve(graph, b, "auto", time_limit=TIME_LIMIT, memo=memo) for b in budgets]
+    once, ran = dict(ran), _counting_phases(monkeypatch)
+    alone = [solve(graph, b, "auto", time_limit=TIME_LIMIT) for b in budgets]
+    assert once == {"save_all": len(budgets), "instant": 1}, once
+    assert dict(ran) == {"save_all": len(budgets), "instant": len(budgets)}, ran
+    for a, b in zip(kept, alone):
+        assert (a.schedule, a.status, a.bound_source) == (b.schedule, "optimal", "instant")
+        assert a.lower_bound_cost == pytest.approx(b.lower_bound_cost, rel=0, abs=1e-12)
+    ran = _counting_phases(monkeypatch)
+    above = solve(graph, loose_budget(graph) + 1, "auto", time_limit=TIME_LIMIT, memo=memo)
+    assert dict(ran) == {"save_all": 1, "instant": 1} and above.status == "optimal"
 
 
 def test_articulation_values():
@@ -1347,6 +1394,79 @@ def test_keep_recomputed_keeps_a_value_from_its_first_recomputation_where_that_f
     assert one_timeline.recompute_cost == 30.0
     assert [graph.nodes[i].name for i in one.backward].count("a1") == 1
     assert all_timeline.recompute_cost == 12.0 and all_.backward == on_demand(graph, []).backward
+
+
+
+def _recomputing_chain():
+    """chain(4) with the whole forward recomputed before every backward step (cost 48, peak 86,
+    the shape of a lowest-peak plan), and the same with the later recomputations of a3 and a4
+    dropped (cost 30, peak 90): at a budget of 94 the second is the cheaper, with no room to keep
+    anything more; the first, kept where that fits, costs 24."""
+    from fxopt.solvers.heuristics import _without_steps
+    from fxopt.solvers.schedule import prune
+    from solver_graphs import ids
+
+    graph = chain(4)
+    forward = ids(graph, "h1", "a1", "h2", "a2", "h3", "a3", "h4", "a4")
+    again = prune(graph, Schedule(frozenset(), tuple(i for b in graph.backward_nodes for i in (*forward, b))))
+    tight = again
+    for v in ids(graph, "a4", "a3"):
+        tight = prune(graph, Schedule(frozenset(), _without_steps(tight, [e for e, i in enumerate(tight.backward)
+                                                                            if i == v][1:])))
+    return graph, again, tight
+
+
+def _search(graph: Graph, budget: int, *schedules: Schedule, memo: Memo | None = None):
+    from fxopt.solvers.effort import Deadline
+    from fxopt.solvers.search import Search
+
+    search = Search(graph, budget, "auto", DEFAULT_EFFORT, Deadline.of(DEFAULT_TIME_LIMIT), memo)
+    for schedule in schedules:
+        search.consider(schedule, simulate(graph, schedule), "given", "heuristic")
+    return search
+
+
+def test_keep_recomputed_phase_also_keeps_in_the_plan_with_the_most_room():
+    """The cheapest plan may fit only just: at 94 bytes, the plan of cost 30 (peak 90) keeps
+    nothing more, while the one of cost 48 (peak 86) has the room to keep a value from its
+    first recomputation and costs 24 then (titan's debug Llama3 at 50%: 0.447 -> 0.277 s kept,
+    its lowest-peak plan 3.158 -> 0.196 s). The phase keeps in both."""
+    from fxopt.solvers.heuristics import cost_recomputed_once, keep_recomputed
+    from fxopt.solvers.phases import run_keep_recomputed
+
+    graph, again, tight = _recomputing_chain()
+    start, tight_timeline = simulate(graph, again), simulate(graph, tight)
+    assert (start.cost, start.peak_bytes, tight_timeline.cost, tight_timeline.peak_bytes) == (48.0, 86, 30.0, 90)
+    assert keep_recomputed(graph, tight, 94) is None and cost_recomputed_once(graph, again, start) == 12.0
+    search = _search(graph, 94, again, tight)
+    run_keep_recomputed(search)
+    best = search.best()
+    assert best.timeline.cost == 24.0 and best.timeline.peak_bytes <= 94 and best.solver == "given+keep"
+    assert best.timeline == simulate(graph, best.schedule)
+
+
+def test_near_its_floor_auto_considers_the_smallest_budgets_plan():
+    """Within `NEAR_FLOOR` of a step's floor the phases also take the plan of its smallest budget
+    (`run_lowest_plan`): a larger budget then never gets a plan that costs more than it. Far
+    above the floor it is not, even where an earlier search found it (the answer would depend on
+    what was solved before)."""
+    from fxopt.solvers.minimum import floor_of
+    from fxopt.solvers.phases import NEAR_FLOOR, _near_the_smallest_budget, run_lowest_plan
+
+    graph, again, _ = _recomputing_chain()
+    lowest = lowest_plan(graph)
+    cost = simulate(graph, lowest.schedule).cost
+    floor = floor_of(graph)[0]
+    assert lowest.peak <= floor * (1 + NEAR_FLOOR) and cost < 48.0
+    search = _search(graph, lowest.peak, again)
+    assert _near_the_smallest_budget(search)
+    run_lowest_plan(search)
+    assert search.best().timeline.cost == cost and search.best().solver == lowest.name
+    far = int(floor * (1 + 2 * NEAR_FLOOR))
+    memo = Memo()
+    lowest_plan(graph, memo=memo)
+    assert not _near_the_smallest_budget(_search(graph, far, again)) and \
+        not _near_the_smallest_budget(_search(graph, far, again, memo=memo))
 
 
 # ------------------------------------------------------------------ every named minimum plans

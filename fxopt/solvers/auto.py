@@ -43,7 +43,13 @@ __all__ = ["DEFAULT_TIME_LIMIT", "ILP_REL_GAP", "REVISION", "SOLVERS", "Solution
 # 26: a lowest-peak schedule, and the cheapest plan of the whole graph's phases, keep what they
 # recompute more than once where that fits (`fxopt.solvers.heuristics.keep_recomputed`); a
 # mixed-precision reduce-scatter's wait moves with the cast after it (`fxopt.solvers.prefetch`).
-REVISION = 26
+# 27: eager's schedule proven the cheapest by the instant program's bound at a loose budget, found
+# once per graph (`fxopt.solvers.phases.eager_proof`): the same plans, but its bound may be that
+# program's rather than the one at the budget (a plan's ``lower_bound_cost`` may differ in its last digits).
+# 28: "auto" keeps what the fitting plan with the most room recomputes more than once too, not only the
+# cheapest plan's, and near the step's floor (`fxopt.solvers.phases.NEAR_FLOOR`) considers the
+# smallest budget's plan: a budget there never gets a plan costlier than the smallest budget's.
+REVISION = 28
 
 STRATEGIES = strategies()
 SOLVERS = tuple(STRATEGIES)

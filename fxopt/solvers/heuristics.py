@@ -268,6 +268,15 @@ def keep_recomputed(graph: Graph, schedule: Schedule, budget: int, *,
     return best if best[0] is not schedule else None
 
 
+def cost_recomputed_once(graph: Graph, schedule: Schedule, timeline: Timeline) -> float:
+    """The least cost `keep_recomputed` can bring ``schedule`` (simulated: ``timeline``) to: each
+    value it recomputes made once. (It only drops a value's later recomputations: its first
+    stays, and so does every value's first that any of them read.)"""
+    counts = collections.Counter(schedule.recomputed(graph))
+    nodes = graph.nodes
+    return timeline.cost - sum((k - 1) * (nodes[i].cost - nodes[i].comm_exposed) for i, k in counts.items() if k > 1)
+
+
 # Values `exchange` tries to SAVE in each pass: those whose recomputation costs most.
 EXCHANGE_CANDIDATES = 12
 

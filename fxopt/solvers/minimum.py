@@ -64,7 +64,8 @@ class Memo:
     latest `KEEP` of them. And the simple policies' candidates of the latest `POLICIES_KEEP`
     graphs (`policies`): no budget changes them, and the search for the smallest budget and the
     solve at it both read them (on a 32-layer step, three whole-step simulations). And, for as
-    many graphs, their floor (`floor`) and eager's timeline (`eager`)."""
+    many graphs, their floor (`floor`), eager's timeline (`eager`) and the instant program's bound
+    at a budget above any asked (`loose_bound`)."""
 
     KEEP = 16
     POLICIES_KEEP = 8  # (each holds a few simulated timelines of its graph)
@@ -77,6 +78,7 @@ class Memo:
         self._timelines: list[tuple[tuple, Graph, Timeline]] = []
         self._floors: list[tuple[int, Graph, tuple[int, str]]] = []
         self._eager: list[tuple[int, Graph, Timeline]] = []
+        self._loose: list[tuple[tuple, Graph, tuple[int, float | None]]] = []
         self._hashes: list[tuple[Graph, int]] = []  # (the latest graphs' `_content_hash`: 12 ms on 7,600 nodes)
 
     def get(self, graph: Graph, key: tuple) -> Lowest | None:
@@ -127,6 +129,16 @@ class Memo:
         simulation each on a 32-layer step). The latest `POLICIES_KEEP` graphs'."""
         return _kept(self._eager, self._hash(graph), graph, compute, self.POLICIES_KEEP)
 
+    def loose_bound(self, graph: Graph, key: tuple, compute: Callable[[], tuple[int, float | None]]
+                    ) -> tuple[int, float | None]:
+        """``compute()``, (a budget above any a plan of ``graph`` is asked for, the instant
+        program's bound there) under ``key`` (effort, MIP program), or the pair kept for it (or for
+        one of equal content): a bound every plan within any lower budget meets too, which proves
+        eager's schedule the cheapest at every budget it fits (`fxopt.solvers.phases.eager_proof`:
+        a uniform pipeline's middle stages, one graph solved at as many budgets). The latest
+        `POLICIES_KEEP` graphs'."""
+        return _kept(self._loose, (self._hash(graph), *key), graph, compute, self.POLICIES_KEEP)
+
     def _hash(self, graph: Graph) -> int:
         """`_content_hash`, found once for each of the latest graphs looked up (by identity)."""
         known = next((h for g, h in self._hashes if g is graph), None)
@@ -142,6 +154,7 @@ class Memo:
         self._timelines.clear()
         self._floors.clear()
         self._eager.clear()
+        self._loose.clear()
         self._hashes.clear()
 
     def __len__(self) -> int:

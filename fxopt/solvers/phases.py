@@ -14,7 +14,9 @@ plan that fits once the time limit has passed.
 and a lower bound, `fxopt.solvers.instant`); unless that settles it, the other sources (greedy,
 segments); COMPRESS and OFFLOAD completing the cheapest over-budget schedules; saving more in the
 cheapest plan; the ILP (its LP relaxation's bound and roundings, then the exact solve warm-started
-from the best plan so far, `fxopt.solvers.ilp`). "ilp" and "instant" run their own, then the
+from the best plan so far, `fxopt.solvers.ilp`); near the step's floor, the smallest budget's plan
+(`run_lowest_plan`); what the cheapest plan, and the plan with the most room, recompute more than
+once kept where that fits (`run_keep_recomputed`). "ilp" and "instant" run their own, then the
 heuristics as a fallback where their model missed a plan that fits.
 """
 
@@ -27,18 +29,27 @@ from collections.abc import Callable
 from fxopt.solvers.block_plan import block_candidates
 from fxopt.solvers.chain import chain_candidates
 from fxopt.solvers.gap import COST_TOLERANCE, proven
-from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, exchange, greedy, keep_recomputed, offload_to_fit,
-                                      save_all, save_more, segments)
+from fxopt.solvers.heuristics import (checkpoint, compress_to_fit, cost_recomputed_once, exchange, greedy,
+                                      keep_recomputed, offload_to_fit, save_all, save_more, segments)
 from fxopt.solvers.ilp import build_ilp, lp_bound_and_roundings, solve_ilp
 from fxopt.solvers.instant import bound_where_tight, instant_solve
 from fxopt.solvers.mip import Progress, default_mip_solver
 from fxopt.solvers.policies import policy_candidates
-from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES, lowest_plan
+from fxopt.solvers.minimum import AUTO_ILP_MAX_VARIABLES, COMPRESS_TRIES, floor_of, lowest_plan
 from fxopt.solvers.graph import Graph
-from fxopt.solvers.schedule import InvalidScheduleError, Schedule, simulate
+from fxopt.solvers.schedule import InvalidScheduleError, Schedule, simulate, simulated
 from fxopt.solvers.search import ILP_REL_GAP, Search, fmt_cost
 
 log = logging.getLogger("fxopt")
+
+# A budget at most this share above the step's floor (`peak_lower_bound`) is near its smallest
+# budget: "auto" also plans the smallest budget there (`run_lowest_plan`). (Titan's debug Llama3's
+# 50%: 5.1% above.)
+NEAR_FLOOR = 0.10
+
+# `loose_budget`: this many times all a graph's values hold together (a pipeline stage's step is
+# asked for about 2.6 times that: the budget less what its other microbatches hold).
+LOOSE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +119,8 @@ def run_save_all_first(search: Search) -> None:
     backward, every plan pays). It is then the answer,
     proven optimal with no gap, and "auto" runs no other phase (`Search.exact`): a pipeline
     stage, or any step planned at or near its eager peak, is answered by one simulation and at
-    most one instant program. Elsewhere nothing is kept from here but the simulated schedule, for
+    most one instant program (`eager_proof`: with the planner's memo, one per graph where its
+    loose budget's proves it; one per graph more where it does not). Elsewhere nothing is kept from here but the simulated schedule, for
     the sources that run it (`run_sources`), and the phases run as they did."""
     found = SOURCES["save_all"].run(search.graph, search.budget, search.effort, search.memo)
     search.runs["save_all"] = found
@@ -121,15 +133,49 @@ def run_save_all_first(search: Search) -> None:
         return
     bound, source = 0.0, "save_all"
     if timeline.cost > COST_TOLERANCE:
-        inst = instant_solve(search.graph, search.budget, effort=search.effort, time_limit=search.deadline,
-                             mip_solver=search.mip_solver, start=schedule)
-        if not proven(timeline.cost, inst.bound, 0.0):
+        bound = eager_proof(search, schedule, timeline.cost)
+        if bound is None:
             return
-        bound, source = inst.bound, "instant"
+        source = "instant"
     search.progress("solver save_all: it fits, and no plan costs less")
     search.consider(schedule, timeline, "save_all", "heuristic")
     search.raise_bound(bound, source)
     search.exact = True
+
+
+def eager_proof(search: Search, schedule: Schedule, cost: float) -> float | None:
+    """The instant program's bound proving eager's ``schedule`` (it fits, and costs ``cost``) the
+    cheapest plan within the budget, or None where it does not. Where the search has a memo, the
+    bound at a budget above any asked (`loose_budget`) is found once per graph and kept
+    (`Memo.loose_bound`): the least cost within a budget only falls as the budget grows, so a
+    bound there that eager's cost meets holds at every budget below it (a uniform pipeline's
+    middle stages solve one graph at as many budgets, the stages' searches more). Else, or where
+    that bound is short of eager's cost, the program at the budget itself."""
+    graph, memo = search.graph, search.memo
+
+    def program(budget: int) -> float | None:
+        return instant_solve(graph, budget, effort=search.effort, time_limit=search.deadline,
+                             mip_solver=search.mip_solver, start=schedule).bound
+
+    def loose() -> tuple[int, float | None]:
+        budget = loose_budget(graph)
+        bound = program(budget)
+        # (a program the safety stop cut short proves no more than it did: not kept as a proof)
+        return budget, None if "instant" in search.deadline.stopped else bound
+
+    if memo is not None:
+        budget, bound = memo.loose_bound(graph, (search.effort, search.mip_solver), loose)
+        if search.budget <= budget and proven(cost, bound, 0.0):
+            return bound
+    bound = program(search.budget)
+    return bound if proven(cost, bound, 0.0) else None
+
+
+def loose_budget(graph: Graph) -> int:
+    """A budget above those a plan of ``graph`` is asked for in practice, and well scaled in the
+    instant program's memory rows (`fxopt.solvers.mip.byte_unit`): `LOOSE` times every value's
+    bytes, workspace and lingering buffers together. (A budget above it is proven at its own.)"""
+    return LOOSE * sum(node.bytes + node.workspace + node.codec_workspace + node.lingers for node in graph.nodes)
 
 
 def alone_at_its_cost(graph: Graph, schedule: Schedule) -> bool:
@@ -272,9 +318,45 @@ def run_exchange(search: Search) -> None:
 
 def run_keep_recomputed(search: Search) -> None:
     """The cheapest plan so far with what it recomputes more than once kept from its first
-    recomputation instead, where that fits (`keep_recomputed`)."""
+    recomputation instead, where that fits (`keep_recomputed`); then the same for the plan that
+    fits with the most room (the lowest peak), where keeping could make it the cheapest
+    (`cost_recomputed_once`). The cheapest plan may fit only just, with no room to keep anything:
+    titan's debug Llama3 at 50% (51.66 MiB), an ILP rounding 0.1 MiB under the budget, kept
+    0.447 -> 0.277 s, while its lowest-peak rounding, 2 MiB under, kept 3.158 -> 0.196 s."""
     _improve_cheapest(search, "keeping values recomputed more than once", keep_recomputed,
                       search.effort.keep_recomputed_tries, "keep")
+    best = search.cheapest()
+    if best is None:
+        return
+    roomiest = min(search.fitting, key=lambda s: (s.timeline.peak_bytes, s.timeline.cost))
+    if roomiest.timeline.peak_bytes < best.timeline.peak_bytes and \
+            cost_recomputed_once(search.graph, roomiest.schedule, roomiest.timeline) < best.timeline.cost:
+        done = keep_recomputed(search.graph, roomiest.schedule, search.budget, tries=search.effort.keep_recomputed_tries)
+        if done is not None:
+            search.consider(*done, f"{roomiest.solver}+keep", "heuristic")
+
+
+def run_lowest_plan(search: Search) -> None:
+    """The smallest budget's plan (`fxopt.solvers.minimum.lowest_plan`, the plan "auto" finds at
+    that budget: its lowest-peak schedule, made cheaper at its peak), where it fits: a budget
+    above the smallest never gets a plan that costs more than the smallest's. Only where the
+    budget is within `NEAR_FLOOR` of the step's floor: there the phases' plans fit only just, and
+    the search costs about what the ILP's does. (Not wherever the memo happens to hold it: the
+    answer would then depend on what was solved before.)"""
+    search.progress("the smallest budget's plan")
+    # (The blocks as `_nothing_fits` and `run_blocks` pass them: the memo keeps one answer per graph.)
+    lowest = lowest_plan(search.graph, "auto", effort=search.effort, time_limit=search.deadline, memo=search.memo,
+                         mip_solver=search.mip_solver, blocks=search.chain())
+    if lowest.peak <= search.budget:
+        search.consider(lowest.schedule, simulated(search.graph, lowest.schedule, search.memo), lowest.name,
+                        "heuristic")
+
+
+def _near_the_smallest_budget(search: Search) -> bool:
+    """Whether `run_lowest_plan` runs: nothing proven yet, and the budget within `NEAR_FLOOR` of the
+    step's floor."""
+    return not search.settled() and search.budget <= floor_of(search.graph, search.memo)[0] * (1 + NEAR_FLOOR) \
+        and not search.deadline.check("the smallest budget's plan")
 
 
 def run_ilp(search: Search) -> None:
@@ -395,6 +477,7 @@ def strategies() -> dict[str, tuple[Phase, ...]]:
              Phase("save more", run_save_more, lambda s: not s.settled() and not s.deadline.check("save more")),
              Phase("exchange", run_exchange, lambda s: not s.settled() and not s.deadline.check("exchange")),
              Phase("ilp", run_ilp, lambda s: not s.settled() and not (s.fitting and s.deadline.check("ILP"))),
+             Phase("the smallest budget's plan", run_lowest_plan, _near_the_smallest_budget),
              Phase("keep recomputed", run_keep_recomputed,
                    lambda s: not s.settled() and not s.deadline.check("keep recomputed")),
              *_LAST)
