@@ -17,18 +17,27 @@ from fsdp_steps import assert_bf16_close, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def one_graph_results() -> list[dict]:
-    """Both one-graph tests' rows from one spawn (`fsdp_steps.one_graph`: the same two-layer Llama,
-    reference and FSDP2 rows for `fxopt.distributed.fully_shard`'s step and for FSDP2's model's,
-    planned at `fsdp_steps.TEST_EFFORT`); the tests only read them."""
-    return run("one-graph")
+def fsdp_steps_results() -> list[dict]:
+    """Each rank's rows for the one-graph and mixed-precision tests from one spawn
+    (`fsdp_steps.tests`), by configuration; the tests only read them. Its safety stop is the two
+    spawns' it replaces (one run beside load 17 passed 900 s)."""
+    from data_parallel_steps import SAFETY_STOP
+
+    return run("tests", timeout=2 * SAFETY_STOP)
+
+
+@pytest.fixture(scope="module")
+def one_graph_results(fsdp_steps_results) -> list[dict]:
+    """Both one-graph tests' rows (`fsdp_steps.one_graph`: the same two-layer Llama, reference and
+    FSDP2 rows for `fxopt.distributed.fully_shard`'s step and for FSDP2's model's, planned at
+    `fsdp_steps.TEST_EFFORT`)."""
+    return [rows["one-graph"] for rows in fsdp_steps_results]
 
 
 @pytest.fixture(scope="module")
 def overlap_results() -> list[dict]:
     """Each rank's rows for the three overlap tests from one spawn (`overlap_steps.waits`: the
-    forward-prefetch and reduce-scatter-waits rows read one planned step), by configuration; its
-    safety stop that of the two spawns' work it holds."""
+    forward-prefetch and reduce-scatter-waits rows read one planned step), by configuration."""
     from data_parallel_steps import SAFETY_STOP
     from overlap_steps import run as run_overlap
 
@@ -98,7 +107,7 @@ def test_fsdp2_llama_one_graph(one_graph_results):
 
 
 @pytest.mark.slow  # two processes, an eager FSDP2 model and two compiles each
-def test_mixed_precision_on_two_ranks():
+def test_mixed_precision_on_two_ranks(fsdp_steps_results):
     """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on 2 gloo ranks, on
     FSDP2's model and on `fxopt.distributed.fully_shard`'s, at 0.6 of FSDP2 eager's measured peak
     (the same policy; planned 4,168,012 B there, measured so, 78 kB re-gathered): loss and every gradient equal FSDP2 eager's on each rank within bf16's
@@ -107,7 +116,7 @@ def test_mixed_precision_on_two_ranks():
     same plan on both. A two-layer Llama of width 64."""
     from fsdp_steps import BUDGET_SHARE
 
-    results = run("mixed-precision")
+    results = [rows["mixed-precision"] for rows in fsdp_steps_results]
     budget = int(BUDGET_SHARE * max(r["fsdp2-mp"]["measured"] for r in results))
     for rank, rows in enumerate(results):
         for name in ("fxopt-fsdp2-mp", "fxopt-fully_shard-mp"):
