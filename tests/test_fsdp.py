@@ -19,8 +19,11 @@ from fsdp_steps import assert_bf16_close, run  # noqa: E402
 @pytest.fixture(scope="module")
 def fsdp_steps_results() -> list[dict]:
     """Each rank's rows for the one-graph and mixed-precision tests from one spawn
-    (`fsdp_steps.tests`), by configuration; the tests only read them."""
-    return run("tests")
+    (`fsdp_steps.tests`), by configuration; the tests only read them. Its safety stop is the two
+    spawns' it replaces (one run beside load 17 passed 900 s)."""
+    from data_parallel_steps import SAFETY_STOP
+
+    return run("tests", timeout=2 * SAFETY_STOP)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +38,10 @@ def one_graph_results(fsdp_steps_results) -> list[dict]:
 def overlap_results() -> list[dict]:
     """Each rank's rows for the three overlap tests from one spawn (`overlap_steps.waits`: the
     forward-prefetch and reduce-scatter-waits rows read one planned step), by configuration."""
+    from data_parallel_steps import SAFETY_STOP
     from overlap_steps import run as run_overlap
 
-    return run_overlap("waits")
+    return run_overlap("waits", timeout=2 * SAFETY_STOP)  # (the work of two of the three spawns it replaces)
 
 
 def against_checkpointing(results: list[dict], prefix: str):
