@@ -38,6 +38,7 @@ import torch
 
 import fxopt
 import fxopt.analysis.joint as joint
+import fxopt.analysis.symbolic as symbolic
 import fxopt.fitting as fitting
 import fxopt.maxbatch as maxbatch
 import fxopt.plan_ahead as plan_ahead
@@ -113,16 +114,22 @@ class Counts:
     """Counted work while installed: Dynamo captures (`fxopt.capture.compiled.run_compiled` as
     `fxopt.plan_ahead` calls it), the graphs analysed (`fxopt.analysis.analyze` as the planner
     calls it), the runs of `eager_saves` among them (the slowest part of an analysis, which an
-    analysis after a rewrite reads from the one before where it can: `analyze`'s ``earlier``)
-    and the schedules the simulator replayed."""
+    analysis after a rewrite reads from the one before where it can: `analyze`'s ``earlier``),
+    the schedules the simulator replayed, and the graphs a symbolic step was evaluated into at a
+    batch (`fxopt.analysis.symbolic.SymbolicGraph.at`: `fxopt.max_batch`'s brackets and searches)."""
 
     def __init__(self):
-        self.captures = self.analyses = self.eager_saves = self.replays = 0
+        self.captures = self.analyses = self.eager_saves = self.replays = self.symbolic_graphs = 0
 
     @contextlib.contextmanager
     def installed(self):
         counts, real_run, real_replay = self, plan_ahead.run_compiled, schedule._Replay
         real_analyze, real_saves = planner.analyze_step, joint.eager_saves
+        real_at = symbolic.SymbolicGraph.at
+
+        def at(*a, **k):
+            counts.symbolic_graphs += 1
+            return real_at(*a, **k)
 
         def eager_saves(*a, **k):
             counts.eager_saves += 1
@@ -142,12 +149,12 @@ class Counts:
                 super().__init__(*a, **k)
 
         plan_ahead.run_compiled, schedule._Replay, planner.analyze_step = run_compiled, Replay, analyze_step
-        joint.eager_saves = eager_saves
+        joint.eager_saves, symbolic.SymbolicGraph.at = eager_saves, at
         try:
             yield self
         finally:
             plan_ahead.run_compiled, schedule._Replay, planner.analyze_step = real_run, real_replay, real_analyze
-            joint.eager_saves = real_saves
+            joint.eager_saves, symbolic.SymbolicGraph.at = real_saves, real_at
 
 
 class Phases:
@@ -197,8 +204,10 @@ def markdown(result: dict) -> str:
         analysed = f"{row['analyses']} graphs analysed; " if "analyses" in row else ""
         if "eager_saves" in row:
             analysed += f"`eager_saves` run {row['eager_saves']} times; "
+        evaluated = (f"; {row['symbolic_graphs']} graphs of a symbolic step made at a batch"
+                     if "symbolic_graphs" in row else "")
         lines += ["", f"Counted work: {row['captures']} Dynamo captures; {analysed}{row['replays']} schedules replayed "
-                      "by the simulator."]
+                      f"by the simulator{evaluated}."]
     if "plan_digests" in row:
         lines += ["", "Plan digests (sha256 of `Plan.to_dict` less `solve_seconds`): "
                   + ", ".join(f"{k} `{v}`" for k, v in row["plan_digests"].items()) + "."]
@@ -265,7 +274,7 @@ def main(argv=None) -> None:
         phases.marks.insert(2, phases.marks[1])
     row = {"wall_s": wall, "cpu_s": cpu, "nodes": len(found.min_plan.graph), "split": split(found, phases.marks),
            "captures": counts.captures, "analyses": counts.analyses, "eager_saves": counts.eager_saves,
-           "replays": counts.replays,
+           "replays": counts.replays, "symbolic_graphs": counts.symbolic_graphs,
            "answer": found.to_dict(), "table": str(found), "min_plan_summary": found.min_plan.summary(),
            "plan_digests": plan_digests(found)}
     log(f"fit in {wall:.1f} s\n{row['table']}")

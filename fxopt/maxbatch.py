@@ -9,7 +9,10 @@ there), so each question is a bisection over graphs evaluated, not captured:
      bound with the scratch measured at that batch fits. No batch above it can fit. (One bound
      per batch tried, where a lowest-peak search above it would solve every kind of block: on
      a real-size step the largest ops' scratch, the logits', puts most of the zero-scratch
-     bracket out of reach.)
+     bracket out of reach.) Each bound is convex in the batch and, near the answer, grows along
+     its last linear piece, so each search asks first where the bound, growing as it does from
+     the range's largest batch but one to the largest, meets the budget
+     (`fxopt.buckets.largest_near`: the same answer, fewer graphs made).
   2. fxopt's answer: at that batch, the lowest peak fxopt's solvers reach
      (`fxopt.solvers.min_feasible_budget`); if it is over the budget, that lowest-peak schedule,
      replayed at smaller batches, finds the largest at which it fits, and the batch above that
@@ -43,7 +46,7 @@ import torch.nn as nn
 from fxopt.analysis import JointGraph
 from fxopt.analysis.joint import graph_fingerprint
 from fxopt.api import FxoptModule
-from fxopt.buckets import Bucket, largest, largest_from_above, largest_from_below
+from fxopt.buckets import Bucket, guessed, largest, largest_from_above, largest_from_below, largest_near
 from fxopt.budget import Budget, BudgetLike
 from fxopt.capture.shapes import DynamicDims
 from fxopt.errors import BudgetError, InfeasibleBudgetError
@@ -265,10 +268,14 @@ def _capture_segments(model, make_inputs, dim, name: str, limit: int, budget: in
         with heap_frozen():  # (frozen again, inside `max_batch`'s: this capture's graphs too)
             lo, hi = jg.symbolic.ranges.bounds[name]  # (narrowed where the model specializes a size)
             search = _Search(jg, name, budget, lo, hi)
-            top = largest_from_below(lo, hi, search.lower_bound_fits)  # (hi: the search limit, 2**16 by default)
+            # (hi: the search limit, 2**16 by default; each bracket asked first where its bound,
+            # growing as from the range's two largest batches, meets the budget)
+            top = largest_near(lo, hi, search.lower_bound_fits,
+                               search.guess(search.zero_bound, hi, bottom_first=True))
             # (a step planning does not rewrite is one graph: its graphs at each batch made once)
             eager = search if eager_jg is jg else _Search(eager_jg, name, budget, lo, hi)
-            proven = None if top is None else search.largest(lo, top, search.measured_bound_fits)
+            proven = None if top is None else largest_near(lo, top, search.measured_bound_fits,
+                                                           search.guess(search.measured_bound, top))
             segments.append(_Segment(eager, search, proven, top))
         if top is None or top < hi or hi >= limit:
             break
@@ -295,6 +302,7 @@ class _Search:
         self.jg, self.name, self.budget, self.lo, self.hi = jg, name, budget, lo, hi
         self.zero = [0] * len(jg.graph)
         self.measured: dict[int, Graph] = {}
+        self.bounds: dict[tuple[int, bool], int] = {}  # (batch, scratch measured) -> peak lower bound
 
     def at(self, b: int) -> Graph:
         """The graph at batch ``b``, scratch memory measured there (once)."""
@@ -302,14 +310,34 @@ class _Search:
             self.measured[b] = self.jg.at({self.name: b})
         return self.measured[b]
 
+    def zero_bound(self, b: int) -> int:
+        """The peak lower bound at ``b`` with every op's scratch counted as zero (once per batch)."""
+        if (b, False) not in self.bounds:
+            graph = self.jg.symbolic.at({self.name: b}, self.zero, self.zero)
+            self.bounds[(b, False)] = peak_lower_bound(graph)[0]
+        return self.bounds[(b, False)]
+
+    def measured_bound(self, b: int) -> int:
+        """The peak lower bound at ``b``, scratch measured there (once per batch)."""
+        if (b, True) not in self.bounds:
+            self.bounds[(b, True)] = peak_lower_bound(self.at(b))[0]
+        return self.bounds[(b, True)]
+
     def lower_bound_fits(self, b: int) -> bool:
-        graph = self.jg.symbolic.at({self.name: b}, self.zero, self.zero)
-        return peak_lower_bound(graph)[0] <= self.budget
+        return self.zero_bound(b) <= self.budget
 
     def measured_bound_fits(self, b: int) -> bool:
         """Whether the peak lower bound at ``b``, scratch measured there, fits: where not, no
         schedule fits ``b``, and no solve or lowest-peak search need ask."""
-        return peak_lower_bound(self.at(b))[0] <= self.budget
+        return self.measured_bound(b) <= self.budget
+
+    def guess(self, bound: Callable[[int], int], hi: int, bottom_first: bool = False) -> int:
+        """Where a bracket search over [lo, hi] starts: where ``bound`` meets the budget along its
+        growth from ``hi - 1`` to ``hi`` (`fxopt.buckets.guessed`). ``bottom_first``: ``lo``
+        asked first, and where it does not fit, ``lo`` (nothing fits: the top's graphs not made)."""
+        if hi <= self.lo or (bottom_first and bound(self.lo) > self.budget):
+            return self.lo
+        return guessed(self.lo, hi, bound(hi - 1), bound(hi), self.budget)
 
     largest = staticmethod(largest)
 
@@ -363,7 +391,7 @@ class _Search:
         graph = self.at(b)
         t0 = time.perf_counter()
         lowest_peak = self.budget if fits else min_feasible_budget(graph, how.solver, **how.lowest())
-        if lowest_peak > self.budget and (not full or peak_lower_bound(graph)[0] > self.budget):
+        if lowest_peak > self.budget and (not full or self.measured_bound(b) > self.budget):
             log.info("fxopt: max_batch: no plan at batch %d (lowest peak %d, %.1f s)", b, lowest_peak,
                      time.perf_counter() - t0)
             return lowest_schedule(graph, how.solver, **how.lowest()).schedule

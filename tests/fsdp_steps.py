@@ -22,6 +22,8 @@ compiles) and checks:
   - mixed precision (config ``mixed-precision``, `mixed_precision`): FSDP2's
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on FSDP2's model and on
     `fxopt.distributed.fully_shard`'s, against FSDP2 eager with the same policy.
+
+tests/test_fsdp.py runs config ``tests`` (``one-graph`` then ``mixed-precision``) in one spawn.
 """
 
 from __future__ import annotations
@@ -334,7 +336,13 @@ def max_over_ranks(n: int) -> int:
     return int(t)
 
 
-CONFIGS = {"sharded": sharded, "named-min": named_minimum, "fsdp2-llama-2": fsdp2_one_graph,
+def tests(rank: int, world: int) -> dict:
+    """tests/test_fsdp.py's three tests of `fsdp_steps` in one spawn: `one_graph`'s rows, then
+    `mixed_precision`'s, by configuration."""
+    return {"one-graph": one_graph(rank, world), "mixed-precision": mixed_precision(rank, world)}
+
+
+CONFIGS = {"tests": tests, "sharded": sharded, "named-min": named_minimum, "fsdp2-llama-2": fsdp2_one_graph,
            "one-graph": one_graph, "mixed-precision": mixed_precision,
            **{name: (lambda r, w, name=name: sharded(r, w, (name,))) for name in MODELS}}
 # ("llama-2", the test's: two layers, half the compiles' time)

@@ -9,6 +9,9 @@ tests/test_fsdp.py and benchmarks/overlap.py.
     the previous block's last op (`fxopt.passes.waits.issue_gathers_ahead`); runs it under
     ``fxopt.optimize`` and checks its loss and gradients against single-process eager, and its
     measured peak against the plan's budget.
+
+tests/test_fsdp.py runs config ``waits`` (`waits`: ``forward-prefetch``, ``reduce-scatter-waits``
+and ``reduce-scatter-waits-mp``) in one spawn.
 """
 
 from __future__ import annotations
@@ -92,8 +95,11 @@ def _planned_at_share(rank: int, world: int):
     return ready, plan, measured, moved, where_captured
 
 
-def forward_prefetch(rank: int, world: int) -> dict:
-    ready, plan, measured, ahead, waited = _planned_at_share(rank, world)
+def forward_prefetch(rank: int, world: int, planned=None) -> dict:
+    """Where `_planned_at_share`'s forward (``planned``, where given: its result) issues each
+    block's gather, the simulated peak and forward wait with the gathers issued ahead and
+    without."""
+    ready, plan, measured, ahead, waited = planned or _planned_at_share(rank, world)
     return {"issue_points": issue_points(ready.forward), **measured, "recomputed": len(plan.recomputed),
             "same_plan": ready.plan.fingerprint == plan.fingerprint,
             "simulated_peak": [ahead.peak_bytes, waited.peak_bytes],
@@ -117,12 +123,12 @@ def scatter_points(backward: torch.fx.GraphModule) -> list[dict]:
     return out
 
 
-def reduce_scatter_waits(rank: int, world: int) -> dict:
-    """`_planned_at_share`: where each gradient's reduce-scatter is issued and waited for in the
-    backward (`scatter_points`), the simulated peak with and without the waits moved
-    (`fxopt.solvers.prefetch.prefetched`) and the seconds the backward waits for its
-    reduce-scatters in the simulator's clock."""
-    ready, plan, measured, later, at_once = _planned_at_share(rank, world)
+def reduce_scatter_waits(rank: int, world: int, planned=None) -> dict:
+    """`_planned_at_share` (``planned``, where given: its result): where each gradient's
+    reduce-scatter is issued and waited for in the backward (`scatter_points`), the simulated peak
+    with and without the waits moved (`fxopt.solvers.prefetch.prefetched`) and the seconds the
+    backward waits for its reduce-scatters in the simulator's clock."""
+    ready, plan, measured, later, at_once = planned or _planned_at_share(rank, world)
     return {**_waits_rows(ready, plan, later, at_once), **measured}
 
 
@@ -350,7 +356,17 @@ def llama_gathers(rank: int, world: int) -> dict:
     return out
 
 
-CONFIGS = {"forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers,
+def waits(rank: int, world: int) -> dict:
+    """tests/test_fsdp.py's three overlap tests in one spawn: ``forward-prefetch`` and
+    ``reduce-scatter-waits`` read one `_planned_at_share` (the same step, planned, run and
+    measured once), then ``reduce-scatter-waits-mp``; their rows by configuration."""
+    planned = _planned_at_share(rank, world)
+    return {"forward-prefetch": forward_prefetch(rank, world, planned),
+            "reduce-scatter-waits": reduce_scatter_waits(rank, world, planned),
+            "reduce-scatter-waits-mp": reduce_scatter_waits_mp(rank, world)}
+
+
+CONFIGS = {"waits": waits, "forward-prefetch": forward_prefetch, "profiled": profiled, "llama-gathers": llama_gathers,
            "profiled-mp": lambda rank, world: profiled(rank, world, mixed_precision=True),
            "reduce-scatter-waits": reduce_scatter_waits, "reduce-scatter-waits-mp": reduce_scatter_waits_mp}
 

@@ -263,6 +263,31 @@ def test_max_batch_makes_each_batchs_graph_once_where_planning_rewrites_nothing(
     assert len(set(made)) == len(made) > 1
 
 
+def test_max_batch_asks_its_brackets_where_their_bounds_meet_the_budget(monkeypatch):
+    """Each bracket (the peak lower bound with zero scratch, then with the scratch measured) is
+    asked first at the batch where its bound, growing as from the range's two smallest batches,
+    meets the budget (`fxopt.buckets.largest_near`): fewer bounds than the searches up from the
+    bottom (issue 27: fewer graphs made at batches nothing else reads), the same answer."""
+    import fxopt.maxbatch as maxbatch
+    from fxopt.buckets import largest, largest_from_below
+
+    bounds = []
+    real = maxbatch.peak_lower_bound
+    monkeypatch.setattr(maxbatch, "peak_lower_bound", lambda graph: bounds.append(len(graph)) or real(graph))
+    guessed = _tiny_max_batch(compress=False, time_limit=1e6)
+    asked = len(bounds)
+    bounds.clear()
+    with monkeypatch.context() as patched:  # the searches before: the zero-scratch one up from the bottom
+        patched.setattr(maxbatch._Search, "guess", lambda search, bound, hi, bottom_first=False: search.lo)
+        patched.setattr(maxbatch, "largest_near", lambda lo, hi, fits, guess: (
+            largest_from_below if fits.__name__ == "lower_bound_fits" else largest)(lo, hi, fits))
+        plain = _tiny_max_batch(compress=False, time_limit=1e6)
+    answer = [(f.batch, f.proven_max, f.eager_batch, f.checkpoint_batch, _decisions(f.plan), _decisions(f.next_plan))
+              for f in (guessed, plain)]
+    assert answer[0] == answer[1]
+    assert asked < len(bounds), (asked, len(bounds))
+
+
 def _decisions(plan):
     return None if plan is None else (plan.schedule, plan.peak_bytes, plan.recompute_cost, plan.solver, plan.status,
                                       plan.lower_bound_cost, plan.budget_bytes)

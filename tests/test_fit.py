@@ -332,3 +332,26 @@ def test_the_batch_searches_give_one_answer_and_count_their_questions(lo, hi):
         if v == hi:
             assert asked[largest_from_above] == [hi]
         assert all(len(set(a)) == len(a) for a in asked.values())  # (no batch asked twice)
+
+
+@pytest.mark.parametrize("lo,hi", [(2, 8), (1, 1), (3, 40)])
+def test_the_search_from_a_guess_gives_the_same_answer_and_asks_two_questions_at_it(lo, hi):
+    """`largest_near` gives `largest`'s answer for every monotone question and every guess (in
+    the range or out of it), asks no batch twice, and asks two questions where the guess is the
+    answer below the top (`fxopt.max_batch`'s brackets, guessed from their bounds' growth at the
+    top of the range)."""
+    from fxopt.buckets import guessed, largest_near
+
+    for v in range(lo - 1, hi + 1):
+        for guess in range(lo - 2, hi + 3):
+            asked = []
+            found = largest_near(lo, hi, lambda b, _a=asked: _a.append(b) or b <= v, guess)
+            assert found == (v if v >= lo else None), (v, guess, asked)
+            assert len(set(asked)) == len(asked)
+            if lo <= guess == v < hi:
+                assert asked == [v, v + 1]
+    # (a bound of 10 + 3 b meets a budget of 40 at b = 10; one within it at the top: the top; one
+    # over it that does not grow there: the bottom)
+    assert guessed(lo, hi, 10 + 3 * (hi - 1), 10 + 3 * hi, 40) == min(max(10, lo), hi)
+    assert guessed(lo, hi, 10, 10, 40) == hi
+    assert guessed(lo, hi, 50, 50, 40) == lo

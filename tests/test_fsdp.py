@@ -17,11 +17,27 @@ from fsdp_steps import assert_bf16_close, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def one_graph_results() -> list[dict]:
-    """Both one-graph tests' rows from one spawn (`fsdp_steps.one_graph`: the same two-layer Llama,
-    reference and FSDP2 rows for `fxopt.distributed.fully_shard`'s step and for FSDP2's model's,
-    planned at `fsdp_steps.TEST_EFFORT`); the tests only read them."""
-    return run("one-graph")
+def fsdp_steps_results() -> list[dict]:
+    """Each rank's rows for the one-graph and mixed-precision tests from one spawn
+    (`fsdp_steps.tests`), by configuration; the tests only read them."""
+    return run("tests")
+
+
+@pytest.fixture(scope="module")
+def one_graph_results(fsdp_steps_results) -> list[dict]:
+    """Both one-graph tests' rows (`fsdp_steps.one_graph`: the same two-layer Llama, reference and
+    FSDP2 rows for `fxopt.distributed.fully_shard`'s step and for FSDP2's model's, planned at
+    `fsdp_steps.TEST_EFFORT`)."""
+    return [rows["one-graph"] for rows in fsdp_steps_results]
+
+
+@pytest.fixture(scope="module")
+def overlap_results() -> list[dict]:
+    """Each rank's rows for the three overlap tests from one spawn (`overlap_steps.waits`: the
+    forward-prefetch and reduce-scatter-waits rows read one planned step), by configuration."""
+    from overlap_steps import run as run_overlap
+
+    return run_overlap("waits")
 
 
 def against_checkpointing(results: list[dict], prefix: str):
@@ -87,7 +103,7 @@ def test_fsdp2_llama_one_graph(one_graph_results):
 
 
 @pytest.mark.slow  # two processes, an eager FSDP2 model and two compiles each
-def test_mixed_precision_on_two_ranks():
+def test_mixed_precision_on_two_ranks(fsdp_steps_results):
     """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on 2 gloo ranks, on
     FSDP2's model and on `fxopt.distributed.fully_shard`'s, at 0.6 of FSDP2 eager's measured peak
     (the same policy; planned 4,168,012 B there, measured so, 78 kB re-gathered): loss and every gradient equal FSDP2 eager's on each rank within bf16's
@@ -96,7 +112,7 @@ def test_mixed_precision_on_two_ranks():
     same plan on both. A two-layer Llama of width 64."""
     from fsdp_steps import BUDGET_SHARE
 
-    results = run("mixed-precision")
+    results = [rows["mixed-precision"] for rows in fsdp_steps_results]
     budget = int(BUDGET_SHARE * max(r["fsdp2-mp"]["measured"] for r in results))
     for rank, rows in enumerate(results):
         for name in ("fxopt-fsdp2-mp", "fxopt-fully_shard-mp"):
@@ -108,16 +124,14 @@ def test_mixed_precision_on_two_ranks():
 
 
 @pytest.mark.slow  # two processes, two plans and a compile each
-def test_forward_gathers_are_issued_during_the_previous_blocks_compute():
+def test_forward_gathers_are_issued_during_the_previous_blocks_compute(overlap_results):
     """Fails before: the rewritten forward gathered each block's weight after the previous block's
     last op and waited for it at once. Now (`fxopt.passes.waits.issue_gathers_ahead`) each of the
     three 256x256 weights after the first is issued before the previous block ends, as the
     simulator issues it, on both ranks; the plan's predicted peak is the same as without it, the
     measured peak within the plan and its budget, and the gradients single-process eager's
     (checked in the worker)."""
-    from overlap_steps import run as run_overlap
-
-    results = run_overlap("forward-prefetch")
+    results = [rows["forward-prefetch"] for rows in overlap_results]
     assert results[0]["issue_points"] == results[1]["issue_points"]
     for rows in results:
         for block in rows["issue_points"][:3]:
@@ -130,7 +144,7 @@ def test_forward_gathers_are_issued_during_the_previous_blocks_compute():
 
 
 @pytest.mark.slow  # two processes, two plans and a compile each
-def test_reduce_scatters_are_waited_for_after_later_backward_compute():
+def test_reduce_scatters_are_waited_for_after_later_backward_compute(overlap_results):
     """Fails before: the rewritten backward waited for each gradient's reduce-scatter where it
     issued it (``fxopt::reduce_scatter``), so no compute ran beside one. Now (`fxopt.solvers.prefetch`,
     `fxopt.passes.waits.wait_for_release`) each is issued as its gradient is complete and waited
@@ -139,9 +153,7 @@ def test_reduce_scatters_are_waited_for_after_later_backward_compute():
     higher than with every wait where issued, the measured peak within the plan and its budget,
     the simulated wait for the reduce-scatters shorter, and the loss and gradients single-process
     eager's on the whole batch, summed over the ranks (checked in the worker)."""
-    from overlap_steps import run as run_overlap
-
-    _assert_waited_for_later(run_overlap("reduce-scatter-waits"))
+    _assert_waited_for_later([rows["reduce-scatter-waits"] for rows in overlap_results])
 
 
 def _assert_waited_for_later(results: list[dict]) -> None:
@@ -162,7 +174,7 @@ def _assert_waited_for_later(results: list[dict]) -> None:
 
 
 @pytest.mark.slow  # two processes, FSDP2 eager, two plans and a compile each
-def test_mixed_precision_reduce_scatters_are_waited_for_later():
+def test_mixed_precision_reduce_scatters_are_waited_for_later(overlap_results):
     """Fails before: under ``MixedPrecisionPolicy(param_dtype=bf16)`` each gradient is reduced in
     bf16 and its shard cast to float32 right after the wait, and that cast, the wait's first
     reader, held every wait where it was issued (10 of 10 at once, the simulated wait 0.263 ms).
@@ -171,9 +183,7 @@ def test_mixed_precision_reduce_scatters_are_waited_for_later():
     higher, the measured peak within the plan and its budget, the simulated wait shorter, and the
     loss and every gradient FSDP2 eager's with the same policy within bf16's resolution (checked
     in the worker, `overlap_steps.reduce_scatter_waits_mp`)."""
-    from overlap_steps import run as run_overlap
-
-    results = run_overlap("reduce-scatter-waits-mp")
+    results = [rows["reduce-scatter-waits-mp"] for rows in overlap_results]
     _assert_waited_for_later(results)
     for rows in results:
         assert rows["casts_after_waits"] == len(rows["scatter_points"]), rows
