@@ -130,23 +130,29 @@ def chain_inputs(n: int, *, param: int = 4, inp: int = 8) -> GraphBuilder:
     return b
 
 
-def chain(n: int, act: int = 16, param: int = 4, inp: int = 8) -> Graph:
+def chain(n: int, act: int = 16, param: int = 4, inp: int = 8, through_views: bool = False) -> Graph:
     """An n-layer MLP ``a_k = relu(a_{k-1} @ w_k)``, ``loss = sum(a_n)``, and its backward.
 
     Each layer's matmul output ``h_k`` and activation ``a_k`` are ``act`` bytes; relu's backward
     reads ``a_k``, the weight gradient reads ``a_{k-1}``. Saving everything costs about
     ``n * act``; recomputing from a few checkpoints costs flops but much less memory.
+    ``through_views``: each layer's activation and its backward read ``h_k`` through a view
+    (``t_k``, cost 0.5), which eager's schedule makes again in the backward, as every plan must.
     """
     b = chain_inputs(n, param=param, inp=inp)
     prev = "x"
     for k in range(1, n + 1):
         b.fwd(f"h{k}", [prev, f"w{k}"], act, cost=2.0, flops=200)
-        b.fwd(f"a{k}", [f"h{k}"], act, cost=1.0, flops=16)
+        read = f"h{k}"
+        if through_views:
+            b.fwd(f"t{k}", [read], cost=0.5, view_of=read)
+            read = f"t{k}"
+        b.fwd(f"a{k}", [read], act, cost=1.0, flops=16)
         prev = f"a{k}"
     b.fwd("loss", [prev], 1, cost=1.0, flops=16, output=True)
     b.bwd(f"g_a{n}", ["tan"], act)
     for k in range(n, 0, -1):
-        b.bwd(f"g_h{k}", [f"g_a{k}", f"a{k}"], act)
+        b.bwd(f"g_h{k}", [f"g_a{k}", f"t{k}" if through_views else f"a{k}"], act)
         below = "x" if k == 1 else f"a{k - 1}"
         b.bwd(f"g_w{k}", [below, f"g_h{k}"], param, output=True)
         if k > 1:

@@ -30,7 +30,7 @@ from fxopt.solvers.minimum import memo_key
 from fxopt.solvers.plan import Plan
 from fxopt.solvers.schedule import InvalidScheduleError, Schedule, Timeline, as_generated
 from clocks import every_clock
-from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, chain_inputs, ids, mlp2, random_training_graph, with_random_lossy_codecs
+from solver_graphs import HAND_GRAPHS, GraphBuilder, chain, ids, mlp2, random_training_graph, with_random_lossy_codecs
 
 STATUSES = {"optimal", "feasible", "heuristic"}
 TIME_LIMIT = DEFAULT_TIME_LIMIT  # a safety stop: the effort decides the plans, not the clock
@@ -342,27 +342,6 @@ def test_auto_answers_eagers_schedule_where_it_fits_and_nothing_costs_less(monke
             assert fast.status == whole.status and fast.lower_bound_cost == whole.lower_bound_cost
 
 
-def _chain_read_through_views(n: int = 3, act: int = 16) -> Graph:
-    """`chain`, each layer's activation and its backward reading its matmul output through a view
-    (``t_k``, cost 0.5): eager's schedule makes the views again in the backward, as every plan
-    must, so its cost (1.5 s) needs the instant program's proof."""
-    b = chain_inputs(n)
-    prev = "x"
-    for k in range(1, n + 1):
-        b.fwd(f"h{k}", [prev, f"w{k}"], act, cost=2.0, flops=200)
-        b.fwd(f"t{k}", [f"h{k}"], cost=0.5, view_of=f"h{k}")
-        b.fwd(f"a{k}", [f"t{k}"], act, cost=1.0, flops=16)
-        prev = f"a{k}"
-    b.fwd("loss", [prev], 1, cost=1.0, flops=16, output=True)
-    b.bwd(f"g_a{n}", ["tan"], act)
-    for k in range(n, 0, -1):
-        b.bwd(f"g_h{k}", [f"g_a{k}", f"t{k}"], act)
-        b.bwd(f"g_w{k}", ["x" if k == 1 else f"a{k - 1}", f"g_h{k}"], 4, output=True)
-        if k > 1:
-            b.bwd(f"g_a{k - 1}", [f"g_h{k}", f"w{k}"], act)
-    return b.build()
-
-
 def test_eagers_proof_is_found_once_per_graph_in_a_memo(monkeypatch):
     """One graph solved at several budgets eager's schedule fits (a uniform pipeline's middle
     stages, each with its own microbatches in flight), with one memo: eager's cost needs the
@@ -371,7 +350,7 @@ def test_eagers_proof_is_found_once_per_graph_in_a_memo(monkeypatch):
     as proving each budget at its own (no memo). Above the loose budget, proven at its own."""
     from fxopt.solvers.phases import alone_at_its_cost, loose_budget
 
-    graph = _chain_read_through_views()
+    graph = chain(3, through_views=True)  # (eager's cost, 1.5 s, needs the instant program's proof)
     eager = simulate(graph, eager_schedule(graph))
     assert alone_at_its_cost(graph, eager_schedule(graph)) and eager.cost == pytest.approx(1.5)
     budgets = [eager.peak_bytes + 8 * k for k in range(4)]
