@@ -300,9 +300,15 @@ def _improve_cheapest(search: Search, doing: str, improve: Callable, tries: int,
     if best is None:
         return
     search.progress(doing)
-    done = improve(search.graph, best.schedule, search.budget, tries=tries)
+    _improve(search, best, improve, tries, suffix)
+
+
+def _improve(search: Search, plan, improve: Callable, tries: int, suffix: str) -> None:
+    """``plan`` (one of the search's), improved by ``improve(graph, schedule, budget, tries=)``
+    where that answers, considered under its solver + ``suffix``."""
+    done = improve(search.graph, plan.schedule, search.budget, tries=tries)
     if done is not None:
-        search.consider(*done, f"{best.solver}+{suffix}", "heuristic")
+        search.consider(*done, f"{plan.solver}+{suffix}", "heuristic")
 
 
 def run_save_more(search: Search) -> None:
@@ -331,9 +337,7 @@ def run_keep_recomputed(search: Search) -> None:
     roomiest = min(search.fitting, key=lambda s: (s.timeline.peak_bytes, s.timeline.cost))
     if roomiest.timeline.peak_bytes < best.timeline.peak_bytes and \
             cost_recomputed_once(search.graph, roomiest.schedule, roomiest.timeline) < best.timeline.cost:
-        done = keep_recomputed(search.graph, roomiest.schedule, search.budget, tries=search.effort.keep_recomputed_tries)
-        if done is not None:
-            search.consider(*done, f"{roomiest.solver}+keep", "heuristic")
+        _improve(search, roomiest, keep_recomputed, search.effort.keep_recomputed_tries, "keep")
 
 
 def run_lowest_plan(search: Search) -> None:
